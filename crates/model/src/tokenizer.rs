@@ -1,0 +1,212 @@
+//! Tokenizers: HF `tokenizer.json` through the `tokenizers` crate, and the
+//! GPT-2-style BPE embedded in GGUF metadata turned into an equivalent
+//! `tokenizers` pipeline.
+//!
+//! The GGUF conversion follows `tokenizer.ggml.pre`, the key llama.cpp uses
+//! to record the original tokenizer's pre-tokenization: SmolLM2's `smollm`
+//! splits every digit on its own before byte-level BPE, exactly as the
+//! model's original `tokenizer.json` does. An unknown `pre` is an error, not
+//! a guess: a wrong split silently changes every prompt.
+
+use std::path::Path;
+
+use serde_json::{Value, json};
+
+use crate::error::{ModelError, Result};
+use crate::gguf::GgufFile;
+
+/// A tokenizer plus the special-token facts generation needs.
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    pub bos: Option<(u32, String)>,
+    pub eos: Option<(u32, String)>,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("vocab", &self.inner.get_vocab_size(true))
+            .field("bos", &self.bos)
+            .field("eos", &self.eos)
+            .finish()
+    }
+}
+
+const GPT2_BYTE_LEVEL: &str = r#"{"type":"ByteLevel","add_prefix_space":false,"trim_offsets":true,"use_regex":true}"#;
+const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN2_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// The pre-tokenizer of a GGUF `tokenizer.ggml.pre` value.
+fn pre_tokenizer_for(pre: &str) -> Option<Value> {
+    let byte_level: Value = serde_json::from_str(GPT2_BYTE_LEVEL).ok()?;
+    let split_then_bytes = |regex: &str| {
+        json!({"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": false},
+            {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false},
+        ]})
+    };
+    Some(match pre {
+        "default" | "gpt2" | "gpt-2" => byte_level,
+        "smollm" | "starcoder" | "refact" => json!({"type": "Sequence", "pretokenizers": [
+            {"type": "Digits", "individual_digits": true},
+            byte_level,
+        ]}),
+        "llama-bpe" | "llama3" | "smaug-bpe" => split_then_bytes(LLAMA3_REGEX),
+        "qwen2" => split_then_bytes(QWEN2_REGEX),
+        _ => return None,
+    })
+}
+
+impl Tokenizer {
+    /// Builds the tokenizer described by GGUF `tokenizer.ggml.*` metadata.
+    pub fn from_gguf(file: &GgufFile) -> Result<Self> {
+        let path = file.path();
+        let field = |name: &str, reason: String| ModelError::Config {
+            path: path.to_path_buf(),
+            field: name.to_string(),
+            reason,
+        };
+        let model = file.meta("tokenizer.ggml.model").and_then(|v| v.as_str()).unwrap_or("");
+        if model != "gpt2" {
+            return Err(field(
+                "tokenizer.ggml.model",
+                format!("`{model}` is not supported (the GPT-2 byte-level BPE `gpt2` is)"),
+            ));
+        }
+        let pre = file.meta("tokenizer.ggml.pre").and_then(|v| v.as_str()).unwrap_or("default");
+        let pre_tokenizer = pre_tokenizer_for(pre)
+            .ok_or_else(|| field("tokenizer.ggml.pre", format!("pre-tokenizer `{pre}` is not supported")))?;
+        let strings = |key: &str| -> Result<Vec<String>> {
+            file.meta(key)
+                .and_then(|v| v.as_array())
+                .ok_or_else(|| field(key, "missing or not an array".into()))?
+                .iter()
+                .map(|v| v.as_str().map(str::to_string).ok_or_else(|| field(key, "non-string element".into())))
+                .collect()
+        };
+        let tokens = strings("tokenizer.ggml.tokens")?;
+        let merges = strings("tokenizer.ggml.merges")?;
+        let types: Vec<i64> = match file.meta("tokenizer.ggml.token_type").and_then(|v| v.as_array()) {
+            Some(a) => a.iter().map(|v| v.as_f64().map_or(1, |x| x as i64)).collect(),
+            None => vec![1; tokens.len()],
+        };
+        if types.len() != tokens.len() {
+            return Err(field(
+                "tokenizer.ggml.token_type",
+                format!("{} types for {} tokens", types.len(), tokens.len()),
+            ));
+        }
+        let vocab: serde_json::Map<String, Value> =
+            tokens.iter().enumerate().map(|(i, t)| (t.clone(), json!(i))).collect();
+        // Type 3 = control (special), 4 = user-defined: both are matched whole
+        // before BPE runs, as llama.cpp and HF do.
+        let added: Vec<Value> = tokens
+            .iter()
+            .zip(&types)
+            .enumerate()
+            .filter(|(_, (_, ty))| matches!(**ty, 3 | 4))
+            .map(|(id, (t, ty))| {
+                json!({"id": id, "content": t, "single_word": false, "lstrip": false, "rstrip": false,
+                       "normalized": false, "special": *ty == 3})
+            })
+            .collect();
+        let id_of = |key: &str| -> Option<(u32, String)> {
+            let id = file.meta(key)?.as_u64()? as usize;
+            tokens.get(id).map(|t| (id as u32, t.clone()))
+        };
+        let bos = id_of("tokenizer.ggml.bos_token_id");
+        let eos = id_of("tokenizer.ggml.eos_token_id");
+        let add_bos = file
+            .meta("tokenizer.ggml.add_bos_token")
+            .and_then(|v| v.as_bool())
+            .unwrap_or(false);
+        let post_processor = match (&bos, add_bos) {
+            (Some((id, tok)), true) => json!({
+                "type": "TemplateProcessing",
+                "single": [{"SpecialToken": {"id": tok, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+                "pair": [{"SpecialToken": {"id": tok, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                         {"Sequence": {"id": "B", "type_id": 1}}],
+                "special_tokens": {tok.as_str(): {"id": tok, "ids": [id], "tokens": [tok]}},
+            }),
+            _ => Value::Null,
+        };
+        let spec = json!({
+            "version": "1.0",
+            "truncation": null,
+            "padding": null,
+            "added_tokens": added,
+            "normalizer": null,
+            "pre_tokenizer": pre_tokenizer,
+            "post_processor": post_processor,
+            "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+            "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                      "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
+                      "ignore_merges": false, "vocab": vocab, "merges": merges},
+        });
+        let inner = tokenizers::Tokenizer::from_bytes(spec.to_string().as_bytes())
+            .map_err(|e| ModelError::Tokenizer(format!("{}: building from GGUF metadata: {e}", path.display())))?;
+        Ok(Tokenizer { inner, bos, eos })
+    }
+
+    /// Loads an HF `tokenizer.json`; special tokens come from the model config
+    /// (`bos_token_id`/`eos_token_id`), resolved to their strings here.
+    pub fn from_file(path: &Path, bos_id: Option<u32>, eos_id: Option<u32>) -> Result<Self> {
+        let inner = tokenizers::Tokenizer::from_file(path)
+            .map_err(|e| ModelError::Tokenizer(format!("{}: {e}", path.display())))?;
+        let named = |id: Option<u32>| id.and_then(|id| inner.id_to_token(id).map(|t| (id, t)));
+        let bos = named(bos_id);
+        let eos = named(eos_id);
+        Ok(Tokenizer { inner, bos, eos })
+    }
+
+    /// Encodes `text`. With `add_special_tokens` the model's post-processor
+    /// runs (BOS where the model asks for it); special-token text such as
+    /// `<|im_start|>` is always matched as the special token.
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        self.inner
+            .encode_fast(text, add_special_tokens)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| ModelError::Tokenizer(format!("encode: {e}")))
+    }
+
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
+        self.inner
+            .decode(ids, skip_special_tokens)
+            .map_err(|e| ModelError::Tokenizer(format!("decode: {e}")))
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+}
+
+/// Turns a growing list of token ids into text pieces, holding back bytes of
+/// a multi-byte character until it is complete.
+#[derive(Debug, Default)]
+pub struct StreamDecoder {
+    ids: Vec<u32>,
+    emitted: usize,
+}
+
+impl StreamDecoder {
+    /// Adds one token; returns the new text it completes (possibly empty).
+    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<String> {
+        self.ids.push(id);
+        let text = tok.decode(&self.ids, true)?;
+        if text.ends_with('\u{fffd}') || text.len() < self.emitted || !text.is_char_boundary(self.emitted) {
+            return Ok(String::new());
+        }
+        let new = text[self.emitted..].to_string();
+        self.emitted = text.len();
+        Ok(new)
+    }
+
+    /// All text decoded so far.
+    pub fn text(&self, tok: &Tokenizer) -> Result<String> {
+        tok.decode(&self.ids, true)
+    }
+}

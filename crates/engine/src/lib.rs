@@ -1,1 +1,25 @@
+//! The InferScale engine: a backend trait of tensor operations, the CPU
+//! backend, the paged KV cache, one Llama-family forward pass, sampling and
+//! batched generation.
+//!
+//! Layering: [`kv_cache`] deals only in block ids; [`backend`] implementations
+//! own device memory and know nothing of models; [`llama`] is the model,
+//! written once over the trait; [`engine`] ties a model to a backend and a
+//! block pool; [`generate`] runs sampling loops on top.
 
+pub mod backend;
+pub mod cpu;
+pub mod engine;
+pub mod error;
+pub mod generate;
+pub mod kv_cache;
+pub mod llama;
+pub mod rope;
+pub mod sampling;
+
+pub use backend::Backend;
+pub use cpu::CpuBackend;
+pub use engine::{Engine, EngineConfig, Sequence};
+pub use error::{EngineError, Result};
+pub use generate::{FinishReason, GenerateRequest, Generation, generate, generate_batch};
+pub use sampling::SamplingParams;

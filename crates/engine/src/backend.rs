@@ -1,0 +1,105 @@
+//! The backend trait: the tensor operations one Llama-family forward pass
+//! needs, and nothing about models.
+//!
+//! Tensors are 2-D, row-major `[rows, cols]` (tokens × features, or a weight
+//! `[out, in]`). Metadata that steers kernels (positions, cache slots,
+//! per-sequence attention spans) stays on the host in plain slices; a device
+//! backend uploads it once per forward.
+
+use inferscale_model::HostTensor;
+
+use crate::error::Result;
+use crate::rope::Rope;
+
+/// Shape of the paged KV store a backend allocates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvSpec {
+    pub num_layers: usize,
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl KvSpec {
+    /// Bytes of K and V for one token across all layers, at `bytes_per_elem`.
+    pub fn bytes_per_token(&self, bytes_per_elem: usize) -> usize {
+        2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_elem
+    }
+}
+
+/// One sequence's part of a batched attention call.
+#[derive(Debug, Clone, Copy)]
+pub struct SeqSpan<'a> {
+    /// First row of this sequence's queries in the batch.
+    pub q_start: usize,
+    /// Number of new query rows (tokens being computed now).
+    pub q_len: usize,
+    /// Tokens in the cache after this step, new ones included. The new tokens
+    /// take positions `context_len - q_len .. context_len`; each attends to
+    /// every cached position up to and including its own.
+    pub context_len: usize,
+    pub block_table: &'a [u32],
+}
+
+/// Geometry of an attention call.
+#[derive(Debug, Clone, Copy)]
+pub struct AttentionShape {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    /// Multiplier of q·k, normally `1/sqrt(head_dim)`.
+    pub scale: f32,
+}
+
+/// Tensor operations over some device. Implementations know nothing of models.
+pub trait Backend: Send + Sync {
+    type Tensor: Send + Sync;
+    /// Paged K and V for every layer.
+    type KvStore: Send;
+
+    fn name(&self) -> &'static str;
+
+    /// Copies a host tensor (a weight) to the device.
+    fn upload(&self, t: &HostTensor) -> Result<Self::Tensor>;
+    /// Copies a tensor back as row-major f32.
+    fn to_host(&self, t: &Self::Tensor) -> Result<HostTensor>;
+    /// `(rows, cols)`.
+    fn dims(&self, t: &Self::Tensor) -> (usize, usize);
+
+    /// Rows of `table` picked by `ids`.
+    fn embedding(&self, table: &Self::Tensor, ids: &[u32]) -> Result<Self::Tensor>;
+    /// RMSNorm of each row, times `weight`.
+    fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Tensor, eps: f32) -> Result<Self::Tensor>;
+    /// `x · wᵀ (+ bias)`: `x [n, in]`, `w [out, in]`, result `[n, out]`.
+    fn linear(&self, x: &Self::Tensor, w: &Self::Tensor, bias: Option<&Self::Tensor>) -> Result<Self::Tensor>;
+    /// Rotates each `head_dim` slice of row `i` to `positions[i]` in place.
+    fn rope(&self, x: &mut Self::Tensor, head_dim: usize, positions: &[u32], rope: &Rope) -> Result<()>;
+    /// `silu(gate) * up`, elementwise.
+    fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Result<Self::Tensor>;
+    /// `x += y`.
+    fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
+    /// The listed rows of `x`, in order.
+    fn select_rows(&self, x: &Self::Tensor, rows: &[usize]) -> Result<Self::Tensor>;
+
+    fn new_kv_store(&self, spec: KvSpec) -> Result<Self::KvStore>;
+    /// Writes row `i` of `k` and `v` (`[n, kv_heads·head_dim]`) to cache slot `slots[i]` of `layer`.
+    fn write_kv(
+        &self,
+        store: &mut Self::KvStore,
+        layer: usize,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        slots: &[u32],
+    ) -> Result<()>;
+    /// Causal attention of `q [n, heads·head_dim]` over the paged cache of
+    /// `layer`, one span per sequence. Returns `[n, heads·head_dim]`.
+    fn attention(
+        &self,
+        q: &Self::Tensor,
+        store: &Self::KvStore,
+        layer: usize,
+        shape: AttentionShape,
+        spans: &[SeqSpan<'_>],
+    ) -> Result<Self::Tensor>;
+}

@@ -1,0 +1,259 @@
+//! The CPU backend: f32 everywhere, GEMMs from the `gemm` crate (runtime
+//! dispatch to AVX2/AVX-512 kernels), rayon across rows and heads.
+//!
+//! This is the reference backend: every other backend is checked against it.
+
+mod attention;
+mod matmul;
+
+use inferscale_model::HostTensor;
+use rayon::prelude::*;
+
+use crate::backend::{AttentionShape, Backend, KvSpec, SeqSpan};
+use crate::error::{EngineError, Result};
+use crate::rope::Rope;
+
+pub use matmul::matmul_bt;
+
+/// A row-major f32 matrix.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CpuTensor {
+    pub rows: usize,
+    pub cols: usize,
+    pub data: Vec<f32>,
+}
+
+impl CpuTensor {
+    pub fn zeros(rows: usize, cols: usize) -> Self {
+        CpuTensor {
+            rows,
+            cols,
+            data: vec![0.0; rows * cols],
+        }
+    }
+}
+
+/// Paged K/V: per layer, `[num_blocks, kv_heads, block_size, head_dim]`, so a
+/// head's block is one contiguous run.
+#[derive(Debug)]
+pub struct CpuKvStore {
+    spec: KvSpec,
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+}
+
+impl CpuKvStore {
+    pub fn spec(&self) -> KvSpec {
+        self.spec
+    }
+
+    /// Offset of (slot, head) in a layer's buffer.
+    fn offset(&self, slot: usize, head: usize) -> usize {
+        let s = &self.spec;
+        let (block, off) = (slot / s.block_size, slot % s.block_size);
+        ((block * s.num_kv_heads + head) * s.block_size + off) * s.head_dim
+    }
+}
+
+/// The CPU backend. Threads come from rayon's global pool.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct CpuBackend;
+
+fn shape_err(what: String) -> EngineError {
+    EngineError::Shape(what)
+}
+
+impl Backend for CpuBackend {
+    type Tensor = CpuTensor;
+    type KvStore = CpuKvStore;
+
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn upload(&self, t: &HostTensor) -> Result<CpuTensor> {
+        let (rows, cols) = match t.shape.as_slice() {
+            [n] => (1, *n),
+            [r, c] => (*r, *c),
+            s => return Err(shape_err(format!("upload of a {}-D tensor", s.len()))),
+        };
+        if rows * cols != t.data.len() {
+            return Err(shape_err(format!("shape {:?} for {} values", t.shape, t.data.len())));
+        }
+        Ok(CpuTensor {
+            rows,
+            cols,
+            data: t.data.clone(),
+        })
+    }
+
+    fn to_host(&self, t: &CpuTensor) -> Result<HostTensor> {
+        Ok(HostTensor {
+            shape: vec![t.rows, t.cols],
+            data: t.data.clone(),
+        })
+    }
+
+    fn dims(&self, t: &CpuTensor) -> (usize, usize) {
+        (t.rows, t.cols)
+    }
+
+    fn embedding(&self, table: &CpuTensor, ids: &[u32]) -> Result<CpuTensor> {
+        let mut out = CpuTensor::zeros(ids.len(), table.cols);
+        for (row, &id) in out.data.chunks_exact_mut(table.cols).zip(ids) {
+            let id = id as usize;
+            if id >= table.rows {
+                return Err(EngineError::TokenOutOfRange {
+                    id: id as u32,
+                    vocab: table.rows,
+                });
+            }
+            row.copy_from_slice(&table.data[id * table.cols..(id + 1) * table.cols]);
+        }
+        Ok(out)
+    }
+
+    fn rms_norm(&self, x: &CpuTensor, weight: &CpuTensor, eps: f32) -> Result<CpuTensor> {
+        if weight.data.len() != x.cols {
+            return Err(shape_err(format!("rms_norm weight {} for width {}", weight.data.len(), x.cols)));
+        }
+        let mut out = CpuTensor::zeros(x.rows, x.cols);
+        out.data
+            .par_chunks_mut(x.cols)
+            .zip(x.data.par_chunks(x.cols))
+            .for_each(|(o, r)| {
+                let ms = r.iter().map(|v| v * v).sum::<f32>() / x.cols as f32;
+                let inv = 1.0 / (ms + eps).sqrt();
+                for ((o, v), w) in o.iter_mut().zip(r).zip(&weight.data) {
+                    *o = w * (v * inv);
+                }
+            });
+        Ok(out)
+    }
+
+    fn linear(&self, x: &CpuTensor, w: &CpuTensor, bias: Option<&CpuTensor>) -> Result<CpuTensor> {
+        if x.cols != w.cols {
+            return Err(shape_err(format!("linear: x [{}, {}] · w [{}, {}]ᵀ", x.rows, x.cols, w.rows, w.cols)));
+        }
+        let mut out = CpuTensor::zeros(x.rows, w.rows);
+        matmul_bt(&mut out.data, &x.data, &w.data, x.rows, w.rows, x.cols);
+        if let Some(b) = bias {
+            if b.data.len() != w.rows {
+                return Err(shape_err(format!("bias of {} for {} outputs", b.data.len(), w.rows)));
+            }
+            out.data.par_chunks_mut(w.rows).for_each(|row| {
+                for (o, b) in row.iter_mut().zip(&b.data) {
+                    *o += b;
+                }
+            });
+        }
+        Ok(out)
+    }
+
+    fn rope(&self, x: &mut CpuTensor, head_dim: usize, positions: &[u32], rope: &Rope) -> Result<()> {
+        if positions.len() != x.rows || x.cols % head_dim != 0 || rope.dim() > head_dim {
+            return Err(shape_err(format!(
+                "rope: {} positions for [{}, {}] with head_dim {head_dim}",
+                positions.len(),
+                x.rows,
+                x.cols
+            )));
+        }
+        x.data.par_chunks_mut(x.cols).zip(positions).for_each(|(row, &p)| {
+            let (mut cos, mut sin) = (Vec::with_capacity(head_dim / 2), Vec::with_capacity(head_dim / 2));
+            rope.cos_sin(p, &mut cos, &mut sin);
+            for head in row.chunks_exact_mut(head_dim) {
+                rope.rotate(head, &cos, &sin);
+            }
+        });
+        Ok(())
+    }
+
+    fn silu_mul(&self, gate: &CpuTensor, up: &CpuTensor) -> Result<CpuTensor> {
+        if (gate.rows, gate.cols) != (up.rows, up.cols) {
+            return Err(shape_err("silu_mul shapes differ".into()));
+        }
+        let mut out = CpuTensor::zeros(gate.rows, gate.cols);
+        out.data
+            .par_chunks_mut(4096)
+            .zip(gate.data.par_chunks(4096).zip(up.data.par_chunks(4096)))
+            .for_each(|(o, (g, u))| {
+                for ((o, g), u) in o.iter_mut().zip(g).zip(u) {
+                    *o = g / (1.0 + (-g).exp()) * u;
+                }
+            });
+        Ok(out)
+    }
+
+    fn add_assign(&self, x: &mut CpuTensor, y: &CpuTensor) -> Result<()> {
+        if x.data.len() != y.data.len() {
+            return Err(shape_err("add_assign shapes differ".into()));
+        }
+        x.data.par_chunks_mut(4096).zip(y.data.par_chunks(4096)).for_each(|(a, b)| {
+            for (a, b) in a.iter_mut().zip(b) {
+                *a += b;
+            }
+        });
+        Ok(())
+    }
+
+    fn select_rows(&self, x: &CpuTensor, rows: &[usize]) -> Result<CpuTensor> {
+        let mut out = CpuTensor::zeros(rows.len(), x.cols);
+        for (o, &r) in out.data.chunks_exact_mut(x.cols).zip(rows) {
+            if r >= x.rows {
+                return Err(shape_err(format!("row {r} of {}", x.rows)));
+            }
+            o.copy_from_slice(&x.data[r * x.cols..(r + 1) * x.cols]);
+        }
+        Ok(out)
+    }
+
+    fn new_kv_store(&self, spec: KvSpec) -> Result<CpuKvStore> {
+        let per_layer = spec.num_blocks * spec.block_size * spec.num_kv_heads * spec.head_dim;
+        Ok(CpuKvStore {
+            spec,
+            k: (0..spec.num_layers).map(|_| vec![0.0; per_layer]).collect(),
+            v: (0..spec.num_layers).map(|_| vec![0.0; per_layer]).collect(),
+        })
+    }
+
+    fn write_kv(&self, store: &mut CpuKvStore, layer: usize, k: &CpuTensor, v: &CpuTensor, slots: &[u32]) -> Result<()> {
+        let s = store.spec;
+        let width = s.num_kv_heads * s.head_dim;
+        let capacity = s.num_blocks * s.block_size;
+        if k.cols != width || v.cols != width || k.rows != slots.len() || v.rows != slots.len() || layer >= s.num_layers {
+            return Err(shape_err(format!(
+                "write_kv: k [{}, {}], v [{}, {}], {} slots, layer {layer}",
+                k.rows,
+                k.cols,
+                v.rows,
+                v.cols,
+                slots.len()
+            )));
+        }
+        for (i, &slot) in slots.iter().enumerate() {
+            let slot = slot as usize;
+            if slot >= capacity {
+                return Err(shape_err(format!("slot {slot} beyond {capacity}")));
+            }
+            for h in 0..s.num_kv_heads {
+                let dst = store.offset(slot, h);
+                let src = i * width + h * s.head_dim;
+                store.k[layer][dst..dst + s.head_dim].copy_from_slice(&k.data[src..src + s.head_dim]);
+                store.v[layer][dst..dst + s.head_dim].copy_from_slice(&v.data[src..src + s.head_dim]);
+            }
+        }
+        Ok(())
+    }
+
+    fn attention(
+        &self,
+        q: &CpuTensor,
+        store: &CpuKvStore,
+        layer: usize,
+        shape: AttentionShape,
+        spans: &[SeqSpan<'_>],
+    ) -> Result<CpuTensor> {
+        attention::paged_attention(q, store, layer, shape, spans)
+    }
+}

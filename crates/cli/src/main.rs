@@ -1,1 +1,46 @@
-fn main() {}
+//! `inferscale`: the command-line entry point.
+//!
+//! Contract for scripts: `generate` prints only the generated text on stdout;
+//! everything else (progress, timings) goes to stderr.
+
+mod bench;
+mod demo;
+mod generate;
+mod runtime;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "inferscale",
+    version,
+    about = "Serving personalized LLMs with exact KV injection of user memory"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate a continuation of a prompt (text on stdout, timings on stderr).
+    Generate(generate::Args),
+    /// Fetch the default model if needed and answer a question with it.
+    Demo(demo::Args),
+    /// Benchmarks: print a table and optionally write JSON.
+    #[command(subcommand)]
+    Bench(bench::Command),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Generate(a) => generate::run(a),
+        Command::Demo(a) => demo::run(a),
+        Command::Bench(c) => bench::run(c),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}

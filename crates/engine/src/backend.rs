@@ -72,9 +72,20 @@ pub trait Backend: Send + Sync {
     /// RMSNorm of each row, times `weight`.
     fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Tensor, eps: f32) -> Result<Self::Tensor>;
     /// `x · wᵀ (+ bias)`: `x [n, in]`, `w [out, in]`, result `[n, out]`.
-    fn linear(&self, x: &Self::Tensor, w: &Self::Tensor, bias: Option<&Self::Tensor>) -> Result<Self::Tensor>;
+    fn linear(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Tensor,
+        bias: Option<&Self::Tensor>,
+    ) -> Result<Self::Tensor>;
     /// Rotates each `head_dim` slice of row `i` to `positions[i]` in place.
-    fn rope(&self, x: &mut Self::Tensor, head_dim: usize, positions: &[u32], rope: &Rope) -> Result<()>;
+    fn rope(
+        &self,
+        x: &mut Self::Tensor,
+        head_dim: usize,
+        positions: &[u32],
+        rope: &Rope,
+    ) -> Result<()>;
     /// `silu(gate) * up`, elementwise.
     fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Result<Self::Tensor>;
     /// `x += y`.

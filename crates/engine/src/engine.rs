@@ -25,7 +25,11 @@ pub struct EngineConfig {
 
 impl EngineConfig {
     /// Pool sized to `kv_cache_bytes` for the given model at f32.
-    pub fn with_kv_bytes(files: &ModelFiles, kv_cache_bytes: usize, max_batch_tokens: usize) -> Self {
+    pub fn with_kv_bytes(
+        files: &ModelFiles,
+        kv_cache_bytes: usize,
+        max_batch_tokens: usize,
+    ) -> Self {
         let c = &files.config;
         let per_token = 2 * c.num_layers * c.kv_dim() * 4;
         EngineConfig {
@@ -61,7 +65,9 @@ pub struct Engine<B: Backend> {
 impl<B: Backend> Engine<B> {
     pub fn new(backend: B, files: &ModelFiles, cfg: EngineConfig) -> Result<Self> {
         if cfg.max_batch_tokens == 0 {
-            return Err(EngineError::Shape("max_batch_tokens must be positive".into()));
+            return Err(EngineError::Shape(
+                "max_batch_tokens must be positive".into(),
+            ));
         }
         let model = Llama::load(&backend, files)?;
         let c = model.config();
@@ -189,7 +195,9 @@ impl<B: Backend> Engine<B> {
                 return Ok(logits);
             }
             if seq.pending() == 0 {
-                return Err(EngineError::Shape("prefill of a sequence with nothing pending".into()));
+                return Err(EngineError::Shape(
+                    "prefill of a sequence with nothing pending".into(),
+                ));
             }
         }
     }

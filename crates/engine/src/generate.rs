@@ -73,7 +73,8 @@ pub fn generate_batch<B: Backend>(
         }
         let prompt_len = r.prompt.len();
         let seq = engine.new_sequence(r.prompt)?;
-        let done = (r.params.max_tokens == 0 || prompt_len >= limit).then(|| (FinishReason::Length, String::new()));
+        let done = (r.params.max_tokens == 0 || prompt_len >= limit)
+            .then(|| (FinishReason::Length, String::new()));
         live.push(Live {
             seq,
             rng: Rng::new(r.params.seed),
@@ -131,7 +132,11 @@ pub fn generate_batch<B: Backend>(
 }
 
 /// If the decoded text contains a stop string, the text before it.
-fn stop_hit(tokenizer: Option<&Tokenizer>, generated: &[u32], stop: &[String]) -> Result<Option<String>> {
+fn stop_hit(
+    tokenizer: Option<&Tokenizer>,
+    generated: &[u32],
+    stop: &[String],
+) -> Result<Option<String>> {
     let (Some(t), false) = (tokenizer, stop.is_empty()) else {
         return Ok(None);
     };

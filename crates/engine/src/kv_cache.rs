@@ -117,15 +117,20 @@ impl BlockTable {
 
     /// Grows the table to hold `tokens` positions, all or nothing.
     pub fn reserve(&mut self, tokens: usize) -> Result<()> {
-        let needed = tokens.div_ceil(BLOCK_SIZE).saturating_sub(self.blocks.len());
+        let needed = tokens
+            .div_ceil(BLOCK_SIZE)
+            .saturating_sub(self.blocks.len());
         if needed == 0 {
             return Ok(());
         }
-        let ids = self.pool.allocate(needed).ok_or_else(|| EngineError::OutOfBlocks {
-            needed,
-            free: self.pool.free_blocks(),
-            total: self.pool.total_blocks(),
-        })?;
+        let ids = self
+            .pool
+            .allocate(needed)
+            .ok_or_else(|| EngineError::OutOfBlocks {
+                needed,
+                free: self.pool.free_blocks(),
+                total: self.pool.total_blocks(),
+            })?;
         self.blocks.extend(ids);
         Ok(())
     }
@@ -183,7 +188,14 @@ mod tests {
         let pool = BlockPool::new(2);
         let mut a = BlockTable::new(&pool);
         let e = a.reserve(3 * BLOCK_SIZE).unwrap_err();
-        assert!(matches!(e, EngineError::OutOfBlocks { needed: 3, free: 2, total: 2 }));
+        assert!(matches!(
+            e,
+            EngineError::OutOfBlocks {
+                needed: 3,
+                free: 2,
+                total: 2
+            }
+        ));
         assert_eq!(pool.free_blocks(), 2);
         assert!(a.blocks().is_empty());
     }

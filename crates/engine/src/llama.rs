@@ -37,13 +37,29 @@ struct Linear<B: Backend> {
 }
 
 impl<B: Backend> Linear<B> {
-    fn load(be: &B, files: &ModelFiles, name: &str, out: usize, inp: usize, bias: bool) -> Result<Self> {
-        let w = be.upload(&files.weights.load(&format!("{name}.weight"), &[out, inp], &files.config)?)?;
-        let b = if bias {
-            Some(be.upload(&files.weights.load(&format!("{name}.bias"), &[out], &files.config)?)?)
-        } else {
-            None
-        };
+    fn load(
+        be: &B,
+        files: &ModelFiles,
+        name: &str,
+        out: usize,
+        inp: usize,
+        bias: bool,
+    ) -> Result<Self> {
+        let w = be.upload(&files.weights.load(
+            &format!("{name}.weight"),
+            &[out, inp],
+            &files.config,
+        )?)?;
+        let b =
+            if bias {
+                Some(be.upload(&files.weights.load(
+                    &format!("{name}.bias"),
+                    &[out],
+                    &files.config,
+                )?)?)
+            } else {
+                None
+            };
         Ok(Linear { w, b })
     }
 
@@ -52,7 +68,12 @@ impl<B: Backend> Linear<B> {
     }
 }
 
-fn load_vector<B: Backend>(be: &B, files: &ModelFiles, name: &str, len: usize) -> Result<B::Tensor> {
+fn load_vector<B: Backend>(
+    be: &B,
+    files: &ModelFiles,
+    name: &str,
+    len: usize,
+) -> Result<B::Tensor> {
     be.upload(&files.weights.load(name, &[len], &files.config)?)
 }
 
@@ -69,9 +90,30 @@ impl<B: Backend> Attention<B> {
         let c = &files.config;
         let p = |n: &str| format!("{prefix}.self_attn.{n}");
         Ok(Attention {
-            q_proj: Linear::load(be, files, &p("q_proj"), c.q_dim(), c.hidden_size, c.qkv_bias)?,
-            k_proj: Linear::load(be, files, &p("k_proj"), c.kv_dim(), c.hidden_size, c.qkv_bias)?,
-            v_proj: Linear::load(be, files, &p("v_proj"), c.kv_dim(), c.hidden_size, c.qkv_bias)?,
+            q_proj: Linear::load(
+                be,
+                files,
+                &p("q_proj"),
+                c.q_dim(),
+                c.hidden_size,
+                c.qkv_bias,
+            )?,
+            k_proj: Linear::load(
+                be,
+                files,
+                &p("k_proj"),
+                c.kv_dim(),
+                c.hidden_size,
+                c.qkv_bias,
+            )?,
+            v_proj: Linear::load(
+                be,
+                files,
+                &p("v_proj"),
+                c.kv_dim(),
+                c.hidden_size,
+                c.qkv_bias,
+            )?,
             o_proj: Linear::load(be, files, &p("o_proj"), c.hidden_size, c.q_dim(), false)?,
             shape: AttentionShape {
                 num_heads: c.num_heads,
@@ -82,7 +124,13 @@ impl<B: Backend> Attention<B> {
         })
     }
 
-    fn forward(&self, be: &B, x: &B::Tensor, step: &Step<'_, '_>, kv: &mut B::KvStore) -> Result<B::Tensor> {
+    fn forward(
+        &self,
+        be: &B,
+        x: &B::Tensor,
+        step: &Step<'_, '_>,
+        kv: &mut B::KvStore,
+    ) -> Result<B::Tensor> {
         let d = self.shape.head_dim;
         let (batch, rope, layer) = (step.batch, step.rope, step.layer);
         let mut q = self.q_proj.forward(be, x)?;
@@ -133,15 +181,31 @@ impl<B: Backend> Block<B> {
         let prefix = format!("model.layers.{layer}");
         let h = files.config.hidden_size;
         Ok(Block {
-            input_layernorm: load_vector(be, files, &format!("{prefix}.input_layernorm.weight"), h)?,
+            input_layernorm: load_vector(
+                be,
+                files,
+                &format!("{prefix}.input_layernorm.weight"),
+                h,
+            )?,
             attn: Attention::load(be, files, &prefix)?,
-            post_attention_layernorm: load_vector(be, files, &format!("{prefix}.post_attention_layernorm.weight"), h)?,
+            post_attention_layernorm: load_vector(
+                be,
+                files,
+                &format!("{prefix}.post_attention_layernorm.weight"),
+                h,
+            )?,
             mlp: Mlp::load(be, files, &prefix)?,
             eps: files.config.rms_norm_eps,
         })
     }
 
-    fn forward(&self, be: &B, x: &mut B::Tensor, step: &Step<'_, '_>, kv: &mut B::KvStore) -> Result<()> {
+    fn forward(
+        &self,
+        be: &B,
+        x: &mut B::Tensor,
+        step: &Step<'_, '_>,
+        kv: &mut B::KvStore,
+    ) -> Result<()> {
         let h = be.rms_norm(x, &self.input_layernorm, self.eps)?;
         let attn = self.attn.forward(be, &h, step, kv)?;
         be.add_assign(x, &attn)?;
@@ -170,14 +234,20 @@ impl<B: Backend> Llama<B> {
             &[c.vocab_size, c.hidden_size],
             c,
         )?)?;
-        let blocks = (0..c.num_layers).map(|l| Block::load(be, files, l)).collect::<Result<_>>()?;
+        let blocks = (0..c.num_layers)
+            .map(|l| Block::load(be, files, l))
+            .collect::<Result<_>>()?;
         let norm = load_vector(be, files, "model.norm.weight", c.hidden_size)?;
         // Some checkpoints mark embeddings tied yet still ship lm_head; the
         // tensor wins when present, as in HF.
         let lm_head = if c.tie_word_embeddings && !files.weights.contains("lm_head.weight") {
             None
         } else {
-            Some(be.upload(&files.weights.load("lm_head.weight", &[c.vocab_size, c.hidden_size], c)?)?)
+            Some(be.upload(&files.weights.load(
+                "lm_head.weight",
+                &[c.vocab_size, c.hidden_size],
+                c,
+            )?)?)
         };
         Ok(Llama {
             config: c.clone(),
@@ -199,7 +269,12 @@ impl<B: Backend> Llama<B> {
 
     /// Runs the batch through every layer, writing its K and V into `kv`, and
     /// returns the logits of `batch.logit_rows` (`[rows, vocab]`).
-    pub fn forward(&self, be: &B, batch: &ForwardBatch<'_>, kv: &mut B::KvStore) -> Result<B::Tensor> {
+    pub fn forward(
+        &self,
+        be: &B,
+        batch: &ForwardBatch<'_>,
+        kv: &mut B::KvStore,
+    ) -> Result<B::Tensor> {
         let mut x = be.embedding(&self.embed_tokens, &batch.tokens)?;
         for (layer, block) in self.blocks.iter().enumerate() {
             let step = Step {
@@ -211,6 +286,10 @@ impl<B: Backend> Llama<B> {
         }
         let x = be.select_rows(&x, &batch.logit_rows)?;
         let x = be.rms_norm(&x, &self.norm, self.config.rms_norm_eps)?;
-        be.linear(&x, self.lm_head.as_ref().unwrap_or(&self.embed_tokens), None)
+        be.linear(
+            &x,
+            self.lm_head.as_ref().unwrap_or(&self.embed_tokens),
+            None,
+        )
     }
 }

@@ -42,7 +42,8 @@ impl Rope {
                         } else if wavelen > low_wavelen {
                             f / factor
                         } else {
-                            let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                            let smooth = (old / wavelen - low_freq_factor)
+                                / (high_freq_factor - low_freq_factor);
                             (1.0 - smooth) * f / factor + smooth * f
                         }
                     })

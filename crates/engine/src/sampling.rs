@@ -115,13 +115,20 @@ pub fn sample(logits: &[f32], params: &SamplingParams, rng: &mut Rng) -> u32 {
         return argmax(logits);
     }
     let mut order: Vec<u32> = (0..logits.len() as u32).collect();
-    order.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
+    order.sort_by(|&a, &b| {
+        logits[b as usize]
+            .total_cmp(&logits[a as usize])
+            .then(a.cmp(&b))
+    });
     if params.top_k > 0 {
         order.truncate(params.top_k);
     }
     let t = params.temperature as f64;
     let max = logits[order[0] as usize] as f64;
-    let mut probs: Vec<f64> = order.iter().map(|&i| ((logits[i as usize] as f64 - max) / t).exp()).collect();
+    let mut probs: Vec<f64> = order
+        .iter()
+        .map(|&i| ((logits[i as usize] as f64 - max) / t).exp())
+        .collect();
     let sum: f64 = probs.iter().sum();
     probs.iter_mut().for_each(|p| *p /= sum);
     if params.top_p < 1.0 {

@@ -12,6 +12,8 @@
 //!   hence the 10× margin), and the greedy top-1 identical at every step (the
 //!   golden's smallest top-2 gap is 0.034, far above the tolerance).
 
+#![allow(clippy::unwrap_used)] // tests fail loudly on unexpected errors
+
 mod common;
 
 use common::*;
@@ -80,7 +82,10 @@ fn tiny_models_step_logprobs_match_transformers() {
             assert_eq!(argmax(&logits), step.token, "{name} step {i}");
             for &(id, want) in &step.top {
                 let d = (lp[id as usize] - want).abs();
-                assert!(d < TINY_TOL as f64, "{name} step {i} token {id}: Δlogprob {d}");
+                assert!(
+                    d < TINY_TOL as f64,
+                    "{name} step {i} token {id}: Δlogprob {d}"
+                );
             }
             seq.tokens.push(step.token);
         }
@@ -106,7 +111,11 @@ fn smollm2_logprobs_and_greedy_match_transformers() {
             for &(id, want) in &step.top {
                 let d = (lp[id as usize] - want).abs();
                 worst = worst.max(d);
-                assert!(d < SMOL_LOGPROB_TOL, "{} step {i} token {id}: Δlogprob {d}", case.name);
+                assert!(
+                    d < SMOL_LOGPROB_TOL,
+                    "{} step {i} token {id}: Δlogprob {d}",
+                    case.name
+                );
             }
             seq.tokens.push(step.token);
         }
@@ -137,5 +146,9 @@ fn smollm2_batched_generation_matches_golden() {
         let want: Vec<u32> = c.steps.iter().map(|s| s.token).collect();
         assert_eq!(out.tokens, want, "{}", c.name);
     }
-    assert_eq!(engine.pool().free_blocks(), engine.pool().total_blocks(), "blocks leaked");
+    assert_eq!(
+        engine.pool().free_blocks(),
+        engine.pool().total_blocks(),
+        "blocks leaked"
+    );
 }

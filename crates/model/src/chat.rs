@@ -27,10 +27,28 @@ impl Message {
     }
 }
 
-/// Known templates for files that ship none.
+/// Templates of the supported families, for model files that ship none.
+/// Each is the template its family's reference tokenizer ships, verified
+/// against Jinja2 as transformers renders it (tests/golden/chat_templates.json).
 pub mod builtin {
     /// ChatML as SmolLM2 ships it (with its default system prompt).
     pub const CHATML_SMOLLM2: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+    /// ChatML as Qwen2 Instruct ships it.
+    pub const CHATML_QWEN2: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+    /// Llama-3 Instruct (BOS, header ids, trimmed content, `<|eot_id|>`).
+    pub const LLAMA3: &str = "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}";
+
+    /// A template by name (`chatml`, `smollm2`, `qwen2`, `llama3`).
+    pub fn by_name(name: &str) -> Option<&'static str> {
+        Some(match name {
+            "smollm2" => CHATML_SMOLLM2,
+            "chatml" | "qwen2" => CHATML_QWEN2,
+            "llama3" => LLAMA3,
+            _ => return None,
+        })
+    }
 }
 
 /// A compiled chat template.
@@ -57,9 +75,12 @@ impl ChatTemplate {
         // HF renders with trim_blocks and lstrip_blocks.
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
-        env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
-        });
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> std::result::Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
+            },
+        );
         env.add_template_owned(NAME, source.to_string())
             .map_err(|e| ModelError::ChatTemplate(format!("does not compile: {e}")))?;
         Ok(ChatTemplate {
@@ -99,9 +120,15 @@ mod tests {
             "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
         );
         let s = t
-            .render(&[Message::new("system", "S"), Message::new("user", "hi")], false)
+            .render(
+                &[Message::new("system", "S"), Message::new("user", "hi")],
+                false,
+            )
             .unwrap();
-        assert_eq!(s, "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n");
+        assert_eq!(
+            s,
+            "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+        );
     }
 
     #[test]

@@ -47,7 +47,10 @@ impl ModelFiles {
         let file = gguf::GgufFile::open(path)?;
         let config = ModelConfig::from_gguf(&file)?;
         let tokenizer = Tokenizer::from_gguf(&file)?;
-        let chat_template = match file.meta("tokenizer.chat_template").and_then(|v| v.as_str()) {
+        let chat_template = match file
+            .meta("tokenizer.chat_template")
+            .and_then(|v| v.as_str())
+        {
             Some(src) => Some(template(src, &tokenizer)?),
             None => None,
         };
@@ -80,11 +83,12 @@ impl ModelFiles {
                     path: tc_path.clone(),
                     source,
                 })?;
-                let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| ModelError::Config {
-                    path: tc_path.clone(),
-                    field: "(json)".into(),
-                    reason: e.to_string(),
-                })?;
+                let v: serde_json::Value =
+                    serde_json::from_str(&text).map_err(|e| ModelError::Config {
+                        path: tc_path.clone(),
+                        field: "(json)".into(),
+                        reason: e.to_string(),
+                    })?;
                 match v.get("chat_template").and_then(|t| t.as_str()) {
                     Some(src) => Some(template(src, tok)?),
                     None => None,

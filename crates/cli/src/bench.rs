@@ -97,24 +97,18 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// one only): linear layers plus causal attention (q·k and p·v).
 fn prefill_flops(c: &ModelConfig, n: usize) -> f64 {
     let h = c.hidden_size as f64;
-    let per_layer_params = h * (c.q_dim() + 2 * c.kv_dim()) as f64
-        + c.q_dim() as f64 * h
-        + 3.0 * h * c.intermediate_size as f64;
+    let per_layer_params =
+        h * (c.q_dim() + 2 * c.kv_dim()) as f64 + c.q_dim() as f64 * h + 3.0 * h * c.intermediate_size as f64;
     let n = n as f64;
     let linear = 2.0 * n * per_layer_params * c.num_layers as f64;
-    let attention =
-        2.0 * 2.0 * (c.num_heads * c.head_dim) as f64 * (n * (n + 1.0) / 2.0) * c.num_layers as f64;
+    let attention = 2.0 * 2.0 * (c.num_heads * c.head_dim) as f64 * (n * (n + 1.0) / 2.0) * c.num_layers as f64;
     let lm_head = 2.0 * h * c.vocab_size as f64;
     linear + attention + lm_head
 }
 
 fn gemm_rate(n: usize, reps: usize) -> GemmResult {
-    let a: Vec<f32> = (0..n * n)
-        .map(|i| ((i % 97) as f32 - 48.0) * 0.01)
-        .collect();
-    let b: Vec<f32> = (0..n * n)
-        .map(|i| ((i % 89) as f32 - 44.0) * 0.01)
-        .collect();
+    let a: Vec<f32> = (0..n * n).map(|i| ((i % 97) as f32 - 48.0) * 0.01).collect();
+    let b: Vec<f32> = (0..n * n).map(|i| ((i % 89) as f32 - 44.0) * 0.01).collect();
     let mut out = vec![0f32; n * n];
     matmul_bt(&mut out, &a, &b, n, n, n); // warm-up
     let rates: Vec<f64> = (0..reps.max(3))
@@ -125,46 +119,30 @@ fn gemm_rate(n: usize, reps: usize) -> GemmResult {
         })
         .collect();
     let best = rates.iter().copied().fold(0.0, f64::max);
-    GemmResult {
-        n,
-        gflops_median: median(rates),
-        gflops_best: best,
-    }
+    GemmResult { n, gflops_median: median(rates), gflops_best: best }
 }
 
 fn random_prompt(rng: &mut Rng, len: usize, vocab: usize) -> Vec<u32> {
     // Skip the first ids: control tokens in every supported vocabulary.
-    (0..len)
-        .map(|_| 100 + (rng.next_u64() % (vocab as u64 - 100)) as u32)
-        .collect()
+    (0..len).map(|_| 100 + (rng.next_u64() % (vocab as u64 - 100)) as u32).collect()
 }
 
 fn engine(a: EngineArgs) -> Result<()> {
     let threads = rayon::current_num_threads();
-    eprintln!(
-        "inferscale bench engine: reference GEMM {0}×{0}×{0} …",
-        a.gemm_n
-    );
+    eprintln!("inferscale bench engine: reference GEMM {0}×{0}×{0} …", a.gemm_n);
     let gemm = gemm_rate(a.gemm_n, a.reps);
     let mut m = load(&a.model)?;
     let cfg = m.files.config.clone();
     let mut rng = Rng::new(42);
 
-    eprintln!(
-        "inferscale bench engine: prefill of {} tokens …",
-        a.prompt_tokens
-    );
-    let warm = m
-        .engine
-        .new_sequence(random_prompt(&mut rng, 64, cfg.vocab_size))?;
+    eprintln!("inferscale bench engine: prefill of {} tokens …", a.prompt_tokens);
+    let warm = m.engine.new_sequence(random_prompt(&mut rng, 64, cfg.vocab_size))?;
     let mut warm = warm;
     m.engine.prefill(&mut warm)?;
     drop(warm);
     let mut times = Vec::new();
     for _ in 0..a.reps.max(1) {
-        let mut seq =
-            m.engine
-                .new_sequence(random_prompt(&mut rng, a.prompt_tokens, cfg.vocab_size))?;
+        let mut seq = m.engine.new_sequence(random_prompt(&mut rng, a.prompt_tokens, cfg.vocab_size))?;
         let t = Instant::now();
         m.engine.prefill(&mut seq)?;
         times.push(t.elapsed().as_secs_f64());
@@ -187,19 +165,13 @@ fn engine(a: EngineArgs) -> Result<()> {
             let reqs = (0..batch)
                 .map(|_| GenerateRequest {
                     prompt: random_prompt(&mut rng, a.decode_prompt_tokens, cfg.vocab_size),
-                    params: SamplingParams {
-                        ignore_eos: true,
-                        ..SamplingParams::greedy(a.decode_tokens)
-                    },
+                    params: SamplingParams { ignore_eos: true, ..SamplingParams::greedy(a.decode_tokens) },
                 })
                 .collect();
             let outs = generate_batch(&mut m.engine, None, &[], reqs)?;
             // All sequences decode in lockstep after the joint prefill: the
             // slowest one's decode time covers every step.
-            let span = outs
-                .iter()
-                .map(|o| o.decode_time.as_secs_f64())
-                .fold(0.0, f64::max);
+            let span = outs.iter().map(|o| o.decode_time.as_secs_f64()).fold(0.0, f64::max);
             let steps = outs.iter().map(|o| o.tokens.len() - 1).max().unwrap_or(0);
             rates.push((batch * steps) as f64 / span);
         }
@@ -231,10 +203,7 @@ fn engine(a: EngineArgs) -> Result<()> {
 }
 
 fn print_engine(r: &EngineReport) {
-    println!(
-        "backend {} · {} threads · {}",
-        r.backend, r.threads, r.model
-    );
+    println!("backend {} · {} threads · {}", r.backend, r.threads, r.model);
     println!(
         "reference GEMM {n}×{n}×{n}: {:.1} GFLOP/s median, {:.1} best",
         r.gemm.gflops_median,

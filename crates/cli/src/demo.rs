@@ -11,10 +11,7 @@ use crate::runtime::{ModelArgs, load};
 #[derive(ClapArgs, Debug)]
 pub struct Args {
     /// The question to ask.
-    #[arg(
-        long,
-        default_value = "What is the capital of France? Answer in one sentence."
-    )]
+    #[arg(long, default_value = "What is the capital of France? Answer in one sentence.")]
     question: String,
     #[arg(long, default_value_t = 48)]
     max_tokens: usize,
@@ -24,30 +21,16 @@ pub struct Args {
 
 pub fn run(a: Args) -> Result<()> {
     let mut m = load(&a.model)?;
-    let tok = m
-        .files
-        .tokenizer
-        .as_ref()
-        .context("the model has no tokenizer")?;
-    let tmpl = m
-        .files
-        .chat_template
-        .as_ref()
-        .context("the model ships no chat template")?;
-    let ids = tok.encode(
-        &tmpl.render(&[Message::new("user", &a.question)], true)?,
-        false,
-    )?;
+    let tok = m.files.tokenizer.as_ref().context("the model has no tokenizer")?;
+    let tmpl = m.files.chat_template.as_ref().context("the model ships no chat template")?;
+    let ids = tok.encode(&tmpl.render(&[Message::new("user", &a.question)], true)?, false)?;
     let eos = m.eos_ids();
     let n = ids.len();
     let out = generate(
         &mut m.engine,
         Some(tok),
         &eos,
-        GenerateRequest {
-            prompt: ids,
-            params: SamplingParams::greedy(a.max_tokens),
-        },
+        GenerateRequest { prompt: ids, params: SamplingParams::greedy(a.max_tokens) },
     )?;
     println!("question: {}", a.question);
     println!("answer:   {}", out.text.trim());

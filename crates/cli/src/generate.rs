@@ -42,28 +42,17 @@ pub fn run(a: Args) -> Result<()> {
         bail!("--prompt is empty");
     }
     let mut m = load(&a.model)?;
-    let tok = m
-        .files
-        .tokenizer
-        .as_ref()
-        .context("the model has no tokenizer (tokenizer.json or GGUF tokenizer metadata)")?;
+    let tok =
+        m.files.tokenizer.as_ref().context("the model has no tokenizer (tokenizer.json or GGUF tokenizer metadata)")?;
     let ids = if a.chat {
-        let tmpl = m
-            .files
-            .chat_template
-            .as_ref()
-            .context("--chat: the model ships no chat template")?;
+        let tmpl = m.files.chat_template.as_ref().context("--chat: the model ships no chat template")?;
         let text = tmpl.render(&[Message::new("user", &a.prompt)], true)?;
         tok.encode(&text, false)?
     } else {
         tok.encode(&a.prompt, true)?
     };
     let params = SamplingParams {
-        temperature: if a.greedy {
-            0.0
-        } else {
-            a.temperature.unwrap_or(0.0)
-        },
+        temperature: if a.greedy { 0.0 } else { a.temperature.unwrap_or(0.0) },
         top_p: a.top_p,
         top_k: a.top_k,
         seed: a.seed,
@@ -73,21 +62,10 @@ pub fn run(a: Args) -> Result<()> {
     };
     let eos = m.eos_ids();
     let n_prompt = ids.len();
-    let out = generate(
-        &mut m.engine,
-        Some(tok),
-        &eos,
-        GenerateRequest {
-            prompt: ids,
-            params,
-        },
-    )?;
+    let out = generate(&mut m.engine, Some(tok), &eos, GenerateRequest { prompt: ids, params })?;
     println!("{}", out.text);
-    let decode_rate = if out.tokens.len() > 1 {
-        (out.tokens.len() - 1) as f64 / out.decode_time.as_secs_f64()
-    } else {
-        0.0
-    };
+    let decode_rate =
+        if out.tokens.len() > 1 { (out.tokens.len() - 1) as f64 / out.decode_time.as_secs_f64() } else { 0.0 };
     eprintln!(
         "inferscale: prompt {n_prompt} tokens, TTFT {:.1} ms, {} tokens generated ({:?}), decode {:.1} tokens/s",
         out.time_to_first_token.as_secs_f64() * 1e3,

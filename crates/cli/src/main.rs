@@ -11,11 +11,7 @@ mod runtime;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(
-    name = "inferscale",
-    version,
-    about = "Serving personalized LLMs with exact KV injection of user memory"
-)]
+#[command(name = "inferscale", version, about = "Serving personalized LLMs with exact KV injection of user memory")]
 struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -33,10 +33,10 @@ impl Loaded {
     /// End-of-sequence ids: the config's, plus the tokenizer's EOS.
     pub fn eos_ids(&self) -> Vec<u32> {
         let mut ids = self.files.config.eos_token_ids.clone();
-        if let Some((id, _)) = self.files.tokenizer.as_ref().and_then(|t| t.eos.as_ref()) {
-            if !ids.contains(id) {
-                ids.push(*id);
-            }
+        if let Some((id, _)) = self.files.tokenizer.as_ref().and_then(|t| t.eos.as_ref())
+            && !ids.contains(id)
+        {
+            ids.push(*id);
         }
         ids
     }
@@ -44,8 +44,7 @@ impl Loaded {
 
 pub fn load(args: &ModelArgs) -> Result<Loaded> {
     let t0 = Instant::now();
-    let files = inferscale_model::open(&args.model)
-        .with_context(|| format!("loading model `{}`", args.model))?;
+    let files = inferscale_model::open(&args.model).with_context(|| format!("loading model `{}`", args.model))?;
     let cfg = EngineConfig::with_kv_bytes(&files, args.kv_cache_mb << 20, args.max_batch_tokens);
     let engine = Engine::new(CpuBackend, &files, cfg).context("building the engine")?;
     let c = &files.config;

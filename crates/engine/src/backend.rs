@@ -52,6 +52,16 @@ pub struct AttentionShape {
     pub scale: f32,
 }
 
+/// One chunk of pre-RoPE KV to write into the cache: per layer `k[l]` and
+/// `v[l]` of shape `[n, kv_heads·head_dim]`, token `i` going to cache slot
+/// `slots[i]` with its key rotated to `positions[i]`.
+pub struct InjectChunk<'a, T> {
+    pub k: &'a [T],
+    pub v: &'a [T],
+    pub positions: &'a [u32],
+    pub slots: &'a [u32],
+}
+
 /// Tensor operations over some device. Implementations know nothing of models.
 pub trait Backend: Send + Sync {
     type Tensor: Send + Sync;
@@ -72,20 +82,9 @@ pub trait Backend: Send + Sync {
     /// RMSNorm of each row, times `weight`.
     fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Tensor, eps: f32) -> Result<Self::Tensor>;
     /// `x · wᵀ (+ bias)`: `x [n, in]`, `w [out, in]`, result `[n, out]`.
-    fn linear(
-        &self,
-        x: &Self::Tensor,
-        w: &Self::Tensor,
-        bias: Option<&Self::Tensor>,
-    ) -> Result<Self::Tensor>;
+    fn linear(&self, x: &Self::Tensor, w: &Self::Tensor, bias: Option<&Self::Tensor>) -> Result<Self::Tensor>;
     /// Rotates each `head_dim` slice of row `i` to `positions[i]` in place.
-    fn rope(
-        &self,
-        x: &mut Self::Tensor,
-        head_dim: usize,
-        positions: &[u32],
-        rope: &Rope,
-    ) -> Result<()>;
+    fn rope(&self, x: &mut Self::Tensor, head_dim: usize, positions: &[u32], rope: &Rope) -> Result<()>;
     /// `silu(gate) * up`, elementwise.
     fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Result<Self::Tensor>;
     /// `x += y`.
@@ -103,6 +102,18 @@ pub trait Backend: Send + Sync {
         v: &Self::Tensor,
         slots: &[u32],
     ) -> Result<()>;
+    /// Re-rotates pre-RoPE keys to their target positions and scatters K and
+    /// V into the cache, for every layer and chunk in one call (one fused
+    /// launch on devices that can).
+    fn inject_kv(&self, store: &mut Self::KvStore, chunks: &[InjectChunk<'_, Self::Tensor>], rope: &Rope)
+    -> Result<()>;
+    /// The K and V stored at `slots` of `layer` (`[n, kv_heads·head_dim]` each).
+    fn gather_kv(&self, store: &Self::KvStore, layer: usize, slots: &[u32]) -> Result<(Self::Tensor, Self::Tensor)>;
+    /// Copies whole blocks `(src, dst)` in every layer (copy-on-write of a shared prefix).
+    fn copy_blocks(&self, store: &mut Self::KvStore, pairs: &[(u32, u32)]) -> Result<()>;
+    /// Stacks tensors of equal width row-wise.
+    fn concat_rows(&self, parts: &[&Self::Tensor]) -> Result<Self::Tensor>;
+
     /// Causal attention of `q [n, heads·head_dim]` over the paged cache of
     /// `layer`, one span per sequence. Returns `[n, heads·head_dim]`.
     fn attention(

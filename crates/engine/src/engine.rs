@@ -5,14 +5,17 @@
 //! [`Sequence`] has `computed` tokens and catches up to its `tokens`; a step
 //! takes up to `max_batch_tokens` pending tokens across all sequences it is
 //! given (chunked prefill mixed with decode) and returns logits for the
-//! sequences it brought fully up to date.
+//! sequences it brought fully up to date. KV injection (`inject.rs`) adds
+//! tokens whose KV is written directly instead of computed.
+
+use std::ops::Range;
 
 use inferscale_model::ModelFiles;
 
 use crate::backend::{Backend, KvSpec, SeqSpan};
 use crate::error::{EngineError, Result};
 use crate::kv_cache::{BLOCK_SIZE, BlockPool, BlockTable};
-use crate::llama::{ForwardBatch, Llama};
+use crate::llama::{ForwardBatch, LayerKv, Llama};
 
 /// Sizing of an engine.
 #[derive(Debug, Clone, Copy)]
@@ -25,49 +28,116 @@ pub struct EngineConfig {
 
 impl EngineConfig {
     /// Pool sized to `kv_cache_bytes` for the given model at f32.
-    pub fn with_kv_bytes(
-        files: &ModelFiles,
-        kv_cache_bytes: usize,
-        max_batch_tokens: usize,
-    ) -> Self {
+    pub fn with_kv_bytes(files: &ModelFiles, kv_cache_bytes: usize, max_batch_tokens: usize) -> Self {
         let c = &files.config;
         let per_token = 2 * c.num_layers * c.kv_dim() * 4;
-        EngineConfig {
-            kv_blocks: (kv_cache_bytes / (per_token * BLOCK_SIZE)).max(1),
-            max_batch_tokens,
-        }
+        EngineConfig { kv_blocks: (kv_cache_bytes / (per_token * BLOCK_SIZE)).max(1), max_batch_tokens }
     }
 }
 
-/// One sequence's tokens and cache.
+/// One sequence's tokens, their RoPE positions, and its cache.
+///
+/// Positions normally count up from 0, but need not: an encoding may place a
+/// fact at any offset, and injected chunks take the positions they are given.
+/// The cache is indexed by token index, so positions only steer RoPE.
 #[derive(Debug)]
 pub struct Sequence {
-    pub tokens: Vec<u32>,
+    tokens: Vec<u32>,
+    positions: Vec<u32>,
     /// Leading tokens whose K and V are in the cache.
-    pub computed: usize,
-    pub table: BlockTable,
+    computed: usize,
+    table: BlockTable,
 }
 
 impl Sequence {
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    pub fn positions(&self) -> &[u32] {
+        &self.positions
+    }
+
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    pub fn computed(&self) -> usize {
+        self.computed
+    }
+
     pub fn pending(&self) -> usize {
         self.tokens.len() - self.computed
+    }
+
+    pub fn block_table(&self) -> &BlockTable {
+        &self.table
+    }
+
+    /// The position a token appended now would take.
+    pub fn next_position(&self) -> u32 {
+        self.positions.last().map_or(0, |p| p + 1)
+    }
+
+    /// Appends a token at the next position (it becomes pending).
+    pub fn push(&mut self, token: u32) {
+        let p = self.next_position();
+        self.tokens.push(token);
+        self.positions.push(p);
+    }
+
+    /// Appends tokens at the next positions.
+    pub fn extend(&mut self, tokens: &[u32]) {
+        for &t in tokens {
+            self.push(t);
+        }
+    }
+
+    /// Appends tokens starting at `position`.
+    pub fn extend_at(&mut self, tokens: &[u32], position: u32) {
+        self.tokens.extend_from_slice(tokens);
+        self.positions.extend(position..position + tokens.len() as u32);
+    }
+
+    /// Drops tokens from index `len` on (never below what is computed).
+    pub(crate) fn truncate(&mut self, len: usize) {
+        let len = len.max(self.computed);
+        self.tokens.truncate(len);
+        self.positions.truncate(len);
+    }
+
+    /// Marks `n` pending tokens computed (their KV was written by injection).
+    pub(crate) fn mark_computed(&mut self, n: usize) {
+        self.computed = (self.computed + n).min(self.tokens.len());
+    }
+
+    pub(crate) fn table_mut(&mut self) -> &mut BlockTable {
+        &mut self.table
     }
 }
 
 pub struct Engine<B: Backend> {
-    backend: B,
-    model: Llama<B>,
-    kv: B::KvStore,
+    pub(crate) backend: B,
+    pub(crate) model: Llama<B>,
+    pub(crate) kv: B::KvStore,
     pool: BlockPool,
     max_batch_tokens: usize,
 }
 
+/// Per-layer pre-RoPE K and V captured from forward passes, in row order.
+pub(crate) type Captured<B> = Vec<Vec<LayerKv<B>>>;
+
+/// Per sequence, logits if it finished; and the captured layers, if any.
+type StepOutput<B> = (Vec<Option<Vec<f32>>>, Option<Vec<LayerKv<B>>>);
+
 impl<B: Backend> Engine<B> {
     pub fn new(backend: B, files: &ModelFiles, cfg: EngineConfig) -> Result<Self> {
         if cfg.max_batch_tokens == 0 {
-            return Err(EngineError::Shape(
-                "max_batch_tokens must be positive".into(),
-            ));
+            return Err(EngineError::Shape("max_batch_tokens must be positive".into()));
         }
         let model = Llama::load(&backend, files)?;
         let c = model.config();
@@ -78,13 +148,7 @@ impl<B: Backend> Engine<B> {
             num_kv_heads: c.num_kv_heads,
             head_dim: c.head_dim,
         })?;
-        Ok(Engine {
-            backend,
-            model,
-            kv,
-            pool: BlockPool::new(cfg.kv_blocks),
-            max_batch_tokens: cfg.max_batch_tokens,
-        })
+        Ok(Engine { backend, model, kv, pool: BlockPool::new(cfg.kv_blocks), max_batch_tokens: cfg.max_batch_tokens })
     }
 
     pub fn model(&self) -> &Llama<B> {
@@ -99,48 +163,84 @@ impl<B: Backend> Engine<B> {
         &self.pool
     }
 
-    /// Checks `tokens` against the vocabulary and context and makes a sequence.
+    /// Checks `tokens` against the vocabulary and makes a sequence at positions 0...
     pub fn new_sequence(&self, tokens: Vec<u32>) -> Result<Sequence> {
+        self.new_sequence_at(tokens, 0)
+    }
+
+    /// A sequence whose first token sits at `position`.
+    pub fn new_sequence_at(&self, tokens: Vec<u32>, position: u32) -> Result<Sequence> {
         if tokens.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
-        let c = self.model.config();
-        if tokens.len() > c.max_position_embeddings {
-            return Err(EngineError::ContextTooLong {
-                tokens: tokens.len(),
-                limit: c.max_position_embeddings,
-            });
-        }
-        if let Some(&id) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
-            return Err(EngineError::TokenOutOfRange {
-                id,
-                vocab: c.vocab_size,
-            });
-        }
-        Ok(Sequence {
-            tokens,
+        self.check_tokens(&tokens)?;
+        let mut seq = Sequence {
+            tokens: Vec::with_capacity(tokens.len()),
+            positions: Vec::with_capacity(tokens.len()),
             computed: 0,
             table: BlockTable::new(&self.pool),
-        })
+        };
+        seq.extend_at(&tokens, position);
+        self.check_context(&seq)?;
+        Ok(seq)
+    }
+
+    pub(crate) fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
+        let vocab = self.model.config().vocab_size;
+        match tokens.iter().find(|&&t| t as usize >= vocab) {
+            Some(&id) => Err(EngineError::TokenOutOfRange { id, vocab }),
+            None => Ok(()),
+        }
+    }
+
+    /// Every position must be one the model was trained for.
+    pub(crate) fn check_context(&self, seq: &Sequence) -> Result<()> {
+        let limit = self.model.config().max_position_embeddings;
+        let needed = seq.positions.last().map_or(0, |&p| p as usize + 1).max(seq.len());
+        if needed > limit {
+            return Err(EngineError::ContextTooLong { tokens: needed, limit });
+        }
+        Ok(())
+    }
+
+    /// A new sequence with the same tokens and cache contents as `seq`: full
+    /// blocks are shared (refcounted), the partial last block is copied so
+    /// that both can grow independently. Used to reuse a cached prompt header.
+    pub fn fork(&mut self, seq: &Sequence) -> Result<Sequence> {
+        let mut table = seq.table.share_prefix(seq.computed);
+        let shared = table.blocks().len();
+        if seq.computed > shared * BLOCK_SIZE {
+            table.reserve(seq.computed)?;
+            let src = seq.table.blocks()[shared];
+            let dst = table.blocks()[shared];
+            self.backend.copy_blocks(&mut self.kv, &[(src, dst)])?;
+        }
+        Ok(Sequence { tokens: seq.tokens.clone(), positions: seq.positions.clone(), computed: seq.computed, table })
     }
 
     /// Computes up to `max_batch_tokens` pending tokens of `seqs`, in order.
     /// Returns, per sequence, the logits after its last token if this step
     /// computed all its pending tokens, else `None`.
     pub fn step(&mut self, seqs: &mut [&mut Sequence]) -> Result<Vec<Option<Vec<f32>>>> {
-        let limit = self.model.config().max_position_embeddings;
+        Ok(self.step_capturing(seqs, None, true)?.0)
+    }
+
+    /// [`Engine::step`], also returning the pre-RoPE K and V of the tokens
+    /// of sequence `capture.0` whose indices fall in `capture.1`; without
+    /// `want_logits` the output head is skipped.
+    pub(crate) fn step_capturing(
+        &mut self,
+        seqs: &mut [&mut Sequence],
+        capture: Option<(usize, Range<usize>)>,
+        want_logits: bool,
+    ) -> Result<StepOutput<B>> {
         let mut budget = self.max_batch_tokens;
         let mut take = vec![0usize; seqs.len()];
         for (i, s) in seqs.iter_mut().enumerate() {
             if budget == 0 {
                 break;
             }
-            if s.tokens.len() > limit {
-                return Err(EngineError::ContextTooLong {
-                    tokens: s.tokens.len(),
-                    limit,
-                });
-            }
+            self.check_context(s)?;
             let n = s.pending().min(budget);
             if n > 0 {
                 s.table.reserve(s.computed + n)?;
@@ -158,47 +258,69 @@ impl<B: Backend> Engine<B> {
             let q_start = batch.tokens.len();
             for p in s.computed..s.computed + n {
                 batch.tokens.push(s.tokens[p]);
-                batch.positions.push(p as u32);
+                batch.positions.push(s.positions[p]);
                 batch.slots.push(s.table.slot(p));
             }
-            batch.spans.push(SeqSpan {
-                q_start,
-                q_len: n,
-                context_len: s.computed + n,
-                block_table: s.table.blocks(),
-            });
-            if s.computed + n == s.tokens.len() {
+            if let Some((ci, range)) = &capture
+                && *ci == i
+            {
+                let lo = range.start.clamp(s.computed, s.computed + n);
+                let hi = range.end.clamp(s.computed, s.computed + n);
+                if lo < hi {
+                    batch.capture = Some(q_start + lo - s.computed..q_start + hi - s.computed);
+                }
+            }
+            batch.spans.push(SeqSpan { q_start, q_len: n, context_len: s.computed + n, block_table: s.table.blocks() });
+            if want_logits && s.computed + n == s.tokens.len() {
                 batch.logit_rows.push(q_start + n - 1);
                 finishing.push(i);
             }
         }
         let mut out = vec![None; seqs.len()];
         if batch.tokens.is_empty() {
-            return Ok(out);
+            return Ok((out, None));
         }
-        let logits = self.model.forward(&self.backend, &batch, &mut self.kv)?;
-        let logits = self.backend.to_host(&logits)?;
-        let vocab = self.model.config().vocab_size;
-        for (row, &i) in finishing.iter().enumerate() {
-            out[i] = Some(logits.data[row * vocab..(row + 1) * vocab].to_vec());
+        let fwd = self.model.forward(&self.backend, &batch, &mut self.kv)?;
+        if let Some(logits) = fwd.logits {
+            let logits = self.backend.to_host(&logits)?;
+            let vocab = self.model.config().vocab_size;
+            for (row, &i) in finishing.iter().enumerate() {
+                out[i] = Some(logits.data[row * vocab..(row + 1) * vocab].to_vec());
+            }
         }
         for (s, n) in seqs.iter_mut().zip(take) {
             s.computed += n;
         }
-        Ok(out)
+        Ok((out, fwd.captured))
     }
 
     /// Computes all pending tokens of one sequence; returns the last logits.
     pub fn prefill(&mut self, seq: &mut Sequence) -> Result<Vec<f32>> {
-        loop {
-            if let Some(logits) = self.step(&mut [&mut *seq])?.pop().flatten() {
-                return Ok(logits);
-            }
-            if seq.pending() == 0 {
-                return Err(EngineError::Shape(
-                    "prefill of a sequence with nothing pending".into(),
-                ));
-            }
+        self.prefill_capturing(seq, 0..0, true)?
+            .0
+            .ok_or_else(|| EngineError::Shape("prefill produced no logits".into()))
+    }
+
+    /// Computes all pending tokens of `seq`, returning the last logits (if
+    /// wanted) and the per-layer pre-RoPE K and V of the tokens with indices
+    /// in `range`, one entry per forward chunk that held some of them.
+    pub(crate) fn prefill_capturing(
+        &mut self,
+        seq: &mut Sequence,
+        range: Range<usize>,
+        want_logits: bool,
+    ) -> Result<(Option<Vec<f32>>, Captured<B>)> {
+        if seq.pending() == 0 {
+            return Err(EngineError::Shape("prefill of a sequence with nothing pending".into()));
         }
+        let mut parts: Captured<B> = Vec::new();
+        let mut last = None;
+        while seq.pending() > 0 {
+            let (mut logits, captured) =
+                self.step_capturing(&mut [&mut *seq], Some((0, range.clone())), want_logits)?;
+            parts.extend(captured);
+            last = logits.pop().flatten();
+        }
+        Ok((last, parts))
     }
 }

@@ -16,11 +16,7 @@ pub enum EngineError {
 
     /// The KV block pool cannot hold the request.
     #[error("KV cache full: need {needed} more blocks, {free} free of {total}")]
-    OutOfBlocks {
-        needed: usize,
-        free: usize,
-        total: usize,
-    },
+    OutOfBlocks { needed: usize, free: usize, total: usize },
 
     #[error("token id {id} is outside the vocabulary of {vocab} tokens")]
     TokenOutOfRange { id: u32, vocab: usize },
@@ -33,10 +29,7 @@ pub enum EngineError {
     Shape(String),
 
     #[error("backend `{backend}`: {reason}")]
-    Backend {
-        backend: &'static str,
-        reason: String,
-    },
+    Backend { backend: &'static str, reason: String },
 }
 
 pub type Result<T> = std::result::Result<T, EngineError>;

@@ -66,15 +66,11 @@ pub fn generate_batch<B: Backend>(
     for r in requests {
         r.params.validate()?;
         if !r.params.stop.is_empty() && tokenizer.is_none() {
-            return Err(EngineError::InvalidSampling {
-                name: "stop",
-                reason: "stop strings need a tokenizer".into(),
-            });
+            return Err(EngineError::InvalidSampling { name: "stop", reason: "stop strings need a tokenizer".into() });
         }
         let prompt_len = r.prompt.len();
         let seq = engine.new_sequence(r.prompt)?;
-        let done = (r.params.max_tokens == 0 || prompt_len >= limit)
-            .then(|| (FinishReason::Length, String::new()));
+        let done = (r.params.max_tokens == 0 || prompt_len >= limit).then(|| (FinishReason::Length, String::new()));
         live.push(Live {
             seq,
             rng: Rng::new(r.params.seed),
@@ -101,10 +97,10 @@ pub fn generate_batch<B: Backend>(
                 continue;
             }
             l.generated.push(tok);
-            l.seq.tokens.push(tok);
+            l.seq.push(tok);
             if let Some(text) = stop_hit(tokenizer, &l.generated, &l.params.stop)? {
                 l.done = Some((FinishReason::Stop, text));
-            } else if l.generated.len() >= l.params.max_tokens || l.seq.tokens.len() >= limit {
+            } else if l.generated.len() >= l.params.max_tokens || l.seq.next_position() as usize >= limit {
                 l.done = Some((FinishReason::Length, String::new()));
             }
         }
@@ -120,7 +116,7 @@ pub fn generate_batch<B: Backend>(
             };
             let first = l.first_token_at.unwrap_or(start);
             Ok(Generation {
-                prompt_tokens: l.seq.tokens.len() - l.generated.len(),
+                prompt_tokens: l.seq.len() - l.generated.len(),
                 tokens: l.generated,
                 text,
                 finish,
@@ -132,20 +128,12 @@ pub fn generate_batch<B: Backend>(
 }
 
 /// If the decoded text contains a stop string, the text before it.
-fn stop_hit(
-    tokenizer: Option<&Tokenizer>,
-    generated: &[u32],
-    stop: &[String],
-) -> Result<Option<String>> {
+fn stop_hit(tokenizer: Option<&Tokenizer>, generated: &[u32], stop: &[String]) -> Result<Option<String>> {
     let (Some(t), false) = (tokenizer, stop.is_empty()) else {
         return Ok(None);
     };
     let text = t.decode(generated, true)?;
-    Ok(stop
-        .iter()
-        .filter_map(|s| text.find(s.as_str()))
-        .min()
-        .map(|at| text[..at].to_string()))
+    Ok(stop.iter().filter_map(|s| text.find(s.as_str())).min().map(|at| text[..at].to_string()))
 }
 
 /// Generates for one request.

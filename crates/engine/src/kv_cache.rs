@@ -100,10 +100,7 @@ pub struct BlockTable {
 
 impl BlockTable {
     pub fn new(pool: &BlockPool) -> Self {
-        BlockTable {
-            pool: pool.clone(),
-            blocks: Vec::new(),
-        }
+        BlockTable { pool: pool.clone(), blocks: Vec::new() }
     }
 
     pub fn blocks(&self) -> &[u32] {
@@ -117,20 +114,15 @@ impl BlockTable {
 
     /// Grows the table to hold `tokens` positions, all or nothing.
     pub fn reserve(&mut self, tokens: usize) -> Result<()> {
-        let needed = tokens
-            .div_ceil(BLOCK_SIZE)
-            .saturating_sub(self.blocks.len());
+        let needed = tokens.div_ceil(BLOCK_SIZE).saturating_sub(self.blocks.len());
         if needed == 0 {
             return Ok(());
         }
-        let ids = self
-            .pool
-            .allocate(needed)
-            .ok_or_else(|| EngineError::OutOfBlocks {
-                needed,
-                free: self.pool.free_blocks(),
-                total: self.pool.total_blocks(),
-            })?;
+        let ids = self.pool.allocate(needed).ok_or_else(|| EngineError::OutOfBlocks {
+            needed,
+            free: self.pool.free_blocks(),
+            total: self.pool.total_blocks(),
+        })?;
         self.blocks.extend(ids);
         Ok(())
     }
@@ -147,10 +139,7 @@ impl BlockTable {
         let n = (tokens / BLOCK_SIZE).min(self.blocks.len());
         let shared = self.blocks[..n].to_vec();
         self.pool.retain(&shared);
-        BlockTable {
-            pool: self.pool.clone(),
-            blocks: shared,
-        }
+        BlockTable { pool: self.pool.clone(), blocks: shared }
     }
 }
 
@@ -188,14 +177,7 @@ mod tests {
         let pool = BlockPool::new(2);
         let mut a = BlockTable::new(&pool);
         let e = a.reserve(3 * BLOCK_SIZE).unwrap_err();
-        assert!(matches!(
-            e,
-            EngineError::OutOfBlocks {
-                needed: 3,
-                free: 2,
-                total: 2
-            }
-        ));
+        assert!(matches!(e, EngineError::OutOfBlocks { needed: 3, free: 2, total: 2 }));
         assert_eq!(pool.free_blocks(), 2);
         assert!(a.blocks().is_empty());
     }

@@ -5,6 +5,8 @@
 //! (Qwen2), tied embeddings, RoPE base and scaling, GQA ratio, head_dim.
 //! Reads top to bottom: Linear → Attention → Mlp → Block → Llama.
 
+use std::ops::Range;
+
 use inferscale_model::{ModelConfig, ModelFiles};
 
 use crate::backend::{AttentionShape, Backend, SeqSpan};
@@ -22,6 +24,16 @@ pub struct ForwardBatch<'a> {
     pub spans: Vec<SeqSpan<'a>>,
     /// Rows whose logits are wanted (usually each sequence's last token).
     pub logit_rows: Vec<usize>,
+    /// Rows whose pre-RoPE K and V to return from every layer.
+    pub capture: Option<Range<usize>>,
+}
+
+/// What a forward pass returns.
+pub struct ForwardOutput<B: Backend> {
+    /// `[logit_rows, vocab]`, or `None` when no logits were asked for.
+    pub logits: Option<B::Tensor>,
+    /// Per layer, the captured rows' pre-RoPE K and V (`[rows, kv_heads·head_dim]`).
+    pub captured: Option<Vec<(B::Tensor, B::Tensor)>>,
 }
 
 /// Per-layer view of the forward in progress.
@@ -37,29 +49,13 @@ struct Linear<B: Backend> {
 }
 
 impl<B: Backend> Linear<B> {
-    fn load(
-        be: &B,
-        files: &ModelFiles,
-        name: &str,
-        out: usize,
-        inp: usize,
-        bias: bool,
-    ) -> Result<Self> {
-        let w = be.upload(&files.weights.load(
-            &format!("{name}.weight"),
-            &[out, inp],
-            &files.config,
-        )?)?;
-        let b =
-            if bias {
-                Some(be.upload(&files.weights.load(
-                    &format!("{name}.bias"),
-                    &[out],
-                    &files.config,
-                )?)?)
-            } else {
-                None
-            };
+    fn load(be: &B, files: &ModelFiles, name: &str, out: usize, inp: usize, bias: bool) -> Result<Self> {
+        let w = be.upload(&files.weights.load(&format!("{name}.weight"), &[out, inp], &files.config)?)?;
+        let b = if bias {
+            Some(be.upload(&files.weights.load(&format!("{name}.bias"), &[out], &files.config)?)?)
+        } else {
+            None
+        };
         Ok(Linear { w, b })
     }
 
@@ -68,12 +64,7 @@ impl<B: Backend> Linear<B> {
     }
 }
 
-fn load_vector<B: Backend>(
-    be: &B,
-    files: &ModelFiles,
-    name: &str,
-    len: usize,
-) -> Result<B::Tensor> {
+fn load_vector<B: Backend>(be: &B, files: &ModelFiles, name: &str, len: usize) -> Result<B::Tensor> {
     be.upload(&files.weights.load(name, &[len], &files.config)?)
 }
 
@@ -90,30 +81,9 @@ impl<B: Backend> Attention<B> {
         let c = &files.config;
         let p = |n: &str| format!("{prefix}.self_attn.{n}");
         Ok(Attention {
-            q_proj: Linear::load(
-                be,
-                files,
-                &p("q_proj"),
-                c.q_dim(),
-                c.hidden_size,
-                c.qkv_bias,
-            )?,
-            k_proj: Linear::load(
-                be,
-                files,
-                &p("k_proj"),
-                c.kv_dim(),
-                c.hidden_size,
-                c.qkv_bias,
-            )?,
-            v_proj: Linear::load(
-                be,
-                files,
-                &p("v_proj"),
-                c.kv_dim(),
-                c.hidden_size,
-                c.qkv_bias,
-            )?,
+            q_proj: Linear::load(be, files, &p("q_proj"), c.q_dim(), c.hidden_size, c.qkv_bias)?,
+            k_proj: Linear::load(be, files, &p("k_proj"), c.kv_dim(), c.hidden_size, c.qkv_bias)?,
+            v_proj: Linear::load(be, files, &p("v_proj"), c.kv_dim(), c.hidden_size, c.qkv_bias)?,
             o_proj: Linear::load(be, files, &p("o_proj"), c.hidden_size, c.q_dim(), false)?,
             shape: AttentionShape {
                 num_heads: c.num_heads,
@@ -124,25 +94,36 @@ impl<B: Backend> Attention<B> {
         })
     }
 
+    /// The attention output, and the captured rows' pre-RoPE K and V if asked.
     fn forward(
         &self,
         be: &B,
         x: &B::Tensor,
         step: &Step<'_, '_>,
         kv: &mut B::KvStore,
-    ) -> Result<B::Tensor> {
+    ) -> Result<(B::Tensor, Option<LayerKv<B>>)> {
         let d = self.shape.head_dim;
         let (batch, rope, layer) = (step.batch, step.rope, step.layer);
         let mut q = self.q_proj.forward(be, x)?;
         let mut k = self.k_proj.forward(be, x)?;
         let v = self.v_proj.forward(be, x)?;
+        let captured = match &batch.capture {
+            Some(r) => {
+                let rows: Vec<usize> = r.clone().collect();
+                Some((be.select_rows(&k, &rows)?, be.select_rows(&v, &rows)?))
+            }
+            None => None,
+        };
         be.rope(&mut q, d, &batch.positions, rope)?;
         be.rope(&mut k, d, &batch.positions, rope)?;
         be.write_kv(kv, layer, &k, &v, &batch.slots)?;
         let y = be.attention(&q, kv, layer, self.shape, &batch.spans)?;
-        self.o_proj.forward(be, &y)
+        Ok((self.o_proj.forward(be, &y)?, captured))
     }
 }
+
+/// One layer's (K, V).
+pub type LayerKv<B> = (<B as Backend>::Tensor, <B as Backend>::Tensor);
 
 struct Mlp<B: Backend> {
     gate_proj: Linear<B>,
@@ -181,19 +162,9 @@ impl<B: Backend> Block<B> {
         let prefix = format!("model.layers.{layer}");
         let h = files.config.hidden_size;
         Ok(Block {
-            input_layernorm: load_vector(
-                be,
-                files,
-                &format!("{prefix}.input_layernorm.weight"),
-                h,
-            )?,
+            input_layernorm: load_vector(be, files, &format!("{prefix}.input_layernorm.weight"), h)?,
             attn: Attention::load(be, files, &prefix)?,
-            post_attention_layernorm: load_vector(
-                be,
-                files,
-                &format!("{prefix}.post_attention_layernorm.weight"),
-                h,
-            )?,
+            post_attention_layernorm: load_vector(be, files, &format!("{prefix}.post_attention_layernorm.weight"), h)?,
             mlp: Mlp::load(be, files, &prefix)?,
             eps: files.config.rms_norm_eps,
         })
@@ -205,13 +176,14 @@ impl<B: Backend> Block<B> {
         x: &mut B::Tensor,
         step: &Step<'_, '_>,
         kv: &mut B::KvStore,
-    ) -> Result<()> {
+    ) -> Result<Option<LayerKv<B>>> {
         let h = be.rms_norm(x, &self.input_layernorm, self.eps)?;
-        let attn = self.attn.forward(be, &h, step, kv)?;
+        let (attn, captured) = self.attn.forward(be, &h, step, kv)?;
         be.add_assign(x, &attn)?;
         let h = be.rms_norm(x, &self.post_attention_layernorm, self.eps)?;
         let mlp = self.mlp.forward(be, &h)?;
-        be.add_assign(x, &mlp)
+        be.add_assign(x, &mlp)?;
+        Ok(captured)
     }
 }
 
@@ -229,34 +201,18 @@ pub struct Llama<B: Backend> {
 impl<B: Backend> Llama<B> {
     pub fn load(be: &B, files: &ModelFiles) -> Result<Self> {
         let c = &files.config;
-        let embed_tokens = be.upload(&files.weights.load(
-            "model.embed_tokens.weight",
-            &[c.vocab_size, c.hidden_size],
-            c,
-        )?)?;
-        let blocks = (0..c.num_layers)
-            .map(|l| Block::load(be, files, l))
-            .collect::<Result<_>>()?;
+        let embed_tokens =
+            be.upload(&files.weights.load("model.embed_tokens.weight", &[c.vocab_size, c.hidden_size], c)?)?;
+        let blocks = (0..c.num_layers).map(|l| Block::load(be, files, l)).collect::<Result<_>>()?;
         let norm = load_vector(be, files, "model.norm.weight", c.hidden_size)?;
         // Some checkpoints mark embeddings tied yet still ship lm_head; the
         // tensor wins when present, as in HF.
         let lm_head = if c.tie_word_embeddings && !files.weights.contains("lm_head.weight") {
             None
         } else {
-            Some(be.upload(&files.weights.load(
-                "lm_head.weight",
-                &[c.vocab_size, c.hidden_size],
-                c,
-            )?)?)
+            Some(be.upload(&files.weights.load("lm_head.weight", &[c.vocab_size, c.hidden_size], c)?)?)
         };
-        Ok(Llama {
-            config: c.clone(),
-            embed_tokens,
-            blocks,
-            norm,
-            lm_head,
-            rope: Rope::new(&c.rope),
-        })
+        Ok(Llama { config: c.clone(), embed_tokens, blocks, norm, lm_head, rope: Rope::new(&c.rope) })
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -267,29 +223,25 @@ impl<B: Backend> Llama<B> {
         &self.rope
     }
 
-    /// Runs the batch through every layer, writing its K and V into `kv`, and
-    /// returns the logits of `batch.logit_rows` (`[rows, vocab]`).
-    pub fn forward(
-        &self,
-        be: &B,
-        batch: &ForwardBatch<'_>,
-        kv: &mut B::KvStore,
-    ) -> Result<B::Tensor> {
+    /// Runs the batch through every layer, writing its K and V into `kv`;
+    /// returns the logits of `batch.logit_rows` and the captured KV.
+    pub fn forward(&self, be: &B, batch: &ForwardBatch<'_>, kv: &mut B::KvStore) -> Result<ForwardOutput<B>> {
         let mut x = be.embedding(&self.embed_tokens, &batch.tokens)?;
+        let mut captured = batch.capture.as_ref().map(|_| Vec::with_capacity(self.blocks.len()));
         for (layer, block) in self.blocks.iter().enumerate() {
-            let step = Step {
-                batch,
-                rope: &self.rope,
-                layer,
-            };
-            block.forward(be, &mut x, &step, kv)?;
+            let step = Step { batch, rope: &self.rope, layer };
+            let layer_kv = block.forward(be, &mut x, &step, kv)?;
+            if let (Some(all), Some(kv)) = (captured.as_mut(), layer_kv) {
+                all.push(kv);
+            }
         }
-        let x = be.select_rows(&x, &batch.logit_rows)?;
-        let x = be.rms_norm(&x, &self.norm, self.config.rms_norm_eps)?;
-        be.linear(
-            &x,
-            self.lm_head.as_ref().unwrap_or(&self.embed_tokens),
-            None,
-        )
+        let logits = if batch.logit_rows.is_empty() {
+            None
+        } else {
+            let x = be.select_rows(&x, &batch.logit_rows)?;
+            let x = be.rms_norm(&x, &self.norm, self.config.rms_norm_eps)?;
+            Some(be.linear(&x, self.lm_head.as_ref().unwrap_or(&self.embed_tokens), None)?)
+        };
+        Ok(ForwardOutput { logits, captured })
     }
 }

@@ -19,9 +19,7 @@ pub struct Rope {
 impl Rope {
     pub fn new(cfg: &RopeConfig) -> Self {
         let dim = cfg.dim;
-        let base: Vec<f32> = (0..dim / 2)
-            .map(|i| 1.0 / cfg.theta.powf((2 * i) as f32 / dim as f32))
-            .collect();
+        let base: Vec<f32> = (0..dim / 2).map(|i| 1.0 / cfg.theta.powf((2 * i) as f32 / dim as f32)).collect();
         let inv_freq = match &cfg.scaling {
             RopeScaling::None => base,
             RopeScaling::Linear { factor } => base.iter().map(|f| f / factor).collect(),
@@ -42,8 +40,7 @@ impl Rope {
                         } else if wavelen > low_wavelen {
                             f / factor
                         } else {
-                            let smooth = (old / wavelen - low_freq_factor)
-                                / (high_freq_factor - low_freq_factor);
+                            let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
                             (1.0 - smooth) * f / factor + smooth * f
                         }
                     })
@@ -88,11 +85,7 @@ mod tests {
     use super::*;
 
     fn cfg(scaling: RopeScaling) -> RopeConfig {
-        RopeConfig {
-            theta: 500_000.0,
-            dim: 16,
-            scaling,
-        }
+        RopeConfig { theta: 500_000.0, dim: 16, scaling }
     }
 
     #[test]

@@ -35,19 +35,11 @@ impl Default for SamplingParams {
 
 impl SamplingParams {
     pub fn greedy(max_tokens: usize) -> Self {
-        SamplingParams {
-            max_tokens,
-            ..Default::default()
-        }
+        SamplingParams { max_tokens, ..Default::default() }
     }
 
     pub fn validate(&self) -> Result<()> {
-        let bad = |name, reason: &str| {
-            Err(EngineError::InvalidSampling {
-                name,
-                reason: reason.to_string(),
-            })
-        };
+        let bad = |name, reason: &str| Err(EngineError::InvalidSampling { name, reason: reason.to_string() });
         if !self.temperature.is_finite() || self.temperature < 0.0 {
             return bad("temperature", "must be a finite number ≥ 0");
         }
@@ -115,20 +107,13 @@ pub fn sample(logits: &[f32], params: &SamplingParams, rng: &mut Rng) -> u32 {
         return argmax(logits);
     }
     let mut order: Vec<u32> = (0..logits.len() as u32).collect();
-    order.sort_by(|&a, &b| {
-        logits[b as usize]
-            .total_cmp(&logits[a as usize])
-            .then(a.cmp(&b))
-    });
+    order.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
     if params.top_k > 0 {
         order.truncate(params.top_k);
     }
     let t = params.temperature as f64;
     let max = logits[order[0] as usize] as f64;
-    let mut probs: Vec<f64> = order
-        .iter()
-        .map(|&i| ((logits[i as usize] as f64 - max) / t).exp())
-        .collect();
+    let mut probs: Vec<f64> = order.iter().map(|&i| ((logits[i as usize] as f64 - max) / t).exp()).collect();
     let sum: f64 = probs.iter().sum();
     probs.iter_mut().for_each(|p| *p /= sum);
     if params.top_p < 1.0 {
@@ -168,12 +153,7 @@ mod tests {
     #[test]
     fn seeded_sampling_is_reproducible_and_respects_top_k() {
         let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.7).sin()).collect();
-        let p = SamplingParams {
-            temperature: 1.0,
-            top_k: 3,
-            seed: 7,
-            ..Default::default()
-        };
+        let p = SamplingParams { temperature: 1.0, top_k: 3, seed: 7, ..Default::default() };
         let mut order: Vec<usize> = (0..50).collect();
         order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
         let allowed = &order[..3];
@@ -192,11 +172,7 @@ mod tests {
     fn top_p_keeps_the_nucleus() {
         // Probabilities ≈ [0.64, 0.24, 0.09, 0.03]: p = 0.5 keeps only the first.
         let logits = [3.0f32, 2.0, 1.0, 0.0];
-        let p = SamplingParams {
-            temperature: 1.0,
-            top_p: 0.5,
-            ..Default::default()
-        };
+        let p = SamplingParams { temperature: 1.0, top_p: 0.5, ..Default::default() };
         let mut rng = Rng::new(3);
         for _ in 0..100 {
             assert_eq!(sample(&logits, &p, &mut rng), 0);
@@ -205,15 +181,9 @@ mod tests {
 
     #[test]
     fn invalid_params_are_rejected() {
-        let p = SamplingParams {
-            top_p: 0.0,
-            ..Default::default()
-        };
+        let p = SamplingParams { top_p: 0.0, ..Default::default() };
         assert!(p.validate().is_err());
-        let p = SamplingParams {
-            temperature: f32::NAN,
-            ..Default::default()
-        };
+        let p = SamplingParams { temperature: f32::NAN, ..Default::default() };
         assert!(p.validate().is_err());
     }
 }

@@ -34,7 +34,7 @@ fn tiny_models_decode_logits_match_transformers() {
             let d = max_abs_diff(&got, want);
             assert!(d < TINY_TOL, "{name}: position {pos}: max |Δlogit| = {d}");
             if pos + 1 < g.input_ids.len() {
-                seq.tokens.push(g.input_ids[pos + 1]);
+                seq.push(g.input_ids[pos + 1]);
             }
         }
     }
@@ -58,10 +58,7 @@ fn tiny_models_prefill_chunks_and_greedy_match_transformers() {
             &mut engine,
             None,
             &[],
-            GenerateRequest {
-                prompt: g.input_ids.clone(),
-                params: SamplingParams::greedy(g.steps.len()),
-            },
+            GenerateRequest { prompt: g.input_ids.clone(), params: SamplingParams::greedy(g.steps.len()) },
         )
         .unwrap();
         let want: Vec<u32> = g.steps.iter().map(|s| s.token).collect();
@@ -82,12 +79,9 @@ fn tiny_models_step_logprobs_match_transformers() {
             assert_eq!(argmax(&logits), step.token, "{name} step {i}");
             for &(id, want) in &step.top {
                 let d = (lp[id as usize] - want).abs();
-                assert!(
-                    d < TINY_TOL as f64,
-                    "{name} step {i} token {id}: Δlogprob {d}"
-                );
+                assert!(d < TINY_TOL as f64, "{name} step {i} token {id}: Δlogprob {d}");
             }
-            seq.tokens.push(step.token);
+            seq.push(step.token);
         }
     }
 }
@@ -111,13 +105,9 @@ fn smollm2_logprobs_and_greedy_match_transformers() {
             for &(id, want) in &step.top {
                 let d = (lp[id as usize] - want).abs();
                 worst = worst.max(d);
-                assert!(
-                    d < SMOL_LOGPROB_TOL,
-                    "{} step {i} token {id}: Δlogprob {d}",
-                    case.name
-                );
+                assert!(d < SMOL_LOGPROB_TOL, "{} step {i} token {id}: Δlogprob {d}", case.name);
             }
-            seq.tokens.push(step.token);
+            seq.push(step.token);
         }
     }
     eprintln!("smollm2: worst |Δlogprob| over all cases and top-10 = {worst:.2e}");
@@ -135,10 +125,7 @@ fn smollm2_batched_generation_matches_golden() {
         .iter()
         .map(|c| GenerateRequest {
             prompt: c.input_ids.clone(),
-            params: SamplingParams {
-                ignore_eos: true,
-                ..SamplingParams::greedy(c.steps.len())
-            },
+            params: SamplingParams { ignore_eos: true, ..SamplingParams::greedy(c.steps.len()) },
         })
         .collect();
     let outs = inferscale_engine::generate_batch(&mut engine, None, &[], requests).unwrap();
@@ -146,9 +133,5 @@ fn smollm2_batched_generation_matches_golden() {
         let want: Vec<u32> = c.steps.iter().map(|s| s.token).collect();
         assert_eq!(out.tokens, want, "{}", c.name);
     }
-    assert_eq!(
-        engine.pool().free_blocks(),
-        engine.pool().total_blocks(),
-        "blocks leaked"
-    );
+    assert_eq!(engine.pool().free_blocks(), engine.pool().total_blocks(), "blocks leaked");
 }

@@ -20,10 +20,7 @@ pub struct Message {
 
 impl Message {
     pub fn new(role: &str, content: &str) -> Self {
-        Message {
-            role: role.to_string(),
-            content: content.to_string(),
-        }
+        Message { role: role.to_string(), content: content.to_string() }
     }
 }
 
@@ -75,28 +72,18 @@ impl ChatTemplate {
         // HF renders with trim_blocks and lstrip_blocks.
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
-        env.add_function(
-            "raise_exception",
-            |msg: String| -> std::result::Result<String, minijinja::Error> {
-                Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
-            },
-        );
+        env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
+        });
         env.add_template_owned(NAME, source.to_string())
             .map_err(|e| ModelError::ChatTemplate(format!("does not compile: {e}")))?;
-        Ok(ChatTemplate {
-            env,
-            bos_token: bos_token.to_string(),
-            eos_token: eos_token.to_string(),
-        })
+        Ok(ChatTemplate { env, bos_token: bos_token.to_string(), eos_token: eos_token.to_string() })
     }
 
     /// Renders `messages`; with `add_generation_prompt` the text ends where the
     /// assistant's reply begins.
     pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
-        let tmpl = self
-            .env
-            .get_template(NAME)
-            .map_err(|e| ModelError::ChatTemplate(e.to_string()))?;
+        let tmpl = self.env.get_template(NAME).map_err(|e| ModelError::ChatTemplate(e.to_string()))?;
         tmpl.render(context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,
@@ -119,16 +106,8 @@ mod tests {
             s,
             "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
         );
-        let s = t
-            .render(
-                &[Message::new("system", "S"), Message::new("user", "hi")],
-                false,
-            )
-            .unwrap();
-        assert_eq!(
-            s,
-            "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
-        );
+        let s = t.render(&[Message::new("system", "S"), Message::new("user", "hi")], false).unwrap();
+        assert_eq!(s, "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n");
     }
 
     #[test]

@@ -97,47 +97,30 @@ impl ModelConfig {
         if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return Err(bad(
                 "num_key_value_heads",
-                format!(
-                    "{} does not divide num_attention_heads {}",
-                    self.num_kv_heads, self.num_heads
-                ),
+                format!("{} does not divide num_attention_heads {}", self.num_kv_heads, self.num_heads),
             ));
         }
-        if !self.head_dim.is_multiple_of(2)
-            || self.rope.dim > self.head_dim
-            || !self.rope.dim.is_multiple_of(2)
-        {
+        if !self.head_dim.is_multiple_of(2) || self.rope.dim > self.head_dim || !self.rope.dim.is_multiple_of(2) {
             return Err(bad(
                 "head_dim",
-                format!(
-                    "head_dim {} / rotary dim {} must be even, rotary ≤ head_dim",
-                    self.head_dim, self.rope.dim
-                ),
+                format!("head_dim {} / rotary dim {} must be even, rotary ≤ head_dim", self.head_dim, self.rope.dim),
             ));
         }
         if self.rope.theta.is_nan() || self.rope.theta <= 0.0 {
-            return Err(bad(
-                "rope_theta",
-                format!("{} must be positive", self.rope.theta),
-            ));
+            return Err(bad("rope_theta", format!("{} must be positive", self.rope.theta)));
         }
         if let RopeScaling::Divisors(d) = &self.rope.scaling
             && d.len() != self.rope.dim / 2
         {
-            return Err(bad(
-                "rope_freqs",
-                format!("{} divisors for {} frequencies", d.len(), self.rope.dim / 2),
-            ));
+            return Err(bad("rope_freqs", format!("{} divisors for {} frequencies", d.len(), self.rope.dim / 2)));
         }
         Ok(())
     }
 
     /// Reads an HF `config.json` (Llama, Mistral, Qwen2).
     pub fn from_hf_json(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let text =
+            std::fs::read_to_string(path).map_err(|source| ModelError::Io { path: path.to_path_buf(), source })?;
         let v: Value = serde_json::from_str(&text).map_err(|e| ModelError::Config {
             path: path.to_path_buf(),
             field: "(json)".into(),
@@ -161,25 +144,16 @@ impl ModelConfig {
         let f32_of = |name: &str, default: f32| -> Result<f32> {
             match v.get(name) {
                 None | Some(Value::Null) => Ok(default),
-                Some(x) => x
-                    .as_f64()
-                    .map(|x| x as f32)
-                    .ok_or_else(|| field(name, "not a number")),
+                Some(x) => x.as_f64().map(|x| x as f32).ok_or_else(|| field(name, "not a number")),
             }
         };
-        let model_type = v
-            .get("model_type")
-            .and_then(Value::as_str)
-            .unwrap_or("llama");
+        let model_type = v.get("model_type").and_then(Value::as_str).unwrap_or("llama");
         let family = match model_type {
             "llama" => Family::Llama,
             "mistral" => Family::Mistral,
             "qwen2" => Family::Qwen2,
             other => {
-                return Err(field(
-                    "model_type",
-                    &format!("`{other}` is not supported (llama, mistral, qwen2 are)"),
-                ));
+                return Err(field("model_type", &format!("`{other}` is not supported (llama, mistral, qwen2 are)")));
             }
         };
         let hidden_size = usize_of("hidden_size")?;
@@ -197,10 +171,9 @@ impl ModelConfig {
         let rope_params = v.get("rope_parameters").filter(|p| p.is_object());
         let scaling = parse_rope_scaling(rope_params.or(v.get("rope_scaling")), path)?;
         let theta = match rope_params.and_then(|p| p.get("rope_theta")) {
-            Some(t) => t
-                .as_f64()
-                .map(|t| t as f32)
-                .ok_or_else(|| field("rope_parameters.rope_theta", "not a number"))?,
+            Some(t) => {
+                t.as_f64().map(|t| t as f32).ok_or_else(|| field("rope_parameters.rope_theta", "not a number"))?
+            }
             None => f32_of("rope_theta", 10_000.0)?,
         };
         if family == Family::Mistral && v.get("sliding_window").is_some_and(|w| !w.is_null()) {
@@ -217,18 +190,11 @@ impl ModelConfig {
         }
         let qkv_bias = match family {
             Family::Qwen2 => true,
-            _ => v
-                .get("attention_bias")
-                .and_then(Value::as_bool)
-                .unwrap_or(false),
+            _ => v.get("attention_bias").and_then(Value::as_bool).unwrap_or(false),
         };
         let eos_token_ids = match v.get("eos_token_id") {
             Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-            Some(Value::Array(a)) => a
-                .iter()
-                .filter_map(Value::as_u64)
-                .map(|x| x as u32)
-                .collect(),
+            Some(Value::Array(a)) => a.iter().filter_map(Value::as_u64).map(|x| x as u32).collect(),
             _ => Vec::new(),
         };
         let cfg = ModelConfig {
@@ -241,21 +207,11 @@ impl ModelConfig {
             num_kv_heads,
             head_dim,
             rms_norm_eps: f32_of("rms_norm_eps", 1e-6)?,
-            rope: RopeConfig {
-                theta,
-                dim: head_dim,
-                scaling,
-            },
+            rope: RopeConfig { theta, dim: head_dim, scaling },
             max_position_embeddings: usize_of("max_position_embeddings")?,
-            tie_word_embeddings: v
-                .get("tie_word_embeddings")
-                .and_then(Value::as_bool)
-                .unwrap_or(false),
+            tie_word_embeddings: v.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(false),
             qkv_bias,
-            bos_token_id: v
-                .get("bos_token_id")
-                .and_then(Value::as_u64)
-                .map(|x| x as u32),
+            bos_token_id: v.get("bos_token_id").and_then(Value::as_u64).map(|x| x as u32),
             eos_token_ids,
         };
         cfg.validate(path)?;
@@ -299,17 +255,13 @@ impl ModelConfig {
             let name = key(k);
             match file.meta(&name) {
                 None => Ok(default),
-                Some(v) => v
-                    .as_f64()
-                    .map(|x| x as f32)
-                    .ok_or_else(|| field(&name, "not a number")),
+                Some(v) => v.as_f64().map(|x| x as f32).ok_or_else(|| field(&name, "not a number")),
             }
         };
         let hidden_size = u("embedding_length")?;
         let num_heads = u("attention.head_count")?;
         let num_kv_heads = u("attention.head_count_kv").unwrap_or(num_heads);
-        let head_dim =
-            u("attention.key_length").unwrap_or(hidden_size.checked_div(num_heads).unwrap_or(0));
+        let head_dim = u("attention.key_length").unwrap_or(hidden_size.checked_div(num_heads).unwrap_or(0));
         let rope_dim = u("rope.dimension_count").unwrap_or(head_dim);
         let vocab_size = match u("vocab_size") {
             Ok(n) => n,
@@ -317,41 +269,22 @@ impl ModelConfig {
                 .meta("tokenizer.ggml.tokens")
                 .and_then(|v| v.as_array())
                 .map(|a| a.len())
-                .ok_or_else(|| {
-                    field(
-                        &key("vocab_size"),
-                        "missing, and no tokenizer.ggml.tokens to count",
-                    )
-                })?,
+                .ok_or_else(|| field(&key("vocab_size"), "missing, and no tokenizer.ggml.tokens to count"))?,
         };
         let scaling = if file.tensors.contains_key("rope_freqs.weight") {
             let (_, d) = file.tensor_f32("rope_freqs.weight")?;
             RopeScaling::Divisors(d)
         } else {
-            match file
-                .meta(&key("rope.scaling.type"))
-                .and_then(|v| v.as_str())
-            {
+            match file.meta(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
                 None | Some("none") => RopeScaling::None,
-                Some("linear") => RopeScaling::Linear {
-                    factor: f("rope.scaling.factor", 1.0)?,
-                },
+                Some("linear") => RopeScaling::Linear { factor: f("rope.scaling.factor", 1.0)? },
                 Some(other) => {
-                    return Err(field(
-                        &key("rope.scaling.type"),
-                        &format!("`{other}` is not supported"),
-                    ));
+                    return Err(field(&key("rope.scaling.type"), &format!("`{other}` is not supported")));
                 }
             }
         };
-        let bos = file
-            .meta("tokenizer.ggml.bos_token_id")
-            .and_then(|v| v.as_u64())
-            .map(|x| x as u32);
-        let eos = file
-            .meta("tokenizer.ggml.eos_token_id")
-            .and_then(|v| v.as_u64())
-            .map(|x| x as u32);
+        let bos = file.meta("tokenizer.ggml.bos_token_id").and_then(|v| v.as_u64()).map(|x| x as u32);
+        let eos = file.meta("tokenizer.ggml.eos_token_id").and_then(|v| v.as_u64()).map(|x| x as u32);
         let cfg = ModelConfig {
             family,
             vocab_size,
@@ -362,11 +295,7 @@ impl ModelConfig {
             num_kv_heads,
             head_dim,
             rms_norm_eps: f("attention.layer_norm_rms_epsilon", 1e-5)?,
-            rope: RopeConfig {
-                theta: f("rope.freq_base", 10_000.0)?,
-                dim: rope_dim,
-                scaling,
-            },
+            rope: RopeConfig { theta: f("rope.freq_base", 10_000.0)?, dim: rope_dim, scaling },
             max_position_embeddings: u("context_length")?,
             tie_word_embeddings: !file.tensors.contains_key("output.weight"),
             qkv_bias: file.tensors.contains_key("blk.0.attn_q.bias"),
@@ -400,9 +329,7 @@ fn parse_rope_scaling(v: Option<&Value>, path: &Path) -> Result<RopeScaling> {
     };
     Ok(match kind {
         "default" => RopeScaling::None,
-        "linear" => RopeScaling::Linear {
-            factor: num("factor")?,
-        },
+        "linear" => RopeScaling::Linear { factor: num("factor")? },
         "llama3" => RopeScaling::Llama3 {
             factor: num("factor")?,
             low_freq_factor: num("low_freq_factor")?,
@@ -410,10 +337,7 @@ fn parse_rope_scaling(v: Option<&Value>, path: &Path) -> Result<RopeScaling> {
             original_max_position_embeddings: num("original_max_position_embeddings")?,
         },
         other => {
-            return Err(field(
-                "rope_type",
-                format!("`{other}` is not supported (linear, llama3 are)"),
-            ));
+            return Err(field("rope_type", format!("`{other}` is not supported (linear, llama3 are)")));
         }
     })
 }
@@ -438,10 +362,7 @@ mod tests {
         let c = ModelConfig::from_hf_value(&v, Path::new("config.json")).unwrap();
         assert_eq!(c.head_dim, 16);
         assert_eq!(c.eos_token_ids, vec![2, 3]);
-        assert!(matches!(
-            c.rope.scaling,
-            RopeScaling::Llama3 { factor: 8.0, .. }
-        ));
+        assert!(matches!(c.rope.scaling, RopeScaling::Llama3 { factor: 8.0, .. }));
         assert!(!c.qkv_bias && !c.tie_word_embeddings);
     }
 
@@ -462,26 +383,17 @@ mod tests {
     fn errors_name_the_field() {
         let mut v = base();
         v.as_object_mut().unwrap().remove("hidden_size");
-        let e = ModelConfig::from_hf_value(&v, Path::new("m/config.json"))
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("m/config.json") && e.contains("hidden_size"),
-            "{e}"
-        );
+        let e = ModelConfig::from_hf_value(&v, Path::new("m/config.json")).unwrap_err().to_string();
+        assert!(e.contains("m/config.json") && e.contains("hidden_size"), "{e}");
 
         let mut v = base();
         v["num_key_value_heads"] = json!(3);
-        let e = ModelConfig::from_hf_value(&v, Path::new("c.json"))
-            .unwrap_err()
-            .to_string();
+        let e = ModelConfig::from_hf_value(&v, Path::new("c.json")).unwrap_err().to_string();
         assert!(e.contains("num_key_value_heads"), "{e}");
 
         let mut v = base();
         v["rope_scaling"] = json!({"rope_type": "yarn", "factor": 4.0});
-        let e = ModelConfig::from_hf_value(&v, Path::new("c.json"))
-            .unwrap_err()
-            .to_string();
+        let e = ModelConfig::from_hf_value(&v, Path::new("c.json")).unwrap_err().to_string();
         assert!(e.contains("yarn"), "{e}");
     }
 }

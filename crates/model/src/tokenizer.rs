@@ -32,10 +32,10 @@ impl std::fmt::Debug for Tokenizer {
     }
 }
 
-const GPT2_BYTE_LEVEL: &str =
-    r#"{"type":"ByteLevel","add_prefix_space":false,"trim_offsets":true,"use_regex":true}"#;
+const GPT2_BYTE_LEVEL: &str = r#"{"type":"ByteLevel","add_prefix_space":false,"trim_offsets":true,"use_regex":true}"#;
 const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-const QWEN2_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN2_REGEX: &str =
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// The pre-tokenizer of a GGUF `tokenizer.ggml.pre` value.
 fn pre_tokenizer_for(pre: &str) -> Option<Value> {
@@ -67,48 +67,28 @@ impl Tokenizer {
             field: name.to_string(),
             reason,
         };
-        let model = file
-            .meta("tokenizer.ggml.model")
-            .and_then(|v| v.as_str())
-            .unwrap_or("");
+        let model = file.meta("tokenizer.ggml.model").and_then(|v| v.as_str()).unwrap_or("");
         if model != "gpt2" {
             return Err(field(
                 "tokenizer.ggml.model",
                 format!("`{model}` is not supported (the GPT-2 byte-level BPE `gpt2` is)"),
             ));
         }
-        let pre = file
-            .meta("tokenizer.ggml.pre")
-            .and_then(|v| v.as_str())
-            .unwrap_or("default");
-        let pre_tokenizer = pre_tokenizer_for(pre).ok_or_else(|| {
-            field(
-                "tokenizer.ggml.pre",
-                format!("pre-tokenizer `{pre}` is not supported"),
-            )
-        })?;
+        let pre = file.meta("tokenizer.ggml.pre").and_then(|v| v.as_str()).unwrap_or("default");
+        let pre_tokenizer = pre_tokenizer_for(pre)
+            .ok_or_else(|| field("tokenizer.ggml.pre", format!("pre-tokenizer `{pre}` is not supported")))?;
         let strings = |key: &str| -> Result<Vec<String>> {
             file.meta(key)
                 .and_then(|v| v.as_array())
                 .ok_or_else(|| field(key, "missing or not an array".into()))?
                 .iter()
-                .map(|v| {
-                    v.as_str()
-                        .map(str::to_string)
-                        .ok_or_else(|| field(key, "non-string element".into()))
-                })
+                .map(|v| v.as_str().map(str::to_string).ok_or_else(|| field(key, "non-string element".into())))
                 .collect()
         };
         let tokens = strings("tokenizer.ggml.tokens")?;
         let merges = strings("tokenizer.ggml.merges")?;
-        let types: Vec<i64> = match file
-            .meta("tokenizer.ggml.token_type")
-            .and_then(|v| v.as_array())
-        {
-            Some(a) => a
-                .iter()
-                .map(|v| v.as_f64().map_or(1, |x| x as i64))
-                .collect(),
+        let types: Vec<i64> = match file.meta("tokenizer.ggml.token_type").and_then(|v| v.as_array()) {
+            Some(a) => a.iter().map(|v| v.as_f64().map_or(1, |x| x as i64)).collect(),
             None => vec![1; tokens.len()],
         };
         if types.len() != tokens.len() {
@@ -117,11 +97,8 @@ impl Tokenizer {
                 format!("{} types for {} tokens", types.len(), tokens.len()),
             ));
         }
-        let vocab: serde_json::Map<String, Value> = tokens
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (t.clone(), json!(i)))
-            .collect();
+        let vocab: serde_json::Map<String, Value> =
+            tokens.iter().enumerate().map(|(i, t)| (t.clone(), json!(i))).collect();
         // Type 3 = control (special), 4 = user-defined: both are matched whole
         // before BPE runs, as llama.cpp and HF do.
         let added: Vec<Value> = tokens
@@ -140,10 +117,7 @@ impl Tokenizer {
         };
         let bos = id_of("tokenizer.ggml.bos_token_id");
         let eos = id_of("tokenizer.ggml.eos_token_id");
-        let add_bos = file
-            .meta("tokenizer.ggml.add_bos_token")
-            .and_then(|v| v.as_bool())
-            .unwrap_or(false);
+        let add_bos = file.meta("tokenizer.ggml.add_bos_token").and_then(|v| v.as_bool()).unwrap_or(false);
         let post_processor = match (&bos, add_bos) {
             (Some((id, tok)), true) => json!({
                 "type": "TemplateProcessing",
@@ -167,13 +141,8 @@ impl Tokenizer {
                       "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
                       "ignore_merges": false, "vocab": vocab, "merges": merges},
         });
-        let inner =
-            tokenizers::Tokenizer::from_bytes(spec.to_string().as_bytes()).map_err(|e| {
-                ModelError::Tokenizer(format!(
-                    "{}: building from GGUF metadata: {e}",
-                    path.display()
-                ))
-            })?;
+        let inner = tokenizers::Tokenizer::from_bytes(spec.to_string().as_bytes())
+            .map_err(|e| ModelError::Tokenizer(format!("{}: building from GGUF metadata: {e}", path.display())))?;
         Ok(Tokenizer { inner, bos, eos })
     }
 
@@ -199,9 +168,7 @@ impl Tokenizer {
     }
 
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
-        self.inner
-            .decode(ids, skip_special_tokens)
-            .map_err(|e| ModelError::Tokenizer(format!("decode: {e}")))
+        self.inner.decode(ids, skip_special_tokens).map_err(|e| ModelError::Tokenizer(format!("decode: {e}")))
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -226,10 +193,7 @@ impl StreamDecoder {
     pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<String> {
         self.ids.push(id);
         let text = tok.decode(&self.ids, true)?;
-        if text.ends_with('\u{fffd}')
-            || text.len() < self.emitted
-            || !text.is_char_boundary(self.emitted)
-        {
+        if text.ends_with('\u{fffd}') || text.len() < self.emitted || !text.is_char_boundary(self.emitted) {
             return Ok(String::new());
         }
         let new = text[self.emitted..].to_string();

@@ -74,10 +74,7 @@ impl WeightSource {
                 data = unpermute_rows(&data, cfg.num_kv_heads, shape.get(1).copied().unwrap_or(1));
             }
         }
-        Ok(HostTensor {
-            shape: shape.to_vec(),
-            data,
-        })
+        Ok(HostTensor { shape: shape.to_vec(), data })
     }
 }
 
@@ -94,8 +91,7 @@ fn unpermute_rows(data: &[f32], heads: usize, cols: usize) -> Vec<f32> {
             for p in 0..2 {
                 let src = h * head_rows + j * 2 + p;
                 let dst = h * head_rows + p * half + j;
-                out[dst * cols..(dst + 1) * cols]
-                    .copy_from_slice(&data[src * cols..(src + 1) * cols]);
+                out[dst * cols..(dst + 1) * cols].copy_from_slice(&data[src * cols..(src + 1) * cols]);
             }
         }
     }
@@ -164,10 +160,7 @@ impl SafetensorsDir {
             // SAFETY: read-only map of a file we do not modify.
             let mmap = unsafe { Mmap::map(&f) }.map_err(io(&p))?;
             let names = SafeTensors::read_metadata(&mmap)
-                .map_err(|e| ModelError::Safetensors {
-                    path: p.clone(),
-                    reason: e.to_string(),
-                })?
+                .map_err(|e| ModelError::Safetensors { path: p.clone(), reason: e.to_string() })?
                 .1
                 .tensors()
                 .into_keys()
@@ -177,44 +170,23 @@ impl SafetensorsDir {
             }
             files.push((p, mmap));
         }
-        Ok(SafetensorsDir {
-            dir: dir.to_path_buf(),
-            files,
-            index,
-        })
+        Ok(SafetensorsDir { dir: dir.to_path_buf(), files, index })
     }
 
     fn load(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
         let &i = self
             .index
             .get(name)
-            .ok_or_else(|| ModelError::MissingTensor {
-                path: self.dir.clone(),
-                tensor: name.to_string(),
-            })?;
+            .ok_or_else(|| ModelError::MissingTensor { path: self.dir.clone(), tensor: name.to_string() })?;
         let (path, mmap) = &self.files[i];
-        let st_err = |reason: String| ModelError::Safetensors {
-            path: path.clone(),
-            reason,
-        };
+        let st_err = |reason: String| ModelError::Safetensors { path: path.clone(), reason };
         let st = SafeTensors::deserialize(mmap).map_err(|e| st_err(e.to_string()))?;
-        let view = st
-            .tensor(name)
-            .map_err(|e| st_err(format!("`{name}`: {e}")))?;
+        let view = st.tensor(name).map_err(|e| st_err(format!("`{name}`: {e}")))?;
         let bytes = view.data();
         let data: Vec<f32> = match view.dtype() {
-            Dtype::F32 => bytes
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect(),
-            Dtype::F16 => bytes
-                .chunks_exact(2)
-                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect(),
-            Dtype::BF16 => bytes
-                .chunks_exact(2)
-                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect(),
+            Dtype::F32 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            Dtype::F16 => bytes.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            Dtype::BF16 => bytes.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
             other => {
                 return Err(ModelError::UnsupportedType {
                     path: path.clone(),
@@ -242,8 +214,7 @@ mod tests {
                 for j in 0..half {
                     let src = h * head_rows + p * half + j;
                     let dst = h * head_rows + j * 2 + p;
-                    out[dst * cols..(dst + 1) * cols]
-                        .copy_from_slice(&data[src * cols..(src + 1) * cols]);
+                    out[dst * cols..(dst + 1) * cols].copy_from_slice(&data[src * cols..(src + 1) * cols]);
                 }
             }
         }
@@ -259,18 +230,9 @@ mod tests {
 
     #[test]
     fn gguf_names() {
-        assert_eq!(
-            gguf_name("model.layers.12.self_attn.k_proj.bias").as_deref(),
-            Some("blk.12.attn_k.bias")
-        );
-        assert_eq!(
-            gguf_name("model.layers.0.mlp.down_proj.weight").as_deref(),
-            Some("blk.0.ffn_down.weight")
-        );
-        assert_eq!(
-            gguf_name("lm_head.weight").as_deref(),
-            Some("output.weight")
-        );
+        assert_eq!(gguf_name("model.layers.12.self_attn.k_proj.bias").as_deref(), Some("blk.12.attn_k.bias"));
+        assert_eq!(gguf_name("model.layers.0.mlp.down_proj.weight").as_deref(), Some("blk.0.ffn_down.weight"));
+        assert_eq!(gguf_name("lm_head.weight").as_deref(), Some("output.weight"));
         assert_eq!(gguf_name("model.layers.0.bogus.weight"), None);
     }
 }

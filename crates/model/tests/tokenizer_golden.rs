@@ -10,9 +10,7 @@ use inferscale_model::{ChatTemplate, Message};
 use serde::Deserialize;
 
 fn golden(name: &str) -> serde_json::Value {
-    let path: PathBuf = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/golden")
-        .join(name);
+    let path: PathBuf = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/golden").join(name);
     serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap()
 }
 
@@ -35,28 +33,15 @@ struct Msg {
 
 #[test]
 fn builtin_templates_render_like_transformers() {
-    let cases: Vec<ChatCase> =
-        serde_json::from_value(golden("chat_templates.json")["cases"].clone()).unwrap();
+    let cases: Vec<ChatCase> = serde_json::from_value(golden("chat_templates.json")["cases"].clone()).unwrap();
     assert!(cases.len() >= 18);
     for c in cases {
         let src = builtin::by_name(&c.template).unwrap();
-        assert_eq!(
-            src, c.source,
-            "built-in `{}` differs from the golden's source",
-            c.template
-        );
+        assert_eq!(src, c.source, "built-in `{}` differs from the golden's source", c.template);
         let t = ChatTemplate::new(src, &c.bos_token, &c.eos_token).unwrap();
-        let msgs: Vec<Message> = c
-            .messages
-            .iter()
-            .map(|m| Message::new(&m.role, &m.content))
-            .collect();
+        let msgs: Vec<Message> = c.messages.iter().map(|m| Message::new(&m.role, &m.content)).collect();
         let got = t.render(&msgs, c.add_generation_prompt).unwrap();
-        assert_eq!(
-            got, c.rendered,
-            "template {} gen={}",
-            c.template, c.add_generation_prompt
-        );
+        assert_eq!(got, c.rendered, "template {} gen={}", c.template, c.add_generation_prompt);
     }
 }
 
@@ -75,11 +60,7 @@ fn smollm2_tokenizer_and_template_match_reference() {
         let got = tok.encode(text, false).unwrap();
         assert_eq!(got, want, "tokenizing {text:?}");
         // Special-token text decodes back only when specials are kept.
-        assert_eq!(
-            tok.decode(&got, false).unwrap(),
-            text,
-            "round trip of {text:?}"
-        );
+        assert_eq!(tok.decode(&got, false).unwrap(), text, "round trip of {text:?}");
     }
     for c in g["cases"].as_array().unwrap() {
         let prompt = c["prompt"].as_str().unwrap();

@@ -32,18 +32,9 @@ pub fn paged_attention(
     shape: AttentionShape,
     spans: &[SeqSpan<'_>],
 ) -> Result<CpuTensor> {
-    let AttentionShape {
-        num_heads,
-        num_kv_heads,
-        head_dim: d,
-        scale,
-    } = shape;
+    let AttentionShape { num_heads, num_kv_heads, head_dim: d, scale } = shape;
     let spec = store.spec();
-    if q.cols != num_heads * d
-        || spec.num_kv_heads != num_kv_heads
-        || spec.head_dim != d
-        || layer >= spec.num_layers
-    {
+    if q.cols != num_heads * d || spec.num_kv_heads != num_kv_heads || spec.head_dim != d || layer >= spec.num_layers {
         return Err(EngineError::Shape(format!(
             "attention: q width {} for {num_heads}×{d}, store {spec:?}, layer {layer}",
             q.cols
@@ -65,29 +56,14 @@ pub fn paged_attention(
         }
         for g in 0..num_kv_heads {
             for r0 in (0..s.q_len).step_by(ROWS_PER_TASK) {
-                tasks.push(Task {
-                    span: si,
-                    kv_head: g,
-                    r0,
-                    r1: (r0 + ROWS_PER_TASK).min(s.q_len),
-                });
+                tasks.push(Task { span: si, kv_head: g, r0, r1: (r0 + ROWS_PER_TASK).min(s.q_len) });
             }
         }
     }
     let group = num_heads / num_kv_heads;
-    let ctx = TaskCtx {
-        q,
-        store,
-        layer,
-        group,
-        d,
-        scale,
-    };
-    let results: Vec<(usize, Vec<f32>)> = tasks
-        .par_iter()
-        .enumerate()
-        .map(|(ti, t)| (ti, run_task(t, &spans[t.span], &ctx)))
-        .collect();
+    let ctx = TaskCtx { q, store, layer, group, d, scale };
+    let results: Vec<(usize, Vec<f32>)> =
+        tasks.par_iter().enumerate().map(|(ti, t)| (ti, run_task(t, &spans[t.span], &ctx))).collect();
 
     let mut out = CpuTensor::zeros(q.rows, q.cols);
     for (ti, buf) in results {
@@ -119,14 +95,7 @@ struct TaskCtx<'a> {
 
 /// One task's output, `[group, rows, d]`.
 fn run_task(t: &Task, s: &SeqSpan<'_>, ctx: &TaskCtx<'_>) -> Vec<f32> {
-    let TaskCtx {
-        q,
-        store,
-        layer,
-        group,
-        d,
-        scale,
-    } = *ctx;
+    let TaskCtx { q, store, layer, group, d, scale } = *ctx;
     let first_pos = s.context_len - s.q_len;
     let rows = t.r1 - t.r0;
     let n_keys = first_pos + t.r1;
@@ -139,16 +108,8 @@ fn run_task(t: &Task, s: &SeqSpan<'_>, ctx: &TaskCtx<'_>) -> Vec<f32> {
         gemm_strided(
             &mut scores,
             n_keys,
-            Strided {
-                data: &q.data[q_off..],
-                rs: q.cols,
-                cs: 1,
-            },
-            Strided {
-                data: &keys,
-                rs: 1,
-                cs: d,
-            },
+            Strided { data: &q.data[q_off..], rs: q.cols, cs: 1 },
+            Strided { data: &keys, rs: 1, cs: d },
             (rows, n_keys, d),
             scale,
         );
@@ -158,16 +119,8 @@ fn run_task(t: &Task, s: &SeqSpan<'_>, ctx: &TaskCtx<'_>) -> Vec<f32> {
         gemm_strided(
             &mut out[j * rows * d..],
             d,
-            Strided {
-                data: &scores,
-                rs: n_keys,
-                cs: 1,
-            },
-            Strided {
-                data: &values,
-                rs: d,
-                cs: 1,
-            },
+            Strided { data: &scores, rs: n_keys, cs: 1 },
+            Strided { data: &values, rs: d, cs: 1 },
             (rows, d, n_keys),
             1.0,
         );
@@ -190,13 +143,7 @@ fn softmax_causal(row: &mut [f32], visible: usize) {
 }
 
 /// Copies positions `0..n` of one KV head into contiguous `[n, d]` K and V.
-fn gather(
-    store: &CpuKvStore,
-    layer: usize,
-    table: &[u32],
-    head: usize,
-    n: usize,
-) -> (Vec<f32>, Vec<f32>) {
+fn gather(store: &CpuKvStore, layer: usize, table: &[u32], head: usize, n: usize) -> (Vec<f32>, Vec<f32>) {
     let d = store.spec().head_dim;
     let bs = store.spec().block_size;
     let mut k = vec![0f32; n * d];

@@ -15,18 +15,11 @@ const ROWS_PER_TASK: usize = 64;
 
 /// `out[m, n] = a[m, k] · b[n, k]ᵀ`, all row-major and contiguous.
 pub fn matmul_bt(out: &mut [f32], a: &[f32], b: &[f32], m: usize, n: usize, k: usize) {
-    assert!(
-        out.len() == m * n && a.len() == m * k && b.len() == n * k,
-        "matmul_bt shapes"
-    );
+    assert!(out.len() == m * n && a.len() == m * k && b.len() == n * k, "matmul_bt shapes");
     if m <= SMALL_M && k > 0 {
         return matmul_bt_small(out, a, b, m, n, k);
     }
-    let par = if m * n * k >= PARALLEL_MIN_FLOPS {
-        Parallelism::Rayon(0)
-    } else {
-        Parallelism::None
-    };
+    let par = if m * n * k >= PARALLEL_MIN_FLOPS { Parallelism::Rayon(0) } else { Parallelism::None };
     // SAFETY: the slices have the lengths asserted above, and the strides
     // below address exactly those elements: a is [m,k] row-major, bᵀ reads b
     // [n,k] with column stride k, out is [m,n] row-major.
@@ -60,42 +53,38 @@ fn matmul_bt_small(out: &mut [f32], a: &[f32], b: &[f32], m: usize, n: usize, k:
     use rayon::prelude::*;
     // Transposed result [n, m] so that tasks own contiguous output.
     let mut t = vec![0f32; n * m];
-    t.par_chunks_mut(ROWS_PER_TASK * m)
-        .zip(b.par_chunks(ROWS_PER_TASK * k))
-        .for_each(|(t, b)| {
-            let rows = b.len() / k;
-            let mut j = 0;
-            #[cfg(target_arch = "x86_64")]
-            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-                // 4 weight rows × 2 input rows per kernel call: each loaded
-                // weight vector feeds two FMAs and reductions are amortised.
-                while j + 4 <= rows {
-                    let mut i = 0;
-                    while i + 2 <= m {
-                        // SAFETY: features detected above; slices hold 4 rows of b and 2 rows of a of length k.
-                        let r = unsafe {
-                            dot_4x2_avx2(&b[j * k..(j + 4) * k], &a[i * k..(i + 2) * k], k)
-                        };
-                        for (jj, pair) in r.chunks_exact(2).enumerate() {
-                            t[(j + jj) * m + i] = pair[0];
-                            t[(j + jj) * m + i + 1] = pair[1];
-                        }
-                        i += 2;
+    t.par_chunks_mut(ROWS_PER_TASK * m).zip(b.par_chunks(ROWS_PER_TASK * k)).for_each(|(t, b)| {
+        let rows = b.len() / k;
+        let mut j = 0;
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            // 4 weight rows × 2 input rows per kernel call: each loaded
+            // weight vector feeds two FMAs and reductions are amortised.
+            while j + 4 <= rows {
+                let mut i = 0;
+                while i + 2 <= m {
+                    // SAFETY: features detected above; slices hold 4 rows of b and 2 rows of a of length k.
+                    let r = unsafe { dot_4x2_avx2(&b[j * k..(j + 4) * k], &a[i * k..(i + 2) * k], k) };
+                    for (jj, pair) in r.chunks_exact(2).enumerate() {
+                        t[(j + jj) * m + i] = pair[0];
+                        t[(j + jj) * m + i + 1] = pair[1];
                     }
-                    if i < m {
-                        for jj in j..j + 4 {
-                            t[jj * m + i] = dot(&a[i * k..(i + 1) * k], &b[jj * k..(jj + 1) * k]);
-                        }
+                    i += 2;
+                }
+                if i < m {
+                    for jj in j..j + 4 {
+                        t[jj * m + i] = dot(&a[i * k..(i + 1) * k], &b[jj * k..(jj + 1) * k]);
                     }
-                    j += 4;
                 }
+                j += 4;
             }
-            for jj in j..rows {
-                for i in 0..m {
-                    t[jj * m + i] = dot(&a[i * k..(i + 1) * k], &b[jj * k..(jj + 1) * k]);
-                }
+        }
+        for jj in j..rows {
+            for i in 0..m {
+                t[jj * m + i] = dot(&a[i * k..(i + 1) * k], &b[jj * k..(jj + 1) * k]);
             }
-        });
+        }
+    });
     for i in 0..m {
         for j in 0..n {
             out[i * n + j] = t[j * m + i];
@@ -157,12 +146,7 @@ pub(crate) fn dot(x: &[f32], y: &[f32]) -> f32 {
 fn dot_portable(x: &[f32], y: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let (xc, yc) = (x.chunks_exact(8), y.chunks_exact(8));
-    let tail: f32 = xc
-        .remainder()
-        .iter()
-        .zip(yc.remainder())
-        .map(|(a, b)| a * b)
-        .sum();
+    let tail: f32 = xc.remainder().iter().zip(yc.remainder()).map(|(a, b)| a * b).sum();
     for (a, b) in xc.zip(yc) {
         for l in 0..8 {
             acc[l] += a[l] * b[l];
@@ -189,22 +173,13 @@ unsafe fn dot_avx2(x: &[f32], y: &[f32]) -> f32 {
             i += 32;
         }
         while i + 8 <= n {
-            acc[0] = _mm256_fmadd_ps(
-                _mm256_loadu_ps(px.add(i)),
-                _mm256_loadu_ps(py.add(i)),
-                acc[0],
-            );
+            acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(px.add(i)), _mm256_loadu_ps(py.add(i)), acc[0]);
             i += 8;
         }
         let s = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
         let mut lanes = [0f32; 8];
         _mm256_storeu_ps(lanes.as_mut_ptr(), s);
-        lanes.iter().sum::<f32>()
-            + x[i..n]
-                .iter()
-                .zip(&y[i..n])
-                .map(|(a, b)| a * b)
-                .sum::<f32>()
+        lanes.iter().sum::<f32>() + x[i..n].iter().zip(&y[i..n]).map(|(a, b)| a * b).sum::<f32>()
     }
 }
 
@@ -270,13 +245,7 @@ mod tests {
 
     #[test]
     fn small_and_large_paths_match_naive_product() {
-        for (m, n, k) in [
-            (5, 70, 37),
-            (40, 9, 33),
-            (1, 130, 64),
-            (8, 131, 576),
-            (3, 4, 5),
-        ] {
+        for (m, n, k) in [(5, 70, 37), (40, 9, 33), (1, 130, 64), (8, 131, 576), (3, 4, 5)] {
             check(m, n, k);
         }
     }
@@ -289,10 +258,7 @@ mod tests {
         for i in 0..m {
             for j in 0..n {
                 let want: f32 = (0..k).map(|x| a[i * k + x] * b[j * k + x]).sum();
-                assert!(
-                    (out[i * n + j] - want).abs() < 1e-4,
-                    "({m},{n},{k}) at ({i},{j})"
-                );
+                assert!((out[i * n + j] - want).abs() < 1e-4, "({m},{n},{k}) at ({i},{j})");
             }
         }
     }

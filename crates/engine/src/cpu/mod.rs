@@ -9,7 +9,7 @@ mod matmul;
 use inferscale_model::HostTensor;
 use rayon::prelude::*;
 
-use crate::backend::{AttentionShape, Backend, KvSpec, SeqSpan};
+use crate::backend::{AttentionShape, Backend, InjectChunk, KvSpec, SeqSpan};
 use crate::error::{EngineError, Result};
 use crate::rope::Rope;
 
@@ -25,11 +25,7 @@ pub struct CpuTensor {
 
 impl CpuTensor {
     pub fn zeros(rows: usize, cols: usize) -> Self {
-        CpuTensor {
-            rows,
-            cols,
-            data: vec![0.0; rows * cols],
-        }
+        CpuTensor { rows, cols, data: vec![0.0; rows * cols] }
     }
 }
 
@@ -78,24 +74,13 @@ impl Backend for CpuBackend {
             s => return Err(shape_err(format!("upload of a {}-D tensor", s.len()))),
         };
         if rows * cols != t.data.len() {
-            return Err(shape_err(format!(
-                "shape {:?} for {} values",
-                t.shape,
-                t.data.len()
-            )));
+            return Err(shape_err(format!("shape {:?} for {} values", t.shape, t.data.len())));
         }
-        Ok(CpuTensor {
-            rows,
-            cols,
-            data: t.data.clone(),
-        })
+        Ok(CpuTensor { rows, cols, data: t.data.clone() })
     }
 
     fn to_host(&self, t: &CpuTensor) -> Result<HostTensor> {
-        Ok(HostTensor {
-            shape: vec![t.rows, t.cols],
-            data: t.data.clone(),
-        })
+        Ok(HostTensor { shape: vec![t.rows, t.cols], data: t.data.clone() })
     }
 
     fn dims(&self, t: &CpuTensor) -> (usize, usize) {
@@ -107,10 +92,7 @@ impl Backend for CpuBackend {
         for (row, &id) in out.data.chunks_exact_mut(table.cols).zip(ids) {
             let id = id as usize;
             if id >= table.rows {
-                return Err(EngineError::TokenOutOfRange {
-                    id: id as u32,
-                    vocab: table.rows,
-                });
+                return Err(EngineError::TokenOutOfRange { id: id as u32, vocab: table.rows });
             }
             row.copy_from_slice(&table.data[id * table.cols..(id + 1) * table.cols]);
         }
@@ -119,42 +101,28 @@ impl Backend for CpuBackend {
 
     fn rms_norm(&self, x: &CpuTensor, weight: &CpuTensor, eps: f32) -> Result<CpuTensor> {
         if weight.data.len() != x.cols {
-            return Err(shape_err(format!(
-                "rms_norm weight {} for width {}",
-                weight.data.len(),
-                x.cols
-            )));
+            return Err(shape_err(format!("rms_norm weight {} for width {}", weight.data.len(), x.cols)));
         }
         let mut out = CpuTensor::zeros(x.rows, x.cols);
-        out.data
-            .par_chunks_mut(x.cols)
-            .zip(x.data.par_chunks(x.cols))
-            .for_each(|(o, r)| {
-                let ms = r.iter().map(|v| v * v).sum::<f32>() / x.cols as f32;
-                let inv = 1.0 / (ms + eps).sqrt();
-                for ((o, v), w) in o.iter_mut().zip(r).zip(&weight.data) {
-                    *o = w * (v * inv);
-                }
-            });
+        out.data.par_chunks_mut(x.cols).zip(x.data.par_chunks(x.cols)).for_each(|(o, r)| {
+            let ms = r.iter().map(|v| v * v).sum::<f32>() / x.cols as f32;
+            let inv = 1.0 / (ms + eps).sqrt();
+            for ((o, v), w) in o.iter_mut().zip(r).zip(&weight.data) {
+                *o = w * (v * inv);
+            }
+        });
         Ok(out)
     }
 
     fn linear(&self, x: &CpuTensor, w: &CpuTensor, bias: Option<&CpuTensor>) -> Result<CpuTensor> {
         if x.cols != w.cols {
-            return Err(shape_err(format!(
-                "linear: x [{}, {}] · w [{}, {}]ᵀ",
-                x.rows, x.cols, w.rows, w.cols
-            )));
+            return Err(shape_err(format!("linear: x [{}, {}] · w [{}, {}]ᵀ", x.rows, x.cols, w.rows, w.cols)));
         }
         let mut out = CpuTensor::zeros(x.rows, w.rows);
         matmul_bt(&mut out.data, &x.data, &w.data, x.rows, w.rows, x.cols);
         if let Some(b) = bias {
             if b.data.len() != w.rows {
-                return Err(shape_err(format!(
-                    "bias of {} for {} outputs",
-                    b.data.len(),
-                    w.rows
-                )));
+                return Err(shape_err(format!("bias of {} for {} outputs", b.data.len(), w.rows)));
             }
             out.data.par_chunks_mut(w.rows).for_each(|row| {
                 for (o, b) in row.iter_mut().zip(&b.data) {
@@ -165,13 +133,7 @@ impl Backend for CpuBackend {
         Ok(out)
     }
 
-    fn rope(
-        &self,
-        x: &mut CpuTensor,
-        head_dim: usize,
-        positions: &[u32],
-        rope: &Rope,
-    ) -> Result<()> {
+    fn rope(&self, x: &mut CpuTensor, head_dim: usize, positions: &[u32], rope: &Rope) -> Result<()> {
         if positions.len() != x.rows || !x.cols.is_multiple_of(head_dim) || rope.dim() > head_dim {
             return Err(shape_err(format!(
                 "rope: {} positions for [{}, {}] with head_dim {head_dim}",
@@ -180,19 +142,13 @@ impl Backend for CpuBackend {
                 x.cols
             )));
         }
-        x.data
-            .par_chunks_mut(x.cols)
-            .zip(positions)
-            .for_each(|(row, &p)| {
-                let (mut cos, mut sin) = (
-                    Vec::with_capacity(head_dim / 2),
-                    Vec::with_capacity(head_dim / 2),
-                );
-                rope.cos_sin(p, &mut cos, &mut sin);
-                for head in row.chunks_exact_mut(head_dim) {
-                    rope.rotate(head, &cos, &sin);
-                }
-            });
+        x.data.par_chunks_mut(x.cols).zip(positions).for_each(|(row, &p)| {
+            let (mut cos, mut sin) = (Vec::with_capacity(head_dim / 2), Vec::with_capacity(head_dim / 2));
+            rope.cos_sin(p, &mut cos, &mut sin);
+            for head in row.chunks_exact_mut(head_dim) {
+                rope.rotate(head, &cos, &sin);
+            }
+        });
         Ok(())
     }
 
@@ -201,14 +157,13 @@ impl Backend for CpuBackend {
             return Err(shape_err("silu_mul shapes differ".into()));
         }
         let mut out = CpuTensor::zeros(gate.rows, gate.cols);
-        out.data
-            .par_chunks_mut(4096)
-            .zip(gate.data.par_chunks(4096).zip(up.data.par_chunks(4096)))
-            .for_each(|(o, (g, u))| {
+        out.data.par_chunks_mut(4096).zip(gate.data.par_chunks(4096).zip(up.data.par_chunks(4096))).for_each(
+            |(o, (g, u))| {
                 for ((o, g), u) in o.iter_mut().zip(g).zip(u) {
                     *o = g / (1.0 + (-g).exp()) * u;
                 }
-            });
+            },
+        );
         Ok(out)
     }
 
@@ -216,14 +171,11 @@ impl Backend for CpuBackend {
         if x.data.len() != y.data.len() {
             return Err(shape_err("add_assign shapes differ".into()));
         }
-        x.data
-            .par_chunks_mut(4096)
-            .zip(y.data.par_chunks(4096))
-            .for_each(|(a, b)| {
-                for (a, b) in a.iter_mut().zip(b) {
-                    *a += b;
-                }
-            });
+        x.data.par_chunks_mut(4096).zip(y.data.par_chunks(4096)).for_each(|(a, b)| {
+            for (a, b) in a.iter_mut().zip(b) {
+                *a += b;
+            }
+        });
         Ok(())
     }
 
@@ -258,11 +210,7 @@ impl Backend for CpuBackend {
         let s = store.spec;
         let width = s.num_kv_heads * s.head_dim;
         let capacity = s.num_blocks * s.block_size;
-        if k.cols != width
-            || v.cols != width
-            || k.rows != slots.len()
-            || v.rows != slots.len()
-            || layer >= s.num_layers
+        if k.cols != width || v.cols != width || k.rows != slots.len() || v.rows != slots.len() || layer >= s.num_layers
         {
             return Err(shape_err(format!(
                 "write_kv: k [{}, {}], v [{}, {}], {} slots, layer {layer}",
@@ -281,13 +229,115 @@ impl Backend for CpuBackend {
             for h in 0..s.num_kv_heads {
                 let dst = store.offset(slot, h);
                 let src = i * width + h * s.head_dim;
-                store.k[layer][dst..dst + s.head_dim]
-                    .copy_from_slice(&k.data[src..src + s.head_dim]);
-                store.v[layer][dst..dst + s.head_dim]
-                    .copy_from_slice(&v.data[src..src + s.head_dim]);
+                store.k[layer][dst..dst + s.head_dim].copy_from_slice(&k.data[src..src + s.head_dim]);
+                store.v[layer][dst..dst + s.head_dim].copy_from_slice(&v.data[src..src + s.head_dim]);
             }
         }
         Ok(())
+    }
+
+    fn inject_kv(&self, store: &mut CpuKvStore, chunks: &[InjectChunk<'_, CpuTensor>], rope: &Rope) -> Result<()> {
+        let s = store.spec;
+        let width = s.num_kv_heads * s.head_dim;
+        let capacity = (s.num_blocks * s.block_size) as u32;
+        for (ci, c) in chunks.iter().enumerate() {
+            let n = c.positions.len();
+            let bad = c.k.len() != s.num_layers
+                || c.v.len() != s.num_layers
+                || c.slots.len() != n
+                || c.k.iter().chain(c.v).any(|t| t.rows != n || t.cols != width)
+                || c.slots.iter().any(|&x| x >= capacity);
+            if bad {
+                return Err(shape_err(format!(
+                    "inject_kv chunk {ci}: {} K / {} V layers for {} layers, {n} positions, {} slots, width {width}",
+                    c.k.len(),
+                    c.v.len(),
+                    s.num_layers,
+                    c.slots.len()
+                )));
+            }
+        }
+        // cos/sin once per token, shared by every layer.
+        let tables: Vec<(Vec<f32>, Vec<f32>)> = chunks
+            .iter()
+            .map(|c| {
+                let (mut cos, mut sin) = (Vec::new(), Vec::new());
+                for &p in c.positions {
+                    rope.cos_sin(p, &mut cos, &mut sin);
+                }
+                (cos, sin)
+            })
+            .collect();
+        let half = rope.dim() / 2;
+        let d = s.head_dim;
+        let offset = |slot: usize, head: usize| {
+            let (block, off) = (slot / s.block_size, slot % s.block_size);
+            ((block * s.num_kv_heads + head) * s.block_size + off) * d
+        };
+        store.k.par_iter_mut().zip(store.v.par_iter_mut()).enumerate().for_each(|(layer, (kl, vl))| {
+            for (c, (cos, sin)) in chunks.iter().zip(&tables) {
+                let (k, v) = (&c.k[layer], &c.v[layer]);
+                for (i, &slot) in c.slots.iter().enumerate() {
+                    let (cos, sin) = (&cos[i * half..(i + 1) * half], &sin[i * half..(i + 1) * half]);
+                    for h in 0..s.num_kv_heads {
+                        let dst = offset(slot as usize, h);
+                        let src = i * width + h * d;
+                        let head = &mut kl[dst..dst + d];
+                        head.copy_from_slice(&k.data[src..src + d]);
+                        rope.rotate(head, cos, sin);
+                        vl[dst..dst + d].copy_from_slice(&v.data[src..src + d]);
+                    }
+                }
+            }
+        });
+        Ok(())
+    }
+
+    fn gather_kv(&self, store: &CpuKvStore, layer: usize, slots: &[u32]) -> Result<(CpuTensor, CpuTensor)> {
+        let s = store.spec;
+        let width = s.num_kv_heads * s.head_dim;
+        let capacity = s.num_blocks * s.block_size;
+        if layer >= s.num_layers || slots.iter().any(|&x| x as usize >= capacity) {
+            return Err(shape_err(format!("gather_kv: layer {layer}, slots beyond {capacity}")));
+        }
+        let mut k = CpuTensor::zeros(slots.len(), width);
+        let mut v = CpuTensor::zeros(slots.len(), width);
+        for (i, &slot) in slots.iter().enumerate() {
+            for h in 0..s.num_kv_heads {
+                let src = store.offset(slot as usize, h);
+                let dst = i * width + h * s.head_dim;
+                k.data[dst..dst + s.head_dim].copy_from_slice(&store.k[layer][src..src + s.head_dim]);
+                v.data[dst..dst + s.head_dim].copy_from_slice(&store.v[layer][src..src + s.head_dim]);
+            }
+        }
+        Ok((k, v))
+    }
+
+    fn copy_blocks(&self, store: &mut CpuKvStore, pairs: &[(u32, u32)]) -> Result<()> {
+        let s = store.spec;
+        let block = s.num_kv_heads * s.block_size * s.head_dim;
+        if let Some(p) = pairs.iter().find(|(a, b)| *a as usize >= s.num_blocks || *b as usize >= s.num_blocks) {
+            return Err(shape_err(format!("copy_blocks {p:?} beyond {} blocks", s.num_blocks)));
+        }
+        for buf in store.k.iter_mut().chain(store.v.iter_mut()) {
+            for &(src, dst) in pairs {
+                let (src, dst) = (src as usize * block, dst as usize * block);
+                buf.copy_within(src..src + block, dst);
+            }
+        }
+        Ok(())
+    }
+
+    fn concat_rows(&self, parts: &[&CpuTensor]) -> Result<CpuTensor> {
+        let cols = parts.first().map_or(0, |t| t.cols);
+        if parts.iter().any(|t| t.cols != cols) {
+            return Err(shape_err("concat_rows of different widths".into()));
+        }
+        let mut data = Vec::with_capacity(parts.iter().map(|t| t.data.len()).sum());
+        for t in parts {
+            data.extend_from_slice(&t.data);
+        }
+        Ok(CpuTensor { rows: parts.iter().map(|t| t.rows).sum(), cols, data })
     }
 
     fn attention(

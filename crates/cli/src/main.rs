@@ -6,6 +6,7 @@
 mod bench;
 mod demo;
 mod generate;
+mod layout;
 mod runtime;
 
 use clap::{Parser, Subcommand};

@@ -61,24 +61,36 @@ pub fn generate_batch<B: Backend>(
     requests: Vec<GenerateRequest>,
 ) -> Result<Vec<Generation>> {
     let start = Instant::now();
+    let seqs = requests
+        .into_iter()
+        .map(|r| Ok((engine.new_sequence(r.prompt)?, r.params)))
+        .collect::<Result<Vec<_>>>()?;
+    generate_sequences(engine, tokenizer, eos, seqs, start)
+}
+
+/// Generates from prepared sequences (e.g. a forked header with injected
+/// memory and a pending question). Each must have pending tokens; time to
+/// first token counts from `start`.
+pub fn generate_sequences<B: Backend>(
+    engine: &mut Engine<B>,
+    tokenizer: Option<&Tokenizer>,
+    eos: &[u32],
+    seqs: Vec<(Sequence, SamplingParams)>,
+    start: Instant,
+) -> Result<Vec<Generation>> {
     let limit = engine.model().config().max_position_embeddings;
-    let mut live = Vec::with_capacity(requests.len());
-    for r in requests {
-        r.params.validate()?;
-        if !r.params.stop.is_empty() && tokenizer.is_none() {
+    let mut live = Vec::with_capacity(seqs.len());
+    for (seq, params) in seqs {
+        params.validate()?;
+        if !params.stop.is_empty() && tokenizer.is_none() {
             return Err(EngineError::InvalidSampling { name: "stop", reason: "stop strings need a tokenizer".into() });
         }
-        let prompt_len = r.prompt.len();
-        let seq = engine.new_sequence(r.prompt)?;
-        let done = (r.params.max_tokens == 0 || prompt_len >= limit).then(|| (FinishReason::Length, String::new()));
-        live.push(Live {
-            seq,
-            rng: Rng::new(r.params.seed),
-            params: r.params,
-            generated: Vec::new(),
-            first_token_at: None,
-            done,
-        });
+        if seq.pending() == 0 {
+            return Err(EngineError::Shape("generation needs a sequence with pending tokens".into()));
+        }
+        let full = seq.next_position() as usize >= limit;
+        let done = (params.max_tokens == 0 || full).then(|| (FinishReason::Length, String::new()));
+        live.push(Live { seq, rng: Rng::new(params.seed), params, generated: Vec::new(), first_token_at: None, done });
     }
 
     loop {

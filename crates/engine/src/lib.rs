@@ -22,6 +22,6 @@ pub use backend::Backend;
 pub use cpu::CpuBackend;
 pub use engine::{Engine, EngineConfig, Sequence};
 pub use error::{EngineError, Result};
-pub use generate::{FinishReason, GenerateRequest, Generation, generate, generate_batch};
+pub use generate::{FinishReason, GenerateRequest, Generation, generate, generate_batch, generate_sequences};
 pub use inject::KvChunk;
 pub use sampling::SamplingParams;

@@ -72,10 +72,10 @@ impl Rope {
     pub fn rotate(&self, head: &mut [f32], cos: &[f32], sin: &[f32]) {
         let half = self.dim / 2;
         let (lo, hi) = head[..self.dim].split_at_mut(half);
-        for i in 0..half {
-            let (x1, x2) = (lo[i], hi[i]);
-            lo[i] = x1 * cos[i] - x2 * sin[i];
-            hi[i] = x2 * cos[i] + x1 * sin[i];
+        for (((a, b), &c), &s) in lo.iter_mut().zip(hi.iter_mut()).zip(&cos[..half]).zip(&sin[..half]) {
+            let (x1, x2) = (*a, *b);
+            *a = x1 * c - x2 * s;
+            *b = x2 * c + x1 * s;
         }
     }
 }

@@ -1,24 +1,19 @@
-//! `inferscale bench …`: measurements that print a table and can write JSON.
-//! Speed targets live here, not in timed tests.
+//! `inferscale bench engine`: prefill and decode throughput next to the rate
+//! of a plain large GEMM on the same machine.
 
 use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use clap::{Args, Subcommand};
+use clap::Args;
 use inferscale_engine::cpu::matmul_bt;
 use inferscale_engine::sampling::Rng;
 use inferscale_engine::{GenerateRequest, SamplingParams, generate_batch};
 use inferscale_model::ModelConfig;
 use serde::Serialize;
 
+use super::median;
 use crate::runtime::{ModelArgs, load};
-
-#[derive(Subcommand, Debug)]
-pub enum Command {
-    /// Prefill and decode throughput of one model next to a plain large GEMM.
-    Engine(EngineArgs),
-}
 
 #[derive(Args, Debug)]
 pub struct EngineArgs {
@@ -82,17 +77,6 @@ struct DecodeResult {
     ms_per_step: f64,
 }
 
-pub fn run(c: Command) -> Result<()> {
-    match c {
-        Command::Engine(a) => engine(a),
-    }
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 /// Useful floating-point work of prefilling `n` tokens (logits for the last
 /// one only): linear layers plus causal attention (q·k and p·v).
 fn prefill_flops(c: &ModelConfig, n: usize) -> f64 {
@@ -127,7 +111,7 @@ fn random_prompt(rng: &mut Rng, len: usize, vocab: usize) -> Vec<u32> {
     (0..len).map(|_| 100 + (rng.next_u64() % (vocab as u64 - 100)) as u32).collect()
 }
 
-fn engine(a: EngineArgs) -> Result<()> {
+pub fn run(a: EngineArgs) -> Result<()> {
     let threads = rayon::current_num_threads();
     eprintln!("inferscale bench engine: reference GEMM {0}×{0}×{0} …", a.gemm_n);
     let gemm = gemm_rate(a.gemm_n, a.reps);

@@ -1,28 +1,41 @@
 //! Causal attention over the paged KV cache on the CPU.
 //!
-//! Work is split into tasks of (sequence, KV head, chunk of query rows); a
-//! task gathers its KV head's cached keys and values into contiguous buffers
-//! once and serves every query head of its group (GQA) from them, with two
-//! GEMMs per head: scores = q·Kᵀ, then out = softmax(scores)·V. A chunk only
-//! reads the keys its last row may see, so causal prefill does about half
-//! the work of a full square.
+//! Work is split into tasks of (sequence, KV head, chunk of query rows,
+//! chunk of keys). A task gathers its keys and values into contiguous
+//! buffers once and serves every query head of its GQA group with two GEMMs
+//! over the stacked heads: scores = Q·Kᵀ, then P·V. Splitting the keys
+//! (flash-decoding style: each task returns its rows' running max and sum,
+//! merged afterwards) keeps both cores busy when a few query rows attend to a
+//! long context — a question prefilled after injected memory, or decode.
+//! Causal chunks read only keys their last row may see.
 
 use rayon::prelude::*;
 
 use super::matmul::{Strided, gemm_strided};
-use super::{CpuKvStore, CpuTensor};
+use super::{CpuKvStore, CpuTensor, vmath};
 use crate::backend::{AttentionShape, SeqSpan};
 use crate::error::{EngineError, Result};
 
-/// Query rows per task: enough to make the GEMMs efficient, few enough to
-/// keep both cores busy on one sequence.
+/// Query rows per task.
 const ROWS_PER_TASK: usize = 64;
+/// Smallest key chunk worth a task of its own.
+const MIN_KEYS_PER_TASK: usize = 256;
 
 struct Task {
     span: usize,
     kv_head: usize,
     r0: usize,
     r1: usize,
+    k0: usize,
+    k1: usize,
+}
+
+/// A task's partial result for `group × rows` stacked query rows:
+/// unnormalised outputs, row maxima and row sums of exponentials.
+struct Partial {
+    o: Vec<f32>,
+    max: Vec<f32>,
+    sum: Vec<f32>,
 }
 
 pub fn paged_attention(
@@ -40,11 +53,8 @@ pub fn paged_attention(
             q.cols
         )));
     }
-    let mut tasks = Vec::new();
     for (si, s) in spans.iter().enumerate() {
-        if s.q_len > s.context_len
-            || s.q_start + s.q_len > q.rows
-            || s.block_table.len() * spec.block_size < s.context_len
+        if s.q_len > s.context_len || s.q_start + s.q_len > q.rows || s.block_table.len() * spec.block_size < s.context_len
         {
             return Err(EngineError::Shape(format!(
                 "attention span {si}: {} queries, context {}, {} blocks, {} rows",
@@ -54,33 +64,70 @@ pub fn paged_attention(
                 q.rows
             )));
         }
-        for g in 0..num_kv_heads {
-            for r0 in (0..s.q_len).step_by(ROWS_PER_TASK) {
-                tasks.push(Task { span: si, kv_head: g, r0, r1: (r0 + ROWS_PER_TASK).min(s.q_len) });
-            }
-        }
     }
+    let tasks = plan(spans, num_kv_heads);
     let group = num_heads / num_kv_heads;
     let ctx = TaskCtx { q, store, layer, group, d, scale };
-    let results: Vec<(usize, Vec<f32>)> =
-        tasks.par_iter().enumerate().map(|(ti, t)| (ti, run_task(t, &spans[t.span], &ctx))).collect();
+    let partials: Vec<Partial> = tasks.par_iter().map(|t| run_task(t, &spans[t.span], &ctx)).collect();
 
+    // Merge the key chunks of each (span, kv head, row chunk); tasks of one
+    // row chunk are adjacent in the plan.
     let mut out = CpuTensor::zeros(q.rows, q.cols);
-    for (ti, buf) in results {
-        let t = &tasks[ti];
-        let s = &spans[t.span];
+    let mut i = 0;
+    while i < tasks.len() {
+        let t = &tasks[i];
+        let mut j = i + 1;
+        while j < tasks.len() && (tasks[j].span, tasks[j].kv_head, tasks[j].r0) == (t.span, t.kv_head, t.r0) {
+            j += 1;
+        }
         let rows = t.r1 - t.r0;
-        // buf is [group, rows, d]
-        for j in 0..group {
-            let h = t.kv_head * group + j;
-            for i in 0..rows {
-                let dst = (s.q_start + t.r0 + i) * q.cols + h * d;
-                let src = (j * rows + i) * d;
-                out.data[dst..dst + d].copy_from_slice(&buf[src..src + d]);
+        let s = &spans[t.span];
+        for stacked in 0..group * rows {
+            let m = partials[i..j].iter().map(|p| p.max[stacked]).fold(f32::NEG_INFINITY, f32::max);
+            let (hj, r) = (stacked / rows, stacked % rows);
+            let h = t.kv_head * group + hj;
+            let dst = (s.q_start + t.r0 + r) * q.cols + h * d;
+            let o = &mut out.data[dst..dst + d];
+            let mut total = 0f32;
+            for p in &partials[i..j] {
+                if p.sum[stacked] == 0.0 {
+                    continue;
+                }
+                let w = (p.max[stacked] - m).exp();
+                total += w * p.sum[stacked];
+                for (o, x) in o.iter_mut().zip(&p.o[stacked * d..(stacked + 1) * d]) {
+                    *o += w * x;
+                }
+            }
+            let inv = 1.0 / total;
+            o.iter_mut().for_each(|x| *x *= inv);
+        }
+        i = j;
+    }
+    Ok(out)
+}
+
+/// Splits the work so that both cores stay busy: row chunks first, then key
+/// chunks when there are few row chunks and long contexts.
+fn plan(spans: &[SeqSpan<'_>], num_kv_heads: usize) -> Vec<Task> {
+    let row_tasks: usize = spans.iter().map(|s| s.q_len.div_ceil(ROWS_PER_TASK) * num_kv_heads).sum();
+    let want = 4 * rayon::current_num_threads();
+    let mut tasks = Vec::new();
+    for (si, s) in spans.iter().enumerate() {
+        let first_pos = s.context_len - s.q_len;
+        for g in 0..num_kv_heads {
+            for r0 in (0..s.q_len).step_by(ROWS_PER_TASK) {
+                let r1 = (r0 + ROWS_PER_TASK).min(s.q_len);
+                let n_keys = first_pos + r1;
+                let splits = if row_tasks >= want { 1 } else { want.div_ceil(row_tasks) };
+                let chunk = n_keys.div_ceil(splits).max(MIN_KEYS_PER_TASK);
+                for k0 in (0..n_keys).step_by(chunk) {
+                    tasks.push(Task { span: si, kv_head: g, r0, r1, k0, k1: (k0 + chunk).min(n_keys) });
+                }
             }
         }
     }
-    Ok(out)
+    tasks
 }
 
 /// What every task of one attention call shares.
@@ -93,70 +140,73 @@ struct TaskCtx<'a> {
     scale: f32,
 }
 
-/// One task's output, `[group, rows, d]`.
-fn run_task(t: &Task, s: &SeqSpan<'_>, ctx: &TaskCtx<'_>) -> Vec<f32> {
+fn run_task(t: &Task, s: &SeqSpan<'_>, ctx: &TaskCtx<'_>) -> Partial {
     let TaskCtx { q, store, layer, group, d, scale } = *ctx;
     let first_pos = s.context_len - s.q_len;
     let rows = t.r1 - t.r0;
-    let n_keys = first_pos + t.r1;
-    let (keys, values) = gather(store, layer, s.block_table, t.kv_head, n_keys);
-    let mut scores = vec![0f32; rows * n_keys];
-    let mut out = vec![0f32; group * rows * d];
+    let n_keys = t.k1 - t.k0;
+    let stacked = group * rows;
+    // The group's query heads stacked: row (j, r) = head kv_head·group + j, query row r0 + r.
+    let mut qs = vec![0f32; stacked * d];
     for j in 0..group {
         let h = t.kv_head * group + j;
-        let q_off = (s.q_start + t.r0) * q.cols + h * d;
-        gemm_strided(
-            &mut scores,
-            n_keys,
-            Strided { data: &q.data[q_off..], rs: q.cols, cs: 1 },
-            Strided { data: &keys, rs: 1, cs: d },
-            (rows, n_keys, d),
-            scale,
-        );
-        for (i, row) in scores.chunks_exact_mut(n_keys).enumerate() {
-            softmax_causal(row, first_pos + t.r0 + i + 1);
+        for r in 0..rows {
+            let src = (s.q_start + t.r0 + r) * q.cols + h * d;
+            qs[(j * rows + r) * d..(j * rows + r + 1) * d].copy_from_slice(&q.data[src..src + d]);
         }
-        gemm_strided(
-            &mut out[j * rows * d..],
-            d,
-            Strided { data: &scores, rs: n_keys, cs: 1 },
-            Strided { data: &values, rs: d, cs: 1 },
-            (rows, d, n_keys),
-            1.0,
-        );
     }
-    out
+    let (keys, values) = gather(store, layer, s.block_table, t.kv_head, t.k0, t.k1);
+    let mut scores = vec![0f32; stacked * n_keys];
+    gemm_strided(
+        &mut scores,
+        n_keys,
+        Strided { data: &qs, rs: d, cs: 1 },
+        Strided { data: &keys, rs: 1, cs: d },
+        (stacked, n_keys, d),
+        scale,
+    );
+    let mut max = vec![f32::NEG_INFINITY; stacked];
+    let mut sum = vec![0f32; stacked];
+    for (i, row) in scores.chunks_exact_mut(n_keys).enumerate() {
+        // Keys this row may see, relative to the chunk.
+        let visible = (first_pos + t.r0 + i % rows + 1).saturating_sub(t.k0).min(n_keys);
+        let (live, masked) = row.split_at_mut(visible);
+        masked.fill(0.0);
+        if visible == 0 {
+            continue;
+        }
+        let m = live.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        max[i] = m;
+        sum[i] = vmath::exp_shift_sum(live, m);
+    }
+    let mut o = vec![0f32; stacked * d];
+    gemm_strided(
+        &mut o,
+        d,
+        Strided { data: &scores, rs: n_keys, cs: 1 },
+        Strided { data: &values, rs: d, cs: 1 },
+        (stacked, d, n_keys),
+        1.0,
+    );
+    Partial { o, max, sum }
 }
 
-/// Softmax over the first `visible` entries; the rest become 0.
-fn softmax_causal(row: &mut [f32], visible: usize) {
-    let (live, masked) = row.split_at_mut(visible);
-    let max = live.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0.0;
-    for x in live.iter_mut() {
-        *x = (*x - max).exp();
-        sum += *x;
-    }
-    let inv = 1.0 / sum;
-    live.iter_mut().for_each(|x| *x *= inv);
-    masked.fill(0.0);
-}
-
-/// Copies positions `0..n` of one KV head into contiguous `[n, d]` K and V.
-fn gather(store: &CpuKvStore, layer: usize, table: &[u32], head: usize, n: usize) -> (Vec<f32>, Vec<f32>) {
+/// Copies positions `k0..k1` of one KV head into contiguous `[k1 - k0, d]` K and V.
+fn gather(store: &CpuKvStore, layer: usize, table: &[u32], head: usize, k0: usize, k1: usize) -> (Vec<f32>, Vec<f32>) {
     let d = store.spec().head_dim;
     let bs = store.spec().block_size;
+    let n = k1 - k0;
     let mut k = vec![0f32; n * d];
     let mut v = vec![0f32; n * d];
-    for (bi, &block) in table.iter().enumerate() {
-        let start = bi * bs;
-        if start >= n {
-            break;
-        }
-        let len = (n - start).min(bs);
-        let src = store.offset(block as usize * bs, head);
-        k[start * d..(start + len) * d].copy_from_slice(&store.k[layer][src..src + len * d]);
-        v[start * d..(start + len) * d].copy_from_slice(&store.v[layer][src..src + len * d]);
+    let mut pos = k0;
+    while pos < k1 {
+        let (bi, off) = (pos / bs, pos % bs);
+        let len = (bs - off).min(k1 - pos);
+        let src = store.offset(table[bi] as usize * bs + off, head);
+        let dst = (pos - k0) * d;
+        k[dst..dst + len * d].copy_from_slice(&store.k[layer][src..src + len * d]);
+        v[dst..dst + len * d].copy_from_slice(&store.v[layer][src..src + len * d]);
+        pos += len;
     }
     (k, v)
 }

@@ -5,6 +5,8 @@
 
 mod attention;
 mod matmul;
+mod packed;
+mod vmath;
 
 use inferscale_model::HostTensor;
 use rayon::prelude::*;
@@ -14,18 +16,21 @@ use crate::error::{EngineError, Result};
 use crate::rope::Rope;
 
 pub use matmul::matmul_bt;
+pub use packed::PackedMatrix;
 
-/// A row-major f32 matrix.
+/// A row-major f32 matrix. Weights uploaded as matrices are kept only in
+/// the packed layout of the matrix kernel (`data` is then empty).
 #[derive(Debug, Clone, PartialEq)]
 pub struct CpuTensor {
     pub rows: usize,
     pub cols: usize,
     pub data: Vec<f32>,
+    packed: Option<PackedMatrix>,
 }
 
 impl CpuTensor {
     pub fn zeros(rows: usize, cols: usize) -> Self {
-        CpuTensor { rows, cols, data: vec![0.0; rows * cols] }
+        CpuTensor { rows, cols, data: vec![0.0; rows * cols], packed: None }
     }
 }
 
@@ -76,11 +81,19 @@ impl Backend for CpuBackend {
         if rows * cols != t.data.len() {
             return Err(shape_err(format!("shape {:?} for {} values", t.shape, t.data.len())));
         }
-        Ok(CpuTensor { rows, cols, data: t.data.clone() })
+        if t.shape.len() == 2 {
+            let packed = PackedMatrix::pack(rows, cols, &t.data);
+            return Ok(CpuTensor { rows, cols, data: Vec::new(), packed: Some(packed) });
+        }
+        Ok(CpuTensor { rows, cols, data: t.data.clone(), packed: None })
     }
 
     fn to_host(&self, t: &CpuTensor) -> Result<HostTensor> {
-        Ok(HostTensor { shape: vec![t.rows, t.cols], data: t.data.clone() })
+        let data = match &t.packed {
+            Some(p) => p.unpack(),
+            None => t.data.clone(),
+        };
+        Ok(HostTensor { shape: vec![t.rows, t.cols], data })
     }
 
     fn dims(&self, t: &CpuTensor) -> (usize, usize) {
@@ -94,7 +107,10 @@ impl Backend for CpuBackend {
             if id >= table.rows {
                 return Err(EngineError::TokenOutOfRange { id: id as u32, vocab: table.rows });
             }
-            row.copy_from_slice(&table.data[id * table.cols..(id + 1) * table.cols]);
+            match &table.packed {
+                Some(p) => p.row(id, row),
+                None => row.copy_from_slice(&table.data[id * table.cols..(id + 1) * table.cols]),
+            }
         }
         Ok(out)
     }
@@ -119,7 +135,10 @@ impl Backend for CpuBackend {
             return Err(shape_err(format!("linear: x [{}, {}] · w [{}, {}]ᵀ", x.rows, x.cols, w.rows, w.cols)));
         }
         let mut out = CpuTensor::zeros(x.rows, w.rows);
-        matmul_bt(&mut out.data, &x.data, &w.data, x.rows, w.rows, x.cols);
+        match &w.packed {
+            Some(p) => p.matmul(&x.data, x.rows, &mut out.data),
+            None => matmul_bt(&mut out.data, &x.data, &w.data, x.rows, w.rows, x.cols),
+        }
         if let Some(b) = bias {
             if b.data.len() != w.rows {
                 return Err(shape_err(format!("bias of {} for {} outputs", b.data.len(), w.rows)));
@@ -337,7 +356,7 @@ impl Backend for CpuBackend {
         for t in parts {
             data.extend_from_slice(&t.data);
         }
-        Ok(CpuTensor { rows: parts.iter().map(|t| t.rows).sum(), cols, data })
+        Ok(CpuTensor { rows: parts.iter().map(|t| t.rows).sum(), cols, data, packed: None })
     }
 
     fn attention(

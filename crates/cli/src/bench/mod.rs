@@ -1,0 +1,28 @@
+//! `inferscale bench …`: measurements that print a table and can write JSON.
+//! Speed targets live here, not in timed tests.
+
+mod engine;
+mod ttft;
+
+use anyhow::Result;
+use clap::Subcommand;
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Prefill and decode throughput of one model next to a plain large GEMM.
+    Engine(engine::EngineArgs),
+    /// Time to first token with k memory facts, kv injection vs prompt mode.
+    Ttft(ttft::TtftArgs),
+}
+
+pub fn run(c: Command) -> Result<()> {
+    match c {
+        Command::Engine(a) => engine::run(a),
+        Command::Ttft(a) => ttft::run(a),
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}

@@ -19,7 +19,7 @@ cargo clippy --workspace --all-targets -- -D warnings
 
 # The SmolLM2 model is fetched once here so that parallel tests find it cached.
 echo "test.sh: fetching the default model if missing" >&2
-cargo run --quiet --release -p inferscale-cli -- generate --prompt "Hello" --max-tokens 1 >/dev/null
+cargo run --quiet -p inferscale-cli -- fetch >/dev/null
 
 if cargo nextest --version >/dev/null 2>&1; then
   cargo nextest run --workspace --no-fail-fast

@@ -50,7 +50,9 @@ impl<'a> Composer<'a> {
 
 /// `n` distinct synthetic facts of about 25 tokens each (deterministic).
 pub fn synthetic_facts(n: usize) -> Vec<String> {
-    const NAMES: &[&str] = &["Caroline", "Melanie", "John", "Maria", "Deborah", "Andrew", "Jolene", "Evan", "Nate", "Audrey", "Gina", "Tim"];
+    const NAMES: &[&str] = &[
+        "Caroline", "Melanie", "John", "Maria", "Deborah", "Andrew", "Jolene", "Evan", "Nate", "Audrey", "Gina", "Tim",
+    ];
     const DID: &[&str] = &[
         "adopted a grey puppy",
         "ran a charity race",
@@ -64,8 +66,17 @@ pub fn synthetic_facts(n: usize) -> Vec<String> {
         "volunteered at the animal shelter",
         "planted tomatoes and basil",
     ];
-    const WHERE: &[&str] = &["in Lisbon", "near the lake", "at the community centre", "in the mountains", "downtown", "at the beach", "in Chicago"];
-    const WHEN: &[&str] = &["on 8 May 2023", "last Saturday", "in early June", "during the winter holidays", "two weeks ago"];
+    const WHERE: &[&str] = &[
+        "in Lisbon",
+        "near the lake",
+        "at the community centre",
+        "in the mountains",
+        "downtown",
+        "at the beach",
+        "in Chicago",
+    ];
+    const WHEN: &[&str] =
+        &["on 8 May 2023", "last Saturday", "in early June", "during the winter holidays", "two weeks ago"];
     (0..n)
         .map(|i| {
             let name = NAMES[i % NAMES.len()];

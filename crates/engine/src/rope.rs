@@ -8,12 +8,20 @@
 
 use inferscale_model::{RopeConfig, RopeScaling};
 
-/// Precomputed inverse frequencies for one model.
+/// Positions below this get their cos/sin from a table built once; the
+/// table costs `2 · TABLE_POSITIONS · dim/2` floats (8 MiB at dim 128).
+pub const TABLE_POSITIONS: usize = 8192;
+
+/// Precomputed inverse frequencies for one model, and cos/sin of the first
+/// [`TABLE_POSITIONS`] positions (the same f32 values computed on the fly
+/// beyond, so results do not depend on which path served a position).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Rope {
     inv_freq: Vec<f32>,
     /// Rotated dimensions per head (the leading `dim` of each head).
     dim: usize,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
 }
 
 impl Rope {
@@ -47,7 +55,16 @@ impl Rope {
                     .collect()
             }
         };
-        Rope { inv_freq, dim }
+        let half = dim / 2;
+        let (mut cos, mut sin) = (vec![0f32; TABLE_POSITIONS * half], vec![0f32; TABLE_POSITIONS * half]);
+        for p in 0..TABLE_POSITIONS {
+            for (i, &f) in inv_freq.iter().enumerate() {
+                let a = p as f32 * f;
+                cos[p * half + i] = a.cos();
+                sin[p * half + i] = a.sin();
+            }
+        }
+        Rope { inv_freq, dim, cos, sin }
     }
 
     pub fn inv_freq(&self) -> &[f32] {
@@ -58,11 +75,17 @@ impl Rope {
         self.dim
     }
 
-    /// (cos, sin) of every frequency at `position`, appended to `out`.
+    /// (cos, sin) of every frequency at `position`, appended to `cos` and `sin`.
     pub fn cos_sin(&self, position: u32, cos: &mut Vec<f32>, sin: &mut Vec<f32>) {
-        let p = position as f32;
+        let p = position as usize;
+        let half = self.dim / 2;
+        if p < TABLE_POSITIONS {
+            cos.extend_from_slice(&self.cos[p * half..(p + 1) * half]);
+            sin.extend_from_slice(&self.sin[p * half..(p + 1) * half]);
+            return;
+        }
         for &f in &self.inv_freq {
-            let a = p * f;
+            let a = position as f32 * f;
             cos.push(a.cos());
             sin.push(a.sin());
         }
@@ -109,6 +132,17 @@ mod tests {
         // Highest frequency (wavelength 2π < 16) untouched; lowest divided by 8.
         assert_eq!(s.inv_freq()[0], plain.inv_freq()[0]);
         assert_eq!(s.inv_freq()[7], plain.inv_freq()[7] / 8.0);
+    }
+
+    #[test]
+    fn table_and_direct_angles_agree() {
+        let r = Rope::new(&cfg(RopeScaling::None));
+        let (mut c, mut s) = (vec![], vec![]);
+        r.cos_sin(TABLE_POSITIONS as u32 - 1, &mut c, &mut s);
+        let p = (TABLE_POSITIONS - 1) as f32;
+        for (i, &f) in r.inv_freq().iter().enumerate() {
+            assert_eq!((c[i], s[i]), ((p * f).cos(), (p * f).sin()));
+        }
     }
 
     #[test]

@@ -135,3 +135,49 @@ fn smollm2_batched_generation_matches_golden() {
     }
     assert_eq!(engine.pool().free_blocks(), engine.pool().total_blocks(), "blocks leaked");
 }
+
+/// A forked cached header (partial last block copied, full blocks shared)
+/// continues exactly like a sequence prefilled from scratch, and forks do
+/// not disturb each other or the header.
+#[test]
+fn forked_header_matches_fresh_prefill() {
+    let (g, files, _dir) = open_tiny("tiny_llama_gqa_llama3");
+    let mut e = cpu_engine(&files, 64);
+    let header: Vec<u32> = g.input_ids[..19].to_vec(); // one full block + 3 tokens
+    let mut cached = e.new_sequence(header.clone()).unwrap();
+    e.prefill(&mut cached).unwrap();
+    for tail in [&g.input_ids[..5], &g.input_ids[7..16]] {
+        let mut fork = e.fork(&cached).unwrap();
+        assert_eq!(fork.block_table().blocks()[0], cached.block_table().blocks()[0], "full block shared");
+        assert_ne!(fork.block_table().blocks()[1], cached.block_table().blocks()[1], "partial block copied");
+        fork.extend(tail);
+        let got = e.prefill(&mut fork).unwrap();
+        let mut fresh = e.new_sequence([header.as_slice(), tail].concat()).unwrap();
+        let want = e.prefill(&mut fresh).unwrap();
+        assert!(max_abs_diff(&got, &want) < 1e-5);
+    }
+    assert_eq!(e.pool().refcount(cached.block_table().blocks()[0]), 1, "forks returned their shares");
+}
+
+/// Bad injections are refused and leave the sequence as it was.
+#[test]
+fn injection_errors_leave_the_sequence_intact() {
+    let (g, files, _dir) = open_tiny("tiny_llama_mha");
+    let mut e = cpu_engine(&files, 64);
+    let chunk = e.encode(&[], &g.input_ids[..6], 0).unwrap();
+    let mut seq = e.new_sequence(g.input_ids[..4].to_vec()).unwrap();
+    let err = e.inject(&mut seq, &[&chunk]).unwrap_err().to_string();
+    assert!(err.contains("pending"), "{err}");
+    e.prefill(&mut seq).unwrap();
+    // A sequence near the end of the context cannot take the chunk.
+    let limit = files.config.max_position_embeddings as u32;
+    let mut late = e.new_sequence_at(vec![5], limit - 3).unwrap();
+    e.prefill(&mut late).unwrap();
+    let err = e.inject(&mut late, &[&chunk]).unwrap_err().to_string();
+    assert!(err.contains("context"), "{err}");
+    assert_eq!((late.len(), late.computed()), (1, 1));
+    // Out-of-vocabulary tokens and empty prompts are errors, not panics.
+    assert!(e.new_sequence(vec![files.config.vocab_size as u32]).is_err());
+    assert!(e.new_sequence(vec![]).is_err());
+    assert!(e.encode(&[], &[], 0).is_err());
+}

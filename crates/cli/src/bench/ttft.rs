@@ -71,16 +71,12 @@ fn first_token<B: Backend>(
 ) -> Result<f64> {
     let t = Instant::now();
     let mut seq = e.fork(header)?;
-    let t1 = t.elapsed().as_secs_f64() * 1e3;
     match chunks {
         Some(chunks) => e.inject(&mut seq, &chunks.iter().collect::<Vec<_>>())?,
         None => facts.iter().for_each(|f| seq.extend(f)),
     }
-    let t2 = t.elapsed().as_secs_f64() * 1e3;
     seq.extend(question);
     let logits = e.prefill(&mut seq)?;
-    let t3 = t.elapsed().as_secs_f64() * 1e3;
-    if chunks.is_some() { eprintln!("fork {t1:.2} inject {:.2} prefill {:.2}", t2 - t1, t3 - t2); }
     std::hint::black_box(argmax(&logits));
     Ok(t.elapsed().as_secs_f64() * 1e3)
 }
@@ -101,7 +97,8 @@ pub fn run(a: TtftArgs) -> Result<()> {
 
     eprintln!("inferscale bench ttft: encoding {k_max} facts once (after the header) …");
     let t = Instant::now();
-    let chunks: Vec<KvChunk<_>> = facts.iter().map(|f| e.encode(&header_tokens, f, h as u32)).collect::<Result<_, _>>()?;
+    let chunks: Vec<KvChunk<_>> =
+        facts.iter().map(|f| e.encode(&header_tokens, f, h as u32)).collect::<Result<_, _>>()?;
     eprintln!("inferscale bench ttft: encoded in {:.1} s", t.elapsed().as_secs_f64());
     let mut header = e.new_sequence(header_tokens)?;
     e.prefill(&mut header)?;
@@ -114,8 +111,9 @@ pub fn run(a: TtftArgs) -> Result<()> {
                 continue;
             }
             first_token(e, &header, &facts[..k], chunks, &question)?; // warm-up
-            let times =
-                (0..a.reps).map(|_| first_token(e, &header, &facts[..k], chunks, &question)).collect::<Result<Vec<_>>>()?;
+            let times = (0..a.reps)
+                .map(|_| first_token(e, &header, &facts[..k], chunks, &question))
+                .collect::<Result<Vec<_>>>()?;
             let prefilled = question.len() + if chunks.is_some() { 0 } else { fact_tokens };
             results.push(Row {
                 k,
@@ -149,19 +147,25 @@ fn print_table(r: &Report) {
         "backend {} · {} · header {} tokens, question {} tokens, facts {:.1} tokens on average",
         r.backend, r.model, r.header_tokens, r.question_tokens, r.mean_fact_tokens
     );
-    println!("{:>5} {:>8} {:>15} {:>11} {:>15} {:>11} {:>9}", "k", "prompt", "prompt TTFT ms", "prefilled", "kv TTFT ms", "prefilled", "speed-up");
-    for pair in r.results.chunks(2) {
-        if let [p, kv] = pair {
-            println!(
-                "{:>5} {:>8} {:>15.1} {:>11} {:>15.1} {:>11} {:>8.1}×",
-                p.k,
-                p.prompt_tokens,
-                p.ttft_ms_median,
-                p.prefilled_tokens,
-                kv.ttft_ms_median,
-                kv.prefilled_tokens,
-                p.ttft_ms_median / kv.ttft_ms_median
-            );
-        }
+    println!(
+        "{:>5} {:>8} {:>15} {:>11} {:>15} {:>11} {:>9}",
+        "k", "prompt", "prompt TTFT ms", "prefilled", "kv TTFT ms", "prefilled", "speed-up"
+    );
+    let cell = |row: Option<&Row>| match row {
+        Some(x) => (format!("{:.1}", x.ttft_ms_median), x.prefilled_tokens.to_string()),
+        None => ("-".into(), "-".into()),
+    };
+    let mut ks: Vec<usize> = r.results.iter().map(|x| x.k).collect();
+    ks.dedup();
+    for k in ks {
+        let find = |mode: &str| r.results.iter().find(|x| x.k == k && x.mode == mode);
+        let (p, kv) = (find("prompt"), find("kv"));
+        let tokens = p.or(kv).map_or(0, |x| x.prompt_tokens);
+        let speedup = match (p, kv) {
+            (Some(p), Some(kv)) => format!("{:.1}×", p.ttft_ms_median / kv.ttft_ms_median),
+            _ => "-".into(),
+        };
+        let ((pt, pp), (kt, kp)) = (cell(p), cell(kv));
+        println!("{k:>5} {tokens:>8} {pt:>15} {pp:>11} {kt:>15} {kp:>11} {speedup:>9}");
     }
 }

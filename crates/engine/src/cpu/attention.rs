@@ -9,6 +9,8 @@
 //! long context — a question prefilled after injected memory, or decode.
 //! Causal chunks read only keys their last row may see.
 
+use std::borrow::Cow;
+
 use rayon::prelude::*;
 
 use super::matmul::{Strided, gemm_strided};
@@ -54,7 +56,9 @@ pub fn paged_attention(
         )));
     }
     for (si, s) in spans.iter().enumerate() {
-        if s.q_len > s.context_len || s.q_start + s.q_len > q.rows || s.block_table.len() * spec.block_size < s.context_len
+        if s.q_len > s.context_len
+            || s.q_start + s.q_len > q.rows
+            || s.block_table.len() * spec.block_size < s.context_len
         {
             return Err(EngineError::Shape(format!(
                 "attention span {si}: {} queries, context {}, {} blocks, {} rows",
@@ -191,11 +195,24 @@ fn run_task(t: &Task, s: &SeqSpan<'_>, ctx: &TaskCtx<'_>) -> Partial {
     Partial { o, max, sum }
 }
 
-/// Copies positions `k0..k1` of one KV head into contiguous `[k1 - k0, d]` K and V.
-fn gather(store: &CpuKvStore, layer: usize, table: &[u32], head: usize, k0: usize, k1: usize) -> (Vec<f32>, Vec<f32>) {
+/// Positions `k0..k1` of one KV head as contiguous `[k1 - k0, d]` K and V:
+/// borrowed from the cache when the blocks are consecutive, else copied.
+fn gather<'a>(
+    store: &'a CpuKvStore,
+    layer: usize,
+    table: &[u32],
+    head: usize,
+    k0: usize,
+    k1: usize,
+) -> (Cow<'a, [f32]>, Cow<'a, [f32]>) {
     let d = store.spec().head_dim;
     let bs = store.spec().block_size;
     let n = k1 - k0;
+    let (b0, b1) = (k0 / bs, (k1 - 1) / bs);
+    if table[b0..=b1].windows(2).all(|w| w[1] == w[0] + 1) {
+        let src = store.offset(table[b0] as usize * bs + k0 % bs, head);
+        return (Cow::Borrowed(&store.k[layer][src..src + n * d]), Cow::Borrowed(&store.v[layer][src..src + n * d]));
+    }
     let mut k = vec![0f32; n * d];
     let mut v = vec![0f32; n * d];
     let mut pos = k0;
@@ -208,5 +225,5 @@ fn gather(store: &CpuKvStore, layer: usize, table: &[u32], head: usize, k0: usiz
         v[dst..dst + len * d].copy_from_slice(&store.v[layer][src..src + len * d]);
         pos += len;
     }
-    (k, v)
+    (Cow::Owned(k), Cow::Owned(v))
 }

@@ -34,8 +34,9 @@ impl CpuTensor {
     }
 }
 
-/// Paged K/V: per layer, `[num_blocks, kv_heads, block_size, head_dim]`, so a
-/// head's block is one contiguous run.
+/// Paged K/V: per layer, `[kv_heads, num_blocks, block_size, head_dim]`, so a
+/// head's block is one contiguous run, and so are consecutive block ids —
+/// attention reads such runs in place instead of gathering them.
 #[derive(Debug)]
 pub struct CpuKvStore {
     spec: KvSpec,
@@ -51,9 +52,20 @@ impl CpuKvStore {
     /// Offset of (slot, head) in a layer's buffer.
     fn offset(&self, slot: usize, head: usize) -> usize {
         let s = &self.spec;
-        let (block, off) = (slot / s.block_size, slot % s.block_size);
-        ((block * s.num_kv_heads + head) * s.block_size + off) * s.head_dim
+        (head * s.num_blocks * s.block_size + slot) * s.head_dim
     }
+}
+
+/// Touches every page of a freshly allocated (lazily mapped, zeroed) buffer
+/// so that the first request to use a block does not pay page faults on the
+/// hot path.
+fn prefault(buf: &mut [f32]) {
+    const PAGE_FLOATS: usize = 4096 / std::mem::size_of::<f32>();
+    buf.par_chunks_mut(PAGE_FLOATS).for_each(|page| {
+        // SAFETY: `page` is a valid, non-empty slice; the volatile write keeps
+        // the compiler from eliding a store of the value already there.
+        unsafe { std::ptr::write_volatile(page.as_mut_ptr(), 0.0) };
+    });
 }
 
 /// The CPU backend. Threads come from rayon's global pool.
@@ -176,13 +188,10 @@ impl Backend for CpuBackend {
             return Err(shape_err("silu_mul shapes differ".into()));
         }
         let mut out = CpuTensor::zeros(gate.rows, gate.cols);
-        out.data.par_chunks_mut(4096).zip(gate.data.par_chunks(4096).zip(up.data.par_chunks(4096))).for_each(
-            |(o, (g, u))| {
-                for ((o, g), u) in o.iter_mut().zip(g).zip(u) {
-                    *o = g / (1.0 + (-g).exp()) * u;
-                }
-            },
-        );
+        out.data
+            .par_chunks_mut(4096)
+            .zip(gate.data.par_chunks(4096).zip(up.data.par_chunks(4096)))
+            .for_each(|(o, (g, u))| vmath::silu_mul(o, g, u));
         Ok(out)
     }
 
@@ -211,10 +220,15 @@ impl Backend for CpuBackend {
 
     fn new_kv_store(&self, spec: KvSpec) -> Result<CpuKvStore> {
         let per_layer = spec.num_blocks * spec.block_size * spec.num_kv_heads * spec.head_dim;
+        let layer = || {
+            let mut buf = vec![0f32; per_layer];
+            prefault(&mut buf);
+            buf
+        };
         Ok(CpuKvStore {
             spec,
-            k: (0..spec.num_layers).map(|_| vec![0.0; per_layer]).collect(),
-            v: (0..spec.num_layers).map(|_| vec![0.0; per_layer]).collect(),
+            k: (0..spec.num_layers).map(|_| layer()).collect(),
+            v: (0..spec.num_layers).map(|_| layer()).collect(),
         })
     }
 
@@ -289,10 +303,7 @@ impl Backend for CpuBackend {
             .collect();
         let half = rope.dim() / 2;
         let d = s.head_dim;
-        let offset = |slot: usize, head: usize| {
-            let (block, off) = (slot / s.block_size, slot % s.block_size);
-            ((block * s.num_kv_heads + head) * s.block_size + off) * d
-        };
+        let offset = |slot: usize, head: usize| (head * s.num_blocks * s.block_size + slot) * d;
         store.k.par_iter_mut().zip(store.v.par_iter_mut()).enumerate().for_each(|(layer, (kl, vl))| {
             for (c, (cos, sin)) in chunks.iter().zip(&tables) {
                 let (k, v) = (&c.k[layer], &c.v[layer]);
@@ -334,14 +345,17 @@ impl Backend for CpuBackend {
 
     fn copy_blocks(&self, store: &mut CpuKvStore, pairs: &[(u32, u32)]) -> Result<()> {
         let s = store.spec;
-        let block = s.num_kv_heads * s.block_size * s.head_dim;
+        let block = s.block_size * s.head_dim;
         if let Some(p) = pairs.iter().find(|(a, b)| *a as usize >= s.num_blocks || *b as usize >= s.num_blocks) {
             return Err(shape_err(format!("copy_blocks {p:?} beyond {} blocks", s.num_blocks)));
         }
         for buf in store.k.iter_mut().chain(store.v.iter_mut()) {
-            for &(src, dst) in pairs {
-                let (src, dst) = (src as usize * block, dst as usize * block);
-                buf.copy_within(src..src + block, dst);
+            for h in 0..s.num_kv_heads {
+                for &(src, dst) in pairs {
+                    let src = (h * s.num_blocks + src as usize) * block;
+                    let dst = (h * s.num_blocks + dst as usize) * block;
+                    buf.copy_within(src..src + block, dst);
+                }
             }
         }
         Ok(())

@@ -115,7 +115,7 @@ pub fn paged_attention(
 /// chunks when there are few row chunks and long contexts.
 fn plan(spans: &[SeqSpan<'_>], num_kv_heads: usize) -> Vec<Task> {
     let row_tasks: usize = spans.iter().map(|s| s.q_len.div_ceil(ROWS_PER_TASK) * num_kv_heads).sum();
-    let want = 4 * rayon::current_num_threads();
+    let want = 2 * rayon::current_num_threads();
     let mut tasks = Vec::new();
     for (si, s) in spans.iter().enumerate() {
         let first_pos = s.context_len - s.q_len;

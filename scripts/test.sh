@@ -17,9 +17,10 @@ echo "test.sh: formatting and lints" >&2
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 
-# The SmolLM2 model is fetched once here so that parallel tests find it cached.
-echo "test.sh: fetching the default model if missing" >&2
-cargo run --quiet -p inferscale-cli -- fetch >/dev/null
+# The models are fetched once here so that parallel tests find them cached.
+echo "test.sh: fetching the test models if missing" >&2
+cargo run --quiet -p inferscale-cli -- fetch smollm2 >/dev/null
+cargo run --quiet -p inferscale-cli -- fetch minilm >/dev/null
 
 if cargo nextest --version >/dev/null 2>&1; then
   cargo nextest run --workspace --no-fail-fast

@@ -85,6 +85,16 @@ pub trait Backend: Send + Sync {
     fn linear(&self, x: &Self::Tensor, w: &Self::Tensor, bias: Option<&Self::Tensor>) -> Result<Self::Tensor>;
     /// Rotates each `head_dim` slice of row `i` to `positions[i]` in place.
     fn rope(&self, x: &mut Self::Tensor, head_dim: usize, positions: &[u32], rope: &Rope) -> Result<()>;
+    /// LayerNorm of each row: `(x − mean) / sqrt(var + eps) · weight + bias`.
+    fn layer_norm(
+        &self,
+        x: &Self::Tensor,
+        weight: &Self::Tensor,
+        bias: &Self::Tensor,
+        eps: f32,
+    ) -> Result<Self::Tensor>;
+    /// GELU (the exact, erf-based form), elementwise.
+    fn gelu(&self, x: &Self::Tensor) -> Result<Self::Tensor>;
     /// `silu(gate) * up`, elementwise.
     fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Result<Self::Tensor>;
     /// `x += y`.
@@ -113,6 +123,18 @@ pub trait Backend: Send + Sync {
     fn copy_blocks(&self, store: &mut Self::KvStore, pairs: &[(u32, u32)]) -> Result<()>;
     /// Stacks tensors of equal width row-wise.
     fn concat_rows(&self, parts: &[&Self::Tensor]) -> Result<Self::Tensor>;
+
+    /// Bidirectional attention without a cache (encoders): rows
+    /// `start..start + len` of each span attend to every row of that span.
+    /// `q`, `k`, `v` and the result are `[n, heads·head_dim]` (no GQA).
+    fn attention_bidirectional(
+        &self,
+        q: &Self::Tensor,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        shape: AttentionShape,
+        spans: &[(usize, usize)],
+    ) -> Result<Self::Tensor>;
 
     /// Causal attention of `q [n, heads·head_dim]` over the paged cache of
     /// `layer`, one span per sequence. Returns `[n, heads·head_dim]`.

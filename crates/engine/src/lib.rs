@@ -8,6 +8,7 @@
 //! block pool; [`generate`] runs sampling loops on top.
 
 pub mod backend;
+pub mod bert;
 pub mod cpu;
 pub mod engine;
 pub mod error;

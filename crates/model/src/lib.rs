@@ -8,6 +8,7 @@
 
 pub mod chat;
 pub mod config;
+pub mod encoder;
 pub mod error;
 pub mod fetch;
 pub mod gguf;
@@ -19,6 +20,7 @@ use std::path::{Path, PathBuf};
 
 pub use chat::{ChatTemplate, Message};
 pub use config::{Family, ModelConfig, RopeConfig, RopeScaling};
+pub use encoder::{BertConfig, EncoderFiles, Pooling};
 pub use error::{ModelError, Result};
 pub use tokenizer::{StreamDecoder, Tokenizer};
 pub use weights::{HostTensor, WeightSource};
@@ -47,10 +49,13 @@ impl ModelFiles {
             Some(src) => Some(template(src, &tokenizer)?),
             None => None,
         };
+        // llama.cpp permutes Q/K rows of `llama`-architecture files only.
+        let qk_heads =
+            matches!(config.family, Family::Llama | Family::Mistral).then_some((config.num_heads, config.num_kv_heads));
         Ok(ModelFiles {
             path: path.to_path_buf(),
             config,
-            weights: WeightSource::Gguf(file),
+            weights: WeightSource::Gguf { file, qk_heads },
             tokenizer: Some(tokenizer),
             chat_template,
         })

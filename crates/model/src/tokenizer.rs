@@ -149,8 +149,15 @@ impl Tokenizer {
     /// Loads an HF `tokenizer.json`; special tokens come from the model config
     /// (`bos_token_id`/`eos_token_id`), resolved to their strings here.
     pub fn from_file(path: &Path, bos_id: Option<u32>, eos_id: Option<u32>) -> Result<Self> {
-        let inner = tokenizers::Tokenizer::from_file(path)
+        let mut inner = tokenizers::Tokenizer::from_file(path)
             .map_err(|e| ModelError::Tokenizer(format!("{}: {e}", path.display())))?;
+        // Padding and truncation configured in the file are for batched
+        // training; here they would silently pad or cut prompts. Callers
+        // check lengths themselves.
+        inner.with_padding(None);
+        inner
+            .with_truncation(None)
+            .map_err(|e| ModelError::Tokenizer(format!("{}: disabling truncation: {e}", path.display())))?;
         let named = |id: Option<u32>| id.and_then(|id| inner.id_to_token(id).map(|t| (id, t)));
         let bos = named(bos_id);
         let eos = named(eos_id);

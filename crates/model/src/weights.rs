@@ -13,7 +13,6 @@ use std::path::{Path, PathBuf};
 use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 
-use crate::config::{Family, ModelConfig};
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
 
@@ -26,34 +25,39 @@ pub struct HostTensor {
 
 /// Where weights come from. Names are HF's (`model.layers.0.self_attn.q_proj.weight`).
 pub enum WeightSource {
-    Gguf(GgufFile),
+    /// A GGUF file; `qk_heads` = (query heads, KV heads) when the file stores
+    /// Q/K rows permuted (llama.cpp's `llama` architecture).
+    Gguf {
+        file: GgufFile,
+        qk_heads: Option<(usize, usize)>,
+    },
     Safetensors(SafetensorsDir),
 }
 
 impl WeightSource {
     pub fn path(&self) -> &Path {
         match self {
-            WeightSource::Gguf(g) => g.path(),
+            WeightSource::Gguf { file, .. } => file.path(),
             WeightSource::Safetensors(s) => &s.dir,
         }
     }
 
     pub fn contains(&self, name: &str) -> bool {
         match self {
-            WeightSource::Gguf(g) => gguf_name(name).is_some_and(|n| g.tensors.contains_key(&n)),
+            WeightSource::Gguf { file, .. } => gguf_name(name).is_some_and(|n| file.tensors.contains_key(&n)),
             WeightSource::Safetensors(s) => s.index.contains_key(name),
         }
     }
 
     /// Loads tensor `name` as f32 and checks it has `shape`.
-    pub fn load(&self, name: &str, shape: &[usize], cfg: &ModelConfig) -> Result<HostTensor> {
+    pub fn load(&self, name: &str, shape: &[usize]) -> Result<HostTensor> {
         let (actual, mut data) = match self {
-            WeightSource::Gguf(g) => {
+            WeightSource::Gguf { file, .. } => {
                 let gname = gguf_name(name).ok_or_else(|| ModelError::MissingTensor {
-                    path: g.path().to_path_buf(),
+                    path: file.path().to_path_buf(),
                     tensor: name.to_string(),
                 })?;
-                g.tensor_f32(&gname)?
+                file.tensor_f32(&gname)?
             }
             WeightSource::Safetensors(s) => s.load(name)?,
         };
@@ -65,13 +69,12 @@ impl WeightSource {
                 actual,
             });
         }
-        if let WeightSource::Gguf(_) = self
-            && matches!(cfg.family, Family::Llama | Family::Mistral)
-        {
+        if let WeightSource::Gguf { qk_heads: Some((q_heads, kv_heads)), .. } = self {
+            let cols = shape.get(1).copied().unwrap_or(1);
             if name.ends_with("q_proj.weight") || name.ends_with("q_proj.bias") {
-                data = unpermute_rows(&data, cfg.num_heads, shape.get(1).copied().unwrap_or(1));
+                data = unpermute_rows(&data, *q_heads, cols);
             } else if name.ends_with("k_proj.weight") || name.ends_with("k_proj.bias") {
-                data = unpermute_rows(&data, cfg.num_kv_heads, shape.get(1).copied().unwrap_or(1));
+                data = unpermute_rows(&data, *kv_heads, cols);
             }
         }
         Ok(HostTensor { shape: shape.to_vec(), data })

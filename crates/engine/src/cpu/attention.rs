@@ -227,3 +227,64 @@ fn gather<'a>(
     }
     (Cow::Owned(k), Cow::Owned(v))
 }
+
+/// Dense bidirectional attention within each span (encoders), one task per
+/// (span, head): scores = q·kᵀ over the span, softmax, then p·v.
+pub fn bidirectional(
+    q: &CpuTensor,
+    k: &CpuTensor,
+    v: &CpuTensor,
+    shape: AttentionShape,
+    spans: &[(usize, usize)],
+) -> Result<CpuTensor> {
+    let AttentionShape { num_heads, num_kv_heads, head_dim: d, scale } = shape;
+    let width = num_heads * d;
+    let same = |t: &CpuTensor| t.cols == width && t.rows == q.rows;
+    if num_heads != num_kv_heads || !same(q) || !same(k) || !same(v) {
+        return Err(EngineError::Shape(format!("bidirectional attention: q/k/v widths for {num_heads}×{d}")));
+    }
+    if let Some(s) = spans.iter().find(|(start, len)| start + len > q.rows) {
+        return Err(EngineError::Shape(format!("span {s:?} beyond {} rows", q.rows)));
+    }
+    let tasks: Vec<(usize, usize)> = (0..spans.len()).flat_map(|s| (0..num_heads).map(move |h| (s, h))).collect();
+    let results: Vec<Vec<f32>> = tasks
+        .par_iter()
+        .map(|&(s, h)| {
+            let (start, len) = spans[s];
+            let mut scores = vec![0f32; len * len];
+            let off = start * width + h * d;
+            gemm_strided(
+                &mut scores,
+                len,
+                Strided { data: &q.data[off..], rs: width, cs: 1 },
+                Strided { data: &k.data[off..], rs: 1, cs: width },
+                (len, len, d),
+                scale,
+            );
+            for row in scores.chunks_exact_mut(len) {
+                let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let sum = vmath::exp_shift_sum(row, m);
+                row.iter_mut().for_each(|x| *x /= sum);
+            }
+            let mut o = vec![0f32; len * d];
+            gemm_strided(
+                &mut o,
+                d,
+                Strided { data: &scores, rs: len, cs: 1 },
+                Strided { data: &v.data[off..], rs: width, cs: 1 },
+                (len, d, len),
+                1.0,
+            );
+            o
+        })
+        .collect();
+    let mut out = CpuTensor::zeros(q.rows, width);
+    for (&(s, h), o) in tasks.iter().zip(results) {
+        let (start, len) = spans[s];
+        for r in 0..len {
+            let dst = (start + r) * width + h * d;
+            out.data[dst..dst + d].copy_from_slice(&o[r * d..(r + 1) * d]);
+        }
+    }
+    Ok(out)
+}

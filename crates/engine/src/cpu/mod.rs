@@ -183,6 +183,33 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn layer_norm(&self, x: &CpuTensor, weight: &CpuTensor, bias: &CpuTensor, eps: f32) -> Result<CpuTensor> {
+        if weight.data.len() != x.cols || bias.data.len() != x.cols {
+            return Err(shape_err(format!("layer_norm weight/bias for width {}", x.cols)));
+        }
+        let mut out = CpuTensor::zeros(x.rows, x.cols);
+        out.data.par_chunks_mut(x.cols).zip(x.data.par_chunks(x.cols)).for_each(|(o, r)| {
+            let n = x.cols as f32;
+            let mean = r.iter().sum::<f32>() / n;
+            let var = r.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n;
+            let inv = 1.0 / (var + eps).sqrt();
+            for (((o, v), w), b) in o.iter_mut().zip(r).zip(&weight.data).zip(&bias.data) {
+                *o = (v - mean) * inv * w + b;
+            }
+        });
+        Ok(out)
+    }
+
+    fn gelu(&self, x: &CpuTensor) -> Result<CpuTensor> {
+        let mut out = x.clone();
+        out.data.par_chunks_mut(4096).for_each(|c| {
+            for v in c {
+                *v = 0.5 * *v * (1.0 + libm::erff(*v * std::f32::consts::FRAC_1_SQRT_2));
+            }
+        });
+        Ok(out)
+    }
+
     fn silu_mul(&self, gate: &CpuTensor, up: &CpuTensor) -> Result<CpuTensor> {
         if (gate.rows, gate.cols) != (up.rows, up.cols) {
             return Err(shape_err("silu_mul shapes differ".into()));
@@ -371,6 +398,17 @@ impl Backend for CpuBackend {
             data.extend_from_slice(&t.data);
         }
         Ok(CpuTensor { rows: parts.iter().map(|t| t.rows).sum(), cols, data, packed: None })
+    }
+
+    fn attention_bidirectional(
+        &self,
+        q: &CpuTensor,
+        k: &CpuTensor,
+        v: &CpuTensor,
+        shape: AttentionShape,
+        spans: &[(usize, usize)],
+    ) -> Result<CpuTensor> {
+        attention::bidirectional(q, k, v, shape, spans)
     }
 
     fn attention(

@@ -77,7 +77,7 @@ fn rotate(x: &mut [f32], head_dim: usize, positions: &[u32], rope: &Rope) {
 impl Dense {
     pub fn load(files: &ModelFiles) -> Dense {
         let c = files.config.clone();
-        let w = |name: &str, shape: &[usize]| files.weights.load(name, shape, &c).unwrap().data;
+        let w = |name: &str, shape: &[usize]| files.weights.load(name, shape).unwrap().data;
         let (h, qd, kd, i) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
         let layers = (0..c.num_layers)
             .map(|l| {

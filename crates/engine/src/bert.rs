@@ -62,7 +62,7 @@ impl<B: Backend> Embeddings<B> {
     fn load(be: &B, files: &EncoderFiles) -> Result<Self> {
         let c = &files.config;
         let t = |name: &str, rows| -> Result<B::Tensor> {
-            Ok(be.upload(&files.weights.load(&format!("embeddings.{name}.weight"), &[rows, c.hidden_size])?)?)
+            be.upload(&files.weights.load(&format!("embeddings.{name}.weight"), &[rows, c.hidden_size])?)
         };
         Ok(Embeddings {
             word: t("word_embeddings", c.vocab_size)?,

@@ -10,8 +10,8 @@ use anyhow::Result;
 use clap::Args as ClapArgs;
 use inferscale_engine::{Generation, KvChunk, SamplingParams, generate_sequences};
 
-use crate::layout::{Composer, SYSTEM_PROMPT};
 use crate::runtime::{ModelArgs, load};
+use inferscale_memory::{Composer, SYSTEM_PROMPT};
 
 const FACTS: &[&str] = &[
     "Melanie ran a charity race for mental health on 20 May 2023.",
@@ -43,7 +43,7 @@ pub fn run(a: Args) -> Result<()> {
     let composer = Composer::new(files, SYSTEM_PROMPT)?;
     let texts: Vec<String> =
         if a.facts.is_empty() { FACTS.iter().map(|s| s.to_string()).collect() } else { a.facts.clone() };
-    let facts: Vec<Vec<u32>> = texts.iter().map(|f| composer.fact(f)).collect::<Result<_>>()?;
+    let facts: Vec<Vec<u32>> = texts.iter().map(|f| composer.fact(f)).collect::<Result<_, _>>()?;
     let question = composer.question(&a.question)?;
     let header_tokens = composer.header().to_vec();
     let h = header_tokens.len() as u32;

@@ -6,8 +6,9 @@
 mod bench;
 mod demo;
 mod generate;
-mod layout;
+mod memory_cmd;
 mod runtime;
+mod synthetic;
 
 use clap::{Parser, Subcommand};
 
@@ -30,6 +31,10 @@ enum Command {
         #[arg(default_value = inferscale_model::fetch::DEFAULT_MODEL)]
         model: String,
     },
+    /// Store a LoCoMo conversation's turns in a user's memory.
+    Ingest(memory_cmd::IngestArgs),
+    /// Answer a question from a user's memory (kv, prompt or none mode).
+    Ask(memory_cmd::AskArgs),
     /// Benchmarks: print a table and optionally write JSON.
     #[command(subcommand)]
     Bench(bench::Command),
@@ -41,6 +46,8 @@ fn main() {
         Command::Generate(a) => generate::run(a),
         Command::Demo(a) => demo::run(a),
         Command::Bench(c) => bench::run(c),
+        Command::Ingest(a) => memory_cmd::ingest(a),
+        Command::Ask(a) => memory_cmd::ask(a),
         Command::Fetch { model } => {
             inferscale_model::fetch::resolve(&model).map(|p| println!("{}", p.display())).map_err(anyhow::Error::from)
         }

@@ -70,8 +70,12 @@ pub trait Backend: Send + Sync {
 
     fn name(&self) -> &'static str;
 
-    /// Copies a host tensor (a weight) to the device.
+    /// Copies a weight to the device, in whatever layout the backend's
+    /// matrix kernels want (only `linear` and `embedding` read weights).
     fn upload(&self, t: &HostTensor) -> Result<Self::Tensor>;
+    /// Copies an activation-like tensor (e.g. stored KV) to the device as a
+    /// plain row-major matrix, usable by every op.
+    fn upload_rows(&self, t: &HostTensor) -> Result<Self::Tensor>;
     /// Copies a tensor back as row-major f32.
     fn to_host(&self, t: &Self::Tensor) -> Result<HostTensor>;
     /// `(rows, cols)`.

@@ -40,6 +40,18 @@ impl<B: Backend> KvChunk<B> {
         self.tokens.is_empty()
     }
 
+    /// A chunk from host tensors (per layer `[tokens, kv_dim]`), e.g. read
+    /// back from a persisted segment.
+    pub fn from_host(be: &B, tokens: Vec<u32>, k: &[HostTensor], v: &[HostTensor]) -> Result<Self> {
+        let n = tokens.len();
+        if k.len() != v.len() || k.iter().chain(v).any(|t| t.shape.first() != Some(&n)) {
+            return Err(EngineError::Shape(format!("KV chunk of {n} tokens: layer shapes disagree")));
+        }
+        let k = k.iter().map(|t| be.upload_rows(t)).collect::<Result<_>>()?;
+        let v = v.iter().map(|t| be.upload_rows(t)).collect::<Result<_>>()?;
+        Ok(KvChunk { tokens, k, v })
+    }
+
     /// Copies every layer to the host (for persistence and tests).
     pub fn to_host(&self, be: &B) -> Result<(Vec<HostTensor>, Vec<HostTensor>)> {
         let k = self.k.iter().map(|t| be.to_host(t)).collect::<Result<_>>()?;

@@ -19,8 +19,9 @@ use inferscale_engine::{Backend, Engine, KvChunk};
 use serde::Serialize;
 
 use super::median;
-use crate::layout::{Composer, SYSTEM_PROMPT, synthetic_facts};
 use crate::runtime::{ModelArgs, load};
+use crate::synthetic::synthetic_facts;
+use inferscale_memory::{Composer, SYSTEM_PROMPT};
 
 const QUESTION: &str = "Where did Caroline go camping?";
 
@@ -89,7 +90,7 @@ pub fn run(a: TtftArgs) -> Result<()> {
     let files = &m.files;
     let composer = Composer::new(files, SYSTEM_PROMPT)?;
     let k_max = *a.k.iter().max().context("--k")?;
-    let facts: Vec<Vec<u32>> = synthetic_facts(k_max).iter().map(|f| composer.fact(f)).collect::<Result<_>>()?;
+    let facts: Vec<Vec<u32>> = synthetic_facts(k_max).iter().map(|f| composer.fact(f)).collect::<Result<_, _>>()?;
     let question = composer.question(QUESTION)?;
     let header_tokens = composer.header().to_vec();
     let h = header_tokens.len();

@@ -100,6 +100,18 @@ impl Backend for CpuBackend {
         Ok(CpuTensor { rows, cols, data: t.data.clone(), packed: None })
     }
 
+    fn upload_rows(&self, t: &HostTensor) -> Result<CpuTensor> {
+        let (rows, cols) = match t.shape.as_slice() {
+            [n] => (1, *n),
+            [r, c] => (*r, *c),
+            s => return Err(shape_err(format!("from_host of a {}-D tensor", s.len()))),
+        };
+        if rows * cols != t.data.len() {
+            return Err(shape_err(format!("shape {:?} for {} values", t.shape, t.data.len())));
+        }
+        Ok(CpuTensor { rows, cols, data: t.data.clone(), packed: None })
+    }
+
     fn to_host(&self, t: &CpuTensor) -> Result<HostTensor> {
         let data = match &t.packed {
             Some(p) => p.unpack(),

@@ -1,0 +1,155 @@
+//! `inferscale ingest` and `inferscale ask`: the memory shard from the
+//! command line, stored under `--memory` (default `$INFERSCALE_HOME/memory`).
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use inferscale_engine::bert::Bert;
+use inferscale_engine::sampling::SamplingParams;
+use inferscale_engine::{CpuBackend, generate_sequences};
+use inferscale_memory::{Composer, Encoders, Memory, Mode, SYSTEM_PROMPT, ShardSpec, fingerprint, locomo, prepare};
+use inferscale_model::fetch;
+
+use crate::runtime::{Loaded, ModelArgs, load};
+
+#[derive(Args, Debug, Clone)]
+pub struct MemoryArgs {
+    /// Memory directory.
+    #[arg(long)]
+    memory: Option<PathBuf>,
+    /// Context window: turns encoded before each fact (0 = isolated). A
+    /// memory directory's KV is made for one window; another is refused.
+    #[arg(long, default_value_t = 20)]
+    window: usize,
+    /// Sentence-embedding model (name or directory).
+    #[arg(long, default_value = fetch::DEFAULT_EMBEDDER)]
+    embedder: String,
+    #[command(flatten)]
+    model: ModelArgs,
+}
+
+#[derive(Args, Debug)]
+pub struct IngestArgs {
+    #[arg(long)]
+    user: String,
+    /// A LoCoMo-format JSON file.
+    #[arg(long)]
+    locomo: PathBuf,
+    /// Which sample of the file (default: the first).
+    #[arg(long)]
+    sample: Option<String>,
+    /// Turns per durable batch.
+    #[arg(long, default_value_t = 16)]
+    batch: usize,
+    #[command(flatten)]
+    mem: MemoryArgs,
+}
+
+#[derive(Args, Debug)]
+pub struct AskArgs {
+    #[arg(long)]
+    user: String,
+    #[arg(long, default_value = "kv", value_parser = ["kv", "prompt", "none"])]
+    mode: String,
+    /// Facts to retrieve.
+    #[arg(long, default_value_t = 20)]
+    k: usize,
+    #[arg(long, default_value_t = 64)]
+    max_tokens: usize,
+    /// The question.
+    question: String,
+    #[command(flatten)]
+    mem: MemoryArgs,
+}
+
+/// Everything a memory command needs, loaded once.
+struct Session {
+    loaded: Loaded,
+    embedder: Bert<CpuBackend>,
+    memory: Memory<CpuBackend>,
+}
+
+fn open(a: &MemoryArgs) -> Result<Session> {
+    let loaded = load(&a.model)?;
+    let embedder = Bert::load(&CpuBackend, inferscale_model::encoder::open(&a.embedder)?)?;
+    let dir = a.memory.clone().unwrap_or_else(|| fetch::home_dir().join("memory"));
+    let spec = ShardSpec { window: a.window, fingerprint: fingerprint(&loaded.files)? };
+    let (memory, warnings) =
+        Memory::open(&dir, spec, &loaded.engine).with_context(|| format!("opening memory {}", dir.display()))?;
+    warnings.iter().for_each(|w| eprintln!("inferscale: warning: {w}"));
+    Ok(Session { loaded, embedder, memory })
+}
+
+pub fn ingest(a: IngestArgs) -> Result<()> {
+    if a.batch == 0 {
+        bail!("--batch must be at least 1");
+    }
+    let samples = locomo::read(&a.locomo)?;
+    let sample = match &a.sample {
+        Some(id) => {
+            samples.iter().find(|s| &s.id == id).with_context(|| format!("{}: no sample {id:?}", a.locomo.display()))?
+        }
+        None => samples.first().with_context(|| format!("{}: no samples", a.locomo.display()))?,
+    };
+    let mut s = open(&a.mem)?;
+    let composer = Composer::new(&s.loaded.files, SYSTEM_PROMPT)?;
+    let mut enc = Encoders { engine: &mut s.loaded.engine, embedder: &s.embedder, composer: &composer };
+    let t0 = Instant::now();
+    let (mut added, mut skipped, mut tokens) = (0, 0, 0);
+    let total = sample.turns.len();
+    for (i, batch) in sample.turns.chunks(a.batch).enumerate() {
+        let r = s.memory.ingest(&a.user, batch, &mut enc)?;
+        (added, skipped, tokens) = (added + r.added, skipped + r.skipped, tokens + r.encoded_tokens);
+        let done = (i * a.batch + batch.len()).min(total);
+        eprint!("\rinferscale ingest: {done}/{total} turns of {} ({added} new, {skipped} already stored)", sample.id);
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    eprintln!(
+        "\ninferscale ingest: user {:?}: {added} turns in {secs:.1} s ({:.1} turns/s, {:.0} encoded tokens/s, window {})",
+        a.user,
+        added as f64 / secs,
+        tokens as f64 / secs,
+        a.mem.window
+    );
+    Ok(())
+}
+
+pub fn ask(a: AskArgs) -> Result<()> {
+    if a.question.trim().is_empty() {
+        bail!("the question is empty");
+    }
+    if a.k == 0 || a.k > 1000 {
+        bail!("--k must be between 1 and 1000, got {}", a.k);
+    }
+    let mode: Mode = a.mode.parse()?;
+    let mut s = open(&a.mem)?;
+    let composer = Composer::new(&s.loaded.files, SYSTEM_PROMPT)?;
+    {
+        let mut enc = Encoders { engine: &mut s.loaded.engine, embedder: &s.embedder, composer: &composer };
+        s.memory.ensure_kv(&a.user, &mut enc)?;
+    }
+    let eos = s.loaded.eos_ids();
+    let engine = &mut s.loaded.engine;
+    let mut header = engine.new_sequence(composer.header().to_vec())?;
+    engine.prefill(&mut header)?;
+    let question = composer.question(&a.question)?;
+
+    let start = Instant::now();
+    let query = s.embedder.embed(engine.backend(), &[a.question.as_str()])?.remove(0);
+    let top = s.memory.retrieve(&a.user, &query, a.k)?;
+    let p = prepare(engine, &s.memory, &a.user, &top, mode, &header, &question)?;
+    let tok = s.loaded.files.tokenizer.as_ref();
+    let out =
+        generate_sequences(engine, tok, &eos, vec![(p.seq, SamplingParams::greedy(a.max_tokens))], start)?.remove(0);
+    println!("{}", out.text.trim());
+    eprintln!("inferscale ask: facts (prompt order): {}", p.fact_ids.join(", "));
+    eprintln!(
+        "inferscale ask: mode {} · {} memory tokens · TTFT {:.1} ms (retrieval included)",
+        a.mode,
+        p.memory_tokens,
+        out.time_to_first_token.as_secs_f64() * 1e3
+    );
+    Ok(())
+}

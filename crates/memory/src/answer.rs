@@ -1,0 +1,84 @@
+//! Building the prompt of one request in any mode (design.md §3): the cached
+//! header, then the retrieved facts — injected as KV (`kv`) or as text
+//! (`prompt`), least relevant first — then the question.
+
+use inferscale_engine::{Backend, Engine, KvChunk, Sequence};
+
+use crate::error::{MemoryError, Result};
+use crate::shard::Memory;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Kv,
+    Prompt,
+    None,
+}
+
+impl std::str::FromStr for Mode {
+    type Err = MemoryError;
+
+    fn from_str(s: &str) -> Result<Mode> {
+        match s {
+            "kv" => Ok(Mode::Kv),
+            "prompt" => Ok(Mode::Prompt),
+            "none" => Ok(Mode::None),
+            other => Err(MemoryError::Invalid { what: "mode", reason: format!("`{other}` (kv, prompt, none)") }),
+        }
+    }
+}
+
+/// A request ready to prefill: the sequence (question pending) and what went in.
+pub struct Prepared {
+    pub seq: Sequence,
+    /// Ids of the facts placed in the prompt, in prompt order.
+    pub fact_ids: Vec<String>,
+    /// Memory tokens in the prompt (injected or pasted).
+    pub memory_tokens: usize,
+}
+
+/// Forks `header` (a computed sequence of the composer's header) and lays
+/// out `facts` (indices into `user`'s facts, best first) and `question`.
+pub fn prepare<B: Backend>(
+    engine: &mut Engine<B>,
+    memory: &Memory<B>,
+    user: &str,
+    facts: &[usize],
+    mode: Mode,
+    header: &Sequence,
+    question: &[u32],
+) -> Result<Prepared> {
+    if question.is_empty() {
+        return Err(MemoryError::Invalid { what: "question", reason: "empty question".into() });
+    }
+    let all = memory.facts(user)?;
+    let order: Vec<usize> = match mode {
+        Mode::None => Vec::new(),
+        _ => facts.iter().rev().copied().collect(),
+    };
+    let mut seq = engine.fork(header)?;
+    let mut memory_tokens = 0;
+    match mode {
+        Mode::Kv => {
+            let chunks = order
+                .iter()
+                .map(|&i| {
+                    memory.kv(user, i)?.ok_or_else(|| MemoryError::Invalid {
+                        what: "memory",
+                        reason: format!("fact {:?} of {user:?} has no KV yet", all[i].id),
+                    })
+                })
+                .collect::<Result<Vec<&KvChunk<B>>>>()?;
+            memory_tokens = chunks.iter().map(|c| c.len()).sum();
+            engine.inject(&mut seq, &chunks)?;
+        }
+        Mode::Prompt => {
+            for &i in &order {
+                seq.extend(&all[i].tokens);
+                memory_tokens += all[i].tokens.len();
+            }
+        }
+        Mode::None => {}
+    }
+    seq.extend(question);
+    Ok(Prepared { seq, fact_ids: order.iter().map(|&i| all[i].id.clone()).collect(), memory_tokens })
+}

@@ -1,0 +1,46 @@
+//! The one error type of the memory crate.
+
+use std::path::PathBuf;
+
+use inferscale_engine::EngineError;
+use inferscale_model::ModelError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum MemoryError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// Stored data failed its checksum or framing; `offset` is where.
+    #[error("{path}: corrupt at byte {offset}: {reason}")]
+    Corrupt { path: PathBuf, offset: u64, reason: String },
+
+    #[error("unknown user `{0}`")]
+    UnknownUser(String),
+
+    /// Bad caller input (empty text, k = 0, …): nothing was stored.
+    #[error("invalid {what}: {reason}")]
+    Invalid { what: &'static str, reason: String },
+
+    /// KV made by another model, window or dtype: refused, never injected.
+    #[error("KV segment {path}: made for {found}, this shard needs {expected}")]
+    KvMismatch { path: PathBuf, found: String, expected: String },
+
+    #[error("{path}: not a LoCoMo file: {reason}")]
+    Locomo { path: PathBuf, reason: String },
+
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+
+    #[error(transparent)]
+    Model(#[from] ModelError),
+}
+
+pub type Result<T> = std::result::Result<T, MemoryError>;
+
+pub(crate) fn io(path: &std::path::Path) -> impl FnOnce(std::io::Error) -> MemoryError + '_ {
+    move |source| MemoryError::Io { path: path.to_path_buf(), source }
+}

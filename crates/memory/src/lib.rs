@@ -1,0 +1,18 @@
+//! The memory shard: per-user facts (the durable source of truth), their
+//! pre-RoPE KV encoded with a context window, retrieval and composition.
+
+pub mod answer;
+pub mod compose;
+pub mod error;
+pub mod fact;
+pub mod kvseg;
+pub mod locomo;
+pub mod log;
+pub mod shard;
+
+pub use answer::{Mode, Prepared, prepare};
+pub use compose::{Composer, SYSTEM_PROMPT};
+pub use error::{MemoryError, Result};
+pub use fact::Fact;
+pub use kvseg::KvHeader;
+pub use shard::{Encoders, IngestReport, Memory, ShardSpec, Turn, fingerprint};

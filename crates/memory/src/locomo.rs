@@ -1,0 +1,102 @@
+//! Reading LoCoMo-format conversations (the `locomo10.json` layout).
+
+use std::path::Path;
+
+use serde_json::Value;
+
+use crate::error::{MemoryError, Result};
+use crate::shard::Turn;
+
+/// One LoCoMo sample: its turns in session order and its questions.
+#[derive(Debug, Clone)]
+pub struct Sample {
+    pub id: String,
+    pub turns: Vec<Turn>,
+    pub qa: Vec<Qa>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Qa {
+    pub question: String,
+    /// Absent for most category-5 (adversarial) items.
+    pub answer: Option<String>,
+    pub evidence: Vec<String>,
+    pub category: u8,
+}
+
+/// Reads every sample of a LoCoMo file; errors name the file and the field.
+pub fn read(path: &Path) -> Result<Vec<Sample>> {
+    let bad = |reason: String| MemoryError::Locomo { path: path.to_path_buf(), reason };
+    let text = std::fs::read_to_string(path).map_err(crate::error::io(path))?;
+    let v: Value = serde_json::from_str(&text).map_err(|e| bad(format!("invalid JSON: {e}")))?;
+    let samples = v.as_array().ok_or_else(|| bad("top level is not a list of samples".into()))?;
+    samples.iter().enumerate().map(|(i, s)| sample(s).map_err(|r| bad(format!("sample {i}: {r}")))).collect()
+}
+
+fn sample(s: &Value) -> std::result::Result<Sample, String> {
+    let id = s.get("sample_id").and_then(Value::as_str).ok_or("missing `sample_id`")?.to_string();
+    let conv = s.get("conversation").and_then(Value::as_object).ok_or(format!("{id}: missing `conversation`"))?;
+    let mut sessions: Vec<(u32, &Vec<Value>)> = conv
+        .iter()
+        .filter_map(|(k, v)| {
+            let n = k.strip_prefix("session_")?.parse::<u32>().ok()?;
+            Some((n, v.as_array()?))
+        })
+        .collect();
+    sessions.sort_by_key(|(n, _)| *n);
+    let mut turns = Vec::new();
+    for (n, items) in sessions {
+        let time = conv.get(&format!("session_{n}_date_time")).and_then(Value::as_str).unwrap_or("").to_string();
+        for (j, t) in items.iter().enumerate() {
+            let field = |f: &str| {
+                t.get(f)
+                    .and_then(Value::as_str)
+                    .map(str::to_string)
+                    .ok_or(format!("{id}: session_{n}[{j}]: missing `{f}`"))
+            };
+            turns.push(Turn {
+                id: field("dia_id")?,
+                speaker: field("speaker")?,
+                text: field("text")?,
+                time: time.clone(),
+            });
+        }
+    }
+    let qa = s
+        .get("qa")
+        .and_then(Value::as_array)
+        .map(|items| {
+            items
+                .iter()
+                .enumerate()
+                .map(|(j, q)| {
+                    let question = q
+                        .get("question")
+                        .and_then(Value::as_str)
+                        .ok_or(format!("{id}: qa[{j}]: missing `question`"))?;
+                    let answer = q.get("answer").map(|a| match a {
+                        Value::String(s) => s.clone(),
+                        other => other.to_string(),
+                    });
+                    let evidence = q
+                        .get("evidence")
+                        .and_then(Value::as_array)
+                        .map(|e| {
+                            e.iter()
+                                .filter_map(Value::as_str)
+                                .flat_map(|x| x.split(';'))
+                                .map(|x| x.trim().to_string())
+                                .collect()
+                        })
+                        .unwrap_or_default();
+                    let category =
+                        q.get("category").and_then(Value::as_u64).ok_or(format!("{id}: qa[{j}]: missing `category`"))?
+                            as u8;
+                    Ok(Qa { question: question.to_string(), answer, evidence, category })
+                })
+                .collect::<std::result::Result<Vec<_>, String>>()
+        })
+        .transpose()?
+        .unwrap_or_default();
+    Ok(Sample { id, turns, qa })
+}

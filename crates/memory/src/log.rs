@@ -1,0 +1,426 @@
+//! A durable append-only record log: the memory shard's source of truth.
+//!
+//! Layout: the 8-byte header `b"ISLOG\0\0\x01"` (magic, version 1), then one
+//! frame per record: `[u32 LE payload length][u32 LE crc32][payload]`.
+//!
+//! The CRC covers the length field's 4 bytes followed by the payload, not the
+//! payload alone: with payload-only CRCs an 8-byte run of zeros is a valid
+//! empty record (crc32 of nothing is 0), so a tail the filesystem zero-filled
+//! after a power loss would replay as phantom records.
+//!
+//! Crash model: a record is durable once [`RecordLog::append`] returns. A crash
+//! at any instant (SIGKILL, power loss) or a failed write can leave only a torn
+//! tail: one frame that is short, claims an impossible length or fails its CRC.
+//! [`RecordLog::open`] replays up to the last intact frame and truncates the
+//! rest, so the caller never sees garbage and never loses an acknowledged
+//! record. Replay stops at the first bad frame rather than skipping it: the
+//! length of a bad frame cannot be trusted, so nothing after it can be found.
+//!
+//! One process appends to a log at a time; nothing here locks the file.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{ErrorKind, Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+
+use crate::error::{self, MemoryError, Result};
+
+const HEADER: &[u8; 8] = b"ISLOG\0\0\x01";
+const FRAME_BYTES: usize = 8;
+
+/// The largest record accepted. A length field above it can only be a torn or
+/// corrupt frame, so replay never tries to allocate gigabytes for one.
+pub const MAX_RECORD_BYTES: usize = 64 << 20;
+
+/// What opening a log found.
+#[derive(Debug)]
+pub struct Recovery {
+    /// Intact records in append order.
+    pub records: Vec<Vec<u8>>,
+    /// Bytes dropped from the end (a torn or corrupt tail), 0 when clean.
+    pub truncated_bytes: u64,
+    /// Why the tail was dropped, for the caller to report.
+    pub reason: Option<String>,
+}
+
+#[derive(Debug)]
+pub struct RecordLog {
+    path: PathBuf,
+    /// Opened with O_APPEND, so a write after a truncation lands at the new end.
+    file: File,
+    /// Length of the intact prefix; a failed append truncates back to it.
+    len: u64,
+    /// Set when a failed append could not be rolled back: the file may end in a
+    /// torn frame, and records appended behind it would be dropped by the next
+    /// replay, so further appends are refused until the log is reopened.
+    broken: bool,
+}
+
+impl RecordLog {
+    /// Opens `path`, creating it (and its parent directory) if missing. Replays every record; the first
+    /// record that is short, has an impossible length, or fails its CRC ends the replay: the file is
+    /// truncated to the last intact record (fsynced) and the loss reported in `Recovery`. Never panics
+    /// on any file content. A file with a wrong header is NOT truncated: it is an error
+    /// ([`MemoryError::Corrupt`]), because it is not one of our logs.
+    ///
+    /// An existing empty file is taken as a new log: it holds nothing to lose.
+    pub fn open(path: &Path) -> Result<(RecordLog, Recovery)> {
+        let dir = parent_dir(path);
+        fs::create_dir_all(dir).map_err(error::io(dir))?;
+        let file = match OpenOptions::new().read(true).append(true).open(path) {
+            Ok(file) => file,
+            Err(e) if e.kind() == ErrorKind::NotFound => {
+                // Created by rename, so a crash never leaves a log without its header.
+                let file = replace(path, HEADER)?;
+                sync_dir(dir)?;
+                file
+            }
+            Err(e) => return Err(error::io(path)(e)),
+        };
+        let mut bytes = Vec::new();
+        // From the start: a handle fresh from `replace` sits after what it wrote.
+        (&file).seek(SeekFrom::Start(0)).and_then(|_| (&file).read_to_end(&mut bytes)).map_err(error::io(path))?;
+        if bytes.is_empty() {
+            (&file).write_all(HEADER).and_then(|()| file.sync_data()).map_err(error::io(path))?;
+            bytes.extend_from_slice(HEADER);
+        }
+        check_header(path, &bytes)?;
+
+        let (records, intact, reason) = replay(&bytes);
+        let truncated_bytes = (bytes.len() - intact) as u64;
+        if truncated_bytes > 0 {
+            // sync_all, not sync_data: the new length is the point of the call.
+            file.set_len(intact as u64).and_then(|()| file.sync_all()).map_err(error::io(path))?;
+        }
+        let log = RecordLog { path: path.to_path_buf(), file, len: intact as u64, broken: false };
+        Ok((log, Recovery { records, truncated_bytes, reason }))
+    }
+
+    /// Appends records and makes them durable (write_all + sync_data) before returning.
+    ///
+    /// All records go out in one write, so a crash keeps a prefix of them. On
+    /// an error the file is truncated back to its previous length; if even
+    /// that fails, the partial frame stays on disk, the next [`open`] drops it
+    /// as a torn tail, and this log refuses further appends until then.
+    /// Records over [`MAX_RECORD_BYTES`] are refused before anything is written.
+    ///
+    /// [`open`]: RecordLog::open
+    pub fn append(&mut self, records: &[&[u8]]) -> Result<()> {
+        if self.broken {
+            let why = "an earlier append failed and could not be rolled back; reopen the log";
+            return Err(error::io(&self.path)(std::io::Error::other(why)));
+        }
+        let buf = encode(records, Vec::new())?;
+        if buf.is_empty() {
+            return Ok(());
+        }
+        if let Err(e) = (&self.file).write_all(&buf).and_then(|()| self.file.sync_data()) {
+            // Without this, later appends would land behind a torn frame, where
+            // replay never reaches them: acknowledged records would be lost.
+            self.broken = self.file.set_len(self.len).and_then(|()| self.file.sync_all()).is_err();
+            return Err(error::io(&self.path)(e));
+        }
+        self.len += buf.len() as u64;
+        Ok(())
+    }
+
+    /// Atomically replaces the whole log with `records` (write a temp file beside it, sync, rename over,
+    /// sync the directory): used to physically remove forgotten data.
+    ///
+    /// A crash leaves either the old log or the new one, never a mix; a stale
+    /// temp file (`<path>.tmp`) holds only the new contents and the next
+    /// rewrite replaces it.
+    pub fn rewrite(&mut self, records: &[Vec<u8>]) -> Result<()> {
+        let refs: Vec<&[u8]> = records.iter().map(Vec::as_slice).collect();
+        let bytes = encode(&refs, HEADER.to_vec())?;
+        self.file = replace(&self.path, &bytes)?;
+        self.len = bytes.len() as u64;
+        self.broken = false;
+        sync_dir(parent_dir(&self.path))
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Bytes in the file.
+    pub fn len_bytes(&self) -> u64 {
+        self.len
+    }
+}
+
+/// fsyncs a directory so that a create/rename/remove in it is durable.
+pub fn sync_dir(dir: &Path) -> Result<()> {
+    File::open(dir).and_then(|d| d.sync_all()).map_err(error::io(dir))
+}
+
+/// Writes `bytes` to `<path>.tmp`, syncs it and renames it over `path`, so a
+/// reader (or a crash) sees the old file or the new one, whole. Returns an
+/// append handle on the renamed file; the caller syncs the directory.
+fn replace(path: &Path, bytes: &[u8]) -> Result<File> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    // A stale temp from a crashed rewrite: create_new below must not reuse it.
+    match fs::remove_file(&tmp) {
+        Err(e) if e.kind() != ErrorKind::NotFound => return Err(error::io(&tmp)(e)),
+        _ => {}
+    }
+    let replaced = OpenOptions::new()
+        .read(true)
+        .append(true)
+        .create_new(true)
+        .open(&tmp)
+        .and_then(|file| (&file).write_all(bytes).and_then(|()| file.sync_all()).map(|()| file))
+        .map_err(error::io(&tmp))
+        .and_then(|file| fs::rename(&tmp, path).map(|()| file).map_err(error::io(path)));
+    if replaced.is_err() {
+        let _ = fs::remove_file(&tmp); // best effort: the old log is intact either way
+    }
+    replaced
+}
+
+/// `path.parent()`, except that a bare file name lives in `.`.
+fn parent_dir(path: &Path) -> &Path {
+    match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    }
+}
+
+fn check_header(path: &Path, bytes: &[u8]) -> Result<()> {
+    let corrupt = |reason: String| MemoryError::Corrupt { path: path.to_path_buf(), offset: 0, reason };
+    match bytes.first_chunk::<8>() {
+        Some(head) if head == HEADER => Ok(()),
+        Some(head) if head[..7] == HEADER[..7] => Err(corrupt(format!("unsupported record log version {}", head[7]))),
+        _ => {
+            let head = &bytes[..bytes.len().min(HEADER.len())];
+            Err(corrupt(format!("not an InferScale record log (header {})", head.escape_ascii())))
+        }
+    }
+}
+
+/// Appends the frames of `records` to `buf`.
+fn encode(records: &[&[u8]], mut buf: Vec<u8>) -> Result<Vec<u8>> {
+    buf.reserve(records.iter().map(|r| FRAME_BYTES + r.len()).sum());
+    for record in records {
+        if record.len() > MAX_RECORD_BYTES {
+            let reason = format!("{} bytes, the limit is {MAX_RECORD_BYTES}", record.len());
+            return Err(MemoryError::Invalid { what: "log record", reason });
+        }
+        let len = (record.len() as u32).to_le_bytes();
+        buf.extend_from_slice(&len);
+        buf.extend_from_slice(&checksum(len, record).to_le_bytes());
+        buf.extend_from_slice(record);
+    }
+    Ok(buf)
+}
+
+fn checksum(len: [u8; 4], payload: &[u8]) -> u32 {
+    let mut hasher = crc32fast::Hasher::new();
+    hasher.update(&len);
+    hasher.update(payload);
+    hasher.finalize()
+}
+
+/// Decodes frames after the header: the intact records, the byte length of
+/// the intact prefix, and why the rest (if any) is not intact.
+fn replay(bytes: &[u8]) -> (Vec<Vec<u8>>, usize, Option<String>) {
+    let mut records = Vec::new();
+    let mut at = HEADER.len();
+    while at < bytes.len() {
+        match frame(&bytes[at..]) {
+            Ok(payload) => {
+                records.push(payload.to_vec());
+                at += FRAME_BYTES + payload.len();
+            }
+            Err(why) => {
+                let reason = format!("record {} at byte {at}: {why}", records.len());
+                return (records, at, Some(reason));
+            }
+        }
+    }
+    (records, at, None)
+}
+
+/// The payload of the frame at the start of `rest`, or why it is not intact.
+fn frame(rest: &[u8]) -> std::result::Result<&[u8], String> {
+    let Some(([l0, l1, l2, l3, c0, c1, c2, c3], body)) = rest.split_first_chunk::<FRAME_BYTES>() else {
+        return Err(format!("torn frame header ({} of {FRAME_BYTES} bytes)", rest.len()));
+    };
+    let len_bytes = [*l0, *l1, *l2, *l3];
+    let len = u32::from_le_bytes(len_bytes) as usize;
+    if len > MAX_RECORD_BYTES {
+        return Err(format!("impossible length {len} (limit {MAX_RECORD_BYTES})"));
+    }
+    let Some(payload) = body.get(..len) else {
+        return Err(format!("torn payload ({} of {len} bytes)", body.len()));
+    };
+    if checksum(len_bytes, payload) != u32::from_le_bytes([*c0, *c1, *c2, *c3]) {
+        return Err("CRC mismatch".to_string());
+    }
+    Ok(payload)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn temp_log() -> (tempfile::TempDir, PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("shard").join("facts.log");
+        (dir, path)
+    }
+
+    fn three() -> Vec<Vec<u8>> {
+        vec![b"alpha".to_vec(), Vec::new(), (0..300u32).map(|i| i as u8).collect()]
+    }
+
+    fn write_three(path: &Path) -> Vec<u8> {
+        let (mut log, _) = RecordLog::open(path).unwrap();
+        let recs = three();
+        log.append(&recs.iter().map(Vec::as_slice).collect::<Vec<_>>()).unwrap();
+        fs::read(path).unwrap()
+    }
+
+    #[test]
+    fn round_trip_and_reopen_after_append() {
+        let (_dir, path) = temp_log();
+        let (mut log, rec) = RecordLog::open(&path).unwrap();
+        assert!(rec.records.is_empty() && rec.truncated_bytes == 0 && rec.reason.is_none());
+        assert_eq!(log.len_bytes(), 8);
+        log.append(&[b"one", b"two"]).unwrap();
+        log.append(&[b"three"]).unwrap();
+        assert_eq!(log.len_bytes(), fs::metadata(&path).unwrap().len());
+        assert_eq!(log.path(), path);
+        drop(log);
+
+        let (mut log, rec) = RecordLog::open(&path).unwrap();
+        assert_eq!(rec.records, [b"one".to_vec(), b"two".to_vec(), b"three".to_vec()]);
+        assert_eq!(rec.truncated_bytes, 0);
+        log.append(&[b"four"]).unwrap();
+        drop(log);
+        let (_, rec) = RecordLog::open(&path).unwrap();
+        assert_eq!(rec.records.len(), 4);
+        assert_eq!(rec.records[3], b"four");
+    }
+
+    #[test]
+    fn every_truncation_point_recovers_the_intact_prefix() {
+        let (dir, path) = temp_log();
+        let full = write_three(&path);
+        let mut ends = vec![8];
+        for r in three() {
+            ends.push(ends[ends.len() - 1] + FRAME_BYTES + r.len());
+        }
+        assert_eq!(full.len(), ends[3]);
+        let cut_path = dir.path().join("cut.log");
+        for cut in 0..=full.len() {
+            fs::write(&cut_path, &full[..cut]).unwrap();
+            let opened = RecordLog::open(&cut_path);
+            if (1..8).contains(&cut) {
+                assert!(matches!(opened, Err(MemoryError::Corrupt { offset: 0, .. })), "cut {cut}");
+                assert_eq!(fs::read(&cut_path).unwrap(), &full[..cut], "cut {cut} must not be touched");
+                continue;
+            }
+            let (log, rec) = opened.unwrap();
+            let intact = ends.iter().rposition(|&e| e <= cut.max(8)).unwrap();
+            assert_eq!(rec.records, three()[..intact], "cut {cut}");
+            assert_eq!(rec.truncated_bytes, (cut.max(8) - ends[intact]) as u64, "cut {cut}");
+            assert_eq!(rec.reason.is_some(), rec.truncated_bytes > 0, "cut {cut}");
+            assert_eq!(log.len_bytes(), ends[intact] as u64);
+            assert_eq!(fs::read(&cut_path).unwrap(), &full[..ends[intact]], "cut {cut}");
+            drop(log);
+            let (_, again) = RecordLog::open(&cut_path).unwrap();
+            assert_eq!((again.records.len(), again.truncated_bytes), (intact, 0), "cut {cut}");
+        }
+    }
+
+    #[test]
+    fn flipped_payload_byte_drops_only_the_last_record() {
+        let (_dir, path) = temp_log();
+        let mut bytes = write_three(&path);
+        let last = bytes.len() - 10;
+        bytes[last] ^= 0x40;
+        fs::write(&path, &bytes).unwrap();
+        let (_, rec) = RecordLog::open(&path).unwrap();
+        assert_eq!(rec.records, three()[..2]);
+        assert_eq!(rec.truncated_bytes, (FRAME_BYTES + 300) as u64);
+        assert!(rec.reason.unwrap().contains("CRC mismatch"));
+    }
+
+    #[test]
+    fn impossible_length_and_zero_filled_tails_are_dropped() {
+        let (_dir, path) = temp_log();
+        for tail in [vec![0xff; 12], vec![0; 16]] {
+            let mut bytes = write_three(&path);
+            bytes.extend_from_slice(&tail);
+            fs::write(&path, &bytes).unwrap();
+            let (_, rec) = RecordLog::open(&path).unwrap();
+            assert_eq!(rec.records, three());
+            assert_eq!(rec.truncated_bytes, tail.len() as u64);
+            fs::remove_file(&path).unwrap();
+        }
+    }
+
+    #[test]
+    fn wrong_header_is_an_error_and_left_untouched() {
+        let (_dir, path) = temp_log();
+        fs::create_dir_all(path.parent().unwrap()).unwrap();
+        for bytes in [&b"NOTALOG!plus some data"[..], b"ISLOG\0\0\x02\0\0\0\0\0\0\0\0"] {
+            fs::write(&path, bytes).unwrap();
+            let err = RecordLog::open(&path).unwrap_err();
+            assert!(matches!(err, MemoryError::Corrupt { offset: 0, .. }), "{err}");
+            assert_eq!(fs::read(&path).unwrap(), bytes);
+        }
+    }
+
+    #[test]
+    fn rewrite_replaces_contents_and_survives_reopen() {
+        let (_dir, path) = temp_log();
+        write_three(&path);
+        let (mut log, _) = RecordLog::open(&path).unwrap();
+        log.rewrite(&[b"kept".to_vec()]).unwrap();
+        assert_eq!(log.len_bytes(), (8 + FRAME_BYTES + 4) as u64);
+        log.append(&[b"after"]).unwrap(); // must reach the new file, not the replaced one
+        assert_eq!(log.len_bytes(), fs::metadata(&path).unwrap().len());
+        drop(log);
+        let (_, rec) = RecordLog::open(&path).unwrap();
+        assert_eq!(rec.records, [b"kept".to_vec(), b"after".to_vec()]);
+        let names: Vec<_> = fs::read_dir(path.parent().unwrap()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(names, ["facts.log"]);
+    }
+
+    #[test]
+    fn zero_length_records_work() {
+        let (_dir, path) = temp_log();
+        let (mut log, _) = RecordLog::open(&path).unwrap();
+        log.append(&[b"", b"x", b""]).unwrap();
+        log.append(&[]).unwrap();
+        drop(log);
+        let (_, rec) = RecordLog::open(&path).unwrap();
+        assert_eq!(rec.records, [Vec::new(), b"x".to_vec(), Vec::new()]);
+    }
+
+    #[test]
+    fn oversized_record_is_refused_before_writing() {
+        let (_dir, path) = temp_log();
+        let (mut log, _) = RecordLog::open(&path).unwrap();
+        let big = vec![0u8; MAX_RECORD_BYTES + 1];
+        let err = log.append(&[b"ok", &big]).unwrap_err();
+        assert!(matches!(err, MemoryError::Invalid { .. }), "{err}");
+        assert_eq!(log.len_bytes(), 8);
+        assert_eq!(fs::metadata(&path).unwrap().len(), 8);
+    }
+
+    #[test]
+    fn empty_file_becomes_a_new_log() {
+        let (_dir, path) = temp_log();
+        fs::create_dir_all(path.parent().unwrap()).unwrap();
+        fs::write(&path, b"").unwrap();
+        let (mut log, rec) = RecordLog::open(&path).unwrap();
+        assert!(rec.records.is_empty());
+        log.append(&[b"a"]).unwrap();
+        drop(log);
+        assert_eq!(RecordLog::open(&path).unwrap().1.records, [b"a".to_vec()]);
+    }
+}

@@ -1,0 +1,365 @@
+//! Per-user memory: facts (durable source of truth), their pre-RoPE KV
+//! (derived, persisted, re-encoded when missing), retrieval.
+//!
+//! On disk, under the memory directory:
+//!
+//! ```text
+//! users/<hex of user id>/facts.log   fact records, fsynced before ingest returns
+//! users/<hex of user id>/kv.log      KV segment: header record, then one record per fact
+//! ```
+//!
+//! One directory per user keeps shards independent: forgetting a user is
+//! removing its directory, and nothing of one user is ever read while
+//! answering another.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use inferscale_engine::bert::Bert;
+use inferscale_engine::{Backend, Engine, KvChunk};
+
+use crate::compose::Composer;
+use crate::error::{MemoryError, Result, io};
+use crate::fact::{Fact, Record};
+use crate::kvseg::{KvHeader, StoredKv};
+use crate::log::{RecordLog, sync_dir};
+
+/// A conversation turn to remember.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Turn {
+    pub id: String,
+    pub speaker: String,
+    pub text: String,
+    pub time: String,
+}
+
+/// What the shard's KV is made with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardSpec {
+    /// Context window: turns encoded before each fact (0 = isolated).
+    pub window: usize,
+    /// Identifies the model whose KV this is (see [`fingerprint`]).
+    pub fingerprint: String,
+}
+
+/// The models and prompt pieces that turn text into facts and KV.
+pub struct Encoders<'e, 'c, B: Backend> {
+    pub engine: &'e mut Engine<B>,
+    pub embedder: &'e Bert<B>,
+    pub composer: &'e Composer<'c>,
+}
+
+struct UserShard<B: Backend> {
+    dir: PathBuf,
+    facts: Vec<Fact>,
+    by_id: HashMap<String, usize>,
+    kv: Vec<Option<KvChunk<B>>>,
+    log: RecordLog,
+    kv_log: RecordLog,
+}
+
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct IngestReport {
+    pub added: usize,
+    /// Turns whose id the user already had (ingest is idempotent).
+    pub skipped: usize,
+    pub encoded_tokens: usize,
+}
+
+pub struct Memory<B: Backend> {
+    dir: PathBuf,
+    spec: ShardSpec,
+    /// What this shard's KV segments must have been made with.
+    header: KvHeader,
+    users: BTreeMap<String, UserShard<B>>,
+}
+
+fn user_dir_name(user: &str) -> String {
+    user.bytes().map(|b| format!("{b:02x}")).collect()
+}
+
+fn user_from_dir_name(name: &str) -> Option<String> {
+    let bytes: Option<Vec<u8>> =
+        (0..name.len()).step_by(2).map(|i| name.get(i..i + 2).and_then(|h| u8::from_str_radix(h, 16).ok())).collect();
+    bytes.and_then(|b| String::from_utf8(b).ok())
+}
+
+/// A model identity for KV segments: family, shape and the file's size and
+/// first MiB, cheap to compute and different for any other checkpoint.
+pub fn fingerprint(files: &inferscale_model::ModelFiles) -> Result<String> {
+    use std::io::Read;
+    let c = &files.config;
+    let mut h = crc32fast::Hasher::new();
+    h.update(format!("{:?}", c).as_bytes());
+    let path = if files.path.is_dir() { files.path.join("model.safetensors") } else { files.path.clone() };
+    if let Ok(mut f) = std::fs::File::open(&path) {
+        let len = f.metadata().map_err(io(&path))?.len();
+        h.update(&len.to_le_bytes());
+        let mut head = vec![0u8; 1 << 20];
+        let n = f.read(&mut head).map_err(io(&path))?;
+        h.update(&head[..n]);
+    }
+    Ok(format!("{:?}-{}l-{:08x}", c.family, c.num_layers, h.finalize()).to_lowercase())
+}
+
+impl<B: Backend> Memory<B> {
+    /// Opens (or creates) the memory at `dir`, reloading every user's facts
+    /// and KV. Returns warnings for anything dropped (torn log tails,
+    /// corrupt KV records): facts whose KV is missing are re-encoded by
+    /// [`Memory::ensure_kv`].
+    pub fn open(dir: &Path, spec: ShardSpec, engine: &Engine<B>) -> Result<(Self, Vec<String>)> {
+        let c = engine.model().config();
+        let kv_header = KvHeader {
+            fingerprint: spec.fingerprint.clone(),
+            window: spec.window,
+            dtype: "f32".into(),
+            layers: c.num_layers,
+            kv_dim: c.kv_dim(),
+        };
+        let be = engine.backend();
+        let users_dir = dir.join("users");
+        std::fs::create_dir_all(&users_dir).map_err(io(&users_dir))?;
+        let mut users = BTreeMap::new();
+        let mut warnings = Vec::new();
+        let entries = std::fs::read_dir(&users_dir).map_err(io(&users_dir))?;
+        for entry in entries {
+            let entry = entry.map_err(io(&users_dir))?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let Some(user) = user_from_dir_name(&name) else {
+                warnings.push(format!("{}: not a user directory, ignored", entry.path().display()));
+                continue;
+            };
+            let shard = UserShard::open(&entry.path(), be, &kv_header, &mut warnings)?;
+            users.insert(user, shard);
+        }
+        Ok((Memory { dir: dir.to_path_buf(), spec, header: kv_header, users }, warnings))
+    }
+
+    pub fn spec(&self) -> &ShardSpec {
+        &self.spec
+    }
+
+    pub fn users(&self) -> impl Iterator<Item = &str> {
+        self.users.keys().map(String::as_str)
+    }
+
+    pub fn facts(&self, user: &str) -> Result<&[Fact]> {
+        Ok(&self.user(user)?.facts)
+    }
+
+    fn user(&self, user: &str) -> Result<&UserShard<B>> {
+        self.users.get(user).ok_or_else(|| MemoryError::UnknownUser(user.to_string()))
+    }
+
+    /// The stored KV of fact `idx` of `user`, if encoded.
+    pub fn kv(&self, user: &str, idx: usize) -> Result<Option<&KvChunk<B>>> {
+        Ok(self.user(user)?.kv.get(idx).and_then(Option::as_ref))
+    }
+
+    /// Stores `turns` for `user`: facts are durable (fsynced) before this
+    /// returns; then their KV is encoded with the shard's window and
+    /// appended to the user's segment. Turns whose id is already stored are
+    /// skipped. Invalid input stores nothing.
+    pub fn ingest(&mut self, user: &str, turns: &[Turn], enc: &mut Encoders<'_, '_, B>) -> Result<IngestReport> {
+        if user.is_empty() {
+            return Err(MemoryError::Invalid { what: "user", reason: "empty user id".into() });
+        }
+        let mut seen = std::collections::HashSet::new();
+        for t in turns {
+            if t.id.is_empty() || t.text.trim().is_empty() {
+                return Err(MemoryError::Invalid {
+                    what: "turn",
+                    reason: format!("turn {:?} has an empty id or text", t.id),
+                });
+            }
+            if !seen.insert(t.id.as_str()) {
+                return Err(MemoryError::Invalid { what: "turn", reason: format!("turn id {:?} appears twice", t.id) });
+            }
+        }
+        if !self.users.contains_key(user) {
+            let dir = self.dir.join("users").join(user_dir_name(user));
+            let mut warnings = Vec::new();
+            let shard = UserShard::open(&dir, enc.engine.backend(), &self.header, &mut warnings)?;
+            sync_dir(&self.dir.join("users"))?;
+            self.users.insert(user.to_string(), shard);
+        }
+        let shard = self.users.get_mut(user).ok_or_else(|| MemoryError::UnknownUser(user.to_string()))?;
+        let new: Vec<&Turn> = turns.iter().filter(|t| !shard.by_id.contains_key(&t.id)).collect();
+        let mut report = IngestReport { skipped: turns.len() - new.len(), ..Default::default() };
+        if new.is_empty() {
+            return Ok(report);
+        }
+        // Facts first: tokens and embeddings, then one durable append.
+        let texts: Vec<String> = new.iter().map(|t| Composer::turn_text(&t.speaker, &t.time, &t.text)).collect();
+        let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
+        let embeddings = enc.embedder.embed(enc.engine.backend(), &refs)?;
+        let mut facts = Vec::with_capacity(new.len());
+        for ((t, text), embedding) in new.iter().zip(&texts).zip(embeddings) {
+            facts.push(Fact {
+                id: t.id.clone(),
+                speaker: t.speaker.clone(),
+                text: t.text.clone(),
+                time: t.time.clone(),
+                source_turn: String::new(),
+                tokens: enc.composer.fact(text)?,
+                embedding,
+            });
+        }
+        let records: Vec<Vec<u8>> = facts.iter().map(|f| Record::Put(f.clone()).encode()).collect();
+        shard.log.append(&records.iter().map(Vec::as_slice).collect::<Vec<_>>())?;
+        for f in facts {
+            shard.by_id.insert(f.id.clone(), shard.facts.len());
+            shard.facts.push(f);
+            shard.kv.push(None);
+        }
+        report.added = new.len();
+        report.encoded_tokens = shard.encode_missing(self.spec.window, enc)?;
+        Ok(report)
+    }
+
+    /// Encodes every fact of `user` whose KV is missing (e.g. after a
+    /// corrupt segment was detected); returns the tokens encoded.
+    pub fn ensure_kv(&mut self, user: &str, enc: &mut Encoders<'_, '_, B>) -> Result<usize> {
+        let window = self.spec.window;
+        let shard = self.users.get_mut(user).ok_or_else(|| MemoryError::UnknownUser(user.to_string()))?;
+        shard.encode_missing(window, enc)
+    }
+
+    /// The `k` facts most similar to `query` (cosine of unit vectors), best
+    /// first; ties go to the earlier fact. Only `user`'s facts are read.
+    pub fn retrieve(&self, user: &str, query: &[f32], k: usize) -> Result<Vec<usize>> {
+        if k == 0 {
+            return Err(MemoryError::Invalid { what: "k", reason: "k must be at least 1".into() });
+        }
+        let shard = self.user(user)?;
+        let mut scored: Vec<(f32, usize)> = shard
+            .facts
+            .iter()
+            .enumerate()
+            .map(|(i, f)| (f.embedding.iter().zip(query).map(|(a, b)| a * b).sum::<f32>(), i))
+            .collect();
+        scored.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        Ok(scored.into_iter().take(k).map(|(_, i)| i).collect())
+    }
+
+    /// Removes `user` from memory and from disk.
+    pub fn forget_user(&mut self, user: &str) -> Result<()> {
+        let shard = self.users.remove(user).ok_or_else(|| MemoryError::UnknownUser(user.to_string()))?;
+        let dir = shard.dir.clone();
+        drop(shard);
+        std::fs::remove_dir_all(&dir).map_err(io(&dir))?;
+        sync_dir(&self.dir.join("users"))
+    }
+
+    /// Removes one fact of `user` from memory and from disk (both logs are
+    /// rewritten without it).
+    pub fn forget_fact(&mut self, user: &str, id: &str) -> Result<()> {
+        let shard = self.users.get_mut(user).ok_or_else(|| MemoryError::UnknownUser(user.to_string()))?;
+        let idx = *shard.by_id.get(id).ok_or_else(|| MemoryError::Invalid {
+            what: "fact id",
+            reason: format!("user {user:?} has no fact {id:?}"),
+        })?;
+        shard.facts.remove(idx);
+        shard.kv.remove(idx);
+        shard.by_id = shard.facts.iter().enumerate().map(|(i, f)| (f.id.clone(), i)).collect();
+        let records: Vec<Vec<u8>> = shard.facts.iter().map(|f| Record::Put(f.clone()).encode()).collect();
+        shard.log.rewrite(&records)?;
+        shard.rewrite_kv_without(id)
+    }
+}
+
+impl<B: Backend> UserShard<B> {
+    fn open(dir: &Path, be: &B, header: &KvHeader, warnings: &mut Vec<String>) -> Result<Self> {
+        std::fs::create_dir_all(dir).map_err(io(dir))?;
+        let (log, rec) = RecordLog::open(&dir.join("facts.log"))?;
+        if let Some(r) = &rec.reason {
+            warnings.push(format!(
+                "{}: dropped a torn tail of {} bytes ({r})",
+                log.path().display(),
+                rec.truncated_bytes
+            ));
+        }
+        let mut facts: Vec<Fact> = Vec::new();
+        for bytes in &rec.records {
+            match Record::decode(bytes, log.path())? {
+                Record::Put(f) => {
+                    facts.retain(|x| x.id != f.id);
+                    facts.push(f);
+                }
+                Record::Forget(id) => facts.retain(|x| x.id != id),
+            }
+        }
+        let by_id = facts.iter().enumerate().map(|(i, f)| (f.id.clone(), i)).collect::<HashMap<_, _>>();
+        let mut kv: Vec<Option<KvChunk<B>>> = (0..facts.len()).map(|_| None).collect();
+        let kv_path = dir.join("kv.log");
+        let (mut kv_log, krec) = RecordLog::open(&kv_path)?;
+        if let Some(r) = &krec.reason {
+            warnings.push(format!(
+                "{}: dropped a corrupt tail of {} bytes ({r}); those facts are re-encoded",
+                kv_path.display(),
+                krec.truncated_bytes
+            ));
+        }
+        match krec.records.split_first() {
+            None => kv_log.append(&[&header.encode()])?,
+            Some((first, rest)) => {
+                let found = KvHeader::decode(first, &kv_path)?;
+                if &found != header {
+                    return Err(MemoryError::KvMismatch {
+                        path: kv_path,
+                        found: found.describe(),
+                        expected: header.describe(),
+                    });
+                }
+                for bytes in rest {
+                    let stored = StoredKv::decode(bytes, header, &kv_path)?;
+                    if let Some(&i) = by_id.get(&stored.fact_id)
+                        && facts[i].tokens == stored.tokens
+                    {
+                        kv[i] = Some(KvChunk::from_host(be, stored.tokens, &stored.k, &stored.v)?);
+                    }
+                }
+            }
+        }
+        Ok(UserShard { dir: dir.to_path_buf(), facts, by_id, kv, log, kv_log })
+    }
+
+    /// Encodes facts without KV: [header][previous `window` facts][fact].
+    fn encode_missing(&mut self, window: usize, enc: &mut Encoders<'_, '_, B>) -> Result<usize> {
+        let mut tokens = 0;
+        for i in 0..self.facts.len() {
+            if self.kv[i].is_some() {
+                continue;
+            }
+            let mut context = enc.composer.header().to_vec();
+            for f in &self.facts[i.saturating_sub(window)..i] {
+                context.extend_from_slice(&f.tokens);
+            }
+            let fact = &self.facts[i];
+            let chunk = enc.engine.encode(&context, &fact.tokens, context.len() as u32)?;
+            let (k, v) = chunk.to_host(enc.engine.backend())?;
+            let stored = StoredKv { fact_id: fact.id.clone(), tokens: fact.tokens.clone(), k, v };
+            self.kv_log.append(&[&stored.encode()])?;
+            tokens += context.len() + fact.tokens.len();
+            self.kv[i] = Some(chunk);
+        }
+        Ok(tokens)
+    }
+
+    fn rewrite_kv_without(&mut self, id: &str) -> Result<()> {
+        let path = self.kv_log.path().to_path_buf();
+        let (_, rec) = RecordLog::open(&path)?;
+        let mut keep = Vec::with_capacity(rec.records.len());
+        for (i, bytes) in rec.records.into_iter().enumerate() {
+            // The header stays; fact records are kept unless they are `id`.
+            let drop_it = i > 0 && {
+                let mut r = crate::fact::Cursor { bytes: &bytes, pos: 0, path: &path };
+                r.string()? == id
+            };
+            if !drop_it {
+                keep.push(bytes);
+            }
+        }
+        self.kv_log.rewrite(&keep)
+    }
+}

@@ -5,6 +5,7 @@
 
 mod bench;
 mod demo;
+mod eval;
 mod generate;
 mod memory_cmd;
 mod runtime;
@@ -35,6 +36,9 @@ enum Command {
     Ingest(memory_cmd::IngestArgs),
     /// Answer a question from a user's memory (kv, prompt or none mode).
     Ask(memory_cmd::AskArgs),
+    /// Evaluations that score answers from memory.
+    #[command(subcommand)]
+    Eval(eval::Command),
     /// Benchmarks: print a table and optionally write JSON.
     #[command(subcommand)]
     Bench(bench::Command),
@@ -47,6 +51,7 @@ fn main() {
         Command::Demo(a) => demo::run(a),
         Command::Bench(c) => bench::run(c),
         Command::Ingest(a) => memory_cmd::ingest(a),
+        Command::Eval(c) => eval::run(c),
         Command::Ask(a) => memory_cmd::ask(a),
         Command::Fetch { model } => {
             inferscale_model::fetch::resolve(&model).map(|p| println!("{}", p.display())).map_err(anyhow::Error::from)

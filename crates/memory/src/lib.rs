@@ -8,6 +8,7 @@ pub mod fact;
 pub mod kvseg;
 pub mod locomo;
 pub mod log;
+pub mod score;
 pub mod shard;
 
 pub use answer::{Mode, Prepared, prepare};

@@ -68,6 +68,19 @@ fn prefault(buf: &mut [f32]) {
     });
 }
 
+/// `(rows, cols)` of a 1-D (one row) or 2-D host tensor whose data fits its shape.
+fn matrix_dims(t: &HostTensor) -> Result<(usize, usize)> {
+    let (rows, cols) = match t.shape.as_slice() {
+        [n] => (1, *n),
+        [r, c] => (*r, *c),
+        s => return Err(shape_err(format!("a {}-D tensor where a matrix is needed", s.len()))),
+    };
+    if rows * cols != t.data.len() {
+        return Err(shape_err(format!("shape {:?} for {} values", t.shape, t.data.len())));
+    }
+    Ok((rows, cols))
+}
+
 /// The CPU backend. Threads come from rayon's global pool.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct CpuBackend;
@@ -85,14 +98,7 @@ impl Backend for CpuBackend {
     }
 
     fn upload(&self, t: &HostTensor) -> Result<CpuTensor> {
-        let (rows, cols) = match t.shape.as_slice() {
-            [n] => (1, *n),
-            [r, c] => (*r, *c),
-            s => return Err(shape_err(format!("upload of a {}-D tensor", s.len()))),
-        };
-        if rows * cols != t.data.len() {
-            return Err(shape_err(format!("shape {:?} for {} values", t.shape, t.data.len())));
-        }
+        let (rows, cols) = matrix_dims(t)?;
         if t.shape.len() == 2 {
             let packed = PackedMatrix::pack(rows, cols, &t.data);
             return Ok(CpuTensor { rows, cols, data: Vec::new(), packed: Some(packed) });
@@ -101,14 +107,7 @@ impl Backend for CpuBackend {
     }
 
     fn upload_rows(&self, t: &HostTensor) -> Result<CpuTensor> {
-        let (rows, cols) = match t.shape.as_slice() {
-            [n] => (1, *n),
-            [r, c] => (*r, *c),
-            s => return Err(shape_err(format!("from_host of a {}-D tensor", s.len()))),
-        };
-        if rows * cols != t.data.len() {
-            return Err(shape_err(format!("shape {:?} for {} values", t.shape, t.data.len())));
-        }
+        let (rows, cols) = matrix_dims(t)?;
         Ok(CpuTensor { rows, cols, data: t.data.clone(), packed: None })
     }
 

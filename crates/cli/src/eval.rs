@@ -17,7 +17,7 @@ use inferscale_engine::sampling::{SamplingParams, argmax};
 use inferscale_engine::{CpuBackend, Engine, FinishReason, Sequence, generate_sequences};
 use inferscale_memory::score::{kl, locomo_f1, log_softmax, recall};
 use inferscale_memory::{Composer, Encoders, Memory, Mode, SYSTEM_PROMPT, ShardSpec, fingerprint, locomo, prepare};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::runtime::{ModelArgs, load};
 
@@ -30,8 +30,11 @@ pub enum Command {
 #[derive(Args, Debug)]
 pub struct LocomoArgs {
     /// A LoCoMo-format JSON file.
+    #[arg(long, required_unless_present = "replot")]
+    data: Option<PathBuf>,
+    /// Only redraw locomo.md and locomo.png from `--out`/locomo.json.
     #[arg(long)]
-    data: PathBuf,
+    replot: bool,
     /// Sample ids to use (default: all).
     #[arg(long, value_delimiter = ',')]
     samples: Vec<String>,
@@ -58,7 +61,7 @@ pub struct LocomoArgs {
     model: ModelArgs,
 }
 
-#[derive(Serialize, Clone)]
+#[derive(Serialize, Deserialize, Clone)]
 struct Answer {
     sample: String,
     question: usize,
@@ -76,7 +79,7 @@ struct Answer {
     same_as_prompt: Option<bool>,
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, Deserialize)]
 struct Ingest {
     window: usize,
     turns: usize,
@@ -85,7 +88,7 @@ struct Ingest {
     encoded_tokens_per_s: f64,
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, Deserialize)]
 struct Row {
     mode: String,
     window: Option<usize>,
@@ -99,7 +102,7 @@ struct Row {
     kl_mean: Option<f64>,
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, Deserialize)]
 struct Report {
     data: String,
     samples: Vec<String>,
@@ -148,14 +151,34 @@ fn median(mut v: Vec<f64>) -> f64 {
     if v.is_empty() { 0.0 } else { v[v.len() / 2] }
 }
 
+fn write_outputs(out: &std::path::Path, report: &Report) -> Result<()> {
+    let md = markdown(report);
+    std::fs::write(out.join("locomo.md"), &md)?;
+    println!("{md}");
+    let png = out.join("locomo.png");
+    match crate::plot::line_charts(&png, &panels(&report.summary)) {
+        Ok(()) => eprintln!("inferscale eval: wrote locomo.json, locomo.md and locomo.png in {}", out.display()),
+        Err(e) => eprintln!("inferscale eval: wrote locomo.json and locomo.md in {}; no chart: {e:#}", out.display()),
+    }
+    Ok(())
+}
+
 fn locomo_eval(a: LocomoArgs) -> Result<()> {
+    if a.replot {
+        let path = a.out.join("locomo.json");
+        let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+        let report: Report =
+            serde_json::from_str(&text).with_context(|| format!("{}: not an eval report", path.display()))?;
+        return write_outputs(&a.out, &report);
+    }
+    let data = a.data.clone().context("--data is required")?;
     if a.k.contains(&0) || a.k.is_empty() {
         bail!("--k needs values of at least 1");
     }
     let samples: Vec<_> =
-        locomo::read(&a.data)?.into_iter().filter(|s| a.samples.is_empty() || a.samples.contains(&s.id)).collect();
+        locomo::read(&data)?.into_iter().filter(|s| a.samples.is_empty() || a.samples.contains(&s.id)).collect();
     if samples.is_empty() {
-        bail!("{}: none of the samples {:?}", a.data.display(), a.samples);
+        bail!("{}: none of the samples {:?}", data.display(), a.samples);
     }
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     let mut m = load(&a.model)?;
@@ -275,7 +298,7 @@ fn locomo_eval(a: LocomoArgs) -> Result<()> {
 
     let summary = summarize(&answers);
     let report = Report {
-        data: a.data.display().to_string(),
+        data: data.display().to_string(),
         samples: samples.iter().map(|s| s.id.clone()).collect(),
         model: m.files.path.display().to_string(),
         ingest,
@@ -285,11 +308,42 @@ fn locomo_eval(a: LocomoArgs) -> Result<()> {
     let json = a.out.join("locomo.json");
     std::fs::write(&json, serde_json::to_string_pretty(&report)?)
         .with_context(|| format!("writing {}", json.display()))?;
-    let md = markdown(&report);
-    std::fs::write(a.out.join("locomo.md"), &md)?;
-    println!("{md}");
-    eprintln!("inferscale eval: wrote {} and locomo.md", json.display());
-    Ok(())
+    write_outputs(&a.out, &report)
+}
+
+/// F1 and TTFT against k, one line per mode (and window for kv).
+fn panels(rows: &[Row]) -> Vec<crate::plot::Panel> {
+    let mut lines: BTreeMap<String, Vec<&Row>> = BTreeMap::new();
+    for r in rows.iter().filter(|r| r.mode != "none") {
+        let label = match r.window {
+            Some(w) => format!("{} w={w}", r.mode),
+            None => r.mode.clone(),
+        };
+        lines.entry(label).or_default().push(r);
+    }
+    let series = |f: fn(&Row) -> f64| {
+        lines
+            .iter()
+            .map(|(label, rs)| crate::plot::Series {
+                label: label.clone(),
+                points: rs.iter().map(|r| (r.k as f64, f(r))).collect(),
+            })
+            .collect()
+    };
+    vec![
+        crate::plot::Panel {
+            title: "Token F1 (LoCoMo cat. 1-4)".into(),
+            y_label: "F1".into(),
+            log_y: false,
+            series: series(|r| r.f1),
+        },
+        crate::plot::Panel {
+            title: "Time to first token".into(),
+            y_label: "ms (median)".into(),
+            log_y: true,
+            series: series(|r| r.ttft_ms_median),
+        },
+    ]
 }
 
 fn summarize(answers: &[Answer]) -> Vec<Row> {

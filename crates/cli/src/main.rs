@@ -8,6 +8,7 @@ mod demo;
 mod eval;
 mod generate;
 mod memory_cmd;
+mod plot;
 mod runtime;
 mod synthetic;
 

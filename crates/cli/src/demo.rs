@@ -1,8 +1,10 @@
 //! `inferscale demo`: the README's main job. Fetches the default model on
-//! first use, stores a handful of facts (encoded once, pre-RoPE KV kept in
-//! memory), then asks a question about them in both modes — the facts
-//! injected as KV, and the same facts pasted into the prompt — and prints
-//! both answers and both times to first token.
+//! first use, stores a handful of facts (each encoded once, after the header
+//! and the facts before it; pre-RoPE KV kept in memory), then asks a
+//! question about them in both modes — the facts injected as KV, and the
+//! same facts pasted into the prompt — and prints both answers and both
+//! times to first token. Injected in the order they were stored, the facts'
+//! KV is exactly what prompt mode computes (E2), so the answers agree.
 
 use std::time::Instant;
 
@@ -46,11 +48,17 @@ pub fn run(a: Args) -> Result<()> {
     let facts: Vec<Vec<u32>> = texts.iter().map(|f| composer.fact(f)).collect::<Result<_, _>>()?;
     let question = composer.question(&a.question)?;
     let header_tokens = composer.header().to_vec();
-    let h = header_tokens.len() as u32;
 
     // Memory: each fact encoded once, after the same header serving uses.
     let t = Instant::now();
-    let chunks: Vec<KvChunk<_>> = facts.iter().map(|f| e.encode(&header_tokens, f, h)).collect::<Result<_, _>>()?;
+    // Each fact sees the header and the facts stored before it (the context
+    // window of design.md §2, here the whole short history).
+    let mut context = header_tokens.clone();
+    let mut chunks: Vec<KvChunk<_>> = Vec::with_capacity(facts.len());
+    for f in &facts {
+        chunks.push(e.encode(&context, f, context.len() as u32)?);
+        context.extend(f);
+    }
     let encode_ms = t.elapsed().as_secs_f64() * 1e3;
     let mut header = e.new_sequence(header_tokens)?;
     e.prefill(&mut header)?;

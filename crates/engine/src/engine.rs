@@ -131,8 +131,8 @@ pub struct Engine<B: Backend> {
 /// Per-layer pre-RoPE K and V captured from forward passes, in row order.
 pub(crate) type Captured<B> = Vec<Vec<LayerKv<B>>>;
 
-/// Per sequence, logits if it finished; and the captured layers, if any.
-type StepOutput<B> = (Vec<Option<Vec<f32>>>, Option<Vec<LayerKv<B>>>);
+/// Per sequence: logits if it finished, and its captured layers if any.
+type StepOutput<B> = (Vec<Option<Vec<f32>>>, Vec<Option<Vec<LayerKv<B>>>>);
 
 impl<B: Backend> Engine<B> {
     pub fn new(backend: B, files: &ModelFiles, cfg: EngineConfig) -> Result<Self> {
@@ -222,16 +222,17 @@ impl<B: Backend> Engine<B> {
     /// Returns, per sequence, the logits after its last token if this step
     /// computed all its pending tokens, else `None`.
     pub fn step(&mut self, seqs: &mut [&mut Sequence]) -> Result<Vec<Option<Vec<f32>>>> {
-        Ok(self.step_capturing(seqs, None, true)?.0)
+        Ok(self.step_capturing(seqs, &[], true)?.0)
     }
 
-    /// [`Engine::step`], also returning the pre-RoPE K and V of the tokens
-    /// of sequence `capture.0` whose indices fall in `capture.1`; without
-    /// `want_logits` the output head is skipped.
+    /// [`Engine::step`], also returning for each sequence `i` the pre-RoPE K
+    /// and V of its tokens whose indices fall in `capture[i]` (sequences past
+    /// the end of `capture` capture nothing); without `want_logits` the
+    /// output head is skipped.
     pub(crate) fn step_capturing(
         &mut self,
         seqs: &mut [&mut Sequence],
-        capture: Option<(usize, Range<usize>)>,
+        capture: &[Range<usize>],
         want_logits: bool,
     ) -> Result<StepOutput<B>> {
         let mut budget = self.max_batch_tokens;
@@ -250,6 +251,8 @@ impl<B: Backend> Engine<B> {
         }
         let mut batch = ForwardBatch::default();
         let mut finishing = Vec::new();
+        // Per sequence, its rows' positions within the captured rows.
+        let mut captured_rows: Vec<Vec<usize>> = vec![Vec::new(); seqs.len()];
         for (i, s) in seqs.iter().enumerate() {
             let n = take[i];
             if n == 0 {
@@ -261,13 +264,12 @@ impl<B: Backend> Engine<B> {
                 batch.positions.push(s.positions[p]);
                 batch.slots.push(s.table.slot(p));
             }
-            if let Some((ci, range)) = &capture
-                && *ci == i
-            {
+            if let Some(range) = capture.get(i) {
                 let lo = range.start.clamp(s.computed, s.computed + n);
                 let hi = range.end.clamp(s.computed, s.computed + n);
-                if lo < hi {
-                    batch.capture = Some(q_start + lo - s.computed..q_start + hi - s.computed);
+                for idx in lo..hi {
+                    captured_rows[i].push(batch.capture.len());
+                    batch.capture.push(q_start + idx - s.computed);
                 }
             }
             batch.spans.push(SeqSpan { q_start, q_len: n, context_len: s.computed + n, block_table: s.table.blocks() });
@@ -277,8 +279,9 @@ impl<B: Backend> Engine<B> {
             }
         }
         let mut out = vec![None; seqs.len()];
+        let mut captured: Vec<Option<Vec<LayerKv<B>>>> = (0..seqs.len()).map(|_| None).collect();
         if batch.tokens.is_empty() {
-            return Ok((out, None));
+            return Ok((out, captured));
         }
         let fwd = self.model.forward(&self.backend, &batch, &mut self.kv)?;
         if let Some(logits) = fwd.logits {
@@ -288,10 +291,26 @@ impl<B: Backend> Engine<B> {
                 out[i] = Some(logits.data[row * vocab..(row + 1) * vocab].to_vec());
             }
         }
+        if let Some(layers) = fwd.captured {
+            let owners: Vec<usize> = (0..seqs.len()).filter(|&i| !captured_rows[i].is_empty()).collect();
+            if let [only] = owners[..] {
+                // One sequence owns every captured row, in order.
+                captured[only] = Some(layers);
+            } else {
+                for i in owners {
+                    let rows = &captured_rows[i];
+                    let mine = layers
+                        .iter()
+                        .map(|(k, v)| Ok((self.backend.select_rows(k, rows)?, self.backend.select_rows(v, rows)?)))
+                        .collect::<Result<_>>()?;
+                    captured[i] = Some(mine);
+                }
+            }
+        }
         for (s, n) in seqs.iter_mut().zip(take) {
             s.computed += n;
         }
-        Ok((out, fwd.captured))
+        Ok((out, captured))
     }
 
     /// Computes all pending tokens of one sequence; returns the last logits.
@@ -316,11 +335,30 @@ impl<B: Backend> Engine<B> {
         let mut parts: Captured<B> = Vec::new();
         let mut last = None;
         while seq.pending() > 0 {
-            let (mut logits, captured) =
-                self.step_capturing(&mut [&mut *seq], Some((0, range.clone())), want_logits)?;
-            parts.extend(captured);
+            let (mut logits, mut captured) = self.step_capturing(&mut [&mut *seq], &[range.clone()], want_logits)?;
+            parts.extend(captured.pop().flatten());
             last = logits.pop().flatten();
         }
         Ok((last, parts))
+    }
+
+    /// Computes all pending tokens of several sequences together (each
+    /// forward pass packs as many as `max_batch_tokens` allows) and returns,
+    /// per sequence, the pre-RoPE KV of its tokens in `ranges[i]`, one entry
+    /// per forward chunk. No logits are computed.
+    pub(crate) fn prefill_batch_capturing(
+        &mut self,
+        seqs: &mut [Sequence],
+        ranges: &[Range<usize>],
+    ) -> Result<Vec<Captured<B>>> {
+        let mut parts: Vec<Captured<B>> = (0..seqs.len()).map(|_| Vec::new()).collect();
+        while seqs.iter().any(|s| s.pending() > 0) {
+            let mut refs: Vec<&mut Sequence> = seqs.iter_mut().collect();
+            let (_, captured) = self.step_capturing(&mut refs, ranges, false)?;
+            for (p, c) in parts.iter_mut().zip(captured) {
+                p.extend(c);
+            }
+        }
+        Ok(parts)
     }
 }

@@ -16,6 +16,14 @@ use crate::backend::{Backend, InjectChunk};
 use crate::engine::{Captured, Engine, Sequence};
 use crate::error::{EngineError, Result};
 
+/// One fact to encode: `context` at positions `0..`, then `fact` from `fact_position`.
+#[derive(Debug, Clone, Copy)]
+pub struct EncodeItem<'a> {
+    pub context: &'a [u32],
+    pub fact: &'a [u32],
+    pub fact_position: u32,
+}
+
 /// Pre-RoPE K and V of a run of tokens in every layer: what the memory
 /// shard stores for a fact.
 pub struct KvChunk<B: Backend> {
@@ -65,27 +73,42 @@ impl<B: Backend> Engine<B> {
     /// positions `0..`, the fact from `fact_position` on — and returns the
     /// fact's pre-RoPE K and V. Nothing stays in the cache.
     pub fn encode(&mut self, context: &[u32], fact: &[u32], fact_position: u32) -> Result<KvChunk<B>> {
-        if fact.is_empty() {
-            return Err(EngineError::EmptyPrompt);
+        self.encode_batch(&[EncodeItem { context, fact, fact_position }])?
+            .pop()
+            .ok_or_else(|| EngineError::Shape("encode produced no chunk".into()))
+    }
+
+    /// [`Engine::encode`] for several facts, packed into shared forward
+    /// passes (up to `max_batch_tokens` each): many short encodings cost
+    /// about as much as one long prefill. Results are in input order.
+    pub fn encode_batch(&mut self, items: &[EncodeItem<'_>]) -> Result<Vec<KvChunk<B>>> {
+        let mut seqs = Vec::with_capacity(items.len());
+        let mut ranges = Vec::with_capacity(items.len());
+        for it in items {
+            if it.fact.is_empty() {
+                return Err(EngineError::EmptyPrompt);
+            }
+            if (it.fact_position as usize) < it.context.len() {
+                return Err(EngineError::Shape(format!(
+                    "fact position {} overlaps a context of {} tokens",
+                    it.fact_position,
+                    it.context.len()
+                )));
+            }
+            let seq = if it.context.is_empty() {
+                self.new_sequence_at(it.fact.to_vec(), it.fact_position)?
+            } else {
+                let mut s = self.new_sequence(it.context.to_vec())?;
+                self.check_tokens(it.fact)?;
+                s.extend_at(it.fact, it.fact_position);
+                self.check_context(&s)?;
+                s
+            };
+            seqs.push(seq);
+            ranges.push(it.context.len()..it.context.len() + it.fact.len());
         }
-        if (fact_position as usize) < context.len() {
-            return Err(EngineError::Shape(format!(
-                "fact position {fact_position} overlaps a context of {} tokens",
-                context.len()
-            )));
-        }
-        let mut seq = if context.is_empty() {
-            self.new_sequence_at(fact.to_vec(), fact_position)?
-        } else {
-            let mut s = self.new_sequence(context.to_vec())?;
-            self.check_tokens(fact)?;
-            s.extend_at(fact, fact_position);
-            self.check_context(&s)?;
-            s
-        };
-        let range = context.len()..context.len() + fact.len();
-        let (_, parts) = self.prefill_capturing(&mut seq, range, false)?;
-        self.chunk_from_parts(fact.to_vec(), parts)
+        let parts = self.prefill_batch_capturing(&mut seqs, &ranges)?;
+        items.iter().zip(parts).map(|(it, p)| self.chunk_from_parts(it.fact.to_vec(), p)).collect()
     }
 
     /// Prefills `seq`'s pending tokens, keeping their KV in its cache, and

@@ -24,5 +24,5 @@ pub use cpu::CpuBackend;
 pub use engine::{Engine, EngineConfig, Sequence};
 pub use error::{EngineError, Result};
 pub use generate::{FinishReason, GenerateRequest, Generation, generate, generate_batch, generate_sequences};
-pub use inject::KvChunk;
+pub use inject::{EncodeItem, KvChunk};
 pub use sampling::SamplingParams;

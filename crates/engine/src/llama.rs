@@ -5,8 +5,6 @@
 //! (Qwen2), tied embeddings, RoPE base and scaling, GQA ratio, head_dim.
 //! Reads top to bottom: Linear → Attention → Mlp → Block → Llama.
 
-use std::ops::Range;
-
 use inferscale_model::{ModelConfig, ModelFiles};
 
 use crate::backend::{AttentionShape, Backend, SeqSpan};
@@ -24,8 +22,8 @@ pub struct ForwardBatch<'a> {
     pub spans: Vec<SeqSpan<'a>>,
     /// Rows whose logits are wanted (usually each sequence's last token).
     pub logit_rows: Vec<usize>,
-    /// Rows whose pre-RoPE K and V to return from every layer.
-    pub capture: Option<Range<usize>>,
+    /// Rows whose pre-RoPE K and V to return from every layer (in order).
+    pub capture: Vec<usize>,
 }
 
 /// What a forward pass returns.
@@ -103,12 +101,10 @@ impl<B: Backend> Attention<B> {
         let mut q = self.q_proj.forward(be, x)?;
         let mut k = self.k_proj.forward(be, x)?;
         let v = self.v_proj.forward(be, x)?;
-        let captured = match &batch.capture {
-            Some(r) => {
-                let rows: Vec<usize> = r.clone().collect();
-                Some((be.select_rows(&k, &rows)?, be.select_rows(&v, &rows)?))
-            }
-            None => None,
+        let captured = if batch.capture.is_empty() {
+            None
+        } else {
+            Some((be.select_rows(&k, &batch.capture)?, be.select_rows(&v, &batch.capture)?))
         };
         be.rope(&mut q, d, &batch.positions, rope)?;
         be.rope(&mut k, d, &batch.positions, rope)?;
@@ -223,7 +219,7 @@ impl<B: Backend> Llama<B> {
     /// returns the logits of `batch.logit_rows` and the captured KV.
     pub fn forward(&self, be: &B, batch: &ForwardBatch<'_>, kv: &mut B::KvStore) -> Result<ForwardOutput<B>> {
         let mut x = be.embedding(&self.embed_tokens, &batch.tokens)?;
-        let mut captured = batch.capture.as_ref().map(|_| Vec::with_capacity(self.blocks.len()));
+        let mut captured = (!batch.capture.is_empty()).then(|| Vec::with_capacity(self.blocks.len()));
         for (layer, block) in self.blocks.iter().enumerate() {
             let step = Step { batch, rope: &self.rope, layer };
             let layer_kv = block.forward(be, &mut x, &step, kv)?;

@@ -16,13 +16,16 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use inferscale_engine::bert::Bert;
-use inferscale_engine::{Backend, Engine, KvChunk};
+use inferscale_engine::{Backend, EncodeItem, Engine, KvChunk};
 
 use crate::compose::Composer;
 use crate::error::{MemoryError, Result, io};
 use crate::fact::{Fact, Record};
 use crate::kvseg::{KvHeader, StoredKv};
 use crate::log::{RecordLog, sync_dir};
+
+/// Facts encoded per engine call (their forward passes are packed together).
+const ENCODE_BATCH: usize = 16;
 
 /// A conversation turn to remember.
 #[derive(Debug, Clone, PartialEq)]
@@ -324,24 +327,38 @@ impl<B: Backend> UserShard<B> {
         Ok(UserShard { dir: dir.to_path_buf(), facts, by_id, kv, log, kv_log })
     }
 
-    /// Encodes facts without KV: [header][previous `window` facts][fact].
+    /// Encodes facts without KV: [header][previous `window` facts][fact],
+    /// [`ENCODE_BATCH`] facts per engine call so that short encodings share
+    /// forward passes; each batch's KV is appended to the segment at once.
     fn encode_missing(&mut self, window: usize, enc: &mut Encoders<'_, '_, B>) -> Result<usize> {
+        let missing: Vec<usize> = (0..self.facts.len()).filter(|&i| self.kv[i].is_none()).collect();
         let mut tokens = 0;
-        for i in 0..self.facts.len() {
-            if self.kv[i].is_some() {
-                continue;
+        for group in missing.chunks(ENCODE_BATCH) {
+            let contexts: Vec<Vec<u32>> = group
+                .iter()
+                .map(|&i| {
+                    let mut c = enc.composer.header().to_vec();
+                    self.facts[i.saturating_sub(window)..i].iter().for_each(|f| c.extend_from_slice(&f.tokens));
+                    c
+                })
+                .collect();
+            let items: Vec<EncodeItem<'_>> = group
+                .iter()
+                .zip(&contexts)
+                .map(|(&i, c)| EncodeItem { context: c, fact: &self.facts[i].tokens, fact_position: c.len() as u32 })
+                .collect();
+            let chunks = enc.engine.encode_batch(&items)?;
+            let mut records = Vec::with_capacity(group.len());
+            for ((&i, chunk), context) in group.iter().zip(&chunks).zip(&contexts) {
+                let (k, v) = chunk.to_host(enc.engine.backend())?;
+                let fact = &self.facts[i];
+                records.push(StoredKv { fact_id: fact.id.clone(), tokens: fact.tokens.clone(), k, v }.encode());
+                tokens += context.len() + fact.tokens.len();
             }
-            let mut context = enc.composer.header().to_vec();
-            for f in &self.facts[i.saturating_sub(window)..i] {
-                context.extend_from_slice(&f.tokens);
+            self.kv_log.append(&records.iter().map(Vec::as_slice).collect::<Vec<_>>())?;
+            for (&i, chunk) in group.iter().zip(chunks) {
+                self.kv[i] = Some(chunk);
             }
-            let fact = &self.facts[i];
-            let chunk = enc.engine.encode(&context, &fact.tokens, context.len() as u32)?;
-            let (k, v) = chunk.to_host(enc.engine.backend())?;
-            let stored = StoredKv { fact_id: fact.id.clone(), tokens: fact.tokens.clone(), k, v };
-            self.kv_log.append(&[&stored.encode()])?;
-            tokens += context.len() + fact.tokens.len();
-            self.kv[i] = Some(chunk);
         }
         Ok(tokens)
     }

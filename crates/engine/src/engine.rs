@@ -335,7 +335,8 @@ impl<B: Backend> Engine<B> {
         let mut parts: Captured<B> = Vec::new();
         let mut last = None;
         while seq.pending() > 0 {
-            let (mut logits, mut captured) = self.step_capturing(&mut [&mut *seq], &[range.clone()], want_logits)?;
+            let (mut logits, mut captured) =
+                self.step_capturing(&mut [&mut *seq], std::slice::from_ref(&range), want_logits)?;
             parts.extend(captured.pop().flatten());
             last = logits.pop().flatten();
         }

@@ -19,6 +19,7 @@ use inferscale_memory::score::{kl, locomo_f1, log_softmax, recall};
 use inferscale_memory::{Composer, Encoders, Memory, Mode, SYSTEM_PROMPT, ShardSpec, fingerprint, locomo, prepare};
 use serde::{Deserialize, Serialize};
 
+use crate::bench::median;
 use crate::runtime::{ModelArgs, load};
 
 #[derive(Subcommand, Debug)]
@@ -144,11 +145,6 @@ fn answer(
         }
     }
     Ok((log_softmax(&logits), text.trim().to_string(), ttft))
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    if v.is_empty() { 0.0 } else { v[v.len() / 2] }
 }
 
 fn write_outputs(out: &std::path::Path, report: &Report) -> Result<()> {

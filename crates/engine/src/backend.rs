@@ -21,13 +21,6 @@ pub struct KvSpec {
     pub head_dim: usize,
 }
 
-impl KvSpec {
-    /// Bytes of K and V for one token across all layers, at `bytes_per_elem`.
-    pub fn bytes_per_token(&self, bytes_per_elem: usize) -> usize {
-        2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_elem
-    }
-}
-
 /// One sequence's part of a batched attention call.
 #[derive(Debug, Clone, Copy)]
 pub struct SeqSpan<'a> {

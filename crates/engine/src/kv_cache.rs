@@ -107,11 +107,6 @@ impl BlockTable {
         &self.blocks
     }
 
-    /// Positions the table can hold without allocating.
-    pub fn capacity(&self) -> usize {
-        self.blocks.len() * BLOCK_SIZE
-    }
-
     /// Grows the table to hold `tokens` positions, all or nothing.
     pub fn reserve(&mut self, tokens: usize) -> Result<()> {
         let needed = tokens.div_ceil(BLOCK_SIZE).saturating_sub(self.blocks.len());

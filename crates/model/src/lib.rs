@@ -22,7 +22,7 @@ pub use chat::{ChatTemplate, Message};
 pub use config::{Family, ModelConfig, RopeConfig, RopeScaling};
 pub use encoder::{BertConfig, EncoderFiles, Pooling};
 pub use error::{ModelError, Result};
-pub use tokenizer::{StreamDecoder, Tokenizer};
+pub use tokenizer::Tokenizer;
 pub use weights::{HostTensor, WeightSource};
 
 /// A model opened from disk.

@@ -177,39 +177,4 @@ impl Tokenizer {
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
         self.inner.decode(ids, skip_special_tokens).map_err(|e| ModelError::Tokenizer(format!("decode: {e}")))
     }
-
-    pub fn vocab_size(&self) -> usize {
-        self.inner.get_vocab_size(true)
-    }
-
-    pub fn token_to_id(&self, token: &str) -> Option<u32> {
-        self.inner.token_to_id(token)
-    }
-}
-
-/// Turns a growing list of token ids into text pieces, holding back bytes of
-/// a multi-byte character until it is complete.
-#[derive(Debug, Default)]
-pub struct StreamDecoder {
-    ids: Vec<u32>,
-    emitted: usize,
-}
-
-impl StreamDecoder {
-    /// Adds one token; returns the new text it completes (possibly empty).
-    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<String> {
-        self.ids.push(id);
-        let text = tok.decode(&self.ids, true)?;
-        if text.ends_with('\u{fffd}') || text.len() < self.emitted || !text.is_char_boundary(self.emitted) {
-            return Ok(String::new());
-        }
-        let new = text[self.emitted..].to_string();
-        self.emitted = text.len();
-        Ok(new)
-    }
-
-    /// All text decoded so far.
-    pub fn text(&self, tok: &Tokenizer) -> Result<String> {
-        tok.decode(&self.ids, true)
-    }
 }

@@ -22,7 +22,8 @@ pub fn run(c: Command) -> Result<()> {
     }
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+/// The median (upper middle for even counts); 0 for no values.
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
 }

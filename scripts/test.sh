@@ -19,11 +19,31 @@ fi
 echo "test.sh: formatting and lints" >&2
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
+# The CPU-only build (no CUDA backend) must keep compiling too.
+cargo check --quiet -p inferscale-cli --no-default-features
 
 # The models are fetched once here so that parallel tests find them cached.
 echo "test.sh: fetching the test models if missing" >&2
 cargo run --quiet -p inferscale-cli -- fetch smollm2 >/dev/null
 cargo run --quiet -p inferscale-cli -- fetch minilm >/dev/null
+
+# The CUDA kernels are compiled by NVRTC in a test that needs no GPU; NVRTC
+# and the CUDA headers come from NVIDIA's PyPI wheels, fetched once.
+cuda_dir="${INFERSCALE_HOME:-$HOME/.cache/inferscale}/cuda-13.0"
+if [ ! -f "$cuda_dir/.complete" ]; then
+  echo "test.sh: fetching NVRTC and the CUDA headers (PyPI) for the kernel compile test" >&2
+  wheels=$(mktemp -d)
+  python3 -m pip download -q --no-deps -d "$wheels" \
+    nvidia-cuda-nvrtc==13.0.88 nvidia-cuda-runtime==13.0.96 nvidia-cuda-crt==13.0.88
+  python3 -c 'import sys, zipfile, glob
+for w in glob.glob(sys.argv[1] + "/*.whl"):
+    zipfile.ZipFile(w).extractall(sys.argv[2])' "$wheels" "$cuda_dir"
+  rm -rf "$wheels"
+  touch "$cuda_dir/.complete"
+fi
+export LD_LIBRARY_PATH="$cuda_dir/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export INFERSCALE_CUDA_INCLUDE="$cuda_dir/nvidia/cu13/include"
+export INFERSCALE_REQUIRE_NVRTC=1
 
 if cargo nextest --version >/dev/null 2>&1; then
   cargo nextest run --workspace --no-fail-fast

@@ -5,7 +5,9 @@ use clap::Args as ClapArgs;
 use inferscale_engine::{GenerateRequest, SamplingParams, generate};
 use inferscale_model::Message;
 
-use crate::runtime::{ModelArgs, load};
+use inferscale_engine::Backend;
+
+use crate::runtime::{ModelArgs, load_on, on_backend};
 
 #[derive(ClapArgs, Debug)]
 pub struct Args {
@@ -41,7 +43,12 @@ pub fn run(a: Args) -> Result<()> {
     if a.prompt.is_empty() {
         bail!("--prompt is empty");
     }
-    let mut m = load(&a.model)?;
+    let m = a.model.clone();
+    on_backend!(m, run_on(a))
+}
+
+fn run_on<B: Backend>(a: Args, backend: B) -> Result<()> {
+    let mut m = load_on(&a.model, backend)?;
     let tok =
         m.files.tokenizer.as_ref().context("the model has no tokenizer (tokenizer.json or GGUF tokenizer metadata)")?;
     let ids = if a.chat {

@@ -4,6 +4,7 @@
 //! everything else (progress, timings) goes to stderr.
 
 mod bench;
+mod check;
 mod demo;
 mod eval;
 mod generate;
@@ -40,6 +41,8 @@ enum Command {
     /// Evaluations that score answers from memory.
     #[command(subcommand)]
     Eval(eval::Command),
+    /// Check the CUDA backend against the CPU reference (ops, models, E1–E4).
+    Check(check::Args),
     /// Benchmarks: print a table and optionally write JSON.
     #[command(subcommand)]
     Bench(bench::Command),
@@ -51,6 +54,7 @@ fn main() {
         Command::Generate(a) => generate::run(a),
         Command::Demo(a) => demo::run(a),
         Command::Bench(c) => bench::run(c),
+        Command::Check(a) => check::run(a),
         Command::Ingest(a) => memory_cmd::ingest(a),
         Command::Eval(c) => eval::run(c),
         Command::Ask(a) => memory_cmd::ask(a),

@@ -1,11 +1,17 @@
-//! Loading a model into an engine, shared by the commands.
+//! Loading a model into an engine on the chosen backend, shared by the commands.
 
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use clap::Args;
-use inferscale_engine::{CpuBackend, Engine, EngineConfig};
-use inferscale_model::{ModelFiles, fetch};
+use inferscale_engine::{Backend, CpuBackend, Engine, EngineConfig};
+use inferscale_model::{ModelFiles, fetch, shapes};
+
+/// Backends this binary was built with.
+#[cfg(feature = "cuda")]
+pub const BACKENDS: &[&str] = &["cpu", "cuda"];
+#[cfg(not(feature = "cuda"))]
+pub const BACKENDS: &[&str] = &["cpu"];
 
 /// Options every model-running command takes.
 #[derive(Args, Debug, Clone)]
@@ -13,9 +19,19 @@ pub struct ModelArgs {
     /// A GGUF file, an HF model directory, or a packaged model name.
     #[arg(long, default_value = fetch::DEFAULT_MODEL)]
     pub model: String,
-    /// Compute backend.
-    #[arg(long, default_value = "cpu", value_parser = ["cpu"])]
+    /// Compute backend (`cuda` needs an NVIDIA GPU and its driver at run time).
+    #[arg(long, default_value = "cpu", value_parser = clap::builder::PossibleValuesParser::new(BACKENDS))]
     pub backend: String,
+    /// GPU ordinal for `--backend cuda`.
+    #[arg(long, default_value_t = 0)]
+    pub device: usize,
+    /// Instead of --model: random weights of a named shape (llama3.1-8b,
+    /// mistral-7b, qwen2.5-7b, smollm2-135m), for speed work. Needs --random-weights.
+    #[arg(long, requires = "random_weights")]
+    pub shape: Option<String>,
+    /// Acknowledges that --shape runs random weights (outputs are meaningless).
+    #[arg(long, requires = "shape")]
+    pub random_weights: bool,
     /// Memory for the paged KV cache, in MiB.
     #[arg(long, default_value_t = 1024)]
     pub kv_cache_mb: usize,
@@ -24,12 +40,12 @@ pub struct ModelArgs {
     pub max_batch_tokens: usize,
 }
 
-pub struct Loaded {
+pub struct Loaded<B: Backend = CpuBackend> {
     pub files: ModelFiles,
-    pub engine: Engine<CpuBackend>,
+    pub engine: Engine<B>,
 }
 
-impl Loaded {
+impl<B: Backend> Loaded<B> {
     /// End-of-sequence ids: the config's, plus the tokenizer's EOS.
     pub fn eos_ids(&self) -> Vec<u32> {
         let mut ids = self.files.config.eos_token_ids.clone();
@@ -42,11 +58,37 @@ impl Loaded {
     }
 }
 
+/// The model files `args` name: a file, directory or packaged model, or a random-weight shape.
+pub fn open_files(args: &ModelArgs) -> Result<ModelFiles> {
+    if let Some(name) = &args.shape {
+        let config = shapes::preset(name).with_context(|| {
+            let known: Vec<&str> = shapes::PRESETS.iter().map(|(n, _)| *n).collect();
+            format!("--shape `{name}` is not a known shape; known: {}", known.join(", "))
+        })?;
+        return Ok(ModelFiles::random(name, config, 0));
+    }
+    inferscale_model::open(&args.model).with_context(|| format!("loading model `{}`", args.model))
+}
+
+/// Loads on the CPU backend (commands that run on CPU only).
 pub fn load(args: &ModelArgs) -> Result<Loaded> {
+    if args.backend != "cpu" {
+        bail!("--backend {}: this command runs on the cpu backend only so far", args.backend);
+    }
+    load_on(args, CpuBackend)
+}
+
+/// Loads the model onto `backend`.
+pub fn load_on<B: Backend>(args: &ModelArgs, backend: B) -> Result<Loaded<B>> {
     let t0 = Instant::now();
-    let files = inferscale_model::open(&args.model).with_context(|| format!("loading model `{}`", args.model))?;
-    let cfg = EngineConfig::with_kv_bytes(&files, args.kv_cache_mb << 20, args.max_batch_tokens);
-    let engine = Engine::new(CpuBackend, &files, cfg).context("building the engine")?;
+    let files = open_files(args)?;
+    let cfg = EngineConfig::with_kv_bytes(
+        &files,
+        args.kv_cache_mb << 20,
+        args.max_batch_tokens,
+        backend.kv_bytes_per_value(),
+    );
+    let engine = Engine::new(backend, &files, cfg).context("building the engine")?;
     let c = &files.config;
     eprintln!(
         "inferscale: loaded {} ({:?}, {} layers, {}/{} heads, vocab {}) on {} in {:.2}s; KV cache {} blocks",
@@ -62,3 +104,24 @@ pub fn load(args: &ModelArgs) -> Result<Loaded> {
     );
     Ok(Loaded { files, engine })
 }
+
+/// Opens GPU `device` for the CUDA backend.
+#[cfg(feature = "cuda")]
+pub fn cuda_backend(device: usize) -> Result<inferscale_cuda::CudaBackend> {
+    let be = inferscale_cuda::CudaBackend::new(device).with_context(|| format!("opening CUDA device {device}"))?;
+    eprintln!("inferscale: CUDA device {device}: {}", be.device_name());
+    Ok(be)
+}
+
+/// Calls `$f(args…, backend)` with the backend `$m` (a [`ModelArgs`]) names.
+macro_rules! on_backend {
+    ($m:expr, $f:ident ( $($x:expr),* )) => {
+        match $m.backend.as_str() {
+            "cpu" => $f($($x,)* inferscale_engine::CpuBackend),
+            #[cfg(feature = "cuda")]
+            "cuda" => $f($($x,)* $crate::runtime::cuda_backend($m.device)?),
+            other => anyhow::bail!("backend `{other}` is not built into this binary"),
+        }
+    };
+}
+pub(crate) use on_backend;

@@ -62,6 +62,13 @@ pub trait Backend: Send + Sync {
     type KvStore: Send;
 
     fn name(&self) -> &'static str;
+    /// Bytes one K or V element takes in the cache (sizes the block pool).
+    fn kv_bytes_per_value(&self) -> usize;
+    /// Waits until all queued work is done (device backends queue work
+    /// asynchronously; timing a region needs this at both ends).
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
 
     /// Copies a weight to the device, in whatever layout the backend's
     /// matrix kernels want (only `linear` and `embedding` read weights).
@@ -92,8 +99,12 @@ pub trait Backend: Send + Sync {
     ) -> Result<Self::Tensor>;
     /// GELU (the exact, erf-based form), elementwise.
     fn gelu(&self, x: &Self::Tensor) -> Result<Self::Tensor>;
-    /// `silu(gate) * up`, elementwise.
-    fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Result<Self::Tensor>;
+    /// `silu(a) * b` elementwise, where each row of `gate_up` is `[a | b]`
+    /// (the fused gate and up projections); the result has half the columns.
+    fn silu_mul(&self, gate_up: &Self::Tensor) -> Result<Self::Tensor>;
+    /// Consecutive column blocks of `x` of the given widths (e.g. Q, K and V
+    /// out of one fused projection), as separate tensors.
+    fn split_cols(&self, x: &Self::Tensor, widths: &[usize]) -> Result<Vec<Self::Tensor>>;
     /// `x += y`.
     fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
     /// The listed rows of `x`, in order.

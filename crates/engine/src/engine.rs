@@ -27,10 +27,17 @@ pub struct EngineConfig {
 }
 
 impl EngineConfig {
-    /// Pool sized to `kv_cache_bytes` for the given model at f32.
-    pub fn with_kv_bytes(files: &ModelFiles, kv_cache_bytes: usize, max_batch_tokens: usize) -> Self {
+    /// Pool sized to `kv_cache_bytes` for the given model, at
+    /// `bytes_per_value` per cached element (the backend's
+    /// [`Backend::kv_bytes_per_value`]).
+    pub fn with_kv_bytes(
+        files: &ModelFiles,
+        kv_cache_bytes: usize,
+        max_batch_tokens: usize,
+        bytes_per_value: usize,
+    ) -> Self {
         let c = &files.config;
-        let per_token = 2 * c.num_layers * c.kv_dim() * 4;
+        let per_token = 2 * c.num_layers * c.kv_dim() * bytes_per_value;
         EngineConfig { kv_blocks: (kv_cache_bytes / (per_token * BLOCK_SIZE)).max(1), max_batch_tokens }
     }
 }

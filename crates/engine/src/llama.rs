@@ -5,7 +5,7 @@
 //! (Qwen2), tied embeddings, RoPE base and scaling, GQA ratio, head_dim.
 //! Reads top to bottom: Linear → Attention → Mlp → Block → Llama.
 
-use inferscale_model::{ModelConfig, ModelFiles};
+use inferscale_model::{HostTensor, ModelConfig, ModelFiles};
 
 use crate::backend::{AttentionShape, Backend, SeqSpan};
 use crate::error::Result;
@@ -48,8 +48,24 @@ struct Linear<B: Backend> {
 
 impl<B: Backend> Linear<B> {
     fn load(be: &B, files: &ModelFiles, name: &str, out: usize, inp: usize, bias: bool) -> Result<Self> {
-        let w = be.upload(&files.weights.load(&format!("{name}.weight"), &[out, inp])?)?;
-        let b = if bias { Some(be.upload(&files.weights.load(&format!("{name}.bias"), &[out])?)?) } else { None };
+        Self::load_fused(be, files, &[(name, out)], inp, bias)
+    }
+
+    /// Several projections of the same input stacked into one matrix (Q, K
+    /// and V; gate and up), so that one GEMM reads them all: fewer launches,
+    /// and wide matrices keep a GPU busy where thin ones would not.
+    fn load_fused(be: &B, files: &ModelFiles, parts: &[(&str, usize)], inp: usize, bias: bool) -> Result<Self> {
+        let out: usize = parts.iter().map(|p| p.1).sum();
+        let mut w = Vec::with_capacity(out * inp);
+        let mut b = Vec::with_capacity(if bias { out } else { 0 });
+        for &(name, rows) in parts {
+            w.extend(files.weights.load(&format!("{name}.weight"), &[rows, inp])?.data);
+            if bias {
+                b.extend(files.weights.load(&format!("{name}.bias"), &[rows])?.data);
+            }
+        }
+        let w = be.upload(&HostTensor { shape: vec![out, inp], data: w })?;
+        let b = if bias { Some(be.upload(&HostTensor { shape: vec![out], data: b })?) } else { None };
         Ok(Linear { w, b })
     }
 
@@ -63,10 +79,10 @@ fn load_vector<B: Backend>(be: &B, files: &ModelFiles, name: &str, len: usize) -
 }
 
 struct Attention<B: Backend> {
-    q_proj: Linear<B>,
-    k_proj: Linear<B>,
-    v_proj: Linear<B>,
+    /// q_proj, k_proj and v_proj stacked.
+    qkv_proj: Linear<B>,
     o_proj: Linear<B>,
+    widths: [usize; 3],
     shape: AttentionShape,
 }
 
@@ -75,10 +91,15 @@ impl<B: Backend> Attention<B> {
         let c = &files.config;
         let p = |n: &str| format!("{prefix}.self_attn.{n}");
         Ok(Attention {
-            q_proj: Linear::load(be, files, &p("q_proj"), c.q_dim(), c.hidden_size, c.qkv_bias)?,
-            k_proj: Linear::load(be, files, &p("k_proj"), c.kv_dim(), c.hidden_size, c.qkv_bias)?,
-            v_proj: Linear::load(be, files, &p("v_proj"), c.kv_dim(), c.hidden_size, c.qkv_bias)?,
+            qkv_proj: Linear::load_fused(
+                be,
+                files,
+                &[(&p("q_proj"), c.q_dim()), (&p("k_proj"), c.kv_dim()), (&p("v_proj"), c.kv_dim())],
+                c.hidden_size,
+                c.qkv_bias,
+            )?,
             o_proj: Linear::load(be, files, &p("o_proj"), c.hidden_size, c.q_dim(), false)?,
+            widths: [c.q_dim(), c.kv_dim(), c.kv_dim()],
             shape: AttentionShape {
                 num_heads: c.num_heads,
                 num_kv_heads: c.num_kv_heads,
@@ -98,9 +119,11 @@ impl<B: Backend> Attention<B> {
     ) -> Result<(B::Tensor, Option<LayerKv<B>>)> {
         let d = self.shape.head_dim;
         let (batch, rope, layer) = (step.batch, step.rope, step.layer);
-        let mut q = self.q_proj.forward(be, x)?;
-        let mut k = self.k_proj.forward(be, x)?;
-        let v = self.v_proj.forward(be, x)?;
+        let qkv = self.qkv_proj.forward(be, x)?;
+        let [mut q, mut k, v]: [B::Tensor; 3] = be
+            .split_cols(&qkv, &self.widths)?
+            .try_into()
+            .map_err(|_| crate::error::EngineError::Shape("split_cols returned the wrong number of parts".into()))?;
         let captured = if batch.capture.is_empty() {
             None
         } else {
@@ -118,8 +141,8 @@ impl<B: Backend> Attention<B> {
 pub type LayerKv<B> = (<B as Backend>::Tensor, <B as Backend>::Tensor);
 
 struct Mlp<B: Backend> {
-    gate_proj: Linear<B>,
-    up_proj: Linear<B>,
+    /// gate_proj and up_proj stacked.
+    gate_up_proj: Linear<B>,
     down_proj: Linear<B>,
 }
 
@@ -128,16 +151,20 @@ impl<B: Backend> Mlp<B> {
         let c = &files.config;
         let (h, i) = (c.hidden_size, c.intermediate_size);
         Ok(Mlp {
-            gate_proj: Linear::load(be, files, &format!("{prefix}.mlp.gate_proj"), i, h, false)?,
-            up_proj: Linear::load(be, files, &format!("{prefix}.mlp.up_proj"), i, h, false)?,
+            gate_up_proj: Linear::load_fused(
+                be,
+                files,
+                &[(&format!("{prefix}.mlp.gate_proj"), i), (&format!("{prefix}.mlp.up_proj"), i)],
+                h,
+                false,
+            )?,
             down_proj: Linear::load(be, files, &format!("{prefix}.mlp.down_proj"), h, i, false)?,
         })
     }
 
     fn forward(&self, be: &B, x: &B::Tensor) -> Result<B::Tensor> {
-        let gate = self.gate_proj.forward(be, x)?;
-        let up = self.up_proj.forward(be, x)?;
-        self.down_proj.forward(be, &be.silu_mul(&gate, &up)?)
+        let gate_up = self.gate_up_proj.forward(be, x)?;
+        self.down_proj.forward(be, &be.silu_mul(&gate_up)?)
     }
 }
 

@@ -75,6 +75,13 @@ impl Rope {
         self.dim
     }
 
+    /// The cos and sin tables, `[TABLE_POSITIONS, dim/2]` each, for device
+    /// backends to upload once (positions beyond are computed from
+    /// [`Rope::inv_freq`] the same way).
+    pub fn tables(&self) -> (&[f32], &[f32]) {
+        (&self.cos, &self.sin)
+    }
+
     /// (cos, sin) of every frequency at `position`, appended to `cos` and `sin`.
     pub fn cos_sin(&self, position: u32, cos: &mut Vec<f32>, sin: &mut Vec<f32>) {
         let p = position as usize;

@@ -13,6 +13,7 @@ pub mod error;
 pub mod fetch;
 pub mod gguf;
 pub mod quant;
+pub mod shapes;
 pub mod tokenizer;
 pub mod weights;
 

@@ -32,6 +32,13 @@ pub enum WeightSource {
         qk_heads: Option<(usize, usize)>,
     },
     Safetensors(SafetensorsDir),
+    /// Deterministic random values of whatever shape is asked for (speed
+    /// work on shapes without a checkpoint; see `shapes.rs`). `tied`: no
+    /// `lm_head.weight`, as with tied embeddings.
+    Random {
+        seed: u64,
+        tied: bool,
+    },
 }
 
 impl WeightSource {
@@ -39,6 +46,7 @@ impl WeightSource {
         match self {
             WeightSource::Gguf { file, .. } => file.path(),
             WeightSource::Safetensors(s) => &s.dir,
+            WeightSource::Random { .. } => Path::new("random"),
         }
     }
 
@@ -46,6 +54,7 @@ impl WeightSource {
         match self {
             WeightSource::Gguf { file, .. } => gguf_name(name).is_some_and(|n| file.tensors.contains_key(&n)),
             WeightSource::Safetensors(s) => s.index.contains_key(name),
+            WeightSource::Random { tied, .. } => !(*tied && name == "lm_head.weight"),
         }
     }
 
@@ -60,6 +69,10 @@ impl WeightSource {
                 file.tensor_f32(&gname)?
             }
             WeightSource::Safetensors(s) => s.load(name)?,
+            WeightSource::Random { seed, .. } => {
+                let data = crate::shapes::random_values(*seed, name, shape.iter().product());
+                return Ok(HostTensor { shape: shape.to_vec(), data });
+            }
         };
         if actual != shape {
             return Err(ModelError::ShapeMismatch {

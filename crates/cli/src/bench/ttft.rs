@@ -7,7 +7,11 @@
 //!   their pre-RoPE KV is injected and only the question is prefilled.
 //!
 //! Each timed run forks the cached header, builds the prompt, prefills and
-//! picks the first token; the median over `--reps` runs after one warm-up.
+//! picks the first token; the clock stops once the logits are on the host,
+//! so device work is included. Median over `--reps` runs after a warm-up.
+//! With a real model the facts are synthetic sentences through the chat
+//! template; with `--shape … --random-weights` they are random token ids of
+//! the lengths given (`--header-tokens`, `--fact-tokens`, `--question-tokens`).
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -15,11 +19,12 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use inferscale_engine::sampling::argmax;
-use inferscale_engine::{Backend, Engine, KvChunk};
+use inferscale_engine::{Backend, EncodeItem, Engine, KvChunk, Sequence};
+use inferscale_model::ModelFiles;
 use serde::Serialize;
 
 use super::median;
-use crate::runtime::{ModelArgs, load};
+use crate::runtime::{ModelArgs, load_on, on_backend};
 use crate::synthetic::synthetic_facts;
 use inferscale_memory::{Composer, SYSTEM_PROMPT};
 
@@ -34,8 +39,17 @@ pub struct TtftArgs {
     #[arg(long, value_delimiter = ',', default_value = "prompt,kv", value_parser = ["prompt", "kv"])]
     modes: Vec<String>,
     /// Timed runs per (k, mode); the median is reported.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 20)]
     reps: usize,
+    /// Header tokens, with random weights.
+    #[arg(long, default_value_t = 50)]
+    header_tokens: usize,
+    /// Tokens per fact, with random weights.
+    #[arg(long, default_value_t = 25)]
+    fact_tokens: usize,
+    /// Question tokens, with random weights.
+    #[arg(long, default_value_t = 20)]
+    question_tokens: usize,
     /// Write results as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -50,6 +64,7 @@ struct Report {
     header_tokens: usize,
     question_tokens: usize,
     mean_fact_tokens: f64,
+    reps: usize,
     results: Vec<Row>,
 }
 
@@ -58,70 +73,126 @@ struct Row {
     k: usize,
     mode: &'static str,
     ttft_ms_median: f64,
+    ttft_ms_min: f64,
     prompt_tokens: usize,
     prefilled_tokens: usize,
+    /// kv mode: the injection call alone (median ms) and the bytes it moves
+    /// (K and V of every layer, read once and written once).
+    inject_ms_median: Option<f64>,
+    inject_bytes: Option<usize>,
+}
+
+/// The prompt pieces, as token ids.
+struct Layout {
+    header: Vec<u32>,
+    facts: Vec<Vec<u32>>,
+    question: Vec<u32>,
+}
+
+fn layout(files: &ModelFiles, a: &TtftArgs, k_max: usize) -> Result<Layout> {
+    if files.tokenizer.is_some() && a.model.shape.is_none() {
+        let composer = Composer::new(files, SYSTEM_PROMPT)?;
+        let facts = synthetic_facts(k_max).iter().map(|f| composer.fact(f)).collect::<Result<_, _>>()?;
+        return Ok(Layout { header: composer.header().to_vec(), facts, question: composer.question(QUESTION)? });
+    }
+    // Random ids away from the low (control) ids of every vocabulary.
+    let vocab = files.config.vocab_size as u64;
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut ids = |n: usize| -> Vec<u32> {
+        (0..n)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                (1000 + state % (vocab - 1000)) as u32
+            })
+            .collect()
+    };
+    let header = ids(a.header_tokens);
+    let facts = (0..k_max).map(|_| ids(a.fact_tokens)).collect();
+    Ok(Layout { header, facts, question: ids(a.question_tokens) })
 }
 
 /// One timed run: fork the header, add the memory, prefill, pick a token.
+/// Returns (TTFT, injection alone) in ms.
 fn first_token<B: Backend>(
     e: &mut Engine<B>,
-    header: &inferscale_engine::Sequence,
+    header: &Sequence,
     facts: &[Vec<u32>],
     chunks: Option<&[KvChunk<B>]>,
     question: &[u32],
-) -> Result<f64> {
+) -> Result<(f64, f64)> {
+    e.backend().synchronize()?;
     let t = Instant::now();
     let mut seq = e.fork(header)?;
+    let mut inject_ms = 0.0;
     match chunks {
-        Some(chunks) => e.inject(&mut seq, &chunks.iter().collect::<Vec<_>>())?,
+        Some(chunks) => {
+            let ti = Instant::now();
+            e.inject(&mut seq, &chunks.iter().collect::<Vec<_>>())?;
+            e.backend().synchronize()?;
+            inject_ms = ti.elapsed().as_secs_f64() * 1e3;
+        }
         None => facts.iter().for_each(|f| seq.extend(f)),
     }
     seq.extend(question);
     let logits = e.prefill(&mut seq)?;
     std::hint::black_box(argmax(&logits));
-    Ok(t.elapsed().as_secs_f64() * 1e3)
+    Ok((t.elapsed().as_secs_f64() * 1e3, inject_ms))
 }
 
 pub fn run(a: TtftArgs) -> Result<()> {
     if a.k.is_empty() || a.reps == 0 {
         bail!("--k needs at least one value and --reps must be positive");
     }
-    let mut m = load(&a.model)?;
+    let m = a.model.clone();
+    on_backend!(m, run_on(a))
+}
+
+fn run_on<B: Backend>(a: TtftArgs, backend: B) -> Result<()> {
+    let mut m = load_on(&a.model, backend)?;
     let files = &m.files;
-    let composer = Composer::new(files, SYSTEM_PROMPT)?;
     let k_max = *a.k.iter().max().context("--k")?;
-    let facts: Vec<Vec<u32>> = synthetic_facts(k_max).iter().map(|f| composer.fact(f)).collect::<Result<_, _>>()?;
-    let question = composer.question(QUESTION)?;
-    let header_tokens = composer.header().to_vec();
-    let h = header_tokens.len();
+    let l = layout(files, &a, k_max)?;
+    let h = l.header.len();
+    let c = &files.config;
+    let kv_bytes_per_token = 2 * c.num_layers * c.kv_dim() * m.engine.backend().kv_bytes_per_value();
     let e = &mut m.engine;
 
     eprintln!("inferscale bench ttft: encoding {k_max} facts once (after the header) …");
     let t = Instant::now();
-    let chunks: Vec<KvChunk<_>> =
-        facts.iter().map(|f| e.encode(&header_tokens, f, h as u32)).collect::<Result<_, _>>()?;
-    eprintln!("inferscale bench ttft: encoded in {:.1} s", t.elapsed().as_secs_f64());
-    let mut header = e.new_sequence(header_tokens)?;
+    let items: Vec<EncodeItem<'_>> =
+        l.facts.iter().map(|f| EncodeItem { context: &l.header, fact: f, fact_position: h as u32 }).collect();
+    let chunks: Vec<KvChunk<B>> = e.encode_batch(&items)?;
+    e.backend().synchronize()?;
+    eprintln!("inferscale bench ttft: encoded in {:.2} s", t.elapsed().as_secs_f64());
+    let mut header = e.new_sequence(l.header.clone())?;
     e.prefill(&mut header)?;
 
     let mut results = Vec::new();
     for &k in &a.k {
-        let fact_tokens: usize = facts[..k].iter().map(Vec::len).sum();
+        let fact_tokens: usize = l.facts[..k].iter().map(Vec::len).sum();
         for (mode, chunks) in [("prompt", None), ("kv", Some(&chunks[..k]))] {
             if !a.modes.iter().any(|m| m == mode) {
                 continue;
             }
-            first_token(e, &header, &facts[..k], chunks, &question)?; // warm-up
-            let times = (0..a.reps)
-                .map(|_| first_token(e, &header, &facts[..k], chunks, &question))
+            for _ in 0..2 {
+                first_token(e, &header, &l.facts[..k], chunks, &l.question)?; // warm-up
+            }
+            let runs = (0..a.reps)
+                .map(|_| first_token(e, &header, &l.facts[..k], chunks, &l.question))
                 .collect::<Result<Vec<_>>>()?;
-            let prefilled = question.len() + if chunks.is_some() { 0 } else { fact_tokens };
+            let ttft: Vec<f64> = runs.iter().map(|r| r.0).collect();
+            let prefilled = l.question.len() + if chunks.is_some() { 0 } else { fact_tokens };
             results.push(Row {
                 k,
                 mode,
-                ttft_ms_median: median(times),
-                prompt_tokens: h + fact_tokens + question.len(),
+                ttft_ms_min: ttft.iter().copied().fold(f64::INFINITY, f64::min),
+                ttft_ms_median: median(ttft),
+                prompt_tokens: h + fact_tokens + l.question.len(),
                 prefilled_tokens: prefilled,
+                inject_ms_median: chunks.map(|_| median(runs.iter().map(|r| r.1).collect())),
+                inject_bytes: chunks.map(|_| 2 * fact_tokens * kv_bytes_per_token),
             });
             eprintln!("inferscale bench ttft: k={k} {mode} done");
         }
@@ -130,8 +201,9 @@ pub fn run(a: TtftArgs) -> Result<()> {
         backend: a.model.backend.clone(),
         model: files.path.display().to_string(),
         header_tokens: h,
-        question_tokens: question.len(),
-        mean_fact_tokens: facts.iter().map(Vec::len).sum::<usize>() as f64 / k_max as f64,
+        question_tokens: l.question.len(),
+        mean_fact_tokens: l.facts.iter().map(Vec::len).sum::<usize>() as f64 / k_max as f64,
+        reps: a.reps,
         results,
     };
     print_table(&report);
@@ -145,19 +217,29 @@ pub fn run(a: TtftArgs) -> Result<()> {
 
 fn print_table(r: &Report) {
     println!(
-        "backend {} · {} · header {} tokens, question {} tokens, facts {:.1} tokens on average",
-        r.backend, r.model, r.header_tokens, r.question_tokens, r.mean_fact_tokens
+        "backend {} · {} · header {} tokens, question {} tokens, facts {:.1} tokens on average · median of {}",
+        r.backend, r.model, r.header_tokens, r.question_tokens, r.mean_fact_tokens, r.reps
     );
     println!(
-        "{:>5} {:>8} {:>15} {:>11} {:>15} {:>11} {:>9}",
-        "k", "prompt", "prompt TTFT ms", "prefilled", "kv TTFT ms", "prefilled", "speed-up"
+        "{:>5} {:>8} {:>15} {:>11} {:>15} {:>11} {:>9} {:>10} {:>8} {:>8}",
+        "k",
+        "prompt",
+        "prompt TTFT ms",
+        "prefilled",
+        "kv TTFT ms",
+        "prefilled",
+        "speed-up",
+        "inject ms",
+        "GB/s",
+        "kv/k₀"
     );
     let cell = |row: Option<&Row>| match row {
-        Some(x) => (format!("{:.1}", x.ttft_ms_median), x.prefilled_tokens.to_string()),
+        Some(x) => (format!("{:.2}", x.ttft_ms_median), x.prefilled_tokens.to_string()),
         None => ("-".into(), "-".into()),
     };
     let mut ks: Vec<usize> = r.results.iter().map(|x| x.k).collect();
     ks.dedup();
+    let kv0 = r.results.iter().find(|x| x.mode == "kv").map(|x| x.ttft_ms_median);
     for k in ks {
         let find = |mode: &str| r.results.iter().find(|x| x.k == k && x.mode == mode);
         let (p, kv) = (find("prompt"), find("kv"));
@@ -166,7 +248,17 @@ fn print_table(r: &Report) {
             (Some(p), Some(kv)) => format!("{:.1}×", p.ttft_ms_median / kv.ttft_ms_median),
             _ => "-".into(),
         };
+        let (inject, rate, ratio) = match (kv, kv0) {
+            (Some(x), Some(k0)) => {
+                let ms = x.inject_ms_median.unwrap_or(0.0);
+                let gbs = x.inject_bytes.unwrap_or(0) as f64 / (ms * 1e-3) / 1e9;
+                (format!("{ms:.3}"), format!("{gbs:.0}"), format!("{:.3}", x.ttft_ms_median / k0))
+            }
+            _ => ("-".into(), "-".into(), "-".into()),
+        };
         let ((pt, pp), (kt, kp)) = (cell(p), cell(kv));
-        println!("{k:>5} {tokens:>8} {pt:>15} {pp:>11} {kt:>15} {kp:>11} {speedup:>9}");
+        println!(
+            "{k:>5} {tokens:>8} {pt:>15} {pp:>11} {kt:>15} {kp:>11} {speedup:>9} {inject:>10} {rate:>8} {ratio:>8}"
+        );
     }
 }

@@ -97,6 +97,10 @@ impl Backend for CpuBackend {
         "cpu"
     }
 
+    fn kv_bytes_per_value(&self) -> usize {
+        4
+    }
+
     fn upload(&self, t: &HostTensor) -> Result<CpuTensor> {
         let (rows, cols) = matrix_dims(t)?;
         if t.shape.len() == 2 {
@@ -221,16 +225,38 @@ impl Backend for CpuBackend {
         Ok(out)
     }
 
-    fn silu_mul(&self, gate: &CpuTensor, up: &CpuTensor) -> Result<CpuTensor> {
-        if (gate.rows, gate.cols) != (up.rows, up.cols) {
-            return Err(shape_err("silu_mul shapes differ".into()));
+    fn silu_mul(&self, gate_up: &CpuTensor) -> Result<CpuTensor> {
+        if !gate_up.cols.is_multiple_of(2) {
+            return Err(shape_err(format!("silu_mul of an odd width {}", gate_up.cols)));
         }
-        let mut out = CpuTensor::zeros(gate.rows, gate.cols);
+        let half = gate_up.cols / 2;
+        let mut out = CpuTensor::zeros(gate_up.rows, half);
+        let rows_per_task = (4096 / half.max(1)).max(1);
         out.data
-            .par_chunks_mut(4096)
-            .zip(gate.data.par_chunks(4096).zip(up.data.par_chunks(4096)))
-            .for_each(|(o, (g, u))| vmath::silu_mul(o, g, u));
+            .par_chunks_mut(half * rows_per_task)
+            .zip(gate_up.data.par_chunks(gate_up.cols * rows_per_task))
+            .for_each(|(o, x)| {
+                for (o, x) in o.chunks_exact_mut(half).zip(x.chunks_exact(gate_up.cols)) {
+                    let (g, u) = x.split_at(half);
+                    vmath::silu_mul(o, g, u);
+                }
+            });
         Ok(out)
+    }
+
+    fn split_cols(&self, x: &CpuTensor, widths: &[usize]) -> Result<Vec<CpuTensor>> {
+        if widths.iter().sum::<usize>() != x.cols {
+            return Err(shape_err(format!("split_cols {widths:?} of width {}", x.cols)));
+        }
+        let mut parts: Vec<CpuTensor> = widths.iter().map(|&w| CpuTensor::zeros(x.rows, w)).collect();
+        for (r, row) in x.data.chunks_exact(x.cols).enumerate() {
+            let mut at = 0;
+            for p in parts.iter_mut() {
+                p.data[r * p.cols..(r + 1) * p.cols].copy_from_slice(&row[at..at + p.cols]);
+                at += p.cols;
+            }
+        }
+        Ok(parts)
     }
 
     fn add_assign(&self, x: &mut CpuTensor, y: &CpuTensor) -> Result<()> {

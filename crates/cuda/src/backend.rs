@@ -1,0 +1,803 @@
+//! [`CudaBackend`]: the engine's backend trait on one CUDA device.
+//!
+//! Activations and weights are bf16 with f32 accumulation (cuBLAS GEMMs with
+//! `CUBLAS_COMPUTE_32F`; our kernels reduce in f32). Everything runs on one
+//! stream, so ordering is the stream's and temporaries are freed
+//! stream-ordered when dropped. Per-forward metadata (positions, slots,
+//! block tables) is uploaded once and reused while it is unchanged, so the
+//! 30-odd layers of a forward share one copy.
+
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use cudarc::cublas::CudaBlas;
+use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t};
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use half::bf16;
+use inferscale_engine::backend::{AttentionShape, Backend, InjectChunk, KvSpec, SeqSpan};
+use inferscale_engine::rope::{Rope, TABLE_POSITIONS};
+use inferscale_engine::{EngineError, Result};
+use inferscale_model::HostTensor;
+use rayon::prelude::*;
+
+use crate::error::CudaError;
+use crate::kernels::{ATTN_KEYS, ATTN_ROWS, ATTN_THREADS, Kernels, attention_smem_bytes};
+use crate::profile::{Profiler, Span};
+
+/// Converts any CUDA-side error into the engine's.
+trait Cu<T> {
+    fn cu(self) -> Result<T>;
+}
+
+impl<T, E: Into<CudaError>> Cu<T> for std::result::Result<T, E> {
+    fn cu(self) -> Result<T> {
+        self.map_err(|e| EngineError::from(e.into()))
+    }
+}
+
+fn shape_err(what: String) -> EngineError {
+    EngineError::Shape(what)
+}
+
+/// A row-major bf16 matrix on the device.
+pub struct CudaTensor {
+    data: CudaSlice<bf16>,
+    rows: usize,
+    cols: usize,
+}
+
+impl CudaTensor {
+    pub fn len(&self) -> usize {
+        self.rows * self.cols
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Paged K and V: one buffer each, `[layers, slots, kv_heads·head_dim]`.
+pub struct CudaKvStore {
+    spec: KvSpec,
+    k: CudaSlice<bf16>,
+    v: CudaSlice<bf16>,
+    layer_elems: usize,
+}
+
+impl CudaKvStore {
+    pub fn spec(&self) -> KvSpec {
+        self.spec
+    }
+}
+
+/// cuBLAS handle. The handle is bound to our one stream and only used under
+/// the mutex, which is all cuBLAS asks of a handle shared between threads.
+struct Blas(CudaBlas);
+// SAFETY: see above — never used by two threads at once.
+unsafe impl Send for Blas {}
+
+/// A model's RoPE tables on the device, keyed by its frequencies.
+struct DeviceRope {
+    inv_freq_host: Vec<f32>,
+    dim: usize,
+    cos: CudaSlice<f32>,
+    sin: CudaSlice<f32>,
+    inv_freq: CudaSlice<f32>,
+}
+
+/// Recently uploaded metadata arrays, reused while the host copy is equal.
+#[derive(Default)]
+struct MetaCache {
+    entries: Vec<(Vec<u32>, Arc<CudaSlice<u32>>)>,
+}
+
+const META_ENTRIES: usize = 8;
+
+/// The CUDA backend on one device. Clones share the device state (stream,
+/// cuBLAS handle, compiled kernels, uploaded tables), so several engines on
+/// one GPU compile the kernels once.
+#[derive(Clone)]
+pub struct CudaBackend {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    blas: Arc<Mutex<Blas>>,
+    k: Arc<Kernels>,
+    sm_count: usize,
+    device_name: String,
+    ropes: Arc<Mutex<Vec<Arc<DeviceRope>>>>,
+    meta: Arc<Mutex<MetaCache>>,
+    profiler: Option<Arc<Profiler>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn blocks_for(n: usize, threads: usize) -> u32 {
+    n.div_ceil(threads).clamp(1, 65_535 * 4) as u32
+}
+
+impl CudaBackend {
+    /// Opens device `ordinal`, compiles the kernels and creates the cuBLAS handle.
+    pub fn new(ordinal: usize) -> crate::Result<Self> {
+        for (lib, what) in [("cuda", "the NVIDIA driver"), ("nvrtc", "NVRTC"), ("cublas", "cuBLAS")] {
+            if !crate::kernels::library_present(lib) {
+                return Err(CudaError::Unsupported(format!(
+                    "lib{lib}.so ({what}) not found: install it or add its directory to LD_LIBRARY_PATH"
+                )));
+            }
+        }
+        let ctx = CudaContext::new(ordinal)?;
+        // One stream: cudarc's cross-stream event tracking would only add work.
+        // SAFETY: nothing here uses a second stream.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.default_stream();
+        let k = Kernels::load(&ctx)?;
+        let blas = CudaBlas::new(stream.clone())?;
+        let sm_count = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
+            .max(1) as usize;
+        let device_name = ctx.name()?;
+        let profiler = Profiler::from_env(&ctx, &stream);
+        Ok(CudaBackend {
+            ctx,
+            stream,
+            blas: Arc::new(Mutex::new(Blas(blas))),
+            k: Arc::new(k),
+            sm_count,
+            device_name,
+            ropes: Arc::new(Mutex::new(Vec::new())),
+            meta: Arc::new(Mutex::new(MetaCache::default())),
+            profiler,
+        })
+    }
+
+    /// The device's name as the driver reports it.
+    pub fn device_name(&self) -> &str {
+        &self.device_name
+    }
+
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Brackets an op with profiling events when profiling is on.
+    fn span(&self, name: &'static str) -> Option<Span<'_>> {
+        self.profiler.as_ref().map(|p| p.span(name))
+    }
+
+    fn ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
+        let (p, _sync) = s.device_ptr(&self.stream);
+        p
+    }
+
+    fn alloc(&self, n: usize) -> Result<CudaSlice<bf16>> {
+        // SAFETY: every caller writes all `n` elements before anything reads them.
+        unsafe { self.stream.alloc::<bf16>(n.max(1)) }.cu()
+    }
+
+    fn tensor(&self, rows: usize, cols: usize) -> Result<CudaTensor> {
+        Ok(CudaTensor { data: self.alloc(rows * cols)?, rows, cols })
+    }
+
+    /// `data` on the device, reusing a recent upload of equal contents.
+    fn meta(&self, data: &[u32]) -> Result<Arc<CudaSlice<u32>>> {
+        let mut cache = lock(&self.meta);
+        if let Some(i) = cache.entries.iter().position(|(h, _)| h.as_slice() == data) {
+            let e = cache.entries.remove(i);
+            let dev = e.1.clone();
+            cache.entries.push(e);
+            return Ok(dev);
+        }
+        let dev = Arc::new(self.stream.clone_htod(if data.is_empty() { &[0u32][..] } else { data }).cu()?);
+        if cache.entries.len() == META_ENTRIES {
+            cache.entries.remove(0);
+        }
+        cache.entries.push((data.to_vec(), dev.clone()));
+        Ok(dev)
+    }
+
+    fn rope_tables(&self, rope: &Rope) -> Result<Arc<DeviceRope>> {
+        let mut ropes = lock(&self.ropes);
+        if let Some(r) = ropes.iter().find(|r| r.dim == rope.dim() && r.inv_freq_host == rope.inv_freq()) {
+            return Ok(r.clone());
+        }
+        let (cos, sin) = rope.tables();
+        let r = Arc::new(DeviceRope {
+            inv_freq_host: rope.inv_freq().to_vec(),
+            dim: rope.dim(),
+            cos: self.stream.clone_htod(cos).cu()?,
+            sin: self.stream.clone_htod(sin).cu()?,
+            inv_freq: self.stream.clone_htod(rope.inv_freq()).cu()?,
+        });
+        ropes.push(r.clone());
+        Ok(r)
+    }
+
+    fn to_device(&self, t: &HostTensor) -> Result<CudaTensor> {
+        let (rows, cols) = match t.shape.as_slice() {
+            [n] => (1, *n),
+            [r, c] => (*r, *c),
+            s => return Err(shape_err(format!("a {}-D tensor where a matrix is needed", s.len()))),
+        };
+        if rows * cols != t.data.len() {
+            return Err(shape_err(format!("shape {:?} for {} values", t.shape, t.data.len())));
+        }
+        let host: Vec<bf16> = t.data.par_iter().map(|&x| bf16::from_f32(x)).collect();
+        let data = self.stream.clone_htod(if host.is_empty() { &[bf16::ZERO][..] } else { &host }).cu()?;
+        Ok(CudaTensor { data, rows, cols })
+    }
+
+    /// A grid-stride elementwise launch over `n` elements.
+    fn elementwise_cfg(&self, n: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (blocks_for(n, 256).min(self.sm_count as u32 * 16), 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    /// Grid (column blocks, rows) covering `cols` threads per row.
+    fn row_blocks_cfg(rows: usize, cols: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (cols.div_ceil(256).max(1) as u32, rows as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    fn rows_cfg(rows: usize, threads: u32) -> LaunchConfig {
+        LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }
+    }
+
+    fn launch(&self, f: &CudaFunction, cfg: LaunchConfig, args: &[&dyn Arg]) -> Result<()> {
+        if cfg.grid_dim.0 == 0 || cfg.grid_dim.1 == 0 || cfg.grid_dim.2 == 0 {
+            return Ok(());
+        }
+        let mut b = self.stream.launch_builder(f);
+        for a in args {
+            a.push(&mut b);
+        }
+        // SAFETY: each call site passes the argument list its kernel declares,
+        // with device pointers to live buffers of the sizes the kernel indexes.
+        unsafe { b.launch(cfg) }.map(|_| ()).cu()
+    }
+
+    fn layer_ptrs(&self, store: &CudaKvStore, layer: usize) -> (u64, u64) {
+        let off = (layer * store.layer_elems * 2) as u64;
+        (self.ptr(&store.k) + off, self.ptr(&store.v) + off)
+    }
+}
+
+/// A kernel argument (scalars by value, device pointers as `u64`).
+trait Arg {
+    fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>);
+}
+
+macro_rules! scalar_arg {
+    ($($t:ty),*) => {$(
+        impl Arg for $t {
+            fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>) {
+                b.arg(self);
+            }
+        }
+    )*};
+}
+scalar_arg!(u64, u32, i32, f32, usize);
+
+impl Backend for CudaBackend {
+    type Tensor = CudaTensor;
+    type KvStore = CudaKvStore;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn kv_bytes_per_value(&self) -> usize {
+        2
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().cu()
+    }
+
+    fn upload(&self, t: &HostTensor) -> Result<CudaTensor> {
+        self.to_device(t)
+    }
+
+    fn upload_rows(&self, t: &HostTensor) -> Result<CudaTensor> {
+        self.to_device(t)
+    }
+
+    fn to_host(&self, t: &CudaTensor) -> Result<HostTensor> {
+        let _span = self.span("to_host");
+        let host = self.stream.clone_dtoh(&t.data).cu()?;
+        let data = host[..t.len()].par_iter().map(|x| x.to_f32()).collect();
+        Ok(HostTensor { shape: vec![t.rows, t.cols], data })
+    }
+
+    fn dims(&self, t: &CudaTensor) -> (usize, usize) {
+        (t.rows, t.cols)
+    }
+
+    fn embedding(&self, table: &CudaTensor, ids: &[u32]) -> Result<CudaTensor> {
+        let _span = self.span("embedding");
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= table.rows) {
+            return Err(EngineError::TokenOutOfRange { id, vocab: table.rows });
+        }
+        let out = self.tensor(ids.len(), table.cols)?;
+        let dev = self.meta(ids)?;
+        let (o, t, i, c) = (self.ptr(&out.data), self.ptr(&table.data), self.ptr(&dev), table.cols as i32);
+        self.launch(&self.k.embedding_gather, Self::rows_cfg(ids.len(), 256), &[&o, &t, &i, &c])?;
+        Ok(out)
+    }
+
+    fn rms_norm(&self, x: &CudaTensor, weight: &CudaTensor, eps: f32) -> Result<CudaTensor> {
+        let _span = self.span("rms_norm");
+        if weight.len() != x.cols {
+            return Err(shape_err(format!("rms_norm weight {} for width {}", weight.len(), x.cols)));
+        }
+        let out = self.tensor(x.rows, x.cols)?;
+        let (o, xi, w, c) = (self.ptr(&out.data), self.ptr(&x.data), self.ptr(&weight.data), x.cols as i32);
+        self.launch(&self.k.rms_norm, Self::rows_cfg(x.rows, 256), &[&o, &xi, &w, &c, &eps])?;
+        Ok(out)
+    }
+
+    fn linear(&self, x: &CudaTensor, w: &CudaTensor, bias: Option<&CudaTensor>) -> Result<CudaTensor> {
+        let _span = self.span("linear");
+        if x.cols != w.cols {
+            return Err(shape_err(format!("linear: x [{}, {}] · w [{}, {}]ᵀ", x.rows, x.cols, w.rows, w.cols)));
+        }
+        if let Some(b) = bias
+            && b.len() != w.rows
+        {
+            return Err(shape_err(format!("bias of {} for {} outputs", b.len(), w.rows)));
+        }
+        let out = self.tensor(x.rows, w.rows)?;
+        if x.rows > 0 {
+            let (alpha, beta) = (1.0f32, 0.0f32);
+            let blas = lock(&self.blas);
+            // Column-major view: out (w.rows × n) = wᵀᵀ · x, with w stored [out, in].
+            // SAFETY: the pointers address live buffers of the sizes given.
+            unsafe {
+                cudarc::cublas::result::gemm_ex(
+                    *blas.0.handle(),
+                    cublasOperation_t::CUBLAS_OP_T,
+                    cublasOperation_t::CUBLAS_OP_N,
+                    w.rows as i32,
+                    x.rows as i32,
+                    x.cols as i32,
+                    (&alpha) as *const f32 as *const c_void,
+                    self.ptr(&w.data) as *const c_void,
+                    cudaDataType_t::CUDA_R_16BF,
+                    w.cols as i32,
+                    self.ptr(&x.data) as *const c_void,
+                    cudaDataType_t::CUDA_R_16BF,
+                    x.cols as i32,
+                    (&beta) as *const f32 as *const c_void,
+                    self.ptr(&out.data) as *mut c_void,
+                    cudaDataType_t::CUDA_R_16BF,
+                    w.rows as i32,
+                    cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            }
+            .cu()?;
+        }
+        if let Some(b) = bias {
+            let (o, bi, n, c) = (self.ptr(&out.data), self.ptr(&b.data), out.len(), w.rows as i32);
+            self.launch(&self.k.add_bias, self.elementwise_cfg(n), &[&o, &bi, &n, &c])?;
+        }
+        Ok(out)
+    }
+
+    fn rope(&self, x: &mut CudaTensor, head_dim: usize, positions: &[u32], rope: &Rope) -> Result<()> {
+        let _span = self.span("rope");
+        if positions.len() != x.rows || !x.cols.is_multiple_of(head_dim) || rope.dim() > head_dim {
+            return Err(shape_err(format!(
+                "rope: {} positions for [{}, {}] with head_dim {head_dim}",
+                positions.len(),
+                x.rows,
+                x.cols
+            )));
+        }
+        let r = self.rope_tables(rope)?;
+        let pos = self.meta(positions)?;
+        let (xp, pp, c, hd, rot) =
+            (self.ptr(&x.data), self.ptr(&pos), x.cols as i32, head_dim as i32, rope.dim() as i32);
+        let (cs, sn, inv, tp) = (self.ptr(&r.cos), self.ptr(&r.sin), self.ptr(&r.inv_freq), TABLE_POSITIONS as u32);
+        self.launch(&self.k.rope_apply, Self::rows_cfg(x.rows, 128), &[&xp, &pp, &c, &hd, &rot, &cs, &sn, &inv, &tp])
+    }
+
+    fn layer_norm(&self, x: &CudaTensor, weight: &CudaTensor, bias: &CudaTensor, eps: f32) -> Result<CudaTensor> {
+        let _span = self.span("layer_norm");
+        if weight.len() != x.cols || bias.len() != x.cols {
+            return Err(shape_err(format!("layer_norm weight/bias for width {}", x.cols)));
+        }
+        let out = self.tensor(x.rows, x.cols)?;
+        let (o, xi, w, b, c) =
+            (self.ptr(&out.data), self.ptr(&x.data), self.ptr(&weight.data), self.ptr(&bias.data), x.cols as i32);
+        self.launch(&self.k.layer_norm, Self::rows_cfg(x.rows, 256), &[&o, &xi, &w, &b, &c, &eps])?;
+        Ok(out)
+    }
+
+    fn gelu(&self, x: &CudaTensor) -> Result<CudaTensor> {
+        let _span = self.span("gelu");
+        let out = self.tensor(x.rows, x.cols)?;
+        let (o, xi, n) = (self.ptr(&out.data), self.ptr(&x.data), x.len());
+        self.launch(&self.k.gelu, self.elementwise_cfg(n), &[&o, &xi, &n])?;
+        Ok(out)
+    }
+
+    fn silu_mul(&self, gate_up: &CudaTensor) -> Result<CudaTensor> {
+        let _span = self.span("silu_mul");
+        if !gate_up.cols.is_multiple_of(2) {
+            return Err(shape_err(format!("silu_mul of an odd width {}", gate_up.cols)));
+        }
+        let half = gate_up.cols / 2;
+        let out = self.tensor(gate_up.rows, half)?;
+        if !half.is_multiple_of(2) {
+            return Err(shape_err(format!("silu_mul: half width {half} must be even")));
+        }
+        let (o, g, h) = (self.ptr(&out.data), self.ptr(&gate_up.data), half as i32);
+        self.launch(&self.k.silu_mul, Self::row_blocks_cfg(gate_up.rows, half / 2), &[&o, &g, &h])?;
+        Ok(out)
+    }
+
+    fn split_cols(&self, x: &CudaTensor, widths: &[usize]) -> Result<Vec<CudaTensor>> {
+        let _span = self.span("split_cols");
+        if widths.iter().sum::<usize>() != x.cols {
+            return Err(shape_err(format!("split_cols {widths:?} of width {}", x.cols)));
+        }
+        let mut start = 0;
+        let mut parts = Vec::with_capacity(widths.len());
+        for &w in widths {
+            let out = self.tensor(x.rows, w)?;
+            let (o, xp, wi, xc, st) = (self.ptr(&out.data), self.ptr(&x.data), w as i32, x.cols as i32, start as i32);
+            self.launch(&self.k.copy_cols, Self::row_blocks_cfg(x.rows, w), &[&o, &xp, &wi, &xc, &st])?;
+            parts.push(out);
+            start += w;
+        }
+        Ok(parts)
+    }
+
+    fn add_assign(&self, x: &mut CudaTensor, y: &CudaTensor) -> Result<()> {
+        let _span = self.span("add_assign");
+        if (x.rows, x.cols) != (y.rows, y.cols) {
+            return Err(shape_err("add_assign: shapes differ".into()));
+        }
+        if !x.len().is_multiple_of(2) {
+            return Err(shape_err(format!("add_assign of an odd size {}", x.len())));
+        }
+        let (xp, yp, n) = (self.ptr(&x.data), self.ptr(&y.data), x.len());
+        self.launch(&self.k.add_assign, self.elementwise_cfg(n / 2), &[&xp, &yp, &n])
+    }
+
+    fn select_rows(&self, x: &CudaTensor, rows: &[usize]) -> Result<CudaTensor> {
+        let _span = self.span("select_rows");
+        if let Some(&r) = rows.iter().find(|&&r| r >= x.rows) {
+            return Err(shape_err(format!("select_rows: row {r} of {}", x.rows)));
+        }
+        let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+        let out = self.tensor(rows.len(), x.cols)?;
+        let dev = self.meta(&idx)?;
+        let (o, xi, i, c) = (self.ptr(&out.data), self.ptr(&x.data), self.ptr(&dev), x.cols as i32);
+        self.launch(&self.k.select_rows, Self::rows_cfg(rows.len(), 256), &[&o, &xi, &i, &c])?;
+        Ok(out)
+    }
+
+    fn new_kv_store(&self, spec: KvSpec) -> Result<CudaKvStore> {
+        if spec.head_dim != 64 && spec.head_dim != 128 {
+            return Err(CudaError::Unsupported(format!(
+                "head_dim {}: the CUDA attention kernels are built for 64 and 128",
+                spec.head_dim
+            ))
+            .into());
+        }
+        let layer_elems = spec.num_blocks * spec.block_size * spec.num_kv_heads * spec.head_dim;
+        let total = layer_elems * spec.num_layers;
+        let k = self.stream.alloc_zeros::<bf16>(total.max(1)).cu()?;
+        let v = self.stream.alloc_zeros::<bf16>(total.max(1)).cu()?;
+        Ok(CudaKvStore { spec, k, v, layer_elems })
+    }
+
+    fn write_kv(
+        &self,
+        store: &mut CudaKvStore,
+        layer: usize,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        slots: &[u32],
+    ) -> Result<()> {
+        let _span = self.span("write_kv");
+        let kv_dim = store.spec.num_kv_heads * store.spec.head_dim;
+        check_slots(store, slots)?;
+        if k.rows != slots.len() || v.rows != slots.len() || k.cols != kv_dim || v.cols != kv_dim {
+            return Err(shape_err(format!("write_kv: {} slots for K [{}, {}]", slots.len(), k.rows, k.cols)));
+        }
+        let (kc, vc) = self.layer_ptrs(store, layer);
+        let s = self.meta(slots)?;
+        let (kp, vp, sp, d) = (self.ptr(&k.data), self.ptr(&v.data), self.ptr(&s), kv_dim as i32);
+        self.launch(&self.k.write_kv, Self::rows_cfg(slots.len(), 256), &[&kc, &vc, &kp, &vp, &sp, &d])
+    }
+
+    fn inject_kv(&self, store: &mut CudaKvStore, chunks: &[InjectChunk<'_, CudaTensor>], rope: &Rope) -> Result<()> {
+        let _span = self.span("inject_kv");
+        let spec = store.spec;
+        let (layers, kv_dim) = (spec.num_layers, spec.num_kv_heads * spec.head_dim);
+        let total: usize = chunks.iter().map(|c| c.slots.len()).sum();
+        if total == 0 {
+            return Ok(());
+        }
+        let mut meta = vec![0u32; 4 * total];
+        let (mut k_ptrs, mut v_ptrs) = (Vec::with_capacity(chunks.len() * layers), Vec::new());
+        let mut t = 0;
+        for (ci, c) in chunks.iter().enumerate() {
+            let n = c.slots.len();
+            if c.k.len() != layers || c.v.len() != layers || c.positions.len() != n {
+                return Err(shape_err(format!("inject_kv: chunk {ci} has {} layers, {n} slots", c.k.len())));
+            }
+            check_slots(store, c.slots)?;
+            for l in 0..layers {
+                for x in [&c.k[l], &c.v[l]] {
+                    if x.rows != n || x.cols != kv_dim {
+                        return Err(shape_err(format!("inject_kv: chunk {ci} layer {l} is [{}, {}]", x.rows, x.cols)));
+                    }
+                }
+                k_ptrs.push(self.ptr(&c.k[l].data));
+                v_ptrs.push(self.ptr(&c.v[l].data));
+            }
+            for i in 0..n {
+                meta[t] = ci as u32;
+                meta[total + t] = i as u32;
+                meta[2 * total + t] = c.positions[i];
+                meta[3 * total + t] = c.slots[i];
+                t += 1;
+            }
+        }
+        if !(rope.dim() / 2).is_multiple_of(8) || !spec.head_dim.is_multiple_of(8) {
+            return Err(CudaError::Unsupported(format!(
+                "inject_kv: rotated dims {} / head_dim {} must be multiples of 16 / 8",
+                rope.dim(),
+                spec.head_dim
+            ))
+            .into());
+        }
+        let r = self.rope_tables(rope)?;
+        let meta_dev = self.stream.clone_htod(&meta).cu()?;
+        let kp_dev = self.stream.clone_htod(&k_ptrs).cu()?;
+        let vp_dev = self.stream.clone_htod(&v_ptrs).cu()?;
+        let (kc, vc) = (self.ptr(&store.k), self.ptr(&store.v));
+        let (m, tt, kp, vp) = (self.ptr(&meta_dev), total as u32, self.ptr(&kp_dev), self.ptr(&vp_dev));
+        let (le, d, hd, rot) = (store.layer_elems, kv_dim as i32, spec.head_dim as i32, rope.dim() as i32);
+        let (cs, sn, inv, tp) = (self.ptr(&r.cos), self.ptr(&r.sin), self.ptr(&r.inv_freq), TABLE_POSITIONS as u32);
+        let cfg = LaunchConfig {
+            grid_dim: (total as u32, layers as u32, 1),
+            block_dim: ((kv_dim / 8).clamp(32, 256) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch(&self.k.inject_kv, cfg, &[&kc, &vc, &m, &tt, &kp, &vp, &le, &d, &hd, &rot, &cs, &sn, &inv, &tp])
+    }
+
+    fn gather_kv(&self, store: &CudaKvStore, layer: usize, slots: &[u32]) -> Result<(CudaTensor, CudaTensor)> {
+        let _span = self.span("gather_kv");
+        check_slots(store, slots)?;
+        let kv_dim = store.spec.num_kv_heads * store.spec.head_dim;
+        let (k, v) = (self.tensor(slots.len(), kv_dim)?, self.tensor(slots.len(), kv_dim)?);
+        let (kc, vc) = self.layer_ptrs(store, layer);
+        let s = self.meta(slots)?;
+        let (kp, vp, sp, d) = (self.ptr(&k.data), self.ptr(&v.data), self.ptr(&s), kv_dim as i32);
+        self.launch(&self.k.gather_kv, Self::rows_cfg(slots.len(), 256), &[&kp, &vp, &kc, &vc, &sp, &d])?;
+        Ok((k, v))
+    }
+
+    fn copy_blocks(&self, store: &mut CudaKvStore, pairs: &[(u32, u32)]) -> Result<()> {
+        let _span = self.span("copy_blocks");
+        let spec = store.spec;
+        if let Some(p) = pairs.iter().find(|(s, d)| *s as usize >= spec.num_blocks || *d as usize >= spec.num_blocks) {
+            return Err(shape_err(format!("copy_blocks: block pair {p:?} of {}", spec.num_blocks)));
+        }
+        let flat: Vec<u32> = pairs.iter().flat_map(|&(s, d)| [s, d]).collect();
+        let dev = self.stream.clone_htod(if flat.is_empty() { &[0u32][..] } else { &flat }).cu()?;
+        let (kc, vc, pp) = (self.ptr(&store.k), self.ptr(&store.v), self.ptr(&dev));
+        let (le, be) = (store.layer_elems, (spec.block_size * spec.num_kv_heads * spec.head_dim) as i32);
+        let cfg = LaunchConfig {
+            grid_dim: (pairs.len() as u32, spec.num_layers as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch(&self.k.copy_blocks, cfg, &[&kc, &vc, &pp, &le, &be])
+    }
+
+    fn concat_rows(&self, parts: &[&CudaTensor]) -> Result<CudaTensor> {
+        let _span = self.span("concat_rows");
+        let cols = parts.first().map_or(0, |p| p.cols);
+        if parts.iter().any(|p| p.cols != cols) {
+            return Err(shape_err("concat_rows: widths differ".into()));
+        }
+        let rows = parts.iter().map(|p| p.rows).sum();
+        let mut out = self.tensor(rows, cols)?;
+        let mut at = 0;
+        for p in parts {
+            let n = p.len();
+            if n > 0 {
+                let mut dst = out.data.slice_mut(at..at + n);
+                self.stream.memcpy_dtod(&p.data.slice(..n), &mut dst).cu()?;
+            }
+            at += n;
+        }
+        Ok(out)
+    }
+
+    fn attention_bidirectional(
+        &self,
+        q: &CudaTensor,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        shape: AttentionShape,
+        spans: &[(usize, usize)],
+    ) -> Result<CudaTensor> {
+        let _span = self.span("attention_bidirectional");
+        let width = shape.num_heads * shape.head_dim;
+        if [q, k, v].iter().any(|t| t.cols != width || t.rows != q.rows) || shape.num_kv_heads != shape.num_heads {
+            return Err(shape_err("attention_bidirectional: q, k, v shapes disagree".into()));
+        }
+        let mut row_span = vec![0u32; 2 * q.rows];
+        let mut longest = 0;
+        for &(start, len) in spans {
+            if start + len > q.rows {
+                return Err(shape_err(format!("attention span {start}+{len} beyond {} rows", q.rows)));
+            }
+            longest = longest.max(len);
+            for r in start..start + len {
+                row_span[2 * r] = start as u32;
+                row_span[2 * r + 1] = len as u32;
+            }
+        }
+        let out = self.tensor(q.rows, width)?;
+        let rs = self.meta(&row_span)?;
+        let cfg = LaunchConfig {
+            grid_dim: (q.rows as u32, shape.num_heads as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: (longest * 4) as u32,
+        };
+        let (o, qp, kp, vp, rp) =
+            (self.ptr(&out.data), self.ptr(&q.data), self.ptr(&k.data), self.ptr(&v.data), self.ptr(&rs));
+        let (h, d) = (shape.num_heads as i32, shape.head_dim as i32);
+        self.launch(&self.k.attention_bidirectional, cfg, &[&o, &qp, &kp, &vp, &rp, &h, &d, &shape.scale])?;
+        Ok(out)
+    }
+
+    fn attention(
+        &self,
+        q: &CudaTensor,
+        store: &CudaKvStore,
+        layer: usize,
+        shape: AttentionShape,
+        spans: &[SeqSpan<'_>],
+    ) -> Result<CudaTensor> {
+        let _span = self.span("attention");
+        let spec = store.spec;
+        let d = shape.head_dim;
+        if d != spec.head_dim
+            || shape.num_kv_heads != spec.num_kv_heads
+            || !shape.num_heads.is_multiple_of(shape.num_kv_heads)
+        {
+            return Err(shape_err("attention: shape disagrees with the KV store".into()));
+        }
+        if q.cols != shape.num_heads * d {
+            return Err(shape_err(format!("attention: q width {} for {} heads", q.cols, shape.num_heads)));
+        }
+        let plan = plan_attention(spans, shape, q.rows, spec, self.sm_count)?;
+        let out = self.tensor(q.rows, q.cols)?;
+        let meta = self.meta(&plan.meta)?;
+        let rows = q.rows * shape.num_heads;
+        // Partial results only when keys are split across blocks.
+        let (part_o, part_ml) = if plan.splits > 1 {
+            // SAFETY: the kernel writes every (split, row) entry before the combine reads it.
+            unsafe {
+                (
+                    Some(self.stream.alloc::<f32>(plan.splits * rows * d).cu()?),
+                    Some(self.stream.alloc::<f32>(plan.splits * rows * 2).cu()?),
+                )
+            }
+        } else {
+            (None, None)
+        };
+        let (kc, vc) = self.layer_ptrs(store, layer);
+        let (o, qp, mp) = (self.ptr(&out.data), self.ptr(&q.data), self.ptr(&meta));
+        let po = part_o.as_ref().map_or(0, |p| self.ptr(p));
+        let pm = part_ml.as_ref().map_or(0, |p| self.ptr(p));
+        let (wo, to) = (plan.works_off as u32, plan.tables_off as u32);
+        let (h, kvh, bs) = (shape.num_heads as i32, shape.num_kv_heads as i32, spec.block_size as i32);
+        let (kps, nt) = (plan.keys_per_split as u32, q.rows as u32);
+        let cfg = LaunchConfig {
+            grid_dim: (plan.works as u32, shape.num_kv_heads as u32, plan.splits as u32),
+            block_dim: (ATTN_THREADS, 1, 1),
+            shared_mem_bytes: attention_smem_bytes(d) as u32,
+        };
+        let f = if d == 64 { &self.k.paged_attention_d64 } else { &self.k.paged_attention_d128 };
+        self.launch(f, cfg, &[&o, &po, &pm, &qp, &kc, &vc, &mp, &wo, &to, &h, &kvh, &bs, &shape.scale, &kps, &nt])?;
+        if plan.splits > 1 {
+            let (r, s, hd) = (rows as u32, plan.splits as i32, d as i32);
+            self.launch(&self.k.attention_combine, Self::rows_cfg(rows, d as u32), &[&o, &po, &pm, &r, &s, &hd])?;
+        }
+        Ok(out)
+    }
+}
+
+fn check_slots(store: &CudaKvStore, slots: &[u32]) -> Result<()> {
+    let n = store.spec.num_blocks * store.spec.block_size;
+    match slots.iter().find(|&&s| s as usize >= n) {
+        Some(s) => Err(shape_err(format!("KV slot {s} beyond the cache's {n}"))),
+        None => Ok(()),
+    }
+}
+
+/// How one attention call is cut into blocks (see `paged_attention` in
+/// kernels/attention.cu for the layout of `meta`).
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct AttentionPlan {
+    pub meta: Vec<u32>,
+    pub works_off: usize,
+    pub tables_off: usize,
+    pub works: usize,
+    pub splits: usize,
+    pub keys_per_split: usize,
+}
+
+/// Packs the spans into 64-row works and, when that leaves the device
+/// under-filled (few query rows: decode, short questions), splits each
+/// sequence's keys so that about two blocks per multiprocessor run.
+pub(crate) fn plan_attention(
+    spans: &[SeqSpan<'_>],
+    shape: AttentionShape,
+    rows: usize,
+    spec: KvSpec,
+    sm_count: usize,
+) -> Result<AttentionPlan> {
+    let group = shape.num_heads / shape.num_kv_heads;
+    let mut meta = Vec::with_capacity(4 * spans.len());
+    let mut works = Vec::new();
+    let mut tables = Vec::new();
+    let mut max_ctx = 0;
+    for (i, s) in spans.iter().enumerate() {
+        let blocks_needed = s.context_len.div_ceil(spec.block_size);
+        if s.q_len == 0 || s.q_len > s.context_len || s.q_start + s.q_len > rows || s.block_table.len() < blocks_needed
+        {
+            return Err(shape_err(format!(
+                "attention span {i}: {} new of {} tokens at row {} ({} rows, {} blocks)",
+                s.q_len,
+                s.context_len,
+                s.q_start,
+                rows,
+                s.block_table.len()
+            )));
+        }
+        if let Some(b) = s.block_table[..blocks_needed].iter().find(|&&b| b as usize >= spec.num_blocks) {
+            return Err(shape_err(format!("attention span {i}: block {b} of {}", spec.num_blocks)));
+        }
+        meta.extend([s.q_start as u32, s.q_len as u32, s.context_len as u32, tables.len() as u32]);
+        tables.extend_from_slice(&s.block_table[..blocks_needed]);
+        for r0 in (0..s.q_len * group).step_by(ATTN_ROWS) {
+            works.extend([i as u32, r0 as u32]);
+        }
+        max_ctx = max_ctx.max(s.context_len);
+    }
+    let n_works = works.len() / 2;
+    let blocks = n_works * shape.num_kv_heads;
+    let target = 2 * sm_count;
+    let mut splits = if blocks >= target { 1 } else { target.div_ceil(blocks.max(1)) };
+    splits = splits.min(max_ctx.div_ceil(2 * ATTN_KEYS)).max(1);
+    let keys_per_split = max_ctx.div_ceil(splits).div_ceil(ATTN_KEYS) * ATTN_KEYS;
+    let splits = max_ctx.div_ceil(keys_per_split.max(1)).max(1);
+    let works_off = meta.len();
+    meta.extend(works);
+    let tables_off = meta.len();
+    meta.extend(tables);
+    Ok(AttentionPlan { meta, works_off, tables_off, works: n_works, splits, keys_per_split })
+}

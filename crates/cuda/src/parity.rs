@@ -1,0 +1,460 @@
+//! The CUDA backend checked against the CPU reference, and E1–E4
+//! (design.md §1) on the CUDA backend: `inferscale check cuda` runs it on a
+//! GPU node, and `tests/parity.rs` wherever a device is present.
+//!
+//! Tolerances are relative L2 errors (‖cuda − cpu‖ / ‖cpu‖) set by bf16:
+//! its unit roundoff is 2⁻⁹ ≈ 2e-3, so one op that rounds its inputs and
+//! output lands near 3e-3 ([`OP_TOL`] = 1e-2); a few layers of a model, with
+//! every activation rounded, near 1e-2 ([`MODEL_TOL`] = 5e-2). E1 and E4
+//! compare two bf16 computations of the same keys ([`OP_TOL`]). Each group
+//! carries a control that must miss by far more than its tolerance (keys
+//! one position off), so the checks can fail.
+
+use inferscale_engine::backend::{AttentionShape, Backend, InjectChunk, KvSpec, SeqSpan};
+use inferscale_engine::rope::Rope;
+use inferscale_engine::{CpuBackend, Engine, EngineConfig, KvChunk};
+use inferscale_model::{Family, HostTensor, ModelConfig, ModelFiles, RopeConfig, RopeScaling};
+
+pub const OP_TOL: f64 = 1e-2;
+pub const MODEL_TOL: f64 = 5e-2;
+
+/// One comparison.
+#[derive(Debug, Clone)]
+pub struct Check {
+    pub name: String,
+    pub error: f64,
+    pub tolerance: f64,
+    /// Controls pass when the error is *above* the tolerance.
+    pub control: bool,
+}
+
+impl Check {
+    pub fn passed(&self) -> bool {
+        self.error.is_finite() && if self.control { self.error > self.tolerance } else { self.error <= self.tolerance }
+    }
+}
+
+pub type Report = Vec<Check>;
+
+fn rel(a: &[f32], b: &[f32]) -> f64 {
+    if a.len() != b.len() {
+        return f64::INFINITY;
+    }
+    let (mut num, mut den) = (0f64, 0f64);
+    for (x, y) in a.iter().zip(b) {
+        num += (*x as f64 - *y as f64).powi(2);
+        den += (*y as f64).powi(2);
+    }
+    (num / den.max(1e-30)).sqrt()
+}
+
+/// Deterministic values of standard deviation about `std`, rounded to bf16
+/// so both backends start from the same numbers.
+fn values(seed: u64, n: usize, std: f32) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            let u = (s >> 40) as f32 / (1u64 << 24) as f32;
+            half::bf16::from_f32((2.0 * u - 1.0) * std * 3f32.sqrt()).to_f32()
+        })
+        .collect()
+}
+
+fn host(seed: u64, shape: &[usize], std: f32) -> HostTensor {
+    HostTensor { shape: shape.to_vec(), data: values(seed, shape.iter().product(), std) }
+}
+
+type R<T> = inferscale_engine::Result<T>;
+
+/// Runs `f` on both backends and compares the host results.
+fn both<G: Backend, F>(cpu: &CpuBackend, gpu: &G, name: &str, f: F, out: &mut Report) -> R<()>
+where
+    F: Fn(&dyn Any2) -> R<Vec<f32>>,
+{
+    let (a, b) = (f(&Dyn(cpu))?, f(&Dyn(gpu))?);
+    out.push(Check { name: name.into(), error: rel(&b, &a), tolerance: OP_TOL, control: false });
+    Ok(())
+}
+
+/// Object-safe view of the ops we compare, over either backend.
+trait Any2 {
+    fn linear(&self, x: &HostTensor, w: &HostTensor, b: Option<&HostTensor>) -> R<Vec<f32>>;
+    fn norms(&self, x: &HostTensor, w: &HostTensor, b: &HostTensor) -> R<Vec<f32>>;
+    fn acts(&self, x: &HostTensor, y: &HostTensor) -> R<Vec<f32>>;
+    fn rope(&self, x: &HostTensor, head_dim: usize, pos: &[u32], rope: &Rope) -> R<Vec<f32>>;
+    fn bidir(
+        &self,
+        q: &HostTensor,
+        k: &HostTensor,
+        v: &HostTensor,
+        s: AttentionShape,
+        spans: &[(usize, usize)],
+    ) -> R<Vec<f32>>;
+    fn paged(&self, case: &PagedCase) -> R<Vec<f32>>;
+    fn inject(&self, case: &PagedCase, rope: &Rope) -> R<Vec<f32>>;
+}
+
+struct Dyn<'a, B>(&'a B);
+
+/// A paged-attention case: KV for every context token written through
+/// `write_kv` into scattered blocks, then one attention call.
+struct PagedCase {
+    spec: KvSpec,
+    shape: AttentionShape,
+    /// Per sequence: (context_len, q_len, block table).
+    seqs: Vec<(usize, usize, Vec<u32>)>,
+    seed: u64,
+}
+
+impl<B: Backend> Any2 for Dyn<'_, B> {
+    fn linear(&self, x: &HostTensor, w: &HostTensor, b: Option<&HostTensor>) -> R<Vec<f32>> {
+        let be = self.0;
+        let b = b.map(|b| be.upload(b)).transpose()?;
+        Ok(be.to_host(&be.linear(&be.upload_rows(x)?, &be.upload(w)?, b.as_ref())?)?.data)
+    }
+
+    fn norms(&self, x: &HostTensor, w: &HostTensor, b: &HostTensor) -> R<Vec<f32>> {
+        let be = self.0;
+        let (xd, wd, bd) = (be.upload_rows(x)?, be.upload(w)?, be.upload(b)?);
+        let mut out = be.to_host(&be.rms_norm(&xd, &wd, 1e-5)?)?.data;
+        out.extend(be.to_host(&be.layer_norm(&xd, &wd, &bd, 1e-12)?)?.data);
+        Ok(out)
+    }
+
+    fn acts(&self, x: &HostTensor, y: &HostTensor) -> R<Vec<f32>> {
+        let be = self.0;
+        let (xd, yd) = (be.upload_rows(x)?, be.upload_rows(y)?);
+        let mut out = be.to_host(&be.gelu(&xd)?)?.data;
+        out.extend(be.to_host(&be.silu_mul(&yd)?)?.data);
+        for part in be.split_cols(&xd, &[40, 8, 48])? {
+            out.extend(be.to_host(&part)?.data);
+        }
+        let mut s = be.upload_rows(x)?;
+        be.add_assign(&mut s, &yd)?;
+        out.extend(be.to_host(&s)?.data);
+        let picked = be.select_rows(&xd, &[3, 0, 3])?;
+        out.extend(be.to_host(&be.concat_rows(&[&picked, &yd])?)?.data);
+        out.extend(be.to_host(&be.embedding(&be.upload(x)?, &[2, 2, 1])?)?.data);
+        Ok(out)
+    }
+
+    fn rope(&self, x: &HostTensor, head_dim: usize, pos: &[u32], rope: &Rope) -> R<Vec<f32>> {
+        let mut t = self.0.upload_rows(x)?;
+        self.0.rope(&mut t, head_dim, pos, rope)?;
+        Ok(self.0.to_host(&t)?.data)
+    }
+
+    fn bidir(
+        &self,
+        q: &HostTensor,
+        k: &HostTensor,
+        v: &HostTensor,
+        s: AttentionShape,
+        spans: &[(usize, usize)],
+    ) -> R<Vec<f32>> {
+        let be = self.0;
+        let out =
+            be.attention_bidirectional(&be.upload_rows(q)?, &be.upload_rows(k)?, &be.upload_rows(v)?, s, spans)?;
+        Ok(be.to_host(&out)?.data)
+    }
+
+    fn paged(&self, c: &PagedCase) -> R<Vec<f32>> {
+        let be = self.0;
+        let mut store = be.new_kv_store(c.spec)?;
+        let kv_dim = c.spec.num_kv_heads * c.spec.head_dim;
+        let bs = c.spec.block_size;
+        let mut spans = Vec::new();
+        let mut q_rows = 0;
+        for (i, (ctx, q_len, table)) in c.seqs.iter().enumerate() {
+            let slots: Vec<u32> = (0..*ctx).map(|t| table[t / bs] * bs as u32 + (t % bs) as u32).collect();
+            let k = be.upload_rows(&host(c.seed + 10 * i as u64, &[*ctx, kv_dim], 1.0))?;
+            let v = be.upload_rows(&host(c.seed + 10 * i as u64 + 1, &[*ctx, kv_dim], 1.0))?;
+            be.write_kv(&mut store, 0, &k, &v, &slots)?;
+            spans.push((q_rows, *q_len, *ctx, table.as_slice()));
+            q_rows += q_len;
+        }
+        let q = be.upload_rows(&host(c.seed + 99, &[q_rows, c.shape.num_heads * c.spec.head_dim], 1.0))?;
+        let spans: Vec<SeqSpan<'_>> = spans
+            .iter()
+            .map(|&(q_start, q_len, context_len, block_table)| SeqSpan { q_start, q_len, context_len, block_table })
+            .collect();
+        Ok(be.to_host(&be.attention(&q, &store, 0, c.shape, &spans)?)?.data)
+    }
+
+    fn inject(&self, c: &PagedCase, rope: &Rope) -> R<Vec<f32>> {
+        let be = self.0;
+        let mut store = be.new_kv_store(c.spec)?;
+        let kv_dim = c.spec.num_kv_heads * c.spec.head_dim;
+        let bs = c.spec.block_size as u32;
+        let layers = c.spec.num_layers;
+        let mut ks = Vec::new();
+        let mut vs = Vec::new();
+        let mut meta = Vec::new();
+        for (i, (ctx, _, table)) in c.seqs.iter().enumerate() {
+            let k: Vec<_> = (0..layers)
+                .map(|l| be.upload_rows(&host(c.seed + (100 * i + l) as u64, &[*ctx, kv_dim], 1.0)))
+                .collect::<R<_>>()?;
+            let v: Vec<_> = (0..layers)
+                .map(|l| be.upload_rows(&host(c.seed + (100 * i + l) as u64 + 50, &[*ctx, kv_dim], 1.0)))
+                .collect::<R<_>>()?;
+            // Positions past the RoPE table exercise the on-the-fly path.
+            let positions: Vec<u32> = (0..*ctx as u32).map(|t| t * 37 + 8000 * i as u32).collect();
+            let slots: Vec<u32> = (0..*ctx as u32).map(|t| table[(t / bs) as usize] * bs + t % bs).collect();
+            ks.push(k);
+            vs.push(v);
+            meta.push((positions, slots));
+        }
+        let chunks: Vec<InjectChunk<'_, B::Tensor>> = ks
+            .iter()
+            .zip(&vs)
+            .zip(&meta)
+            .map(|((k, v), (p, s))| InjectChunk { k, v, positions: p, slots: s })
+            .collect();
+        be.inject_kv(&mut store, &chunks, rope)?;
+        let mut out = Vec::new();
+        for l in 0..layers {
+            for (_, slots) in &meta {
+                let (k, v) = be.gather_kv(&store, l, slots)?;
+                out.extend(be.to_host(&k)?.data);
+                out.extend(be.to_host(&v)?.data);
+            }
+        }
+        Ok(out)
+    }
+}
+
+fn rope_for(head_dim: usize, scaling: RopeScaling) -> Rope {
+    Rope::new(&RopeConfig { theta: 500_000.0, dim: head_dim, scaling })
+}
+
+/// Every backend op on random data, CUDA against CPU.
+pub fn ops<G: Backend>(gpu: &G) -> R<Report> {
+    let cpu = CpuBackend;
+    let mut out = Report::new();
+    // Few rows (decode, a question) and many (prefill): cuBLAS picks different kernels.
+    for (rows, inp, outs) in [(37, 320, 200), (1, 4096, 200), (20, 4096, 1000), (32, 512, 72), (16, 14336, 64)] {
+        let x = host(rows as u64, &[rows, inp], 1.0);
+        let (w, b) = (host(2, &[outs, inp], 0.05), host(3, &[outs], 0.5));
+        let name = format!("linear {rows}×{inp} · ({outs}×{inp})ᵀ + bias");
+        both(&cpu, gpu, &name, |be| be.linear(&x, &w, Some(&b)), &mut out)?;
+    }
+    let x = host(1, &[37, 320], 1.0);
+    let (nw, nb) = (host(4, &[320], 1.0), host(5, &[320], 1.0));
+    both(&cpu, gpu, "rms_norm, layer_norm", |be| be.norms(&x, &nw, &nb), &mut out)?;
+    let (a, y) = (host(6, &[5, 96], 2.0), host(7, &[5, 96], 2.0));
+    both(&cpu, gpu, "gelu, silu_mul, split, add, select, concat, embedding", |be| be.acts(&a, &y), &mut out)?;
+    let llama3 = RopeScaling::Llama3 {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 8192.0,
+    };
+    for (hd, scaling) in [(64, RopeScaling::None), (128, llama3)] {
+        let rope = rope_for(hd, scaling);
+        let xr = host(8, &[6, 3 * hd], 1.0);
+        let pos = [0, 1, 17, 4095, 8191, 20_000];
+        both(
+            &cpu,
+            gpu,
+            &format!("rope d{hd} (table and on-the-fly positions)"),
+            |be| be.rope(&xr, hd, &pos, &rope),
+            &mut out,
+        )?;
+    }
+    let s = AttentionShape { num_heads: 4, num_kv_heads: 4, head_dim: 32, scale: 32f32.powf(-0.5) };
+    let (q, k, v) = (host(9, &[40, 128], 1.0), host(10, &[40, 128], 1.0), host(11, &[40, 128], 1.0));
+    both(&cpu, gpu, "attention_bidirectional", |be| be.bidir(&q, &k, &v, s, &[(0, 15), (15, 25)]), &mut out)?;
+
+    for (hd, heads, kv_heads) in [(64, 9, 3), (128, 32, 8), (128, 4, 4)] {
+        let spec = KvSpec { num_layers: 2, num_blocks: 160, block_size: 16, num_kv_heads: kv_heads, head_dim: hd };
+        let shape =
+            AttentionShape { num_heads: heads, num_kv_heads: kv_heads, head_dim: hd, scale: (hd as f32).powf(-0.5) };
+        // Scattered, non-monotonic block tables.
+        let table = |start: u32, n: usize| (0..n as u32).map(|i| (start + i * 7) % 160).collect::<Vec<u32>>();
+        let cases = [
+            ("prefill", vec![(300, 300, table(0, 19))]),
+            (
+                "chunked prefill + decode, 3 sequences",
+                vec![(700, 37, table(1, 44)), (90, 1, table(3, 6)), (1500 / 16 * 16, 1, table(5, 94))],
+            ),
+            ("question after 1,320 cached tokens", vec![(1340, 20, table(2, 84))]),
+        ];
+        for (name, seqs) in cases {
+            let c = PagedCase { spec, shape, seqs, seed: 1000 };
+            both(
+                &cpu,
+                gpu,
+                &format!("paged attention d{hd} {heads}/{kv_heads} heads: {name}"),
+                |be| be.paged(&c),
+                &mut out,
+            )?;
+        }
+        let rope = rope_for(hd, RopeScaling::None);
+        let c = PagedCase { spec, shape, seqs: vec![(25, 0, table(9, 2)), (40, 0, table(11, 3))], seed: 77 };
+        both(
+            &cpu,
+            gpu,
+            &format!("inject_kv d{hd} (2 chunks × 2 layers) then gather_kv"),
+            |be| be.inject(&c, &rope),
+            &mut out,
+        )?;
+    }
+    Ok(out)
+}
+
+/// Small random-weight models of the shapes we support.
+pub fn shapes() -> Vec<(&'static str, ModelConfig)> {
+    let base = |hidden, heads, kv_heads, hd| ModelConfig {
+        family: Family::Llama,
+        vocab_size: 512,
+        hidden_size: hidden,
+        intermediate_size: 2 * hidden,
+        num_layers: 3,
+        num_heads: heads,
+        num_kv_heads: kv_heads,
+        head_dim: hd,
+        rms_norm_eps: 1e-5,
+        rope: RopeConfig { theta: 10_000.0, dim: hd, scaling: RopeScaling::None },
+        max_position_embeddings: 4096,
+        tie_word_embeddings: false,
+        qkv_bias: false,
+        bos_token_id: None,
+        eos_token_ids: Vec::new(),
+    };
+    let mha = base(256, 4, 4, 64);
+    let mut gqa = base(512, 8, 2, 128);
+    gqa.tie_word_embeddings = true;
+    gqa.rope.theta = 500_000.0;
+    gqa.rope.scaling = RopeScaling::Llama3 {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 64.0,
+    };
+    let mut qwen = base(384, 6, 2, 64);
+    qwen.family = Family::Qwen2;
+    qwen.qkv_bias = true;
+    qwen.rope.theta = 1_000_000.0;
+    vec![("mha d64", mha), ("gqa d128 tied llama3", gqa), ("qwen2 bias gqa d64", qwen)]
+}
+
+fn tokens(seed: u32, n: usize) -> Vec<u32> {
+    (0..n as u32).map(|i| 3 + (seed * 131 + i * 97) % 500).collect()
+}
+
+/// Model-level checks on one shape: CUDA against CPU, and E1–E4 on CUDA.
+pub fn model<G: Backend + Clone>(gpu: &G, name: &str, config: &ModelConfig) -> R<Report> {
+    let files = ModelFiles::random(name, config.clone(), 11);
+    let cfg = EngineConfig { kv_blocks: 256, max_batch_tokens: 512 };
+    let mut c = Engine::new(CpuBackend, &files, cfg)?;
+    let mut g = Engine::new(gpu.clone(), &files, cfg)?;
+    let mut out = Report::new();
+    let push = |out: &mut Report, what: &str, error, tolerance, control| {
+        out.push(Check { name: format!("{name}: {what}"), error, tolerance, control })
+    };
+    let (header, facts, question) = (tokens(1, 30), [tokens(2, 25), tokens(3, 19), tokens(4, 31)], tokens(5, 20));
+    let h = header.len() as u32;
+
+    // Prompt prefill: logits, CUDA vs CPU.
+    let mut prompt = header.clone();
+    facts.iter().for_each(|f| prompt.extend(f));
+    prompt.extend(&question);
+    let lc = prefill(&mut c, &prompt)?;
+    let lg = prefill(&mut g, &prompt)?;
+    push(&mut out, "prompt logits vs CPU", rel(&lg, &lc), MODEL_TOL, false);
+
+    // E2: KV of header + facts captured exactly, injected after the cached header.
+    let prefix: Vec<u32> = prompt[..prompt.len() - question.len()].to_vec();
+    let e2 = |e: &mut Engine<_>| -> R<Vec<f32>> {
+        let mut s = e.new_sequence(prefix.clone())?;
+        let (_, chunk) = e.prefill_and_capture(&mut s, header.len()..prefix.len())?;
+        let mut seq = e.new_sequence(header.clone())?;
+        e.prefill(&mut seq)?;
+        e.inject(&mut seq, &[&chunk])?;
+        seq.extend(&question);
+        e.prefill(&mut seq)
+    };
+    let e2g = e2(&mut g)?;
+    push(&mut out, "E2 injected = prompt logits", rel(&e2g, &lg), MODEL_TOL, false);
+
+    // E3: independent encodings (after the header), CUDA vs CPU injection.
+    let e3c = inject_independent(&mut c, &header, &facts, &question)?;
+    let e3g = inject_independent(&mut g, &header, &facts, &question)?;
+    push(&mut out, "E3 independent chunks, logits vs CPU", rel(&e3g, &e3c), MODEL_TOL, false);
+
+    // E1: a fact encoded at 0, injected at h, equals the forward at h; and not at h + 1.
+    let chunk = g.encode(&[], &facts[0], 0)?;
+    let mut inj = g.new_sequence(header.clone())?;
+    g.prefill(&mut inj)?;
+    g.inject(&mut inj, &[&chunk])?;
+    let (mut e1, mut control) = (0f64, f64::INFINITY);
+    for at in [h, h + 1] {
+        let mut fwd = g.new_sequence_at(facts[0].clone(), at)?;
+        g.prefill(&mut fwd)?;
+        let mut worst = 0f64;
+        for layer in 0..config.num_layers {
+            let (ki, _) = g.cached_kv(&inj, layer)?;
+            let (kf, _) = g.cached_kv(&fwd, layer)?;
+            let w = kf.data.len() / fwd.len();
+            worst = worst.max(rel(&ki.data[h as usize * w..], &kf.data));
+        }
+        if at == h { e1 = worst } else { control = worst }
+    }
+    push(&mut out, "E1 re-rotated keys = forward keys", e1, OP_TOL, false);
+    push(&mut out, "E1 control: one position off", control, OP_TOL, true);
+
+    // E4: stored pre-RoPE tensors do not depend on the encoding offset.
+    let a = g.encode(&[], &facts[1], 0)?.to_host(g.backend())?;
+    let b = g.encode(&[], &facts[1], 1000)?.to_host(g.backend())?;
+    let worst =
+        a.0.iter().zip(&b.0).chain(a.1.iter().zip(&b.1)).map(|(x, y)| rel(&y.data, &x.data)).fold(0f64, f64::max);
+    push(&mut out, "E4 offset 0 vs 1000, stored K/V", worst, OP_TOL, false);
+    Ok(out)
+}
+
+fn prefill<B: Backend>(e: &mut Engine<B>, tokens: &[u32]) -> R<Vec<f32>> {
+    let mut s = e.new_sequence(tokens.to_vec())?;
+    e.prefill(&mut s)
+}
+
+fn inject_independent<B: Backend>(e: &mut Engine<B>, header: &[u32], facts: &[Vec<u32>], q: &[u32]) -> R<Vec<f32>> {
+    let h = header.len() as u32;
+    let chunks: Vec<KvChunk<B>> = facts.iter().map(|f| e.encode(header, f, h)).collect::<R<_>>()?;
+    let mut seq = e.new_sequence(header.to_vec())?;
+    e.prefill(&mut seq)?;
+    e.inject(&mut seq, &chunks.iter().collect::<Vec<_>>())?;
+    seq.extend(q);
+    e.prefill(&mut seq)
+}
+
+/// Everything: op checks, then every model shape.
+pub fn run<G: Backend + Clone>(gpu: &G) -> R<Report> {
+    let mut out = ops(gpu)?;
+    for (name, config) in shapes() {
+        out.extend(model(gpu, name, &config)?);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The harness itself, with the CPU backend on both sides: every
+    /// comparison is exact and every control still fails by far.
+    #[test]
+    fn harness_on_cpu_against_cpu() {
+        let report = run(&CpuBackend).unwrap_or_else(|e| panic!("{e}"));
+        for c in &report {
+            if c.control {
+                assert!(c.error > 10.0 * c.tolerance, "{c:?}");
+            } else {
+                assert!(c.error < 1e-4, "{c:?}");
+            }
+        }
+        assert!(report.len() > 20);
+    }
+}

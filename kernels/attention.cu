@@ -1,0 +1,269 @@
+// Attention: causal attention over the paged cache (prefill and decode, GQA,
+// split over keys when there are few query rows) on the tensor cores, its
+// split combine, and the bidirectional attention of encoders.
+
+#define NEG_INF __int_as_float(0xff800000)
+
+__device__ float block_max(float v, float* scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    int warps = (blockDim.x + 31) >> 5;
+    v = (int)threadIdx.x < warps ? scratch[threadIdx.x] : NEG_INF;
+    if (warp == 0) v = warp_max(v);
+    if (threadIdx.x == 0) scratch[0] = v;
+    __syncthreads();
+    return scratch[0];
+}
+
+// Rows of a span attend to every row of the span. `row_span[2r..2r+2]` =
+// (first row, rows) of row r's span. Grid (rows, heads); dynamic shared
+// memory holds one score per key. Encoders are small: plain CUDA cores.
+extern "C" __global__ void attention_bidirectional(bf16* out, const bf16* q, const bf16* k, const bf16* v,
+                                                   const u32* row_span, int heads, int head_dim, float scale) {
+    extern __shared__ float bidir_scores[];
+    __shared__ float scratch[32];
+    u32 r = blockIdx.x, h = blockIdx.y, start = row_span[2 * r], len = row_span[2 * r + 1];
+    size_t cols = (size_t)heads * head_dim;
+    const bf16* qr = q + r * cols + h * head_dim;
+    for (u32 j = threadIdx.x; j < len; j += blockDim.x) {
+        const bf16* kr = k + (start + j) * cols + h * head_dim;
+        float dot = 0.0f;
+        for (int c = 0; c < head_dim; c++) dot += __bfloat162float(qr[c]) * __bfloat162float(kr[c]);
+        bidir_scores[j] = dot * scale;
+    }
+    __syncthreads();
+    float m = NEG_INF;
+    for (u32 j = threadIdx.x; j < len; j += blockDim.x) m = fmaxf(m, bidir_scores[j]);
+    m = block_max(m, scratch);
+    float s = 0.0f;
+    for (u32 j = threadIdx.x; j < len; j += blockDim.x) {
+        float p = __expf(bidir_scores[j] - m);
+        bidir_scores[j] = p;
+        s += p;
+    }
+    s = block_sum(s, scratch);
+    for (int c = threadIdx.x; c < head_dim; c += blockDim.x) {
+        float acc = 0.0f;
+        for (u32 j = 0; j < len; j++) acc += bidir_scores[j] * __bfloat162float(v[(start + j) * cols + h * head_dim + c]);
+        out[r * cols + h * head_dim + c] = __float2bfloat16(acc / s);
+    }
+}
+
+// Packed query rows per block (token × query head of one KV group) and keys per tile.
+#define BR 64
+#define BK 64
+
+__device__ __forceinline__ u32 ld_u32(const bf16* p) { return *(const u32*)p; }
+
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *(u32*)&v;
+}
+
+// Causal attention over the paged cache, FlashAttention-2 style: a block of
+// four warps takes 64 packed rows (consecutive tokens × the query heads that
+// share one KV head) of one sequence; each warp keeps its 16 rows' Q, scores
+// and output in registers (mma.sync m16n8k16 fragments), walks the keys 64
+// at a time through shared memory (K row-major, V transposed so both feed
+// the tensor cores with 32-bit loads), and rescales with an online softmax
+// in f32. It writes O / l — or, when keys are split across blocks (grid z),
+// the unnormalised O with its running max and sum for `attention_combine`.
+//
+// `meta`: spans as (q_start, q_len, context_len, table offset) × S, then at
+// `works_off` (span, first packed row) per block, then the block tables at
+// `tables_off`. A span's new tokens take cache positions context_len − q_len
+// .. context_len and see every position up to their own.
+template <int D>
+__device__ void paged_attention(bf16* out, float* part_o, float* part_ml, const bf16* q, const bf16* kc,
+                                const bf16* vc, const u32* meta, u32 works_off, u32 tables_off, int heads,
+                                int kv_heads, int block_size, float scale, u32 keys_per_split, u32 n_tokens,
+                                unsigned char* smem) {
+    constexpr int LK = D + 8, LV = BK + 8, V8 = D / 8;
+    bf16* Ks = (bf16*)smem;   // [BK][LK]
+    bf16* Vt = Ks + BK * LK;  // [D][LV]
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, r = lane >> 2, q4 = lane & 3;
+    const u32 g = blockIdx.y, z = blockIdx.z, splits = gridDim.z;
+    const u32* works = meta + works_off;
+    const u32 s = works[2 * blockIdx.x], r0 = works[2 * blockIdx.x + 1];
+    const u32 q_start = meta[4 * s], q_len = meta[4 * s + 1], ctx = meta[4 * s + 2];
+    const u32* table = meta + tables_off + meta[4 * s + 3];
+    const int G = heads / kv_heads;
+    const size_t q_dim = (size_t)heads * D, kv_dim = (size_t)kv_heads * D;
+    const u32 rows_total = q_len * G, past = ctx - q_len;
+    const u32 r_last = min(r0 + BR, rows_total) - 1;
+    const u32 k_limit = past + r_last / G + 1;
+    const u32 k_begin = z * keys_per_split, k_end = min(k_limit, k_begin + keys_per_split);
+
+    // This lane's two rows (fragment rows r and r + 8 of the warp's 16).
+    u32 R[2], limit[2], head[2], qrow[2];
+    bool valid[2];
+    u32 qa[D / 16][4];
+    for (int h = 0; h < 2; h++) {
+        R[h] = r0 + warp * 16 + r + 8 * h;
+        valid[h] = R[h] < rows_total;
+        u32 t = valid[h] ? R[h] / G : 0;
+        limit[h] = valid[h] ? past + t + 1 : 0;
+        head[h] = g * G + (valid[h] ? R[h] % G : 0);
+        qrow[h] = q_start + t;
+    }
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const bf16* qp = q + qrow[h] * q_dim + head[h] * D + kk * 16 + q4 * 2;
+            qa[kk][h] = valid[h] ? ld_u32(qp) : 0u;
+            qa[kk][2 + h] = valid[h] ? ld_u32(qp + 8) : 0u;
+        }
+
+    float o[D / 8][4];
+#pragma unroll
+    for (int dn = 0; dn < D / 8; dn++) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.0f;
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
+
+    for (u32 kt = k_begin; kt < k_end; kt += BK) {
+        __syncthreads();
+        for (int i = tid; i < BK * V8; i += blockDim.x) {
+            int c8 = i / BK, j = i % BK;
+            u32 key = kt + j;
+            uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
+            if (key < k_end) {
+                size_t slot = (size_t)table[key / block_size] * block_size + key % block_size;
+                size_t off = slot * kv_dim + g * D + c8 * 8;
+                kv = *(const uint4*)(kc + off);
+                vv = *(const uint4*)(vc + off);
+            }
+            *(uint4*)(Ks + j * LK + c8 * 8) = kv;
+            const bf16* ve = (const bf16*)&vv;
+#pragma unroll
+            for (int e = 0; e < 8; e++) Vt[(c8 * 8 + e) * LV + j] = ve[e];
+        }
+        __syncthreads();
+
+        float sc[BK / 8][4];
+#pragma unroll
+        for (int nt = 0; nt < BK / 8; nt++) {
+            sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
+            const bf16* kp = Ks + (nt * 8 + r) * LK + q4 * 2;
+#pragma unroll
+            for (int kk = 0; kk < D / 16; kk++)
+                mma_bf16_16816(sc[nt], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], ld_u32(kp + kk * 16),
+                               ld_u32(kp + kk * 16 + 8));
+        }
+
+        float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+        for (int nt = 0; nt < BK / 8; nt++)
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    u32 key = kt + nt * 8 + q4 * 2 + e;
+                    float v = (key < k_end && key < limit[h]) ? sc[nt][2 * h + e] * scale : NEG_INF;
+                    sc[nt][2 * h + e] = v;
+                    mx[h] = fmaxf(mx[h], v);
+                }
+        float alpha[2], psum[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+            float m_new = fmaxf(m[h], mx[h]);
+            alpha[h] = m_new == NEG_INF ? 1.0f : __expf(m[h] - m_new);
+            m[h] = m_new;
+        }
+#pragma unroll
+        for (int nt = 0; nt < BK / 8; nt++)
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    float v = sc[nt][2 * h + e];
+                    float p = v == NEG_INF ? 0.0f : __expf(v - m[h]);
+                    sc[nt][2 * h + e] = p;
+                    psum[h] += p;
+                }
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            psum[h] += __shfl_xor_sync(0xffffffffu, psum[h], 1);
+            psum[h] += __shfl_xor_sync(0xffffffffu, psum[h], 2);
+            l[h] = l[h] * alpha[h] + psum[h];
+        }
+#pragma unroll
+        for (int dn = 0; dn < D / 8; dn++) {
+            o[dn][0] *= alpha[0];
+            o[dn][1] *= alpha[0];
+            o[dn][2] *= alpha[1];
+            o[dn][3] *= alpha[1];
+        }
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; kk++) {
+            u32 a0 = pack_bf16(sc[2 * kk][0], sc[2 * kk][1]), a1 = pack_bf16(sc[2 * kk][2], sc[2 * kk][3]);
+            u32 a2 = pack_bf16(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+            u32 a3 = pack_bf16(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+#pragma unroll
+            for (int dn = 0; dn < D / 8; dn++) {
+                const bf16* vp = Vt + (dn * 8 + r) * LV + kk * 16 + q4 * 2;
+                mma_bf16_16816(o[dn], a0, a1, a2, a3, ld_u32(vp), ld_u32(vp + 8));
+            }
+        }
+    }
+
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        if (!valid[h]) continue;
+        if (splits == 1) {
+            float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
+            bf16* dst = out + qrow[h] * q_dim + head[h] * D + q4 * 2;
+#pragma unroll
+            for (int dn = 0; dn < D / 8; dn++)
+                *(__nv_bfloat162*)(dst + dn * 8) = __floats2bfloat162_rn(o[dn][2 * h] * inv, o[dn][2 * h + 1] * inv);
+        } else {
+            size_t idx = ((size_t)z * n_tokens + qrow[h]) * heads + head[h];
+            float* dst = part_o + idx * D + q4 * 2;
+#pragma unroll
+            for (int dn = 0; dn < D / 8; dn++) {
+                dst[dn * 8] = o[dn][2 * h];
+                dst[dn * 8 + 1] = o[dn][2 * h + 1];
+            }
+            if (q4 == 0) {
+                part_ml[2 * idx] = m[h];
+                part_ml[2 * idx + 1] = l[h];
+            }
+        }
+    }
+}
+
+#define PAGED_ATTENTION(D)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(128) paged_attention_d##D(                                       \
+        bf16* out, float* part_o, float* part_ml, const bf16* q, const bf16* kc, const bf16* vc, const u32* meta, \
+        u32 works_off, u32 tables_off, int heads, int kv_heads, int block_size, float scale, u32 keys_per_split,  \
+        u32 n_tokens) {                                                                                           \
+        extern __shared__ __align__(128) unsigned char paged_smem[];                                              \
+        paged_attention<D>(out, part_o, part_ml, q, kc, vc, meta, works_off, tables_off, heads, kv_heads,        \
+                           block_size, scale, keys_per_split, n_tokens, paged_smem);                             \
+    }
+
+PAGED_ATTENTION(64)
+PAGED_ATTENTION(128)
+
+// Merges key splits: row (token, head) = blockIdx.x, one thread per dimension.
+extern "C" __global__ void attention_combine(bf16* out, const float* part_o, const float* part_ml, u32 rows,
+                                             int splits, int head_dim) {
+    size_t row = blockIdx.x;
+    float mx = NEG_INF;
+    for (int z = 0; z < splits; z++) mx = fmaxf(mx, part_ml[2 * ((size_t)z * rows + row)]);
+    float l = 0.0f, acc = 0.0f;
+    for (int z = 0; z < splits; z++) {
+        size_t idx = (size_t)z * rows + row;
+        float lz = part_ml[2 * idx + 1];
+        if (lz == 0.0f) continue;
+        float w = __expf(part_ml[2 * idx] - mx);
+        l += lz * w;
+        acc += part_o[idx * head_dim + threadIdx.x] * w;
+    }
+    out[row * head_dim + threadIdx.x] = __float2bfloat16(l > 0.0f ? acc / l : 0.0f);
+}

@@ -1,0 +1,58 @@
+// Shared helpers for InferScale's CUDA kernels. The kernel sources are
+// concatenated after this file and compiled by NVRTC at start for the
+// device's architecture (crates/cuda/src/kernels.rs).
+#include <cuda_bf16.h>
+#include <mma.h>
+
+typedef __nv_bfloat16 bf16;
+typedef unsigned int u32;
+
+// Cosine and sine of `position * inv_freq[i]`: from the table for positions
+// below `table_positions` (the same f32 values the CPU backend uses), else
+// computed on the fly exactly as the table was.
+__device__ __forceinline__ void rope_cos_sin(u32 position, int i, int half, const float* cos_t, const float* sin_t,
+                                             const float* inv_freq, u32 table_positions, float* c, float* s) {
+    if (position < table_positions) {
+        *c = cos_t[(size_t)position * half + i];
+        *s = sin_t[(size_t)position * half + i];
+    } else {
+        float a = (float)position * inv_freq[i];
+        *c = cosf(a);
+        *s = sinf(a);
+    }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over a block of up to 1024 threads; `scratch` holds 32 floats.
+__device__ float block_sum(float v, float* scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    int warps = (blockDim.x + 31) >> 5;
+    v = (int)threadIdx.x < warps ? scratch[threadIdx.x] : 0.0f;
+    if (warp == 0) v = warp_sum(v);
+    if (threadIdx.x == 0) scratch[0] = v;
+    __syncthreads();
+    return scratch[0];
+}
+
+// D += A·B on the tensor cores, one m16n8k16 tile: A 16×16 bf16 (row-major
+// fragment a0..a3), B 16×8 bf16 (column fragment b0, b1), D 16×8 f32.
+__device__ __forceinline__ void mma_bf16_16816(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}

@@ -1,0 +1,88 @@
+// Row-wise and elementwise kernels: embedding gather, norms, activations,
+// residual adds, row selection. Activations are bf16; arithmetic is f32.
+
+extern "C" __global__ void embedding_gather(bf16* out, const bf16* table, const u32* ids, int cols) {
+    const bf16* src = table + (size_t)ids[blockIdx.x] * cols;
+    bf16* dst = out + (size_t)blockIdx.x * cols;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) dst[c] = src[c];
+}
+
+extern "C" __global__ void select_rows(bf16* out, const bf16* x, const u32* rows, int cols) {
+    const bf16* src = x + (size_t)rows[blockIdx.x] * cols;
+    bf16* dst = out + (size_t)blockIdx.x * cols;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) dst[c] = src[c];
+}
+
+// One block per row: y = x / sqrt(mean(x²) + eps) · w.
+extern "C" __global__ void rms_norm(bf16* out, const bf16* x, const bf16* w, int cols, float eps) {
+    __shared__ float scratch[32];
+    const bf16* row = x + (size_t)blockIdx.x * cols;
+    float ss = 0.0f;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        float v = __bfloat162float(row[c]);
+        ss += v * v;
+    }
+    float inv = rsqrtf(block_sum(ss, scratch) / cols + eps);
+    bf16* dst = out + (size_t)blockIdx.x * cols;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x)
+        dst[c] = __float2bfloat16(__bfloat162float(row[c]) * inv * __bfloat162float(w[c]));
+}
+
+// One block per row: y = (x − mean) / sqrt(var + eps) · w + b.
+extern "C" __global__ void layer_norm(bf16* out, const bf16* x, const bf16* w, const bf16* b, int cols, float eps) {
+    __shared__ float scratch[32];
+    const bf16* row = x + (size_t)blockIdx.x * cols;
+    float s = 0.0f;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) s += __bfloat162float(row[c]);
+    float mean = block_sum(s, scratch) / cols;
+    float var = 0.0f;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        float d = __bfloat162float(row[c]) - mean;
+        var += d * d;
+    }
+    float inv = rsqrtf(block_sum(var, scratch) / cols + eps);
+    bf16* dst = out + (size_t)blockIdx.x * cols;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x)
+        dst[c] = __float2bfloat16((__bfloat162float(row[c]) - mean) * inv * __bfloat162float(w[c]) +
+                                  __bfloat162float(b[c]));
+}
+
+extern "C" __global__ void gelu(bf16* out, const bf16* x, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        float v = __bfloat162float(x[i]);
+        out[i] = __float2bfloat16(0.5f * v * (1.0f + erff(v * 0.70710678118654752f)));
+    }
+}
+
+// Rows of `gate_up` are [gate | up], `half` wide each; out = silu(gate) · up.
+// Grid (column blocks, rows), two columns per thread (`half` is even).
+extern "C" __global__ void silu_mul(bf16* out, const bf16* gate_up, int half) {
+    const __nv_bfloat162* g2 = (const __nv_bfloat162*)(gate_up + (size_t)blockIdx.y * 2 * half);
+    const __nv_bfloat162* u2 = (const __nv_bfloat162*)(gate_up + (size_t)blockIdx.y * 2 * half + half);
+    __nv_bfloat162* o2 = (__nv_bfloat162*)(out + (size_t)blockIdx.y * half);
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < half / 2; c += gridDim.x * blockDim.x) {
+        float2 g = __bfloat1622float2(g2[c]), u = __bfloat1622float2(u2[c]);
+        o2[c] = __floats2bfloat162_rn(g.x / (1.0f + __expf(-g.x)) * u.x, g.y / (1.0f + __expf(-g.y)) * u.y);
+    }
+}
+
+// Columns start .. start + width of every row of x (x_cols wide). Grid (column blocks, rows).
+extern "C" __global__ void copy_cols(bf16* out, const bf16* x, int width, int x_cols, int start) {
+    const bf16* src = x + (size_t)blockIdx.y * x_cols + start;
+    bf16* dst = out + (size_t)blockIdx.y * width;
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < width; c += gridDim.x * blockDim.x) dst[c] = src[c];
+}
+
+// x += y over n elements (n even: activations have even widths).
+extern "C" __global__ void add_assign(bf16* x, const bf16* y, size_t n) {
+    __nv_bfloat162* x2 = (__nv_bfloat162*)x;
+    const __nv_bfloat162* y2 = (const __nv_bfloat162*)y;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n / 2; i += (size_t)gridDim.x * blockDim.x)
+        x2[i] = __hadd2(x2[i], y2[i]);
+}
+
+// x[r, c] += b[c] for every row.
+extern "C" __global__ void add_bias(bf16* x, const bf16* b, size_t n, int cols) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        x[i] = __float2bfloat16(__bfloat162float(x[i]) + __bfloat162float(b[i % cols]));
+}

@@ -53,58 +53,81 @@ extern "C" __global__ void copy_blocks(bf16* kc, bf16* vc, const u32* pairs, siz
     }
 }
 
-// The fused injection: for every injected token t (grid x) and layer l
-// (grid y), rotate the stored pre-RoPE key to positions[t] and write it and
-// the value to slot slots[t] of layer l. `meta` holds four arrays of T
-// entries: chunk index, row within the chunk, position, slot. Chunk c's
-// layer-l tensors are at k_ptrs[c·L + l] / v_ptrs[c·L + l] (`[rows, kv_dim]`).
+// The fused injection: rotate each stored pre-RoPE key to its target
+// position and write it and its value to its cache slot, for every injected
+// token and layer in one launch. `table` holds, as 64-bit words: chunk c's
+// layer-l K pointer at [c·L + l], V pointers after all K pointers, then four
+// u32 arrays of T entries (chunk, row within the chunk, position, slot).
+// Tensors are `[rows, kv_dim]` bf16.
 //
-// One thread per 8 dimensions (16-byte loads and stores): a thread whose
-// dimensions lie in the first half of a head's rotated part rotates them
-// together with their partners rot/2 further on; every thread copies its
-// 8 values of V. Needs rot/2 and head_dim multiples of 8.
-extern "C" __global__ void inject_kv(bf16* kc, bf16* vc, const u32* meta, u32 tokens, const bf16* const* k_ptrs,
-                                     const bf16* const* v_ptrs, size_t layer_elems, int kv_dim, int head_dim,
-                                     int rot, const float* cos_t, const float* sin_t, const float* inv_freq,
+// Grid (token groups of INJECT_TOKENS, layers). A thread owns 8 dimensions
+// (16-byte accesses) of every token in its group and issues all their loads
+// before any store; a thread whose dimensions lie in the first half of a
+// head's rotated part rotates them with their partners rot/2 further on.
+// Needs rot/2 and head_dim multiples of 8.
+#define INJECT_TOKENS 4
+
+extern "C" __global__ void inject_kv(bf16* kc, bf16* vc, const unsigned long long* table, u32 tokens,
+                                     u32 chunks, size_t layer_elems, int kv_dim, int head_dim, int rot,
+                                     const float* cos_t, const float* sin_t, const float* inv_freq,
                                      u32 table_positions) {
-    u32 t = blockIdx.x, layer = blockIdx.y, layers = gridDim.y;
-    u32 chunk = meta[t], row = meta[tokens + t], pos = meta[2 * tokens + t], slot = meta[3 * tokens + t];
-    const bf16* k = k_ptrs[(size_t)chunk * layers + layer] + (size_t)row * kv_dim;
-    const bf16* v = v_ptrs[(size_t)chunk * layers + layer] + (size_t)row * kv_dim;
-    size_t dst = layer * layer_elems + (size_t)slot * kv_dim;
-    int half = rot / 2;
+    const u32 layer = blockIdx.y, layers = gridDim.y;
+    const bf16* const* k_ptrs = (const bf16* const*)table;
+    const bf16* const* v_ptrs = k_ptrs + (size_t)chunks * layers;
+    const u32* meta = (const u32*)(table + 2 * (size_t)chunks * layers);
+    const int half = rot / 2;
     for (int e = threadIdx.x * 8; e < kv_dim; e += blockDim.x * 8) {
-        *(uint4*)(vc + dst + e) = *(const uint4*)(v + e);
-        int c = e % head_dim;
-        if (c >= rot) {
-            *(uint4*)(kc + dst + e) = *(const uint4*)(k + e);
-        } else if (c < half) {
-            uint4 lo = *(const uint4*)(k + e), hi = *(const uint4*)(k + e + half);
-            __nv_bfloat162* l2 = (__nv_bfloat162*)&lo;
-            __nv_bfloat162* h2 = (__nv_bfloat162*)&hi;
+        const int c = e % head_dim;
+        const bool rotate = c < half, copy_k = c >= rot;
+        uint4 vv[INJECT_TOKENS], lo[INJECT_TOKENS], hi[INJECT_TOKENS];
+        size_t dst[INJECT_TOKENS];
+        u32 pos[INJECT_TOKENS];
+        bool live[INJECT_TOKENS];
+#pragma unroll
+        for (int i = 0; i < INJECT_TOKENS; i++) {
+            u32 t = blockIdx.x * INJECT_TOKENS + i;
+            live[i] = t < tokens;
+            if (!live[i]) continue;
+            u32 chunk = meta[t], row = meta[tokens + t];
+            pos[i] = meta[2 * tokens + t];
+            dst[i] = layer * layer_elems + (size_t)meta[3 * tokens + t] * kv_dim + e;
+            const bf16* k = k_ptrs[(size_t)chunk * layers + layer] + (size_t)row * kv_dim + e;
+            vv[i] = *(const uint4*)(v_ptrs[(size_t)chunk * layers + layer] + (size_t)row * kv_dim + e);
+            if (rotate || copy_k) lo[i] = *(const uint4*)k;
+            if (rotate) hi[i] = *(const uint4*)(k + half);
+        }
+#pragma unroll
+        for (int i = 0; i < INJECT_TOKENS; i++) {
+            if (!live[i]) continue;
+            *(uint4*)(vc + dst[i]) = vv[i];
+            if (copy_k) *(uint4*)(kc + dst[i]) = lo[i];
+            if (!rotate) continue;
             float cs[8], sn[8];
-            if (pos < table_positions) {
-                const float4* ct = (const float4*)(cos_t + (size_t)pos * half + c);
-                const float4* st = (const float4*)(sin_t + (size_t)pos * half + c);
+            if (pos[i] < table_positions) {
+                const float4* ct = (const float4*)(cos_t + (size_t)pos[i] * half + c);
+                const float4* st = (const float4*)(sin_t + (size_t)pos[i] * half + c);
                 *(float4*)cs = ct[0];
                 *(float4*)(cs + 4) = ct[1];
                 *(float4*)sn = st[0];
                 *(float4*)(sn + 4) = st[1];
             } else {
-                for (int i = 0; i < 8; i++) {
-                    float a = (float)pos * inv_freq[c + i];
-                    cs[i] = cosf(a);
-                    sn[i] = sinf(a);
+                for (int j = 0; j < 8; j++) {
+                    float a = (float)pos[i] * inv_freq[c + j];
+                    cs[j] = cosf(a);
+                    sn[j] = sinf(a);
                 }
             }
-            for (int i = 0; i < 4; i++) {
-                float2 x1 = __bfloat1622float2(l2[i]), x2 = __bfloat1622float2(h2[i]);
-                float c0 = cs[2 * i], c1 = cs[2 * i + 1], s0 = sn[2 * i], s1 = sn[2 * i + 1];
-                l2[i] = __floats2bfloat162_rn(x1.x * c0 - x2.x * s0, x1.y * c1 - x2.y * s1);
-                h2[i] = __floats2bfloat162_rn(x2.x * c0 + x1.x * s0, x2.y * c1 + x1.y * s1);
+            __nv_bfloat162* l2 = (__nv_bfloat162*)&lo[i];
+            __nv_bfloat162* h2 = (__nv_bfloat162*)&hi[i];
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                float2 x1 = __bfloat1622float2(l2[j]), x2 = __bfloat1622float2(h2[j]);
+                float c0 = cs[2 * j], c1 = cs[2 * j + 1], s0 = sn[2 * j], s1 = sn[2 * j + 1];
+                l2[j] = __floats2bfloat162_rn(x1.x * c0 - x2.x * s0, x1.y * c1 - x2.y * s1);
+                h2[j] = __floats2bfloat162_rn(x2.x * c0 + x1.x * s0, x2.y * c1 + x1.y * s1);
             }
-            *(uint4*)(kc + dst + e) = lo;
-            *(uint4*)(kc + dst + e + half) = hi;
+            *(uint4*)(kc + dst[i]) = lo[i];
+            *(uint4*)(kc + dst[i] + half) = hi[i];
         }
     }
 }

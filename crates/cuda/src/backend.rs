@@ -76,6 +76,9 @@ struct Blas(CudaBlas);
 // SAFETY: see above — never used by two threads at once.
 unsafe impl Send for Blas {}
 
+/// Tokens per block of `inject_kv` (`INJECT_TOKENS` in kernels/kv.cu).
+const INJECT_TOKENS: usize = 4;
+
 /// A model's RoPE tables on the device, keyed by its frequencies.
 struct DeviceRope {
     inv_freq_host: Vec<f32>,
@@ -533,8 +536,10 @@ impl Backend for CudaBackend {
         if total == 0 {
             return Ok(());
         }
+        // One upload: K pointers, V pointers, then the four u32 arrays (two per word).
+        let ptr_words = 2 * chunks.len() * layers;
+        let mut table = vec![0u64; ptr_words + (4 * total).div_ceil(2)];
         let mut meta = vec![0u32; 4 * total];
-        let (mut k_ptrs, mut v_ptrs) = (Vec::with_capacity(chunks.len() * layers), Vec::new());
         let mut t = 0;
         for (ci, c) in chunks.iter().enumerate() {
             let n = c.slots.len();
@@ -548,8 +553,8 @@ impl Backend for CudaBackend {
                         return Err(shape_err(format!("inject_kv: chunk {ci} layer {l} is [{}, {}]", x.rows, x.cols)));
                     }
                 }
-                k_ptrs.push(self.ptr(&c.k[l].data));
-                v_ptrs.push(self.ptr(&c.v[l].data));
+                table[ci * layers + l] = self.ptr(&c.k[l].data);
+                table[(chunks.len() + ci) * layers + l] = self.ptr(&c.v[l].data);
             }
             for i in 0..n {
                 meta[t] = ci as u32;
@@ -558,6 +563,9 @@ impl Backend for CudaBackend {
                 meta[3 * total + t] = c.slots[i];
                 t += 1;
             }
+        }
+        for (w, pair) in table[ptr_words..].iter_mut().zip(meta.chunks(2)) {
+            *w = pair[0] as u64 | (pair.get(1).copied().unwrap_or(0) as u64) << 32;
         }
         if !(rope.dim() / 2).is_multiple_of(8) || !spec.head_dim.is_multiple_of(8) {
             return Err(CudaError::Unsupported(format!(
@@ -568,19 +576,17 @@ impl Backend for CudaBackend {
             .into());
         }
         let r = self.rope_tables(rope)?;
-        let meta_dev = self.stream.clone_htod(&meta).cu()?;
-        let kp_dev = self.stream.clone_htod(&k_ptrs).cu()?;
-        let vp_dev = self.stream.clone_htod(&v_ptrs).cu()?;
+        let table_dev = self.stream.clone_htod(&table).cu()?;
         let (kc, vc) = (self.ptr(&store.k), self.ptr(&store.v));
-        let (m, tt, kp, vp) = (self.ptr(&meta_dev), total as u32, self.ptr(&kp_dev), self.ptr(&vp_dev));
+        let (tp_, tt, nc) = (self.ptr(&table_dev), total as u32, chunks.len() as u32);
         let (le, d, hd, rot) = (store.layer_elems, kv_dim as i32, spec.head_dim as i32, rope.dim() as i32);
         let (cs, sn, inv, tp) = (self.ptr(&r.cos), self.ptr(&r.sin), self.ptr(&r.inv_freq), TABLE_POSITIONS as u32);
         let cfg = LaunchConfig {
-            grid_dim: (total as u32, layers as u32, 1),
+            grid_dim: (total.div_ceil(INJECT_TOKENS) as u32, layers as u32, 1),
             block_dim: ((kv_dim / 8).clamp(32, 256) as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        self.launch(&self.k.inject_kv, cfg, &[&kc, &vc, &m, &tt, &kp, &vp, &le, &d, &hd, &rot, &cs, &sn, &inv, &tp])
+        self.launch(&self.k.inject_kv, cfg, &[&kc, &vc, &tp_, &tt, &nc, &le, &d, &hd, &rot, &cs, &sn, &inv, &tp])
     }
 
     fn gather_kv(&self, store: &CudaKvStore, layer: usize, slots: &[u32]) -> Result<(CudaTensor, CudaTensor)> {

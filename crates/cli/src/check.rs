@@ -17,6 +17,40 @@ pub struct Args {
     /// Write the comparisons as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Also decode a real model greedily on both backends (a GGUF file, an HF
+    /// directory or a packaged model name) for the prompts of `--golden`.
+    #[arg(long, requires = "golden")]
+    model: Option<String>,
+    /// Golden file with the prompts' token ids (tests/golden/smollm2.json).
+    #[arg(long, requires = "model")]
+    golden: Option<PathBuf>,
+}
+
+#[cfg(feature = "cuda")]
+/// `(name, input ids, steps)` of every case in a golden file made by
+/// tests/golden/make_golden.py.
+fn golden_cases(path: &std::path::Path) -> Result<Vec<(String, Vec<u32>, usize)>> {
+    use anyhow::Context;
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let doc: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{}: not JSON", path.display()))?;
+    let cases = doc["cases"].as_array().with_context(|| format!("{}: no `cases` array", path.display()))?;
+    cases
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let field = |f: &str| format!("{}: cases[{i}].{f}", path.display());
+            let name = c["name"].as_str().with_context(|| field("name"))?.to_string();
+            let ids = c["input_ids"]
+                .as_array()
+                .with_context(|| field("input_ids"))?
+                .iter()
+                .map(|v| v.as_u64().map(|x| x as u32).with_context(|| field("input_ids")))
+                .collect::<Result<Vec<u32>>>()?;
+            let steps = c["steps"].as_array().with_context(|| field("steps"))?.len();
+            Ok((name, ids, steps))
+        })
+        .collect()
 }
 
 #[cfg(feature = "cuda")]
@@ -37,6 +71,30 @@ pub fn run(a: Args) -> Result<()> {
         };
         println!("{:<72} {:>10.2e} {:>10.0e}  {verdict}", c.name, c.error, c.tolerance);
     }
+    let mut greedy_rows = Vec::new();
+    if let (Some(model), Some(golden)) = (&a.model, &a.golden) {
+        let files = inferscale_model::open(model).with_context(|| format!("loading model `{model}`"))?;
+        let cases = golden_cases(golden)?;
+        greedy_rows = parity::greedy(&be, &files, &cases).context("greedy decoding on both backends")?;
+        println!("\ngreedy decoding of {model}, CUDA vs CPU (teacher-forced on the CPU's tokens)");
+        println!(
+            "{:<24} {:>6} {:>8} {:>22} {:>14}  result (logits tolerance {:.2})",
+            "prompt",
+            "steps",
+            "agreed",
+            "CPU top-2 margin there",
+            "worst logits",
+            parity::REAL_MODEL_TOL
+        );
+        for r in &greedy_rows {
+            let margin = r.margin_at_divergence.map_or("-".into(), |m| format!("{m:.4}"));
+            let verdict = if r.passed() { "ok" } else { "FAILED" };
+            println!(
+                "{:<24} {:>6} {:>8} {:>22} {:>14.2e}  {verdict}",
+                r.name, r.steps, r.agreed, margin, r.worst_logits
+            );
+        }
+    }
     if let Some(path) = &a.json {
         let rows: Vec<serde_json::Value> = report
             .iter()
@@ -45,15 +103,22 @@ pub fn run(a: Args) -> Result<()> {
                     "control": c.control, "passed": c.passed()})
             })
             .collect();
-        let doc = serde_json::json!({"device": be.device_name(), "checks": rows});
+        let greedy: Vec<serde_json::Value> = greedy_rows
+            .iter()
+            .map(|r| {
+                serde_json::json!({"name": r.name, "steps": r.steps, "agreed": r.agreed,
+                    "margin_at_divergence": r.margin_at_divergence, "worst_logits_rel": r.worst_logits})
+            })
+            .collect();
+        let doc = serde_json::json!({"device": be.device_name(), "checks": rows, "greedy": greedy});
         std::fs::write(path, serde_json::to_string_pretty(&doc)?)
             .with_context(|| format!("writing {}", path.display()))?;
     }
-    let failed = report.iter().filter(|c| !c.passed()).count();
+    let failed = report.iter().filter(|c| !c.passed()).count() + greedy_rows.iter().filter(|r| !r.passed()).count();
     if failed > 0 {
-        bail!("{failed} of {} checks failed", report.len());
+        bail!("{failed} of {} checks failed", report.len() + greedy_rows.len());
     }
-    eprintln!("inferscale check: all {} checks passed on {}", report.len(), be.device_name());
+    eprintln!("inferscale check: all {} checks passed on {}", report.len() + greedy_rows.len(), be.device_name());
     Ok(())
 }
 

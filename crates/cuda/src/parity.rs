@@ -6,7 +6,9 @@
 //! its unit roundoff is 2⁻⁹ ≈ 2e-3, so one op that rounds its inputs and
 //! output lands near 3e-3 ([`OP_TOL`] = 1e-2); a few layers of a model, with
 //! every activation rounded, near 1e-2 ([`MODEL_TOL`] = 5e-2). E1 and E4
-//! compare two bf16 computations of the same keys ([`OP_TOL`]). Each group
+//! compare two bf16 computations of the same keys ([`OP_TOL`]); real models
+//! in `greedy` are held to [`REAL_MODEL_TOL`], set by the reference
+//! implementation's own bf16 error. Each group
 //! carries a control that must miss by far more than its tolerance (keys
 //! one position off), so the checks can fail.
 
@@ -17,6 +19,13 @@ use inferscale_model::{Family, HostTensor, ModelConfig, ModelFiles, RopeConfig, 
 
 pub const OP_TOL: f64 = 1e-2;
 pub const MODEL_TOL: f64 = 5e-2;
+/// Logits of a real model (many layers, trained weights with outlier
+/// activations), bf16 device against f32 CPU. The yardstick is the reference
+/// implementation's own bf16: HF transformers' bf16 logits of SmolLM2-135M
+/// deviate from its f32 logits by up to 1.2e-1 on the golden prompts
+/// (scripts/peer/hf_bf16_floor.py, docs/bench/h200/hf-bf16-floor-smollm2.json);
+/// we allow twice that.
+pub const REAL_MODEL_TOL: f64 = 0.25;
 
 /// One comparison.
 #[derive(Debug, Clone)]
@@ -456,5 +465,68 @@ mod tests {
             }
         }
         assert!(report.len() > 20);
+        let files = ModelFiles::random("tiny", shapes()[0].1.clone(), 3);
+        let rows = greedy(&CpuBackend, &files, &[("a".into(), vec![5, 6, 7], 4)]).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!((rows[0].agreed, rows[0].worst_logits, rows[0].passed()), (4, 0.0, true));
     }
+}
+
+/// Greedy decoding of a real model on both backends, teacher-forced on the
+/// CPU's tokens so that every step is compared on identical inputs.
+#[derive(Debug, Clone)]
+pub struct GreedyRow {
+    pub name: String,
+    pub steps: usize,
+    /// Leading steps where both backends pick the same token: a free-running
+    /// greedy decode on the device equals the CPU's for this many tokens.
+    pub agreed: usize,
+    /// At the first disagreement, the CPU's margin between its top two logits
+    /// (a near-tie is where bf16 rounding can flip the choice).
+    pub margin_at_divergence: Option<f32>,
+    /// Worst relative L2 error of the logits over all steps.
+    pub worst_logits: f64,
+}
+
+impl GreedyRow {
+    /// Logits agree within [`REAL_MODEL_TOL`] at every step. Token agreement
+    /// is reported, not required: bf16 may flip a near-tie.
+    pub fn passed(&self) -> bool {
+        self.worst_logits.is_finite() && self.worst_logits <= REAL_MODEL_TOL
+    }
+}
+
+/// Runs each `(name, prompt, steps)` case through both backends.
+pub fn greedy<G: Backend + Clone>(
+    gpu: &G,
+    files: &ModelFiles,
+    cases: &[(String, Vec<u32>, usize)],
+) -> R<Vec<GreedyRow>> {
+    let cfg = EngineConfig { kv_blocks: 512, max_batch_tokens: 1024 };
+    let mut c = Engine::new(CpuBackend, files, cfg)?;
+    let mut g = Engine::new(gpu.clone(), files, cfg)?;
+    let mut rows = Vec::new();
+    for (name, prompt, steps) in cases {
+        let mut sc = c.new_sequence(prompt.clone())?;
+        let mut sg = g.new_sequence(prompt.clone())?;
+        let mut row =
+            GreedyRow { name: name.clone(), steps: *steps, agreed: 0, margin_at_divergence: None, worst_logits: 0.0 };
+        let mut diverged = false;
+        for _ in 0..*steps {
+            let (lc, lg) = (c.prefill(&mut sc)?, g.prefill(&mut sg)?);
+            row.worst_logits = row.worst_logits.max(rel(&lg, &lc));
+            let (tc, tg) = (inferscale_engine::sampling::argmax(&lc), inferscale_engine::sampling::argmax(&lg));
+            if tc == tg && !diverged {
+                row.agreed += 1;
+            } else if !diverged {
+                diverged = true;
+                let mut sorted = lc.clone();
+                sorted.sort_by(|a, b| b.total_cmp(a));
+                row.margin_at_divergence = Some(sorted[0] - sorted.get(1).copied().unwrap_or(f32::NEG_INFINITY));
+            }
+            sc.push(tc);
+            sg.push(tc);
+        }
+        rows.push(row);
+    }
+    Ok(rows)
 }

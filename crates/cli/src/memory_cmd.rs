@@ -31,15 +31,21 @@ pub struct MemoryArgs {
 }
 
 #[derive(Args, Debug)]
+#[command(group(clap::ArgGroup::new("source").required(true).args(["locomo", "facts"])))]
 pub struct IngestArgs {
     #[arg(long)]
     user: String,
-    /// A LoCoMo-format JSON file.
+    /// A LoCoMo-format JSON file: its turns become the memory units.
     #[arg(long)]
-    locomo: PathBuf,
-    /// Which sample of the file (default: the first).
-    #[arg(long)]
+    locomo: Option<PathBuf>,
+    /// Which sample of the LoCoMo file (default: the first).
+    #[arg(long, requires = "locomo")]
     sample: Option<String>,
+    /// Facts the caller extracted, one JSON object per line: `id`, `text`,
+    /// `source_turn` (required), `speaker`, `time`. Each is encoded after the
+    /// turns stored before its source turn.
+    #[arg(long)]
+    facts: Option<PathBuf>,
     /// Turns per durable batch.
     #[arg(long, default_value_t = 16)]
     batch: usize,
@@ -86,28 +92,36 @@ pub fn ingest(a: IngestArgs) -> Result<()> {
     if a.batch == 0 {
         bail!("--batch must be at least 1");
     }
-    let samples = locomo::read(&a.locomo)?;
-    let sample = match &a.sample {
-        Some(id) => {
-            samples.iter().find(|s| &s.id == id).with_context(|| format!("{}: no sample {id:?}", a.locomo.display()))?
+    let (units, label) = match (&a.locomo, &a.facts) {
+        (Some(path), _) => {
+            let samples = locomo::read(path)?;
+            let sample = match &a.sample {
+                Some(id) => samples
+                    .iter()
+                    .find(|s| &s.id == id)
+                    .with_context(|| format!("{}: no sample {id:?}", path.display()))?,
+                None => samples.first().with_context(|| format!("{}: no samples", path.display()))?,
+            };
+            (sample.turns.clone(), format!("turns of {}", sample.id))
         }
-        None => samples.first().with_context(|| format!("{}: no samples", a.locomo.display()))?,
+        (None, Some(path)) => (locomo::read_facts(path)?, format!("facts of {}", path.display())),
+        (None, None) => bail!("give --locomo or --facts"),
     };
     let mut s = open(&a.mem)?;
     let composer = Composer::new(&s.loaded.files, SYSTEM_PROMPT)?;
     let mut enc = Encoders { engine: &mut s.loaded.engine, embedder: &s.embedder, composer: &composer };
     let t0 = Instant::now();
     let (mut added, mut skipped, mut tokens) = (0, 0, 0);
-    let total = sample.turns.len();
-    for (i, batch) in sample.turns.chunks(a.batch).enumerate() {
+    let total = units.len();
+    for (i, batch) in units.chunks(a.batch).enumerate() {
         let r = s.memory.ingest(&a.user, batch, &mut enc)?;
         (added, skipped, tokens) = (added + r.added, skipped + r.skipped, tokens + r.encoded_tokens);
         let done = (i * a.batch + batch.len()).min(total);
-        eprint!("\rinferscale ingest: {done}/{total} turns of {} ({added} new, {skipped} already stored)", sample.id);
+        eprint!("\rinferscale ingest: {done}/{total} {label} ({added} new, {skipped} already stored)");
     }
     let secs = t0.elapsed().as_secs_f64();
     eprintln!(
-        "\ninferscale ingest: user {:?}: {added} turns in {secs:.1} s ({:.1} turns/s, {:.0} encoded tokens/s, window {})",
+        "\ninferscale ingest: user {:?}: {added} units in {secs:.1} s ({:.1} units/s, {:.0} encoded tokens/s, window {})",
         a.user,
         added as f64 / secs,
         tokens as f64 / secs,

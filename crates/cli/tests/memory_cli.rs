@@ -50,6 +50,24 @@ fn ingest_ask_and_bad_input() {
     assert!(e.contains("D1:3") && e.contains("TTFT"), "fact ids and TTFT on stderr: {e}");
     assert!(e.lines().any(|l| l.contains("facts (prompt order)") && l.trim_end().ends_with("D1:3")), "{e}");
 
+    // Caller-supplied facts with their source turns join the same memory.
+    let facts = dir.path().join("facts.jsonl");
+    std::fs::write(
+        &facts,
+        "{\"id\": \"F1\", \"text\": \"Caroline will study counselling.\", \"source_turn\": \"D1:3\"}\n",
+    )
+    .unwrap();
+    let f = facts.to_str().unwrap();
+    let o = run(&["ingest", "--memory", m, "--window", "1", "--user", "u1", "--facts", f]);
+    assert!(o.status.success() && err(&o).contains("1 new"), "{}", err(&o));
+    let o = run(&["ingest", "--memory", m, "--window", "1", "--user", "u1", "--facts", f]);
+    assert!(o.status.success() && err(&o).contains("1 already stored"), "{}", err(&o));
+    std::fs::write(&facts, "{\"id\": \"F2\", \"text\": \"No source.\"}\n").unwrap();
+    let o = run(&["ingest", "--memory", m, "--window", "1", "--user", "u1", "--facts", f]);
+    assert!(!o.status.success() && err(&o).contains("facts.jsonl:1: missing field `source_turn`"), "{}", err(&o));
+    let o = run(&["ingest", "--memory", m, "--window", "1", "--user", "u1", "--facts", f, "--locomo", d]);
+    assert!(!o.status.success() && err(&o).contains("cannot be used with"), "{}", err(&o));
+
     // Bad input: each is a clear error.
     let bad = dir.path().join("bad.json");
     std::fs::write(&bad, r#"[{"sample_id": "x", "conversation": {"session_1": [{"speaker": "A"}]}}]"#).unwrap();

@@ -18,6 +18,10 @@ pub enum MemoryError {
     #[error("{path}: corrupt at byte {offset}: {reason}")]
     Corrupt { path: PathBuf, offset: u64, reason: String },
 
+    /// Another process (or another `Memory` in this one) has the directory open.
+    #[error("{path}: memory directory in use by another process (its LOCK file is held)")]
+    Locked { path: PathBuf },
+
     #[error("unknown user `{0}`")]
     UnknownUser(String),
 

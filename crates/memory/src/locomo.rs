@@ -59,6 +59,7 @@ fn sample(s: &Value) -> std::result::Result<Sample, String> {
                 speaker: field("speaker")?,
                 text: field("text")?,
                 time: time.clone(),
+                source_turn: String::new(),
             });
         }
     }
@@ -99,4 +100,43 @@ fn sample(s: &Value) -> std::result::Result<Sample, String> {
         .transpose()?
         .unwrap_or_default();
     Ok(Sample { id, turns, qa })
+}
+
+/// Reads caller-supplied facts, one JSON object per line: `id`, `text` and
+/// `source_turn` (the turn the fact was extracted from) are required,
+/// `speaker` and `time` optional. Blank lines are skipped; errors name the
+/// file, the line and the field.
+pub fn read_facts(path: &Path) -> Result<Vec<Turn>> {
+    let text = std::fs::read_to_string(path).map_err(crate::error::io(path))?;
+    let bad = |line: usize, reason: String| MemoryError::Invalid {
+        what: "facts file",
+        reason: format!("{}:{line}: {reason}", path.display()),
+    };
+    let mut facts = Vec::new();
+    for (n, line) in text.lines().enumerate().map(|(i, l)| (i + 1, l.trim())) {
+        if line.is_empty() {
+            continue;
+        }
+        let v: Value = serde_json::from_str(line).map_err(|e| bad(n, format!("invalid JSON: {e}")))?;
+        let field = |name: &str, required: bool| -> Result<String> {
+            match v.get(name) {
+                Some(Value::String(s)) if !(required && s.trim().is_empty()) => Ok(s.clone()),
+                None if !required => Ok(String::new()),
+                Some(Value::String(_)) => Err(bad(n, format!("field `{name}` is empty"))),
+                Some(_) => Err(bad(n, format!("field `{name}` is not a string"))),
+                None => Err(bad(n, format!("missing field `{name}`"))),
+            }
+        };
+        facts.push(Turn {
+            id: field("id", true)?,
+            text: field("text", true)?,
+            source_turn: field("source_turn", true)?,
+            speaker: field("speaker", false)?,
+            time: field("time", false)?,
+        });
+    }
+    if facts.is_empty() {
+        return Err(bad(0, "no facts".into()));
+    }
+    Ok(facts)
 }

@@ -27,13 +27,19 @@ use crate::log::{RecordLog, sync_dir};
 /// Facts encoded per engine call (their forward passes are packed together).
 const ENCODE_BATCH: usize = 16;
 
-/// A conversation turn to remember.
-#[derive(Debug, Clone, PartialEq)]
+/// A memory unit to remember: a conversation turn, or a fact the caller
+/// extracted from one (then `source_turn` names that turn).
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct Turn {
     pub id: String,
     pub speaker: String,
     pub text: String,
     pub time: String,
+    /// For a caller-supplied fact: the id of the turn it came from. Its
+    /// context window is then the units stored before that turn (when the
+    /// turn is stored) instead of the units stored before the fact. Empty
+    /// for a conversation turn.
+    pub source_turn: String,
 }
 
 /// What the shard's KV is made with.
@@ -75,6 +81,9 @@ pub struct Memory<B: Backend> {
     /// What this shard's KV segments must have been made with.
     header: KvHeader,
     users: BTreeMap<String, UserShard<B>>,
+    /// Exclusive lock on `dir/LOCK`, held while this value lives: a second
+    /// writer would interleave appends and rewrites with ours.
+    _lock: std::fs::File,
 }
 
 fn user_dir_name(user: &str) -> String {
@@ -122,6 +131,18 @@ impl<B: Backend> Memory<B> {
         let be = engine.backend();
         let users_dir = dir.join("users");
         std::fs::create_dir_all(&users_dir).map_err(io(&users_dir))?;
+        let lock_path = dir.join("LOCK");
+        let lock = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .map_err(io(&lock_path))?;
+        match lock.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => return Err(MemoryError::Locked { path: dir.to_path_buf() }),
+            Err(std::fs::TryLockError::Error(e)) => return Err(io(&lock_path)(e)),
+        }
         let mut users = BTreeMap::new();
         let mut warnings = Vec::new();
         let entries = std::fs::read_dir(&users_dir).map_err(io(&users_dir))?;
@@ -135,7 +156,7 @@ impl<B: Backend> Memory<B> {
             let shard = UserShard::open(&entry.path(), be, &kv_header, &mut warnings)?;
             users.insert(user, shard);
         }
-        Ok((Memory { dir: dir.to_path_buf(), spec, header: kv_header, users }, warnings))
+        Ok((Memory { dir: dir.to_path_buf(), spec, header: kv_header, users, _lock: lock }, warnings))
     }
 
     pub fn spec(&self) -> &ShardSpec {
@@ -175,6 +196,12 @@ impl<B: Backend> Memory<B> {
                     reason: format!("turn {:?} has an empty id or text", t.id),
                 });
             }
+            if t.source_turn == t.id {
+                return Err(MemoryError::Invalid {
+                    what: "fact",
+                    reason: format!("fact {:?} names itself as its source turn", t.id),
+                });
+            }
             if !seen.insert(t.id.as_str()) {
                 return Err(MemoryError::Invalid { what: "turn", reason: format!("turn id {:?} appears twice", t.id) });
             }
@@ -203,7 +230,7 @@ impl<B: Backend> Memory<B> {
                 speaker: t.speaker.clone(),
                 text: t.text.clone(),
                 time: t.time.clone(),
-                source_turn: String::new(),
+                source_turn: t.source_turn.clone(),
                 tokens: enc.composer.fact(text)?,
                 embedding,
             });
@@ -327,9 +354,20 @@ impl<B: Backend> UserShard<B> {
         Ok(UserShard { dir: dir.to_path_buf(), facts, by_id, kv, log, kv_log })
     }
 
-    /// Encodes facts without KV: [header][previous `window` facts][fact],
-    /// [`ENCODE_BATCH`] facts per engine call so that short encodings share
-    /// forward passes; each batch's KV is appended to the segment at once.
+    /// Where fact `i`'s context window ends: its source turn when that turn
+    /// is stored before it, else the fact itself.
+    pub(crate) fn context_anchor(&self, i: usize) -> usize {
+        let source = &self.facts[i].source_turn;
+        match self.by_id.get(source) {
+            Some(&j) if !source.is_empty() && j < i => j,
+            _ => i,
+        }
+    }
+
+    /// Encodes facts without KV: [header][the `window` units stored before
+    /// the fact, or before its source turn][fact], [`ENCODE_BATCH`] facts
+    /// per engine call so that short encodings share forward passes; each
+    /// batch's KV is appended to the segment at once.
     fn encode_missing(&mut self, window: usize, enc: &mut Encoders<'_, '_, B>) -> Result<usize> {
         let missing: Vec<usize> = (0..self.facts.len()).filter(|&i| self.kv[i].is_none()).collect();
         let mut tokens = 0;
@@ -337,8 +375,11 @@ impl<B: Backend> UserShard<B> {
             let contexts: Vec<Vec<u32>> = group
                 .iter()
                 .map(|&i| {
+                    let anchor = self.context_anchor(i);
                     let mut c = enc.composer.header().to_vec();
-                    self.facts[i.saturating_sub(window)..i].iter().for_each(|f| c.extend_from_slice(&f.tokens));
+                    self.facts[anchor.saturating_sub(window)..anchor]
+                        .iter()
+                        .for_each(|f| c.extend_from_slice(&f.tokens));
                     c
                 })
                 .collect();

@@ -24,6 +24,7 @@ fn turn(i: usize) -> Turn {
         speaker: if i.is_multiple_of(2) { "Caroline" } else { "Melanie" }.into(),
         text: format!("Turn number {i}: I visited place {} and met friend {}.", i * 7 % 13, i * 5 % 11),
         time: "1:56 pm on 8 May, 2023".into(),
+        source_turn: String::new(),
     }
 }
 

@@ -44,6 +44,7 @@ fn turns(prefix: &str, n: usize) -> Vec<Turn> {
                 speaker: speaker.into(),
                 text: text.into(),
                 time: "1:56 pm on 8 May, 2023".into(),
+                source_turn: String::new(),
             }
         })
         .collect()
@@ -140,8 +141,41 @@ fn users_are_isolated_and_forgetting_removes_data() {
     let top = mem.retrieve("alice", &q, 10).unwrap();
     assert_eq!(top.len(), 3, "alice has three facts; bob's are never candidates");
     assert_eq!(mem.facts("alice").unwrap()[top[0]].id, "A2", "the Lisbon turn ranks first");
+    // Bob's request is in flight while alice's is prepared.
+    let qb = m.embedder.embed(&CpuBackend, &["Where did Melanie go camping?"]).unwrap().remove(0);
+    let bob_top = mem.retrieve("bob", &qb, 10).unwrap();
+    let pb = prepare(&mut e, &mem, "bob", &bob_top, Mode::Kv, &header, &question).unwrap();
     let p = prepare(&mut e, &mem, "alice", &top, Mode::Kv, &header, &question).unwrap();
     assert!(p.fact_ids.iter().all(|id| id.starts_with('A')), "{:?}", p.fact_ids);
+    // The blocks alice's request wrote are its own: apart from the header's
+    // full blocks, shared read-only by every request, none is bob's or the
+    // header's, and none is shared with anything else.
+    let shared = composer.header().len() / inferscale_engine::kv_cache::BLOCK_SIZE;
+    let header_blocks = &header.block_table().blocks()[..shared];
+    assert_eq!(&p.seq.block_table().blocks()[..shared], header_blocks);
+    let written = &p.seq.block_table().blocks()[shared..];
+    assert!(!written.is_empty());
+    for b in written {
+        assert!(!pb.seq.block_table().blocks().contains(b), "block {b} is also bob's");
+        assert!(!header.block_table().blocks().contains(b), "block {b} is the header's");
+        assert_eq!(e.pool().refcount(*b), 1, "block {b} is shared");
+    }
+    // And they hold alice's KV: the injected span equals her facts' KV
+    // injected alone into a fresh sequence.
+    let alice_chunks: Vec<_> = p
+        .fact_ids
+        .iter()
+        .map(|id| {
+            let i = mem.facts("alice").unwrap().iter().position(|f| &f.id == id).unwrap();
+            mem.kv("alice", i).unwrap().unwrap()
+        })
+        .collect();
+    let mut alone = e.fork(&header).unwrap();
+    e.inject(&mut alone, &alice_chunks).unwrap();
+    let (got, _) = e.cached_kv(&p.seq, 0).unwrap();
+    let (want, _) = e.cached_kv(&alone, 0).unwrap();
+    assert_eq!(got.data, want.data, "alice's cache holds exactly her facts' KV");
+    drop(pb);
     assert_eq!(p.fact_ids.last().map(String::as_str), Some("A2"), "most relevant next to the question");
     // The injected tokens are alice's facts' tokens, in prompt order.
     let alice = mem.facts("alice").unwrap();
@@ -182,4 +216,94 @@ fn bad_input_is_refused_and_stores_nothing() {
     assert_eq!(mem.facts("carol").unwrap().len(), 2, "nothing stored by refused calls");
     assert!(matches!(mem.retrieve("carol", &[0.0; 384], 0), Err(MemoryError::Invalid { .. })));
     assert!(matches!(mem.retrieve("nobody", &[0.0; 384], 3), Err(MemoryError::UnknownUser(_))));
+}
+
+#[test]
+fn supplied_facts_are_encoded_after_their_source_turns_context() {
+    let m = models();
+    let mut e = engine(&m);
+    let composer = Composer::new(&m.files, SYSTEM_PROMPT).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (mut mem, _) = open(dir.path(), &e, 2);
+    let fact = Turn {
+        id: "F1".into(),
+        speaker: "Caroline".into(),
+        text: "Caroline is moving to Lisbon in September.".into(),
+        time: "1:56 pm on 8 May, 2023".into(),
+        source_turn: "T2".into(),
+    };
+    {
+        let mut enc = Encoders { engine: &mut e, embedder: &m.embedder, composer: &composer };
+        mem.ingest("u", &turns("T", 6), &mut enc).unwrap();
+        let r = mem.ingest("u", std::slice::from_ref(&fact), &mut enc).unwrap();
+        assert_eq!((r.added, r.skipped), (1, 0));
+        let again = mem.ingest("u", std::slice::from_ref(&fact), &mut enc).unwrap();
+        assert_eq!((again.added, again.skipped), (0, 1), "ingest is idempotent by fact id");
+        let mut selfish = fact.clone();
+        selfish.id = "F2".into();
+        selfish.source_turn = "F2".into();
+        assert!(matches!(mem.ingest("u", &[selfish], &mut enc), Err(MemoryError::Invalid { .. })));
+    }
+    let facts = mem.facts("u").unwrap().to_vec();
+    assert_eq!(facts.len(), 7);
+    let stored = facts.last().unwrap();
+    assert_eq!((stored.id.as_str(), stored.source_turn.as_str()), ("F1", "T2"));
+
+    // The stored KV is the fact encoded after [header][T0][T1] (window 2
+    // before T2), not after the two units stored just before the fact.
+    let (k, _) = mem.kv("u", 6).unwrap().unwrap().to_host(e.backend()).unwrap();
+    let encode_after = |e: &mut Engine<CpuBackend>, units: &[usize]| {
+        let mut ctx = composer.header().to_vec();
+        units.iter().for_each(|&i| ctx.extend(&facts[i].tokens));
+        let chunk = e.encode(&ctx, &stored.tokens, ctx.len() as u32).unwrap();
+        chunk.to_host(e.backend()).unwrap().0
+    };
+    let rel = |a: &[f32], b: &[f32]| {
+        let num: f32 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
+        (num / b.iter().map(|y| y * y).sum::<f32>()).sqrt()
+    };
+    let source = encode_after(&mut e, &[0, 1]);
+    let recent = encode_after(&mut e, &[4, 5]);
+    for layer in [0, k.len() / 2, k.len() - 1] {
+        assert!(rel(&k[layer].data, &source[layer].data) < 1e-5, "layer {layer}: not the source turn's context");
+    }
+    assert!(rel(&k[k.len() - 1].data, &recent[k.len() - 1].data) > 1e-3, "control: another context differs");
+
+    // One writer at a time: a second open of the directory is refused.
+    let second = Memory::open(dir.path(), spec(2), &e);
+    assert!(matches!(second, Err(MemoryError::Locked { .. })), "{:?}", second.err());
+    // The source turn survives a restart.
+    drop(mem);
+    let (mem, _) = open(dir.path(), &e, 2);
+    assert_eq!(mem.facts("u").unwrap()[6].source_turn, "T2");
+}
+
+#[test]
+fn facts_files_are_read_with_errors_naming_line_and_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("facts.jsonl");
+    let read = |text: &str| {
+        std::fs::write(&path, text).unwrap();
+        inferscale_memory::locomo::read_facts(&path)
+    };
+    let good = read(
+        "{\"id\": \"F1\", \"text\": \"Likes ramen.\", \"source_turn\": \"D1:3\", \"speaker\": \"Caroline\"}\n\n\
+         {\"id\": \"F2\", \"text\": \"Lives in Lisbon.\", \"source_turn\": \"D2:1\"}\n",
+    )
+    .unwrap();
+    assert_eq!(good.len(), 2);
+    assert_eq!(
+        (good[0].speaker.as_str(), good[1].source_turn.as_str(), good[1].time.as_str()),
+        ("Caroline", "D2:1", "")
+    );
+    for (text, needle) in [
+        ("{\"id\": \"F1\", \"text\": \"x\", \"source_turn\": \"D1\"}\n{\"id\": \"F2\"", "facts.jsonl:2: invalid JSON"),
+        ("{\"id\": \"F1\", \"text\": \"x\"}", "facts.jsonl:1: missing field `source_turn`"),
+        ("{\"id\": \"F1\", \"text\": \" \", \"source_turn\": \"D1\"}", "facts.jsonl:1: field `text` is empty"),
+        ("{\"id\": 7, \"text\": \"x\", \"source_turn\": \"D1\"}", "facts.jsonl:1: field `id` is not a string"),
+        ("\n\n", "no facts"),
+    ] {
+        let err = read(text).unwrap_err().to_string();
+        assert!(err.contains(needle), "{err:?} lacks {needle:?}");
+    }
 }

@@ -28,6 +28,26 @@ extern "C" __global__ void rms_norm(bf16* out, const bf16* x, const bf16* w, int
         dst[c] = __float2bfloat16(__bfloat162float(row[c]) * inv * __bfloat162float(w[c]));
 }
 
+// rms_norm for widths that are multiples of 8 and at most 8192: one thread
+// per 8 values, held in registers between the reduction and the write.
+extern "C" __global__ void rms_norm_v8(bf16* out, const bf16* x, const bf16* w, int cols, float eps) {
+    __shared__ float scratch[32];
+    const int v = threadIdx.x;
+    const bool live = v * 8 < cols;
+    float f[8];
+    unpack8(live ? ((const uint4*)(x + (size_t)blockIdx.x * cols))[v] : make_uint4(0, 0, 0, 0), f);
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; i++) ss += f[i] * f[i];
+    float inv = rsqrtf(block_sum(ss, scratch) / cols + eps);
+    if (!live) return;
+    float g[8];
+    unpack8(((const uint4*)w)[v], g);
+#pragma unroll
+    for (int i = 0; i < 8; i++) f[i] = f[i] * inv * g[i];
+    ((uint4*)(out + (size_t)blockIdx.x * cols))[v] = pack8(f);
+}
+
 // One block per row: y = (x − mean) / sqrt(var + eps) · w + b.
 extern "C" __global__ void layer_norm(bf16* out, const bf16* x, const bf16* w, const bf16* b, int cols, float eps) {
     __shared__ float scratch[32];
@@ -66,11 +86,18 @@ extern "C" __global__ void silu_mul(bf16* out, const bf16* gate_up, int half) {
     }
 }
 
-// Columns start .. start + width of every row of x (x_cols wide). Grid (column blocks, rows).
-extern "C" __global__ void copy_cols(bf16* out, const bf16* x, int width, int x_cols, int start) {
+// Columns start .. start + width of every row of x (x_cols wide). Grid
+// (column blocks, rows); `vec` = 8 when width, x_cols and start are
+// multiples of 8 (16-byte copies), else 1.
+extern "C" __global__ void copy_cols(bf16* out, const bf16* x, int width, int x_cols, int start, int vec) {
     const bf16* src = x + (size_t)blockIdx.y * x_cols + start;
     bf16* dst = out + (size_t)blockIdx.y * width;
-    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < width; c += gridDim.x * blockDim.x) dst[c] = src[c];
+    if (vec == 8) {
+        for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < width / 8; c += gridDim.x * blockDim.x)
+            ((uint4*)dst)[c] = ((const uint4*)src)[c];
+    } else {
+        for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < width; c += gridDim.x * blockDim.x) dst[c] = src[c];
+    }
 }
 
 // x += y over n elements (n even: activations have even widths).

@@ -5,22 +5,24 @@
 // layer back to back. Rotation follows HF's rotate_half: dimension i pairs
 // with i + rot/2, for i < rot/2; dimensions from rot on are not rotated.
 
-// In place: one thread per (row, head, pair).
+// In place: one thread per (row, head, two adjacent pairs); rot/2 is even.
 extern "C" __global__ void rope_apply(bf16* x, const u32* positions, int cols, int head_dim, int rot,
                                       const float* cos_t, const float* sin_t, const float* inv_freq,
                                       u32 table_positions) {
     int half = rot / 2;
-    int pairs = (cols / head_dim) * half;
+    int units = (cols / head_dim) * (half / 2);
     u32 p = positions[blockIdx.x];
     bf16* row = x + (size_t)blockIdx.x * cols;
-    for (int j = threadIdx.x; j < pairs; j += blockDim.x) {
-        int h = j / half, i = j % half;
-        float c, s;
-        rope_cos_sin(p, i, half, cos_t, sin_t, inv_freq, table_positions, &c, &s);
-        bf16* v = row + h * head_dim;
-        float x1 = __bfloat162float(v[i]), x2 = __bfloat162float(v[i + half]);
-        v[i] = __float2bfloat16(x1 * c - x2 * s);
-        v[i + half] = __float2bfloat16(x2 * c + x1 * s);
+    for (int j = threadIdx.x; j < units; j += blockDim.x) {
+        int h = j / (half / 2), i = 2 * (j % (half / 2));
+        float c0, s0, c1, s1;
+        rope_cos_sin(p, i, half, cos_t, sin_t, inv_freq, table_positions, &c0, &s0);
+        rope_cos_sin(p, i + 1, half, cos_t, sin_t, inv_freq, table_positions, &c1, &s1);
+        __nv_bfloat162* lo = (__nv_bfloat162*)(row + h * head_dim + i);
+        __nv_bfloat162* hi = (__nv_bfloat162*)(row + h * head_dim + i + half);
+        float2 x1 = __bfloat1622float2(*lo), x2 = __bfloat1622float2(*hi);
+        *lo = __floats2bfloat162_rn(x1.x * c0 - x2.x * s0, x1.y * c1 - x2.y * s1);
+        *hi = __floats2bfloat162_rn(x2.x * c0 + x1.x * s0, x2.y * c1 + x1.y * s1);
     }
 }
 
@@ -42,14 +44,16 @@ extern "C" __global__ void gather_kv(bf16* k, bf16* v, const bf16* kc, const bf1
 }
 
 // Copies whole blocks (src, dst) = (pairs[2i], pairs[2i+1]) in every layer:
-// grid (pairs, layers).
+// grid (pairs, layers), 16-byte copies (block_elems is a multiple of 8).
 extern "C" __global__ void copy_blocks(bf16* kc, bf16* vc, const u32* pairs, size_t layer_elems, int block_elems) {
     size_t base = blockIdx.y * layer_elems;
-    size_t src = base + (size_t)pairs[2 * blockIdx.x] * block_elems;
-    size_t dst = base + (size_t)pairs[2 * blockIdx.x + 1] * block_elems;
-    for (int c = threadIdx.x; c < block_elems; c += blockDim.x) {
-        kc[dst + c] = kc[src + c];
-        vc[dst + c] = vc[src + c];
+    const uint4* ks = (const uint4*)(kc + base + (size_t)pairs[2 * blockIdx.x] * block_elems);
+    const uint4* vs = (const uint4*)(vc + base + (size_t)pairs[2 * blockIdx.x] * block_elems);
+    uint4* kd = (uint4*)(kc + base + (size_t)pairs[2 * blockIdx.x + 1] * block_elems);
+    uint4* vd = (uint4*)(vc + base + (size_t)pairs[2 * blockIdx.x + 1] * block_elems);
+    for (int c = threadIdx.x; c < block_elems / 8; c += blockDim.x) {
+        kd[c] = ks[c];
+        vd[c] = vs[c];
     }
 }
 

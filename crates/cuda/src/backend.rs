@@ -12,7 +12,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::cublas::CudaBlas;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t};
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PinnedHostSlice, PushKernelArg,
+};
 use half::bf16;
 use inferscale_engine::backend::{AttentionShape, Backend, InjectChunk, KvSpec, SeqSpan};
 use inferscale_engine::rope::{Rope, TABLE_POSITIONS};
@@ -110,6 +112,8 @@ pub struct CudaBackend {
     ropes: Arc<Mutex<Vec<Arc<DeviceRope>>>>,
     meta: Arc<Mutex<MetaCache>>,
     profiler: Option<Arc<Profiler>>,
+    /// Pinned host memory that `to_host` copies through.
+    staging: Arc<Mutex<Option<PinnedHostSlice<bf16>>>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -152,6 +156,7 @@ impl CudaBackend {
             ropes: Arc::new(Mutex::new(Vec::new())),
             meta: Arc::new(Mutex::new(MetaCache::default())),
             profiler,
+            staging: Arc::new(Mutex::new(None)),
         })
     }
 
@@ -318,8 +323,29 @@ impl Backend for CudaBackend {
 
     fn to_host(&self, t: &CudaTensor) -> Result<HostTensor> {
         let _span = self.span("to_host");
-        let host = self.stream.clone_dtoh(&t.data).cu()?;
-        let data = host[..t.len()].par_iter().map(|x| x.to_f32()).collect();
+        let n = t.len();
+        // Through a pinned buffer: a pageable copy is staged by the driver
+        // and takes ~10× longer for the logits of a large vocabulary.
+        let mut staging = lock(&self.staging);
+        if staging.as_ref().is_none_or(|s| s.len() < n) {
+            // SAFETY: the buffer is only read after the copy into it completed (`as_slice` waits).
+            let buf = unsafe { self.ctx.alloc_pinned_with_flags::<bf16>(n.max(1 << 18), 0) }.cu()?;
+            *staging = Some(buf);
+        }
+        let buf = staging.as_mut().ok_or_else(|| shape_err("staging buffer".into()))?;
+        let host = &mut buf.as_mut_slice().cu()?[..n];
+        if n > 0 {
+            // SAFETY: `host` is n elements of pinned memory, the source n live
+            // device elements; the stream is synchronised before `host` is read.
+            unsafe { cudarc::driver::result::memcpy_dtoh_async(host, self.ptr(&t.data), self.stream.cu_stream()) }
+                .cu()?;
+            self.stream.synchronize().cu()?;
+        }
+        let data = if n >= 1 << 16 {
+            host[..n].par_iter().map(|x| x.to_f32()).collect()
+        } else {
+            host[..n].iter().map(|x| x.to_f32()).collect()
+        };
         Ok(HostTensor { shape: vec![t.rows, t.cols], data })
     }
 
@@ -346,7 +372,12 @@ impl Backend for CudaBackend {
         }
         let out = self.tensor(x.rows, x.cols)?;
         let (o, xi, w, c) = (self.ptr(&out.data), self.ptr(&x.data), self.ptr(&weight.data), x.cols as i32);
-        self.launch(&self.k.rms_norm, Self::rows_cfg(x.rows, 256), &[&o, &xi, &w, &c, &eps])?;
+        if x.cols.is_multiple_of(8) && x.cols <= 8 * 1024 {
+            let threads = (x.cols / 8).div_ceil(32) * 32;
+            self.launch(&self.k.rms_norm_v8, Self::rows_cfg(x.rows, threads as u32), &[&o, &xi, &w, &c, &eps])?;
+        } else {
+            self.launch(&self.k.rms_norm, Self::rows_cfg(x.rows, 256), &[&o, &xi, &w, &c, &eps])?;
+        }
         Ok(out)
     }
 
@@ -400,7 +431,11 @@ impl Backend for CudaBackend {
 
     fn rope(&self, x: &mut CudaTensor, head_dim: usize, positions: &[u32], rope: &Rope) -> Result<()> {
         let _span = self.span("rope");
-        if positions.len() != x.rows || !x.cols.is_multiple_of(head_dim) || rope.dim() > head_dim {
+        if positions.len() != x.rows
+            || !x.cols.is_multiple_of(head_dim)
+            || rope.dim() > head_dim
+            || !rope.dim().is_multiple_of(4)
+        {
             return Err(shape_err(format!(
                 "rope: {} positions for [{}, {}] with head_dim {head_dim}",
                 positions.len(),
@@ -461,7 +496,9 @@ impl Backend for CudaBackend {
         for &w in widths {
             let out = self.tensor(x.rows, w)?;
             let (o, xp, wi, xc, st) = (self.ptr(&out.data), self.ptr(&x.data), w as i32, x.cols as i32, start as i32);
-            self.launch(&self.k.copy_cols, Self::row_blocks_cfg(x.rows, w), &[&o, &xp, &wi, &xc, &st])?;
+            let vec: i32 = if [w, x.cols, start].iter().all(|v| v.is_multiple_of(8)) { 8 } else { 1 };
+            let cfg = Self::row_blocks_cfg(x.rows, w / vec as usize);
+            self.launch(&self.k.copy_cols, cfg, &[&o, &xp, &wi, &xc, &st, &vec])?;
             parts.push(out);
             start += w;
         }

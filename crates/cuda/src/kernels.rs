@@ -107,6 +107,7 @@ kernels!(
     embedding_gather,
     select_rows,
     rms_norm,
+    rms_norm_v8,
     layer_norm,
     gelu,
     silu_mul,

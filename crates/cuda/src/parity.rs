@@ -223,9 +223,14 @@ impl<B: Backend> Any2 for Dyn<'_, B> {
             .map(|((k, v), (p, s))| InjectChunk { k, v, positions: p, slots: s })
             .collect();
         be.inject_kv(&mut store, &chunks, rope)?;
+        // Copy-on-write of shared blocks: each sequence's first block to a free one.
+        let free = (c.spec.num_blocks - c.seqs.len()) as u32;
+        let pairs: Vec<(u32, u32)> = c.seqs.iter().enumerate().map(|(i, s)| (s.2[0], free + i as u32)).collect();
+        be.copy_blocks(&mut store, &pairs)?;
+        let copied: Vec<u32> = (free * bs..(free + c.seqs.len() as u32) * bs).collect();
         let mut out = Vec::new();
         for l in 0..layers {
-            for (_, slots) in &meta {
+            for slots in meta.iter().map(|m| &m.1).chain([&copied]) {
                 let (k, v) = be.gather_kv(&store, l, slots)?;
                 out.extend(be.to_host(&k)?.data);
                 out.extend(be.to_host(&v)?.data);
@@ -306,7 +311,7 @@ pub fn ops<G: Backend>(gpu: &G) -> R<Report> {
         both(
             &cpu,
             gpu,
-            &format!("inject_kv d{hd} (2 chunks × 2 layers) then gather_kv"),
+            &format!("inject_kv d{hd} (2 chunks × 2 layers), copy_blocks, gather_kv"),
             |be| be.inject(&c, &rope),
             &mut out,
         )?;

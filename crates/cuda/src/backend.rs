@@ -16,7 +16,7 @@ use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PinnedHostSlice, PushKernelArg,
 };
 use half::bf16;
-use inferscale_engine::backend::{AttentionShape, Backend, InjectChunk, KvSpec, SeqSpan};
+use inferscale_engine::backend::{AttentionShape, Backend, InjectChunk, KvSpec, SeqSpan, matrix_dims};
 use inferscale_engine::rope::{Rope, TABLE_POSITIONS};
 use inferscale_engine::{EngineError, Result};
 use inferscale_model::HostTensor;
@@ -120,10 +120,6 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-fn blocks_for(n: usize, threads: usize) -> u32 {
-    n.div_ceil(threads).clamp(1, 65_535 * 4) as u32
-}
-
 impl CudaBackend {
     /// Opens device `ordinal`, compiles the kernels and creates the cuBLAS handle.
     pub fn new(ordinal: usize) -> crate::Result<Self> {
@@ -163,14 +159,6 @@ impl CudaBackend {
     /// The device's name as the driver reports it.
     pub fn device_name(&self) -> &str {
         &self.device_name
-    }
-
-    pub fn context(&self) -> &Arc<CudaContext> {
-        &self.ctx
-    }
-
-    pub fn stream(&self) -> &Arc<CudaStream> {
-        &self.stream
     }
 
     /// Brackets an op with profiling events when profiling is on.
@@ -227,14 +215,7 @@ impl CudaBackend {
     }
 
     fn to_device(&self, t: &HostTensor) -> Result<CudaTensor> {
-        let (rows, cols) = match t.shape.as_slice() {
-            [n] => (1, *n),
-            [r, c] => (*r, *c),
-            s => return Err(shape_err(format!("a {}-D tensor where a matrix is needed", s.len()))),
-        };
-        if rows * cols != t.data.len() {
-            return Err(shape_err(format!("shape {:?} for {} values", t.shape, t.data.len())));
-        }
+        let (rows, cols) = matrix_dims(t)?;
         let host: Vec<bf16> = t.data.par_iter().map(|&x| bf16::from_f32(x)).collect();
         let data = self.stream.clone_htod(if host.is_empty() { &[bf16::ZERO][..] } else { &host }).cu()?;
         Ok(CudaTensor { data, rows, cols })
@@ -243,7 +224,7 @@ impl CudaBackend {
     /// A grid-stride elementwise launch over `n` elements.
     fn elementwise_cfg(&self, n: usize) -> LaunchConfig {
         LaunchConfig {
-            grid_dim: (blocks_for(n, 256).min(self.sm_count as u32 * 16), 1, 1),
+            grid_dim: (n.div_ceil(256).clamp(1, self.sm_count * 16) as u32, 1, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         }
@@ -477,10 +458,10 @@ impl Backend for CudaBackend {
             return Err(shape_err(format!("silu_mul of an odd width {}", gate_up.cols)));
         }
         let half = gate_up.cols / 2;
-        let out = self.tensor(gate_up.rows, half)?;
         if !half.is_multiple_of(2) {
             return Err(shape_err(format!("silu_mul: half width {half} must be even")));
         }
+        let out = self.tensor(gate_up.rows, half)?;
         let (o, g, h) = (self.ptr(&out.data), self.ptr(&gate_up.data), half as i32);
         self.launch(&self.k.silu_mul, Self::row_blocks_cfg(gate_up.rows, half / 2), &[&o, &g, &h])?;
         Ok(out)
@@ -538,7 +519,7 @@ impl Backend for CudaBackend {
             ))
             .into());
         }
-        let layer_elems = spec.num_blocks * spec.block_size * spec.num_kv_heads * spec.head_dim;
+        let layer_elems = spec.capacity() * spec.kv_dim();
         let total = layer_elems * spec.num_layers;
         let k = self.stream.alloc_zeros::<bf16>(total.max(1)).cu()?;
         let v = self.stream.alloc_zeros::<bf16>(total.max(1)).cu()?;
@@ -554,8 +535,8 @@ impl Backend for CudaBackend {
         slots: &[u32],
     ) -> Result<()> {
         let _span = self.span("write_kv");
-        let kv_dim = store.spec.num_kv_heads * store.spec.head_dim;
-        check_slots(store, slots)?;
+        let kv_dim = store.spec.kv_dim();
+        store.spec.check(layer, slots)?;
         if k.rows != slots.len() || v.rows != slots.len() || k.cols != kv_dim || v.cols != kv_dim {
             return Err(shape_err(format!("write_kv: {} slots for K [{}, {}]", slots.len(), k.rows, k.cols)));
         }
@@ -568,41 +549,10 @@ impl Backend for CudaBackend {
     fn inject_kv(&self, store: &mut CudaKvStore, chunks: &[InjectChunk<'_, CudaTensor>], rope: &Rope) -> Result<()> {
         let _span = self.span("inject_kv");
         let spec = store.spec;
-        let (layers, kv_dim) = (spec.num_layers, spec.num_kv_heads * spec.head_dim);
+        let (layers, kv_dim) = (spec.num_layers, spec.kv_dim());
         let total: usize = chunks.iter().map(|c| c.slots.len()).sum();
         if total == 0 {
             return Ok(());
-        }
-        // One upload: K pointers, V pointers, then the four u32 arrays (two per word).
-        let ptr_words = 2 * chunks.len() * layers;
-        let mut table = vec![0u64; ptr_words + (4 * total).div_ceil(2)];
-        let mut meta = vec![0u32; 4 * total];
-        let mut t = 0;
-        for (ci, c) in chunks.iter().enumerate() {
-            let n = c.slots.len();
-            if c.k.len() != layers || c.v.len() != layers || c.positions.len() != n {
-                return Err(shape_err(format!("inject_kv: chunk {ci} has {} layers, {n} slots", c.k.len())));
-            }
-            check_slots(store, c.slots)?;
-            for l in 0..layers {
-                for x in [&c.k[l], &c.v[l]] {
-                    if x.rows != n || x.cols != kv_dim {
-                        return Err(shape_err(format!("inject_kv: chunk {ci} layer {l} is [{}, {}]", x.rows, x.cols)));
-                    }
-                }
-                table[ci * layers + l] = self.ptr(&c.k[l].data);
-                table[(chunks.len() + ci) * layers + l] = self.ptr(&c.v[l].data);
-            }
-            for i in 0..n {
-                meta[t] = ci as u32;
-                meta[total + t] = i as u32;
-                meta[2 * total + t] = c.positions[i];
-                meta[3 * total + t] = c.slots[i];
-                t += 1;
-            }
-        }
-        for (w, pair) in table[ptr_words..].iter_mut().zip(meta.chunks(2)) {
-            *w = pair[0] as u64 | (pair.get(1).copied().unwrap_or(0) as u64) << 32;
         }
         if !(rope.dim() / 2).is_multiple_of(8) || !spec.head_dim.is_multiple_of(8) {
             return Err(CudaError::Unsupported(format!(
@@ -612,6 +562,21 @@ impl Backend for CudaBackend {
             ))
             .into());
         }
+        let mut ptrs = Vec::with_capacity(chunks.len() * layers);
+        for (ci, c) in chunks.iter().enumerate() {
+            let n = c.slots.len();
+            if c.k.len() != layers || c.v.len() != layers || c.positions.len() != n {
+                return Err(shape_err(format!("inject_kv: chunk {ci} has {} layers, {n} slots", c.k.len())));
+            }
+            spec.check_slots(c.slots)?;
+            for (l, (k, v)) in c.k.iter().zip(c.v).enumerate() {
+                if [k, v].iter().any(|x| x.rows != n || x.cols != kv_dim) {
+                    return Err(shape_err(format!("inject_kv: chunk {ci} layer {l} is [{}, {}]", k.rows, k.cols)));
+                }
+                ptrs.push((self.ptr(&k.data), self.ptr(&v.data)));
+            }
+        }
+        let table = inject_table(&ptrs, chunks.iter().map(|c| (c.positions, c.slots)), total);
         let r = self.rope_tables(rope)?;
         let table_dev = self.stream.clone_htod(&table).cu()?;
         let (kc, vc) = (self.ptr(&store.k), self.ptr(&store.v));
@@ -628,8 +593,8 @@ impl Backend for CudaBackend {
 
     fn gather_kv(&self, store: &CudaKvStore, layer: usize, slots: &[u32]) -> Result<(CudaTensor, CudaTensor)> {
         let _span = self.span("gather_kv");
-        check_slots(store, slots)?;
-        let kv_dim = store.spec.num_kv_heads * store.spec.head_dim;
+        store.spec.check(layer, slots)?;
+        let kv_dim = store.spec.kv_dim();
         let (k, v) = (self.tensor(slots.len(), kv_dim)?, self.tensor(slots.len(), kv_dim)?);
         let (kc, vc) = self.layer_ptrs(store, layer);
         let s = self.meta(slots)?;
@@ -647,7 +612,7 @@ impl Backend for CudaBackend {
         let flat: Vec<u32> = pairs.iter().flat_map(|&(s, d)| [s, d]).collect();
         let dev = self.stream.clone_htod(if flat.is_empty() { &[0u32][..] } else { &flat }).cu()?;
         let (kc, vc, pp) = (self.ptr(&store.k), self.ptr(&store.v), self.ptr(&dev));
-        let (le, be) = (store.layer_elems, (spec.block_size * spec.num_kv_heads * spec.head_dim) as i32);
+        let (le, be) = (store.layer_elems, (spec.block_size * spec.kv_dim()) as i32);
         let cfg = LaunchConfig {
             grid_dim: (pairs.len() as u32, spec.num_layers as u32, 1),
             block_dim: (256, 1, 1),
@@ -726,6 +691,7 @@ impl Backend for CudaBackend {
         let _span = self.span("attention");
         let spec = store.spec;
         let d = shape.head_dim;
+        spec.check(layer, &[])?;
         if d != spec.head_dim
             || shape.num_kv_heads != spec.num_kv_heads
             || !shape.num_heads.is_multiple_of(shape.num_kv_heads)
@@ -773,12 +739,34 @@ impl Backend for CudaBackend {
     }
 }
 
-fn check_slots(store: &CudaKvStore, slots: &[u32]) -> Result<()> {
-    let n = store.spec.num_blocks * store.spec.block_size;
-    match slots.iter().find(|&&s| s as usize >= n) {
-        Some(s) => Err(shape_err(format!("KV slot {s} beyond the cache's {n}"))),
-        None => Ok(()),
+/// The `table` argument of `inject_kv` (kernels/kv.cu), as u32 words for
+/// one upload: every (chunk, layer)'s K pointer, then every V pointer (64-bit,
+/// low word first), then four arrays of `total` entries — chunk index, row
+/// within the chunk, position, slot. `ptrs[c·layers + l]` = (K, V) of chunk c,
+/// layer l; `chunks` yields each chunk's positions and slots.
+fn inject_table<'a>(
+    ptrs: &[(u64, u64)],
+    chunks: impl Iterator<Item = (&'a [u32], &'a [u32])>,
+    total: usize,
+) -> Vec<u32> {
+    let mut table = vec![0u32; 4 * ptrs.len() + 4 * total];
+    let (words, meta) = table.split_at_mut(4 * ptrs.len());
+    for (i, &(k, v)) in ptrs.iter().enumerate() {
+        for (at, p) in [(2 * i, k), (2 * (ptrs.len() + i), v)] {
+            words[at..at + 2].copy_from_slice(&[p as u32, (p >> 32) as u32]);
+        }
     }
+    let mut t = 0;
+    for (ci, (positions, slots)) in chunks.enumerate() {
+        for (row, (&p, &s)) in positions.iter().zip(slots).enumerate() {
+            meta[t] = ci as u32;
+            meta[total + t] = row as u32;
+            meta[2 * total + t] = p;
+            meta[3 * total + t] = s;
+            t += 1;
+        }
+    }
+    table
 }
 
 /// How one attention call is cut into blocks (see `paged_attention` in
@@ -843,4 +831,22 @@ pub(crate) fn plan_attention(
     let tables_off = meta.len();
     meta.extend(tables);
     Ok(AttentionPlan { meta, works_off, tables_off, works: n_works, splits, keys_per_split })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn inject_table_matches_the_kernels_layout() {
+        let ptrs = [(0x1_0000_0010, 0x2_0000_0020), (0x3_0000_0030, 0x4_0000_0040), (5, 6), (7, 8)];
+        let (p0, s0, p1, s1) = ([10, 11], [100, 101], [20], [200]);
+        let t = inject_table(&ptrs, [(&p0[..], &s0[..]), (&p1[..], &s1[..])].into_iter(), 3);
+        let word = |i: usize| t[2 * i] as u64 | (t[2 * i + 1] as u64) << 32;
+        // The kernel reads 64-bit K pointers at [c·L + l], V pointers after them.
+        assert_eq!((0..4).map(word).collect::<Vec<_>>(), [0x1_0000_0010, 0x3_0000_0030, 5, 7]);
+        assert_eq!((4..8).map(word).collect::<Vec<_>>(), [0x2_0000_0020, 0x4_0000_0040, 6, 8]);
+        // Then chunk, row, position and slot of each of the 3 tokens.
+        assert_eq!(&t[16..], &[0, 0, 1, 0, 1, 0, 10, 11, 20, 100, 101, 200]);
+    }
 }

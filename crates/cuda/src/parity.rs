@@ -14,6 +14,7 @@
 
 use inferscale_engine::backend::{AttentionShape, Backend, InjectChunk, KvSpec, SeqSpan};
 use inferscale_engine::rope::Rope;
+use inferscale_engine::sampling::argmax;
 use inferscale_engine::{CpuBackend, Engine, EngineConfig, KvChunk};
 use inferscale_model::{Family, HostTensor, ModelConfig, ModelFiles, RopeConfig, RopeScaling};
 
@@ -81,7 +82,7 @@ type R<T> = inferscale_engine::Result<T>;
 /// Runs `f` on both backends and compares the host results.
 fn both<G: Backend, F>(cpu: &CpuBackend, gpu: &G, name: &str, f: F, out: &mut Report) -> R<()>
 where
-    F: Fn(&dyn Any2) -> R<Vec<f32>>,
+    F: Fn(&dyn Ops) -> R<Vec<f32>>,
 {
     let (a, b) = (f(&Dyn(cpu))?, f(&Dyn(gpu))?);
     out.push(Check { name: name.into(), error: rel(&b, &a), tolerance: OP_TOL, control: false });
@@ -89,7 +90,7 @@ where
 }
 
 /// Object-safe view of the ops we compare, over either backend.
-trait Any2 {
+trait Ops {
     fn linear(&self, x: &HostTensor, w: &HostTensor, b: Option<&HostTensor>) -> R<Vec<f32>>;
     fn norms(&self, x: &HostTensor, w: &HostTensor, b: &HostTensor) -> R<Vec<f32>>;
     fn acts(&self, x: &HostTensor, y: &HostTensor) -> R<Vec<f32>>;
@@ -118,7 +119,7 @@ struct PagedCase {
     seed: u64,
 }
 
-impl<B: Backend> Any2 for Dyn<'_, B> {
+impl<B: Backend> Ops for Dyn<'_, B> {
     fn linear(&self, x: &HostTensor, w: &HostTensor, b: Option<&HostTensor>) -> R<Vec<f32>> {
         let be = self.0;
         let b = b.map(|b| be.upload(b)).transpose()?;
@@ -173,7 +174,7 @@ impl<B: Backend> Any2 for Dyn<'_, B> {
     fn paged(&self, c: &PagedCase) -> R<Vec<f32>> {
         let be = self.0;
         let mut store = be.new_kv_store(c.spec)?;
-        let kv_dim = c.spec.num_kv_heads * c.spec.head_dim;
+        let kv_dim = c.spec.kv_dim();
         let bs = c.spec.block_size;
         let mut spans = Vec::new();
         let mut q_rows = 0;
@@ -196,7 +197,7 @@ impl<B: Backend> Any2 for Dyn<'_, B> {
     fn inject(&self, c: &PagedCase, rope: &Rope) -> R<Vec<f32>> {
         let be = self.0;
         let mut store = be.new_kv_store(c.spec)?;
-        let kv_dim = c.spec.num_kv_heads * c.spec.head_dim;
+        let kv_dim = c.spec.kv_dim();
         let bs = c.spec.block_size as u32;
         let layers = c.spec.num_layers;
         let mut ks = Vec::new();
@@ -453,29 +454,6 @@ pub fn run<G: Backend + Clone>(gpu: &G) -> R<Report> {
     Ok(out)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The harness itself, with the CPU backend on both sides: every
-    /// comparison is exact and every control still fails by far.
-    #[test]
-    fn harness_on_cpu_against_cpu() {
-        let report = run(&CpuBackend).unwrap_or_else(|e| panic!("{e}"));
-        for c in &report {
-            if c.control {
-                assert!(c.error > 10.0 * c.tolerance, "{c:?}");
-            } else {
-                assert!(c.error < 1e-4, "{c:?}");
-            }
-        }
-        assert!(report.len() > 20);
-        let files = ModelFiles::random("tiny", shapes()[0].1.clone(), 3);
-        let rows = greedy(&CpuBackend, &files, &[("a".into(), vec![5, 6, 7], 4)]).unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!((rows[0].agreed, rows[0].worst_logits, rows[0].passed()), (4, 0.0, true));
-    }
-}
-
 /// Greedy decoding of a real model on both backends, teacher-forced on the
 /// CPU's tokens so that every step is compared on identical inputs.
 #[derive(Debug, Clone)]
@@ -515,18 +493,16 @@ pub fn greedy<G: Backend + Clone>(
         let mut sg = g.new_sequence(prompt.clone())?;
         let mut row =
             GreedyRow { name: name.clone(), steps: *steps, agreed: 0, margin_at_divergence: None, worst_logits: 0.0 };
-        let mut diverged = false;
         for _ in 0..*steps {
             let (lc, lg) = (c.prefill(&mut sc)?, g.prefill(&mut sg)?);
             row.worst_logits = row.worst_logits.max(rel(&lg, &lc));
-            let (tc, tg) = (inferscale_engine::sampling::argmax(&lc), inferscale_engine::sampling::argmax(&lg));
-            if tc == tg && !diverged {
-                row.agreed += 1;
-            } else if !diverged {
-                diverged = true;
-                let mut sorted = lc.clone();
-                sorted.sort_by(|a, b| b.total_cmp(a));
-                row.margin_at_divergence = Some(sorted[0] - sorted.get(1).copied().unwrap_or(f32::NEG_INFINITY));
+            let (tc, tg) = (argmax(&lc), argmax(&lg));
+            if row.margin_at_divergence.is_none() {
+                if tc == tg {
+                    row.agreed += 1;
+                } else {
+                    row.margin_at_divergence = Some(top2_margin(&lc));
+                }
             }
             sc.push(tc);
             sg.push(tc);
@@ -534,4 +510,40 @@ pub fn greedy<G: Backend + Clone>(
         rows.push(row);
     }
     Ok(rows)
+}
+
+/// The gap between the two largest logits.
+fn top2_margin(logits: &[f32]) -> f32 {
+    let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+    for &x in logits {
+        if x > a {
+            (a, b) = (x, a);
+        } else if x > b {
+            b = x;
+        }
+    }
+    a - b
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The harness itself, with the CPU backend on both sides: every
+    /// comparison is exact and every control still fails by far.
+    #[test]
+    fn harness_on_cpu_against_cpu() {
+        let report = run(&CpuBackend).unwrap_or_else(|e| panic!("{e}"));
+        for c in &report {
+            if c.control {
+                assert!(c.error > 10.0 * c.tolerance, "{c:?}");
+            } else {
+                assert!(c.error < 1e-4, "{c:?}");
+            }
+        }
+        assert!(report.len() > 20);
+        let files = ModelFiles::random("tiny", shapes()[0].1.clone(), 3);
+        let rows = greedy(&CpuBackend, &files, &[("a".into(), vec![5, 6, 7], 4)]).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!((rows[0].agreed, rows[0].worst_logits, rows[0].passed()), (4, 0.0, true));
+    }
 }

@@ -8,7 +8,7 @@
 
 use inferscale_model::HostTensor;
 
-use crate::error::Result;
+use crate::error::{EngineError, Result};
 use crate::rope::Rope;
 
 /// Shape of the paged KV store a backend allocates.
@@ -19,6 +19,48 @@ pub struct KvSpec {
     pub block_size: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
+}
+
+impl KvSpec {
+    /// Elements of one token's K (or V) in one layer.
+    pub fn kv_dim(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+
+    /// Token slots per layer.
+    pub fn capacity(&self) -> usize {
+        self.num_blocks * self.block_size
+    }
+
+    /// Checks that every slot lies in the store, before a backend touches any.
+    pub fn check_slots(&self, slots: &[u32]) -> Result<()> {
+        match slots.iter().find(|&&s| s as usize >= self.capacity()) {
+            Some(s) => Err(EngineError::Shape(format!("KV slot {s} beyond the cache's {}", self.capacity()))),
+            None => Ok(()),
+        }
+    }
+
+    /// [`KvSpec::check_slots`], and that `layer` exists.
+    pub fn check(&self, layer: usize, slots: &[u32]) -> Result<()> {
+        if layer >= self.num_layers {
+            return Err(EngineError::Shape(format!("KV layer {layer} of {}", self.num_layers)));
+        }
+        self.check_slots(slots)
+    }
+}
+
+/// `(rows, cols)` of a 1-D (one row) or 2-D host tensor whose data fits its
+/// shape: what every backend's `upload` accepts.
+pub fn matrix_dims(t: &HostTensor) -> Result<(usize, usize)> {
+    let (rows, cols) = match t.shape.as_slice() {
+        [n] => (1, *n),
+        [r, c] => (*r, *c),
+        s => return Err(EngineError::Shape(format!("a {}-D tensor where a matrix is needed", s.len()))),
+    };
+    if rows * cols != t.data.len() {
+        return Err(EngineError::Shape(format!("shape {:?} for {} values", t.shape, t.data.len())));
+    }
+    Ok((rows, cols))
 }
 
 /// One sequence's part of a batched attention call.

@@ -356,7 +356,7 @@ impl<B: Backend> UserShard<B> {
 
     /// Where fact `i`'s context window ends: its source turn when that turn
     /// is stored before it, else the fact itself.
-    pub(crate) fn context_anchor(&self, i: usize) -> usize {
+    fn context_anchor(&self, i: usize) -> usize {
         let source = &self.facts[i].source_turn;
         match self.by_id.get(source) {
             Some(&j) if !source.is_empty() && j < i => j,

@@ -12,7 +12,7 @@ use inferscale_engine::{GenerateRequest, SamplingParams, generate_batch};
 use inferscale_model::ModelConfig;
 use serde::Serialize;
 
-use super::median;
+use super::{median, random_prompt};
 use crate::runtime::{ModelArgs, load};
 
 #[derive(Args, Debug)]
@@ -104,11 +104,6 @@ fn gemm_rate(n: usize, reps: usize) -> GemmResult {
         .collect();
     let best = rates.iter().copied().fold(0.0, f64::max);
     GemmResult { n, gflops_median: median(rates), gflops_best: best }
-}
-
-fn random_prompt(rng: &mut Rng, len: usize, vocab: usize) -> Vec<u32> {
-    // Skip the first ids: control tokens in every supported vocabulary.
-    (0..len).map(|_| 100 + (rng.next_u64() % (vocab as u64 - 100)) as u32).collect()
 }
 
 pub fn run(a: EngineArgs) -> Result<()> {

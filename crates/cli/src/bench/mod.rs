@@ -6,6 +6,7 @@ mod ttft;
 
 use anyhow::Result;
 use clap::Subcommand;
+use inferscale_engine::sampling::Rng;
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
@@ -20,6 +21,12 @@ pub fn run(c: Command) -> Result<()> {
         Command::Engine(a) => engine::run(a),
         Command::Ttft(a) => ttft::run(a),
     }
+}
+
+/// `len` random token ids of a `vocab`-token vocabulary.
+pub(crate) fn random_prompt(rng: &mut Rng, len: usize, vocab: usize) -> Vec<u32> {
+    // Skip the first ids: control tokens in every supported vocabulary.
+    (0..len).map(|_| 100 + (rng.next_u64() % (vocab as u64 - 100)) as u32).collect()
 }
 
 /// The median (upper middle for even counts); 0 for no values.

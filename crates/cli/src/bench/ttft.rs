@@ -18,12 +18,12 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use inferscale_engine::sampling::argmax;
+use inferscale_engine::sampling::{Rng, argmax};
 use inferscale_engine::{Backend, EncodeItem, Engine, KvChunk, Sequence};
 use inferscale_model::ModelFiles;
 use serde::Serialize;
 
-use super::median;
+use super::{median, random_prompt};
 use crate::runtime::{ModelArgs, load_on, on_backend};
 use crate::synthetic::synthetic_facts;
 use inferscale_memory::{Composer, SYSTEM_PROMPT};
@@ -90,24 +90,14 @@ struct Layout {
 }
 
 fn layout(files: &ModelFiles, a: &TtftArgs, k_max: usize) -> Result<Layout> {
-    if files.tokenizer.is_some() && a.model.shape.is_none() {
+    if files.tokenizer.is_some() {
         let composer = Composer::new(files, SYSTEM_PROMPT)?;
         let facts = synthetic_facts(k_max).iter().map(|f| composer.fact(f)).collect::<Result<_, _>>()?;
         return Ok(Layout { header: composer.header().to_vec(), facts, question: composer.question(QUESTION)? });
     }
-    // Random ids away from the low (control) ids of every vocabulary.
-    let vocab = files.config.vocab_size as u64;
-    let mut state = 0x2545_f491_4f6c_dd1du64;
-    let mut ids = |n: usize| -> Vec<u32> {
-        (0..n)
-            .map(|_| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                (1000 + state % (vocab - 1000)) as u32
-            })
-            .collect()
-    };
+    let vocab = files.config.vocab_size;
+    let mut rng = Rng::new(7);
+    let mut ids = |n: usize| random_prompt(&mut rng, n, vocab);
     let header = ids(a.header_tokens);
     let facts = (0..k_max).map(|_| ids(a.fact_tokens)).collect();
     Ok(Layout { header, facts, question: ids(a.question_tokens) })

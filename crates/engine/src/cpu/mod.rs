@@ -11,7 +11,7 @@ mod vmath;
 use inferscale_model::HostTensor;
 use rayon::prelude::*;
 
-use crate::backend::{AttentionShape, Backend, InjectChunk, KvSpec, SeqSpan};
+use crate::backend::{AttentionShape, Backend, InjectChunk, KvSpec, SeqSpan, matrix_dims};
 use crate::error::{EngineError, Result};
 use crate::rope::Rope;
 
@@ -66,19 +66,6 @@ fn prefault(buf: &mut [f32]) {
         // the compiler from eliding a store of the value already there.
         unsafe { std::ptr::write_volatile(page.as_mut_ptr(), 0.0) };
     });
-}
-
-/// `(rows, cols)` of a 1-D (one row) or 2-D host tensor whose data fits its shape.
-fn matrix_dims(t: &HostTensor) -> Result<(usize, usize)> {
-    let (rows, cols) = match t.shape.as_slice() {
-        [n] => (1, *n),
-        [r, c] => (*r, *c),
-        s => return Err(shape_err(format!("a {}-D tensor where a matrix is needed", s.len()))),
-    };
-    if rows * cols != t.data.len() {
-        return Err(shape_err(format!("shape {:?} for {} values", t.shape, t.data.len())));
-    }
-    Ok((rows, cols))
 }
 
 /// The CPU backend. Threads come from rayon's global pool.
@@ -283,7 +270,7 @@ impl Backend for CpuBackend {
     }
 
     fn new_kv_store(&self, spec: KvSpec) -> Result<CpuKvStore> {
-        let per_layer = spec.num_blocks * spec.block_size * spec.num_kv_heads * spec.head_dim;
+        let per_layer = spec.capacity() * spec.kv_dim();
         let layer = || {
             let mut buf = vec![0f32; per_layer];
             prefault(&mut buf);
@@ -305,10 +292,9 @@ impl Backend for CpuBackend {
         slots: &[u32],
     ) -> Result<()> {
         let s = store.spec;
-        let width = s.num_kv_heads * s.head_dim;
-        let capacity = s.num_blocks * s.block_size;
-        if k.cols != width || v.cols != width || k.rows != slots.len() || v.rows != slots.len() || layer >= s.num_layers
-        {
+        let width = s.kv_dim();
+        s.check(layer, slots)?;
+        if k.cols != width || v.cols != width || k.rows != slots.len() || v.rows != slots.len() {
             return Err(shape_err(format!(
                 "write_kv: k [{}, {}], v [{}, {}], {} slots, layer {layer}",
                 k.rows,
@@ -320,9 +306,6 @@ impl Backend for CpuBackend {
         }
         for (i, &slot) in slots.iter().enumerate() {
             let slot = slot as usize;
-            if slot >= capacity {
-                return Err(shape_err(format!("slot {slot} beyond {capacity}")));
-            }
             for h in 0..s.num_kv_heads {
                 let dst = store.offset(slot, h);
                 let src = i * width + h * s.head_dim;
@@ -335,15 +318,14 @@ impl Backend for CpuBackend {
 
     fn inject_kv(&self, store: &mut CpuKvStore, chunks: &[InjectChunk<'_, CpuTensor>], rope: &Rope) -> Result<()> {
         let s = store.spec;
-        let width = s.num_kv_heads * s.head_dim;
-        let capacity = (s.num_blocks * s.block_size) as u32;
+        let width = s.kv_dim();
         for (ci, c) in chunks.iter().enumerate() {
+            s.check_slots(c.slots)?;
             let n = c.positions.len();
             let bad = c.k.len() != s.num_layers
                 || c.v.len() != s.num_layers
                 || c.slots.len() != n
-                || c.k.iter().chain(c.v).any(|t| t.rows != n || t.cols != width)
-                || c.slots.iter().any(|&x| x >= capacity);
+                || c.k.iter().chain(c.v).any(|t| t.rows != n || t.cols != width);
             if bad {
                 return Err(shape_err(format!(
                     "inject_kv chunk {ci}: {} K / {} V layers for {} layers, {n} positions, {} slots, width {width}",
@@ -389,11 +371,8 @@ impl Backend for CpuBackend {
 
     fn gather_kv(&self, store: &CpuKvStore, layer: usize, slots: &[u32]) -> Result<(CpuTensor, CpuTensor)> {
         let s = store.spec;
-        let width = s.num_kv_heads * s.head_dim;
-        let capacity = s.num_blocks * s.block_size;
-        if layer >= s.num_layers || slots.iter().any(|&x| x as usize >= capacity) {
-            return Err(shape_err(format!("gather_kv: layer {layer}, slots beyond {capacity}")));
-        }
+        let width = s.kv_dim();
+        s.check(layer, slots)?;
         let mut k = CpuTensor::zeros(slots.len(), width);
         let mut v = CpuTensor::zeros(slots.len(), width);
         for (i, &slot) in slots.iter().enumerate() {

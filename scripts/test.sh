@@ -27,6 +27,14 @@ echo "test.sh: fetching the test models if missing" >&2
 cargo run --quiet -p inferscale-cli -- fetch smollm2 >/dev/null
 cargo run --quiet -p inferscale-cli -- fetch minilm >/dev/null
 
+# The serving tests drive the API with the official OpenAI Python client,
+# installed (pinned) into the cache, not into the system's Python.
+py_dir="${INFERSCALE_HOME:-$HOME/.cache/inferscale}/python"
+if [ ! -d "$py_dir/openai" ]; then
+  echo "test.sh: installing the openai Python client for the serving tests" >&2
+  python3 -m pip install -q --disable-pip-version-check --target "$py_dir" openai==3.57.0
+fi
+
 # The CUDA kernels are compiled by NVRTC in a test that needs no GPU; NVRTC
 # and the CUDA headers come from NVIDIA's PyPI wheels, fetched once.
 cuda_dir="${INFERSCALE_HOME:-$HOME/.cache/inferscale}/cuda-13.0"

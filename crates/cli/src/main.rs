@@ -11,6 +11,7 @@ mod generate;
 mod memory_cmd;
 mod plot;
 mod runtime;
+mod serve;
 mod synthetic;
 
 use clap::{Parser, Subcommand};
@@ -43,6 +44,12 @@ enum Command {
     Eval(eval::Command),
     /// Check the CUDA backend against the CPU reference (ops, models, E1–E4).
     Check(check::Args),
+    /// Serve the OpenAI-compatible API: a router and one worker in one process.
+    Serve(serve::ServeArgs),
+    /// Run one worker (engine + memory shard) behind the gRPC Worker service.
+    Worker(serve::WorkerCmd),
+    /// Run the HTTP router in front of gRPC workers.
+    Router(serve::RouterCmd),
     /// Benchmarks: print a table and optionally write JSON.
     #[command(subcommand)]
     Bench(bench::Command),
@@ -58,6 +65,9 @@ fn main() {
         Command::Ingest(a) => memory_cmd::ingest(a),
         Command::Eval(c) => eval::run(c),
         Command::Ask(a) => memory_cmd::ask(a),
+        Command::Serve(a) => serve::serve(a),
+        Command::Worker(a) => serve::worker(a),
+        Command::Router(a) => serve::router(a),
         Command::Fetch { model } => {
             inferscale_model::fetch::resolve(&model).map(|p| println!("{}", p.display())).map_err(anyhow::Error::from)
         }

@@ -166,6 +166,11 @@ impl<B: Backend> Engine<B> {
         &self.backend
     }
 
+    /// Most tokens one forward pass computes.
+    pub fn max_batch_tokens(&self) -> usize {
+        self.max_batch_tokens
+    }
+
     pub fn pool(&self) -> &BlockPool {
         &self.pool
     }
@@ -244,16 +249,42 @@ impl<B: Backend> Engine<B> {
     ) -> Result<StepOutput<B>> {
         let mut budget = self.max_batch_tokens;
         let mut take = vec![0usize; seqs.len()];
-        for (i, s) in seqs.iter_mut().enumerate() {
-            if budget == 0 {
-                break;
-            }
-            self.check_context(s)?;
-            let n = s.pending().min(budget);
+        for (i, s) in seqs.iter().enumerate() {
+            take[i] = s.pending().min(budget);
+            budget -= take[i];
+        }
+        self.forward_taking(seqs, &take, capture, want_logits)
+    }
+
+    /// Computes exactly `take[i]` pending tokens of each `seqs[i]` in one
+    /// forward pass — the caller (a scheduler) has decided the split — and
+    /// returns, per sequence, the logits after its last token if this step
+    /// computed all its pending tokens.
+    pub fn step_exact(&mut self, seqs: &mut [&mut Sequence], take: &[usize]) -> Result<Vec<Option<Vec<f32>>>> {
+        if take.len() != seqs.len() {
+            return Err(EngineError::Shape(format!("{} token counts for {} sequences", take.len(), seqs.len())));
+        }
+        let total: usize = take.iter().sum();
+        if total > self.max_batch_tokens {
+            return Err(EngineError::Shape(format!("step of {total} tokens exceeds {}", self.max_batch_tokens)));
+        }
+        if let Some((s, n)) = seqs.iter().zip(take).find(|(s, n)| **n > s.pending()) {
+            return Err(EngineError::Shape(format!("{n} tokens asked of a sequence with {} pending", s.pending())));
+        }
+        Ok(self.forward_taking(seqs, take, &[], true)?.0)
+    }
+
+    fn forward_taking(
+        &mut self,
+        seqs: &mut [&mut Sequence],
+        take: &[usize],
+        capture: &[Range<usize>],
+        want_logits: bool,
+    ) -> Result<StepOutput<B>> {
+        for (s, &n) in seqs.iter_mut().zip(take) {
             if n > 0 {
+                self.check_context(s)?;
                 s.table.reserve(s.computed + n)?;
-                take[i] = n;
-                budget -= n;
             }
         }
         let mut batch = ForwardBatch::default();

@@ -50,7 +50,8 @@ pub fn prepare<B: Backend>(
     if question.is_empty() {
         return Err(MemoryError::Invalid { what: "question", reason: "empty question".into() });
     }
-    let all = memory.facts(user)?;
+    // A user with no memory (or none retrieved) is answered without any.
+    let all = if facts.is_empty() { &[][..] } else { memory.facts(user)? };
     let order: Vec<usize> = match mode {
         Mode::None => Vec::new(),
         _ => facts.iter().rev().copied().collect(),

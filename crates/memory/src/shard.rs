@@ -24,7 +24,8 @@ use crate::fact::{Fact, Record};
 use crate::kvseg::{KvHeader, StoredKv};
 use crate::log::{RecordLog, sync_dir};
 
-/// Facts encoded per engine call (their forward passes are packed together).
+/// Facts encoded per engine call by default (their forward passes are
+/// packed together); see [`Memory::set_encode_batch`].
 const ENCODE_BATCH: usize = 16;
 
 /// A memory unit to remember: a conversation turn, or a fact the caller
@@ -81,6 +82,7 @@ pub struct Memory<B: Backend> {
     /// What this shard's KV segments must have been made with.
     header: KvHeader,
     users: BTreeMap<String, UserShard<B>>,
+    encode_batch: usize,
     /// Exclusive lock on `dir/LOCK`, held while this value lives: a second
     /// writer would interleave appends and rewrites with ours.
     _lock: std::fs::File,
@@ -156,7 +158,18 @@ impl<B: Backend> Memory<B> {
             let shard = UserShard::open(&entry.path(), be, &kv_header, &mut warnings)?;
             users.insert(user, shard);
         }
-        Ok((Memory { dir: dir.to_path_buf(), spec, header: kv_header, users, _lock: lock }, warnings))
+        Ok((
+            Memory { dir: dir.to_path_buf(), spec, header: kv_header, users, encode_batch: ENCODE_BATCH, _lock: lock },
+            warnings,
+        ))
+    }
+
+    /// Facts encoded per engine call. Each holds KV blocks of the engine's
+    /// pool while it is encoded (its context window, then the fact), so a
+    /// server that encodes between serving steps keeps this small and
+    /// reserves that many encodings' blocks.
+    pub fn set_encode_batch(&mut self, n: usize) {
+        self.encode_batch = n.max(1);
     }
 
     pub fn spec(&self) -> &ShardSpec {
@@ -180,11 +193,9 @@ impl<B: Backend> Memory<B> {
         Ok(self.user(user)?.kv.get(idx).and_then(Option::as_ref))
     }
 
-    /// Stores `turns` for `user`: facts are durable (fsynced) before this
-    /// returns; then their KV is encoded with the shard's window and
-    /// appended to the user's segment. Turns whose id is already stored are
-    /// skipped. Invalid input stores nothing.
-    pub fn ingest(&mut self, user: &str, turns: &[Turn], enc: &mut Encoders<'_, '_, B>) -> Result<IngestReport> {
+    /// Checks `turns` as [`Memory::ingest`] would, storing nothing: a caller
+    /// that ingests in several calls validates the whole request first.
+    pub fn validate(user: &str, turns: &[Turn]) -> Result<()> {
         if user.is_empty() {
             return Err(MemoryError::Invalid { what: "user", reason: "empty user id".into() });
         }
@@ -206,6 +217,20 @@ impl<B: Backend> Memory<B> {
                 return Err(MemoryError::Invalid { what: "turn", reason: format!("turn id {:?} appears twice", t.id) });
             }
         }
+        Ok(())
+    }
+
+    /// Whether `user` has any memory.
+    pub fn has_user(&self, user: &str) -> bool {
+        self.users.contains_key(user)
+    }
+
+    /// Stores `turns` for `user`: facts are durable (fsynced) before this
+    /// returns; then their KV is encoded with the shard's window and
+    /// appended to the user's segment. Turns whose id is already stored are
+    /// skipped. Invalid input stores nothing.
+    pub fn ingest(&mut self, user: &str, turns: &[Turn], enc: &mut Encoders<'_, '_, B>) -> Result<IngestReport> {
+        Self::validate(user, turns)?;
         if !self.users.contains_key(user) {
             let dir = self.dir.join("users").join(user_dir_name(user));
             let mut warnings = Vec::new();
@@ -243,16 +268,16 @@ impl<B: Backend> Memory<B> {
             shard.kv.push(None);
         }
         report.added = new.len();
-        report.encoded_tokens = shard.encode_missing(self.spec.window, enc)?;
+        report.encoded_tokens = shard.encode_missing(self.spec.window, self.encode_batch, enc)?;
         Ok(report)
     }
 
     /// Encodes every fact of `user` whose KV is missing (e.g. after a
     /// corrupt segment was detected); returns the tokens encoded.
     pub fn ensure_kv(&mut self, user: &str, enc: &mut Encoders<'_, '_, B>) -> Result<usize> {
-        let window = self.spec.window;
+        let (window, batch) = (self.spec.window, self.encode_batch);
         let shard = self.users.get_mut(user).ok_or_else(|| MemoryError::UnknownUser(user.to_string()))?;
-        shard.encode_missing(window, enc)
+        shard.encode_missing(window, batch, enc)
     }
 
     /// The `k` facts most similar to `query` (cosine of unit vectors), best
@@ -365,13 +390,13 @@ impl<B: Backend> UserShard<B> {
     }
 
     /// Encodes facts without KV: [header][the `window` units stored before
-    /// the fact, or before its source turn][fact], [`ENCODE_BATCH`] facts
+    /// the fact, or before its source turn][fact], `batch` facts
     /// per engine call so that short encodings share forward passes; each
     /// batch's KV is appended to the segment at once.
-    fn encode_missing(&mut self, window: usize, enc: &mut Encoders<'_, '_, B>) -> Result<usize> {
+    fn encode_missing(&mut self, window: usize, batch: usize, enc: &mut Encoders<'_, '_, B>) -> Result<usize> {
         let missing: Vec<usize> = (0..self.facts.len()).filter(|&i| self.kv[i].is_none()).collect();
         let mut tokens = 0;
-        for group in missing.chunks(ENCODE_BATCH) {
+        for group in missing.chunks(batch) {
             let contexts: Vec<Vec<u32>> = group
                 .iter()
                 .map(|&i| {

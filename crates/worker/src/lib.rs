@@ -1,10 +1,18 @@
 //! The worker (design.md §4): one engine, one memory shard, continuous
-//! batching across users.
+//! batching across users, behind the gRPC `Worker` service.
 //!
-//! So far the scheduler, which is pure decision logic — request ids and
-//! token and block counts, no tensors, no I/O — so that it can be tested
-//! exhaustively and the serving loop around it stays thin.
+//! Layers: [`scheduler`] is pure decision logic (request ids and token and
+//! block counts, no tensors, no I/O) so that it can be tested exhaustively;
+//! [`core`] is the engine thread that carries out its steps; [`service`]
+//! turns gRPC calls into commands for that thread.
 
+pub mod core;
+pub mod error;
 pub mod scheduler;
+pub mod service;
+pub mod text;
 
+pub use core::{WorkerConfig, WorkerParts};
+pub use error::{Result, WorkerError};
 pub use scheduler::{AdmitError, RequestSpec, Scheduler, SchedulerConfig, Step, StepItem};
+pub use service::{WorkerInfo, WorkerService, spawn};

@@ -1,0 +1,252 @@
+//! `inferscale serve`, `inferscale worker` and `inferscale router`: the
+//! serving processes. `serve` runs a router and one worker in one process
+//! (the worker's gRPC on an ephemeral loopback port), for one machine.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use inferscale_engine::Backend;
+use inferscale_engine::bert::Bert;
+use inferscale_memory::{Memory, ShardSpec, fingerprint};
+use inferscale_model::fetch;
+use inferscale_router::{Defaults, Keys, RouterConfig};
+use inferscale_worker::{WorkerConfig, WorkerError, WorkerInfo, WorkerParts, WorkerService};
+use tokio::net::TcpListener;
+
+use crate::runtime::{ModelArgs, load_on, on_backend};
+
+#[derive(Args, Debug, Clone)]
+pub struct WorkerArgs {
+    /// Memory directory (default `$INFERSCALE_HOME/memory`).
+    #[arg(long, env = "INFERSCALE_MEMORY")]
+    memory: Option<PathBuf>,
+    /// Context window: turns encoded before each memory unit.
+    #[arg(long, default_value_t = 20)]
+    window: usize,
+    /// Sentence-embedding model (name or directory).
+    #[arg(long, default_value = fetch::DEFAULT_EMBEDDER)]
+    embedder: String,
+    /// Requests running at once.
+    #[arg(long, default_value_t = 64)]
+    max_running: usize,
+    /// Requests waiting beyond which new ones are refused (HTTP 429).
+    #[arg(long, default_value_t = 256)]
+    max_queue: usize,
+    /// Largest `k` a request may ask for.
+    #[arg(long, default_value_t = 200)]
+    max_k: u32,
+    #[command(flatten)]
+    model: ModelArgs,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct RouterArgs {
+    /// File of API keys, one `tenant:key` per line. Also `INFERSCALE_API_KEYS=tenant:key,…`.
+    #[arg(long)]
+    api_keys: Option<PathBuf>,
+    /// Memory mode when a request does not say (kv, prompt, none).
+    #[arg(long, default_value = "kv", value_parser = ["kv", "prompt", "none"])]
+    default_mode: String,
+    /// Facts retrieved when a request does not say.
+    #[arg(long, default_value_t = 20)]
+    default_k: u32,
+    /// Tokens generated when a request does not say.
+    #[arg(long, default_value_t = 256)]
+    default_max_tokens: u32,
+    /// Deadline of every worker call, in seconds.
+    #[arg(long, default_value_t = 120)]
+    deadline_s: u64,
+    /// Largest request body, in bytes.
+    #[arg(long, default_value_t = 4 << 20)]
+    body_limit: usize,
+    /// Bounded load: no worker above this × the average in-flight.
+    #[arg(long, default_value_t = 1.25)]
+    load_factor: f64,
+}
+
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    /// HTTP address of the OpenAI-compatible API.
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    listen: SocketAddr,
+    #[command(flatten)]
+    router: RouterArgs,
+    #[command(flatten)]
+    worker: WorkerArgs,
+}
+
+#[derive(Args, Debug)]
+pub struct WorkerCmd {
+    /// gRPC address to serve on.
+    #[arg(long, default_value = "127.0.0.1:50051")]
+    listen: SocketAddr,
+    #[command(flatten)]
+    worker: WorkerArgs,
+}
+
+#[derive(Args, Debug)]
+pub struct RouterCmd {
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    listen: SocketAddr,
+    /// Worker gRPC addresses (repeat, or separate with commas).
+    #[arg(long = "worker", required = true, value_delimiter = ',')]
+    workers: Vec<String>,
+    #[command(flatten)]
+    router: RouterArgs,
+}
+
+/// Loads the engine, embedder and memory on the engine thread.
+fn parts<B: Backend>(a: &WorkerArgs, backend: B) -> std::result::Result<WorkerParts<B>, WorkerError> {
+    let fail = |e: anyhow::Error| WorkerError::Startup(format!("{e:#}"));
+    let loaded = load_on(&a.model, backend).map_err(fail)?;
+    let eos = loaded.eos_ids();
+    let embedder_fail =
+        |e: &dyn std::fmt::Display| WorkerError::Startup(format!("loading the embedder {:?}: {e}", a.embedder));
+    let files = inferscale_model::encoder::open(&a.embedder).map_err(|e| embedder_fail(&e))?;
+    let embedder = Bert::load(loaded.engine.backend(), files).map_err(|e| embedder_fail(&e))?;
+    let dir = a.memory.clone().unwrap_or_else(|| fetch::home_dir().join("memory"));
+    let spec = ShardSpec { window: a.window, fingerprint: fingerprint(&loaded.files)? };
+    let (memory, warnings) = Memory::open(&dir, spec, &loaded.engine)
+        .map_err(|e| WorkerError::Startup(format!("opening memory {}: {e}", dir.display())))?;
+    warnings.iter().for_each(|w| eprintln!("inferscale worker: warning: {w}"));
+    eprintln!("inferscale worker: memory {} ({} users, window {})", dir.display(), memory.users().count(), a.window);
+    Ok(WorkerParts { files: loaded.files, engine: loaded.engine, embedder, memory, eos })
+}
+
+fn start<B: Backend + Send + 'static>(a: &WorkerArgs, backend: B) -> Result<WorkerService> {
+    let cfg = WorkerConfig {
+        max_running: a.max_running,
+        max_queue: a.max_queue,
+        max_k: a.max_k as usize,
+        ..Default::default()
+    };
+    let info = WorkerInfo {
+        model: a.model.shape.clone().unwrap_or_else(|| model_name(&a.model.model)),
+        backend: a.model.backend.clone(),
+    };
+    let args = a.clone();
+    let (service, _thread) = inferscale_worker::spawn(move || parts(&args, backend), cfg, info)?;
+    Ok(service)
+}
+
+/// The name clients use for a model: its packaged name, or the file stem.
+fn model_name(model: &str) -> String {
+    std::path::Path::new(model).file_stem().map_or(model.to_string(), |s| s.to_string_lossy().into_owned())
+}
+
+fn start_worker(a: &WorkerArgs) -> Result<WorkerService> {
+    if a.max_running == 0 || a.max_queue == 0 || a.max_k == 0 {
+        bail!("--max-running, --max-queue and --max-k must be at least 1");
+    }
+    on_backend!(a.model, start(a))
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(t) => t,
+            Err(_) => return std::future::pending().await,
+        };
+        tokio::select! { _ = ctrl_c => {}, _ = term.recv() => {} }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}
+
+fn keys(a: &RouterArgs) -> Result<Keys> {
+    let mut keys = match &a.api_keys {
+        Some(path) => Keys::from_file(path)?,
+        None => Keys::default(),
+    };
+    if keys.is_empty()
+        && let Ok(v) = std::env::var("INFERSCALE_API_KEYS")
+    {
+        keys = Keys::from_env_value(&v)?;
+    }
+    Ok(keys)
+}
+
+fn router_config(a: &RouterArgs, workers: Vec<String>, listen: SocketAddr) -> Result<RouterConfig> {
+    let keys = keys(a)?;
+    if keys.is_empty() {
+        if !listen.ip().is_loopback() {
+            bail!("--listen {listen}: without API keys the API listens on loopback only; give --api-keys FILE");
+        }
+        eprintln!("inferscale: no API keys configured: listening on loopback only, accepting any key");
+    } else {
+        eprintln!("inferscale: {} API keys loaded", keys.len());
+    }
+    if !(1.0..=10.0).contains(&a.load_factor) {
+        bail!("--load-factor must be between 1 and 10");
+    }
+    Ok(RouterConfig {
+        workers,
+        keys,
+        model: None,
+        defaults: Defaults {
+            mode: a.default_mode.clone(),
+            k: a.default_k,
+            max_k: 200,
+            max_tokens: a.default_max_tokens,
+            deadline: Duration::from_secs(a.deadline_s.max(1)),
+            body_limit: a.body_limit,
+        },
+        load_factor: a.load_factor,
+    })
+}
+
+async fn serve_http(listen: SocketAddr, cfg: RouterConfig) -> Result<()> {
+    let app = inferscale_router::build(cfg, Duration::from_secs(30)).await?;
+    let listener = TcpListener::bind(listen).await.with_context(|| format!("binding {listen}"))?;
+    eprintln!("inferscale: OpenAI-compatible API on http://{}/v1", listener.local_addr()?);
+    axum::serve(listener, app).with_graceful_shutdown(shutdown_signal()).await?;
+    Ok(())
+}
+
+async fn serve_grpc(listener: TcpListener, service: WorkerService) -> Result<()> {
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    tonic::transport::Server::builder()
+        .add_service(service.into_server())
+        .serve_with_incoming_shutdown(incoming, shutdown_signal())
+        .await?;
+    Ok(())
+}
+
+pub fn serve(a: ServeArgs) -> Result<()> {
+    let service = start_worker(&a.worker)?;
+    runtime()?.block_on(async move {
+        let grpc = TcpListener::bind("127.0.0.1:0").await.context("binding the worker's loopback port")?;
+        let addr = grpc.local_addr()?.to_string();
+        let cfg = router_config(&a.router, vec![addr], a.listen)?;
+        let worker = tokio::spawn(serve_grpc(grpc, service));
+        tokio::select! {
+            r = serve_http(a.listen, cfg) => r,
+            r = worker => r.context("worker task")?,
+        }
+    })
+}
+
+pub fn worker(a: WorkerCmd) -> Result<()> {
+    let service = start_worker(&a.worker)?;
+    runtime()?.block_on(async move {
+        let listener = TcpListener::bind(a.listen).await.with_context(|| format!("binding {}", a.listen))?;
+        eprintln!("inferscale worker: gRPC on {}", listener.local_addr()?);
+        serve_grpc(listener, service).await
+    })
+}
+
+pub fn router(a: RouterCmd) -> Result<()> {
+    let cfg = router_config(&a.router, a.workers, a.listen)?;
+    runtime()?.block_on(serve_http(a.listen, cfg))
+}

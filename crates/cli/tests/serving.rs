@@ -1,0 +1,392 @@
+//! The serving processes end to end over real loopback HTTP and gRPC:
+//! `inferscale serve` (router + worker in one process) and `inferscale
+//! router` in front of two `inferscale worker` processes, all on SmolLM2.
+
+#![allow(clippy::unwrap_used)] // tests fail loudly on unexpected errors
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+/// A child process killed on drop; `addr` is what it printed after `marker`.
+struct Proc {
+    child: Child,
+    addr: String,
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `inferscale args…` and waits (up to 3 minutes) for the stderr line
+/// containing `marker`, taking the address that follows it.
+fn spawn(args: &[&str], marker: &str) -> Proc {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_inferscale"))
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = mpsc::channel();
+    let marker = marker.to_string();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            eprintln!("[child] {line}");
+            if let Some(at) = line.find(&marker) {
+                let rest = &line[at + marker.len()..];
+                let addr = rest.trim_start_matches("http://").split(['/', ' ']).next().unwrap_or("").to_string();
+                let _ = tx.send(addr);
+            }
+        }
+    });
+    let addr = rx.recv_timeout(Duration::from_secs(180)).unwrap_or_else(|_| panic!("{args:?} did not start"));
+    Proc { child, addr }
+}
+
+fn serve(mem: &Path, extra: &[&str]) -> Proc {
+    let mut args = vec!["serve", "--listen", "127.0.0.1:0", "--memory", mem.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    spawn(&args, "API on ")
+}
+
+/// One HTTP/1.1 exchange: (status, lower-cased headers, body).
+fn http(addr: &str, method: &str, path: &str, body: &[u8]) -> (u16, Vec<(String, String)>, Vec<u8>) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).unwrap();
+    // The server may answer (413) before reading a large body; ignore a reset.
+    let _ = s.write_all(body);
+    let mut raw = Vec::new();
+    let _ = s.read_to_end(&mut raw);
+    parse_response(&raw)
+}
+
+fn parse_response(raw: &[u8]) -> (u16, Vec<(String, String)>, Vec<u8>) {
+    let end = raw.windows(4).position(|w| w == b"\r\n\r\n").unwrap_or_else(|| panic!("no response head: {raw:?}"));
+    let head = String::from_utf8_lossy(&raw[..end]);
+    let mut lines = head.lines();
+    let status: u16 = lines.next().unwrap().split(' ').nth(1).unwrap().parse().unwrap();
+    let headers: Vec<(String, String)> =
+        lines.filter_map(|l| l.split_once(':').map(|(k, v)| (k.trim().to_lowercase(), v.trim().to_string()))).collect();
+    let mut body = raw[end + 4..].to_vec();
+    if headers.iter().any(|(k, v)| k == "transfer-encoding" && v.contains("chunked")) {
+        body = dechunk(&body);
+    }
+    (status, headers, body)
+}
+
+fn dechunk(mut b: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    while let Some(nl) = b.windows(2).position(|w| w == b"\r\n") {
+        let n = usize::from_str_radix(String::from_utf8_lossy(&b[..nl]).trim(), 16).unwrap_or(0);
+        if n == 0 || b.len() < nl + 2 + n {
+            break;
+        }
+        out.extend_from_slice(&b[nl + 2..nl + 2 + n]);
+        b = &b[nl + 4 + n..];
+    }
+    out
+}
+
+fn json_call(addr: &str, method: &str, path: &str, body: &Value) -> (u16, Value) {
+    let (status, _, b) = http(addr, method, path, body.to_string().as_bytes());
+    (status, serde_json::from_slice(&b).unwrap_or(Value::Null))
+}
+
+/// Asserts a 4xx answer with an OpenAI-style error whose message contains `needle`.
+fn assert_error(what: &str, (status, body): (u16, Vec<u8>), want: u16, needle: &str) {
+    let v: Value = serde_json::from_slice(&body).unwrap_or_else(|_| panic!("{what}: body is not JSON: {body:?}"));
+    let msg = v["error"]["message"].as_str().unwrap_or_else(|| panic!("{what}: no error.message in {v}"));
+    assert_eq!(status, want, "{what}: {msg}");
+    assert!(msg.to_lowercase().contains(&needle.to_lowercase()), "{what}: message {msg:?} lacks {needle:?}");
+}
+
+fn post(addr: &str, path: &str, body: &[u8]) -> (u16, Vec<u8>) {
+    let (s, _, b) = http(addr, "POST", path, body);
+    (s, b)
+}
+
+fn chat(user: Option<&str>, question: &str, memory: Value) -> Value {
+    let mut v = json!({"model": "smollm2", "messages": [{"role": "user", "content": question}],
+                       "max_tokens": 8, "temperature": 0, "memory": memory});
+    if let Some(u) = user {
+        v["user"] = json!(u);
+    }
+    v
+}
+
+const TURNS: &str = r#"{"user": "u1", "turns": [
+  {"id": "D1:1", "speaker": "Caroline", "text": "I adopted a grey cat named Miso last week.", "time": "1:56 pm on 8 May, 2023"},
+  {"id": "D1:2", "speaker": "Melanie", "text": "I ran a charity race for mental health on Saturday.", "time": "1:56 pm on 8 May, 2023"}]}"#;
+
+fn units(addr: &str, user: &str) -> Value {
+    let (status, v) = json_call(addr, "GET", &format!("/v1/memories/{user}"), &Value::Null);
+    assert_eq!(status, 200, "{v}");
+    v["units"].clone()
+}
+
+#[test]
+fn bad_http_input_gets_clear_errors_and_changes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let srv = serve(&dir.path().join("mem"), &["--window", "2"]);
+    let a = srv.addr.as_str();
+    let (status, v) = json_call(a, "POST", "/v1/memories", &serde_json::from_str(TURNS).unwrap());
+    assert_eq!((status, v["added"].as_u64()), (200, Some(2)), "{v}");
+    let before = units(a, "u1");
+    assert_eq!(before.as_array().map(Vec::len), Some(2));
+
+    let c = "/v1/chat/completions";
+    assert_error("malformed JSON", post(a, c, b"{\"model\": "), 400, "invalid JSON");
+    let mut wrong = chat(Some("u1"), "Hi?", json!({}));
+    wrong["max_tokens"] = json!("ten");
+    assert_error("wrong type", post(a, c, wrong.to_string().as_bytes()), 400, "max_tokens");
+    let mut unknown = chat(Some("u1"), "Hi?", json!({}));
+    unknown["model"] = json!("gpt-9");
+    assert_error("unknown model", post(a, c, unknown.to_string().as_bytes()), 404, "gpt-9");
+    let no_user = chat(None, "Hi?", json!({"mode": "kv"}));
+    assert_error("missing user", post(a, c, no_user.to_string().as_bytes()), 400, "user");
+    let huge_k = chat(Some("u1"), "Hi?", json!({"k": 1_000_000_000u64}));
+    assert_error("k = 1e9", post(a, c, huge_k.to_string().as_bytes()), 400, "memory.k");
+    let neg = chat(Some("u1"), "Hi?", json!({"window": -1}));
+    assert_error("negative window", post(a, c, neg.to_string().as_bytes()), 400, "window");
+    let other_window = chat(Some("u1"), "Hi?", json!({"window": 7}));
+    assert_error("other window", post(a, c, other_window.to_string().as_bytes()), 400, "window");
+    let bad_mode = chat(Some("u1"), "Hi?", json!({"mode": "magic"}));
+    assert_error("bad mode", post(a, c, bad_mode.to_string().as_bytes()), 400, "memory.mode");
+    let mut utf8 = chat(Some("u1"), "Hi?", json!({})).to_string().into_bytes();
+    let at = utf8.windows(3).position(|w| w == b"Hi?").unwrap();
+    utf8[at] = 0xff;
+    assert_error("invalid UTF-8", post(a, c, &utf8), 400, "UTF-8");
+    let big = format!("{{\"model\": \"smollm2\", \"pad\": \"{}\"}}", "x".repeat(10 << 20));
+    assert_error("10 MB body", post(a, c, big.as_bytes()), 413, "limit");
+    let assistant_last = json!({"model": "smollm2", "user": "u1", "messages": [{"role": "assistant", "content": "x"}]});
+    assert_error("assistant last", post(a, c, assistant_last.to_string().as_bytes()), 400, "role `user`");
+
+    // Memory endpoints.
+    let m = "/v1/memories";
+    assert_error("ingest malformed", post(a, m, b"[1,2"), 400, "invalid JSON");
+    let bad_unit = json!({"user": "u1", "turns": [{"id": "D9:1", "text": "fine"}, {"id": "D9:2", "text": "  "}]});
+    assert_error("empty text", post(a, m, bad_unit.to_string().as_bytes()), 400, "empty");
+    let dup = json!({"user": "u1", "turns": [{"id": "D9:1", "text": "a"}, {"id": "D9:1", "text": "b"}]});
+    assert_error("duplicate ids", post(a, m, dup.to_string().as_bytes()), 400, "twice");
+    let neg_window = json!({"user": "u1", "window": -3, "turns": [{"id": "D9:1", "text": "a"}]});
+    assert_error("ingest negative window", post(a, m, neg_window.to_string().as_bytes()), 400, "window");
+    let other = json!({"user": "u1", "window": 5, "turns": [{"id": "D9:1", "text": "a"}]});
+    assert_error("ingest other window", post(a, m, other.to_string().as_bytes()), 400, "window");
+    let no_source = json!({"user": "u1", "facts": [{"id": "F1", "text": "a fact"}]});
+    assert_error("fact without source", post(a, m, no_source.to_string().as_bytes()), 400, "source_turn");
+    let (s, _, b) = http(a, "GET", "/v1/memories/nobody", b"");
+    assert_error("list unknown user", (s, b), 404, "nobody");
+    let (s, _, b) = http(a, "DELETE", "/v1/memories/nobody", b"");
+    assert_error("forget unknown user", (s, b), 404, "nobody");
+    let (s, _, b) = http(a, "DELETE", "/v1/memories/u1/D7:7", b"");
+    assert_error("forget unknown unit", (s, b), 404, "D7:7");
+    let (s, _, b) = http(a, "GET", "/v1/nothing-here", b"");
+    assert_error("unknown endpoint", (s, b), 404, "endpoint");
+
+    assert_eq!(units(a, "u1"), before, "bad input changed stored memory");
+
+    // A user without memory is answered with none injected, and usage says so.
+    let (status, v) = json_call(a, "POST", c, &chat(Some("newcomer"), "What is my cat's name?", json!({"mode": "kv"})));
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["usage"]["memory"]["facts"], json!(0), "{v}");
+    assert_eq!(v["usage"]["memory"]["injected_tokens"], json!(0), "{v}");
+    // And one with memory gets its facts, counted honestly.
+    let (status, v) =
+        json_call(a, "POST", c, &chat(Some("u1"), "What is the name of Caroline's cat?", json!({"k": 2})));
+    assert_eq!(status, 200, "{v}");
+    let u = &v["usage"];
+    assert_eq!(u["memory"]["facts"], json!(2), "{v}");
+    let injected = u["memory"]["injected_tokens"].as_u64().unwrap();
+    assert!(injected > 20, "{v}");
+    assert!(u["prompt_tokens"].as_u64().unwrap() > injected, "{v}");
+    assert!(v["choices"][0]["message"]["content"].as_str().unwrap().contains("Miso"), "{v}");
+
+    // Forgetting one unit, then the user, is visible at once.
+    let (s, _, _) = http(a, "DELETE", "/v1/memories/u1/D1:2", b"");
+    assert_eq!(s, 200);
+    assert_eq!(units(a, "u1").as_array().map(Vec::len), Some(1));
+    let (s, _, _) = http(a, "DELETE", "/v1/memories/u1", b"");
+    assert_eq!(s, 200);
+    let (s, _, _) = http(a, "GET", "/v1/memories/u1", b"");
+    assert_eq!(s, 404);
+}
+
+/// Where the test installs Python packages (`scripts/test.sh` fills it).
+fn python_path() -> PathBuf {
+    let home = std::env::var_os("INFERSCALE_HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/inferscale"));
+    home.join("python")
+}
+
+#[test]
+fn openai_python_client_works_unchanged() {
+    let py = python_path();
+    assert!(
+        py.join("openai").is_dir(),
+        "the `openai` package is not in {}: run scripts/test.sh, which installs it",
+        py.display()
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let srv = serve(&dir.path().join("mem"), &["--window", "2"]);
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/openai_client.py");
+    let out = Command::new("python3")
+        .arg(&script)
+        .arg(format!("http://{}/v1", srv.addr))
+        .env("PYTHONPATH", &py)
+        .output()
+        .unwrap();
+    eprintln!("{}", String::from_utf8_lossy(&out.stdout));
+    assert!(out.status.success(), "openai client script failed:\n{}", String::from_utf8_lossy(&out.stderr));
+}
+
+fn locomo() -> Vec<Value> {
+    let path = std::env::var_os("INFERSCALE_LOCOMO")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/locomo/locomo-dev.json"));
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("{}: {e} (set INFERSCALE_LOCOMO to a LoCoMo file)", path.display()));
+    serde_json::from_str::<Vec<Value>>(&text).unwrap()
+}
+
+/// The first `n` turns of a LoCoMo sample as ingest units, and a question.
+fn conversation(sample: &Value, n: usize) -> (Vec<Value>, String) {
+    let conv = &sample["conversation"];
+    let time = conv["session_1_date_time"].as_str().unwrap_or("").to_string();
+    let turns: Vec<Value> = conv["session_1"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .take(n)
+        .map(|t| json!({"id": t["dia_id"], "speaker": t["speaker"], "text": t["text"], "time": time}))
+        .collect();
+    let q = sample["qa"][0]["question"].as_str().unwrap().to_string();
+    (turns, q)
+}
+
+fn metric(text: &str, name: &str, worker: &str) -> Option<f64> {
+    let key = format!("{name}{{worker=\"{worker}\"}} ");
+    text.lines().find_map(|l| l.strip_prefix(&key)).and_then(|v| v.trim().parse().ok())
+}
+
+#[test]
+fn router_and_two_workers_serve_twenty_users() {
+    let dir = tempfile::tempdir().unwrap();
+    let workers: Vec<Proc> = (0..2)
+        .map(|i| {
+            let mem = dir.path().join(format!("mem{i}"));
+            let args = ["worker", "--listen", "127.0.0.1:0", "--memory", mem.to_str().unwrap(), "--window", "3"];
+            spawn(&args, "gRPC on ")
+        })
+        .collect();
+    let list = workers.iter().map(|w| w.addr.clone()).collect::<Vec<_>>().join(",");
+    let router = spawn(&["router", "--listen", "127.0.0.1:0", "--worker", &list], "API on ");
+    let a = router.addr.clone();
+    let samples = locomo();
+
+    // 20 users ingest (two per conversation), all at once.
+    let users: Vec<(String, Vec<Value>, String)> = (0..20)
+        .map(|i| {
+            let (turns, q) = conversation(&samples[i % samples.len()], 6);
+            (format!("user-{i}"), turns, q)
+        })
+        .collect();
+    std::thread::scope(|s| {
+        for (u, turns, _) in &users {
+            let a = &a;
+            s.spawn(move || {
+                let (status, v) = json_call(a, "POST", "/v1/memories", &json!({"user": u, "turns": turns}));
+                assert_eq!(status, 200, "{u}: {v}");
+                assert_eq!(v["added"].as_u64(), Some(turns.len() as u64), "{u}: {v}");
+            });
+        }
+    });
+
+    // Each asks two questions concurrently (kv and prompt mode); all answer,
+    // and every request of a user lands on one worker.
+    let served: Vec<(String, String)> = std::thread::scope(|s| {
+        let handles: Vec<_> = users
+            .iter()
+            .flat_map(|(u, _, q)| ["kv", "prompt"].map(move |mode| (u, q, mode)))
+            .map(|(u, q, mode)| {
+                let a = &a;
+                s.spawn(move || {
+                    let body = chat(Some(u), q, json!({"mode": mode, "k": 4}));
+                    let (status, headers, b) = http(a, "POST", "/v1/chat/completions", body.to_string().as_bytes());
+                    let v: Value = serde_json::from_slice(&b).unwrap_or(Value::Null);
+                    assert_eq!(status, 200, "{u} {mode}: {v}");
+                    assert!(v["usage"]["completion_tokens"].as_u64().unwrap() > 0, "{u}: {v}");
+                    assert_eq!(v["usage"]["memory"]["facts"], json!(4), "{u}: {v}");
+                    let w = headers.iter().find(|(k, _)| k == "x-inferscale-worker").map(|(_, v)| v.clone());
+                    (u.clone(), w.unwrap_or_default())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let mut by_user = std::collections::BTreeMap::<String, std::collections::BTreeSet<String>>::new();
+    for (u, w) in &served {
+        by_user.entry(u.clone()).or_default().insert(w.clone());
+    }
+    assert!(by_user.values().all(|ws| ws.len() == 1), "a user's requests went to several workers: {by_user:?}");
+    let used: std::collections::BTreeSet<_> = by_user.values().flatten().collect();
+    assert_eq!(used.len(), 2, "all users landed on one worker: {by_user:?}");
+
+    // A client that goes away mid-stream frees its request's blocks at once.
+    let user = "user-0";
+    let home = by_user[user].iter().next().unwrap().clone();
+    let scrape = || String::from_utf8(http(&a, "GET", "/metrics", b"").2).unwrap();
+    let wait_for = |what: &str, ok: &dyn Fn(&str) -> bool| {
+        let t0 = Instant::now();
+        loop {
+            let m = scrape();
+            if ok(&m) {
+                return m;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(30), "{what}; last metrics:\n{m}");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    };
+    let idle = wait_for("the worker did not go idle", &|m| metric(m, "inferscale_worker_running", &home) == Some(0.0));
+    let free = metric(&idle, "inferscale_worker_kv_blocks_free", &home).unwrap();
+    let cancelled = metric(&idle, "inferscale_worker_requests_cancelled", &home).unwrap();
+    let mut body = chat(Some(user), "Write a very long story about a cat, a dog and a lighthouse.", json!({"k": 4}));
+    body["max_tokens"] = json!(2000);
+    body["stream"] = json!(true);
+    let body = body.to_string();
+    let mut s = TcpStream::connect(&a).unwrap();
+    write!(
+        s,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&got).contains("\"content\"") {
+        let n = s.read(&mut buf).unwrap();
+        assert!(n > 0, "stream ended before the first token");
+        got.extend_from_slice(&buf[..n]);
+    }
+    wait_for("the request is not running", &|m| metric(m, "inferscale_worker_running", &home) == Some(1.0));
+    drop(s);
+    let after = wait_for("the cancelled request's blocks were not freed", &|m| {
+        metric(m, "inferscale_worker_running", &home) == Some(0.0)
+            && metric(m, "inferscale_worker_kv_blocks_free", &home) == Some(free)
+    });
+    assert_eq!(metric(&after, "inferscale_worker_requests_cancelled", &home), Some(cancelled + 1.0));
+}

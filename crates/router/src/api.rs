@@ -1,0 +1,575 @@
+//! HTTP handlers: chat completions (JSON or SSE), memories, models, health
+//! and metrics.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{MatchedPath, Path, Request, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::middleware::Next;
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::{Json, Router, routing};
+use futures_util::{Stream, StreamExt};
+use inferscale_proto as pb;
+use serde_json::json;
+
+use crate::auth::{Keys, scoped};
+use crate::error::{ApiError, Result};
+use crate::metrics::{Metrics, mode_index};
+use crate::openai::{self, ChatRequest, IngestBody};
+use crate::workers::{InFlight, Workers};
+
+/// Response header naming the worker that served a chat request.
+pub const WORKER_HEADER: &str = "x-inferscale-worker";
+
+/// Server-side defaults and limits of the chat API.
+#[derive(Debug, Clone)]
+pub struct Defaults {
+    pub mode: String,
+    pub k: u32,
+    pub max_k: u32,
+    pub max_tokens: u32,
+    /// Deadline of every worker call.
+    pub deadline: Duration,
+    pub body_limit: usize,
+}
+
+impl Default for Defaults {
+    fn default() -> Self {
+        Defaults {
+            mode: "kv".into(),
+            k: 20,
+            max_k: 200,
+            max_tokens: 256,
+            deadline: Duration::from_secs(120),
+            body_limit: 4 << 20,
+        }
+    }
+}
+
+pub struct AppState {
+    pub workers: Arc<Workers>,
+    pub keys: Keys,
+    /// The model name clients must send (as `/v1/models` lists it).
+    pub model: String,
+    pub defaults: Defaults,
+    pub metrics: Metrics,
+}
+
+type Shared = Arc<AppState>;
+
+pub fn app(state: Shared) -> Router {
+    let limit = state.defaults.body_limit;
+    Router::new()
+        .route("/v1/chat/completions", routing::post(chat))
+        .route("/v1/memories", routing::post(ingest))
+        .route("/v1/memories/{user}", routing::get(list).delete(forget_user))
+        .route("/v1/memories/{user}/{unit}", routing::delete(forget_unit))
+        .route("/v1/models", routing::get(models))
+        .route("/healthz", routing::get(|| async { "ok\n" }))
+        .route("/readyz", routing::get(readyz))
+        .route("/metrics", routing::get(metrics))
+        .fallback(|| async { ApiError::NotFound("no such endpoint".into()) })
+        .layer(axum::extract::DefaultBodyLimit::max(limit))
+        .layer(axum::middleware::from_fn_with_state(state.clone(), count))
+        .with_state(state)
+}
+
+/// Counts every response by route and status.
+async fn count(State(s): State<Shared>, req: Request, next: Next) -> Response {
+    let route = req.extensions().get::<MatchedPath>().map_or("unmatched".to_string(), |p| p.as_str().to_string());
+    let resp = next.run(req).await;
+    s.metrics.request(&route, resp.status().as_u16());
+    resp
+}
+
+fn body(b: std::result::Result<Bytes, BytesRejection>, limit: usize) -> Result<Bytes> {
+    b.map_err(|e| match e.status() {
+        StatusCode::PAYLOAD_TOO_LARGE => ApiError::TooLarge(limit),
+        _ => ApiError::BadRequest(format!("cannot read the request body: {e}")),
+    })
+}
+
+fn tenant(s: &AppState, headers: &HeaderMap) -> Result<String> {
+    let auth = headers.get(header::AUTHORIZATION).map(|v| v.to_str().unwrap_or(""));
+    s.keys.tenant(auth)
+}
+
+fn grpc<T>(msg: T, deadline: Duration) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(msg);
+    r.set_timeout(deadline);
+    r
+}
+
+/// A response id unique within this process and across restarts.
+fn request_id() -> String {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+    format!("chatcmpl-{nanos:x}-{}", NEXT.fetch_add(1, Ordering::Relaxed))
+}
+
+fn now_secs() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+/// A validated chat request, ready for a worker.
+struct Chat {
+    req: pb::GenerateRequest,
+    mode: String,
+    stream: bool,
+    include_usage: bool,
+    user: String,
+}
+
+fn validate(s: &AppState, tenant: &str, r: ChatRequest) -> Result<Chat> {
+    if r.model != s.model {
+        return Err(ApiError::NotFound(format!(
+            "model `{}` does not exist; this server serves `{}`",
+            r.model, s.model
+        )));
+    }
+    if r.n.is_some_and(|n| n != 1) {
+        return Err(ApiError::BadRequest("only n = 1 is supported".into()));
+    }
+    if r.messages.is_empty() {
+        return Err(ApiError::BadRequest("`messages` is empty".into()));
+    }
+    let mut messages = Vec::with_capacity(r.messages.len());
+    for (i, m) in r.messages.iter().enumerate() {
+        if !matches!(m.role.as_str(), "system" | "developer" | "user" | "assistant") {
+            return Err(ApiError::BadRequest(format!("messages[{i}].role {:?} is not supported", m.role)));
+        }
+        messages.push(pb::ChatMessage { role: m.role.clone(), content: m.content.text()? });
+    }
+    if messages.last().is_none_or(|m| m.role != "user") {
+        return Err(ApiError::BadRequest("the last message must have role `user` (the question)".into()));
+    }
+    let mem = r.memory.unwrap_or_default();
+    let mode = mem.mode.unwrap_or_else(|| s.defaults.mode.clone());
+    let pmode = match mode.as_str() {
+        "kv" => pb::MemoryMode::Kv,
+        "prompt" => pb::MemoryMode::Prompt,
+        "none" => pb::MemoryMode::None,
+        other => return Err(ApiError::BadRequest(format!("memory.mode {other:?}: expected kv, prompt or none"))),
+    };
+    let k = mem.k.unwrap_or(u64::from(s.defaults.k));
+    if pmode != pb::MemoryMode::None && (k == 0 || k > u64::from(s.defaults.max_k)) {
+        return Err(ApiError::BadRequest(format!("memory.k = {k}: must be between 1 and {}", s.defaults.max_k)));
+    }
+    let user = match (&r.user, pmode) {
+        (Some(u), _) => {
+            openai::check_user(u)?;
+            u.clone()
+        }
+        (None, pb::MemoryMode::None) => String::new(),
+        (None, _) => {
+            return Err(ApiError::BadRequest(format!(
+                "`user` is required when memory is used (memory.mode = {mode}); send memory.mode = \"none\" to chat without memory"
+            )));
+        }
+    };
+    let max_tokens = r.max_completion_tokens.or(r.max_tokens).unwrap_or(s.defaults.max_tokens);
+    if max_tokens == 0 {
+        return Err(ApiError::BadRequest("max_tokens must be at least 1".into()));
+    }
+    let temperature = r.temperature.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(ApiError::BadRequest(format!("temperature {temperature} is outside [0, 2]")));
+    }
+    let top_p = r.top_p.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ApiError::BadRequest(format!("top_p {top_p} is outside (0, 1]")));
+    }
+    let stop = r.stop.map(openai::Stop::into_vec).unwrap_or_default();
+    if stop.len() > 4 || stop.iter().any(String::is_empty) {
+        return Err(ApiError::BadRequest("stop takes up to 4 non-empty strings".into()));
+    }
+    let req = pb::GenerateRequest {
+        request_id: String::new(),
+        user: if user.is_empty() { String::new() } else { scoped(tenant, &user) },
+        messages,
+        mode: pmode as i32,
+        k: k as u32,
+        window: mem.window,
+        sampling: Some(pb::Sampling {
+            temperature,
+            top_p,
+            top_k: 0,
+            seed: r.seed.unwrap_or(0),
+            max_tokens,
+            stop,
+            ignore_eos: false,
+        }),
+        deadline_ms: s.defaults.deadline.as_millis().min(u128::from(u32::MAX)) as u32,
+    };
+    let include_usage = r.stream_options.is_some_and(|o| o.include_usage);
+    Ok(Chat { req, mode, stream: r.stream, include_usage, user })
+}
+
+/// Sends `chat` to a worker and waits for its first event; a request that
+/// needs no memory is retried once elsewhere if the worker was unreachable.
+async fn start(
+    s: &AppState,
+    chat: &Chat,
+) -> Result<(InFlight, tonic::Streaming<pb::GenerateEvent>, Option<pb::GenerateEvent>)> {
+    let mut tried = Vec::new();
+    loop {
+        let w = match chat.req.mode == pb::MemoryMode::None as i32 {
+            true => s.workers.any(&chat.user, &tried)?,
+            false => s.workers.home(&chat.req.user)?,
+        };
+        let attempt = async {
+            let mut stream =
+                w.worker().client().generate(grpc(chat.req.clone(), s.defaults.deadline)).await?.into_inner();
+            let first = stream.message().await?;
+            Ok::<_, tonic::Status>((stream, first))
+        };
+        match attempt.await.map_err(ApiError::from) {
+            Ok((stream, first)) => return Ok((w, stream, first)),
+            Err(e) if e.retryable() && chat.req.mode == pb::MemoryMode::None as i32 && tried.is_empty() => {
+                tried.push(w.worker().name.clone());
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+fn usage(mode: &str, f: &pb::Finished) -> openai::Usage {
+    let u = f.usage.unwrap_or_default();
+    openai::Usage {
+        prompt_tokens: u.prompt_tokens,
+        completion_tokens: u.completion_tokens,
+        total_tokens: u.prompt_tokens + u.completion_tokens,
+        prompt_tokens_details: openai::PromptDetails { cached_tokens: u.cached_tokens + u.injected_tokens },
+        memory: openai::MemoryUsage {
+            mode: mode.to_string(),
+            facts: u.facts,
+            injected_tokens: u.injected_tokens,
+            fact_ids: f.fact_ids.clone(),
+        },
+    }
+}
+
+fn timings(f: &pb::Finished) -> serde_json::Value {
+    let t = f.timings.unwrap_or_default();
+    json!({"queue_ms": t.queue_ms, "retrieve_ms": t.retrieve_ms, "inject_ms": t.inject_ms,
+           "prefill_ms": t.prefill_ms, "first_token_ms": t.first_token_ms, "total_ms": t.total_ms})
+}
+
+/// Latency bookkeeping of one chat request.
+struct Clock {
+    start: Instant,
+    first: Option<Instant>,
+    tokens: u64,
+}
+
+impl Clock {
+    fn token(&mut self) {
+        self.first.get_or_insert_with(Instant::now);
+        self.tokens += 1;
+    }
+
+    fn record(&self, m: &Metrics, mode: &str) {
+        let i = mode_index(mode);
+        if let Some(first) = self.first {
+            m.ttft[i].observe((first - self.start).as_secs_f64());
+            if self.tokens > 1 {
+                m.tpot[i].observe(first.elapsed().as_secs_f64() / (self.tokens - 1) as f64);
+            }
+        }
+        m.output_tokens.fetch_add(self.tokens, Ordering::Relaxed);
+    }
+}
+
+async fn chat(
+    State(s): State<Shared>,
+    headers: HeaderMap,
+    b: std::result::Result<Bytes, BytesRejection>,
+) -> Result<Response> {
+    let clock = Clock { start: Instant::now(), first: None, tokens: 0 };
+    let tenant = tenant(&s, &headers)?;
+    let chat = validate(&s, &tenant, openai::parse(&body(b, s.defaults.body_limit)?)?)?;
+    let (guard, stream, first) = start(&s, &chat).await?;
+    let id = request_id();
+    let worker = guard.worker().name.clone();
+    let mut resp = if chat.stream {
+        sse(s.clone(), chat, id, guard, stream, first, clock).into_response()
+    } else {
+        let r = complete(&s, chat, id, stream, first, clock).await;
+        drop(guard);
+        r?.into_response()
+    };
+    if let Ok(v) = header::HeaderValue::from_str(&worker) {
+        resp.headers_mut().insert(WORKER_HEADER, v);
+    }
+    Ok(resp)
+}
+
+async fn complete(
+    s: &AppState,
+    chat: Chat,
+    id: String,
+    mut stream: tonic::Streaming<pb::GenerateEvent>,
+    mut next: Option<pb::GenerateEvent>,
+    mut clock: Clock,
+) -> Result<Json<openai::ChatResponse>> {
+    use pb::generate_event::Event as E;
+    let mut text = String::new();
+    loop {
+        match next.and_then(|e| e.event) {
+            Some(E::Token(t)) => {
+                clock.token();
+                text.push_str(&t.text);
+            }
+            Some(E::Finished(f)) => {
+                clock.record(&s.metrics, &chat.mode);
+                return Ok(Json(openai::ChatResponse {
+                    id,
+                    object: "chat.completion",
+                    created: now_secs(),
+                    model: s.model.clone(),
+                    choices: vec![openai::Choice {
+                        index: 0,
+                        message: openai::AssistantMessage { role: "assistant", content: text },
+                        finish_reason: f.reason.clone(),
+                    }],
+                    usage: usage(&chat.mode, &f),
+                    timings: timings(&f),
+                }));
+            }
+            None => return Err(ApiError::Internal("the worker ended the stream without finishing".into())),
+        }
+        next = stream.message().await?;
+    }
+}
+
+struct SseState {
+    s: Shared,
+    chat: Chat,
+    id: String,
+    created: u64,
+    _guard: InFlight,
+    stream: tonic::Streaming<pb::GenerateEvent>,
+    pending: Option<pb::GenerateEvent>,
+    clock: Clock,
+    sent_role: bool,
+    done: bool,
+}
+
+fn chunk(st: &SseState, delta: serde_json::Value, finish: Option<&str>) -> SseEvent {
+    let body = json!({"id": st.id, "object": "chat.completion.chunk", "created": st.created, "model": st.s.model,
+                      "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]});
+    SseEvent::default().data(body.to_string())
+}
+
+/// Streams OpenAI chunks; dropping this stream (the client went away)
+/// drops the worker call, which cancels the request and frees its blocks.
+fn sse(
+    s: Shared,
+    chat: Chat,
+    id: String,
+    guard: InFlight,
+    stream: tonic::Streaming<pb::GenerateEvent>,
+    first: Option<pb::GenerateEvent>,
+    clock: Clock,
+) -> Sse<impl Stream<Item = std::result::Result<SseEvent, Infallible>>> {
+    let st = SseState {
+        s,
+        chat,
+        id,
+        created: now_secs(),
+        _guard: guard,
+        stream,
+        pending: first,
+        clock,
+        sent_role: false,
+        done: false,
+    };
+    let events = futures_util::stream::unfold(st, |mut st| async move {
+        use pb::generate_event::Event as E;
+        if st.done {
+            return None;
+        }
+        let next = match st.pending.take() {
+            Some(e) => Ok(Some(e)),
+            None => st.stream.message().await,
+        };
+        let mut out = Vec::new();
+        match next {
+            Ok(Some(pb::GenerateEvent { event: Some(E::Token(t)) })) => {
+                st.clock.token();
+                let mut delta = json!({"content": t.text});
+                if !st.sent_role {
+                    delta["role"] = json!("assistant");
+                    st.sent_role = true;
+                }
+                out.push(chunk(&st, delta, None));
+            }
+            Ok(Some(pb::GenerateEvent { event: Some(E::Finished(f)) })) => {
+                st.clock.record(&st.s.metrics, &st.chat.mode);
+                out.push(chunk(&st, json!({}), Some(&f.reason)));
+                if st.chat.include_usage {
+                    let body = json!({"id": st.id, "object": "chat.completion.chunk", "created": st.created,
+                                      "model": st.s.model, "choices": [], "usage": usage(&st.chat.mode, &f),
+                                      "timings": timings(&f)});
+                    out.push(SseEvent::default().data(body.to_string()));
+                }
+                out.push(SseEvent::default().data("[DONE]"));
+                st.done = true;
+            }
+            Ok(_) => {
+                let e = ApiError::Internal("the worker ended the stream without finishing".into());
+                out.push(SseEvent::default().data(e.body().to_string()));
+                st.done = true;
+            }
+            Err(status) => {
+                out.push(SseEvent::default().data(ApiError::from(status).body().to_string()));
+                st.done = true;
+            }
+        }
+        Some((futures_util::stream::iter(out.into_iter().map(Ok)), st))
+    })
+    .flatten();
+    Sse::new(events).keep_alive(KeepAlive::default())
+}
+
+async fn ingest(
+    State(s): State<Shared>,
+    headers: HeaderMap,
+    b: std::result::Result<Bytes, BytesRejection>,
+) -> Result<Json<serde_json::Value>> {
+    let tenant = tenant(&s, &headers)?;
+    let r: IngestBody = openai::parse(&body(b, s.defaults.body_limit)?)?;
+    openai::check_user(&r.user)?;
+    if r.turns.is_empty() && r.facts.is_empty() {
+        return Err(ApiError::BadRequest("nothing to ingest: `turns` and `facts` are empty".into()));
+    }
+    if let Some((i, _)) = r.facts.iter().enumerate().find(|(_, f)| f.source_turn.is_empty()) {
+        return Err(ApiError::BadRequest(format!("facts[{i}] has no `source_turn`")));
+    }
+    let units: Vec<pb::MemoryUnit> = r
+        .turns
+        .iter()
+        .chain(&r.facts)
+        .map(|u| pb::MemoryUnit {
+            id: u.id.clone(),
+            speaker: u.speaker.clone(),
+            text: u.text.clone(),
+            time: u.time.clone(),
+            source_turn: u.source_turn.clone(),
+        })
+        .collect();
+    let user = scoped(&tenant, &r.user);
+    let w = s.workers.home(&user)?;
+    let req = pb::IngestRequest { user, window: r.window, units };
+    let resp = w.worker().client().ingest(grpc(req, s.defaults.deadline)).await?.into_inner();
+    s.metrics.ingested_units.fetch_add(u64::from(resp.added), Ordering::Relaxed);
+    Ok(Json(json!({"user": r.user, "added": resp.added, "skipped": resp.skipped,
+                   "encoded_tokens": resp.encoded_tokens})))
+}
+
+async fn list(
+    State(s): State<Shared>,
+    headers: HeaderMap,
+    Path(user): Path<String>,
+) -> Result<Json<serde_json::Value>> {
+    let tenant = tenant(&s, &headers)?;
+    openai::check_user(&user)?;
+    let w = s.workers.home(&scoped(&tenant, &user))?;
+    let req = pb::ListMemoriesRequest { user: scoped(&tenant, &user) };
+    let r = w.worker().client().list_memories(grpc(req, s.defaults.deadline)).await?.into_inner();
+    let units: Vec<openai::UnitBody> = r
+        .units
+        .into_iter()
+        .map(|u| openai::UnitBody {
+            id: u.id,
+            speaker: u.speaker,
+            text: u.text,
+            time: u.time,
+            source_turn: u.source_turn,
+        })
+        .collect();
+    Ok(Json(json!({"user": user, "window": r.window, "count": units.len(), "units": units})))
+}
+
+async fn forget(s: &AppState, headers: &HeaderMap, user: &str, unit: String) -> Result<Json<serde_json::Value>> {
+    let tenant = tenant(s, headers)?;
+    openai::check_user(user)?;
+    let scoped_user = scoped(&tenant, user);
+    let w = s.workers.home(&scoped_user)?;
+    let req = pb::ForgetRequest { user: scoped_user, unit_id: unit.clone() };
+    w.worker().client().forget(grpc(req, s.defaults.deadline)).await?;
+    Ok(Json(if unit.is_empty() {
+        json!({"user": user, "deleted": true})
+    } else {
+        json!({"user": user, "id": unit, "deleted": true})
+    }))
+}
+
+async fn forget_user(
+    State(s): State<Shared>,
+    headers: HeaderMap,
+    Path(user): Path<String>,
+) -> Result<Json<serde_json::Value>> {
+    forget(&s, &headers, &user, String::new()).await
+}
+
+async fn forget_unit(
+    State(s): State<Shared>,
+    headers: HeaderMap,
+    Path((user, unit)): Path<(String, String)>,
+) -> Result<Json<serde_json::Value>> {
+    if unit.is_empty() {
+        return Err(ApiError::BadRequest("empty unit id".into()));
+    }
+    forget(&s, &headers, &user, unit).await
+}
+
+async fn models(State(s): State<Shared>, headers: HeaderMap) -> Result<Json<serde_json::Value>> {
+    tenant(&s, &headers)?;
+    Ok(Json(json!({"object": "list", "data": [{"id": s.model, "object": "model", "created": 0,
+                                                "owned_by": "inferscale"}]})))
+}
+
+async fn readyz(State(s): State<Shared>) -> Response {
+    let healthy = s.workers.all().iter().filter(|w| w.is_healthy()).count();
+    let status = if healthy > 0 { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    (status, Json(json!({"ready": healthy > 0, "healthy_workers": healthy, "workers": s.workers.all().len()})))
+        .into_response()
+}
+
+async fn metrics(State(s): State<Shared>) -> Response {
+    let all = s.workers.all();
+    let healthy = all.iter().filter(|w| w.is_healthy()).count() as f64;
+    let in_flight = all.iter().map(|w| w.in_flight()).sum::<usize>() as f64;
+    let mut text = s.metrics.render(&[
+        ("inferscale_workers_healthy", "Workers answering health checks.", healthy),
+        ("inferscale_requests_in_flight", "Requests the router has at workers.", in_flight),
+    ]);
+    type Field = fn(&pb::StatsResponse) -> f64;
+    let fields: [(&str, &str, Field); 9] = [
+        ("inferscale_worker_running", "Requests in the worker's running batch.", |s| s.running.into()),
+        ("inferscale_worker_waiting", "Requests queued at the worker.", |s| s.waiting.into()),
+        ("inferscale_worker_kv_blocks_total", "KV cache blocks of the worker.", |s| s.kv_blocks_total.into()),
+        ("inferscale_worker_kv_blocks_free", "Free KV cache blocks of the worker.", |s| s.kv_blocks_free.into()),
+        ("inferscale_worker_users", "Users with memory on the worker.", |s| s.users.into()),
+        ("inferscale_worker_facts", "Memory units stored on the worker.", |s| s.facts as f64),
+        ("inferscale_worker_requests_finished", "Requests the worker finished.", |s| s.requests_finished as f64),
+        ("inferscale_worker_requests_cancelled", "Requests cancelled (client gone).", |s| s.requests_cancelled as f64),
+        ("inferscale_worker_requests_failed", "Requests that failed at the worker.", |s| s.requests_failed as f64),
+    ];
+    for (name, help, get) in fields {
+        text.push_str(&format!("# HELP {name} {help}\n# TYPE {name} gauge\n"));
+        for w in all {
+            if let Some(st) = w.stats() {
+                text.push_str(&format!("{name}{{worker=\"{}\"}} {}\n", w.name, get(&st)));
+            }
+        }
+    }
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+}

@@ -1,0 +1,93 @@
+//! The one error type of the router, rendered as an OpenAI-style JSON error.
+
+use axum::Json;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// Malformed or invalid request (400).
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("{0}")]
+    Unauthorized(String),
+    #[error("{0}")]
+    NotFound(String),
+    #[error("request body is larger than the limit of {0} bytes")]
+    TooLarge(usize),
+    /// Every worker that could serve the request is busy (429).
+    #[error("{0}")]
+    Busy(String),
+    /// No worker that holds the user's memory is reachable (503).
+    #[error("{0}")]
+    Unavailable(String),
+    #[error("{0}")]
+    Timeout(String),
+    #[error("{0}")]
+    Conflict(String),
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl ApiError {
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ApiError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            ApiError::NotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::Busy(_) => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
+            ApiError::Conflict(_) => StatusCode::CONFLICT,
+            ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    fn kind(&self) -> &'static str {
+        match self {
+            ApiError::BadRequest(_) | ApiError::TooLarge(_) => "invalid_request_error",
+            ApiError::Unauthorized(_) => "authentication_error",
+            ApiError::NotFound(_) => "not_found_error",
+            ApiError::Busy(_) => "rate_limit_error",
+            ApiError::Conflict(_) => "conflict_error",
+            ApiError::Unavailable(_) | ApiError::Timeout(_) | ApiError::Internal(_) => "server_error",
+        }
+    }
+
+    /// The JSON body OpenAI clients parse: `{"error": {message, type, code}}`.
+    pub fn body(&self) -> serde_json::Value {
+        json!({"error": {"message": self.to_string(), "type": self.kind(), "code": self.status().as_u16()}})
+    }
+
+    /// Whether the request may be retried on another worker.
+    pub fn retryable(&self) -> bool {
+        matches!(self, ApiError::Unavailable(_))
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status(), Json(self.body())).into_response()
+    }
+}
+
+impl From<tonic::Status> for ApiError {
+    fn from(s: tonic::Status) -> Self {
+        use tonic::Code;
+        let msg = s.message().to_string();
+        match s.code() {
+            Code::InvalidArgument | Code::OutOfRange | Code::FailedPrecondition => ApiError::BadRequest(msg),
+            Code::NotFound => ApiError::NotFound(msg),
+            Code::ResourceExhausted => ApiError::Busy(msg),
+            Code::DeadlineExceeded => ApiError::Timeout(msg),
+            Code::AlreadyExists | Code::Aborted => ApiError::Conflict(msg),
+            Code::Unavailable => ApiError::Unavailable(format!("worker unavailable: {msg}")),
+            Code::Unauthenticated | Code::PermissionDenied => ApiError::Unauthorized(msg),
+            _ => ApiError::Internal(format!("worker error: {msg}")),
+        }
+    }
+}
+
+pub type Result<T> = std::result::Result<T, ApiError>;

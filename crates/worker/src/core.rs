@@ -1,0 +1,625 @@
+//! The engine thread: one engine, one memory shard, one scheduler.
+//!
+//! Everything that touches tensors runs on this one thread, in a loop:
+//! take the commands that arrived (new requests, ingests, forgets, stats),
+//! drop requests whose client went away or whose deadline passed, ask the
+//! scheduler for the next step, lay out newly admitted requests (fork the
+//! cached header, inject or paste the retrieved facts), run the step's
+//! forward pass, sample, stream tokens. Ingests are encoded a few units
+//! per loop turn, so a large ingest never stalls the running batch for
+//! long. The gRPC layer talks to this thread only through [`Command`]s.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
+use std::time::{Duration, Instant};
+
+use inferscale_engine::bert::Bert;
+use inferscale_engine::kv_cache::BLOCK_SIZE;
+use inferscale_engine::sampling::{Rng, SamplingParams, sample};
+use inferscale_engine::{Backend, Engine, FinishReason, Sequence};
+use inferscale_memory::{Composer, Encoders, IngestReport, Memory, Mode, SYSTEM_PROMPT, Turn, prepare};
+use inferscale_model::ModelFiles;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::error::{Result, WorkerError};
+use crate::scheduler::{RequestId, RequestSpec, Scheduler, SchedulerConfig};
+use crate::text::{Delta, TextStream};
+
+/// What the engine thread owns.
+pub struct WorkerParts<B: Backend> {
+    pub files: ModelFiles,
+    pub engine: Engine<B>,
+    pub embedder: Bert<B>,
+    pub memory: Memory<B>,
+    /// End-of-sequence token ids.
+    pub eos: Vec<u32>,
+}
+
+/// Serving limits of a worker.
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    pub max_running: usize,
+    pub max_queue: usize,
+    /// Largest `k` a request may ask for.
+    pub max_k: usize,
+    /// Memory units encoded per loop turn during an ingest.
+    pub ingest_batch: usize,
+    /// Tokens of one unit's encoding (context window and the unit) that the
+    /// ingest reserve is sized for; longer encodings may find the pool short.
+    pub ingest_tokens_per_unit: usize,
+}
+
+impl Default for WorkerConfig {
+    fn default() -> Self {
+        WorkerConfig { max_running: 64, max_queue: 256, max_k: 200, ingest_batch: 4, ingest_tokens_per_unit: 2048 }
+    }
+}
+
+/// A chat request as the engine thread sees it.
+#[derive(Debug, Clone)]
+pub struct GenerateJob {
+    pub user: String,
+    pub question: String,
+    pub mode: Mode,
+    pub k: usize,
+    pub params: SamplingParams,
+    pub deadline: Option<Duration>,
+    pub arrived: Instant,
+}
+
+/// Where a request's time went, in milliseconds: each phase's duration,
+/// and the first token and the end measured from arrival at the worker.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Timings {
+    pub queue_ms: f64,
+    pub retrieve_ms: f64,
+    pub inject_ms: f64,
+    pub prefill_ms: f64,
+    pub first_token_ms: f64,
+    pub total_ms: f64,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub injected_tokens: usize,
+    pub cached_tokens: usize,
+    pub completion_tokens: usize,
+    pub facts: usize,
+}
+
+#[derive(Debug, Clone)]
+pub struct Finished {
+    pub reason: FinishReason,
+    pub usage: Usage,
+    pub timings: Timings,
+    pub fact_ids: Vec<String>,
+}
+
+/// What a generate request's stream carries.
+#[derive(Debug)]
+pub enum Event {
+    Token { id: u32, text: String },
+    Finished(Box<Finished>),
+    Failed(WorkerError),
+}
+
+/// Counters and gauges of a worker.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Stats {
+    pub running: usize,
+    pub waiting: usize,
+    pub kv_blocks_total: usize,
+    pub kv_blocks_free: usize,
+    pub users: usize,
+    pub facts: usize,
+    pub finished: u64,
+    pub cancelled: u64,
+    pub failed: u64,
+    pub window: usize,
+    pub max_queue: usize,
+}
+
+/// A stored unit as listed.
+pub type Unit = Turn;
+
+pub enum Command {
+    Generate { job: GenerateJob, events: mpsc::UnboundedSender<Event> },
+    Ingest { user: String, window: Option<usize>, units: Vec<Turn>, reply: oneshot::Sender<Result<IngestReport>> },
+    List { user: String, reply: oneshot::Sender<Result<(Vec<Unit>, usize)>> },
+    Forget { user: String, unit: Option<String>, reply: oneshot::Sender<Result<()>> },
+    Stats { reply: oneshot::Sender<Stats> },
+}
+
+/// A request from arrival to its last token.
+struct Live {
+    job: GenerateJob,
+    question: Vec<u32>,
+    events: mpsc::UnboundedSender<Event>,
+    /// Retrieved fact ids, best first.
+    fact_ids: Vec<String>,
+    memory_tokens: usize,
+    seq: Option<Sequence>,
+    rng: Rng,
+    generated: Vec<u32>,
+    text: TextStream,
+    stop_text: bool,
+    finish: Option<FinishReason>,
+    timings: Timings,
+    admitted: Option<Instant>,
+}
+
+struct IngestJob {
+    user: String,
+    units: Vec<Turn>,
+    next: usize,
+    report: IngestReport,
+    reply: oneshot::Sender<Result<IngestReport>>,
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// Runs the engine thread until every command sender is dropped.
+pub fn run<B: Backend>(parts: WorkerParts<B>, cfg: WorkerConfig, rx: Receiver<Command>) -> Result<()> {
+    let WorkerParts { files, mut engine, embedder, mut memory, eos } = parts;
+    let composer = Composer::new(&files, SYSTEM_PROMPT)?;
+    let tokenizer =
+        files.tokenizer.as_ref().ok_or_else(|| WorkerError::Startup("the model has no tokenizer".into()))?;
+    memory.set_encode_batch(cfg.ingest_batch);
+    let mut header = engine.new_sequence(composer.header().to_vec())?;
+    engine.prefill(&mut header)?;
+    let reserve = (cfg.ingest_batch * cfg.ingest_tokens_per_unit).div_ceil(BLOCK_SIZE);
+    let free = engine.pool().free_blocks();
+    let total_blocks = free.checked_sub(reserve).filter(|&n| n > 0).ok_or_else(|| {
+        WorkerError::Startup(format!(
+            "the KV cache has {free} free blocks after the header; ingest needs {reserve}: give it more memory"
+        ))
+    })?;
+    let mut sched = Scheduler::new(SchedulerConfig {
+        max_batch_tokens: engine.max_batch_tokens(),
+        max_running: cfg.max_running,
+        max_queue: cfg.max_queue,
+        total_blocks,
+        block_size: BLOCK_SIZE,
+    });
+    let mut core = Core {
+        engine,
+        embedder,
+        memory,
+        eos,
+        composer: &composer,
+        tokenizer,
+        header,
+        cfg,
+        live: HashMap::new(),
+        ingests: VecDeque::new(),
+        next_id: 0,
+        stats: Stats::default(),
+    };
+    loop {
+        let idle = core.live.is_empty() && core.ingests.is_empty();
+        let first = if idle {
+            match rx.recv_timeout(Duration::from_millis(500)) {
+                Ok(c) => Some(c),
+                Err(RecvTimeoutError::Timeout) => continue,
+                Err(RecvTimeoutError::Disconnected) => return Ok(()),
+            }
+        } else {
+            None
+        };
+        if let Some(c) = first {
+            core.handle(c, &mut sched);
+        }
+        loop {
+            match rx.try_recv() {
+                Ok(c) => core.handle(c, &mut sched),
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => return Ok(()),
+            }
+        }
+        core.reap(&mut sched);
+        core.ingest_some();
+        core.step(&mut sched);
+    }
+}
+
+struct Core<'c, 'f, B: Backend> {
+    engine: Engine<B>,
+    embedder: Bert<B>,
+    memory: Memory<B>,
+    eos: Vec<u32>,
+    composer: &'c Composer<'f>,
+    tokenizer: &'f inferscale_model::Tokenizer,
+    header: Sequence,
+    cfg: WorkerConfig,
+    live: HashMap<RequestId, Live>,
+    ingests: VecDeque<IngestJob>,
+    next_id: RequestId,
+    stats: Stats,
+}
+
+impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
+    fn handle(&mut self, c: Command, sched: &mut Scheduler) {
+        match c {
+            Command::Generate { job, events } => {
+                if let Err(e) = self.admit(job, events.clone(), sched) {
+                    self.stats.failed += 1;
+                    let _ = events.send(Event::Failed(e));
+                }
+            }
+            Command::Ingest { user, window, units, reply } => {
+                let check = self.check_window(window).and_then(|()| Ok(Memory::<B>::validate(&user, &units)?));
+                match check {
+                    Err(e) => {
+                        let _ = reply.send(Err(e));
+                    }
+                    Ok(()) => self.ingests.push_back(IngestJob {
+                        user,
+                        units,
+                        next: 0,
+                        report: IngestReport::default(),
+                        reply,
+                    }),
+                }
+            }
+            Command::List { user, reply } => {
+                let units = self.memory.facts(&user).map_err(WorkerError::from).map(|facts| {
+                    let units = facts
+                        .iter()
+                        .map(|f| Turn {
+                            id: f.id.clone(),
+                            speaker: f.speaker.clone(),
+                            text: f.text.clone(),
+                            time: f.time.clone(),
+                            source_turn: f.source_turn.clone(),
+                        })
+                        .collect();
+                    (units, self.memory.spec().window)
+                });
+                let _ = reply.send(units);
+            }
+            Command::Forget { user, unit, reply } => {
+                let r = match &unit {
+                    None => self.memory.forget_user(&user),
+                    Some(id) => self.memory.forget_fact(&user, id),
+                };
+                let r = r.map_err(|e| match (e, unit) {
+                    (inferscale_memory::MemoryError::Invalid { .. }, Some(id)) => {
+                        WorkerError::UnknownUnit { user: user.clone(), id }
+                    }
+                    (e, _) => e.into(),
+                });
+                if r.is_ok() {
+                    self.drop_unstarted(&user, sched);
+                }
+                let _ = reply.send(r);
+            }
+            Command::Stats { reply } => {
+                let m = &self.memory;
+                let mut s = self.stats.clone();
+                s.running = sched.running();
+                s.waiting = sched.waiting();
+                s.kv_blocks_total = self.engine.pool().total_blocks();
+                s.kv_blocks_free = self.engine.pool().free_blocks();
+                s.users = m.users().count();
+                s.facts = m.users().map(|u| m.facts(u).map_or(0, <[_]>::len)).sum();
+                s.window = m.spec().window;
+                s.max_queue = self.cfg.max_queue;
+                let _ = reply.send(s);
+            }
+        }
+    }
+
+    fn check_window(&self, window: Option<usize>) -> Result<()> {
+        let ours = self.memory.spec().window;
+        match window {
+            Some(w) if w != ours => Err(WorkerError::Invalid(format!(
+                "window {w}: this worker encodes memory with a context window of {ours} turns"
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// Retrieves, sizes and queues a request.
+    fn admit(&mut self, job: GenerateJob, events: mpsc::UnboundedSender<Event>, sched: &mut Scheduler) -> Result<()> {
+        job.params.validate()?;
+        if job.params.max_tokens == 0 {
+            return Err(WorkerError::Invalid("max_tokens must be at least 1".into()));
+        }
+        if job.question.trim().is_empty() {
+            return Err(WorkerError::Invalid("the question (last user message) is empty".into()));
+        }
+        if job.mode != Mode::None && job.user.is_empty() {
+            return Err(WorkerError::Invalid("a user is required when memory is used".into()));
+        }
+        if job.mode != Mode::None && (job.k == 0 || job.k > self.cfg.max_k) {
+            return Err(WorkerError::Invalid(format!("k = {} is outside 1..={}", job.k, self.cfg.max_k)));
+        }
+        let question = self.composer.question(&job.question)?;
+        let t0 = Instant::now();
+        let mut facts = Vec::new();
+        if job.mode != Mode::None && self.memory.has_user(&job.user) {
+            let engine = &mut self.engine;
+            if job.mode == Mode::Kv {
+                let mut enc = Encoders { engine, embedder: &self.embedder, composer: self.composer };
+                self.memory.ensure_kv(&job.user, &mut enc)?;
+            }
+            let query = self.embedder.embed(self.engine.backend(), &[job.question.as_str()])?;
+            let query = query.first().ok_or_else(|| WorkerError::Invalid("empty question embedding".into()))?;
+            facts = self.memory.retrieve(&job.user, query, job.k)?;
+        }
+        let retrieve_ms = ms(t0.elapsed());
+        let all = if facts.is_empty() { &[][..] } else { self.memory.facts(&job.user)? };
+        let memory_tokens: usize = facts.iter().map(|&i| all[i].tokens.len()).sum();
+        let header = self.header.len();
+        let limit = self.engine.model().config().max_position_embeddings;
+        let prompt_len = header + memory_tokens + question.len();
+        if prompt_len >= limit {
+            return Err(WorkerError::Invalid(format!(
+                "the prompt is {prompt_len} tokens with its memory; the model's context is {limit}: lower k"
+            )));
+        }
+        let max_new = job.params.max_tokens.min(limit - prompt_len);
+        let (computed, injected) = match job.mode {
+            Mode::Kv => (question.len(), memory_tokens),
+            Mode::Prompt => (question.len() + memory_tokens, 0),
+            Mode::None => (question.len(), 0),
+        };
+        let id = self.next_id;
+        self.next_id += 1;
+        sched.submit(RequestSpec {
+            id,
+            user: job.user.clone(),
+            prompt_tokens: computed,
+            // The fork copies the header's partial last block; the rest of it is shared.
+            injected_tokens: injected + header % BLOCK_SIZE,
+            max_new_tokens: max_new,
+        })?;
+        let mut job = job;
+        job.params.max_tokens = max_new;
+        self.live.insert(
+            id,
+            Live {
+                rng: Rng::new(job.params.seed),
+                stop_text: !job.params.stop.is_empty(),
+                job,
+                events,
+                fact_ids: facts.iter().map(|&i| all[i].id.clone()).collect(),
+                memory_tokens,
+                seq: None,
+                generated: Vec::new(),
+                text: TextStream::default(),
+                finish: None,
+                timings: Timings { retrieve_ms, ..Default::default() },
+                admitted: None,
+                question,
+            },
+        );
+        Ok(())
+    }
+
+    /// Drops requests whose client went away or whose deadline passed;
+    /// their blocks are free at once.
+    fn reap(&mut self, sched: &mut Scheduler) {
+        let now = Instant::now();
+        let gone: Vec<(RequestId, bool)> = self
+            .live
+            .iter()
+            .filter_map(|(&id, l)| {
+                let late = l.job.deadline.is_some_and(|d| now > l.job.arrived + d);
+                (l.events.is_closed() || late).then_some((id, late))
+            })
+            .collect();
+        for (id, late) in gone {
+            sched.cancel(id);
+            if let Some(l) = self.live.remove(&id) {
+                if late && !l.events.is_closed() {
+                    self.stats.failed += 1;
+                    let ms = l.job.deadline.map_or(0, |d| d.as_millis() as u64);
+                    let _ = l.events.send(Event::Failed(WorkerError::Deadline(ms)));
+                } else {
+                    self.stats.cancelled += 1;
+                }
+            }
+        }
+    }
+
+    /// Fails `user`'s requests that were not laid out yet: the facts they
+    /// retrieved may be gone.
+    fn drop_unstarted(&mut self, user: &str, sched: &mut Scheduler) {
+        let ids: Vec<RequestId> =
+            self.live.iter().filter(|(_, l)| l.job.user == user && l.seq.is_none()).map(|(&id, _)| id).collect();
+        for id in ids {
+            sched.cancel(id);
+            if let Some(l) = self.live.remove(&id) {
+                self.stats.failed += 1;
+                let _ = l.events.send(Event::Failed(WorkerError::Forgotten(user.to_string())));
+            }
+        }
+    }
+
+    /// Encodes the next few units of the oldest ingest; answers it when done.
+    fn ingest_some(&mut self) {
+        let Some(job) = self.ingests.front_mut() else { return };
+        let end = (job.next + self.cfg.ingest_batch).min(job.units.len());
+        let mut enc = Encoders { engine: &mut self.engine, embedder: &self.embedder, composer: self.composer };
+        let r = self.memory.ingest(&job.user, &job.units[job.next..end], &mut enc);
+        match r {
+            Ok(r) => {
+                job.report.added += r.added;
+                job.report.skipped += r.skipped;
+                job.report.encoded_tokens += r.encoded_tokens;
+                job.next = end;
+                if job.next < job.units.len() {
+                    return;
+                }
+                if let Some(job) = self.ingests.pop_front() {
+                    let _ = job.reply.send(Ok(job.report));
+                }
+            }
+            Err(e) => {
+                if let Some(job) = self.ingests.pop_front() {
+                    let stored = job.report.added;
+                    let e = WorkerError::from(e);
+                    let _ = job.reply.send(Err(match e {
+                        WorkerError::Memory(m) if stored > 0 => {
+                            WorkerError::Invalid(format!("{m} (the first {stored} units of this request are stored)"))
+                        }
+                        e => e,
+                    }));
+                }
+            }
+        }
+    }
+
+    /// Lays out a newly admitted request: fork the header, inject or paste
+    /// its facts, append the question.
+    fn layout(&mut self, id: RequestId) -> Result<()> {
+        let Some(l) = self.live.get_mut(&id) else { return Ok(()) };
+        let now = Instant::now();
+        l.admitted = Some(now);
+        // Retrieval ran at arrival; the rest of the wait was for admission.
+        l.timings.queue_ms = (ms(now - l.job.arrived) - l.timings.retrieve_ms).max(0.0);
+        let facts = match l.fact_ids.is_empty() {
+            true => Vec::new(),
+            false => {
+                let all = self.memory.facts(&l.job.user)?;
+                let by_id: HashMap<&str, usize> = all.iter().enumerate().map(|(i, f)| (f.id.as_str(), i)).collect();
+                l.fact_ids
+                    .iter()
+                    .map(|f| by_id.get(f.as_str()).copied().ok_or_else(|| WorkerError::Forgotten(l.job.user.clone())))
+                    .collect::<Result<Vec<usize>>>()?
+            }
+        };
+        let p = prepare(&mut self.engine, &self.memory, &l.job.user, &facts, l.job.mode, &self.header, &l.question)?;
+        self.engine.backend().synchronize()?;
+        l.timings.inject_ms = ms(now.elapsed());
+        l.fact_ids = p.fact_ids;
+        l.seq = Some(p.seq);
+        Ok(())
+    }
+
+    /// One scheduler step: lay out, forward, sample, stream.
+    fn step(&mut self, sched: &mut Scheduler) {
+        let step = sched.schedule();
+        if step.is_empty() {
+            return;
+        }
+        let mut failed: Vec<(RequestId, WorkerError)> = Vec::new();
+        for item in &step.items {
+            if self.live.get(&item.id).is_some_and(|l| l.seq.is_none())
+                && let Err(e) = self.layout(item.id)
+            {
+                failed.push((item.id, e));
+            }
+        }
+        let items: Vec<_> = step.items.iter().filter(|i| !failed.iter().any(|(f, _)| *f == i.id)).copied().collect();
+        let mut ids = Vec::with_capacity(items.len());
+        let mut takes = Vec::with_capacity(items.len());
+        let mut seqs: Vec<&mut Sequence> = Vec::with_capacity(items.len());
+        let mut by_id: HashMap<RequestId, &mut Live> = self.live.iter_mut().map(|(&id, l)| (id, l)).collect();
+        for item in &items {
+            if let Some(seq) = by_id.remove(&item.id).and_then(|l| l.seq.as_mut()) {
+                ids.push(item.id);
+                takes.push(item.tokens);
+                seqs.push(seq);
+            }
+        }
+        let logits = if seqs.is_empty() { Ok(Vec::new()) } else { self.engine.step_exact(&mut seqs, &takes) };
+        drop(seqs);
+        let mut finished = Vec::new();
+        match logits {
+            Err(e) => {
+                let msg = e.to_string();
+                failed.extend(ids.iter().map(|&id| (id, WorkerError::Invalid(format!("engine step failed: {msg}")))));
+            }
+            Ok(logits) => {
+                for (id, logits) in ids.iter().zip(logits) {
+                    let Some(logits) = logits else { continue };
+                    if let Err(e) = self.sample_one(*id, &logits) {
+                        failed.push((*id, e));
+                    } else if self.live.get(id).is_some_and(|l| l.finish.is_some()) {
+                        finished.push(*id);
+                    }
+                }
+            }
+        }
+        for (id, e) in failed {
+            sched.cancel(id);
+            if let Some(l) = self.live.remove(&id) {
+                self.stats.failed += 1;
+                let _ = l.events.send(Event::Failed(e));
+            }
+        }
+        for id in sched.complete(&step, &finished) {
+            self.finish(id);
+        }
+    }
+
+    fn sample_one(&mut self, id: RequestId, logits: &[f32]) -> Result<()> {
+        let limit = self.engine.model().config().max_position_embeddings;
+        let eos = &self.eos;
+        let tokenizer = self.tokenizer;
+        let Some(l) = self.live.get_mut(&id) else { return Ok(()) };
+        let tok = sample(logits, &l.job.params, &mut l.rng);
+        if l.generated.is_empty() {
+            let now = Instant::now();
+            l.timings.first_token_ms = ms(now - l.job.arrived);
+            l.timings.prefill_ms = l.admitted.map_or(0.0, |a| ms(now - a) - l.timings.inject_ms);
+        }
+        if !l.job.params.ignore_eos && eos.contains(&tok) {
+            l.finish = Some(FinishReason::Eos);
+            return Ok(());
+        }
+        l.generated.push(tok);
+        let Some(seq) = l.seq.as_mut() else { return Ok(()) };
+        seq.push(tok);
+        let stop: &[String] = if l.stop_text { &l.job.params.stop } else { &[] };
+        match l.text.push(tokenizer, &l.generated, stop)? {
+            Delta::Text(text) => {
+                let _ = l.events.send(Event::Token { id: tok, text });
+            }
+            Delta::Stop(text) => {
+                if !text.is_empty() {
+                    let _ = l.events.send(Event::Token { id: tok, text });
+                }
+                l.finish = Some(FinishReason::Stop);
+                return Ok(());
+            }
+        }
+        if l.generated.len() >= l.job.params.max_tokens || seq.next_position() as usize >= limit {
+            l.finish = Some(FinishReason::Length);
+        }
+        Ok(())
+    }
+
+    fn finish(&mut self, id: RequestId) {
+        let Some(mut l) = self.live.remove(&id) else { return };
+        if l.finish != Some(FinishReason::Stop)
+            && let Ok(rest) = l.text.finish(self.tokenizer, &l.generated)
+            && !rest.is_empty()
+        {
+            let _ = l.events.send(Event::Token { id: l.generated.last().copied().unwrap_or(0), text: rest });
+        }
+        let header = self.header.len();
+        let question = l.seq.as_ref().map_or(0, |s| s.len() - l.generated.len());
+        l.timings.total_ms = ms(l.job.arrived.elapsed());
+        let usage = Usage {
+            prompt_tokens: question,
+            injected_tokens: if l.job.mode == Mode::Kv { l.memory_tokens } else { 0 },
+            cached_tokens: header,
+            completion_tokens: l.generated.len(),
+            facts: l.fact_ids.len(),
+        };
+        self.stats.finished += 1;
+        let finished = Finished {
+            reason: l.finish.unwrap_or(FinishReason::Length),
+            usage,
+            timings: l.timings,
+            fact_ids: l.fact_ids,
+        };
+        let _ = l.events.send(Event::Finished(Box::new(finished)));
+    }
+}

@@ -1,0 +1,80 @@
+//! The one error type of the worker crate, and its gRPC status.
+
+use inferscale_engine::EngineError;
+use inferscale_memory::MemoryError;
+
+use crate::scheduler::AdmitError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    /// Bad caller input; nothing was stored or run.
+    #[error("{0}")]
+    Invalid(String),
+
+    #[error("unknown user `{0}`")]
+    UnknownUser(String),
+
+    #[error("user {user:?} has no memory unit {id:?}")]
+    UnknownUnit { user: String, id: String },
+
+    /// The request was refused by admission (queue full, too large).
+    #[error(transparent)]
+    Admit(#[from] AdmitError),
+
+    #[error("deadline of {0} ms exceeded")]
+    Deadline(u64),
+
+    /// The user's memory was forgotten while the request waited.
+    #[error("the memory of user {0:?} was forgotten while the request waited")]
+    Forgotten(String),
+
+    /// The engine thread has stopped (shutdown or a fatal error).
+    #[error("the worker is shutting down")]
+    Shutdown,
+
+    #[error(transparent)]
+    Memory(MemoryError),
+
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+
+    #[error(transparent)]
+    Model(#[from] inferscale_model::ModelError),
+
+    #[error("{0}")]
+    Startup(String),
+}
+
+impl From<MemoryError> for WorkerError {
+    fn from(e: MemoryError) -> Self {
+        match e {
+            MemoryError::Invalid { what, reason } => WorkerError::Invalid(format!("invalid {what}: {reason}")),
+            MemoryError::UnknownUser(u) => WorkerError::UnknownUser(u),
+            other => WorkerError::Memory(other),
+        }
+    }
+}
+
+pub type Result<T> = std::result::Result<T, WorkerError>;
+
+impl From<WorkerError> for tonic::Status {
+    fn from(e: WorkerError) -> Self {
+        use tonic::Code;
+        let code = match &e {
+            WorkerError::Invalid(_) => Code::InvalidArgument,
+            WorkerError::UnknownUser(_) | WorkerError::UnknownUnit { .. } => Code::NotFound,
+            WorkerError::Admit(AdmitError::QueueFull(_)) => Code::ResourceExhausted,
+            WorkerError::Admit(AdmitError::TooLarge { .. }) | WorkerError::Admit(AdmitError::Empty(_)) => {
+                Code::InvalidArgument
+            }
+            WorkerError::Admit(AdmitError::Duplicate(_)) => Code::AlreadyExists,
+            WorkerError::Deadline(_) => Code::DeadlineExceeded,
+            WorkerError::Forgotten(_) => Code::Aborted,
+            WorkerError::Shutdown => Code::Unavailable,
+            WorkerError::Memory(_) | WorkerError::Engine(_) | WorkerError::Model(_) | WorkerError::Startup(_) => {
+                Code::Internal
+            }
+        };
+        tonic::Status::new(code, e.to_string())
+    }
+}

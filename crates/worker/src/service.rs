@@ -1,0 +1,278 @@
+//! The gRPC `Worker` service: translates calls into [`Command`]s for the
+//! engine thread and its events back into messages.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use inferscale_engine::sampling::SamplingParams;
+use inferscale_engine::{Backend, FinishReason};
+use inferscale_memory::{Mode, Turn};
+use inferscale_proto as pb;
+use tokio::sync::{mpsc, oneshot};
+use tokio_stream::{Stream, StreamExt, wrappers::UnboundedReceiverStream};
+use tonic::{Request, Response, Status};
+
+use crate::core::{Command, Event, GenerateJob, WorkerConfig, WorkerParts, run};
+use crate::error::{Result, WorkerError};
+
+/// Tokens generated when a request does not say.
+pub const DEFAULT_MAX_TOKENS: usize = 256;
+
+/// What a worker serves, for health answers.
+#[derive(Debug, Clone)]
+pub struct WorkerInfo {
+    pub model: String,
+    pub backend: String,
+}
+
+/// The gRPC face of one engine thread; cheap to clone.
+#[derive(Clone)]
+pub struct WorkerService {
+    tx: std::sync::mpsc::Sender<Command>,
+    info: WorkerInfo,
+    ready: Arc<AtomicBool>,
+}
+
+/// Starts the engine thread: `load` builds the engine, embedder and memory
+/// on that thread (so backends need not be `Send`). Returns once they are
+/// loaded, with the service to mount, or with the load error.
+pub fn spawn<B, F>(load: F, cfg: WorkerConfig, info: WorkerInfo) -> Result<(WorkerService, std::thread::JoinHandle<()>)>
+where
+    B: Backend,
+    F: FnOnce() -> Result<WorkerParts<B>> + Send + 'static,
+{
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (started_tx, started_rx) = std::sync::mpsc::channel::<Result<()>>();
+    let ready = Arc::new(AtomicBool::new(false));
+    let flag = ready.clone();
+    let thread = std::thread::Builder::new()
+        .name("inferscale-engine".into())
+        .spawn(move || {
+            let parts = match load() {
+                Ok(p) => p,
+                Err(e) => {
+                    let _ = started_tx.send(Err(e));
+                    return;
+                }
+            };
+            flag.store(true, Ordering::SeqCst);
+            let _ = started_tx.send(Ok(()));
+            if let Err(e) = run(parts, cfg, rx) {
+                eprintln!("inferscale worker: engine thread stopped: {e}");
+            }
+            flag.store(false, Ordering::SeqCst);
+        })
+        .map_err(|e| WorkerError::Startup(format!("starting the engine thread: {e}")))?;
+    started_rx.recv().map_err(|_| WorkerError::Startup("the engine thread exited while loading".into()))??;
+    Ok((WorkerService { tx, info, ready }, thread))
+}
+
+impl WorkerService {
+    pub fn into_server(self) -> pb::worker_server::WorkerServer<WorkerService> {
+        pb::worker_server::WorkerServer::new(self)
+            .max_decoding_message_size(64 << 20)
+            .max_encoding_message_size(64 << 20)
+    }
+
+    fn send(&self, c: Command) -> std::result::Result<(), Status> {
+        self.tx.send(c).map_err(|_| Status::from(WorkerError::Shutdown))
+    }
+
+    async fn call<T>(&self, make: impl FnOnce(oneshot::Sender<T>) -> Command) -> std::result::Result<T, Status> {
+        let (reply, rx) = oneshot::channel();
+        self.send(make(reply))?;
+        rx.await.map_err(|_| Status::from(WorkerError::Shutdown))
+    }
+}
+
+fn mode(m: i32) -> std::result::Result<Mode, Status> {
+    match pb::MemoryMode::try_from(m) {
+        Ok(pb::MemoryMode::Kv) | Ok(pb::MemoryMode::Unspecified) => Ok(Mode::Kv),
+        Ok(pb::MemoryMode::Prompt) => Ok(Mode::Prompt),
+        Ok(pb::MemoryMode::None) => Ok(Mode::None),
+        Err(_) => Err(Status::invalid_argument(format!("unknown memory mode {m}"))),
+    }
+}
+
+fn sampling(s: Option<pb::Sampling>) -> SamplingParams {
+    let s = s.unwrap_or_default();
+    SamplingParams {
+        temperature: s.temperature,
+        top_k: s.top_k as usize,
+        // proto3 has no "unset" for floats: 0 means the default (no top-p cut).
+        top_p: if s.top_p == 0.0 { 1.0 } else { s.top_p },
+        seed: s.seed,
+        max_tokens: if s.max_tokens == 0 { DEFAULT_MAX_TOKENS } else { s.max_tokens as usize },
+        stop: s.stop,
+        ignore_eos: s.ignore_eos,
+    }
+}
+
+fn finish_reason(r: FinishReason) -> &'static str {
+    match r {
+        FinishReason::Eos | FinishReason::Stop => "stop",
+        FinishReason::Length => "length",
+    }
+}
+
+fn to_event(e: Event) -> std::result::Result<pb::GenerateEvent, Status> {
+    use pb::generate_event::Event as E;
+    let event = match e {
+        Event::Token { id, text } => E::Token(pb::Token { id, text }),
+        Event::Finished(f) => E::Finished(pb::Finished {
+            reason: finish_reason(f.reason).into(),
+            usage: Some(pb::Usage {
+                prompt_tokens: f.usage.prompt_tokens as u32,
+                injected_tokens: f.usage.injected_tokens as u32,
+                cached_tokens: f.usage.cached_tokens as u32,
+                completion_tokens: f.usage.completion_tokens as u32,
+                facts: f.usage.facts as u32,
+            }),
+            timings: Some(pb::Timings {
+                queue_ms: f.timings.queue_ms,
+                retrieve_ms: f.timings.retrieve_ms,
+                inject_ms: f.timings.inject_ms,
+                prefill_ms: f.timings.prefill_ms,
+                first_token_ms: f.timings.first_token_ms,
+                total_ms: f.timings.total_ms,
+            }),
+            fact_ids: f.fact_ids,
+        }),
+        Event::Failed(e) => return Err(e.into()),
+    };
+    Ok(pb::GenerateEvent { event: Some(event) })
+}
+
+type EventStream = Pin<Box<dyn Stream<Item = std::result::Result<pb::GenerateEvent, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl pb::worker_server::Worker for WorkerService {
+    async fn ingest(
+        &self,
+        req: Request<pb::IngestRequest>,
+    ) -> std::result::Result<Response<pb::IngestResponse>, Status> {
+        let r = req.into_inner();
+        let units = r
+            .units
+            .into_iter()
+            .map(|u| Turn { id: u.id, speaker: u.speaker, text: u.text, time: u.time, source_turn: u.source_turn })
+            .collect();
+        let window = r.window.map(|w| w as usize);
+        let report = self.call(|reply| Command::Ingest { user: r.user, window, units, reply }).await??;
+        Ok(Response::new(pb::IngestResponse {
+            added: report.added as u32,
+            skipped: report.skipped as u32,
+            encoded_tokens: report.encoded_tokens as u64,
+        }))
+    }
+
+    type GenerateStream = EventStream;
+
+    async fn generate(&self, req: Request<pb::GenerateRequest>) -> std::result::Result<Response<EventStream>, Status> {
+        let arrived = Instant::now();
+        let r = req.into_inner();
+        let question = match r.messages.last() {
+            Some(m) if m.role == "user" => m.content.clone(),
+            Some(m) => {
+                return Err(Status::invalid_argument(format!("the last message must be the user's, not {:?}", m.role)));
+            }
+            None => return Err(Status::invalid_argument("messages is empty")),
+        };
+        let job = GenerateJob {
+            user: r.user,
+            question,
+            mode: mode(r.mode)?,
+            k: r.k as usize,
+            params: sampling(r.sampling),
+            deadline: (r.deadline_ms > 0).then(|| Duration::from_millis(r.deadline_ms.into())),
+            arrived,
+        };
+        if let Some(w) = r.window {
+            // Windows are per worker: the KV was encoded with one.
+            let (reply, rx) = oneshot::channel();
+            self.send(Command::Stats { reply })?;
+            let ours = rx.await.map_err(|_| Status::from(WorkerError::Shutdown))?.window;
+            if w as usize != ours {
+                return Err(Status::invalid_argument(format!(
+                    "window {w}: this worker's memory is encoded with a context window of {ours} turns"
+                )));
+            }
+        }
+        let (events, rx) = mpsc::unbounded_channel();
+        self.send(Command::Generate { job, events })?;
+        let stream = UnboundedReceiverStream::new(rx).map(to_event);
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn list_memories(
+        &self,
+        req: Request<pb::ListMemoriesRequest>,
+    ) -> std::result::Result<Response<pb::ListMemoriesResponse>, Status> {
+        let user = req.into_inner().user;
+        let (units, window) = self.call(|reply| Command::List { user, reply }).await??;
+        let units = units
+            .into_iter()
+            .map(|u| pb::MemoryUnit {
+                id: u.id,
+                speaker: u.speaker,
+                text: u.text,
+                time: u.time,
+                source_turn: u.source_turn,
+            })
+            .collect();
+        Ok(Response::new(pb::ListMemoriesResponse { units, window: window as u32 }))
+    }
+
+    async fn forget(
+        &self,
+        req: Request<pb::ForgetRequest>,
+    ) -> std::result::Result<Response<pb::ForgetResponse>, Status> {
+        let r = req.into_inner();
+        let unit = (!r.unit_id.is_empty()).then_some(r.unit_id);
+        self.call(|reply| Command::Forget { user: r.user, unit, reply }).await??;
+        Ok(Response::new(pb::ForgetResponse {}))
+    }
+
+    async fn health(&self, _: Request<pb::HealthRequest>) -> std::result::Result<Response<pb::HealthResponse>, Status> {
+        Ok(Response::new(pb::HealthResponse {
+            ready: self.ready.load(Ordering::SeqCst),
+            model: self.info.model.clone(),
+            backend: self.info.backend.clone(),
+        }))
+    }
+
+    async fn stats(&self, _: Request<pb::StatsRequest>) -> std::result::Result<Response<pb::StatsResponse>, Status> {
+        let s = self.call(|reply| Command::Stats { reply }).await?;
+        Ok(Response::new(pb::StatsResponse {
+            running: s.running as u32,
+            waiting: s.waiting as u32,
+            kv_blocks_total: s.kv_blocks_total as u32,
+            kv_blocks_free: s.kv_blocks_free as u32,
+            users: s.users as u32,
+            facts: s.facts as u64,
+            requests_finished: s.finished,
+            requests_cancelled: s.cancelled,
+            requests_failed: s.failed,
+            window: s.window as u32,
+            max_queue: s.max_queue as u32,
+        }))
+    }
+
+    type ExportShardStream = Pin<Box<dyn Stream<Item = std::result::Result<pb::ShardChunk, Status>> + Send>>;
+
+    async fn export_shard(
+        &self,
+        _: Request<pb::ExportShardRequest>,
+    ) -> std::result::Result<Response<Self::ExportShardStream>, Status> {
+        Err(Status::unimplemented("shard export is part of cluster rebalancing, which this worker does not run yet"))
+    }
+
+    async fn import_shard(
+        &self,
+        _: Request<tonic::Streaming<pb::ShardChunk>>,
+    ) -> std::result::Result<Response<pb::ImportShardResponse>, Status> {
+        Err(Status::unimplemented("shard import is part of cluster rebalancing, which this worker does not run yet"))
+    }
+}

@@ -113,3 +113,37 @@ extern "C" __global__ void add_bias(bf16* x, const bf16* b, size_t n, int cols) 
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
         x[i] = __float2bfloat16(__bfloat162float(x[i]) + __bfloat162float(b[i % cols]));
 }
+
+// One block per row: the index of the row's largest value, the lowest index
+// on ties (as the CPU's argmax), so greedy decoding copies one id per row to
+// the host instead of the whole vocabulary.
+__device__ __forceinline__ void argmax_merge(float& best, int& idx, float ob, int oi) {
+    if (ob > best || (ob == best && oi < idx)) {
+        best = ob;
+        idx = oi;
+    }
+}
+
+extern "C" __global__ void argmax_rows(u32* out, const bf16* x, int cols) {
+    __shared__ float sbest[32];
+    __shared__ int sidx[32];
+    const bf16* row = x + (size_t)blockIdx.x * cols;
+    float best = __int_as_float(0xff800000);
+    int idx = 0x7fffffff;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) argmax_merge(best, idx, __bfloat162float(row[c]), c);
+    for (int o = 16; o > 0; o >>= 1)
+        argmax_merge(best, idx, __shfl_down_sync(0xffffffff, best, o), __shfl_down_sync(0xffffffff, idx, o));
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    if (lane == 0) {
+        sbest[warp] = best;
+        sidx[warp] = idx;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        best = lane < warps ? sbest[lane] : __int_as_float(0xff800000);
+        idx = lane < warps ? sidx[lane] : 0x7fffffff;
+        for (int o = 16; o > 0; o >>= 1)
+            argmax_merge(best, idx, __shfl_down_sync(0xffffffff, best, o), __shfl_down_sync(0xffffffff, idx, o));
+        if (lane == 0) out[blockIdx.x] = idx == 0x7fffffff ? 0u : (u32)idx;
+    }
+}

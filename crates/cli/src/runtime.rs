@@ -65,7 +65,7 @@ pub fn open_files(args: &ModelArgs) -> Result<ModelFiles> {
             let known: Vec<&str> = shapes::PRESETS.iter().map(|(n, _)| *n).collect();
             format!("--shape `{name}` is not a known shape; known: {}", known.join(", "))
         })?;
-        return Ok(ModelFiles::random(name, config, 0));
+        return Ok(ModelFiles::random(name, config, 0).with_byte_tokenizer()?);
     }
     inferscale_model::open(&args.model).with_context(|| format!("loading model `{}`", args.model))
 }

@@ -16,30 +16,30 @@ use inferscale_router::{Defaults, Keys, RouterConfig};
 use inferscale_worker::{WorkerConfig, WorkerError, WorkerInfo, WorkerParts, WorkerService};
 use tokio::net::TcpListener;
 
-use crate::runtime::{ModelArgs, load_on, on_backend};
+use crate::runtime::{ModelArgs, load_on};
 
 #[derive(Args, Debug, Clone)]
 pub struct WorkerArgs {
     /// Memory directory (default `$INFERSCALE_HOME/memory`).
     #[arg(long, env = "INFERSCALE_MEMORY")]
-    memory: Option<PathBuf>,
+    pub(crate) memory: Option<PathBuf>,
     /// Context window: turns encoded before each memory unit.
     #[arg(long, default_value_t = 20)]
-    window: usize,
+    pub(crate) window: usize,
     /// Sentence-embedding model (name or directory).
     #[arg(long, default_value = fetch::DEFAULT_EMBEDDER)]
-    embedder: String,
+    pub(crate) embedder: String,
     /// Requests running at once.
     #[arg(long, default_value_t = 64)]
-    max_running: usize,
+    pub(crate) max_running: usize,
     /// Requests waiting beyond which new ones are refused (HTTP 429).
     #[arg(long, default_value_t = 256)]
-    max_queue: usize,
+    pub(crate) max_queue: usize,
     /// Largest `k` a request may ask for.
     #[arg(long, default_value_t = 200)]
-    max_k: u32,
+    pub(crate) max_k: u32,
     #[command(flatten)]
-    model: ModelArgs,
+    pub(crate) model: ModelArgs,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -116,7 +116,13 @@ fn parts<B: Backend>(a: &WorkerArgs, backend: B) -> std::result::Result<WorkerPa
     Ok(WorkerParts { files: loaded.files, engine: loaded.engine, embedder, memory, eos })
 }
 
-fn start<B: Backend + Send + 'static>(a: &WorkerArgs, backend: B) -> Result<WorkerService> {
+/// Starts the engine thread; `backend` runs on it, so the backend is
+/// created (and, for CUDA, its context bound) on the thread that uses it.
+fn start<B, F>(a: &WorkerArgs, backend: F) -> Result<(WorkerService, std::thread::JoinHandle<()>)>
+where
+    B: Backend,
+    F: FnOnce() -> Result<B> + Send + 'static,
+{
     let cfg = WorkerConfig {
         max_running: a.max_running,
         max_queue: a.max_queue,
@@ -128,8 +134,11 @@ fn start<B: Backend + Send + 'static>(a: &WorkerArgs, backend: B) -> Result<Work
         backend: a.model.backend.clone(),
     };
     let args = a.clone();
-    let (service, _thread) = inferscale_worker::spawn(move || parts(&args, backend), cfg, info)?;
-    Ok(service)
+    let load = move || {
+        let be = backend().map_err(|e| WorkerError::Startup(format!("{e:#}")))?;
+        parts(&args, be)
+    };
+    Ok(inferscale_worker::spawn(load, cfg, info)?)
 }
 
 /// The name clients use for a model: its packaged name, or the file stem.
@@ -137,14 +146,24 @@ fn model_name(model: &str) -> String {
     std::path::Path::new(model).file_stem().map_or(model.to_string(), |s| s.to_string_lossy().into_owned())
 }
 
-fn start_worker(a: &WorkerArgs) -> Result<WorkerService> {
+/// Starts a worker's engine thread; the thread ends once every clone of
+/// the service is dropped.
+pub(crate) fn start_worker(a: &WorkerArgs) -> Result<(WorkerService, std::thread::JoinHandle<()>)> {
     if a.max_running == 0 || a.max_queue == 0 || a.max_k == 0 {
         bail!("--max-running, --max-queue and --max-k must be at least 1");
     }
-    on_backend!(a.model, start(a))
+    match a.model.backend.as_str() {
+        "cpu" => start(a, || Ok(inferscale_engine::CpuBackend)),
+        #[cfg(feature = "cuda")]
+        "cuda" => {
+            let device = a.model.device;
+            start(a, move || crate::runtime::cuda_backend(device))
+        }
+        other => bail!("backend `{other}` is not built into this binary"),
+    }
 }
 
-fn runtime() -> Result<tokio::runtime::Runtime> {
+pub(crate) fn runtime() -> Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")
 }
 
@@ -210,12 +229,24 @@ async fn serve_http(listen: SocketAddr, cfg: RouterConfig) -> Result<()> {
     let app = inferscale_router::build(cfg, Duration::from_secs(30)).await?;
     let listener = TcpListener::bind(listen).await.with_context(|| format!("binding {listen}"))?;
     eprintln!("inferscale: OpenAI-compatible API on http://{}/v1", listener.local_addr()?);
+    // Streamed tokens are small writes: without TCP_NODELAY, Nagle's
+    // algorithm holds each one until the client's delayed ACK (~40 ms).
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     axum::serve(listener, app).with_graceful_shutdown(shutdown_signal()).await?;
     Ok(())
 }
 
-async fn serve_grpc(listener: TcpListener, service: WorkerService) -> Result<()> {
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+pub(crate) async fn serve_grpc(listener: TcpListener, service: WorkerService) -> Result<()> {
+    use tokio_stream::StreamExt;
+    // Token events are small writes: without TCP_NODELAY, Nagle's
+    // algorithm holds each one until the peer's delayed ACK (~40 ms).
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener).map(|s| {
+        s.inspect(|tcp| {
+            let _ = tcp.set_nodelay(true);
+        })
+    });
     tonic::transport::Server::builder()
         .add_service(service.into_server())
         .serve_with_incoming_shutdown(incoming, shutdown_signal())
@@ -224,7 +255,7 @@ async fn serve_grpc(listener: TcpListener, service: WorkerService) -> Result<()>
 }
 
 pub fn serve(a: ServeArgs) -> Result<()> {
-    let service = start_worker(&a.worker)?;
+    let (service, _engine) = start_worker(&a.worker)?;
     runtime()?.block_on(async move {
         let grpc = TcpListener::bind("127.0.0.1:0").await.context("binding the worker's loopback port")?;
         let addr = grpc.local_addr()?.to_string();
@@ -238,7 +269,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
 }
 
 pub fn worker(a: WorkerCmd) -> Result<()> {
-    let service = start_worker(&a.worker)?;
+    let (service, _engine) = start_worker(&a.worker)?;
     runtime()?.block_on(async move {
         let listener = TcpListener::bind(a.listen).await.with_context(|| format!("binding {}", a.listen))?;
         eprintln!("inferscale worker: gRPC on {}", listener.local_addr()?);

@@ -60,10 +60,22 @@ fn serve(mem: &Path, extra: &[&str]) -> Proc {
 
 /// One HTTP/1.1 exchange: (status, lower-cased headers, body).
 fn http(addr: &str, method: &str, path: &str, body: &[u8]) -> (u16, Vec<(String, String)>, Vec<u8>) {
+    http_as(None, addr, method, path, body)
+}
+
+/// [`http`] with a bearer key.
+fn http_as(
+    key: Option<&str>,
+    addr: &str,
+    method: &str,
+    path: &str,
+    body: &[u8],
+) -> (u16, Vec<(String, String)>, Vec<u8>) {
     let mut s = TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
+    let auth = key.map_or(String::new(), |k| format!("Authorization: Bearer {k}\r\n"));
     let head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
         body.len()
     );
     s.write_all(head.as_bytes()).unwrap();
@@ -223,6 +235,35 @@ fn bad_http_input_gets_clear_errors_and_changes_nothing() {
     assert_eq!(s, 200);
     let (s, _, _) = http(a, "GET", "/v1/memories/u1", b"");
     assert_eq!(s, 404);
+}
+
+#[test]
+fn api_keys_authenticate_and_tenants_are_isolated() {
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys");
+    std::fs::write(&keys, "# tenant:key\nacme:sk-acme-0001\nbeta:sk-beta-0002\n").unwrap();
+    let srv = serve(&dir.path().join("mem"), &["--window", "2", "--api-keys", keys.to_str().unwrap()]);
+    let a = srv.addr.as_str();
+    let (s, _, b) = http_as(None, a, "POST", "/v1/memories", TURNS.as_bytes());
+    assert_error("no key", (s, b), 401, "missing API key");
+    let (s, _, b) = http_as(Some("sk-wrong-9999"), a, "GET", "/v1/models", b"");
+    assert_error("wrong key", (s, b), 401, "invalid API key");
+    let (s, _, b) = http_as(Some("sk-acme-0001"), a, "POST", "/v1/memories", TURNS.as_bytes());
+    assert_eq!(s, 200, "{}", String::from_utf8_lossy(&b));
+    let (s, _, b) = http_as(Some("sk-acme-0001"), a, "GET", "/v1/memories/u1", b"");
+    assert_eq!(s, 200, "{}", String::from_utf8_lossy(&b));
+    // Another tenant's `u1` is another user: acme's memory is out of reach.
+    let (s, _, b) = http_as(Some("sk-beta-0002"), a, "GET", "/v1/memories/u1", b"");
+    assert_error("other tenant", (s, b), 404, "unknown user `u1`");
+    let (s, _, b) = http_as(Some("sk-beta-0002"), a, "DELETE", "/v1/memories/u1", b"");
+    assert_error("other tenant delete", (s, b), 404, "unknown user");
+    let body = chat(Some("u1"), "What is the name of Caroline's cat?", json!({"k": 2})).to_string();
+    let (s, _, b) = http_as(Some("sk-beta-0002"), a, "POST", "/v1/chat/completions", body.as_bytes());
+    let v: Value = serde_json::from_slice(&b).unwrap();
+    assert_eq!((s, &v["usage"]["memory"]["facts"]), (200, &json!(0)), "{v}");
+    let (s, _, b) = http_as(Some("sk-acme-0001"), a, "GET", "/v1/memories/u1", b"");
+    let v: Value = serde_json::from_slice(&b).unwrap();
+    assert_eq!((s, v["count"].as_u64()), (200, Some(2)), "{v}");
 }
 
 /// Where the test installs Python packages (`scripts/test.sh` fills it).

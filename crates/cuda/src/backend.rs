@@ -511,6 +511,17 @@ impl Backend for CudaBackend {
         Ok(out)
     }
 
+    fn argmax_rows(&self, x: &CudaTensor) -> Result<Vec<u32>> {
+        let _span = self.span("argmax_rows");
+        if x.rows == 0 {
+            return Ok(Vec::new());
+        }
+        let out = self.stream.alloc_zeros::<u32>(x.rows).cu()?;
+        let (o, xi, c) = (self.ptr(&out), self.ptr(&x.data), x.cols as i32);
+        self.launch(&self.k.argmax_rows, Self::rows_cfg(x.rows, 1024), &[&o, &xi, &c])?;
+        self.stream.clone_dtoh(&out).cu()
+    }
+
     fn new_kv_store(&self, spec: KvSpec) -> Result<CudaKvStore> {
         if spec.head_dim != 64 && spec.head_dim != 128 {
             return Err(CudaError::Unsupported(format!(

@@ -106,6 +106,7 @@ macro_rules! kernels {
 kernels!(
     embedding_gather,
     select_rows,
+    argmax_rows,
     rms_norm,
     rms_norm_v8,
     layer_norm,

@@ -261,6 +261,20 @@ pub fn ops<G: Backend>(gpu: &G) -> R<Report> {
     both(&cpu, gpu, "rms_norm, layer_norm", |be| be.norms(&x, &nw, &nb), &mut out)?;
     let (a, y) = (host(6, &[5, 96], 2.0), host(7, &[5, 96], 2.0));
     both(&cpu, gpu, "gelu, silu_mul, split, add, select, concat, embedding", |be| be.acts(&a, &y), &mut out)?;
+    // Greedy sampling on the device must pick exactly the host's argmax of
+    // the same (bf16) values, ties to the lowest id; error = rows that differ.
+    let (rows, vocab) = (7, 50_000);
+    let xd = gpu.upload_rows(&host(12, &[rows, vocab], 1.0))?;
+    let got = gpu.argmax_rows(&xd)?;
+    let h = gpu.to_host(&xd)?;
+    let want: Vec<u32> = (0..rows).map(|r| argmax(&h.data[r * vocab..(r + 1) * vocab])).collect();
+    let wrong = got.iter().zip(&want).filter(|(a, b)| a != b).count() + want.len().abs_diff(got.len());
+    out.push(Check {
+        name: "argmax_rows 7×50,000 (rows differing)".into(),
+        error: wrong as f64,
+        tolerance: 0.0,
+        control: false,
+    });
     let llama3 = RopeScaling::Llama3 {
         factor: 8.0,
         low_freq_factor: 1.0,

@@ -152,6 +152,15 @@ pub trait Backend: Send + Sync {
     /// The listed rows of `x`, in order.
     fn select_rows(&self, x: &Self::Tensor, rows: &[usize]) -> Result<Self::Tensor>;
 
+    /// Per row of `x`, the column of its largest value (the lowest on
+    /// ties): greedy sampling without copying logits to the host. The
+    /// default reads the rows back; device backends reduce in place.
+    fn argmax_rows(&self, x: &Self::Tensor) -> Result<Vec<u32>> {
+        let h = self.to_host(x)?;
+        let (rows, cols) = self.dims(x);
+        Ok((0..rows).map(|r| crate::sampling::argmax(&h.data[r * cols..(r + 1) * cols])).collect())
+    }
+
     fn new_kv_store(&self, spec: KvSpec) -> Result<Self::KvStore>;
     /// Writes row `i` of `k` and `v` (`[n, kv_heads·head_dim]`) to cache slot `slots[i]` of `layer`.
     fn write_kv(

@@ -141,6 +141,15 @@ pub(crate) type Captured<B> = Vec<Vec<LayerKv<B>>>;
 /// Per sequence: logits if it finished, and its captured layers if any.
 type StepOutput<B> = (Vec<Option<Vec<f32>>>, Vec<Option<Vec<LayerKv<B>>>>);
 
+/// What a step yields for a sequence whose pending tokens it finished.
+#[derive(Debug, Clone, PartialEq)]
+pub enum NextToken {
+    /// The argmax of the last logits, reduced on the device.
+    Greedy(u32),
+    /// The last logits, for sampling on the host.
+    Logits(Vec<f32>),
+}
+
 impl<B: Backend> Engine<B> {
     pub fn new(backend: B, files: &ModelFiles, cfg: EngineConfig) -> Result<Self> {
         if cfg.max_batch_tokens == 0 {
@@ -258,11 +267,22 @@ impl<B: Backend> Engine<B> {
 
     /// Computes exactly `take[i]` pending tokens of each `seqs[i]` in one
     /// forward pass — the caller (a scheduler) has decided the split — and
-    /// returns, per sequence, the logits after its last token if this step
-    /// computed all its pending tokens.
-    pub fn step_exact(&mut self, seqs: &mut [&mut Sequence], take: &[usize]) -> Result<Vec<Option<Vec<f32>>>> {
-        if take.len() != seqs.len() {
-            return Err(EngineError::Shape(format!("{} token counts for {} sequences", take.len(), seqs.len())));
+    /// returns, per sequence that finished its pending tokens, its next
+    /// token's source: the argmax if `greedy[i]` (reduced on the device, so
+    /// only one id per sequence crosses to the host), else the logits.
+    pub fn step_exact(
+        &mut self,
+        seqs: &mut [&mut Sequence],
+        take: &[usize],
+        greedy: &[bool],
+    ) -> Result<Vec<Option<NextToken>>> {
+        if take.len() != seqs.len() || greedy.len() != seqs.len() {
+            return Err(EngineError::Shape(format!(
+                "{} token counts and {} greedy flags for {} sequences",
+                take.len(),
+                greedy.len(),
+                seqs.len()
+            )));
         }
         let total: usize = take.iter().sum();
         if total > self.max_batch_tokens {
@@ -271,7 +291,34 @@ impl<B: Backend> Engine<B> {
         if let Some((s, n)) = seqs.iter().zip(take).find(|(s, n)| **n > s.pending()) {
             return Err(EngineError::Shape(format!("{n} tokens asked of a sequence with {} pending", s.pending())));
         }
-        Ok(self.forward_taking(seqs, take, &[], true)?.0)
+        let (logits, finishing) = self.forward_raw(seqs, take, &[], true)?.0;
+        let mut out = vec![None; seqs.len()];
+        let Some(logits) = logits else { return Ok(out) };
+        let (g_rows, s_rows): (Vec<usize>, Vec<usize>) = (0..finishing.len()).partition(|&r| greedy[finishing[r]]);
+        let be = &self.backend;
+        let pick = |rows: &[usize]| -> Result<Option<B::Tensor>> {
+            Ok(match rows.len() {
+                0 => None,
+                n if n == finishing.len() => None,
+                _ => Some(be.select_rows(&logits, rows)?),
+            })
+        };
+        if !g_rows.is_empty() {
+            let sel = pick(&g_rows)?;
+            let ids = be.argmax_rows(sel.as_ref().unwrap_or(&logits))?;
+            for (&r, id) in g_rows.iter().zip(ids) {
+                out[finishing[r]] = Some(NextToken::Greedy(id));
+            }
+        }
+        if !s_rows.is_empty() {
+            let sel = pick(&s_rows)?;
+            let host = be.to_host(sel.as_ref().unwrap_or(&logits))?;
+            let vocab = self.model.config().vocab_size;
+            for (j, &r) in s_rows.iter().enumerate() {
+                out[finishing[r]] = Some(NextToken::Logits(host.data[j * vocab..(j + 1) * vocab].to_vec()));
+            }
+        }
+        Ok(out)
     }
 
     fn forward_taking(
@@ -281,6 +328,29 @@ impl<B: Backend> Engine<B> {
         capture: &[Range<usize>],
         want_logits: bool,
     ) -> Result<StepOutput<B>> {
+        let ((logits, finishing), captured) = self.forward_raw(seqs, take, capture, want_logits)?;
+        let mut out = vec![None; seqs.len()];
+        if let Some(logits) = logits {
+            let logits = self.backend.to_host(&logits)?;
+            let vocab = self.model.config().vocab_size;
+            for (row, &i) in finishing.iter().enumerate() {
+                out[i] = Some(logits.data[row * vocab..(row + 1) * vocab].to_vec());
+            }
+        }
+        Ok((out, captured))
+    }
+
+    /// The forward pass of a step: the device logits of the sequences that
+    /// finished their pending tokens (`finishing[row]` = sequence index) and
+    /// the captured pre-RoPE KV.
+    #[allow(clippy::type_complexity)]
+    fn forward_raw(
+        &mut self,
+        seqs: &mut [&mut Sequence],
+        take: &[usize],
+        capture: &[Range<usize>],
+        want_logits: bool,
+    ) -> Result<((Option<B::Tensor>, Vec<usize>), Vec<Option<Vec<LayerKv<B>>>>)> {
         for (s, &n) in seqs.iter_mut().zip(take) {
             if n > 0 {
                 self.check_context(s)?;
@@ -316,19 +386,12 @@ impl<B: Backend> Engine<B> {
                 finishing.push(i);
             }
         }
-        let mut out = vec![None; seqs.len()];
         let mut captured: Vec<Option<Vec<LayerKv<B>>>> = (0..seqs.len()).map(|_| None).collect();
         if batch.tokens.is_empty() {
-            return Ok((out, captured));
+            return Ok(((None, finishing), captured));
         }
         let fwd = self.model.forward(&self.backend, &batch, &mut self.kv)?;
-        if let Some(logits) = fwd.logits {
-            let logits = self.backend.to_host(&logits)?;
-            let vocab = self.model.config().vocab_size;
-            for (row, &i) in finishing.iter().enumerate() {
-                out[i] = Some(logits.data[row * vocab..(row + 1) * vocab].to_vec());
-            }
-        }
+        let logits = fwd.logits;
         if let Some(layers) = fwd.captured {
             let owners: Vec<usize> = (0..seqs.len()).filter(|&i| !captured_rows[i].is_empty()).collect();
             if let [only] = owners[..] {
@@ -348,7 +411,7 @@ impl<B: Backend> Engine<B> {
         for (s, n) in seqs.iter_mut().zip(take) {
             s.computed += n;
         }
-        Ok((out, captured))
+        Ok(((logits, finishing), captured))
     }
 
     /// Computes all pending tokens of one sequence; returns the last logits.

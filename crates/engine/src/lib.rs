@@ -21,7 +21,7 @@ pub mod sampling;
 
 pub use backend::Backend;
 pub use cpu::CpuBackend;
-pub use engine::{Engine, EngineConfig, Sequence};
+pub use engine::{Engine, EngineConfig, NextToken, Sequence};
 pub use error::{EngineError, Result};
 pub use generate::{FinishReason, GenerateRequest, Generation, generate, generate_batch, generate_sequences};
 pub use inject::{EncodeItem, KvChunk};

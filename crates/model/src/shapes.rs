@@ -84,6 +84,19 @@ impl ModelFiles {
     }
 }
 
+impl ModelFiles {
+    /// Gives a random-weight model the byte-level tokenizer and a ChatML
+    /// template (`<|im_start|>` = 256, `<|im_end|>` = 257, the end of a
+    /// turn), so that the serving path — prompts from text, streamed text
+    /// back — runs on it. Token ids stay far below every preset's vocabulary.
+    pub fn with_byte_tokenizer(mut self) -> crate::Result<ModelFiles> {
+        let tok = crate::Tokenizer::byte_level(&["<|im_start|>", "<|im_end|>"], Some("<|im_end|>"))?;
+        self.chat_template = Some(crate::ChatTemplate::new(crate::chat::builtin::CHATML_QWEN2, "", "<|im_end|>")?);
+        self.tokenizer = Some(tok);
+        Ok(self)
+    }
+}
+
 /// Random values for tensor `name` of `len` elements (see the module doc).
 pub(crate) fn random_values(seed: u64, name: &str, len: usize) -> Vec<f32> {
     if name.ends_with("norm.weight") {

@@ -146,6 +146,53 @@ impl Tokenizer {
         Ok(Tokenizer { inner, bos, eos })
     }
 
+    /// A byte-level tokenizer — one token per byte (ids 0–255), then
+    /// `specials` — for random-weight models, which have no tokenizer of
+    /// their own: text maps to token ids and back, so the serving path runs
+    /// end to end, and a fact of n bytes is n tokens.
+    pub fn byte_level(specials: &[&str], eos: Option<&str>) -> Result<Self> {
+        // GPT-2's byte-to-character map, which the ByteLevel steps expect.
+        let mut printable: Vec<u32> =
+            (u32::from(b'!')..=u32::from(b'~')).chain(0xa1..=0xac).chain(0xae..=0xff).collect();
+        let mut chars: Vec<u32> = printable.clone();
+        let mut extra = 0;
+        for b in 0..256u32 {
+            if !printable.contains(&b) {
+                printable.push(b);
+                chars.push(256 + extra);
+                extra += 1;
+            }
+        }
+        let mut by_byte = vec![' '; 256];
+        for (b, c) in printable.iter().zip(&chars) {
+            by_byte[*b as usize] = char::from_u32(*c).unwrap_or(' ');
+        }
+        let mut vocab: serde_json::Map<String, Value> =
+            by_byte.iter().enumerate().map(|(i, c)| (c.to_string(), json!(i))).collect();
+        let added: Vec<Value> = specials
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                vocab.insert(t.to_string(), json!(256 + i));
+                json!({"id": 256 + i, "content": t, "single_word": false, "lstrip": false, "rstrip": false,
+                       "normalized": false, "special": true})
+            })
+            .collect();
+        let spec = json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": added, "normalizer": null,
+            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false},
+            "post_processor": null,
+            "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+            "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                      "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
+                      "ignore_merges": false, "vocab": vocab, "merges": []},
+        });
+        let inner = tokenizers::Tokenizer::from_bytes(spec.to_string().as_bytes())
+            .map_err(|e| ModelError::Tokenizer(format!("building the byte-level tokenizer: {e}")))?;
+        let eos = eos.and_then(|e| specials.iter().position(|t| *t == e).map(|i| (256 + i as u32, e.to_string())));
+        Ok(Tokenizer { inner, bos: None, eos })
+    }
+
     /// Loads an HF `tokenizer.json`; special tokens come from the model config
     /// (`bos_token_id`/`eos_token_id`), resolved to their strings here.
     pub fn from_file(path: &Path, bos_id: Option<u32>, eos_id: Option<u32>) -> Result<Self> {
@@ -176,5 +223,22 @@ impl Tokenizer {
 
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
         self.inner.decode(ids, skip_special_tokens).map_err(|e| ModelError::Tokenizer(format!("decode: {e}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_level_is_one_token_per_byte_and_round_trips() {
+        let t = Tokenizer::byte_level(&["<|im_start|>", "<|im_end|>"], Some("<|im_end|>")).expect("builds");
+        let text = "héllo, Ω\n";
+        let ids = t.encode(text, false).expect("encodes");
+        assert_eq!(ids, text.bytes().map(u32::from).collect::<Vec<_>>());
+        assert_eq!(t.decode(&ids, true).expect("decodes"), text);
+        let ids = t.encode("<|im_start|>hi<|im_end|>", false).expect("encodes");
+        assert_eq!(ids, vec![256, u32::from(b'h'), u32::from(b'i'), 257]);
+        assert_eq!(t.eos, Some((257, "<|im_end|>".to_string())));
     }
 }

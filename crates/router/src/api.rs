@@ -294,7 +294,7 @@ async fn chat(
     let clock = Clock { start: Instant::now(), first: None, tokens: 0 };
     let tenant = tenant(&s, &headers)?;
     let chat = validate(&s, &tenant, openai::parse(&body(b, s.defaults.body_limit)?)?)?;
-    let (guard, stream, first) = start(&s, &chat).await?;
+    let (guard, stream, first) = start(&s, &chat).await.map_err(|e| e.unscope(&tenant))?;
     let id = request_id();
     let worker = guard.worker().name.clone();
     let mut resp = if chat.stream {
@@ -467,7 +467,13 @@ async fn ingest(
     let user = scoped(&tenant, &r.user);
     let w = s.workers.home(&user)?;
     let req = pb::IngestRequest { user, window: r.window, units };
-    let resp = w.worker().client().ingest(grpc(req, s.defaults.deadline)).await?.into_inner();
+    let resp = w
+        .worker()
+        .client()
+        .ingest(grpc(req, s.defaults.deadline))
+        .await
+        .map_err(|e| ApiError::from(e).unscope(&tenant))?
+        .into_inner();
     s.metrics.ingested_units.fetch_add(u64::from(resp.added), Ordering::Relaxed);
     Ok(Json(json!({"user": r.user, "added": resp.added, "skipped": resp.skipped,
                    "encoded_tokens": resp.encoded_tokens})))
@@ -482,7 +488,13 @@ async fn list(
     openai::check_user(&user)?;
     let w = s.workers.home(&scoped(&tenant, &user))?;
     let req = pb::ListMemoriesRequest { user: scoped(&tenant, &user) };
-    let r = w.worker().client().list_memories(grpc(req, s.defaults.deadline)).await?.into_inner();
+    let r = w
+        .worker()
+        .client()
+        .list_memories(grpc(req, s.defaults.deadline))
+        .await
+        .map_err(|e| ApiError::from(e).unscope(&tenant))?
+        .into_inner();
     let units: Vec<openai::UnitBody> = r
         .units
         .into_iter()
@@ -503,7 +515,7 @@ async fn forget(s: &AppState, headers: &HeaderMap, user: &str, unit: String) -> 
     let scoped_user = scoped(&tenant, user);
     let w = s.workers.home(&scoped_user)?;
     let req = pb::ForgetRequest { user: scoped_user, unit_id: unit.clone() };
-    w.worker().client().forget(grpc(req, s.defaults.deadline)).await?;
+    w.worker().client().forget(grpc(req, s.defaults.deadline)).await.map_err(|e| ApiError::from(e).unscope(&tenant))?;
     Ok(Json(if unit.is_empty() {
         json!({"user": user, "deleted": true})
     } else {

@@ -61,6 +61,20 @@ impl ApiError {
         json!({"error": {"message": self.to_string(), "type": self.kind(), "code": self.status().as_u16()}})
     }
 
+    /// The error with `tenant`'s namespace taken out of user ids in its
+    /// message: workers see scoped ids, clients their own.
+    pub fn unscope(self, tenant: &str) -> ApiError {
+        let scope = format!("`{tenant}/");
+        let fix = |m: String| m.replace(&scope, "`").replace(&format!("\"{tenant}/"), "\"");
+        match self {
+            ApiError::BadRequest(m) => ApiError::BadRequest(fix(m)),
+            ApiError::NotFound(m) => ApiError::NotFound(fix(m)),
+            ApiError::Conflict(m) => ApiError::Conflict(fix(m)),
+            ApiError::Internal(m) => ApiError::Internal(fix(m)),
+            other => other,
+        }
+    }
+
     /// Whether the request may be retried on another worker.
     pub fn retryable(&self) -> bool {
         matches!(self, ApiError::Unavailable(_))

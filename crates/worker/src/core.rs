@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use inferscale_engine::bert::Bert;
 use inferscale_engine::kv_cache::BLOCK_SIZE;
 use inferscale_engine::sampling::{Rng, SamplingParams, sample};
-use inferscale_engine::{Backend, Engine, FinishReason, Sequence};
+use inferscale_engine::{Backend, Engine, FinishReason, NextToken, Sequence};
 use inferscale_memory::{Composer, Encoders, IngestReport, Memory, Mode, SYSTEM_PROMPT, Turn, prepare};
 use inferscale_model::ModelFiles;
 use tokio::sync::{mpsc, oneshot};
@@ -157,6 +157,55 @@ struct IngestJob {
     reply: oneshot::Sender<Result<IngestReport>>,
 }
 
+/// Where the engine thread's time goes, printed every 10 s when
+/// `INFERSCALE_WORKER_PROFILE=1`: commands (arrivals: retrieval and
+/// sizing), layout (header fork and injection), the forward pass with
+/// sampling's device part, and the host's sampling and streaming.
+#[derive(Default)]
+struct Profile {
+    on: bool,
+    since: Option<Instant>,
+    steps: u64,
+    rows: u64,
+    commands: Duration,
+    layout: Duration,
+    forward: Duration,
+    sample: Duration,
+}
+
+impl Profile {
+    fn add(&mut self, what: fn(&mut Profile) -> &mut Duration, from: Instant) -> Instant {
+        let now = Instant::now();
+        if self.on {
+            *what(self) += now - from;
+        }
+        now
+    }
+
+    fn report(&mut self) {
+        let Some(since) = self.since else {
+            self.since = Some(Instant::now());
+            return;
+        };
+        let wall = since.elapsed();
+        if !self.on || wall < Duration::from_secs(10) {
+            return;
+        }
+        let pct = |d: Duration| 100.0 * d.as_secs_f64() / wall.as_secs_f64();
+        eprintln!(
+            "inferscale worker profile: {:.1} steps/s, {:.1} rows/step; commands {:.0}% layout {:.0}% forward {:.0}% sample+stream {:.0}% (ms/step: forward {:.2})",
+            self.steps as f64 / wall.as_secs_f64(),
+            self.rows as f64 / self.steps.max(1) as f64,
+            pct(self.commands),
+            pct(self.layout),
+            pct(self.forward),
+            pct(self.sample),
+            self.forward.as_secs_f64() * 1e3 / self.steps.max(1) as f64,
+        );
+        *self = Profile { on: true, since: Some(Instant::now()), ..Default::default() };
+    }
+}
+
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
@@ -197,6 +246,7 @@ pub fn run<B: Backend>(parts: WorkerParts<B>, cfg: WorkerConfig, rx: Receiver<Co
         ingests: VecDeque::new(),
         next_id: 0,
         stats: Stats::default(),
+        profile: Profile { on: std::env::var_os("INFERSCALE_WORKER_PROFILE").is_some(), ..Default::default() },
     };
     loop {
         let idle = core.live.is_empty() && core.ingests.is_empty();
@@ -209,6 +259,7 @@ pub fn run<B: Backend>(parts: WorkerParts<B>, cfg: WorkerConfig, rx: Receiver<Co
         } else {
             None
         };
+        let t0 = Instant::now();
         if let Some(c) = first {
             core.handle(c, &mut sched);
         }
@@ -219,6 +270,8 @@ pub fn run<B: Backend>(parts: WorkerParts<B>, cfg: WorkerConfig, rx: Receiver<Co
                 Err(TryRecvError::Disconnected) => return Ok(()),
             }
         }
+        core.profile.add(|p| &mut p.commands, t0);
+        core.profile.report();
         core.reap(&mut sched);
         core.ingest_some();
         core.step(&mut sched);
@@ -238,6 +291,7 @@ struct Core<'c, 'f, B: Backend> {
     ingests: VecDeque<IngestJob>,
     next_id: RequestId,
     stats: Stats,
+    profile: Profile,
 }
 
 impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
@@ -507,6 +561,7 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
         if step.is_empty() {
             return;
         }
+        let t0 = Instant::now();
         let mut failed: Vec<(RequestId, WorkerError)> = Vec::new();
         for item in &step.items {
             if self.live.get(&item.id).is_some_and(|l| l.seq.is_none())
@@ -515,30 +570,38 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
                 failed.push((item.id, e));
             }
         }
+        let t1 = self.profile.add(|p| &mut p.layout, t0);
         let items: Vec<_> = step.items.iter().filter(|i| !failed.iter().any(|(f, _)| *f == i.id)).copied().collect();
         let mut ids = Vec::with_capacity(items.len());
         let mut takes = Vec::with_capacity(items.len());
+        let mut greedy = Vec::with_capacity(items.len());
         let mut seqs: Vec<&mut Sequence> = Vec::with_capacity(items.len());
         let mut by_id: HashMap<RequestId, &mut Live> = self.live.iter_mut().map(|(&id, l)| (id, l)).collect();
         for item in &items {
-            if let Some(seq) = by_id.remove(&item.id).and_then(|l| l.seq.as_mut()) {
+            if let Some(l) = by_id.remove(&item.id)
+                && let Some(seq) = l.seq.as_mut()
+            {
                 ids.push(item.id);
                 takes.push(item.tokens);
+                greedy.push(l.job.params.temperature == 0.0);
                 seqs.push(seq);
             }
         }
-        let logits = if seqs.is_empty() { Ok(Vec::new()) } else { self.engine.step_exact(&mut seqs, &takes) };
+        let logits = if seqs.is_empty() { Ok(Vec::new()) } else { self.engine.step_exact(&mut seqs, &takes, &greedy) };
         drop(seqs);
+        let t2 = self.profile.add(|p| &mut p.forward, t1);
+        self.profile.steps += 1;
+        self.profile.rows += ids.len() as u64;
         let mut finished = Vec::new();
         match logits {
             Err(e) => {
                 let msg = e.to_string();
                 failed.extend(ids.iter().map(|&id| (id, WorkerError::Invalid(format!("engine step failed: {msg}")))));
             }
-            Ok(logits) => {
-                for (id, logits) in ids.iter().zip(logits) {
-                    let Some(logits) = logits else { continue };
-                    if let Err(e) = self.sample_one(*id, &logits) {
+            Ok(next) => {
+                for (id, next) in ids.iter().zip(next) {
+                    let Some(next) = next else { continue };
+                    if let Err(e) = self.sample_one(*id, next) {
                         failed.push((*id, e));
                     } else if self.live.get(id).is_some_and(|l| l.finish.is_some()) {
                         finished.push(*id);
@@ -556,14 +619,18 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
         for id in sched.complete(&step, &finished) {
             self.finish(id);
         }
+        self.profile.add(|p| &mut p.sample, t2);
     }
 
-    fn sample_one(&mut self, id: RequestId, logits: &[f32]) -> Result<()> {
+    fn sample_one(&mut self, id: RequestId, next: NextToken) -> Result<()> {
         let limit = self.engine.model().config().max_position_embeddings;
         let eos = &self.eos;
         let tokenizer = self.tokenizer;
         let Some(l) = self.live.get_mut(&id) else { return Ok(()) };
-        let tok = sample(logits, &l.job.params, &mut l.rng);
+        let tok = match next {
+            NextToken::Greedy(t) => t,
+            NextToken::Logits(logits) => sample(&logits, &l.job.params, &mut l.rng),
+        };
         if l.generated.is_empty() {
             let now = Instant::now();
             l.timings.first_token_ms = ms(now - l.job.arrived);

@@ -54,3 +54,54 @@ impl TextStream {
         Ok(piece)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tok() -> Tokenizer {
+        Tokenizer::byte_level(&[], None).expect("byte-level tokenizer")
+    }
+
+    /// Streams `text` one byte-token at a time; returns the pieces and whether a stop hit.
+    fn stream(text: &str, stop: &[String]) -> (Vec<String>, bool) {
+        let t = tok();
+        let ids: Vec<u32> = text.bytes().map(u32::from).collect();
+        let mut s = TextStream::default();
+        let mut pieces = Vec::new();
+        for n in 1..=ids.len() {
+            match s.push(&t, &ids[..n], stop).expect("decodes") {
+                Delta::Text(p) => pieces.push(p),
+                Delta::Stop(p) => {
+                    pieces.push(p);
+                    return (pieces, true);
+                }
+            }
+        }
+        pieces.push(s.finish(&t, &ids).expect("decodes"));
+        (pieces, false)
+    }
+
+    #[test]
+    fn pieces_concatenate_to_the_text_and_never_split_a_character() {
+        let (pieces, stopped) = stream("héllo, Ωmega", &[]);
+        assert!(!stopped);
+        assert_eq!(pieces.concat(), "héllo, Ωmega");
+        assert!(pieces.iter().all(|p| !p.contains('\u{FFFD}')), "{pieces:?}");
+        // 'é' is two bytes: its first byte yields nothing, its second the whole character.
+        assert_eq!(&pieces[1..3], &["".to_string(), "é".to_string()]);
+    }
+
+    #[test]
+    fn stop_strings_end_the_text_before_them_and_are_never_streamed() {
+        let stop = vec!["END".to_string()];
+        let (pieces, stopped) = stream("one EN two END three", &stop);
+        assert!(stopped);
+        assert_eq!(pieces.concat(), "one EN two ");
+        // A partial match ("EN" before " two") is held back, then released.
+        assert!(pieces.iter().all(|p| !p.contains("END")), "{pieces:?}");
+        let (pieces, stopped) = stream("no stop here, E", &stop);
+        assert!(!stopped);
+        assert_eq!(pieces.concat(), "no stop here, E");
+    }
+}

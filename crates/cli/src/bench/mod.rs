@@ -2,6 +2,7 @@
 //! Speed targets live here, not in timed tests.
 
 mod engine;
+mod serve;
 mod ttft;
 
 use anyhow::Result;
@@ -14,12 +15,15 @@ pub enum Command {
     Engine(engine::EngineArgs),
     /// Time to first token with k memory facts, kv injection vs prompt mode.
     Ttft(ttft::TtftArgs),
+    /// Closed-loop serving throughput of one worker, kv vs prompt mode.
+    Serve(serve::ServeBenchArgs),
 }
 
 pub fn run(c: Command) -> Result<()> {
     match c {
         Command::Engine(a) => engine::run(a),
         Command::Ttft(a) => ttft::run(a),
+        Command::Serve(a) => serve::run(a),
     }
 }
 

@@ -1,0 +1,347 @@
+//! `inferscale bench serve`: closed-loop serving throughput of one worker,
+//! kv and prompt mode side by side.
+//!
+//! The worker runs in this process behind its real gRPC service on
+//! loopback (the same code `inferscale worker` runs); N client tasks each
+//! send a chat request, wait for its last token, and send the next. Every
+//! request retrieves `k` facts of its user's memory and generates
+//! `--max-tokens` tokens (end of sequence ignored, so every request does the
+//! same work). Requests that finish inside the measurement window (after a
+//! warm-up) count: requests/s, output tokens/s, time to first token
+//! (p50/p99, as the client sees it) and end-to-end latency.
+//!
+//! Memory: `--memory-users` users each ingest `--facts-per-user` synthetic
+//! facts first (with `--shape … --random-weights` and the byte-level
+//! tokenizer a fact is exactly `--fact-tokens` tokens); client i asks as
+//! memory user i mod `--memory-users`. The router is not in the loop: this
+//! measures the worker (retrieval, scheduler, engine).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use inferscale_proto as pb;
+use inferscale_proto::worker_client::WorkerClient;
+use serde::Serialize;
+use tokio::net::TcpListener;
+use tokio::sync::Mutex;
+
+use crate::serve::{WorkerArgs, runtime, serve_grpc, start_worker};
+use crate::synthetic::synthetic_facts;
+
+const QUESTION: &str = "Where did Caroline go camping last summer?";
+
+#[derive(Args, Debug)]
+pub struct ServeBenchArgs {
+    /// Closed-loop client counts to measure.
+    #[arg(long, value_delimiter = ',', default_value = "1,10,50,100")]
+    users: Vec<usize>,
+    #[arg(long, value_delimiter = ',', default_value = "kv,prompt", value_parser = ["kv", "prompt", "none"])]
+    modes: Vec<String>,
+    /// Facts retrieved per request.
+    #[arg(long, default_value_t = 50)]
+    k: u32,
+    /// Distinct users with memory; clients share them round-robin.
+    #[arg(long, default_value_t = 10)]
+    memory_users: usize,
+    /// Facts each memory user stores (at least k).
+    #[arg(long, default_value_t = 50)]
+    facts_per_user: usize,
+    /// Tokens per fact with the byte-level tokenizer of random-weight shapes.
+    #[arg(long, default_value_t = 25)]
+    fact_tokens: usize,
+    /// Output tokens per request.
+    #[arg(long, default_value_t = 32)]
+    max_tokens: u32,
+    /// Seconds measured per (mode, users) point, after the warm-up.
+    #[arg(long, default_value_t = 20.0)]
+    duration_s: f64,
+    #[arg(long, default_value_t = 3.0)]
+    warmup_s: f64,
+    /// Write results as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    #[command(flatten)]
+    worker: WorkerArgs,
+}
+
+#[derive(Serialize, Debug)]
+struct Point {
+    mode: String,
+    users: usize,
+    requests: usize,
+    errors: usize,
+    requests_per_s: f64,
+    output_tokens_per_s: f64,
+    ttft_ms_p50: f64,
+    ttft_ms_p99: f64,
+    latency_ms_p50: f64,
+    latency_ms_p99: f64,
+    /// Worker-side means over the measured requests.
+    worker_retrieve_ms_mean: f64,
+    worker_queue_ms_mean: f64,
+    worker_inject_ms_mean: f64,
+    worker_prefill_ms_mean: f64,
+    prompt_tokens_mean: f64,
+}
+
+#[derive(Serialize)]
+struct Report {
+    backend: String,
+    model: String,
+    k: u32,
+    max_tokens: u32,
+    memory_users: usize,
+    facts_per_user: usize,
+    duration_s: f64,
+    results: Vec<Point>,
+}
+
+/// Quantile `q` of sorted values (nearest rank).
+fn quantile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len()) - 1;
+    sorted[i]
+}
+
+/// Fact texts for the bench: exact lengths under the byte-level tokenizer.
+fn fact_texts(a: &ServeBenchArgs, byte_level: bool) -> Vec<String> {
+    let base = synthetic_facts(a.facts_per_user);
+    if !byte_level {
+        return base;
+    }
+    // `speaker: text\n` is the fact line; the speaker is "U".
+    let len = a.fact_tokens.saturating_sub(4).max(1);
+    base.iter().map(|f| f.chars().cycle().take(len).collect()).collect()
+}
+
+#[derive(Default)]
+struct Sample {
+    ttft: Vec<f64>,
+    latency: Vec<f64>,
+    retrieve: Vec<f64>,
+    queue: Vec<f64>,
+    inject: Vec<f64>,
+    prefill: Vec<f64>,
+    prompt_tokens: Vec<f64>,
+    tokens: usize,
+    errors: usize,
+}
+
+async fn one_request(
+    client: &mut WorkerClient<tonic::transport::Channel>,
+    req: pb::GenerateRequest,
+) -> std::result::Result<(f64, f64, u32, pb::Finished), tonic::Status> {
+    let t0 = Instant::now();
+    let mut stream = client.generate(req).await?.into_inner();
+    let mut ttft = None;
+    let mut tokens = 0;
+    while let Some(ev) = stream.message().await? {
+        match ev.event {
+            Some(pb::generate_event::Event::Token(_)) => {
+                ttft.get_or_insert_with(|| t0.elapsed().as_secs_f64() * 1e3);
+                tokens += 1;
+            }
+            Some(pb::generate_event::Event::Finished(f)) => {
+                return Ok((ttft.unwrap_or(0.0), t0.elapsed().as_secs_f64() * 1e3, tokens, f));
+            }
+            None => {}
+        }
+    }
+    Err(tonic::Status::internal("stream ended without finishing"))
+}
+
+async fn measure(a: &ServeBenchArgs, addr: &str, mode: &str, users: usize) -> Result<Point> {
+    let pmode = match mode {
+        "kv" => pb::MemoryMode::Kv,
+        "prompt" => pb::MemoryMode::Prompt,
+        _ => pb::MemoryMode::None,
+    };
+    let start = Instant::now();
+    let from = start + Duration::from_secs_f64(a.warmup_s);
+    let until = from + Duration::from_secs_f64(a.duration_s);
+    let sample = Arc::new(Mutex::new(Sample::default()));
+    let mut tasks = Vec::new();
+    for i in 0..users {
+        let mut client = WorkerClient::connect(format!("http://{addr}")).await?;
+        let sample = sample.clone();
+        let req = pb::GenerateRequest {
+            request_id: String::new(),
+            user: format!("bench-{}", i % a.memory_users),
+            messages: vec![pb::ChatMessage { role: "user".into(), content: QUESTION.into() }],
+            mode: pmode as i32,
+            k: a.k,
+            window: None,
+            sampling: Some(pb::Sampling { max_tokens: a.max_tokens, ignore_eos: true, ..Default::default() }),
+            deadline_ms: 600_000,
+        };
+        tasks.push(tokio::spawn(async move {
+            while Instant::now() < until {
+                let r = one_request(&mut client, req.clone()).await;
+                let done = Instant::now();
+                if done < from || done > until {
+                    continue;
+                }
+                let mut s = sample.lock().await;
+                match r {
+                    Ok((ttft, latency, tokens, f)) => {
+                        s.ttft.push(ttft);
+                        s.latency.push(latency);
+                        s.tokens += tokens as usize;
+                        let t = f.timings.unwrap_or_default();
+                        s.retrieve.push(t.retrieve_ms);
+                        s.queue.push(t.queue_ms);
+                        s.inject.push(t.inject_ms);
+                        s.prefill.push(t.prefill_ms);
+                        s.prompt_tokens.push(f.usage.unwrap_or_default().prompt_tokens.into());
+                    }
+                    Err(e) => {
+                        if s.errors == 0 {
+                            eprintln!("inferscale bench serve: request failed: {e}");
+                        }
+                        s.errors += 1;
+                    }
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await?;
+    }
+    let mut s = std::mem::take(&mut *sample.lock().await);
+    s.ttft.sort_by(f64::total_cmp);
+    s.latency.sort_by(f64::total_cmp);
+    let n = s.ttft.len();
+    let mean = |v: &[f64]| if v.is_empty() { 0.0 } else { v.iter().sum::<f64>() / v.len() as f64 };
+    Ok(Point {
+        mode: mode.into(),
+        users,
+        requests: n,
+        errors: s.errors,
+        requests_per_s: n as f64 / a.duration_s,
+        output_tokens_per_s: s.tokens as f64 / a.duration_s,
+        ttft_ms_p50: quantile(&s.ttft, 0.5),
+        ttft_ms_p99: quantile(&s.ttft, 0.99),
+        latency_ms_p50: quantile(&s.latency, 0.5),
+        latency_ms_p99: quantile(&s.latency, 0.99),
+        worker_retrieve_ms_mean: mean(&s.retrieve),
+        worker_queue_ms_mean: mean(&s.queue),
+        worker_inject_ms_mean: mean(&s.inject),
+        worker_prefill_ms_mean: mean(&s.prefill),
+        prompt_tokens_mean: mean(&s.prompt_tokens),
+    })
+}
+
+pub fn run(mut a: ServeBenchArgs) -> Result<()> {
+    if a.memory_users == 0 || a.facts_per_user < a.k as usize || a.users.contains(&0) {
+        bail!("need --memory-users ≥ 1, --facts-per-user ≥ --k and client counts ≥ 1");
+    }
+    if !(a.duration_s > 0.0 && a.warmup_s >= 0.0) {
+        bail!("--duration-s must be positive and --warmup-s not negative");
+    }
+    let mut tmp = None;
+    if a.worker.memory.is_none() {
+        let dir = tempfile_dir()?;
+        a.worker.memory = Some(dir.clone());
+        tmp = Some(dir);
+    }
+    let byte_level = a.worker.model.shape.is_some();
+    let (service, engine) = start_worker(&a.worker)?;
+    let rt = runtime()?;
+    let report = rt.block_on(async {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?.to_string();
+        tokio::spawn(serve_grpc(listener, service));
+        let mut client = WorkerClient::connect(format!("http://{addr}")).await?;
+        let facts = fact_texts(&a, byte_level);
+        let t0 = Instant::now();
+        for u in 0..a.memory_users {
+            let units = facts
+                .iter()
+                .enumerate()
+                .map(|(i, f)| pb::MemoryUnit {
+                    id: format!("F{i}"),
+                    speaker: "U".into(),
+                    text: f.clone(),
+                    ..Default::default()
+                })
+                .collect();
+            client
+                .ingest(pb::IngestRequest { user: format!("bench-{u}"), window: None, units })
+                .await
+                .with_context(|| format!("ingesting the facts of bench-{u}"))?;
+        }
+        eprintln!(
+            "inferscale bench serve: {} users × {} facts ingested in {:.1} s",
+            a.memory_users,
+            a.facts_per_user,
+            t0.elapsed().as_secs_f64()
+        );
+        let mut results = Vec::new();
+        for mode in &a.modes {
+            for &users in &a.users {
+                let p = measure(&a, &addr, mode, users).await?;
+                eprintln!(
+                    "inferscale bench serve: {mode:>6} users {users:>4}: {:.2} req/s, TTFT p50 {:.1} ms p99 {:.1} ms",
+                    p.requests_per_s, p.ttft_ms_p50, p.ttft_ms_p99
+                );
+                results.push(p);
+            }
+        }
+        anyhow::Ok(results)
+    })?;
+    // Dropping the runtime drops the service; the engine thread then ends
+    // and drops its backend (which prints INFERSCALE_CUDA_PROFILE's table).
+    drop(rt);
+    let _ = engine.join();
+    let model = a.worker.model.shape.clone().unwrap_or_else(|| a.worker.model.model.clone());
+    println!(
+        "{:>6} {:>6} {:>9} {:>10} {:>10} {:>10} {:>11} {:>11} {:>8} {:>7}",
+        "mode", "users", "req/s", "tok/s", "TTFT p50", "TTFT p99", "latency p50", "latency p99", "prompt", "errors"
+    );
+    for p in &report {
+        println!(
+            "{:>6} {:>6} {:>9.2} {:>10.1} {:>10.1} {:>10.1} {:>11.1} {:>11.1} {:>8.0} {:>7}",
+            p.mode,
+            p.users,
+            p.requests_per_s,
+            p.output_tokens_per_s,
+            p.ttft_ms_p50,
+            p.ttft_ms_p99,
+            p.latency_ms_p50,
+            p.latency_ms_p99,
+            p.prompt_tokens_mean,
+            p.errors
+        );
+    }
+    if let Some(path) = &a.json {
+        let r = Report {
+            backend: a.worker.model.backend.clone(),
+            model,
+            k: a.k,
+            max_tokens: a.max_tokens,
+            memory_users: a.memory_users,
+            facts_per_user: a.facts_per_user,
+            duration_s: a.duration_s,
+            results: report,
+        };
+        std::fs::write(path, serde_json::to_string_pretty(&r)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    if let Some(dir) = tmp {
+        // The facts and KV written for the run (gigabytes for large shapes).
+        std::fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;
+    }
+    Ok(())
+}
+
+/// A fresh memory directory under the system's temporary directory.
+fn tempfile_dir() -> Result<PathBuf> {
+    let dir = std::env::temp_dir().join(format!("inferscale-bench-serve-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    Ok(dir)
+}

@@ -250,6 +250,139 @@ __device__ void paged_attention(bf16* out, float* part_o, float* part_ml, const 
 PAGED_ATTENTION(64)
 PAGED_ATTENTION(128)
 
+// Decode attention for many sequences with one new token each. Grid
+// (sequences, KV heads); the four warps of a block take turns over tiles of
+// eight keys. Each lane holds D/32 dimensions of the group's G query heads
+// and of their running outputs, and reads the same dimensions of each key
+// and value, so a warp reads whole K and V rows (coalesced) and a tile's 16
+// row loads are in flight together; scores are summed across the warp with
+// butterfly shuffles, folded into an online softmax per head, and the four
+// warps' partial results merge through shared memory at the end. (The
+// tensor-core kernel above fills 16-row MMA tiles with a decode token's G
+// rows and streams its tiles synchronously: a quarter of the bandwidth at
+// ~100 sequences.) `meta` is the layout of `paged_attention`, one work per
+// sequence. `MAXG` bounds G at compile time.
+template <int D, int MAXG>
+__device__ void paged_decode(bf16* out, const bf16* q, const bf16* kc, const bf16* vc, const u32* meta,
+                             u32 works_off, u32 tables_off, int heads, int kv_heads, int block_size, float scale) {
+    constexpr int DL = D / 32, KT = 8, WARPS = 4;
+    __shared__ float sm_m[WARPS][MAXG], sm_l[WARPS][MAXG];
+    __shared__ float sm_o[WARPS][MAXG][D];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const u32 s = meta[works_off + 2 * blockIdx.x], g = blockIdx.y;
+    const u32 q_start = meta[4 * s], ctx = meta[4 * s + 2];
+    const u32* table = meta + tables_off + meta[4 * s + 3];
+    const int G = heads / kv_heads;
+    const size_t q_dim = (size_t)heads * D, kv_dim = (size_t)kv_heads * D;
+
+    float qv[MAXG][DL], o[MAXG][DL], m[MAXG], l[MAXG];
+#pragma unroll
+    for (int h = 0; h < MAXG; h++) {
+        m[h] = NEG_INF;
+        l[h] = 0.0f;
+#pragma unroll
+        for (int d = 0; d < DL; d++) {
+            o[h][d] = 0.0f;
+            qv[h][d] = h < G ? __bfloat162float(q[q_start * q_dim + (g * G + h) * D + lane * DL + d]) * scale : 0.0f;
+        }
+    }
+
+    for (u32 kt = warp * KT; kt < ctx; kt += WARPS * KT) {
+        float kf[KT][DL], vf[KT][DL];
+#pragma unroll
+        for (int i = 0; i < KT; i++) {
+            u32 key = kt + i;
+            if (key < ctx) {
+                size_t off = ((size_t)table[key / block_size] * block_size + key % block_size) * kv_dim + g * D + lane * DL;
+#pragma unroll
+                for (int d = 0; d < DL; d += 2) {
+                    float2 kk = __bfloat1622float2(*(const __nv_bfloat162*)(kc + off + d));
+                    float2 vv = __bfloat1622float2(*(const __nv_bfloat162*)(vc + off + d));
+                    kf[i][d] = kk.x;
+                    kf[i][d + 1] = kk.y;
+                    vf[i][d] = vv.x;
+                    vf[i][d + 1] = vv.y;
+                }
+            } else {
+#pragma unroll
+                for (int d = 0; d < DL; d++) kf[i][d] = vf[i][d] = 0.0f;
+            }
+        }
+        float sc[KT][MAXG];
+#pragma unroll
+        for (int i = 0; i < KT; i++)
+#pragma unroll
+            for (int h = 0; h < MAXG; h++) {
+                float acc = 0.0f;
+#pragma unroll
+                for (int d = 0; d < DL; d++) acc += qv[h][d] * kf[i][d];
+                sc[i][h] = acc;
+            }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1)
+#pragma unroll
+            for (int i = 0; i < KT; i++)
+#pragma unroll
+                for (int h = 0; h < MAXG; h++) sc[i][h] += __shfl_xor_sync(0xffffffffu, sc[i][h], off);
+#pragma unroll
+        for (int h = 0; h < MAXG; h++) {
+            float mx = NEG_INF;
+#pragma unroll
+            for (int i = 0; i < KT; i++) mx = kt + i < ctx ? fmaxf(mx, sc[i][h]) : mx;
+            float m_new = fmaxf(m[h], mx);
+            float alpha = m_new == NEG_INF ? 1.0f : __expf(m[h] - m_new);
+            m[h] = m_new;
+            l[h] *= alpha;
+#pragma unroll
+            for (int d = 0; d < DL; d++) o[h][d] *= alpha;
+#pragma unroll
+            for (int i = 0; i < KT; i++) {
+                float p = kt + i < ctx ? __expf(sc[i][h] - m_new) : 0.0f;
+                l[h] += p;
+#pragma unroll
+                for (int d = 0; d < DL; d++) o[h][d] += p * vf[i][d];
+            }
+        }
+    }
+
+#pragma unroll
+    for (int h = 0; h < MAXG; h++) {
+        if (lane == 0) {
+            sm_m[warp][h] = m[h];
+            sm_l[warp][h] = l[h];
+        }
+#pragma unroll
+        for (int d = 0; d < DL; d++) sm_o[warp][h][lane * DL + d] = o[h][d];
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < G * D; e += blockDim.x) {
+        int h = e / D, d = e % D;
+        float mx = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < WARPS; w++) mx = fmaxf(mx, sm_m[w][h]);
+        float L = 0.0f, O = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; w++) {
+            float f = sm_m[w][h] == NEG_INF ? 0.0f : __expf(sm_m[w][h] - mx);
+            L += sm_l[w][h] * f;
+            O += sm_o[w][h][d] * f;
+        }
+        out[q_start * q_dim + (g * G + h) * D + d] = __float2bfloat16(L > 0.0f ? O / L : 0.0f);
+    }
+}
+
+#define PAGED_DECODE(D, MAXG)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(128) paged_decode_d##D##_g##MAXG(                             \
+        bf16* out, const bf16* q, const bf16* kc, const bf16* vc, const u32* meta, u32 works_off, u32 tables_off, \
+        int heads, int kv_heads, int block_size, float scale) {                                                 \
+        paged_decode<D, MAXG>(out, q, kc, vc, meta, works_off, tables_off, heads, kv_heads, block_size, scale); \
+    }
+
+PAGED_DECODE(64, 4)
+PAGED_DECODE(64, 8)
+PAGED_DECODE(128, 4)
+PAGED_DECODE(128, 8)
+
 // Merges key splits: row (token, head) = blockIdx.x, one thread per dimension.
 extern "C" __global__ void attention_combine(bf16* out, const float* part_o, const float* part_ml, u32 rows,
                                              int splits, int head_dim) {

@@ -17,10 +17,10 @@ pub const BACKENDS: &[&str] = &["cpu"];
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
     /// A GGUF file, an HF model directory, or a packaged model name.
-    #[arg(long, default_value = fetch::DEFAULT_MODEL)]
+    #[arg(long, env = "INFERSCALE_MODEL", default_value = fetch::DEFAULT_MODEL)]
     pub model: String,
     /// Compute backend (`cuda` needs an NVIDIA GPU and its driver at run time).
-    #[arg(long, default_value = "cpu", value_parser = clap::builder::PossibleValuesParser::new(BACKENDS))]
+    #[arg(long, env = "INFERSCALE_BACKEND", default_value = "cpu", value_parser = clap::builder::PossibleValuesParser::new(BACKENDS))]
     pub backend: String,
     /// GPU ordinal for `--backend cuda`.
     #[arg(long, default_value_t = 0)]
@@ -33,7 +33,7 @@ pub struct ModelArgs {
     #[arg(long, requires = "shape")]
     pub random_weights: bool,
     /// Memory for the paged KV cache, in MiB.
-    #[arg(long, default_value_t = 1024)]
+    #[arg(long, env = "INFERSCALE_KV_CACHE_MB", default_value_t = 1024)]
     pub kv_cache_mb: usize,
     /// Most tokens per forward pass (prefill chunk size).
     #[arg(long, default_value_t = 1024)]

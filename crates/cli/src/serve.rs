@@ -24,16 +24,16 @@ pub struct WorkerArgs {
     #[arg(long, env = "INFERSCALE_MEMORY")]
     pub(crate) memory: Option<PathBuf>,
     /// Context window: turns encoded before each memory unit.
-    #[arg(long, default_value_t = 20)]
+    #[arg(long, env = "INFERSCALE_WINDOW", default_value_t = 20)]
     pub(crate) window: usize,
     /// Sentence-embedding model (name or directory).
     #[arg(long, default_value = fetch::DEFAULT_EMBEDDER)]
     pub(crate) embedder: String,
     /// Requests running at once.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, env = "INFERSCALE_MAX_RUNNING", default_value_t = 64)]
     pub(crate) max_running: usize,
     /// Requests waiting beyond which new ones are refused (HTTP 429).
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, env = "INFERSCALE_MAX_QUEUE", default_value_t = 256)]
     pub(crate) max_queue: usize,
     /// Largest `k` a request may ask for.
     #[arg(long, default_value_t = 200)]
@@ -45,19 +45,19 @@ pub struct WorkerArgs {
 #[derive(Args, Debug, Clone)]
 pub struct RouterArgs {
     /// File of API keys, one `tenant:key` per line. Also `INFERSCALE_API_KEYS=tenant:key,…`.
-    #[arg(long)]
+    #[arg(long, env = "INFERSCALE_API_KEYS_FILE")]
     api_keys: Option<PathBuf>,
     /// Memory mode when a request does not say (kv, prompt, none).
-    #[arg(long, default_value = "kv", value_parser = ["kv", "prompt", "none"])]
+    #[arg(long, env = "INFERSCALE_DEFAULT_MODE", default_value = "kv", value_parser = ["kv", "prompt", "none"])]
     default_mode: String,
     /// Facts retrieved when a request does not say.
-    #[arg(long, default_value_t = 20)]
+    #[arg(long, env = "INFERSCALE_DEFAULT_K", default_value_t = 20)]
     default_k: u32,
     /// Tokens generated when a request does not say.
     #[arg(long, default_value_t = 256)]
     default_max_tokens: u32,
     /// Deadline of every worker call, in seconds.
-    #[arg(long, default_value_t = 120)]
+    #[arg(long, env = "INFERSCALE_DEADLINE_S", default_value_t = 120)]
     deadline_s: u64,
     /// Largest request body, in bytes.
     #[arg(long, default_value_t = 4 << 20)]
@@ -70,7 +70,7 @@ pub struct RouterArgs {
 #[derive(Args, Debug)]
 pub struct ServeArgs {
     /// HTTP address of the OpenAI-compatible API.
-    #[arg(long, default_value = "127.0.0.1:8080")]
+    #[arg(long, env = "INFERSCALE_LISTEN", default_value = "127.0.0.1:8080")]
     listen: SocketAddr,
     #[command(flatten)]
     router: RouterArgs,
@@ -81,7 +81,7 @@ pub struct ServeArgs {
 #[derive(Args, Debug)]
 pub struct WorkerCmd {
     /// gRPC address to serve on.
-    #[arg(long, default_value = "127.0.0.1:50051")]
+    #[arg(long, env = "INFERSCALE_LISTEN", default_value = "127.0.0.1:50051")]
     listen: SocketAddr,
     #[command(flatten)]
     worker: WorkerArgs,
@@ -89,10 +89,11 @@ pub struct WorkerCmd {
 
 #[derive(Args, Debug)]
 pub struct RouterCmd {
-    #[arg(long, default_value = "127.0.0.1:8080")]
+    /// HTTP address of the OpenAI-compatible API.
+    #[arg(long, env = "INFERSCALE_LISTEN", default_value = "127.0.0.1:8080")]
     listen: SocketAddr,
     /// Worker gRPC addresses (repeat, or separate with commas).
-    #[arg(long = "worker", required = true, value_delimiter = ',')]
+    #[arg(long = "worker", env = "INFERSCALE_WORKERS", required = true, value_delimiter = ',')]
     workers: Vec<String>,
     #[command(flatten)]
     router: RouterArgs,

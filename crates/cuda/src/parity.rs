@@ -310,6 +310,17 @@ pub fn ops<G: Backend>(gpu: &G) -> R<Report> {
                 vec![(700, 37, table(1, 44)), (90, 1, table(3, 6)), (1500 / 16 * 16, 1, table(5, 94))],
             ),
             ("question after 1,320 cached tokens", vec![(1340, 20, table(2, 84))]),
+            (
+                // Enough single-token spans for the decode kernel (see `attention`).
+                "100 decodes (decode kernel) + a prefill chunk",
+                (0..100u32)
+                    .map(|i| {
+                        let ctx = 1 + (i as usize * 53) % 700;
+                        (ctx, 1, table(i, ctx.div_ceil(16)))
+                    })
+                    .chain([(300, 37, table(7, 19))])
+                    .collect(),
+            ),
         ];
         for (name, seqs) in cases {
             let c = PagedCase { spec, shape, seqs, seed: 1000 };

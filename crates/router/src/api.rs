@@ -452,18 +452,7 @@ async fn ingest(
     if let Some((i, _)) = r.facts.iter().enumerate().find(|(_, f)| f.source_turn.is_empty()) {
         return Err(ApiError::BadRequest(format!("facts[{i}] has no `source_turn`")));
     }
-    let units: Vec<pb::MemoryUnit> = r
-        .turns
-        .iter()
-        .chain(&r.facts)
-        .map(|u| pb::MemoryUnit {
-            id: u.id.clone(),
-            speaker: u.speaker.clone(),
-            text: u.text.clone(),
-            time: u.time.clone(),
-            source_turn: u.source_turn.clone(),
-        })
-        .collect();
+    let units: Vec<pb::MemoryUnit> = r.turns.into_iter().chain(r.facts).map(pb::MemoryUnit::from).collect();
     let user = scoped(&tenant, &r.user);
     let w = s.workers.home(&user)?;
     let req = pb::IngestRequest { user, window: r.window, units };
@@ -495,17 +484,7 @@ async fn list(
         .await
         .map_err(|e| ApiError::from(e).unscope(&tenant))?
         .into_inner();
-    let units: Vec<openai::UnitBody> = r
-        .units
-        .into_iter()
-        .map(|u| openai::UnitBody {
-            id: u.id,
-            speaker: u.speaker,
-            text: u.text,
-            time: u.time,
-            source_turn: u.source_turn,
-        })
-        .collect();
+    let units: Vec<openai::UnitBody> = r.units.into_iter().map(openai::UnitBody::from).collect();
     Ok(Json(json!({"user": user, "window": r.window, "count": units.len(), "units": units})))
 }
 

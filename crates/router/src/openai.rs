@@ -137,6 +137,24 @@ pub struct UnitBody {
     pub source_turn: String,
 }
 
+impl From<inferscale_proto::MemoryUnit> for UnitBody {
+    fn from(u: inferscale_proto::MemoryUnit) -> Self {
+        UnitBody { id: u.id, speaker: u.speaker, text: u.text, time: u.time, source_turn: u.source_turn }
+    }
+}
+
+impl From<UnitBody> for inferscale_proto::MemoryUnit {
+    fn from(u: UnitBody) -> Self {
+        inferscale_proto::MemoryUnit {
+            id: u.id,
+            speaker: u.speaker,
+            text: u.text,
+            time: u.time,
+            source_turn: u.source_turn,
+        }
+    }
+}
+
 /// Longest user id, in bytes.
 pub const MAX_USER_BYTES: usize = 256;
 

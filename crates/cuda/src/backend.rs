@@ -712,42 +712,8 @@ impl Backend for CudaBackend {
         if q.cols != shape.num_heads * d {
             return Err(shape_err(format!("attention: q width {} for {} heads", q.cols, shape.num_heads)));
         }
-        let out = self.tensor(q.rows, q.cols)?;
-        // Many single-token spans fill the device on their own: they go to
-        // the decode kernel, the rest to the tensor-core kernel.
-        let group = shape.num_heads / shape.num_kv_heads;
-        let decodes = spans.iter().filter(|s| s.q_len == 1).count();
-        let (tc, dec): (Vec<SeqSpan<'_>>, Vec<SeqSpan<'_>>) =
-            if group <= 8 && decodes * shape.num_kv_heads >= 2 * self.sm_count {
-                spans.iter().copied().partition(|s| s.q_len != 1)
-            } else {
-                (spans.to_vec(), Vec::new())
-            };
-        if !tc.is_empty() {
-            self.attention_tc(&out, q, store, layer, shape, &tc)?;
-        }
-        if !dec.is_empty() {
-            // After the tensor-core kernel: its key-split combine writes every row.
-            self.attention_decode(&out, q, store, layer, shape, &dec)?;
-        }
-        Ok(out)
-    }
-}
-
-impl CudaBackend {
-    /// `paged_attention_d*` (and `attention_combine` when keys are split)
-    /// for `spans`, writing their rows of `out`.
-    fn attention_tc(
-        &self,
-        out: &CudaTensor,
-        q: &CudaTensor,
-        store: &CudaKvStore,
-        layer: usize,
-        shape: AttentionShape,
-        spans: &[SeqSpan<'_>],
-    ) -> Result<()> {
-        let (spec, d) = (store.spec, shape.head_dim);
         let plan = plan_attention(spans, shape, q.rows, spec, self.sm_count)?;
+        let out = self.tensor(q.rows, q.cols)?;
         let meta = self.meta(&plan.meta)?;
         let rows = q.rows * shape.num_heads;
         // Partial results only when keys are split across blocks.
@@ -780,42 +746,7 @@ impl CudaBackend {
             let (r, s, hd) = (rows as u32, plan.splits as i32, d as i32);
             self.launch(&self.k.attention_combine, Self::rows_cfg(rows, d as u32), &[&o, &po, &pm, &r, &s, &hd])?;
         }
-        Ok(())
-    }
-
-    /// `paged_decode_d*_g*` for single-token `spans`, writing their rows of `out`.
-    fn attention_decode(
-        &self,
-        out: &CudaTensor,
-        q: &CudaTensor,
-        store: &CudaKvStore,
-        layer: usize,
-        shape: AttentionShape,
-        spans: &[SeqSpan<'_>],
-    ) -> Result<()> {
-        let (spec, d) = (store.spec, shape.head_dim);
-        let plan = plan_attention(spans, shape, q.rows, spec, self.sm_count)?;
-        if plan.works != spans.len() {
-            return Err(shape_err(format!("decode attention: {} works for {} spans", plan.works, spans.len())));
-        }
-        let meta = self.meta(&plan.meta)?;
-        let (kc, vc) = self.layer_ptrs(store, layer);
-        let (o, qp, mp) = (self.ptr(&out.data), self.ptr(&q.data), self.ptr(&meta));
-        let (wo, to) = (plan.works_off as u32, plan.tables_off as u32);
-        let (h, kvh, bs) = (shape.num_heads as i32, shape.num_kv_heads as i32, spec.block_size as i32);
-        let cfg = LaunchConfig {
-            grid_dim: (spans.len() as u32, shape.num_kv_heads as u32, 1),
-            block_dim: (ATTN_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let small = shape.num_heads / shape.num_kv_heads <= 4;
-        let f = match (d, small) {
-            (64, true) => &self.k.paged_decode_d64_g4,
-            (64, false) => &self.k.paged_decode_d64_g8,
-            (_, true) => &self.k.paged_decode_d128_g4,
-            (_, false) => &self.k.paged_decode_d128_g8,
-        };
-        self.launch(f, cfg, &[&o, &qp, &kc, &vc, &mp, &wo, &to, &h, &kvh, &bs, &shape.scale])
+        Ok(out)
     }
 }
 

@@ -123,10 +123,6 @@ kernels!(
     attention_bidirectional,
     paged_attention_d64,
     paged_attention_d128,
-    paged_decode_d64_g4,
-    paged_decode_d64_g8,
-    paged_decode_d128_g4,
-    paged_decode_d128_g8,
     attention_combine,
 );
 

@@ -311,8 +311,8 @@ pub fn ops<G: Backend>(gpu: &G) -> R<Report> {
             ),
             ("question after 1,320 cached tokens", vec![(1340, 20, table(2, 84))]),
             (
-                // Enough single-token spans for the decode kernel (see `attention`).
-                "100 decodes (decode kernel) + a prefill chunk",
+                // A serving step: many sequences decoding, one prompt chunk.
+                "100 decodes + a prefill chunk",
                 (0..100u32)
                     .map(|i| {
                         let ctx = 1 + (i as usize * 53) % 700;

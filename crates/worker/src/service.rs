@@ -27,6 +27,14 @@ pub struct WorkerInfo {
     pub backend: String,
 }
 
+struct NotReadyOnDrop(Arc<AtomicBool>);
+
+impl Drop for NotReadyOnDrop {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::SeqCst);
+    }
+}
+
 /// The gRPC face of one engine thread; cheap to clone.
 #[derive(Clone)]
 pub struct WorkerService {
@@ -58,11 +66,12 @@ where
                 }
             };
             flag.store(true, Ordering::SeqCst);
+            // Not ready from the moment the thread ends, panics included.
+            let _ready = NotReadyOnDrop(flag);
             let _ = started_tx.send(Ok(()));
             if let Err(e) = run(parts, cfg, rx) {
                 eprintln!("inferscale worker: engine thread stopped: {e}");
             }
-            flag.store(false, Ordering::SeqCst);
         })
         .map_err(|e| WorkerError::Startup(format!("starting the engine thread: {e}")))?;
     started_rx.recv().map_err(|_| WorkerError::Startup("the engine thread exited while loading".into()))??;

@@ -96,6 +96,10 @@ impl From<tonic::Status> for ApiError {
             Code::NotFound => ApiError::NotFound(msg),
             Code::ResourceExhausted => ApiError::Busy(msg),
             Code::DeadlineExceeded => ApiError::Timeout(msg),
+            // tonic reports the router's own call deadline as a cancellation.
+            Code::Cancelled if msg.contains("Timeout expired") => {
+                ApiError::Timeout("the worker did not answer within the deadline".into())
+            }
             Code::AlreadyExists | Code::Aborted => ApiError::Conflict(msg),
             Code::Unavailable => ApiError::Unavailable(format!("worker unavailable: {msg}")),
             Code::Unauthenticated | Code::PermissionDenied => ApiError::Unauthorized(msg),

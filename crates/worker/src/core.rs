@@ -335,6 +335,7 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
                 let _ = reply.send(units);
             }
             Command::Forget { user, unit, reply } => {
+                let whole_user = unit.is_none();
                 let r = match &unit {
                     None => self.memory.forget_user(&user),
                     Some(id) => self.memory.forget_fact(&user, id),
@@ -347,6 +348,15 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
                 });
                 if r.is_ok() {
                     self.drop_unstarted(&user, sched);
+                    if whole_user {
+                        // An ingest still encoding would bring the user back after the delete.
+                        let (gone, keep): (VecDeque<IngestJob>, VecDeque<IngestJob>) =
+                            std::mem::take(&mut self.ingests).into_iter().partition(|j| j.user == user);
+                        self.ingests = keep;
+                        for j in gone {
+                            let _ = j.reply.send(Err(WorkerError::Forgotten(user.clone())));
+                        }
+                    }
                 }
                 let _ = reply.send(r);
             }

@@ -24,7 +24,8 @@ pub enum WorkerError {
     #[error("deadline of {0} ms exceeded")]
     Deadline(u64),
 
-    /// The user's memory was forgotten while the request waited.
+    /// The user's memory was forgotten while the request (a chat or an
+    /// ingest) waited.
     #[error("the memory of user {0:?} was forgotten while the request waited")]
     Forgotten(String),
 

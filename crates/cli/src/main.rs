@@ -5,6 +5,7 @@
 
 mod bench;
 mod check;
+mod config;
 mod demo;
 mod eval;
 mod generate;
@@ -19,6 +20,10 @@ use clap::{Parser, Subcommand};
 #[derive(Parser)]
 #[command(name = "inferscale", version, about = "Serving personalized LLMs with exact KV injection of user memory")]
 struct Cli {
+    /// Settings from an environment file (`INFERSCALE_NAME=value` lines);
+    /// flags and the process environment take precedence.
+    #[arg(long, global = true)]
+    config: Option<std::path::PathBuf>,
     #[command(subcommand)]
     command: Command,
 }
@@ -56,6 +61,14 @@ enum Command {
 }
 
 fn main() {
+    // Before parsing: the file's settings become the flags' environment defaults.
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(path) = config::find(&args)
+        && let Err(e) = config::apply(std::path::Path::new(&path))
+    {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Generate(a) => generate::run(a),

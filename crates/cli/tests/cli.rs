@@ -59,3 +59,25 @@ fn bad_inputs_are_clear_errors() {
     assert!(!o.status.success());
     assert!(stderr(&o).contains("top_p"), "{}", stderr(&o));
 }
+
+#[test]
+fn config_files_feed_the_serving_flags_and_bad_ones_name_the_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("router.env");
+    // Without keys a router must stay on loopback: the refusal proves the
+    // file's listen address (and its required worker list) were read.
+    std::fs::write(&cfg, "# router\nINFERSCALE_WORKERS=127.0.0.1:1\nINFERSCALE_LISTEN=0.0.0.0:0\n").unwrap();
+    let o = inferscale(&["router", "--config", cfg.to_str().unwrap()]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("loopback only"), "{}", stderr(&o));
+    // A flag wins over the file.
+    let o = Command::new(env!("CARGO_BIN_EXE_inferscale"))
+        .args(["router", "--config", cfg.to_str().unwrap(), "--listen", "127.0.0.1:0", "--load-factor", "0.5"])
+        .output()
+        .unwrap();
+    assert!(stderr(&o).contains("--load-factor"), "{}", stderr(&o));
+    std::fs::write(&cfg, "INFERSCALE_WORKERS=127.0.0.1:1\nlisten 0.0.0.0\n").unwrap();
+    let o = inferscale(&["router", "--config", cfg.to_str().unwrap()]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("router.env:2"), "{}", stderr(&o));
+}

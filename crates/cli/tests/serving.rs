@@ -407,7 +407,9 @@ fn router_and_two_workers_serve_twenty_users() {
     let free = metric(&idle, "inferscale_worker_kv_blocks_free", &home).unwrap();
     let cancelled = metric(&idle, "inferscale_worker_requests_cancelled", &home).unwrap();
     let mut body = chat(Some(user), "Write a very long story about a cat, a dog and a lighthouse.", json!({"k": 4}));
+    // Past end-of-sequence too, so it is surely still running when dropped.
     body["max_tokens"] = json!(2000);
+    body["ignore_eos"] = json!(true);
     body["stream"] = json!(true);
     let body = body.to_string();
     let mut s = TcpStream::connect(&a).unwrap();

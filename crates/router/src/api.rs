@@ -203,7 +203,7 @@ fn validate(s: &AppState, tenant: &str, r: ChatRequest) -> Result<Chat> {
             seed: r.seed.unwrap_or(0),
             max_tokens,
             stop,
-            ignore_eos: false,
+            ignore_eos: r.ignore_eos.unwrap_or(false),
         }),
         deadline_ms: s.defaults.deadline.as_millis().min(u128::from(u32::MAX)) as u32,
     };

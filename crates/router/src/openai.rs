@@ -42,6 +42,9 @@ pub struct ChatRequest {
     pub seed: Option<u64>,
     pub stop: Option<Stop>,
     pub n: Option<u32>,
+    /// Keep generating past end-of-sequence tokens (as vLLM's extension;
+    /// benchmarks and tests that need exactly `max_tokens`).
+    pub ignore_eos: Option<bool>,
     pub memory: Option<MemoryOptions>,
 }
 

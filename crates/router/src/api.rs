@@ -113,6 +113,15 @@ fn request_id() -> String {
     format!("chatcmpl-{nanos:x}-{}", NEXT.fetch_add(1, Ordering::Relaxed))
 }
 
+/// A seed for a request that gave none: sampled requests differ from one
+/// another (as OpenAI's do) unless the client pins `seed`.
+fn fresh_seed() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    inferscale_cluster::ring::hash64(&[nanos.to_le_bytes(), n.to_le_bytes()].concat())
+}
+
 fn now_secs() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
@@ -200,7 +209,7 @@ fn validate(s: &AppState, tenant: &str, r: ChatRequest) -> Result<Chat> {
             temperature,
             top_p,
             top_k: 0,
-            seed: r.seed.unwrap_or(0),
+            seed: r.seed.unwrap_or_else(fresh_seed),
             max_tokens,
             stop,
             ignore_eos: r.ignore_eos.unwrap_or(false),

@@ -104,12 +104,24 @@ impl Ring {
     where
         F: Fn(&str) -> usize,
     {
-        if self.workers.is_empty() {
+        self.assign_among(user, |_| true, load, factor)
+    }
+
+    /// [`Ring::assign`] over the `eligible` workers only (healthy, not yet
+    /// tried): the same answer as a ring of just those workers, since each
+    /// worker's points do not depend on the others — without building one.
+    pub fn assign_among<E, F>(&self, user: &str, eligible: E, load: F, factor: f64) -> Option<&str>
+    where
+        E: Fn(&str) -> bool,
+        F: Fn(&str) -> usize,
+    {
+        let members: Vec<&str> = self.workers.iter().map(String::as_str).filter(|w| eligible(w)).collect();
+        if members.is_empty() {
             return None;
         }
-        let total: usize = self.workers.iter().map(|w| load(w)).sum();
-        let cap = (factor.max(1.0) * (total + 1) as f64 / self.workers.len() as f64).ceil() as usize;
-        self.successors(user).find(|w| load(w) < cap)
+        let total: usize = members.iter().map(|w| load(w)).sum();
+        let cap = (factor.max(1.0) * (total + 1) as f64 / members.len() as f64).ceil() as usize;
+        self.successors(user).find(|w| eligible(w) && load(w) < cap)
     }
 }
 
@@ -220,6 +232,17 @@ mod tests {
         for u in &hot[..10] {
             assert_eq!(ring.assign(u, |_| 0, 1.25), Some("w1"));
         }
+    }
+
+    #[test]
+    fn assigning_among_a_subset_equals_a_ring_of_that_subset() {
+        let all = Ring::new(["w1", "w2", "w3", "w4"], DEFAULT_VNODES);
+        let sub = Ring::new(["w1", "w3", "w4"], DEFAULT_VNODES);
+        let load = |w: &str| if w == "w3" { 5 } else { 1 };
+        for u in users(500) {
+            assert_eq!(all.assign_among(&u, |w| w != "w2", load, 1.25), sub.assign(&u, load, 1.25), "{u}");
+        }
+        assert_eq!(all.assign_among("u", |_| false, load, 1.25), None);
     }
 
     #[test]

@@ -126,12 +126,11 @@ impl Workers {
     /// healthy workers, starting at `user`'s place on the ring; `skip`
     /// excludes workers already tried.
     pub fn any(&self, user: &str, skip: &[String]) -> Result<InFlight> {
-        let healthy: Vec<&str> =
-            self.all.iter().filter(|w| w.is_healthy() && !skip.contains(&w.name)).map(|w| w.name.as_str()).collect();
-        let ring = Ring::new(healthy, inferscale_cluster::ring::DEFAULT_VNODES);
+        let eligible = |name: &str| self.by_name(name).is_some_and(|w| w.is_healthy() && !skip.contains(&w.name));
         let load = |name: &str| self.by_name(name).map_or(0, |w| w.in_flight());
-        let name = ring
-            .assign(user, load, self.load_factor)
+        let name = self
+            .ring
+            .assign_among(user, eligible, load, self.load_factor)
             .ok_or_else(|| ApiError::Unavailable("no healthy worker".into()))?;
         let w = self.by_name(name).ok_or_else(|| ApiError::Internal(format!("unknown worker {name}")))?;
         Ok(Self::take(w))

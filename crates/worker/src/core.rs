@@ -62,6 +62,8 @@ pub struct GenerateJob {
     pub question: String,
     pub mode: Mode,
     pub k: usize,
+    /// The context window the caller expects its memory encoded with.
+    pub window: Option<usize>,
     pub params: SamplingParams,
     pub deadline: Option<Duration>,
     pub arrived: Instant,
@@ -380,7 +382,7 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
         let ours = self.memory.spec().window;
         match window {
             Some(w) if w != ours => Err(WorkerError::Invalid(format!(
-                "window {w}: this worker encodes memory with a context window of {ours} turns"
+                "window {w}: this worker's memory is encoded with a context window of {ours} turns"
             ))),
             _ => Ok(()),
         }
@@ -388,6 +390,7 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
 
     /// Retrieves, sizes and queues a request.
     fn admit(&mut self, job: GenerateJob, events: mpsc::UnboundedSender<Event>, sched: &mut Scheduler) -> Result<()> {
+        self.check_window(job.window)?;
         job.params.validate()?;
         if job.params.max_tokens == 0 {
             return Err(WorkerError::Invalid("max_tokens must be at least 1".into()));

@@ -194,21 +194,11 @@ impl pb::worker_server::Worker for WorkerService {
             question,
             mode: mode(r.mode)?,
             k: r.k as usize,
+            window: r.window.map(|w| w as usize),
             params: sampling(r.sampling),
             deadline: (r.deadline_ms > 0).then(|| Duration::from_millis(r.deadline_ms.into())),
             arrived,
         };
-        if let Some(w) = r.window {
-            // Windows are per worker: the KV was encoded with one.
-            let (reply, rx) = oneshot::channel();
-            self.send(Command::Stats { reply })?;
-            let ours = rx.await.map_err(|_| Status::from(WorkerError::Shutdown))?.window;
-            if w as usize != ours {
-                return Err(Status::invalid_argument(format!(
-                    "window {w}: this worker's memory is encoded with a context window of {ours} turns"
-                )));
-            }
-        }
         let (events, rx) = mpsc::unbounded_channel();
         self.send(Command::Generate { job, events })?;
         let stream = UnboundedReceiverStream::new(rx).map(to_event);

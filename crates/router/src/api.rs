@@ -106,16 +106,9 @@ fn grpc<T>(msg: T, deadline: Duration) -> tonic::Request<T> {
     r
 }
 
-/// A response id unique within this process and across restarts.
-fn request_id() -> String {
-    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
-    format!("chatcmpl-{nanos:x}-{}", NEXT.fetch_add(1, Ordering::Relaxed))
-}
-
-/// A seed for a request that gave none: sampled requests differ from one
-/// another (as OpenAI's do) unless the client pins `seed`.
-fn fresh_seed() -> u64 {
+/// A value unique within this process and, through the clock, across
+/// restarts: response ids and the seeds of unseeded requests.
+fn unique() -> u64 {
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
     let n = NEXT.fetch_add(1, Ordering::Relaxed);
@@ -209,7 +202,8 @@ fn validate(s: &AppState, tenant: &str, r: ChatRequest) -> Result<Chat> {
             temperature,
             top_p,
             top_k: 0,
-            seed: r.seed.unwrap_or_else(fresh_seed),
+            // Unseeded requests differ from one another, as OpenAI's do.
+            seed: r.seed.unwrap_or_else(unique),
             max_tokens,
             stop,
             ignore_eos: r.ignore_eos.unwrap_or(false),
@@ -304,10 +298,22 @@ async fn chat(
     let tenant = tenant(&s, &headers)?;
     let chat = validate(&s, &tenant, openai::parse(&body(b, s.defaults.body_limit)?)?)?;
     let (guard, stream, first) = start(&s, &chat).await.map_err(|e| e.unscope(&tenant))?;
-    let id = request_id();
+    let id = format!("chatcmpl-{:016x}", unique());
     let worker = guard.worker().name.clone();
     let mut resp = if chat.stream {
-        sse(s.clone(), chat, id, guard, stream, first, clock).into_response()
+        let st = SseState {
+            s: s.clone(),
+            chat,
+            id,
+            created: now_secs(),
+            _guard: guard,
+            stream,
+            pending: first,
+            clock,
+            sent_role: false,
+            done: false,
+        };
+        sse(st).into_response()
     } else {
         let r = complete(&s, chat, id, stream, first, clock).await;
         drop(guard);
@@ -378,27 +384,7 @@ fn chunk(st: &SseState, delta: serde_json::Value, finish: Option<&str>) -> SseEv
 
 /// Streams OpenAI chunks; dropping this stream (the client went away)
 /// drops the worker call, which cancels the request and frees its blocks.
-fn sse(
-    s: Shared,
-    chat: Chat,
-    id: String,
-    guard: InFlight,
-    stream: tonic::Streaming<pb::GenerateEvent>,
-    first: Option<pb::GenerateEvent>,
-    clock: Clock,
-) -> Sse<impl Stream<Item = std::result::Result<SseEvent, Infallible>>> {
-    let st = SseState {
-        s,
-        chat,
-        id,
-        created: now_secs(),
-        _guard: guard,
-        stream,
-        pending: first,
-        clock,
-        sent_role: false,
-        done: false,
-    };
+fn sse(st: SseState) -> Sse<impl Stream<Item = std::result::Result<SseEvent, Infallible>>> {
     let events = futures_util::stream::unfold(st, |mut st| async move {
         use pb::generate_event::Event as E;
         if st.done {

@@ -145,7 +145,6 @@ struct Live {
     rng: Rng,
     generated: Vec<u32>,
     text: TextStream,
-    stop_text: bool,
     finish: Option<FinishReason>,
     timings: Timings,
     admitted: Option<Instant>,
@@ -450,7 +449,6 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
             id,
             Live {
                 rng: Rng::new(job.params.seed),
-                stop_text: !job.params.stop.is_empty(),
                 job,
                 events,
                 fact_ids: facts.iter().map(|&i| all[i].id.clone()).collect(),
@@ -656,8 +654,7 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
         l.generated.push(tok);
         let Some(seq) = l.seq.as_mut() else { return Ok(()) };
         seq.push(tok);
-        let stop: &[String] = if l.stop_text { &l.job.params.stop } else { &[] };
-        match l.text.push(tokenizer, &l.generated, stop)? {
+        match l.text.push(tokenizer, &l.generated, &l.job.params.stop)? {
             Delta::Text(text) => {
                 let _ = l.events.send(Event::Token { id: tok, text });
             }

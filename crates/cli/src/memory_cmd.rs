@@ -8,7 +8,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use inferscale_engine::bert::Bert;
 use inferscale_engine::sampling::SamplingParams;
-use inferscale_engine::{CpuBackend, generate_sequences};
+use inferscale_engine::{Backend, CpuBackend, generate_sequences};
 use inferscale_memory::{Composer, Encoders, Memory, Mode, SYSTEM_PROMPT, ShardSpec, fingerprint, locomo, prepare};
 use inferscale_model::fetch;
 
@@ -16,18 +16,18 @@ use crate::runtime::{Loaded, ModelArgs, load};
 
 #[derive(Args, Debug, Clone)]
 pub struct MemoryArgs {
-    /// Memory directory.
-    #[arg(long)]
-    memory: Option<PathBuf>,
+    /// Memory directory (default `$INFERSCALE_HOME/memory`).
+    #[arg(long, env = "INFERSCALE_MEMORY")]
+    pub(crate) memory: Option<PathBuf>,
     /// Context window: turns encoded before each fact (0 = isolated). A
     /// memory directory's KV is made for one window; another is refused.
-    #[arg(long, default_value_t = 20)]
-    window: usize,
-    /// Sentence-embedding model (name or directory).
+    #[arg(long, env = "INFERSCALE_WINDOW", default_value_t = 20)]
+    pub(crate) window: usize,
+    /// Sentence-embedding model (name or directory; `random` for speed work).
     #[arg(long, default_value = fetch::DEFAULT_EMBEDDER)]
-    embedder: String,
+    pub(crate) embedder: String,
     #[command(flatten)]
-    model: ModelArgs,
+    pub(crate) model: ModelArgs,
 }
 
 #[derive(Args, Debug)]
@@ -70,6 +70,13 @@ pub struct AskArgs {
     mem: MemoryArgs,
 }
 
+impl MemoryArgs {
+    /// The memory directory: `--memory`, else `$INFERSCALE_HOME/memory`.
+    pub(crate) fn dir(&self) -> PathBuf {
+        self.memory.clone().unwrap_or_else(|| fetch::home_dir().join("memory"))
+    }
+}
+
 /// Everything a memory command needs, loaded once.
 struct Session {
     loaded: Loaded,
@@ -79,13 +86,23 @@ struct Session {
 
 fn open(a: &MemoryArgs) -> Result<Session> {
     let loaded = load(&a.model)?;
-    let embedder = Bert::load(&CpuBackend, inferscale_model::encoder::open(&a.embedder)?)?;
-    let dir = a.memory.clone().unwrap_or_else(|| fetch::home_dir().join("memory"));
+    let (embedder, memory) = open_memory(a, &loaded)?;
+    Ok(Session { loaded, embedder, memory })
+}
+
+/// The embedder (on the engine's backend) and the memory directory `a`
+/// names, for a loaded model; warnings about dropped data go to stderr.
+pub(crate) fn open_memory<B: Backend>(a: &MemoryArgs, loaded: &Loaded<B>) -> Result<(Bert<B>, Memory<B>)> {
+    let files = inferscale_model::encoder::open(&a.embedder)
+        .with_context(|| format!("loading the embedder {:?}", a.embedder))?;
+    let embedder =
+        Bert::load(loaded.engine.backend(), files).with_context(|| format!("loading the embedder {:?}", a.embedder))?;
+    let dir = a.dir();
     let spec = ShardSpec { window: a.window, fingerprint: fingerprint(&loaded.files)? };
     let (memory, warnings) =
         Memory::open(&dir, spec, &loaded.engine).with_context(|| format!("opening memory {}", dir.display()))?;
     warnings.iter().for_each(|w| eprintln!("inferscale: warning: {w}"));
-    Ok(Session { loaded, embedder, memory })
+    Ok((embedder, memory))
 }
 
 pub fn ingest(a: IngestArgs) -> Result<()> {

@@ -9,26 +9,17 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use inferscale_engine::Backend;
-use inferscale_engine::bert::Bert;
-use inferscale_memory::{Memory, ShardSpec, fingerprint};
-use inferscale_model::fetch;
 use inferscale_router::{Defaults, Keys, RouterConfig};
 use inferscale_worker::{WorkerConfig, WorkerError, WorkerInfo, WorkerParts, WorkerService};
 use tokio::net::TcpListener;
 
-use crate::runtime::{ModelArgs, load_on};
+use crate::memory_cmd::{MemoryArgs, open_memory};
+use crate::runtime::load_on;
 
 #[derive(Args, Debug, Clone)]
 pub struct WorkerArgs {
-    /// Memory directory (default `$INFERSCALE_HOME/memory`).
-    #[arg(long, env = "INFERSCALE_MEMORY")]
-    pub(crate) memory: Option<PathBuf>,
-    /// Context window: turns encoded before each memory unit.
-    #[arg(long, env = "INFERSCALE_WINDOW", default_value_t = 20)]
-    pub(crate) window: usize,
-    /// Sentence-embedding model (name or directory).
-    #[arg(long, default_value = fetch::DEFAULT_EMBEDDER)]
-    pub(crate) embedder: String,
+    #[command(flatten)]
+    pub(crate) mem: MemoryArgs,
     /// Requests running at once.
     #[arg(long, env = "INFERSCALE_MAX_RUNNING", default_value_t = 64)]
     pub(crate) max_running: usize,
@@ -38,8 +29,6 @@ pub struct WorkerArgs {
     /// Largest `k` a request may ask for.
     #[arg(long, default_value_t = 200)]
     pub(crate) max_k: u32,
-    #[command(flatten)]
-    pub(crate) model: ModelArgs,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -102,18 +91,11 @@ pub struct RouterCmd {
 /// Loads the engine, embedder and memory on the engine thread.
 fn parts<B: Backend>(a: &WorkerArgs, backend: B) -> std::result::Result<WorkerParts<B>, WorkerError> {
     let fail = |e: anyhow::Error| WorkerError::Startup(format!("{e:#}"));
-    let loaded = load_on(&a.model, backend).map_err(fail)?;
+    let loaded = load_on(&a.mem.model, backend).map_err(fail)?;
     let eos = loaded.eos_ids();
-    let embedder_fail =
-        |e: &dyn std::fmt::Display| WorkerError::Startup(format!("loading the embedder {:?}: {e}", a.embedder));
-    let files = inferscale_model::encoder::open(&a.embedder).map_err(|e| embedder_fail(&e))?;
-    let embedder = Bert::load(loaded.engine.backend(), files).map_err(|e| embedder_fail(&e))?;
-    let dir = a.memory.clone().unwrap_or_else(|| fetch::home_dir().join("memory"));
-    let spec = ShardSpec { window: a.window, fingerprint: fingerprint(&loaded.files)? };
-    let (memory, warnings) = Memory::open(&dir, spec, &loaded.engine)
-        .map_err(|e| WorkerError::Startup(format!("opening memory {}: {e}", dir.display())))?;
-    warnings.iter().for_each(|w| eprintln!("inferscale worker: warning: {w}"));
-    eprintln!("inferscale worker: memory {} ({} users, window {})", dir.display(), memory.users().count(), a.window);
+    let (embedder, memory) = open_memory(&a.mem, &loaded).map_err(fail)?;
+    let (dir, users) = (a.mem.dir(), memory.users().count());
+    eprintln!("inferscale worker: memory {} ({users} users, window {})", dir.display(), a.mem.window);
     Ok(WorkerParts { files: loaded.files, engine: loaded.engine, embedder, memory, eos })
 }
 
@@ -131,8 +113,8 @@ where
         ..Default::default()
     };
     let info = WorkerInfo {
-        model: a.model.shape.clone().unwrap_or_else(|| model_name(&a.model.model)),
-        backend: a.model.backend.clone(),
+        model: a.mem.model.shape.clone().unwrap_or_else(|| model_name(&a.mem.model.model)),
+        backend: a.mem.model.backend.clone(),
     };
     let args = a.clone();
     let load = move || {
@@ -153,11 +135,11 @@ pub(crate) fn start_worker(a: &WorkerArgs) -> Result<(WorkerService, std::thread
     if a.max_running == 0 || a.max_queue == 0 || a.max_k == 0 {
         bail!("--max-running, --max-queue and --max-k must be at least 1");
     }
-    match a.model.backend.as_str() {
+    match a.mem.model.backend.as_str() {
         "cpu" => start(a, || Ok(inferscale_engine::CpuBackend)),
         #[cfg(feature = "cuda")]
         "cuda" => {
-            let device = a.model.device;
+            let device = a.mem.model.device;
             start(a, move || crate::runtime::cuda_backend(device))
         }
         other => bail!("backend `{other}` is not built into this binary"),

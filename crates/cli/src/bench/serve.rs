@@ -244,12 +244,12 @@ pub fn run(mut a: ServeBenchArgs) -> Result<()> {
         bail!("--duration-s must be positive and --warmup-s not negative");
     }
     let mut tmp = None;
-    if a.worker.memory.is_none() {
+    if a.worker.mem.memory.is_none() {
         let dir = tempfile_dir()?;
-        a.worker.memory = Some(dir.clone());
+        a.worker.mem.memory = Some(dir.clone());
         tmp = Some(dir);
     }
-    let byte_level = a.worker.model.shape.is_some();
+    let byte_level = a.worker.mem.model.shape.is_some();
     let (service, engine) = start_worker(&a.worker)?;
     let rt = runtime()?;
     let report = rt.block_on(async {
@@ -298,7 +298,7 @@ pub fn run(mut a: ServeBenchArgs) -> Result<()> {
     // and drops its backend (which prints INFERSCALE_CUDA_PROFILE's table).
     drop(rt);
     let _ = engine.join();
-    let model = a.worker.model.shape.clone().unwrap_or_else(|| a.worker.model.model.clone());
+    let model = a.worker.mem.model.shape.clone().unwrap_or_else(|| a.worker.mem.model.model.clone());
     println!(
         "{:>6} {:>6} {:>9} {:>10} {:>10} {:>10} {:>11} {:>11} {:>8} {:>7}",
         "mode", "users", "req/s", "tok/s", "TTFT p50", "TTFT p99", "latency p50", "latency p99", "prompt", "errors"
@@ -320,7 +320,7 @@ pub fn run(mut a: ServeBenchArgs) -> Result<()> {
     }
     if let Some(path) = &a.json {
         let r = Report {
-            backend: a.worker.model.backend.clone(),
+            backend: a.worker.mem.model.backend.clone(),
             model,
             k: a.k,
             max_tokens: a.max_tokens,

@@ -25,6 +25,19 @@ pub struct Fact {
     pub embedding: Vec<f32>,
 }
 
+impl Fact {
+    /// The memory unit this fact stores (what a caller ingested).
+    pub fn unit(&self) -> crate::shard::Turn {
+        crate::shard::Turn {
+            id: self.id.clone(),
+            speaker: self.speaker.clone(),
+            text: self.text.clone(),
+            time: self.time.clone(),
+            source_turn: self.source_turn.clone(),
+        }
+    }
+}
+
 /// One entry of a user's fact log.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Record {

@@ -17,7 +17,7 @@ use inferscale_engine::bert::Bert;
 use inferscale_engine::kv_cache::BLOCK_SIZE;
 use inferscale_engine::sampling::{Rng, SamplingParams, sample};
 use inferscale_engine::{Backend, Engine, FinishReason, NextToken, Sequence};
-use inferscale_memory::{Composer, Encoders, IngestReport, Memory, Mode, SYSTEM_PROMPT, Turn, prepare};
+use inferscale_memory::{Composer, Encoders, Fact, IngestReport, Memory, Mode, SYSTEM_PROMPT, Turn, prepare};
 use inferscale_model::ModelFiles;
 use tokio::sync::{mpsc, oneshot};
 
@@ -320,19 +320,9 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
                 }
             }
             Command::List { user, reply } => {
-                let units = self.memory.facts(&user).map_err(WorkerError::from).map(|facts| {
-                    let units = facts
-                        .iter()
-                        .map(|f| Turn {
-                            id: f.id.clone(),
-                            speaker: f.speaker.clone(),
-                            text: f.text.clone(),
-                            time: f.time.clone(),
-                            source_turn: f.source_turn.clone(),
-                        })
-                        .collect();
-                    (units, self.memory.spec().window)
-                });
+                let window = self.memory.spec().window;
+                let units = self.memory.facts(&user).map_err(WorkerError::from);
+                let units = units.map(|facts| (facts.iter().map(Fact::unit).collect(), window));
                 let _ = reply.send(units);
             }
             Command::Forget { user, unit, reply } => {

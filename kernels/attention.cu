@@ -2,22 +2,6 @@
 // split over keys when there are few query rows) on the tensor cores, its
 // split combine, and the bidirectional attention of encoders.
 
-#define NEG_INF __int_as_float(0xff800000)
-
-__device__ float block_max(float v, float* scratch) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_max(v);
-    __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    int warps = (blockDim.x + 31) >> 5;
-    v = (int)threadIdx.x < warps ? scratch[threadIdx.x] : NEG_INF;
-    if (warp == 0) v = warp_max(v);
-    if (threadIdx.x == 0) scratch[0] = v;
-    __syncthreads();
-    return scratch[0];
-}
-
 // Rows of a span attend to every row of the span. `row_span[2r..2r+2]` =
 // (first row, rows) of row r's span. Grid (rows, heads); dynamic shared
 // memory holds one score per key. Encoders are small: plain CUDA cores.

@@ -32,20 +32,26 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// Sum over a block of up to 1024 threads; `scratch` holds 32 floats.
-__device__ float block_sum(float v, float* scratch) {
+#define NEG_INF __int_as_float(0xff800000)
+
+// Sum (or maximum) over a block of up to 1024 threads; `scratch` holds 32 floats.
+template <bool MAX>
+__device__ float block_reduce(float v, float* scratch) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_sum(v);
+    v = MAX ? warp_max(v) : warp_sum(v);
     __syncthreads();
     if (lane == 0) scratch[warp] = v;
     __syncthreads();
     int warps = (blockDim.x + 31) >> 5;
-    v = (int)threadIdx.x < warps ? scratch[threadIdx.x] : 0.0f;
-    if (warp == 0) v = warp_sum(v);
+    v = (int)threadIdx.x < warps ? scratch[threadIdx.x] : (MAX ? NEG_INF : 0.0f);
+    if (warp == 0) v = MAX ? warp_max(v) : warp_sum(v);
     if (threadIdx.x == 0) scratch[0] = v;
     __syncthreads();
     return scratch[0];
 }
+
+__device__ float block_sum(float v, float* scratch) { return block_reduce<false>(v, scratch); }
+__device__ float block_max(float v, float* scratch) { return block_reduce<true>(v, scratch); }
 
 // D += A·B on the tensor cores, one m16n8k16 tile: A 16×16 bf16 (row-major
 // fragment a0..a3), B 16×8 bf16 (column fragment b0, b1), D 16×8 f32.

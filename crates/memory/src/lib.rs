@@ -10,6 +10,7 @@ pub mod locomo;
 pub mod log;
 pub mod score;
 pub mod shard;
+pub mod transfer;
 
 pub use answer::{Mode, Prepared, prepare};
 pub use compose::{Composer, SYSTEM_PROMPT};
@@ -17,3 +18,4 @@ pub use error::{MemoryError, Result};
 pub use fact::Fact;
 pub use kvseg::KvHeader;
 pub use shard::{Encoders, IngestReport, Memory, ShardSpec, Turn, fingerprint};
+pub use transfer::{ImportReport, ShardRecord, StagedShard, Staging};

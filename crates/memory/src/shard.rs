@@ -59,9 +59,9 @@ pub struct Encoders<'e, 'c, B: Backend> {
     pub composer: &'e Composer<'c>,
 }
 
-struct UserShard<B: Backend> {
+pub(crate) struct UserShard<B: Backend> {
     dir: PathBuf,
-    facts: Vec<Fact>,
+    pub(crate) facts: Vec<Fact>,
     by_id: HashMap<String, usize>,
     kv: Vec<Option<KvChunk<B>>>,
     log: RecordLog,
@@ -77,18 +77,18 @@ pub struct IngestReport {
 }
 
 pub struct Memory<B: Backend> {
-    dir: PathBuf,
+    pub(crate) dir: PathBuf,
     spec: ShardSpec,
     /// What this shard's KV segments must have been made with.
-    header: KvHeader,
-    users: BTreeMap<String, UserShard<B>>,
+    pub(crate) header: KvHeader,
+    pub(crate) users: BTreeMap<String, UserShard<B>>,
     encode_batch: usize,
     /// Exclusive lock on `dir/LOCK`, held while this value lives: a second
     /// writer would interleave appends and rewrites with ours.
     _lock: std::fs::File,
 }
 
-fn user_dir_name(user: &str) -> String {
+pub(crate) fn user_dir_name(user: &str) -> String {
     user.bytes().map(|b| format!("{b:02x}")).collect()
 }
 
@@ -145,8 +145,8 @@ impl<B: Backend> Memory<B> {
             Err(std::fs::TryLockError::WouldBlock) => return Err(MemoryError::Locked { path: dir.to_path_buf() }),
             Err(std::fs::TryLockError::Error(e)) => return Err(io(&lock_path)(e)),
         }
+        let mut warnings = crate::transfer::recover(dir)?;
         let mut users = BTreeMap::new();
-        let mut warnings = Vec::new();
         let entries = std::fs::read_dir(&users_dir).map_err(io(&users_dir))?;
         for entry in entries {
             let entry = entry.map_err(io(&users_dir))?;
@@ -324,7 +324,7 @@ impl<B: Backend> Memory<B> {
 }
 
 impl<B: Backend> UserShard<B> {
-    fn open(dir: &Path, be: &B, header: &KvHeader, warnings: &mut Vec<String>) -> Result<Self> {
+    pub(crate) fn open(dir: &Path, be: &B, header: &KvHeader, warnings: &mut Vec<String>) -> Result<Self> {
         std::fs::create_dir_all(dir).map_err(io(dir))?;
         let (log, rec) = RecordLog::open(&dir.join("facts.log"))?;
         if let Some(r) = &rec.reason {

@@ -307,3 +307,97 @@ fn facts_files_are_read_with_errors_naming_line_and_field() {
         assert!(err.contains(needle), "{err:?} lacks {needle:?}");
     }
 }
+
+fn kv_of(m: &Memory<CpuBackend>, e: &Engine<CpuBackend>, user: &str, id: &str) -> Option<Vec<f32>> {
+    let i = m.facts(user).unwrap().iter().position(|f| f.id == id)?;
+    let (k, v) = m.kv(user, i).unwrap()?.to_host(e.backend()).unwrap();
+    Some(k.iter().chain(&v).flat_map(|t| t.data.iter().copied()).collect())
+}
+
+#[test]
+fn a_shard_moves_between_memories_with_its_kv_and_keeps_units_sent_meanwhile() {
+    use inferscale_memory::{ShardRecord, Staging};
+    let m = models();
+    let mut e = engine(&m);
+    let composer = Composer::new(&m.files, SYSTEM_PROMPT).unwrap();
+    let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (mut a, _) = open(da.path(), &e, 2);
+    let (mut b, _) = open(db.path(), &e, 2);
+    let mut enc = Encoders { engine: &mut e, embedder: &m.embedder, composer: &composer };
+    a.ingest("u", &turns("t", 5), &mut enc).unwrap();
+    // A unit that reached the destination while the copy ran.
+    let late = turns("late", 1);
+    b.ingest("u", &late, &mut enc).unwrap();
+
+    // Export one record per batch, as a slow link would.
+    let ids = a.fact_ids("u");
+    let mut staging = Staging::create(b.dir(), "u", b.kv_header(), a.kv_header()).unwrap();
+    let mut at = 0;
+    while at < ids.len() {
+        let (records, used) = a.export(e.backend(), "u", &ids[at..], true, 1).unwrap();
+        assert_eq!((records.len(), used), (1, 1));
+        staging.append(&records).unwrap();
+        at += used;
+    }
+    let staged = staging.finish().unwrap();
+    let report = b.commit_import(e.backend(), "u", staged).unwrap();
+    assert_eq!((report.facts, report.with_kv, report.kept), (6, 5, 1));
+    let mut want = ids.clone();
+    want.push("late0".into());
+    assert_eq!(b.fact_ids("u"), want, "the shard's units, then the ones kept");
+    for id in &ids {
+        assert_eq!(kv_of(&b, &e, "u", id), kv_of(&a, &e, "u", id), "{id}: KV moved bit for bit");
+    }
+    assert!(kv_of(&b, &e, "u", "late0").is_none(), "a kept unit's context changed: its KV is re-encoded");
+    let mut enc = Encoders { engine: &mut e, embedder: &m.embedder, composer: &composer };
+    assert!(b.ensure_kv("u", &mut enc).unwrap() > 0);
+    // The source, given the same unit last, encodes it the same way.
+    a.ingest("u", &late, &mut enc).unwrap();
+    let (x, y) = (kv_of(&a, &e, "u", "late0").unwrap(), kv_of(&b, &e, "u", "late0").unwrap());
+    let diff = x.iter().zip(&y).map(|(p, q)| (p - q).abs()).fold(0f32, f32::max);
+    assert!(diff <= 1e-5, "re-encoded KV differs by {diff}");
+
+    // The import is durable: a restart loads it with its KV.
+    drop(b);
+    let (b, warnings) = open(db.path(), &e, 2);
+    assert!(warnings.is_empty(), "{warnings:?}");
+    assert_eq!(b.fact_ids("u"), want);
+    assert_eq!(kv_of(&b, &e, "u", &ids[0]), kv_of(&a, &e, "u", &ids[0]));
+
+    // KV made with another window is refused before anything is staged.
+    let dc = tempfile::tempdir().unwrap();
+    let (c, _) = open(dc.path(), &e, 3);
+    let err = Staging::create(c.dir(), "u", c.kv_header(), a.kv_header()).err().expect("refused");
+    assert!(matches!(err, MemoryError::KvMismatch { .. }), "{err}");
+    // A record whose KV is another fact's is refused, and the staging is removed.
+    let mut staging = Staging::create(b.dir(), "v", b.kv_header(), a.kv_header()).unwrap();
+    let (mut records, _) = a.export(e.backend(), "u", &ids[..2], true, usize::MAX).unwrap();
+    records[0].kv = std::mem::take(&mut records[1].kv);
+    let bad = ShardRecord { fact: records[0].fact.clone(), kv: records[0].kv.clone() };
+    assert!(staging.append(&[bad]).is_err(), "mismatched KV must be refused");
+    drop(staging);
+    assert_eq!(std::fs::read_dir(db.path().join("staging")).unwrap().count(), 0, "staging cleaned up");
+    assert!(!b.has_user("v"));
+}
+
+#[test]
+fn an_import_interrupted_between_its_renames_is_undone_on_open() {
+    let m = models();
+    let mut e = engine(&m);
+    let composer = Composer::new(&m.files, SYSTEM_PROMPT).unwrap();
+    let d = tempfile::tempdir().unwrap();
+    let (mut a, _) = open(d.path(), &e, 0);
+    let mut enc = Encoders { engine: &mut e, embedder: &m.embedder, composer: &composer };
+    a.ingest("u", &turns("t", 2), &mut enc).unwrap();
+    drop(a);
+    // The state a crash right after the first rename leaves.
+    let users = d.path().join("users");
+    let name = std::fs::read_dir(&users).unwrap().next().unwrap().unwrap().file_name();
+    std::fs::create_dir_all(d.path().join("trash")).unwrap();
+    std::fs::rename(users.join(&name), d.path().join("trash").join(&name)).unwrap();
+    std::fs::create_dir_all(d.path().join("staging/x")).unwrap();
+    let (a, warnings) = open(d.path(), &e, 0);
+    assert_eq!(a.fact_ids("u"), vec!["t0", "t1"]);
+    assert!(warnings.iter().any(|w| w.contains("restored")), "{warnings:?}");
+    assert!(!d.path().join("staging").exists());
+}

@@ -4,118 +4,21 @@
 
 #![allow(clippy::unwrap_used)] // tests fail loudly on unexpected errors
 
-use std::io::{BufRead, BufReader, Read, Write};
+mod common;
+
+use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
+use common::{Proc, http, http_as, json_call, spawn};
 use serde_json::{Value, json};
-
-/// A child process killed on drop; `addr` is what it printed after `marker`.
-struct Proc {
-    child: Child,
-    addr: String,
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Starts `inferscale args…` and waits (up to 3 minutes) for the stderr line
-/// containing `marker`, taking the address that follows it.
-fn spawn(args: &[&str], marker: &str) -> Proc {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_inferscale"))
-        .args(args)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stderr = child.stderr.take().unwrap();
-    let (tx, rx) = mpsc::channel();
-    let marker = marker.to_string();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            eprintln!("[child] {line}");
-            if let Some(at) = line.find(&marker) {
-                let rest = &line[at + marker.len()..];
-                let addr = rest.trim_start_matches("http://").split(['/', ' ']).next().unwrap_or("").to_string();
-                let _ = tx.send(addr);
-            }
-        }
-    });
-    let addr = rx.recv_timeout(Duration::from_secs(180)).unwrap_or_else(|_| panic!("{args:?} did not start"));
-    Proc { child, addr }
-}
 
 fn serve(mem: &Path, extra: &[&str]) -> Proc {
     let mut args = vec!["serve", "--listen", "127.0.0.1:0", "--memory", mem.to_str().unwrap()];
     args.extend_from_slice(extra);
     spawn(&args, "API on ")
-}
-
-/// One HTTP/1.1 exchange: (status, lower-cased headers, body).
-fn http(addr: &str, method: &str, path: &str, body: &[u8]) -> (u16, Vec<(String, String)>, Vec<u8>) {
-    http_as(None, addr, method, path, body)
-}
-
-/// [`http`] with a bearer key.
-fn http_as(
-    key: Option<&str>,
-    addr: &str,
-    method: &str,
-    path: &str,
-    body: &[u8],
-) -> (u16, Vec<(String, String)>, Vec<u8>) {
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
-    let auth = key.map_or(String::new(), |k| format!("Authorization: Bearer {k}\r\n"));
-    let head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    );
-    s.write_all(head.as_bytes()).unwrap();
-    // The server may answer (413) before reading a large body; ignore a reset.
-    let _ = s.write_all(body);
-    let mut raw = Vec::new();
-    let _ = s.read_to_end(&mut raw);
-    parse_response(&raw)
-}
-
-fn parse_response(raw: &[u8]) -> (u16, Vec<(String, String)>, Vec<u8>) {
-    let end = raw.windows(4).position(|w| w == b"\r\n\r\n").unwrap_or_else(|| panic!("no response head: {raw:?}"));
-    let head = String::from_utf8_lossy(&raw[..end]);
-    let mut lines = head.lines();
-    let status: u16 = lines.next().unwrap().split(' ').nth(1).unwrap().parse().unwrap();
-    let headers: Vec<(String, String)> =
-        lines.filter_map(|l| l.split_once(':').map(|(k, v)| (k.trim().to_lowercase(), v.trim().to_string()))).collect();
-    let mut body = raw[end + 4..].to_vec();
-    if headers.iter().any(|(k, v)| k == "transfer-encoding" && v.contains("chunked")) {
-        body = dechunk(&body);
-    }
-    (status, headers, body)
-}
-
-fn dechunk(mut b: &[u8]) -> Vec<u8> {
-    let mut out = Vec::new();
-    while let Some(nl) = b.windows(2).position(|w| w == b"\r\n") {
-        let n = usize::from_str_radix(String::from_utf8_lossy(&b[..nl]).trim(), 16).unwrap_or(0);
-        if n == 0 || b.len() < nl + 2 + n {
-            break;
-        }
-        out.extend_from_slice(&b[nl + 2..nl + 2 + n]);
-        b = &b[nl + 4 + n..];
-    }
-    out
-}
-
-fn json_call(addr: &str, method: &str, path: &str, body: &Value) -> (u16, Value) {
-    let (status, _, b) = http(addr, method, path, body.to_string().as_bytes());
-    (status, serde_json::from_slice(&b).unwrap_or(Value::Null))
 }
 
 /// Asserts a 4xx answer with an OpenAI-style error whose message contains `needle`.

@@ -25,6 +25,10 @@ use crate::error::{Result, WorkerError};
 use crate::scheduler::{RequestId, RequestSpec, Scheduler, SchedulerConfig};
 use crate::text::{Delta, TextStream};
 
+mod moves;
+
+pub use moves::ShardCommand;
+
 /// What the engine thread owns.
 pub struct WorkerParts<B: Backend> {
     pub files: ModelFiles,
@@ -131,6 +135,7 @@ pub enum Command {
     List { user: String, reply: oneshot::Sender<Result<(Vec<Unit>, usize)>> },
     Forget { user: String, unit: Option<String>, reply: oneshot::Sender<Result<()>> },
     Stats { reply: oneshot::Sender<Stats> },
+    Shard(ShardCommand),
 }
 
 /// A request from arrival to its last token.
@@ -247,6 +252,7 @@ pub fn run<B: Backend>(parts: WorkerParts<B>, cfg: WorkerConfig, rx: Receiver<Co
         ingests: VecDeque::new(),
         next_id: 0,
         stats: Stats::default(),
+        moves: moves::Moves::default(),
         profile: Profile { on: std::env::var_os("INFERSCALE_WORKER_PROFILE").is_some(), ..Default::default() },
     };
     loop {
@@ -275,6 +281,7 @@ pub fn run<B: Backend>(parts: WorkerParts<B>, cfg: WorkerConfig, rx: Receiver<Co
         core.profile.report();
         core.reap(&mut sched);
         core.ingest_some();
+        core.settle_freezes();
         core.step(&mut sched);
     }
 }
@@ -292,6 +299,7 @@ struct Core<'c, 'f, B: Backend> {
     ingests: VecDeque<IngestJob>,
     next_id: RequestId,
     stats: Stats,
+    moves: moves::Moves,
     profile: Profile,
 }
 
@@ -305,7 +313,10 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
                 }
             }
             Command::Ingest { user, window, units, reply } => {
-                let check = self.check_window(window).and_then(|()| Ok(Memory::<B>::validate(&user, &units)?));
+                let check = self
+                    .check_window(window)
+                    .and_then(|()| Ok(Memory::<B>::validate(&user, &units)?))
+                    .and_then(|()| self.moves.check_write(&user));
                 match check {
                     Err(e) => {
                         let _ = reply.send(Err(e));
@@ -326,6 +337,10 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
                 let _ = reply.send(units);
             }
             Command::Forget { user, unit, reply } => {
+                if let Err(e) = self.moves.check_write(&user) {
+                    let _ = reply.send(Err(e));
+                    return;
+                }
                 let whole_user = unit.is_none();
                 let r = match &unit {
                     None => self.memory.forget_user(&user),
@@ -338,7 +353,7 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
                     (e, _) => e.into(),
                 });
                 if r.is_ok() {
-                    self.drop_unstarted(&user, sched);
+                    self.drop_unstarted(&user, sched, WorkerError::Forgotten);
                     if whole_user {
                         // An ingest still encoding would bring the user back after the delete.
                         let (gone, keep): (VecDeque<IngestJob>, VecDeque<IngestJob>) =
@@ -351,6 +366,7 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
                 }
                 let _ = reply.send(r);
             }
+            Command::Shard(c) => self.handle_shard(c, sched),
             Command::Stats { reply } => {
                 let m = &self.memory;
                 let mut s = self.stats.clone();
@@ -389,6 +405,9 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
         }
         if job.mode != Mode::None && job.user.is_empty() {
             return Err(WorkerError::Invalid("a user is required when memory is used".into()));
+        }
+        if job.mode != Mode::None {
+            self.moves.check_read(&job.user)?;
         }
         if job.mode != Mode::None && (job.k == 0 || job.k > self.cfg.max_k) {
             return Err(WorkerError::Invalid(format!("k = {} is outside 1..={}", job.k, self.cfg.max_k)));
@@ -481,16 +500,16 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
         }
     }
 
-    /// Fails `user`'s requests that were not laid out yet: the facts they
-    /// retrieved may be gone.
-    fn drop_unstarted(&mut self, user: &str, sched: &mut Scheduler) {
+    /// Fails `user`'s requests that were not laid out yet, with `why`: the
+    /// facts they retrieved may be gone.
+    fn drop_unstarted(&mut self, user: &str, sched: &mut Scheduler, why: fn(String) -> WorkerError) {
         let ids: Vec<RequestId> =
             self.live.iter().filter(|(_, l)| l.job.user == user && l.seq.is_none()).map(|(&id, _)| id).collect();
         for id in ids {
             sched.cancel(id);
             if let Some(l) = self.live.remove(&id) {
                 self.stats.failed += 1;
-                let _ = l.events.send(Event::Failed(WorkerError::Forgotten(user.to_string())));
+                let _ = l.events.send(Event::Failed(why(user.to_string())));
             }
         }
     }

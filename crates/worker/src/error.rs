@@ -29,6 +29,12 @@ pub enum WorkerError {
     #[error("the memory of user {0:?} was forgotten while the request waited")]
     Forgotten(String),
 
+    /// The user's memory is moving between workers: its writes wait for the
+    /// move to end, and once it has moved away its requests belong to its
+    /// new home. Retryable.
+    #[error("the memory of user {0:?} is moving between workers; retry")]
+    Moving(String),
+
     /// The engine thread has stopped (shutdown or a fatal error).
     #[error("the worker is shutting down")]
     Shutdown,
@@ -71,7 +77,7 @@ impl From<WorkerError> for tonic::Status {
             WorkerError::Admit(AdmitError::Duplicate(_)) => Code::AlreadyExists,
             WorkerError::Deadline(_) => Code::DeadlineExceeded,
             WorkerError::Forgotten(_) => Code::Aborted,
-            WorkerError::Shutdown => Code::Unavailable,
+            WorkerError::Shutdown | WorkerError::Moving(_) => Code::Unavailable,
             WorkerError::Memory(_) | WorkerError::Engine(_) | WorkerError::Model(_) | WorkerError::Startup(_) => {
                 Code::Internal
             }

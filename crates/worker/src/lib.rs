@@ -4,13 +4,15 @@
 //! Layers: [`scheduler`] is pure decision logic (request ids and token and
 //! block counts, no tensors, no I/O) so that it can be tested exhaustively;
 //! [`core`] is the engine thread that carries out its steps; [`service`]
-//! turns gRPC calls into commands for that thread.
+//! turns gRPC calls into commands for that thread; [`transfer`] streams
+//! shards between workers for the cluster's rebalancer.
 
 pub mod core;
 pub mod error;
 pub mod scheduler;
 pub mod service;
 pub mod text;
+pub mod transfer;
 
 pub use core::{WorkerConfig, WorkerParts};
 pub use error::{Result, WorkerError};

@@ -14,7 +14,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_stream::{Stream, StreamExt, wrappers::UnboundedReceiverStream};
 use tonic::{Request, Response, Status};
 
-use crate::core::{Command, Event, GenerateJob, WorkerConfig, WorkerParts, run};
+use crate::core::{Command, Event, GenerateJob, ShardCommand, WorkerConfig, WorkerParts, run};
 use crate::error::{Result, WorkerError};
 
 /// Tokens generated when a request does not say.
@@ -81,15 +81,18 @@ where
 impl WorkerService {
     pub fn into_server(self) -> pb::worker_server::WorkerServer<WorkerService> {
         pb::worker_server::WorkerServer::new(self)
-            .max_decoding_message_size(64 << 20)
-            .max_encoding_message_size(64 << 20)
+            .max_decoding_message_size(crate::transfer::MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(crate::transfer::MAX_MESSAGE_BYTES)
     }
 
-    fn send(&self, c: Command) -> std::result::Result<(), Status> {
+    pub(crate) fn send(&self, c: Command) -> std::result::Result<(), Status> {
         self.tx.send(c).map_err(|_| Status::from(WorkerError::Shutdown))
     }
 
-    async fn call<T>(&self, make: impl FnOnce(oneshot::Sender<T>) -> Command) -> std::result::Result<T, Status> {
+    pub(crate) async fn call<T>(
+        &self,
+        make: impl FnOnce(oneshot::Sender<T>) -> Command,
+    ) -> std::result::Result<T, Status> {
         let (reply, rx) = oneshot::channel();
         self.send(make(reply))?;
         rx.await.map_err(|_| Status::from(WorkerError::Shutdown))
@@ -259,19 +262,43 @@ impl pb::worker_server::Worker for WorkerService {
         }))
     }
 
-    type ExportShardStream = Pin<Box<dyn Stream<Item = std::result::Result<pb::ShardChunk, Status>> + Send>>;
+    async fn list_users(
+        &self,
+        _: Request<pb::ListUsersRequest>,
+    ) -> std::result::Result<Response<pb::ListUsersResponse>, Status> {
+        let users = self.call(|reply| Command::Shard(ShardCommand::ListUsers { reply })).await?;
+        Ok(Response::new(pb::ListUsersResponse { users }))
+    }
+
+    type ExportShardStream = crate::transfer::ChunkStream;
 
     async fn export_shard(
         &self,
-        _: Request<pb::ExportShardRequest>,
+        req: Request<pb::ExportShardRequest>,
     ) -> std::result::Result<Response<Self::ExportShardStream>, Status> {
-        Err(Status::unimplemented("shard export is part of cluster rebalancing, which this worker does not run yet"))
+        Ok(Response::new(crate::transfer::export(self.clone(), req.into_inner())))
     }
 
     async fn import_shard(
         &self,
-        _: Request<tonic::Streaming<pb::ShardChunk>>,
+        req: Request<tonic::Streaming<pb::ShardChunk>>,
     ) -> std::result::Result<Response<pb::ImportShardResponse>, Status> {
-        Err(Status::unimplemented("shard import is part of cluster rebalancing, which this worker does not run yet"))
+        Ok(Response::new(crate::transfer::import(self, req.into_inner()).await?))
+    }
+
+    async fn send_shard(
+        &self,
+        req: Request<pb::SendShardRequest>,
+    ) -> std::result::Result<Response<pb::SendShardResponse>, Status> {
+        Ok(Response::new(crate::transfer::send(self, req.into_inner()).await?))
+    }
+
+    async fn release_shard(
+        &self,
+        req: Request<pb::ReleaseShardRequest>,
+    ) -> std::result::Result<Response<pb::ReleaseShardResponse>, Status> {
+        let r = req.into_inner();
+        self.call(|reply| Command::Shard(ShardCommand::Release { user: r.user, drop: r.drop, reply })).await??;
+        Ok(Response::new(pb::ReleaseShardResponse {}))
     }
 }

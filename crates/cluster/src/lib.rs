@@ -14,6 +14,7 @@ pub mod embedded;
 pub mod error;
 pub mod etcd;
 pub mod membership;
+pub mod plan;
 pub mod ring;
 pub mod store;
 pub mod testing;

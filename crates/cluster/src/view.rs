@@ -145,6 +145,33 @@ impl ClusterView {
         (view, errors)
     }
 
+    /// A view of a fixed set of workers, all active (a router given its
+    /// workers on the command line): `(name, gRPC address)` pairs.
+    pub fn fixed(workers: &[(String, String)], vnodes: usize) -> ClusterView {
+        let members = workers
+            .iter()
+            .map(|(name, addr)| {
+                let m = Member { name: name.clone(), addr: addr.clone(), state: MemberState::Active, gpu: None };
+                (name.clone(), Versioned { value: m, mod_revision: 0, lease: 0 })
+            })
+            .collect();
+        let mut view = ClusterView { connected: true, members, vnodes, ..Default::default() };
+        view.rebuild_ring();
+        view
+    }
+
+    /// The ring the cluster is heading for: active and joining members
+    /// (a draining one is on its way out). Users whose home differs between
+    /// this ring and [`ClusterView::ring`] are the ones to move.
+    pub fn target_ring(&self) -> Ring {
+        let names = self
+            .members
+            .values()
+            .filter(|m| matches!(m.value.state, MemberState::Active | MemberState::Joining))
+            .map(|m| m.value.name.clone());
+        Ring::new(names, self.vnodes.max(1))
+    }
+
     /// Applies watched events (in order) and moves to `revision`.
     pub fn apply(&mut self, revision: i64, events: &[Event]) -> Vec<ClusterError> {
         let mut errors = Vec::new();
@@ -214,7 +241,8 @@ impl ClusterView {
         self.members.get(name).map(|m| &m.value)
     }
 
-    fn alive(&self, name: &str) -> bool {
+    /// Whether `name` is registered (its lease lives).
+    pub fn alive(&self, name: &str) -> bool {
         self.members.contains_key(name)
     }
 

@@ -1,15 +1,21 @@
 //! `inferscale serve`, `inferscale worker` and `inferscale router`: the
 //! serving processes. `serve` runs a router and one worker in one process
-//! (the worker's gRPC on an ephemeral loopback port), for one machine.
+//! (the worker's gRPC on an ephemeral loopback port), for one machine, with
+//! the embedded placement store; `worker` and `router` given `--etcd` form
+//! a cluster (docs/cluster.md), or the router takes a fixed `--worker` list.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
+use inferscale_cluster::Placement;
+use inferscale_cluster::membership::Registration;
+use inferscale_cluster::view::{Member, MemberState};
 use inferscale_engine::Backend;
-use inferscale_router::{Defaults, Keys, RouterConfig};
+use inferscale_router::{Defaults, Keys, Membership, RebalanceConfig, RouterConfig};
 use inferscale_worker::{WorkerConfig, WorkerError, WorkerInfo, WorkerParts, WorkerService};
 use tokio::net::TcpListener;
 
@@ -56,6 +62,41 @@ pub struct RouterArgs {
     load_factor: f64,
 }
 
+/// Cluster membership and placement in etcd.
+#[derive(Args, Debug, Clone)]
+pub struct ClusterArgs {
+    /// etcd endpoints (`host:port`, repeat or separate with commas): join
+    /// the cluster whose membership and placement live there.
+    #[arg(long, env = "INFERSCALE_ETCD", value_delimiter = ',')]
+    pub(crate) etcd: Vec<String>,
+    /// Key prefix of this cluster in etcd (several clusters may share one).
+    #[arg(long, env = "INFERSCALE_CLUSTER_ROOT", default_value = "/inferscale")]
+    pub(crate) cluster_root: String,
+    /// Lease TTL in seconds: how long a dead process stays registered.
+    #[arg(long, env = "INFERSCALE_LEASE_TTL_S", default_value_t = 30)]
+    pub(crate) lease_ttl_s: u64,
+    /// Name in the cluster (default: the advertised address).
+    #[arg(long, env = "INFERSCALE_NAME")]
+    pub(crate) name: Option<String>,
+}
+
+impl ClusterArgs {
+    pub(crate) fn keys(&self) -> inferscale_cluster::view::Keys {
+        inferscale_cluster::view::Keys::new(&self.cluster_root)
+    }
+
+    pub(crate) fn ttl(&self) -> Result<Duration> {
+        if !(2..=3600).contains(&self.lease_ttl_s) {
+            bail!("--lease-ttl-s must be between 2 and 3600");
+        }
+        Ok(Duration::from_secs(self.lease_ttl_s))
+    }
+
+    pub(crate) fn etcd(&self) -> Result<Arc<dyn Placement>> {
+        Ok(Arc::new(inferscale_cluster::etcd::Etcd::connect(&self.etcd)?))
+    }
+}
+
 #[derive(Args, Debug)]
 pub struct ServeArgs {
     /// HTTP address of the OpenAI-compatible API.
@@ -72,6 +113,12 @@ pub struct WorkerCmd {
     /// gRPC address to serve on.
     #[arg(long, env = "INFERSCALE_LISTEN", default_value = "127.0.0.1:50051")]
     listen: SocketAddr,
+    /// Address routers and other workers reach this one at (default: the
+    /// bound listen address).
+    #[arg(long, env = "INFERSCALE_ADVERTISE")]
+    advertise: Option<String>,
+    #[command(flatten)]
+    cluster: ClusterArgs,
     #[command(flatten)]
     worker: WorkerArgs,
 }
@@ -81,9 +128,18 @@ pub struct RouterCmd {
     /// HTTP address of the OpenAI-compatible API.
     #[arg(long, env = "INFERSCALE_LISTEN", default_value = "127.0.0.1:8080")]
     listen: SocketAddr,
-    /// Worker gRPC addresses (repeat, or separate with commas).
-    #[arg(long = "worker", env = "INFERSCALE_WORKERS", required = true, value_delimiter = ',')]
+    /// Worker gRPC addresses (repeat, or separate with commas): a fixed set,
+    /// instead of a cluster in etcd.
+    #[arg(long = "worker", env = "INFERSCALE_WORKERS", value_delimiter = ',', conflicts_with = "etcd")]
     workers: Vec<String>,
+    #[command(flatten)]
+    cluster: ClusterArgs,
+    /// Keep a copy of each user's facts on a second worker (cluster only).
+    #[arg(long, env = "INFERSCALE_REPLICAS", default_value_t = 1, value_parser = clap::value_parser!(u8).range(0..=1))]
+    replicas: u8,
+    /// Pace of each shard move in MB/s (0: unlimited), to keep serving latency.
+    #[arg(long, env = "INFERSCALE_MIGRATE_MB_S", default_value_t = 0)]
+    migrate_mb_s: u64,
     #[command(flatten)]
     router: RouterArgs,
 }
@@ -179,7 +235,7 @@ fn keys(a: &RouterArgs) -> Result<Keys> {
     Ok(keys)
 }
 
-fn router_config(a: &RouterArgs, workers: Vec<String>, listen: SocketAddr) -> Result<RouterConfig> {
+fn router_config(a: &RouterArgs, membership: Membership, listen: SocketAddr) -> Result<RouterConfig> {
     let keys = keys(a)?;
     if keys.is_empty() {
         if !listen.ip().is_loopback() {
@@ -193,7 +249,7 @@ fn router_config(a: &RouterArgs, workers: Vec<String>, listen: SocketAddr) -> Re
         bail!("--load-factor must be between 1 and 10");
     }
     Ok(RouterConfig {
-        workers,
+        membership,
         keys,
         model: None,
         defaults: Defaults {
@@ -237,30 +293,91 @@ pub(crate) async fn serve_grpc(listener: TcpListener, service: WorkerService) ->
     Ok(())
 }
 
+/// Registers this process's worker in `store` as `name` at `addr`.
+async fn register(store: Arc<dyn Placement>, c: &ClusterArgs, name: String, addr: String) -> Result<Registration> {
+    let member = Member { name: name.clone(), addr: addr.clone(), state: MemberState::Joining, gpu: None };
+    let mut reg = Registration::spawn(store.clone(), c.keys(), member, c.ttl()?);
+    match tokio::time::timeout(Duration::from_secs(30), reg.registered()).await {
+        Ok(()) => eprintln!("inferscale worker: registered as {name} ({addr}) in {}", store.describe()),
+        Err(_) => eprintln!("inferscale worker: not registered in {} yet; still trying", store.describe()),
+    }
+    Ok(reg)
+}
+
 pub fn serve(a: ServeArgs) -> Result<()> {
     let (service, _engine) = start_worker(&a.worker)?;
     runtime()?.block_on(async move {
         let grpc = TcpListener::bind("127.0.0.1:0").await.context("binding the worker's loopback port")?;
         let addr = grpc.local_addr()?.to_string();
-        let cfg = router_config(&a.router, vec![addr], a.listen)?;
+        // One node: membership and placement in the embedded store, kept
+        // beside the memory so that placement survives a restart.
+        let path = a.worker.mem.dir().join("placement.json");
+        let store: Arc<dyn Placement> = inferscale_cluster::embedded::Embedded::open(&path)?;
+        let cluster = ClusterArgs {
+            etcd: Vec::new(),
+            cluster_root: "/inferscale".into(),
+            lease_ttl_s: 10,
+            name: Some("local".into()),
+        };
+        let reg = register(store.clone(), &cluster, "local".into(), addr).await?;
+        let membership = Membership::Store {
+            store,
+            keys: cluster.keys(),
+            name: "local".into(),
+            ttl: cluster.ttl()?,
+            rebalance: RebalanceConfig { replicate: false, ..Default::default() },
+        };
+        let cfg = router_config(&a.router, membership, a.listen)?;
         let worker = tokio::spawn(serve_grpc(grpc, service));
-        tokio::select! {
+        let r = tokio::select! {
             r = serve_http(a.listen, cfg) => r,
             r = worker => r.context("worker task")?,
-        }
+        };
+        reg.leave().await;
+        r
     })
 }
 
 pub fn worker(a: WorkerCmd) -> Result<()> {
+    a.cluster.ttl()?; // a bad TTL fails before the model loads
     let (service, _engine) = start_worker(&a.worker)?;
     runtime()?.block_on(async move {
         let listener = TcpListener::bind(a.listen).await.with_context(|| format!("binding {}", a.listen))?;
-        eprintln!("inferscale worker: gRPC on {}", listener.local_addr()?);
-        serve_grpc(listener, service).await
+        let bound = listener.local_addr()?;
+        eprintln!("inferscale worker: gRPC on {bound}");
+        let reg = match a.cluster.etcd.is_empty() {
+            true => None,
+            false => {
+                let addr = a.advertise.clone().unwrap_or_else(|| bound.to_string());
+                let name = a.cluster.name.clone().unwrap_or_else(|| addr.clone());
+                Some(register(a.cluster.etcd()?, &a.cluster, name, addr).await?)
+            }
+        };
+        let r = serve_grpc(listener, service).await;
+        // Deregister at once on shutdown rather than after the lease TTL.
+        if let Some(reg) = reg {
+            reg.leave().await;
+        }
+        r
     })
 }
 
 pub fn router(a: RouterCmd) -> Result<()> {
-    let cfg = router_config(&a.router, a.workers, a.listen)?;
+    let membership = match (a.workers.is_empty(), a.cluster.etcd.is_empty()) {
+        (false, true) => Membership::Fixed(a.workers.clone()),
+        (true, false) => Membership::Store {
+            store: a.cluster.etcd()?,
+            keys: a.cluster.keys(),
+            name: a.cluster.name.clone().unwrap_or_else(|| format!("router-{}", std::process::id())),
+            ttl: a.cluster.ttl()?,
+            rebalance: RebalanceConfig {
+                replicate: a.replicas > 0,
+                max_bytes_per_sec: a.migrate_mb_s * 1_000_000,
+                ..Default::default()
+            },
+        },
+        _ => bail!("give the router its workers with --worker ADDR,… or a cluster with --etcd HOST:PORT,…"),
+    };
+    let cfg = router_config(&a.router, membership, a.listen)?;
     runtime()?.block_on(serve_http(a.listen, cfg))
 }

@@ -97,10 +97,9 @@ pub fn plan(view: &ClusterView, holdings: &Holdings, replicate: bool) -> Vec<Act
                 actions.push(Action::Replicate { user: user.into(), from: home.into(), to: r.into() });
             }
             _ if holdings.complete => {
-                let writers = view.writers(user);
+                let writers = view.writers(user, replicate);
                 for h in holders {
-                    let needed = writers.contains(&h) && (replicate || h == home);
-                    if !needed {
+                    if !writers.contains(&h) {
                         actions.push(Action::Drop { user: user.into(), worker: h.into() });
                     }
                 }
@@ -152,7 +151,7 @@ mod tests {
     fn settled(v: &ClusterView) -> Holdings {
         let mut h = Holdings { complete: true, ..Default::default() };
         for u in users() {
-            for w in v.writers(&u) {
+            for w in v.writers(&u, true) {
                 h.by_worker.entry(w.to_string()).or_default().insert(u.clone());
             }
         }
@@ -215,7 +214,7 @@ mod tests {
         let v = view(&[("a", "active"), ("c", "active")]);
         let actions = plan(&v, &holdings, true);
         assert!(!actions.iter().any(|a| matches!(a, Action::Move { .. })), "the replica is already home: {actions:?}");
-        for u in users().iter().filter(|u| before.writers(u).contains(&"b")) {
+        for u in users().iter().filter(|u| before.writers(u, true).contains(&"b")) {
             let home = v.home(u).expect("home");
             let replica = v.replica(u).expect("replica");
             assert!(holdings.holders(u).contains(&home), "{u}: its new home held its replica");

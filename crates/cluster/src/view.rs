@@ -274,11 +274,13 @@ impl ClusterView {
     }
 
     /// Every worker a write of `user` must reach before it is
-    /// acknowledged: home, replica, and a migration's destination.
-    pub fn writers(&self, user: &str) -> Vec<&str> {
+    /// acknowledged: home, replica (when `replicate`), and a migration's
+    /// destination.
+    pub fn writers(&self, user: &str, replicate: bool) -> Vec<&str> {
         let mut out: Vec<&str> = self.home(user).into_iter().collect();
+        let replica = if replicate { self.replica(user) } else { None };
         let moving = self.records.get(user).and_then(|r| r.value.moving_to.as_deref()).filter(|w| self.alive(w));
-        for w in self.replica(user).into_iter().chain(moving) {
+        for w in replica.into_iter().chain(moving) {
             if !out.contains(&w) {
                 out.push(w);
             }
@@ -323,7 +325,7 @@ mod tests {
             assert_ne!(home, "c", "a joining worker gets no user before its migration");
             let replica = v.replica(&user).expect("a replica");
             assert_ne!(home, replica);
-            assert_eq!(v.writers(&user), vec![home, replica]);
+            assert_eq!(v.writers(&user, true), vec![home, replica]);
         }
     }
 
@@ -336,7 +338,7 @@ mod tests {
         v.apply(11, &[Event::Put(kv(&k.placement(&user), r#"{"home":"a","moving_to":"c"}"#, 11))]);
         assert_eq!(v.home(&user), Some("a"));
         assert!(v.moving(&user));
-        assert_eq!(v.writers(&user), vec!["a", "b", "c"], "home, replica, destination");
+        assert_eq!(v.writers(&user, true), vec!["a", "b", "c"], "home, replica, destination");
         // The flip: home is c (not in the ring yet, but alive).
         v.apply(12, &[Event::Put(kv(&k.placement(&user), r#"{"home":"c"}"#, 12))]);
         assert_eq!(v.home(&user), Some("c"));

@@ -230,6 +230,28 @@ impl<B: Backend> Memory<B> {
     /// appended to the user's segment. Turns whose id is already stored are
     /// skipped. Invalid input stores nothing.
     pub fn ingest(&mut self, user: &str, turns: &[Turn], enc: &mut Encoders<'_, '_, B>) -> Result<IngestReport> {
+        self.ingest_with(user, turns, enc, true)
+    }
+
+    /// [`Memory::ingest`] that stores the facts only: their KV is encoded
+    /// when first needed ([`Memory::ensure_kv`]). A replica's copy, which
+    /// may never serve, is stored this way.
+    pub fn ingest_deferred(
+        &mut self,
+        user: &str,
+        turns: &[Turn],
+        enc: &mut Encoders<'_, '_, B>,
+    ) -> Result<IngestReport> {
+        self.ingest_with(user, turns, enc, false)
+    }
+
+    fn ingest_with(
+        &mut self,
+        user: &str,
+        turns: &[Turn],
+        enc: &mut Encoders<'_, '_, B>,
+        encode: bool,
+    ) -> Result<IngestReport> {
         Self::validate(user, turns)?;
         if !self.users.contains_key(user) {
             let dir = self.dir.join("users").join(user_dir_name(user));
@@ -268,7 +290,9 @@ impl<B: Backend> Memory<B> {
             shard.kv.push(None);
         }
         report.added = new.len();
-        report.encoded_tokens = shard.encode_missing(self.spec.window, self.encode_batch, enc)?;
+        if encode {
+            report.encoded_tokens = shard.encode_missing(self.spec.window, self.encode_batch, enc)?;
+        }
         Ok(report)
     }
 

@@ -59,6 +59,8 @@ pub struct AppState {
     pub model: String,
     pub defaults: Defaults,
     pub metrics: Metrics,
+    /// Moves made by this router while it led.
+    pub rebalance: Arc<crate::rebalance::RebalanceStats>,
 }
 
 type Shared = Arc<AppState>;
@@ -214,17 +216,42 @@ fn validate(s: &AppState, tenant: &str, r: ChatRequest) -> Result<Chat> {
     Ok(Chat { req, mode, stream: r.stream, include_usage, user })
 }
 
-/// Sends `chat` to a worker and waits for its first event; a request that
-/// needs no memory is retried once elsewhere if the worker was unreachable.
+/// How long a request keeps retrying a user's memory while it moves
+/// between workers or its home fails over to its replica.
+const RETRY_FOR: Duration = Duration::from_secs(15);
+const RETRY_PAUSE: Duration = Duration::from_millis(150);
+
+/// Whether a failed call means the worker itself is unreachable (rather
+/// than a refusal it answered with): its health is then re-probed before
+/// it gets more requests.
+fn unreachable(e: &tonic::Status) -> bool {
+    e.code() == tonic::Code::Unavailable && !e.message().contains("is moving")
+}
+
+/// Sends `chat` to a worker and waits for its first event. Nothing has been
+/// streamed to the client yet, so a retryable failure is retried: a
+/// request without memory once, on another worker; a request with memory
+/// for up to [`RETRY_FOR`], on whichever worker answers the user's reads
+/// by then (its new home after a move, its replica after a crash).
 async fn start(
     s: &AppState,
     chat: &Chat,
 ) -> Result<(InFlight, tonic::Streaming<pb::GenerateEvent>, Option<pb::GenerateEvent>)> {
+    let memory = chat.req.mode != pb::MemoryMode::None as i32;
+    let until = Instant::now() + RETRY_FOR;
     let mut tried = Vec::new();
     loop {
-        let w = match chat.req.mode == pb::MemoryMode::None as i32 {
-            true => s.workers.any(&chat.user, &tried)?,
-            false => s.workers.home(&chat.req.user)?,
+        let picked = match memory {
+            false => s.workers.any(&chat.user, &tried),
+            true => s.workers.reader(&chat.req.user),
+        };
+        let w = match picked {
+            Ok(w) => w,
+            Err(e) if memory && e.retryable() && Instant::now() < until => {
+                tokio::time::sleep(RETRY_PAUSE).await;
+                continue;
+            }
+            Err(e) => return Err(e),
         };
         let attempt = async {
             let mut stream =
@@ -232,15 +259,73 @@ async fn start(
             let first = stream.message().await?;
             Ok::<_, tonic::Status>((stream, first))
         };
-        match attempt.await.map_err(ApiError::from) {
+        match attempt.await {
             Ok((stream, first)) => return Ok((w, stream, first)),
-            Err(e) if e.retryable() && chat.req.mode == pb::MemoryMode::None as i32 && tried.is_empty() => {
+            Err(status) => {
+                if unreachable(&status) {
+                    w.worker().mark_down();
+                }
+                let e = ApiError::from(status);
+                let again = match memory {
+                    false => tried.is_empty(),
+                    true => Instant::now() < until,
+                };
+                if !(e.retryable() && again) {
+                    return Err(e);
+                }
                 tried.push(w.worker().name.clone());
+                if memory {
+                    tokio::time::sleep(RETRY_PAUSE).await;
+                }
             }
-            Err(e) => return Err(e),
         }
     }
 }
+
+/// Runs `call` on every writer of `user` at once (told whether it is the
+/// home) and succeeds when all do, returning the home's answer. A retryable failure (a writer frozen by a
+/// move, or unreachable until the view drops it) is retried for up to
+/// [`RETRY_FOR`] against the writers of the view by then; the calls are
+/// idempotent (ingest skips units it has), so a retry stores nothing twice.
+/// `tolerate` lets a non-home writer's error count as success (a replica
+/// that does not have what is being deleted).
+async fn write_all<T, F, Fut>(s: &AppState, user: &str, tolerate: fn(&tonic::Status) -> bool, call: F) -> Result<T>
+where
+    F: Fn(WorkerClient, bool) -> Fut,
+    Fut: std::future::Future<Output = std::result::Result<tonic::Response<T>, tonic::Status>>,
+{
+    let until = Instant::now() + RETRY_FOR;
+    loop {
+        let writers = s.workers.writers(user)?;
+        let calls = writers.iter().enumerate().map(|(i, w)| call(w.client(), i == 0));
+        let results = futures_util::future::join_all(calls).await;
+        let mut home = None;
+        let mut failed = None;
+        for (i, (r, w)) in results.into_iter().zip(&writers).enumerate() {
+            match r {
+                Ok(resp) if i == 0 => home = Some(resp.into_inner()),
+                Ok(_) => {}
+                Err(e) if i > 0 && tolerate(&e) => {}
+                Err(e) => {
+                    if unreachable(&e) {
+                        w.mark_down();
+                    }
+                    failed.get_or_insert(e);
+                }
+            }
+        }
+        match (failed, home) {
+            (None, Some(answer)) => return Ok(answer),
+            (Some(e), _) if e.code() == tonic::Code::Unavailable && Instant::now() < until => {
+                tokio::time::sleep(RETRY_PAUSE).await;
+            }
+            (Some(e), _) => return Err(e.into()),
+            (None, None) => return Err(ApiError::Internal("no answer from the user's home worker".into())),
+        }
+    }
+}
+
+type WorkerClient = inferscale_proto::worker_client::WorkerClient<tonic::transport::Channel>;
 
 fn usage(mode: &str, f: &pb::Finished) -> openai::Usage {
     let u = f.usage.unwrap_or_default();
@@ -449,15 +534,21 @@ async fn ingest(
     }
     let units: Vec<pb::MemoryUnit> = r.turns.into_iter().chain(r.facts).map(pb::MemoryUnit::from).collect();
     let user = scoped(&tenant, &r.user);
-    let w = s.workers.home(&user)?;
-    let req = pb::IngestRequest { user, window: r.window, units };
-    let resp = w
-        .worker()
-        .client()
-        .ingest(grpc(req, s.defaults.deadline))
-        .await
-        .map_err(|e| ApiError::from(e).unscope(&tenant))?
-        .into_inner();
+    let req = pb::IngestRequest { user: user.clone(), window: r.window, units, defer_kv: false };
+    let deadline = s.defaults.deadline;
+    // Copies other than the home's store facts only; their KV is encoded
+    // if they ever serve.
+    let resp = write_all(
+        &s,
+        &user,
+        |_| false,
+        |mut c, home| {
+            let req = grpc(pb::IngestRequest { defer_kv: !home, ..req.clone() }, deadline);
+            async move { c.ingest(req).await }
+        },
+    )
+    .await
+    .map_err(|e| e.unscope(&tenant))?;
     s.metrics.ingested_units.fetch_add(u64::from(resp.added), Ordering::Relaxed);
     Ok(Json(json!({"user": r.user, "added": resp.added, "skipped": resp.skipped,
                    "encoded_tokens": resp.encoded_tokens})))
@@ -470,7 +561,7 @@ async fn list(
 ) -> Result<Json<serde_json::Value>> {
     let tenant = tenant(&s, &headers)?;
     openai::check_user(&user)?;
-    let w = s.workers.home(&scoped(&tenant, &user))?;
+    let w = s.workers.reader(&scoped(&tenant, &user))?;
     let req = pb::ListMemoriesRequest { user: scoped(&tenant, &user) };
     let r = w
         .worker()
@@ -487,9 +578,25 @@ async fn forget(s: &AppState, headers: &HeaderMap, user: &str, unit: String) -> 
     let tenant = tenant(s, headers)?;
     openai::check_user(user)?;
     let scoped_user = scoped(&tenant, user);
-    let w = s.workers.home(&scoped_user)?;
-    let req = pb::ForgetRequest { user: scoped_user, unit_id: unit.clone() };
-    w.worker().client().forget(grpc(req, s.defaults.deadline)).await.map_err(|e| ApiError::from(e).unscope(&tenant))?;
+    // A delete waits for a move to settle: sent to both ends of a copy in
+    // flight, it could be undone by the copy.
+    let until = Instant::now() + RETRY_FOR;
+    while s.workers.moving(&scoped_user) {
+        if Instant::now() > until {
+            return Err(ApiError::Unavailable("this user's memory is being moved between workers; retry".into()));
+        }
+        tokio::time::sleep(RETRY_PAUSE).await;
+    }
+    let req = pb::ForgetRequest { user: scoped_user.clone(), unit_id: unit.clone() };
+    let deadline = s.defaults.deadline;
+    // A replica may not have (all of) the user yet; its "not found" is fine.
+    let tolerate = |e: &tonic::Status| e.code() == tonic::Code::NotFound;
+    write_all(s, &scoped_user, tolerate, |mut c, _| {
+        let req = grpc(req.clone(), deadline);
+        async move { c.forget(req).await }
+    })
+    .await
+    .map_err(|e| e.unscope(&tenant))?;
     Ok(Json(if unit.is_empty() {
         json!({"user": user, "deleted": true})
     } else {
@@ -523,19 +630,40 @@ async fn models(State(s): State<Shared>, headers: HeaderMap) -> Result<Json<serd
 }
 
 async fn readyz(State(s): State<Shared>) -> Response {
-    let healthy = s.workers.all().iter().filter(|w| w.is_healthy()).count();
+    let all = s.workers.all();
+    let healthy = all.iter().filter(|w| w.is_healthy()).count();
     let status = if healthy > 0 { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
-    (status, Json(json!({"ready": healthy > 0, "healthy_workers": healthy, "workers": s.workers.all().len()})))
-        .into_response()
+    (status, Json(json!({"ready": healthy > 0, "healthy_workers": healthy, "workers": all.len()}))).into_response()
 }
 
 async fn metrics(State(s): State<Shared>) -> Response {
     let all = s.workers.all();
     let healthy = all.iter().filter(|w| w.is_healthy()).count() as f64;
     let in_flight = all.iter().map(|w| w.in_flight()).sum::<usize>() as f64;
+    let view = s.workers.view();
+    let r = &s.rebalance;
     let mut text = s.metrics.render(&[
         ("inferscale_workers_healthy", "Workers answering health checks.", healthy),
         ("inferscale_requests_in_flight", "Requests the router has at workers.", in_flight),
+        ("inferscale_cluster_members", "Workers registered in the placement view.", view.members.len() as f64),
+        ("inferscale_cluster_ring_workers", "Workers in the ring (active).", view.ring().workers().len() as f64),
+        ("inferscale_cluster_placement_records", "Users placed off the ring.", view.records.len() as f64),
+        (
+            "inferscale_cluster_view_connected",
+            "1 while the placement store is reachable.",
+            f64::from(u8::from(view.connected)),
+        ),
+        ("inferscale_migrations_total", "Shard moves made by this router.", r.moves.load(Ordering::Relaxed) as f64),
+        (
+            "inferscale_migrated_bytes_total",
+            "Bytes of shards moved by this router.",
+            r.moved_bytes.load(Ordering::Relaxed) as f64,
+        ),
+        (
+            "inferscale_rebalance_failures_total",
+            "Rebalancing steps that failed.",
+            r.failures.load(Ordering::Relaxed) as f64,
+        ),
     ]);
     type Field = fn(&pb::StatsResponse) -> f64;
     let fields: [(&str, &str, Field); 9] = [
@@ -551,7 +679,7 @@ async fn metrics(State(s): State<Shared>) -> Response {
     ];
     for (name, help, get) in fields {
         text.push_str(&format!("# HELP {name} {help}\n# TYPE {name} gauge\n"));
-        for w in all {
+        for w in &all {
             if let Some(st) = w.stats() {
                 text.push_str(&format!("{name}{{worker=\"{}\"}} {}\n", w.name, get(&st)));
             }

@@ -1,22 +1,34 @@
 //! The workers a router sends to: gRPC clients, health, in-flight counts,
 //! and which worker serves which user.
 //!
-//! A user's memory lives on its home worker (the consistent-hash ring over
-//! every configured worker), so everything that reads or writes memory goes
-//! there; when that worker is down the request fails with 503 rather than
-//! landing on a worker without the user's facts. Requests without memory
-//! may go anywhere: they follow the ring under bounded load over healthy
-//! workers, so no worker takes more than `load_factor` × the average.
+//! Membership and placement come from a [`ClusterView`]: a fixed one for
+//! workers given on the command line, or the placement store's, kept
+//! current by a watch. Clients follow the view's members (created on
+//! first sight, connected lazily).
+//!
+//! A user's reads go to its home; with replication on (a cluster), a home
+//! that fails its health probe hands reads to the next live worker
+//! clockwise — the replica, which holds the user's facts — well before the
+//! dead worker's lease expires. Writes go to every writer (home, replica,
+//! and a migration's destination) and are acknowledged only when all have
+//! stored them. Requests without memory follow the ring under bounded load
+//! over healthy workers, so no worker takes more than `load_factor` × the
+//! average.
 
-use std::sync::Arc;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use inferscale_cluster::Ring;
+use inferscale_cluster::ClusterView;
 use inferscale_proto::worker_client::WorkerClient;
+use tokio::sync::watch;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::error::{ApiError, Result};
+
+/// Largest message exchanged with a worker.
+const MAX_MESSAGE_BYTES: usize = 64 << 20;
 
 pub struct Worker {
     pub name: String,
@@ -29,6 +41,25 @@ pub struct Worker {
 }
 
 impl Worker {
+    fn new(name: &str, addr: &str) -> Result<Worker> {
+        let uri = if addr.contains("://") { addr.to_string() } else { format!("http://{addr}") };
+        let endpoint = Endpoint::from_shared(uri)
+            .map_err(|e| ApiError::Internal(format!("worker address {addr:?}: {e}")))?
+            .connect_timeout(Duration::from_secs(2))
+            .tcp_nodelay(true);
+        let client = WorkerClient::new(endpoint.connect_lazy())
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES);
+        Ok(Worker {
+            name: name.to_string(),
+            addr: addr.to_string(),
+            client,
+            healthy: AtomicBool::new(false),
+            in_flight: AtomicUsize::new(0),
+            stats: std::sync::Mutex::new(None),
+        })
+    }
+
     pub fn stats(&self) -> Option<inferscale_proto::StatsResponse> {
         self.stats.lock().ok().and_then(|s| *s)
     }
@@ -39,6 +70,12 @@ impl Worker {
 
     pub fn is_healthy(&self) -> bool {
         self.healthy.load(Ordering::SeqCst)
+    }
+
+    /// Marks the worker down until its next successful probe (a call to it
+    /// failed to connect).
+    pub fn mark_down(&self) {
+        self.healthy.store(false, Ordering::SeqCst);
     }
 
     pub fn in_flight(&self) -> usize {
@@ -62,84 +99,142 @@ impl Drop for InFlight {
 }
 
 pub struct Workers {
-    all: Vec<Arc<Worker>>,
-    ring: Ring,
+    view: watch::Receiver<Arc<ClusterView>>,
+    clients: RwLock<HashMap<String, Arc<Worker>>>,
     load_factor: f64,
+    /// Writes reach the replica too, and reads fail over to it.
+    replicate: bool,
+    /// The sender of a fixed view, kept so the view never reads as closed.
+    _fixed: Option<watch::Sender<Arc<ClusterView>>>,
 }
 
 impl Workers {
-    /// Clients for `addrs` (`host:port`), connected lazily.
-    pub fn new(addrs: &[String], load_factor: f64) -> Result<Workers> {
+    /// Workers as `view` has them; `replicate` for a cluster whose users
+    /// have replicas.
+    pub fn new(view: watch::Receiver<Arc<ClusterView>>, load_factor: f64, replicate: bool) -> Workers {
+        let w = Workers { view, clients: RwLock::default(), load_factor, replicate, _fixed: None };
+        w.sync();
+        w
+    }
+
+    /// The fixed set of workers at `addrs` (each named by its address).
+    pub fn fixed(addrs: &[String], load_factor: f64) -> Result<Workers> {
         if addrs.is_empty() {
             return Err(ApiError::Internal("no workers configured".into()));
         }
-        let mut all = Vec::new();
-        for addr in addrs {
-            let uri = if addr.contains("://") { addr.clone() } else { format!("http://{addr}") };
-            let endpoint = Endpoint::from_shared(uri)
-                .map_err(|e| ApiError::Internal(format!("worker address {addr:?}: {e}")))?
-                .connect_timeout(Duration::from_secs(2))
-                .tcp_nodelay(true);
-            let client = WorkerClient::new(endpoint.connect_lazy())
-                .max_decoding_message_size(64 << 20)
-                .max_encoding_message_size(64 << 20);
-            all.push(Arc::new(Worker {
-                name: addr.clone(),
-                addr: addr.clone(),
-                client,
-                healthy: AtomicBool::new(false),
-                in_flight: AtomicUsize::new(0),
-                stats: std::sync::Mutex::new(None),
-            }));
+        let members: Vec<(String, String)> = addrs.iter().map(|a| (a.clone(), a.clone())).collect();
+        let view = ClusterView::fixed(&members, inferscale_cluster::DEFAULT_VNODES);
+        // Addresses are checked now, not at the first request.
+        for a in addrs {
+            Worker::new(a, a)?;
         }
-        let ring = Ring::new(all.iter().map(|w| w.name.clone()), inferscale_cluster::ring::DEFAULT_VNODES);
-        Ok(Workers { all, ring, load_factor })
+        let (tx, rx) = watch::channel(Arc::new(view));
+        Ok(Workers { _fixed: Some(tx), ..Workers::new(rx, load_factor, false) })
     }
 
-    pub fn all(&self) -> &[Arc<Worker>] {
-        &self.all
+    pub fn view(&self) -> Arc<ClusterView> {
+        self.view.borrow().clone()
     }
 
-    fn by_name(&self, name: &str) -> Option<&Arc<Worker>> {
-        self.all.iter().find(|w| w.name == name)
+    pub fn replicates(&self) -> bool {
+        self.replicate
     }
 
-    fn take(w: &Arc<Worker>) -> InFlight {
+    /// Brings the clients in line with the view's members.
+    fn sync(&self) {
+        let view = self.view();
+        let Ok(mut clients) = self.clients.write() else { return };
+        clients.retain(|name, w| view.member(name).is_some_and(|m| m.addr == w.addr));
+        for m in view.members.values() {
+            let m = &m.value;
+            if !clients.contains_key(&m.name) {
+                match Worker::new(&m.name, &m.addr) {
+                    Ok(w) => {
+                        clients.insert(m.name.clone(), Arc::new(w));
+                    }
+                    Err(e) => eprintln!("inferscale router: worker {}: {e}", m.name),
+                }
+            }
+        }
+    }
+
+    /// Every worker of the view, by name.
+    pub fn all(&self) -> Vec<Arc<Worker>> {
+        let mut all: Vec<Arc<Worker>> = self.clients.read().map(|c| c.values().cloned().collect()).unwrap_or_default();
+        all.sort_by(|a, b| a.name.cmp(&b.name));
+        all
+    }
+
+    pub fn get(&self, name: &str) -> Option<Arc<Worker>> {
+        self.clients.read().ok().and_then(|c| c.get(name).cloned())
+    }
+
+    fn healthy(&self, name: &str) -> bool {
+        self.get(name).is_some_and(|w| w.is_healthy())
+    }
+
+    fn take(w: Arc<Worker>) -> InFlight {
         w.in_flight.fetch_add(1, Ordering::SeqCst);
-        InFlight(w.clone())
+        InFlight(w)
     }
 
-    /// The worker holding `user`'s memory, if it is healthy.
-    pub fn home(&self, user: &str) -> Result<InFlight> {
-        let name = self.ring.home(user).ok_or_else(|| ApiError::Unavailable("no workers".into()))?;
-        let w = self.by_name(name).ok_or_else(|| ApiError::Internal(format!("ring names unknown worker {name}")))?;
-        if !w.is_healthy() {
-            return Err(ApiError::Unavailable(format!(
-                "worker {} holding this user's memory is unavailable; retry later",
-                w.name
-            )));
-        }
+    /// The worker that answers `user`'s reads now.
+    pub fn reader(&self, user: &str) -> Result<InFlight> {
+        let view = self.view();
+        let name = match self.replicate {
+            true => view.reader(user, |w| self.healthy(w)),
+            false => view.home(user).filter(|w| self.healthy(w)),
+        };
+        let Some(name) = name else {
+            return Err(match view.home(user) {
+                Some(home) => ApiError::Unavailable(format!(
+                    "worker {home} holding this user's memory is unavailable; retry later"
+                )),
+                None => ApiError::Unavailable("no workers".into()),
+            });
+        };
+        let w = self.get(name).ok_or_else(|| ApiError::Unavailable(format!("worker {name} is not connected yet")))?;
         Ok(Self::take(w))
+    }
+
+    /// Every worker a write of `user` must reach, home first.
+    pub fn writers(&self, user: &str) -> Result<Vec<Arc<Worker>>> {
+        let view = self.view();
+        let names = view.writers(user, self.replicate);
+        if names.is_empty() {
+            return Err(ApiError::Unavailable("no workers".into()));
+        }
+        names
+            .into_iter()
+            .map(|n| self.get(n).ok_or_else(|| ApiError::Unavailable(format!("worker {n} is not connected yet"))))
+            .collect()
+    }
+
+    /// Whether `user`'s memory is being moved between workers.
+    pub fn moving(&self, user: &str) -> bool {
+        self.view().moving(user)
     }
 
     /// A worker for a request that needs no memory: bounded load over the
     /// healthy workers, starting at `user`'s place on the ring; `skip`
     /// excludes workers already tried.
     pub fn any(&self, user: &str, skip: &[String]) -> Result<InFlight> {
-        let eligible = |name: &str| self.by_name(name).is_some_and(|w| w.is_healthy() && !skip.contains(&w.name));
-        let load = |name: &str| self.by_name(name).map_or(0, |w| w.in_flight());
-        let name = self
-            .ring
+        let view = self.view();
+        let eligible = |name: &str| self.healthy(name) && !skip.iter().any(|s| s == name);
+        let load = |name: &str| self.get(name).map_or(0, |w| w.in_flight());
+        let name = view
+            .ring()
             .assign_among(user, eligible, load, self.load_factor)
             .ok_or_else(|| ApiError::Unavailable("no healthy worker".into()))?;
-        let w = self.by_name(name).ok_or_else(|| ApiError::Internal(format!("unknown worker {name}")))?;
+        let w = self.get(name).ok_or_else(|| ApiError::Internal(format!("unknown worker {name}")))?;
         Ok(Self::take(w))
     }
 
     /// Probes every worker once (health, then stats); returns how many are healthy.
     pub async fn probe(&self) -> usize {
+        self.sync();
         let mut n = 0;
-        for w in &self.all {
+        for w in self.all() {
             let mut c = w.client();
             let mut req = tonic::Request::new(inferscale_proto::HealthRequest {});
             req.set_timeout(Duration::from_secs(2));
@@ -156,13 +251,18 @@ impl Workers {
         n
     }
 
-    /// Keeps probing every `every` in the background.
+    /// Keeps probing every `every` in the background, and at once when the
+    /// view changes (a new worker is probed before it takes requests).
     pub fn watch(self: &Arc<Self>, every: Duration) -> tokio::task::JoinHandle<()> {
         let me = self.clone();
+        let mut changes = self.view.clone();
         tokio::spawn(async move {
             loop {
                 me.probe().await;
-                tokio::time::sleep(every).await;
+                tokio::select! {
+                    _ = tokio::time::sleep(every) => {}
+                    r = changes.changed() => if r.is_err() { tokio::time::sleep(every).await },
+                }
             }
         })
     }

@@ -130,11 +130,30 @@ pub struct Stats {
 pub type Unit = Turn;
 
 pub enum Command {
-    Generate { job: GenerateJob, events: mpsc::UnboundedSender<Event> },
-    Ingest { user: String, window: Option<usize>, units: Vec<Turn>, reply: oneshot::Sender<Result<IngestReport>> },
-    List { user: String, reply: oneshot::Sender<Result<(Vec<Unit>, usize)>> },
-    Forget { user: String, unit: Option<String>, reply: oneshot::Sender<Result<()>> },
-    Stats { reply: oneshot::Sender<Stats> },
+    Generate {
+        job: GenerateJob,
+        events: mpsc::UnboundedSender<Event>,
+    },
+    Ingest {
+        user: String,
+        window: Option<usize>,
+        units: Vec<Turn>,
+        /// Store facts only; KV is encoded when first needed.
+        defer_kv: bool,
+        reply: oneshot::Sender<Result<IngestReport>>,
+    },
+    List {
+        user: String,
+        reply: oneshot::Sender<Result<(Vec<Unit>, usize)>>,
+    },
+    Forget {
+        user: String,
+        unit: Option<String>,
+        reply: oneshot::Sender<Result<()>>,
+    },
+    Stats {
+        reply: oneshot::Sender<Stats>,
+    },
     Shard(ShardCommand),
 }
 
@@ -158,6 +177,7 @@ struct Live {
 struct IngestJob {
     user: String,
     units: Vec<Turn>,
+    defer_kv: bool,
     next: usize,
     report: IngestReport,
     reply: oneshot::Sender<Result<IngestReport>>,
@@ -312,7 +332,7 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
                     let _ = events.send(Event::Failed(e));
                 }
             }
-            Command::Ingest { user, window, units, reply } => {
+            Command::Ingest { user, window, units, defer_kv, reply } => {
                 let check = self
                     .check_window(window)
                     .and_then(|()| Ok(Memory::<B>::validate(&user, &units)?))
@@ -324,6 +344,7 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
                     Ok(()) => self.ingests.push_back(IngestJob {
                         user,
                         units,
+                        defer_kv,
                         next: 0,
                         report: IngestReport::default(),
                         reply,
@@ -519,7 +540,11 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
         let Some(job) = self.ingests.front_mut() else { return };
         let end = (job.next + self.cfg.ingest_batch).min(job.units.len());
         let mut enc = Encoders { engine: &mut self.engine, embedder: &self.embedder, composer: self.composer };
-        let r = self.memory.ingest(&job.user, &job.units[job.next..end], &mut enc);
+        let units = &job.units[job.next..end];
+        let r = match job.defer_kv {
+            true => self.memory.ingest_deferred(&job.user, units, &mut enc),
+            false => self.memory.ingest(&job.user, units, &mut enc),
+        };
         match r {
             Ok(r) => {
                 job.report.added += r.added;

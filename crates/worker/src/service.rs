@@ -172,7 +172,8 @@ impl pb::worker_server::Worker for WorkerService {
             .map(|u| Turn { id: u.id, speaker: u.speaker, text: u.text, time: u.time, source_turn: u.source_turn })
             .collect();
         let window = r.window.map(|w| w as usize);
-        let report = self.call(|reply| Command::Ingest { user: r.user, window, units, reply }).await??;
+        let (user, defer_kv) = (r.user, r.defer_kv);
+        let report = self.call(|reply| Command::Ingest { user, window, units, defer_kv, reply }).await??;
         Ok(Response::new(pb::IngestResponse {
             added: report.added as u32,
             skipped: report.skipped as u32,

@@ -271,7 +271,7 @@ pub fn run(mut a: ServeBenchArgs) -> Result<()> {
                 })
                 .collect();
             client
-                .ingest(pb::IngestRequest { user: format!("bench-{u}"), window: None, units })
+                .ingest(pb::IngestRequest { user: format!("bench-{u}"), window: None, units, defer_kv: false })
                 .await
                 .with_context(|| format!("ingesting the facts of bench-{u}"))?;
         }

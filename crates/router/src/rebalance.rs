@@ -1,0 +1,268 @@
+//! The leader's rebalancing loop: the I/O side of [`inferscale_cluster::plan`].
+//!
+//! Every round (when this router leads and its view of the store is
+//! current) it asks each live worker which users it holds, plans, and
+//! carries the actions out one by one. Every placement change is a
+//! compare-and-swap on the record's revision, so a second router that
+//! wrongly believes it leads cannot flip a user twice, and a failed step
+//! leaves the user served where it was; the next round plans it again.
+//!
+//! A move, from `from` to `to`:
+//! 1. `to` forgets any stale copy (unless it is already a writer);
+//! 2. the record becomes `{home: from, moving_to: to}`: routers now send
+//!    the user's writes to `to` as well;
+//! 3. `from` streams the shard to `to` (`SendShard` with freeze: writes to
+//!    `from` wait once the snapshot is out, the units that came meanwhile
+//!    follow), `to` verifies and commits it;
+//! 4. the record flips to `{home: to}` — reads go to `to` from here;
+//! 5. `from` is released: it keeps its copy if it is still a writer (the
+//!    replica), else drops it and refuses the user as moved for a while.
+//!
+//! Reads keep going to `from` until step 4; a failure before it puts the
+//! record back and unfreezes `from`.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use inferscale_cluster::membership::Campaign;
+use inferscale_cluster::plan::{Action, Holdings, plan};
+use inferscale_cluster::store::{Event, KeyValue, Placement, Txn};
+use inferscale_cluster::view::{ClusterView, Keys, MemberState, PlacementRecord};
+use inferscale_proto as pb;
+use tokio::sync::watch;
+
+use crate::workers::Workers;
+
+#[derive(Debug, Clone)]
+pub struct RebalanceConfig {
+    /// Pause between rounds.
+    pub every: Duration,
+    /// Pace of each shard stream (0: unlimited), so serving latency holds.
+    pub max_bytes_per_sec: u64,
+    /// Keep a copy of every user's facts on its replica.
+    pub replicate: bool,
+}
+
+impl Default for RebalanceConfig {
+    fn default() -> Self {
+        RebalanceConfig { every: Duration::from_secs(1), max_bytes_per_sec: 0, replicate: true }
+    }
+}
+
+/// Totals since start, for `/metrics`.
+#[derive(Debug, Default)]
+pub struct RebalanceStats {
+    pub moves: std::sync::atomic::AtomicU64,
+    pub moved_bytes: std::sync::atomic::AtomicU64,
+    pub failures: std::sync::atomic::AtomicU64,
+}
+
+pub struct Rebalancer {
+    pub store: Arc<dyn Placement>,
+    pub keys: Keys,
+    pub workers: Arc<Workers>,
+    pub cfg: RebalanceConfig,
+    pub stats: Arc<RebalanceStats>,
+}
+
+fn json<T: serde::Serialize>(v: &T) -> Vec<u8> {
+    serde_json::to_vec(v).unwrap_or_default()
+}
+
+fn request<T>(msg: T, timeout: Duration) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(msg);
+    r.set_timeout(timeout);
+    r
+}
+
+impl Rebalancer {
+    /// Runs rounds while `campaign` says this router leads, forever.
+    pub fn spawn(self, campaign: Campaign) -> tokio::task::JoinHandle<()> {
+        tokio::spawn(async move {
+            let leading: watch::Receiver<bool> = campaign.subscribe();
+            loop {
+                tokio::time::sleep(self.cfg.every).await;
+                if !*leading.borrow() {
+                    continue;
+                }
+                if let Err(e) = self.round(&leading).await {
+                    eprintln!("inferscale router: rebalancing: {e}");
+                }
+            }
+        })
+    }
+
+    async fn holdings(&self, view: &ClusterView) -> Holdings {
+        let mut h = Holdings { complete: true, ..Default::default() };
+        for name in view.members.keys() {
+            let Some(w) = self.workers.get(name) else {
+                h.complete = false;
+                continue;
+            };
+            match w.client().list_users(request(pb::ListUsersRequest {}, Duration::from_secs(5))).await {
+                Ok(r) => {
+                    h.by_worker.insert(name.clone(), r.into_inner().users.into_iter().collect::<BTreeSet<_>>());
+                }
+                Err(_) => h.complete = false,
+            }
+        }
+        h
+    }
+
+    /// One round: plan from fresh holdings and carry it out.
+    pub async fn round(&self, leading: &watch::Receiver<bool>) -> Result<(), String> {
+        let view = self.workers.view();
+        if !view.connected {
+            return Ok(()); // no rebalancing from a cached view
+        }
+        let holdings = self.holdings(&view).await;
+        for action in plan(&view, &holdings, self.cfg.replicate) {
+            if !*leading.borrow() || !self.workers.view().connected {
+                break;
+            }
+            let what = format!("{action:?}");
+            if let Err(e) = self.act(action).await {
+                self.stats.failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                eprintln!("inferscale router: rebalancing: {what}: {e}");
+            }
+        }
+        Ok(())
+    }
+
+    fn worker(&self, name: &str) -> Result<Arc<crate::workers::Worker>, String> {
+        self.workers.get(name).ok_or_else(|| format!("worker {name} is not connected"))
+    }
+
+    /// Sets `user`'s record to `record` if it is still at `rev`; returns the
+    /// new revision, or `None` when someone changed it first.
+    async fn put_record(&self, user: &str, rev: i64, record: &PlacementRecord) -> Result<Option<i64>, String> {
+        let key = self.keys.placement(user);
+        let r = self.store.txn(Txn::default().when(&key, rev).put(&key, json(record), 0)).await;
+        let r = r.map_err(|e| e.to_string())?;
+        Ok(r.succeeded.then_some(r.revision))
+    }
+
+    async fn act(&self, action: Action) -> Result<(), String> {
+        let view = self.workers.view();
+        match action {
+            Action::Move { user, from, to } => self.move_user(&view, &user, &from, &to).await,
+            Action::Replicate { user, from, to } => {
+                let dest = self.worker(&to)?;
+                let req = pb::SendShardRequest {
+                    user,
+                    to: dest.addr.clone(),
+                    with_kv: false,
+                    freeze: false,
+                    max_bytes_per_sec: self.cfg.max_bytes_per_sec,
+                };
+                let src = self.worker(&from)?;
+                src.client().send_shard(request(req, Duration::from_secs(600))).await.map_err(|e| e.to_string())?;
+                Ok(())
+            }
+            Action::Drop { user, worker } => {
+                let w = self.worker(&worker)?;
+                let req = pb::ForgetRequest { user, unit_id: String::new() };
+                match w.client().forget(request(req, Duration::from_secs(30))).await {
+                    Ok(_) => Ok(()),
+                    Err(e) if e.code() == tonic::Code::NotFound => Ok(()),
+                    Err(e) => Err(e.to_string()),
+                }
+            }
+            Action::Activate { worker } => {
+                let m = view.members.get(&worker).ok_or_else(|| format!("{worker} is gone"))?;
+                let mut member = m.value.clone();
+                member.state = MemberState::Active;
+                let key = self.keys.member(&worker);
+                let txn = Txn::default().when(&key, m.mod_revision).put(&key, json(&member), m.lease);
+                self.store.txn(txn).await.map_err(|e| e.to_string())?;
+                eprintln!("inferscale router: worker {worker} is active");
+                Ok(())
+            }
+            Action::ClearRecord { user } => {
+                let Some(r) = view.records.get(&user) else { return Ok(()) };
+                let key = self.keys.placement(&user);
+                self.store
+                    .txn(Txn::default().when(&key, r.mod_revision).delete(&key))
+                    .await
+                    .map_err(|e| e.to_string())?;
+                Ok(())
+            }
+            Action::ResetRecord { user } => {
+                let Some(r) = view.records.get(&user) else { return Ok(()) };
+                let home = r.value.home.clone();
+                self.put_record(&user, r.mod_revision, &PlacementRecord { home: home.clone(), moving_to: None })
+                    .await?;
+                // Unfreeze the source the dead leader may have left frozen.
+                if let Ok(w) = self.worker(&home) {
+                    let req = pb::ReleaseShardRequest { user, drop: false };
+                    let _ = w.client().release_shard(request(req, Duration::from_secs(10))).await;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    async fn move_user(&self, view: &ClusterView, user: &str, from: &str, to: &str) -> Result<(), String> {
+        let started = Instant::now();
+        let (src, dest) = (self.worker(from)?, self.worker(to)?);
+        let replicate = self.cfg.replicate;
+        if !view.writers(user, replicate).contains(&to) {
+            let req = pb::ForgetRequest { user: user.into(), unit_id: String::new() };
+            match dest.client().forget(request(req, Duration::from_secs(30))).await {
+                Ok(_) => {}
+                Err(e) if e.code() == tonic::Code::NotFound => {}
+                Err(e) => return Err(format!("clearing {to}'s stale copy: {e}")),
+            }
+        }
+        let rev = view.records.get(user).map_or(0, |r| r.mod_revision);
+        let moving = PlacementRecord { home: from.into(), moving_to: Some(to.into()) };
+        let Some(rev) = self.put_record(user, rev, &moving).await? else {
+            return Err("its placement changed meanwhile; planning again".into());
+        };
+        let req = pb::SendShardRequest {
+            user: user.into(),
+            to: dest.addr.clone(),
+            with_kv: true,
+            freeze: true,
+            max_bytes_per_sec: self.cfg.max_bytes_per_sec,
+        };
+        let sent = src.client().send_shard(request(req, Duration::from_secs(3600))).await;
+        let back = PlacementRecord { home: from.into(), moving_to: None };
+        let release = |drop| pb::ReleaseShardRequest { user: user.into(), drop };
+        let sent = match sent {
+            Ok(r) => r.into_inner(),
+            Err(e) => {
+                let _ = self.put_record(user, rev, &back).await;
+                let _ = src.client().release_shard(request(release(false), Duration::from_secs(10))).await;
+                return Err(format!("sending the shard from {from} to {to}: {e}"));
+            }
+        };
+        let flipped = PlacementRecord { home: to.into(), moving_to: None };
+        let Some(new_rev) = self.put_record(user, rev, &flipped).await? else {
+            let _ = src.client().release_shard(request(release(false), Duration::from_secs(10))).await;
+            return Err("its placement changed during the copy; the move is dropped".into());
+        };
+        // Whether `from` still writes for the user once the flip is seen.
+        let mut after = view.clone();
+        let kv = KeyValue { key: self.keys.placement(user), value: json(&flipped), mod_revision: new_rev, lease: 0 };
+        after.apply(new_rev, &[Event::Put(kv)]);
+        let keep = after.writers(user, replicate).contains(&from);
+        src.client()
+            .release_shard(request(release(!keep), Duration::from_secs(30)))
+            .await
+            .map_err(|e| format!("releasing {from}: {e}"))?;
+        let imported = sent.imported.unwrap_or_default();
+        self.stats.moves.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.stats.moved_bytes.fetch_add(imported.bytes, std::sync::atomic::Ordering::Relaxed);
+        eprintln!(
+            "inferscale router: moved {user:?} {from} -> {to}: {} facts, {:.1} MB in {:.2} s ({:.0} MB/s stream), {:.2} s in all",
+            imported.facts,
+            imported.bytes as f64 / 1e6,
+            sent.seconds,
+            imported.bytes as f64 / 1e6 / sent.seconds.max(1e-9),
+            started.elapsed().as_secs_f64()
+        );
+        Ok(())
+    }
+}

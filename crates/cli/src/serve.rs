@@ -363,21 +363,24 @@ pub fn worker(a: WorkerCmd) -> Result<()> {
 }
 
 pub fn router(a: RouterCmd) -> Result<()> {
-    let membership = match (a.workers.is_empty(), a.cluster.etcd.is_empty()) {
-        (false, true) => Membership::Fixed(a.workers.clone()),
-        (true, false) => Membership::Store {
-            store: a.cluster.etcd()?,
-            keys: a.cluster.keys(),
-            name: a.cluster.name.clone().unwrap_or_else(|| format!("router-{}", std::process::id())),
-            ttl: a.cluster.ttl()?,
-            rebalance: RebalanceConfig {
-                replicate: a.replicas > 0,
-                max_bytes_per_sec: a.migrate_mb_s * 1_000_000,
-                ..Default::default()
+    // The etcd client's channel needs the runtime from its creation on.
+    runtime()?.block_on(async move {
+        let membership = match (a.workers.is_empty(), a.cluster.etcd.is_empty()) {
+            (false, true) => Membership::Fixed(a.workers.clone()),
+            (true, false) => Membership::Store {
+                store: a.cluster.etcd()?,
+                keys: a.cluster.keys(),
+                name: a.cluster.name.clone().unwrap_or_else(|| format!("router-{}", std::process::id())),
+                ttl: a.cluster.ttl()?,
+                rebalance: RebalanceConfig {
+                    replicate: a.replicas > 0,
+                    max_bytes_per_sec: a.migrate_mb_s * 1_000_000,
+                    ..Default::default()
+                },
             },
-        },
-        _ => bail!("give the router its workers with --worker ADDR,… or a cluster with --etcd HOST:PORT,…"),
-    };
-    let cfg = router_config(&a.router, membership, a.listen)?;
-    runtime()?.block_on(serve_http(a.listen, cfg))
+            _ => bail!("give the router its workers with --worker ADDR,… or a cluster with --etcd HOST:PORT,…"),
+        };
+        let cfg = router_config(&a.router, membership, a.listen)?;
+        serve_http(a.listen, cfg).await
+    })
 }

@@ -152,3 +152,323 @@ async fn a_shard_moves_between_workers_and_answers_the_same() {
     .await
     .unwrap();
 }
+
+// ---------------------------------------------------------------------------
+// A cluster in etcd: three workers and two routers, then a fourth worker, a
+// SIGKILLed worker, an etcd restart and the killed worker's return, all
+// under load.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::http;
+use inferscale_cluster::testing::EtcdProcess;
+use serde_json::{Value, json};
+
+const USERS: usize = 20;
+const TTL_S: &str = "3";
+
+fn cluster_worker(mem: &std::path::Path, etcd: &str) -> Proc {
+    let mem = mem.to_str().unwrap();
+    let args =
+        ["worker", "--listen", "127.0.0.1:0", "--memory", mem, "--window", "2", "--etcd", etcd, "--lease-ttl-s", TTL_S];
+    spawn(&args, "gRPC on ")
+}
+
+fn cluster_router(name: &str, etcd: &str) -> Proc {
+    let args = [
+        "router",
+        "--listen",
+        "127.0.0.1:0",
+        "--etcd",
+        etcd,
+        "--lease-ttl-s",
+        TTL_S,
+        "--name",
+        name,
+        "--deadline-s",
+        "600",
+    ];
+    spawn(&args, "API on ")
+}
+
+fn user(i: usize) -> String {
+    format!("user{i}")
+}
+
+fn turns_of(i: usize) -> Value {
+    let lines = [
+        "I adopted a grey cat named Miso last spring.",
+        "I ran a charity race for mental health on Saturday.",
+        "I'm moving to Lisbon in September to study counselling.",
+        "I painted a lake at sunrise and hung it in my kitchen.",
+    ];
+    let mut turns: Vec<Value> = lines
+        .iter()
+        .enumerate()
+        .map(|(j, t)| json!({"id": format!("D1:{j}"), "speaker": "Sam", "text": t, "time": "8 May 2023"}))
+        .collect();
+    turns.push(json!({"id": "D1:9", "speaker": "Sam", "text": format!("My locker number is {}.", 100 + i), "time": "8 May 2023"}));
+    json!({"user": user(i), "turns": turns})
+}
+
+/// A greedy answer through a router: (text, worker), or why it failed.
+fn ask_http(router: &str, user: &str, max_tokens: u32) -> Result<(String, String), String> {
+    let body = json!({"model": "smollm2", "user": user, "temperature": 0, "max_tokens": max_tokens,
+                      "messages": [{"role": "user", "content": "What is my locker number?"}],
+                      "memory": {"mode": "kv", "k": 3}});
+    let (status, headers, b) = http(router, "POST", "/v1/chat/completions", body.to_string().as_bytes());
+    if status != 200 {
+        return Err(format!("{status}: {}", String::from_utf8_lossy(&b)));
+    }
+    let v: Value = serde_json::from_slice(&b).map_err(|e| e.to_string())?;
+    let text = v["choices"][0]["message"]["content"].as_str().unwrap_or("").to_string();
+    let worker = headers.iter().find(|(k, _)| k == "x-inferscale-worker").map(|(_, v)| v.clone()).unwrap_or_default();
+    Ok((text, worker))
+}
+
+fn metric(router: &str, name: &str) -> f64 {
+    let (_, _, b) = http(router, "GET", "/metrics", b"");
+    let text = String::from_utf8_lossy(&b);
+    text.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')).and_then(|v| v.trim().parse().ok()))
+        .unwrap_or(f64::NAN)
+}
+
+fn wait_until(what: &str, limit: Duration, mut f: impl FnMut() -> bool) -> Duration {
+    let t0 = Instant::now();
+    while !f() {
+        assert!(t0.elapsed() < limit, "timed out after {limit:?} waiting until {what}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    t0.elapsed()
+}
+
+/// Settled: `n` workers in the ring of every router, no placement record
+/// (every user at its ring home), the view connected.
+fn settled(routers: &[&str], n: usize) -> bool {
+    routers.iter().all(|r| {
+        metric(r, "inferscale_cluster_ring_workers") == n as f64
+            && metric(r, "inferscale_cluster_members") == n as f64
+            && metric(r, "inferscale_cluster_placement_records") == 0.0
+            && metric(r, "inferscale_cluster_view_connected") == 1.0
+    })
+}
+
+/// One request of a load: when it ended, whose it was, and the worker
+/// that answered or the error.
+type Outcome = (Instant, String, Result<String, String>);
+
+/// Closed-loop readers over every user until stopped; each outcome is
+/// recorded with its time.
+struct Load {
+    stop: Arc<AtomicBool>,
+    log: Arc<Mutex<Vec<Outcome>>>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Load {
+    fn start(routers: &[String], threads: usize) -> Load {
+        let stop = Arc::new(AtomicBool::new(false));
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let threads = (0..threads)
+            .map(|t| {
+                let (stop, log, routers) = (stop.clone(), log.clone(), routers.to_vec());
+                std::thread::spawn(move || {
+                    let mut i = t;
+                    while !stop.load(Ordering::SeqCst) {
+                        let u = user(i % USERS);
+                        let r = ask_http(&routers[i % routers.len()], &u, 4).map(|(_, w)| w);
+                        log.lock().unwrap().push((Instant::now(), u, r));
+                        i += threads;
+                    }
+                })
+            })
+            .collect();
+        Load { stop, log, threads }
+    }
+
+    fn finish(self) -> Vec<Outcome> {
+        self.stop.store(true, Ordering::SeqCst);
+        self.threads.into_iter().for_each(|t| t.join().unwrap());
+        std::mem::take(&mut *self.log.lock().unwrap())
+    }
+}
+
+fn failures(log: &[Outcome]) -> Vec<String> {
+    log.iter().filter_map(|(_, u, r)| r.as_ref().err().map(|e| format!("{u}: {e}"))).collect()
+}
+
+#[test]
+fn a_cluster_rebalances_fails_over_and_survives_etcd_restarts_under_load() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let mut etcd = rt.block_on(EtcdProcess::start()).expect("etcd (Debian: apt-get install etcd-server)");
+    let ep = etcd.endpoint();
+    let dir = tempfile::tempdir().unwrap();
+    let mut workers: Vec<Option<Proc>> =
+        (0..3).map(|i| Some(cluster_worker(&dir.path().join(format!("w{i}")), &ep))).collect();
+    let r1 = cluster_router("router-1", &ep);
+    let r2 = cluster_router("router-2", &ep);
+    let routers = vec![r1.addr.clone(), r2.addr.clone()];
+    let rs: Vec<&str> = routers.iter().map(String::as_str).collect();
+    wait_until("three workers are active", Duration::from_secs(60), || settled(&rs, 3));
+
+    for i in 0..USERS {
+        let (s, _, b) = http(&r1.addr, "POST", "/v1/memories", turns_of(i).to_string().as_bytes());
+        assert_eq!(s, 200, "{}", String::from_utf8_lossy(&b));
+    }
+    // Replicas receive facts as they are written; wait for nothing else to do.
+    let before: Vec<(String, String)> = (0..USERS).map(|i| ask_http(&r1.addr, &user(i), 12).unwrap()).collect();
+    let agree = |what: &str| {
+        for i in 0..USERS {
+            let (a, b) = (ask_http(rs[0], &user(i), 1).unwrap().1, ask_http(rs[1], &user(i), 1).unwrap().1);
+            assert_eq!(a, b, "{what}: the two routers disagree on {}'s worker", user(i));
+        }
+    };
+    agree("three workers");
+
+    // 1. A fourth worker joins under load: its share of users moves to it
+    // (shard with KV), no request fails, and answers stay the same.
+    let load = Load::start(&routers, 2);
+    std::thread::sleep(Duration::from_secs(2));
+    workers.push(Some(cluster_worker(&dir.path().join("w3"), &ep)));
+    let took =
+        wait_until("the fourth worker is active and every move done", Duration::from_secs(240), || settled(&rs, 4));
+    std::thread::sleep(Duration::from_secs(2));
+    let log = load.finish();
+    let failed = failures(&log);
+    assert!(failed.is_empty(), "{} of {} requests failed during the join: {failed:?}", failed.len(), log.len());
+    let moves = metric(rs[0], "inferscale_migrations_total") + metric(rs[1], "inferscale_migrations_total");
+    let bytes = metric(rs[0], "inferscale_migrated_bytes_total") + metric(rs[1], "inferscale_migrated_bytes_total");
+    eprintln!(
+        "join settled in {took:?}: {moves} moves, {:.1} MB, {} requests served meanwhile",
+        bytes / 1e6,
+        log.len()
+    );
+    let after: Vec<(String, String)> = (0..USERS).map(|i| ask_http(&r1.addr, &user(i), 12).unwrap()).collect();
+    let new_worker = workers[3].as_ref().unwrap().addr.clone();
+    let moved: Vec<usize> = (0..USERS).filter(|&i| after[i].1 != before[i].1).collect();
+    assert!(!moved.is_empty() && moved.len() < USERS, "moved users: {moved:?}");
+    for &i in &moved {
+        assert_eq!(after[i].1, new_worker, "{} moved, but not to the new worker", user(i));
+    }
+    for i in 0..USERS {
+        assert_eq!(after[i].0, before[i].0, "{}'s greedy answer changed", user(i));
+    }
+    assert!(moves >= moved.len() as f64, "{moves} moves for {} moved users", moved.len());
+    agree("after the join");
+
+    // 2. SIGKILL the worker serving the most users, under load and while
+    // facts are being written: its users are answered again within 5 s by
+    // their replicas, and no acknowledged fact is lost.
+    let mut by_worker: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+    for (i, (_, w)) in after.iter().enumerate() {
+        by_worker.entry(w.clone()).or_default().push(i);
+    }
+    let (victim, victims) =
+        by_worker.iter().max_by_key(|(_, us)| us.len()).map(|(w, us)| (w.clone(), us.clone())).unwrap();
+    let acked: Arc<Mutex<Vec<(usize, String)>>> = Arc::default();
+    let writing = Arc::new(AtomicBool::new(true));
+    let writer = {
+        let (acked, writing, r) = (acked.clone(), writing.clone(), r2.addr.clone());
+        std::thread::spawn(move || {
+            let mut n = 0;
+            while writing.load(Ordering::SeqCst) {
+                let i = n % USERS;
+                let id = format!("K{n}");
+                let body = json!({"user": user(i), "turns": [{"id": id, "speaker": "Sam", "text": format!("Note {n}: the bus was late."), "time": "9 May 2023"}]});
+                let (s, _, _) = http(&r, "POST", "/v1/memories", body.to_string().as_bytes());
+                if s == 200 {
+                    acked.lock().unwrap().push((i, id));
+                }
+                n += 1;
+            }
+        })
+    };
+    let load = Load::start(&routers, 2);
+    std::thread::sleep(Duration::from_secs(2));
+    let slot = workers.iter().position(|w| w.as_ref().is_some_and(|w| w.addr == victim)).unwrap();
+    let mut dead = workers[slot].take().unwrap();
+    dead.child.kill().unwrap();
+    let killed = Instant::now();
+    let _ = dead.child.wait();
+    // Each of its users is asked at once, and again until answered.
+    let askers: Vec<_> = victims
+        .iter()
+        .map(|&i| {
+            let r = r1.addr.clone();
+            std::thread::spawn(move || {
+                while ask_http(&r, &user(i), 4).is_err() {
+                    assert!(killed.elapsed() < Duration::from_secs(60), "{} is never answered again", user(i));
+                }
+                (user(i), killed.elapsed())
+            })
+        })
+        .collect();
+    let back_after: BTreeMap<String, Duration> = askers.into_iter().map(|t| t.join().unwrap()).collect();
+    let worst = back_after.values().max().copied().unwrap_or_default();
+    eprintln!("killed {victim} ({} users): all answered again within {worst:?}", victims.len());
+    assert!(worst <= Duration::from_secs(5), "a user of the killed worker waited {worst:?}: {back_after:?}");
+    wait_until("the cluster settles on three workers", Duration::from_secs(120), || settled(&rs, 3));
+    eprintln!(
+        "re-placed (dead worker out, replicas restored) {:?} after the kill (lease TTL {TTL_S} s)",
+        killed.elapsed()
+    );
+    writing.store(false, Ordering::SeqCst);
+    writer.join().unwrap();
+    let log = load.finish();
+    let failed = failures(&log);
+    eprintln!(
+        "{} of {} requests failed around the kill: {:?}",
+        failed.len(),
+        log.len(),
+        &failed[..failed.len().min(5)]
+    );
+    let acked = acked.lock().unwrap().clone();
+    assert!(!acked.is_empty());
+    let mut stored: BTreeMap<usize, BTreeSet<String>> = BTreeMap::new();
+    for i in 0..USERS {
+        let (s, _, b) = http(&r1.addr, "GET", &format!("/v1/memories/{}", user(i)), b"");
+        assert_eq!(s, 200);
+        let v: Value = serde_json::from_slice(&b).unwrap();
+        stored
+            .insert(i, v["units"].as_array().unwrap().iter().map(|u| u["id"].as_str().unwrap().to_string()).collect());
+    }
+    for (i, id) in &acked {
+        assert!(stored[i].contains(id), "acknowledged unit {id} of {} is lost", user(*i));
+    }
+    agree("after the kill");
+
+    // 3. etcd restarts under load: requests keep succeeding from the cached
+    // view; membership and placement recover afterwards.
+    let load = Load::start(&routers, 2);
+    std::thread::sleep(Duration::from_secs(1));
+    etcd.kill();
+    wait_until("the routers notice etcd is gone", Duration::from_secs(20), || {
+        rs.iter().all(|r| metric(r, "inferscale_cluster_view_connected") == 0.0)
+    });
+    std::thread::sleep(Duration::from_secs(4));
+    rt.block_on(etcd.restart()).unwrap();
+    wait_until("the cluster recovers after etcd's restart", Duration::from_secs(60), || settled(&rs, 3));
+    let log = load.finish();
+    let failed = failures(&log);
+    assert!(failed.is_empty(), "{} of {} requests failed across the etcd restart: {failed:?}", failed.len(), log.len());
+    agree("after etcd's restart");
+
+    // 4. The killed worker returns (with its stale memory): it rejoins, takes
+    // its share back, and every acknowledged unit is still there.
+    workers[slot] = Some(cluster_worker(&dir.path().join(format!("w{slot}")), &ep));
+    wait_until("the returning worker is active and settled", Duration::from_secs(240), || settled(&rs, 4));
+    for (i, id) in &acked {
+        let (s, _, b) = http(&r1.addr, "GET", &format!("/v1/memories/{}", user(*i)), b"");
+        assert_eq!(s, 200);
+        assert!(
+            String::from_utf8_lossy(&b).contains(&format!("\"{id}\"")),
+            "unit {id} of {} lost after the rejoin",
+            user(*i)
+        );
+    }
+    agree("after the rejoin");
+}

@@ -60,33 +60,50 @@ async fn grant(store: &dyn Placement, ttl: Duration, salt: &str, stop: &mut ones
     }
 }
 
-/// Keeps `lease` alive every `ttl / 3` until it is lost (expired, or not
-/// renewed for a whole `ttl`) — then returns `true` — or `stop` fires
-/// (returns `false`).
+/// Keeps `lease` alive every `ttl / 3` until it is lost — then returns
+/// `true` — or `stop` fires (returns `false`). The lease counts as lost
+/// when the store says it expired, or, with `patience`, when it could not
+/// be renewed for that long (a leader must step down before a rival can
+/// take over; a worker instead waits out a store outage, since etcd keeps
+/// leases across its restarts and re-registering would make the worker
+/// join again from scratch).
 async fn keep_alive(
     store: &dyn Placement,
     lease: LeaseId,
     ttl: Duration,
+    patience: Option<Duration>,
     salt: &str,
     stop: &mut oneshot::Receiver<()>,
 ) -> bool {
     let mut renewed = Instant::now();
+    let mut reported = false;
     loop {
         tokio::select! {
             _ = tokio::time::sleep(jitter(ttl / 3, salt)) => {}
             _ = &mut *stop => return false,
         }
         match store.keep_alive(lease).await {
-            Ok(true) => renewed = Instant::now(),
+            Ok(true) => {
+                if reported {
+                    eprintln!("inferscale cluster: {salt}: lease {lease:x} renewed again");
+                }
+                renewed = Instant::now();
+                reported = false;
+            }
             Ok(false) => {
                 eprintln!("inferscale cluster: {salt}: lease {lease:x} expired");
                 return true;
             }
-            Err(e) if renewed.elapsed() >= ttl => {
-                log(&format!("{salt}: lease {lease:x} not renewed for {ttl:?}, taking a new one"), &e);
+            Err(e) if patience.is_some_and(|p| renewed.elapsed() >= p) => {
+                log(&format!("{salt}: lease {lease:x} not renewed for {:?}, giving it up", renewed.elapsed()), &e);
                 return true;
             }
-            Err(_) => {}
+            Err(e) => {
+                if !reported {
+                    log(&format!("{salt}: cannot renew lease {lease:x} (retrying)"), &e);
+                    reported = true;
+                }
+            }
         }
     }
 }
@@ -120,7 +137,7 @@ impl Registration {
                     continue;
                 }
                 let _ = lease_tx.send(lease);
-                if !keep_alive(&*store, lease, ttl, &salt, &mut stop).await {
+                if !keep_alive(&*store, lease, ttl, None, &salt, &mut stop).await {
                     // Leaving: delete the record now rather than in a TTL.
                     if let Err(e) = store.revoke(lease).await {
                         log(&format!("{salt}: cannot revoke its lease (it expires in {ttl:?})"), &e);
@@ -183,7 +200,7 @@ impl Campaign {
                     let won = store.txn(Txn::default().when(&key, 0).put(&key, name.clone().into_bytes(), lease)).await;
                     if matches!(won, Ok(r) if r.succeeded) {
                         let _ = leading_tx.send(true);
-                        let stopped = !keep_alive(&*store, lease, ttl, &salt, &mut stop).await;
+                        let stopped = !keep_alive(&*store, lease, ttl, Some(ttl), &salt, &mut stop).await;
                         let _ = leading_tx.send(false);
                         if stopped {
                             let _ = store.revoke(lease).await;

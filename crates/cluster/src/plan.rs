@@ -6,6 +6,7 @@
 //! computes these actions, carries out what it can, and asks again; a step
 //! that failed is simply planned again next round. The rules:
 //!
+//! - users whose home did not answer are left alone this round;
 //! - a user whose home (placement record, else the ring of active members)
 //!   is not its home on the target ring moves there, from its home (or,
 //!   when the home lacks it, from any worker that holds it);
@@ -75,6 +76,12 @@ pub fn plan(view: &ClusterView, holdings: &Holdings, replicate: bool) -> Vec<Act
             }
         }
         let (Some(home), Some(want)) = (view.home(user), target.home(user)) else { continue };
+        if !holdings.by_worker.contains_key(home) {
+            // The home did not answer (it may have just died): what it holds
+            // is unknown, and its users are served by their replicas until
+            // its lease settles the question.
+            continue;
+        }
         if home != want {
             let from = if holders.contains(&home) { Some(home) } else { holders.first().copied() };
             if let Some(from) = from {
@@ -93,6 +100,8 @@ pub fn plan(view: &ClusterView, holdings: &Holdings, replicate: bool) -> Vec<Act
         }
         let replica = if replicate { view.replica(user) } else { None };
         match replica {
+            // A replica that did not answer may hold it already, or be dead.
+            Some(r) if !holdings.by_worker.contains_key(r) => {}
             Some(r) if !holders.contains(&r) => {
                 actions.push(Action::Replicate { user: user.into(), from: home.into(), to: r.into() });
             }
@@ -225,6 +234,22 @@ mod tests {
                     to: replica.into()
                 }));
             }
+        }
+    }
+
+    #[test]
+    fn a_home_that_does_not_answer_is_left_alone() {
+        let v = view(&[("a", "active"), ("b", "active"), ("c", "active")]);
+        let mut holdings = settled(&v);
+        holdings.by_worker.remove("b");
+        holdings.complete = false;
+        for a in plan(&v, &holdings, true) {
+            let user = match &a {
+                Action::Move { user, .. } | Action::Replicate { user, .. } | Action::Drop { user, .. } => user,
+                other => panic!("unexpected {other:?}"),
+            };
+            assert_ne!(v.home(user), Some("b"), "{a:?} touches a user of the silent worker");
+            assert!(!matches!(&a, Action::Move { to, .. } | Action::Replicate { to, .. } if to == "b"), "{a:?}");
         }
     }
 

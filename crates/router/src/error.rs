@@ -102,6 +102,10 @@ impl From<tonic::Status> for ApiError {
             }
             Code::AlreadyExists | Code::Aborted => ApiError::Conflict(msg),
             Code::Unavailable => ApiError::Unavailable(format!("worker unavailable: {msg}")),
+            // The connection broke under the call (the worker died mid-request).
+            Code::Unknown if msg.contains("h2 protocol error") || msg.contains("transport error") => {
+                ApiError::Unavailable(format!("lost the connection to the worker: {msg}"))
+            }
             Code::Unauthenticated | Code::PermissionDenied => ApiError::Unauthorized(msg),
             _ => ApiError::Internal(format!("worker error: {msg}")),
         }

@@ -5,6 +5,7 @@
 
 mod bench;
 mod check;
+mod cluster_cmd;
 mod config;
 mod demo;
 mod eval;
@@ -55,6 +56,9 @@ enum Command {
     Worker(serve::WorkerCmd),
     /// Run the HTTP router in front of gRPC workers.
     Router(serve::RouterCmd),
+    /// Look at and operate a cluster in etcd (status, drain).
+    #[command(subcommand)]
+    Cluster(cluster_cmd::Command),
     /// Benchmarks: print a table and optionally write JSON.
     #[command(subcommand)]
     Bench(bench::Command),
@@ -81,6 +85,7 @@ fn main() {
         Command::Serve(a) => serve::serve(a),
         Command::Worker(a) => serve::worker(a),
         Command::Router(a) => serve::router(a),
+        Command::Cluster(c) => cluster_cmd::run(c),
         Command::Fetch { model } => {
             inferscale_model::fetch::resolve(&model).map(|p| println!("{}", p.display())).map_err(anyhow::Error::from)
         }

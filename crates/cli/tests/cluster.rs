@@ -471,4 +471,39 @@ fn a_cluster_rebalances_fails_over_and_survives_etcd_restarts_under_load() {
         );
     }
     agree("after the rejoin");
+
+    // 5. `cluster status` shows the cluster; `cluster drain` moves a worker's
+    // users away under load, after which it stops with no request failing.
+    let cli = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_inferscale")).args(args).output().unwrap();
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let status: Value = serde_json::from_str(&cli(&["cluster", "status", "--etcd", &ep, "--json"])).unwrap();
+    let listed = status["workers"].as_array().unwrap();
+    assert_eq!(listed.len(), 4, "{status}");
+    assert!(listed.iter().all(|w| w["state"] == "active" && w["reachable"] == true), "{status}");
+    let homes: u64 = listed.iter().map(|w| w["users_home"].as_u64().unwrap()).sum();
+    assert_eq!(homes, USERS as u64, "every user has one home: {status}");
+    assert!(status["leader"].is_string(), "{status}");
+    let load = Load::start(&routers, 2);
+    let leaving = workers[0].as_ref().unwrap().addr.clone();
+    let said = cli(&["cluster", "drain", &leaving, "--etcd", &ep, "--wait-s", "240"]);
+    assert!(said.contains("safe to stop"), "{said}");
+    let mut gone = workers[0].take().unwrap();
+    gone.child.kill().unwrap();
+    let _ = gone.child.wait();
+    wait_until("the cluster settles after the drain", Duration::from_secs(120), || settled(&rs, 3));
+    let log = load.finish();
+    let failed = failures(&log);
+    assert!(failed.is_empty(), "{} of {} requests failed across the drain: {failed:?}", failed.len(), log.len());
+    for (i, id) in &acked {
+        let (s, _, b) = http(&r1.addr, "GET", &format!("/v1/memories/{}", user(*i)), b"");
+        assert_eq!(s, 200);
+        assert!(
+            String::from_utf8_lossy(&b).contains(&format!("\"{id}\"")),
+            "unit {id} of {} lost after the drain",
+            user(*i)
+        );
+    }
 }

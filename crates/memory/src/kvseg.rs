@@ -70,6 +70,30 @@ impl StoredKv {
 
     /// Decodes a record written under `header`.
     pub fn decode(bytes: &[u8], header: &KvHeader, path: &Path) -> Result<StoredKv> {
+        let (fact_id, tokens, at) = Self::head(bytes, header, path)?;
+        let per = tokens.len() * header.kv_dim;
+        let mut tensors = bytes[at..]
+            .chunks_exact(per * 4)
+            .map(|b| HostTensor {
+                shape: vec![tokens.len(), header.kv_dim],
+                data: b.chunks_exact(4).map(|x| f32::from_le_bytes([x[0], x[1], x[2], x[3]])).collect(),
+            })
+            .collect::<Vec<_>>();
+        let v = tensors.split_off(header.layers);
+        Ok(StoredKv { fact_id, tokens, k: tensors, v })
+    }
+
+    /// Checks a record written under `header` — framing, shape, exact
+    /// length — without materialising its tensors; returns its fact id and
+    /// tokens. What a receiver of a shard runs on every record it stages.
+    pub fn check(bytes: &[u8], header: &KvHeader, path: &Path) -> Result<(String, Vec<u32>)> {
+        let (fact_id, tokens, _) = Self::head(bytes, header, path)?;
+        Ok((fact_id, tokens))
+    }
+
+    /// Parses everything before the tensors and checks that exactly
+    /// `2 · layers · tokens · kv_dim` f32 follow; returns where they start.
+    fn head(bytes: &[u8], header: &KvHeader, path: &Path) -> Result<(String, Vec<u32>, usize)> {
         let mut r = Cursor { bytes, pos: 0, path };
         let fact_id = r.string()?;
         let n = r.u32()? as usize;
@@ -78,14 +102,43 @@ impl StoredKv {
         if layers != header.layers {
             return Err(r.corrupt(format!("{layers} layers, header says {}", header.layers)));
         }
-        let per = n * header.kv_dim;
-        r.check(2 * layers * per, 4)?;
-        let mut read = || -> Result<HostTensor> {
-            let data = (0..per).map(|_| r.u32().map(f32::from_bits)).collect::<Result<_>>()?;
-            Ok(HostTensor { shape: vec![n, header.kv_dim], data })
+        if n == 0 {
+            return Err(r.corrupt("a KV record of no tokens".into()));
+        }
+        let floats = 2 * layers * n * header.kv_dim;
+        r.check(floats, 4)?;
+        if bytes.len() - r.pos != floats * 4 {
+            return Err(r.corrupt(format!("{} bytes past the tensors", bytes.len() - r.pos - floats * 4)));
+        }
+        Ok((fact_id, tokens, r.pos))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn check_and_decode_agree_and_refuse_any_other_length() {
+        let header = KvHeader { fingerprint: "m".into(), window: 0, dtype: "f32".into(), layers: 2, kv_dim: 3 };
+        let t = |x: f32| HostTensor { shape: vec![2, 3], data: (0..6).map(|i| x + i as f32).collect() };
+        let kv = StoredKv {
+            fact_id: "D1:1".into(),
+            tokens: vec![7, 8],
+            k: vec![t(0.0), t(10.0)],
+            v: vec![t(20.0), t(30.0)],
         };
-        let k = (0..layers).map(|_| read()).collect::<Result<_>>()?;
-        let v = (0..layers).map(|_| read()).collect::<Result<_>>()?;
-        Ok(StoredKv { fact_id, tokens, k, v })
+        let bytes = kv.encode();
+        let p = Path::new("x");
+        assert_eq!(StoredKv::decode(&bytes, &header, p).unwrap(), kv);
+        assert_eq!(StoredKv::check(&bytes, &header, p).unwrap(), ("D1:1".to_string(), vec![7, 8]));
+        let mut longer = bytes.clone();
+        longer.push(0);
+        for bad in [&bytes[..bytes.len() - 1], &longer[..]] {
+            assert!(StoredKv::check(bad, &header, p).is_err());
+            assert!(StoredKv::decode(bad, &header, p).is_err());
+        }
+        let other = KvHeader { layers: 3, ..header };
+        assert!(StoredKv::check(&bytes, &other, p).is_err());
     }
 }

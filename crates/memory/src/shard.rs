@@ -82,6 +82,9 @@ pub struct Memory<B: Backend> {
     /// What this shard's KV segments must have been made with.
     pub(crate) header: KvHeader,
     pub(crate) users: BTreeMap<String, UserShard<B>>,
+    /// Users that may have facts without KV (stored deferred, imported
+    /// without it, or dropped as corrupt): [`Memory::encode_pending`]'s work.
+    pub(crate) pending: std::collections::BTreeSet<String>,
     encode_batch: usize,
     /// Exclusive lock on `dir/LOCK`, held while this value lives: a second
     /// writer would interleave appends and rewrites with ours.
@@ -159,7 +162,15 @@ impl<B: Backend> Memory<B> {
             users.insert(user, shard);
         }
         Ok((
-            Memory { dir: dir.to_path_buf(), spec, header: kv_header, users, encode_batch: ENCODE_BATCH, _lock: lock },
+            Memory {
+                dir: dir.to_path_buf(),
+                spec,
+                header: kv_header,
+                pending: users.keys().cloned().collect(),
+                users,
+                encode_batch: ENCODE_BATCH,
+                _lock: lock,
+            },
             warnings,
         ))
     }
@@ -290,8 +301,13 @@ impl<B: Backend> Memory<B> {
             shard.kv.push(None);
         }
         report.added = new.len();
-        if encode {
-            report.encoded_tokens = shard.encode_missing(self.spec.window, self.encode_batch, enc)?;
+        match encode {
+            true => {
+                report.encoded_tokens = shard.encode_missing(self.spec.window, self.encode_batch, usize::MAX, enc)?
+            }
+            false => {
+                self.pending.insert(user.to_string());
+            }
         }
         Ok(report)
     }
@@ -301,7 +317,37 @@ impl<B: Backend> Memory<B> {
     pub fn ensure_kv(&mut self, user: &str, enc: &mut Encoders<'_, '_, B>) -> Result<usize> {
         let (window, batch) = (self.spec.window, self.encode_batch);
         let shard = self.users.get_mut(user).ok_or_else(|| MemoryError::UnknownUser(user.to_string()))?;
-        shard.encode_missing(window, batch, enc)
+        shard.encode_missing(window, batch, usize::MAX, enc)
+    }
+
+    /// Encodes up to `max_facts` facts that lack KV, of one user that has
+    /// some: background work for idle time, so that a replica that takes
+    /// over a user (or a user whose KV was dropped) answers at full speed.
+    /// Returns the facts encoded (0: nothing is pending).
+    pub fn encode_pending(&mut self, max_facts: usize, enc: &mut Encoders<'_, '_, B>) -> Result<usize> {
+        let (window, batch) = (self.spec.window, self.encode_batch);
+        while let Some(user) = self.pending.first().cloned() {
+            let Some(shard) = self.users.get_mut(&user) else {
+                self.pending.remove(&user);
+                continue;
+            };
+            let missing = shard.kv.iter().filter(|k| k.is_none()).count();
+            if missing == 0 {
+                self.pending.remove(&user);
+                continue;
+            }
+            let n = missing.min(max_facts.max(1));
+            if let Err(e) = shard.encode_missing(window, batch, n, enc) {
+                // Not retried in the background; a request still encodes it.
+                self.pending.remove(&user);
+                return Err(e);
+            }
+            if n == missing {
+                self.pending.remove(&user);
+            }
+            return Ok(n);
+        }
+        Ok(0)
     }
 
     /// The `k` facts most similar to `query` (cosine of unit vectors), best
@@ -417,8 +463,14 @@ impl<B: Backend> UserShard<B> {
     /// the fact, or before its source turn][fact], `batch` facts
     /// per engine call so that short encodings share forward passes; each
     /// batch's KV is appended to the segment at once.
-    fn encode_missing(&mut self, window: usize, batch: usize, enc: &mut Encoders<'_, '_, B>) -> Result<usize> {
-        let missing: Vec<usize> = (0..self.facts.len()).filter(|&i| self.kv[i].is_none()).collect();
+    fn encode_missing(
+        &mut self,
+        window: usize,
+        batch: usize,
+        limit: usize,
+        enc: &mut Encoders<'_, '_, B>,
+    ) -> Result<usize> {
+        let missing: Vec<usize> = (0..self.facts.len()).filter(|&i| self.kv[i].is_none()).take(limit).collect();
         let mut tokens = 0;
         for group in missing.chunks(batch) {
             let contexts: Vec<Vec<u32>> = group

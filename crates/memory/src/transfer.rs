@@ -165,6 +165,7 @@ impl<B: Backend> Memory<B> {
         match UserShard::open(&live, be, &self.header, &mut warnings) {
             Ok(shard) => {
                 self.users.insert(user.to_string(), shard);
+                self.pending.insert(user.to_string());
                 if had_old {
                     std::fs::remove_dir_all(&trash).map_err(io(&trash))?;
                 }
@@ -248,8 +249,8 @@ impl Staging {
                 });
             }
             if !r.kv.is_empty() {
-                let stored = StoredKv::decode(&r.kv, &self.header, &path)?;
-                if stored.fact_id != fact.id || stored.tokens != fact.tokens {
+                let (fact_id, tokens) = StoredKv::check(&r.kv, &self.header, &path)?;
+                if fact_id != fact.id || tokens != fact.tokens {
                     return Err(MemoryError::Invalid {
                         what: "shard record",
                         reason: format!("the KV sent with fact {:?} is not that fact's", fact.id),

@@ -277,6 +277,15 @@ pub fn run<B: Backend>(parts: WorkerParts<B>, cfg: WorkerConfig, rx: Receiver<Co
     };
     loop {
         let idle = core.live.is_empty() && core.ingests.is_empty();
+        if idle && core.encode_pending() {
+            // Background work done; look for commands before more of it.
+            match rx.try_recv() {
+                Ok(c) => core.handle(c, &mut sched),
+                Err(TryRecvError::Empty) => continue,
+                Err(TryRecvError::Disconnected) => return Ok(()),
+            }
+        }
+        let idle = core.live.is_empty() && core.ingests.is_empty();
         let first = if idle {
             match rx.recv_timeout(Duration::from_millis(500)) {
                 Ok(c) => Some(c),
@@ -531,6 +540,19 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
             if let Some(l) = self.live.remove(&id) {
                 self.stats.failed += 1;
                 let _ = l.events.send(Event::Failed(why(user.to_string())));
+            }
+        }
+    }
+
+    /// When idle: encodes a few facts still without KV (a replica's copy,
+    /// an import without KV). Returns whether it did any.
+    fn encode_pending(&mut self) -> bool {
+        let mut enc = Encoders { engine: &mut self.engine, embedder: &self.embedder, composer: self.composer };
+        match self.memory.encode_pending(self.cfg.ingest_batch, &mut enc) {
+            Ok(n) => n > 0,
+            Err(e) => {
+                eprintln!("inferscale worker: encoding stored facts in the background: {e}");
+                false
             }
         }
     }

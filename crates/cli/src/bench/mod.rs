@@ -2,6 +2,7 @@
 //! Speed targets live here, not in timed tests.
 
 mod engine;
+mod migrate;
 mod serve;
 mod ttft;
 
@@ -17,6 +18,8 @@ pub enum Command {
     Ttft(ttft::TtftArgs),
     /// Closed-loop serving throughput of one worker, kv vs prompt mode.
     Serve(serve::ServeBenchArgs),
+    /// Shard move throughput between two workers over the gRPC stream.
+    Migrate(migrate::MigrateBenchArgs),
 }
 
 pub fn run(c: Command) -> Result<()> {
@@ -24,6 +27,7 @@ pub fn run(c: Command) -> Result<()> {
         Command::Engine(a) => engine::run(a),
         Command::Ttft(a) => ttft::run(a),
         Command::Serve(a) => serve::run(a),
+        Command::Migrate(a) => migrate::run(a),
     }
 }
 

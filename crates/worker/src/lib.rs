@@ -5,10 +5,12 @@
 //! block counts, no tensors, no I/O) so that it can be tested exhaustively;
 //! [`core`] is the engine thread that carries out its steps; [`service`]
 //! turns gRPC calls into commands for that thread; [`transfer`] streams
-//! shards between workers for the cluster's rebalancer.
+//! shards between workers for the cluster's rebalancer; [`frames`] cuts a
+//! shard into fixed-size frames for device-to-device (NCCL) transfer.
 
 pub mod core;
 pub mod error;
+pub mod frames;
 pub mod scheduler;
 pub mod service;
 pub mod text;

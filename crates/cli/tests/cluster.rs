@@ -301,6 +301,20 @@ fn failures(log: &[Outcome]) -> Vec<String> {
     log.iter().filter_map(|(_, u, r)| r.as_ref().err().map(|e| format!("{u}: {e}"))).collect()
 }
 
+/// Asserts that every acknowledged `(user index, unit id)` is stored.
+fn assert_kept(router: &str, acked: &[(usize, String)], what: &str) {
+    let mut stored: BTreeMap<usize, BTreeSet<String>> = BTreeMap::new();
+    for (i, id) in acked {
+        let units = stored.entry(*i).or_insert_with(|| {
+            let (s, _, b) = http(router, "GET", &format!("/v1/memories/{}", user(*i)), b"");
+            assert_eq!(s, 200, "{what}: {}", String::from_utf8_lossy(&b));
+            let v: Value = serde_json::from_slice(&b).unwrap();
+            v["units"].as_array().unwrap().iter().map(|u| u["id"].as_str().unwrap().to_string()).collect()
+        });
+        assert!(units.contains(id), "{what}: acknowledged unit {id} of {} is lost", user(*i));
+    }
+}
+
 #[test]
 fn a_cluster_rebalances_fails_over_and_survives_etcd_restarts_under_load() {
     let rt = tokio::runtime::Runtime::new().unwrap();
@@ -428,17 +442,7 @@ fn a_cluster_rebalances_fails_over_and_survives_etcd_restarts_under_load() {
     );
     let acked = acked.lock().unwrap().clone();
     assert!(!acked.is_empty());
-    let mut stored: BTreeMap<usize, BTreeSet<String>> = BTreeMap::new();
-    for i in 0..USERS {
-        let (s, _, b) = http(&r1.addr, "GET", &format!("/v1/memories/{}", user(i)), b"");
-        assert_eq!(s, 200);
-        let v: Value = serde_json::from_slice(&b).unwrap();
-        stored
-            .insert(i, v["units"].as_array().unwrap().iter().map(|u| u["id"].as_str().unwrap().to_string()).collect());
-    }
-    for (i, id) in &acked {
-        assert!(stored[i].contains(id), "acknowledged unit {id} of {} is lost", user(*i));
-    }
+    assert_kept(&r1.addr, &acked, "after the kill");
     agree("after the kill");
 
     // 3. etcd restarts under load: requests keep succeeding from the cached
@@ -461,15 +465,7 @@ fn a_cluster_rebalances_fails_over_and_survives_etcd_restarts_under_load() {
     // its share back, and every acknowledged unit is still there.
     workers[slot] = Some(cluster_worker(&dir.path().join(format!("w{slot}")), &ep));
     wait_until("the returning worker is active and settled", Duration::from_secs(240), || settled(&rs, 4));
-    for (i, id) in &acked {
-        let (s, _, b) = http(&r1.addr, "GET", &format!("/v1/memories/{}", user(*i)), b"");
-        assert_eq!(s, 200);
-        assert!(
-            String::from_utf8_lossy(&b).contains(&format!("\"{id}\"")),
-            "unit {id} of {} lost after the rejoin",
-            user(*i)
-        );
-    }
+    assert_kept(&r1.addr, &acked, "after the rejoin");
     agree("after the rejoin");
 
     // 5. `cluster status` shows the cluster; `cluster drain` moves a worker's
@@ -497,13 +493,5 @@ fn a_cluster_rebalances_fails_over_and_survives_etcd_restarts_under_load() {
     let log = load.finish();
     let failed = failures(&log);
     assert!(failed.is_empty(), "{} of {} requests failed across the drain: {failed:?}", failed.len(), log.len());
-    for (i, id) in &acked {
-        let (s, _, b) = http(&r1.addr, "GET", &format!("/v1/memories/{}", user(*i)), b"");
-        assert_eq!(s, 200);
-        assert!(
-            String::from_utf8_lossy(&b).contains(&format!("\"{id}\"")),
-            "unit {id} of {} lost after the drain",
-            user(*i)
-        );
-    }
+    assert_kept(&r1.addr, &acked, "after the drain");
 }

@@ -68,7 +68,8 @@ impl Metrics {
         }
     }
 
-    /// The exposition text; `gauges` are (name, help, value) read at scrape.
+    /// The exposition text; `gauges` are (name, help, value) read at scrape
+    /// (a name ending in `_total` is typed as a counter).
     pub fn render(&self, gauges: &[(&str, &str, f64)]) -> String {
         let mut out = String::new();
         out.push_str("# HELP inferscale_requests_total HTTP requests by route and status.\n");
@@ -94,7 +95,9 @@ impl Metrics {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}", v.load(Ordering::Relaxed));
         }
         for (name, help, v) in gauges {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
+            // Totals read at scrape time are counters by name.
+            let kind = if name.ends_with("_total") { "counter" } else { "gauge" };
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}");
         }
         out
     }

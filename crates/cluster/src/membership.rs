@@ -66,7 +66,8 @@ async fn grant(store: &dyn Placement, ttl: Duration, salt: &str, stop: &mut ones
 /// be renewed for that long (a leader must step down before a rival can
 /// take over; a worker instead waits out a store outage, since etcd keeps
 /// leases across its restarts and re-registering would make the worker
-/// join again from scratch).
+/// join again from scratch). `on_renew` hears, for each renewal, when its
+/// request was sent: the lease lives at least `ttl` past that instant.
 async fn keep_alive(
     store: &dyn Placement,
     lease: LeaseId,
@@ -74,6 +75,7 @@ async fn keep_alive(
     patience: Option<Duration>,
     salt: &str,
     stop: &mut oneshot::Receiver<()>,
+    on_renew: &(dyn Fn(Instant) + Sync),
 ) -> bool {
     let mut renewed = Instant::now();
     let mut reported = false;
@@ -82,12 +84,14 @@ async fn keep_alive(
             _ = tokio::time::sleep(jitter(ttl / 3, salt)) => {}
             _ = &mut *stop => return false,
         }
+        let sent = Instant::now();
         match store.keep_alive(lease).await {
             Ok(true) => {
                 if reported {
                     eprintln!("inferscale cluster: {salt}: lease {lease:x} renewed again");
                 }
-                renewed = Instant::now();
+                renewed = sent;
+                on_renew(sent);
                 reported = false;
             }
             Ok(false) => {
@@ -137,7 +141,7 @@ impl Registration {
                     continue;
                 }
                 let _ = lease_tx.send(lease);
-                if !keep_alive(&*store, lease, ttl, None, &salt, &mut stop).await {
+                if !keep_alive(&*store, lease, ttl, None, &salt, &mut stop, &|_| {}).await {
                     // Leaving: delete the record now rather than in a TTL.
                     if let Err(e) = store.revoke(lease).await {
                         log(&format!("{salt}: cannot revoke its lease (it expires in {ttl:?})"), &e);
@@ -180,15 +184,30 @@ impl Drop for Registration {
 
 /// Leader election among routers: at most one holds `<root>/leader` (under
 /// its lease) at a time; the others retry every `ttl / 3`.
+///
+/// Holding the key is not enough to act on: a leader cut off from etcd
+/// learns it lost the lease only at its next failed renewal, after etcd may
+/// have let a rival win. So [`Campaign::leading`] counts only until two
+/// thirds of a TTL after the last renewal *was sent* — the lease surely
+/// lives until then — and the leader stops acting before a rival can start.
 pub struct Campaign {
     stop: Option<oneshot::Sender<()>>,
     leading: watch::Receiver<bool>,
+    until: Arc<std::sync::Mutex<Option<Instant>>>,
 }
 
 impl Campaign {
     pub fn spawn(store: Arc<dyn Placement>, keys: Keys, name: String, ttl: Duration) -> Campaign {
         let (stop_tx, mut stop) = oneshot::channel();
         let (leading_tx, leading) = watch::channel(false);
+        let until: Arc<std::sync::Mutex<Option<Instant>>> = Arc::default();
+        let safe = ttl.mul_f64(2.0 / 3.0);
+        let valid = until.clone();
+        let set = move |v: Option<Instant>| {
+            if let Ok(mut u) = valid.lock() {
+                *u = v;
+            }
+        };
         tokio::spawn(async move {
             let key = keys.leader();
             let salt = format!("router {name}");
@@ -197,10 +216,14 @@ impl Campaign {
                 // Try for the key while the lease lives; hold it while it lives.
                 let mut renewed = Instant::now();
                 loop {
+                    let sent = Instant::now();
                     let won = store.txn(Txn::default().when(&key, 0).put(&key, name.clone().into_bytes(), lease)).await;
                     if matches!(won, Ok(r) if r.succeeded) {
+                        set(Some(sent + safe));
                         let _ = leading_tx.send(true);
-                        let stopped = !keep_alive(&*store, lease, ttl, Some(ttl), &salt, &mut stop).await;
+                        let renew = |at: Instant| set(Some(at + safe));
+                        let stopped = !keep_alive(&*store, lease, ttl, Some(safe), &salt, &mut stop, &renew).await;
+                        set(None);
                         let _ = leading_tx.send(false);
                         if stopped {
                             let _ = store.revoke(lease).await;
@@ -224,14 +247,15 @@ impl Campaign {
                 }
             }
         });
-        Campaign { stop: Some(stop_tx), leading }
+        Campaign { stop: Some(stop_tx), leading, until }
     }
 
-    /// Whether this process leads now.
+    /// Whether this process may act as the leader now.
     pub fn leading(&self) -> bool {
-        *self.leading.borrow()
+        *self.leading.borrow() && self.until.lock().ok().and_then(|u| *u).is_some_and(|u| Instant::now() < u)
     }
 
+    /// Changes of leadership (won, lost), to wake a waiting leader's loop.
     pub fn subscribe(&self) -> watch::Receiver<bool> {
         self.leading.clone()
     }

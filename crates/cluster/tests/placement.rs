@@ -152,7 +152,7 @@ async fn membership_survives_lost_leases_and_etcd_restarts() {
 
 #[tokio::test]
 async fn one_leader_at_a_time() {
-    let etcd = EtcdProcess::start().await.expect("etcd");
+    let mut etcd = EtcdProcess::start().await.expect("etcd");
     let store: Arc<dyn Placement> = Arc::new(Etcd::connect(&[etcd.endpoint()]).expect("client"));
     let keys = Keys::new("/cluster-b");
     let mut view = watch_view(store.clone(), keys.clone(), 16);
@@ -174,4 +174,10 @@ async fn one_leader_at_a_time() {
     until(&mut view, "the other takes over", |v| v.leader.as_ref().is_some_and(|l| l.value != name)).await;
     let mut lf = follower.subscribe();
     tokio::time::timeout(Duration::from_secs(10), lf.wait_for(|&l| l)).await.expect("follower leads").expect("alive");
+    assert!(follower.leading());
+    // Cut off from etcd, the leader stops acting within two thirds of a TTL
+    // of its last renewal — before etcd could let a rival win.
+    etcd.kill();
+    tokio::time::sleep(TTL.mul_f64(2.0 / 3.0) + Duration::from_millis(100)).await;
+    assert!(!follower.leading(), "a leader that cannot renew must stop acting before its lease can expire");
 }

@@ -30,7 +30,6 @@ use inferscale_cluster::plan::{Action, Holdings, plan};
 use inferscale_cluster::store::{Event, KeyValue, Placement, Txn};
 use inferscale_cluster::view::{ClusterView, Keys, MemberState, PlacementRecord};
 use inferscale_proto as pb;
-use tokio::sync::watch;
 
 use crate::workers::Workers;
 
@@ -80,13 +79,12 @@ impl Rebalancer {
     /// Runs rounds while `campaign` says this router leads, forever.
     pub fn spawn(self, campaign: Campaign) -> tokio::task::JoinHandle<()> {
         tokio::spawn(async move {
-            let leading: watch::Receiver<bool> = campaign.subscribe();
             loop {
                 tokio::time::sleep(self.cfg.every).await;
-                if !*leading.borrow() {
+                if !campaign.leading() {
                     continue;
                 }
-                if let Err(e) = self.round(&leading).await {
+                if let Err(e) = self.round(&campaign).await {
                     eprintln!("inferscale router: rebalancing: {e}");
                 }
             }
@@ -111,18 +109,18 @@ impl Rebalancer {
     }
 
     /// One round: plan from fresh holdings and carry it out.
-    pub async fn round(&self, leading: &watch::Receiver<bool>) -> Result<(), String> {
+    pub async fn round(&self, campaign: &Campaign) -> Result<(), String> {
         let view = self.workers.view();
         if !view.connected {
             return Ok(()); // no rebalancing from a cached view
         }
         let holdings = self.holdings(&view).await;
         for action in plan(&view, &holdings, self.cfg.replicate) {
-            if !*leading.borrow() || !self.workers.view().connected {
+            if !campaign.leading() || !self.workers.view().connected {
                 break;
             }
             let what = format!("{action:?}");
-            if let Err(e) = self.act(action).await {
+            if let Err(e) = self.act(action, campaign).await {
                 self.stats.failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 eprintln!("inferscale router: rebalancing: {what}: {e}");
             }
@@ -143,10 +141,10 @@ impl Rebalancer {
         Ok(r.succeeded.then_some(r.revision))
     }
 
-    async fn act(&self, action: Action) -> Result<(), String> {
+    async fn act(&self, action: Action, campaign: &Campaign) -> Result<(), String> {
         let view = self.workers.view();
         match action {
-            Action::Move { user, from, to } => self.move_user(&view, &user, &from, &to).await,
+            Action::Move { user, from, to } => self.move_user(&view, &user, &from, &to, campaign).await,
             Action::Replicate { user, from, to } => {
                 let dest = self.worker(&to)?;
                 let req = pb::SendShardRequest {
@@ -203,10 +201,22 @@ impl Rebalancer {
         }
     }
 
-    async fn move_user(&self, view: &ClusterView, user: &str, from: &str, to: &str) -> Result<(), String> {
+    async fn move_user(
+        &self,
+        view: &ClusterView,
+        user: &str,
+        from: &str,
+        to: &str,
+        campaign: &Campaign,
+    ) -> Result<(), String> {
         let started = Instant::now();
         let (src, dest) = (self.worker(from)?, self.worker(to)?);
         let replicate = self.cfg.replicate;
+        // Deleting the destination's copy is the one step no compare-and-swap
+        // guards: only a leader sure of its lease may take it.
+        if !campaign.leading() {
+            return Err("no longer the leader".into());
+        }
         if !view.writers(user, replicate).contains(&to) {
             let req = pb::ForgetRequest { user: user.into(), unit_id: String::new() };
             match dest.client().forget(request(req, Duration::from_secs(30))).await {

@@ -66,8 +66,7 @@ async fn view(c: &ClusterArgs) -> Result<(Arc<dyn Placement>, ClusterView)> {
 }
 
 async fn client(addr: &str) -> Result<pb::worker_client::WorkerClient<tonic::transport::Channel>> {
-    let uri = if addr.contains("://") { addr.to_string() } else { format!("http://{addr}") };
-    let channel = tonic::transport::Endpoint::from_shared(uri)?
+    let channel = tonic::transport::Endpoint::from_shared(pb::uri(addr))?
         .connect_timeout(Duration::from_secs(2))
         .connect()
         .await
@@ -78,14 +77,6 @@ async fn client(addr: &str) -> Result<pb::worker_client::WorkerClient<tonic::tra
 async fn users_of(addr: &str) -> Result<Vec<String>> {
     let mut c = client(addr).await?;
     Ok(c.list_users(pb::ListUsersRequest {}).await?.into_inner().users)
-}
-
-fn state(s: MemberState) -> &'static str {
-    match s {
-        MemberState::Joining => "joining",
-        MemberState::Active => "active",
-        MemberState::Draining => "draining",
-    }
 }
 
 async fn status(a: StatusArgs) -> Result<()> {
@@ -103,7 +94,7 @@ async fn status(a: StatusArgs) -> Result<()> {
         };
         let homes = users.as_ref().map(|us| us.iter().filter(|u| view.home(u) == Some(m.name.as_str())).count());
         workers.push(json!({
-            "name": m.name, "addr": m.addr, "state": state(m.state), "reachable": users.is_some(),
+            "name": m.name, "addr": m.addr, "state": m.state, "reachable": users.is_some(),
             "users_held": users.as_ref().map(Vec::len), "users_home": homes,
             "running": stats.map(|s| s.running), "waiting": stats.map(|s| s.waiting),
             "kv_blocks_free": stats.map(|s| s.kv_blocks_free), "kv_blocks_total": stats.map(|s| s.kv_blocks_total),

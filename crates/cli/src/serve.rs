@@ -313,12 +313,8 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         // beside the memory so that placement survives a restart.
         let path = a.worker.mem.dir().join("placement.json");
         let store: Arc<dyn Placement> = inferscale_cluster::embedded::Embedded::open(&path)?;
-        let cluster = ClusterArgs {
-            etcd: Vec::new(),
-            cluster_root: "/inferscale".into(),
-            lease_ttl_s: 10,
-            name: Some("local".into()),
-        };
+        let cluster = ClusterArgs { etcd: Vec::new(), cluster_root: "/inferscale".into(), lease_ttl_s: 10, name: None };
+        // The one worker and the one router share the node's name.
         let reg = register(store.clone(), &cluster, "local".into(), addr).await?;
         let membership = Membership::Store {
             store,

@@ -37,8 +37,7 @@ impl Etcd {
         }
         let mut list = Vec::with_capacity(endpoints.len());
         for e in endpoints {
-            let uri = if e.contains("://") { e.clone() } else { format!("http://{e}") };
-            let ep = Endpoint::from_shared(uri.clone())
+            let ep = Endpoint::from_shared(inferscale_proto::uri(e))
                 .map_err(|err| ClusterError::Invalid(format!("etcd endpoint {e:?}: {err}")))?
                 .connect_timeout(Duration::from_secs(2))
                 .tcp_nodelay(true)

@@ -18,6 +18,7 @@
 //! to a worker that does not hold its memory yet.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
@@ -53,6 +54,24 @@ impl Keys {
     pub fn leader(&self) -> String {
         format!("{}/leader", self.root)
     }
+
+    /// What `key` is, if it is one of this cluster's.
+    fn classify<'k>(&self, key: &'k str) -> Option<Key<'k>> {
+        let rest = key.strip_prefix(self.root.as_str())?.strip_prefix('/')?;
+        if let Some(name) = rest.strip_prefix("members/") {
+            Some(Key::Member(name))
+        } else if let Some(user) = rest.strip_prefix("placement/") {
+            Some(Key::Placement(user))
+        } else {
+            (rest == "leader").then_some(Key::Leader)
+        }
+    }
+}
+
+enum Key<'k> {
+    Member(&'k str),
+    Placement(&'k str),
+    Leader,
 }
 
 impl Default for Keys {
@@ -118,8 +137,10 @@ pub struct ClusterView {
     pub members: BTreeMap<String, Versioned<Member>>,
     pub records: BTreeMap<String, Versioned<PlacementRecord>>,
     pub leader: Option<Versioned<String>>,
-    ring: Ring,
-    keys: Option<Keys>,
+    /// Over the active members; shared between the views a watch
+    /// publishes, rebuilt only when membership changes.
+    ring: Arc<Ring>,
+    keys: Keys,
     vnodes: usize,
 }
 
@@ -132,7 +153,7 @@ impl ClusterView {
             revision: snapshot.revision,
             connected: true,
             vnodes,
-            keys: Some(keys.clone()),
+            keys: keys.clone(),
             ..Default::default()
         };
         let mut errors = Vec::new();
@@ -175,61 +196,65 @@ impl ClusterView {
     /// Applies watched events (in order) and moves to `revision`.
     pub fn apply(&mut self, revision: i64, events: &[Event]) -> Vec<ClusterError> {
         let mut errors = Vec::new();
+        let mut membership = false;
         for e in events {
-            let r = match e {
-                Event::Put(kv) => self.put(kv),
-                Event::Delete { key, .. } => {
-                    self.delete(key);
-                    Ok(())
-                }
-            };
-            if let Err(e) = r {
-                errors.push(e);
+            match e {
+                Event::Put(kv) => match self.put(kv) {
+                    Ok(changed) => membership |= changed,
+                    Err(e) => errors.push(e),
+                },
+                Event::Delete { key, .. } => membership |= self.delete(key),
             }
         }
         self.revision = self.revision.max(revision);
-        self.rebuild_ring();
+        if membership {
+            self.rebuild_ring();
+        }
         errors
     }
 
-    fn keys(&self) -> Keys {
-        self.keys.clone().unwrap_or_default()
-    }
-
-    fn put(&mut self, kv: &KeyValue) -> Result<()> {
-        let keys = self.keys();
+    /// Applies one put; returns whether membership changed.
+    fn put(&mut self, kv: &KeyValue) -> Result<bool> {
         let decode = |reason: String| ClusterError::Decode { key: kv.key.clone(), reason };
-        if let Some(name) = kv.key.strip_prefix(&keys.member("")) {
-            let m: Member = serde_json::from_slice(&kv.value).map_err(|e| decode(e.to_string()))?;
-            if m.name != name {
-                return Err(decode(format!("member record names {:?}", m.name)));
+        match self.keys.classify(&kv.key) {
+            Some(Key::Member(name)) => {
+                let m: Member = serde_json::from_slice(&kv.value).map_err(|e| decode(e.to_string()))?;
+                if m.name != name {
+                    return Err(decode(format!("member record names {:?}", m.name)));
+                }
+                self.members.insert(name.to_string(), versioned(kv, m));
+                return Ok(true);
             }
-            self.members.insert(name.to_string(), versioned(kv, m));
-        } else if let Some(user) = kv.key.strip_prefix(&keys.placement("")) {
-            let r: PlacementRecord = serde_json::from_slice(&kv.value).map_err(|e| decode(e.to_string()))?;
-            self.records.insert(user.to_string(), versioned(kv, r));
-        } else if kv.key == keys.leader() {
-            let name = String::from_utf8(kv.value.clone()).map_err(|e| decode(e.to_string()))?;
-            self.leader = Some(versioned(kv, name));
+            Some(Key::Placement(user)) => {
+                let r: PlacementRecord = serde_json::from_slice(&kv.value).map_err(|e| decode(e.to_string()))?;
+                self.records.insert(user.to_string(), versioned(kv, r));
+            }
+            Some(Key::Leader) => {
+                let name = String::from_utf8(kv.value.clone()).map_err(|e| decode(e.to_string()))?;
+                self.leader = Some(versioned(kv, name));
+            }
+            None => {}
         }
-        Ok(())
+        Ok(false)
     }
 
-    fn delete(&mut self, key: &str) {
-        let keys = self.keys();
-        if let Some(name) = key.strip_prefix(&keys.member("")) {
-            self.members.remove(name);
-        } else if let Some(user) = key.strip_prefix(&keys.placement("")) {
-            self.records.remove(user);
-        } else if key == keys.leader() {
-            self.leader = None;
+    /// Applies one delete; returns whether membership changed.
+    fn delete(&mut self, key: &str) -> bool {
+        match self.keys.classify(key) {
+            Some(Key::Member(name)) => return self.members.remove(name).is_some(),
+            Some(Key::Placement(user)) => {
+                self.records.remove(user);
+            }
+            Some(Key::Leader) => self.leader = None,
+            None => {}
         }
+        false
     }
 
     fn rebuild_ring(&mut self) {
         let active =
             self.members.values().filter(|m| m.value.state == MemberState::Active).map(|m| m.value.name.clone());
-        self.ring = Ring::new(active, self.vnodes.max(1));
+        self.ring = Arc::new(Ring::new(active, self.vnodes.max(1)));
     }
 
     /// The ring over active members.

@@ -152,9 +152,7 @@ impl<B: Backend> Memory<B> {
             std::fs::remove_dir_all(&trash).map_err(io(&trash))?;
         }
         // Close the old copy's files before its directory moves.
-        let old = self.users.remove(user);
-        let had_old = old.is_some() || live.exists();
-        drop(old);
+        drop(self.users.remove(user));
         if live.exists() {
             std::fs::rename(&live, &trash).map_err(io(&live))?;
         }
@@ -166,7 +164,7 @@ impl<B: Backend> Memory<B> {
             Ok(shard) => {
                 self.users.insert(user.to_string(), shard);
                 self.pending.insert(user.to_string());
-                if had_old {
+                if trash.exists() {
                     std::fs::remove_dir_all(&trash).map_err(io(&trash))?;
                 }
                 Ok(report)

@@ -13,3 +13,10 @@ pub mod etcd {
 }
 
 pub use v1::*;
+
+/// The URI a gRPC client dials for `addr`: `host:port` as plain HTTP/2, or
+/// a URI that already names its scheme, unchanged. Worker and etcd
+/// addresses are given either way on command lines and in the cluster.
+pub fn uri(addr: &str) -> String {
+    if addr.contains("://") { addr.to_string() } else { format!("http://{addr}") }
+}

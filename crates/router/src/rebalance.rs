@@ -31,7 +31,7 @@ use inferscale_cluster::store::{Event, KeyValue, Placement, Txn};
 use inferscale_cluster::view::{ClusterView, Keys, MemberState, PlacementRecord};
 use inferscale_proto as pb;
 
-use crate::workers::Workers;
+use crate::workers::{Worker, Workers};
 
 #[derive(Debug, Clone)]
 pub struct RebalanceConfig {
@@ -91,21 +91,16 @@ impl Rebalancer {
         })
     }
 
+    /// What every live worker holds, asked of all at once.
     async fn holdings(&self, view: &ClusterView) -> Holdings {
-        let mut h = Holdings { complete: true, ..Default::default() };
-        for name in view.members.keys() {
-            let Some(w) = self.workers.get(name) else {
-                h.complete = false;
-                continue;
-            };
-            match w.client().list_users(request(pb::ListUsersRequest {}, Duration::from_secs(5))).await {
-                Ok(r) => {
-                    h.by_worker.insert(name.clone(), r.into_inner().users.into_iter().collect::<BTreeSet<_>>());
-                }
-                Err(_) => h.complete = false,
-            }
-        }
-        h
+        let asks = view.members.keys().map(|name| async move {
+            let w = self.workers.get(name)?;
+            let r = w.client().list_users(request(pb::ListUsersRequest {}, Duration::from_secs(5))).await.ok()?;
+            Some((name.clone(), r.into_inner().users.into_iter().collect::<BTreeSet<_>>()))
+        });
+        let answers = futures_util::future::join_all(asks).await;
+        let complete = answers.iter().all(Option::is_some);
+        Holdings { by_worker: answers.into_iter().flatten().collect(), complete }
     }
 
     /// One round: plan from fresh holdings and carry it out.
@@ -128,7 +123,17 @@ impl Rebalancer {
         Ok(())
     }
 
-    fn worker(&self, name: &str) -> Result<Arc<crate::workers::Worker>, String> {
+    /// Removes `w`'s copy of `user` (none is fine).
+    async fn forget_copy(&self, w: &Worker, user: &str) -> Result<(), String> {
+        let req = pb::ForgetRequest { user: user.into(), unit_id: String::new() };
+        match w.client().forget(request(req, Duration::from_secs(30))).await {
+            Ok(_) => Ok(()),
+            Err(e) if e.code() == tonic::Code::NotFound => Ok(()),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    fn worker(&self, name: &str) -> Result<Arc<Worker>, String> {
         self.workers.get(name).ok_or_else(|| format!("worker {name} is not connected"))
     }
 
@@ -158,15 +163,7 @@ impl Rebalancer {
                 src.client().send_shard(request(req, Duration::from_secs(600))).await.map_err(|e| e.to_string())?;
                 Ok(())
             }
-            Action::Drop { user, worker } => {
-                let w = self.worker(&worker)?;
-                let req = pb::ForgetRequest { user, unit_id: String::new() };
-                match w.client().forget(request(req, Duration::from_secs(30))).await {
-                    Ok(_) => Ok(()),
-                    Err(e) if e.code() == tonic::Code::NotFound => Ok(()),
-                    Err(e) => Err(e.to_string()),
-                }
-            }
+            Action::Drop { user, worker } => self.forget_copy(&*self.worker(&worker)?, &user).await,
             Action::Activate { worker } => {
                 let m = view.members.get(&worker).ok_or_else(|| format!("{worker} is gone"))?;
                 let mut member = m.value.clone();
@@ -218,12 +215,7 @@ impl Rebalancer {
             return Err("no longer the leader".into());
         }
         if !view.writers(user, replicate).contains(&to) {
-            let req = pb::ForgetRequest { user: user.into(), unit_id: String::new() };
-            match dest.client().forget(request(req, Duration::from_secs(30))).await {
-                Ok(_) => {}
-                Err(e) if e.code() == tonic::Code::NotFound => {}
-                Err(e) => return Err(format!("clearing {to}'s stale copy: {e}")),
-            }
+            self.forget_copy(&dest, user).await.map_err(|e| format!("clearing {to}'s stale copy: {e}"))?;
         }
         let rev = view.records.get(user).map_or(0, |r| r.mod_revision);
         let moving = PlacementRecord { home: from.into(), moving_to: Some(to.into()) };

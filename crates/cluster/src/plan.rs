@@ -53,6 +53,20 @@ pub enum Action {
     ResetRecord { user: String },
 }
 
+impl Action {
+    /// The action's kind, for logs and trace span names.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Action::Move { .. } => "move",
+            Action::Replicate { .. } => "replicate",
+            Action::Drop { .. } => "drop",
+            Action::Activate { .. } => "activate",
+            Action::ClearRecord { .. } => "clear_record",
+            Action::ResetRecord { .. } => "reset_record",
+        }
+    }
+}
+
 /// The next actions, moves first (so a round's copies see its moves).
 pub fn plan(view: &ClusterView, holdings: &Holdings, replicate: bool) -> Vec<Action> {
     let target = view.target_ring();

@@ -14,6 +14,17 @@ pub enum Mode {
     None,
 }
 
+impl Mode {
+    /// The name requests use (`kv`, `prompt`, `none`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Kv => "kv",
+            Mode::Prompt => "prompt",
+            Mode::None => "none",
+        }
+    }
+}
+
 impl std::str::FromStr for Mode {
     type Err = MemoryError;
 
@@ -70,7 +81,20 @@ pub fn prepare<B: Backend>(
                 })
                 .collect::<Result<Vec<&KvChunk<B>>>>()?;
             memory_tokens = chunks.iter().map(|c| c.len()).sum();
+            let c = engine.model().config();
+            let bytes = memory_tokens * 2 * c.num_layers * c.kv_dim() * engine.backend().kv_bytes_per_value();
+            let span = tracing::info_span!(
+                "inject",
+                facts = chunks.len() as i64,
+                tokens = memory_tokens as i64,
+                bytes = bytes as i64
+            )
+            .entered();
             engine.inject(&mut seq, &chunks)?;
+            if !span.is_disabled() {
+                // Device work is asynchronous: the span should cover it.
+                engine.backend().synchronize()?;
+            }
         }
         Mode::Prompt => {
             for &i in &order {

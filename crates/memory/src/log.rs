@@ -138,6 +138,15 @@ impl RecordLog {
         sync_dir(parent_dir(&self.path))
     }
 
+    /// Bytes of intact records on disk.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
     pub fn path(&self) -> &Path {
         &self.path
     }

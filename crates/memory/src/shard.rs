@@ -76,6 +76,16 @@ pub struct IngestReport {
     pub encoded_tokens: usize,
 }
 
+/// Where a shard's bytes are, for the stores-per-tier metrics.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Footprint {
+    /// Pre-RoPE K and V held in the backend's memory (device memory on a
+    /// GPU backend, host memory on the CPU one).
+    pub kv_resident_bytes: u64,
+    /// Fact and KV logs on disk.
+    pub disk_bytes: u64,
+}
+
 pub struct Memory<B: Backend> {
     pub(crate) dir: PathBuf,
     spec: ShardSpec,
@@ -189,6 +199,18 @@ impl<B: Backend> Memory<B> {
 
     pub fn users(&self) -> impl Iterator<Item = &str> {
         self.users.keys().map(String::as_str)
+    }
+
+    /// Bytes held per tier, with resident KV at `bytes_per_value` per
+    /// element (the backend's). O(facts): meant for a scrape, not a hot path.
+    pub fn footprint(&self, bytes_per_value: usize) -> Footprint {
+        let per_token = 2 * (self.header.layers * self.header.kv_dim * bytes_per_value) as u64;
+        let mut f = Footprint::default();
+        for u in self.users.values() {
+            f.kv_resident_bytes += u.kv.iter().flatten().map(|c| c.len() as u64 * per_token).sum::<u64>();
+            f.disk_bytes += u.log.len() + u.kv_log.len();
+        }
+        f
     }
 
     pub fn facts(&self, user: &str) -> Result<&[Fact]> {

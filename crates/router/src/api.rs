@@ -16,7 +16,9 @@ use axum::response::{IntoResponse, Response};
 use axum::{Json, Router, routing};
 use futures_util::{Stream, StreamExt};
 use inferscale_proto as pb;
+use inferscale_telemetry::{prom, propagate};
 use serde_json::json;
+use tracing::{Instrument, info_span};
 
 use crate::auth::{Keys, scoped};
 use crate::error::{ApiError, Result};
@@ -82,10 +84,22 @@ pub fn app(state: Shared) -> Router {
         .with_state(state)
 }
 
-/// Counts every response by route and status.
+/// Traces every request (continuing the client's `traceparent`, if any)
+/// and counts its response by route and status.
 async fn count(State(s): State<Shared>, req: Request, next: Next) -> Response {
     let route = req.extensions().get::<MatchedPath>().map_or("unmatched".to_string(), |p| p.as_str().to_string());
-    let resp = next.run(req).await;
+    let method = req.method().clone();
+    let span = info_span!(
+        "http.request",
+        otel.name = %format_args!("{method} {route}"),
+        otel.kind = "server",
+        http.request.method = %method,
+        http.route = %route,
+        http.response.status_code = tracing::field::Empty,
+    );
+    propagate::continue_from_headers(&span, req.headers());
+    let resp = next.run(req).instrument(span.clone()).await;
+    span.record("http.response.status_code", i64::from(resp.status().as_u16()));
     s.metrics.request(&route, resp.status().as_u16());
     resp
 }
@@ -102,9 +116,11 @@ fn tenant(s: &AppState, headers: &HeaderMap) -> Result<String> {
     s.keys.tenant(auth)
 }
 
+/// A worker call with a deadline, carrying the current span's trace context.
 fn grpc<T>(msg: T, deadline: Duration) -> tonic::Request<T> {
     let mut r = tonic::Request::new(msg);
     r.set_timeout(deadline);
+    propagate::inject_current(&mut r);
     r
 }
 
@@ -253,13 +269,14 @@ async fn start(
             }
             Err(e) => return Err(e),
         };
+        let span = info_span!("route", worker = %w.worker().name, attempt = tried.len() as i64 + 1, memory);
         let attempt = async {
             let mut stream =
                 w.worker().client().generate(grpc(chat.req.clone(), s.defaults.deadline)).await?.into_inner();
             let first = stream.message().await?;
             Ok::<_, tonic::Status>((stream, first))
         };
-        match attempt.await {
+        match attempt.instrument(span).await {
             Ok((stream, first)) => return Ok((w, stream, first)),
             Err(status) => {
                 if unreachable(&status) {
@@ -397,6 +414,7 @@ async fn chat(
             clock,
             sent_role: false,
             done: false,
+            _span: tracing::Span::current(),
         };
         sse(st).into_response()
     } else {
@@ -459,6 +477,9 @@ struct SseState {
     clock: Clock,
     sent_role: bool,
     done: bool,
+    /// The request's span lives as long as its stream, so the trace
+    /// covers the whole answer rather than the response headers.
+    _span: tracing::Span,
 }
 
 fn chunk(st: &SseState, delta: serde_json::Value, finish: Option<&str>) -> SseEvent {
@@ -678,12 +699,12 @@ async fn metrics(State(s): State<Shared>) -> Response {
         ("inferscale_worker_requests_failed", "Requests that failed at the worker.", |s| s.requests_failed as f64),
     ];
     for (name, help, get) in fields {
-        text.push_str(&format!("# HELP {name} {help}\n# TYPE {name} gauge\n"));
+        prom::header(&mut text, name, "gauge", help);
         for w in &all {
             if let Some(st) = w.stats() {
                 text.push_str(&format!("{name}{{worker=\"{}\"}} {}\n", w.name, get(&st)));
             }
         }
     }
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+    ([(header::CONTENT_TYPE, prom::CONTENT_TYPE)], text).into_response()
 }

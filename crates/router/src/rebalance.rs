@@ -30,6 +30,7 @@ use inferscale_cluster::plan::{Action, Holdings, plan};
 use inferscale_cluster::store::{Event, KeyValue, Placement, Txn};
 use inferscale_cluster::view::{ClusterView, Keys, MemberState, PlacementRecord};
 use inferscale_proto as pb;
+use tracing::{Instrument, info_span};
 
 use crate::workers::{Worker, Workers};
 
@@ -69,9 +70,11 @@ fn json<T: serde::Serialize>(v: &T) -> Vec<u8> {
     serde_json::to_vec(v).unwrap_or_default()
 }
 
+/// A worker call with a deadline, carrying the current span's trace context.
 fn request<T>(msg: T, timeout: Duration) -> tonic::Request<T> {
     let mut r = tonic::Request::new(msg);
     r.set_timeout(timeout);
+    inferscale_telemetry::propagate::inject_current(&mut r);
     r
 }
 
@@ -115,7 +118,8 @@ impl Rebalancer {
                 break;
             }
             let what = format!("{action:?}");
-            if let Err(e) = self.act(action, campaign).await {
+            let span = info_span!("migration", otel.name = action.name(), action = %what);
+            if let Err(e) = self.act(action, campaign).instrument(span).await {
                 self.stats.failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 eprintln!("inferscale router: rebalancing: {what}: {e}");
             }
@@ -219,7 +223,8 @@ impl Rebalancer {
         }
         let rev = view.records.get(user).map_or(0, |r| r.mod_revision);
         let moving = PlacementRecord { home: from.into(), moving_to: Some(to.into()) };
-        let Some(rev) = self.put_record(user, rev, &moving).await? else {
+        let claim = info_span!("claim", user, from, to);
+        let Some(rev) = self.put_record(user, rev, &moving).instrument(claim).await? else {
             return Err("its placement changed meanwhile; planning again".into());
         };
         let req = pb::SendShardRequest {
@@ -229,7 +234,10 @@ impl Rebalancer {
             freeze: true,
             max_bytes_per_sec: self.cfg.max_bytes_per_sec,
         };
-        let sent = src.client().send_shard(request(req, Duration::from_secs(3600))).await;
+        let send = info_span!("send_shard", user, from, to, bytes = tracing::field::Empty);
+        let sent = async { src.client().send_shard(request(req, Duration::from_secs(3600))).await }
+            .instrument(send.clone())
+            .await;
         let back = PlacementRecord { home: from.into(), moving_to: None };
         let release = |drop| pb::ReleaseShardRequest { user: user.into(), drop };
         let sent = match sent {
@@ -241,7 +249,8 @@ impl Rebalancer {
             }
         };
         let flipped = PlacementRecord { home: to.into(), moving_to: None };
-        let Some(new_rev) = self.put_record(user, rev, &flipped).await? else {
+        let flip = info_span!("flip", user, to);
+        let Some(new_rev) = self.put_record(user, rev, &flipped).instrument(flip).await? else {
             let _ = src.client().release_shard(request(release(false), Duration::from_secs(10))).await;
             return Err("its placement changed during the copy; the move is dropped".into());
         };
@@ -250,11 +259,12 @@ impl Rebalancer {
         let kv = KeyValue { key: self.keys.placement(user), value: json(&flipped), mod_revision: new_rev, lease: 0 };
         after.apply(new_rev, &[Event::Put(kv)]);
         let keep = after.writers(user, replicate).contains(&from);
-        src.client()
-            .release_shard(request(release(!keep), Duration::from_secs(30)))
+        async { src.client().release_shard(request(release(!keep), Duration::from_secs(30))).await }
+            .instrument(info_span!("release", user, worker = from, drop = !keep))
             .await
             .map_err(|e| format!("releasing {from}: {e}"))?;
         let imported = sent.imported.unwrap_or_default();
+        send.record("bytes", imported.bytes as i64);
         self.stats.moves.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.stats.moved_bytes.fetch_add(imported.bytes, std::sync::atomic::Ordering::Relaxed);
         eprintln!(

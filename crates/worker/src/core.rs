@@ -10,6 +10,7 @@
 //! long. The gRPC layer talks to this thread only through [`Command`]s.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::time::{Duration, Instant};
 
@@ -20,8 +21,10 @@ use inferscale_engine::{Backend, Engine, FinishReason, NextToken, Sequence};
 use inferscale_memory::{Composer, Encoders, Fact, IngestReport, Memory, Mode, SYSTEM_PROMPT, Turn, prepare};
 use inferscale_model::ModelFiles;
 use tokio::sync::{mpsc, oneshot};
+use tracing::{Span, field::Empty, info_span};
 
 use crate::error::{Result, WorkerError};
+use crate::metrics::WorkerMetrics;
 use crate::scheduler::{RequestId, RequestSpec, Scheduler, SchedulerConfig};
 use crate::text::{Delta, TextStream};
 
@@ -71,6 +74,8 @@ pub struct GenerateJob {
     pub params: SamplingParams,
     pub deadline: Option<Duration>,
     pub arrived: Instant,
+    /// The request's trace span; its phases are children of it.
+    pub span: Span,
 }
 
 /// Where a request's time went, in milliseconds: each phase's duration,
@@ -124,6 +129,10 @@ pub struct Stats {
     pub failed: u64,
     pub window: usize,
     pub max_queue: usize,
+    /// Pre-RoPE KV of the memory held in the backend's memory, and the
+    /// memory's logs on disk.
+    pub kv_resident_bytes: u64,
+    pub disk_bytes: u64,
 }
 
 /// A stored unit as listed.
@@ -172,6 +181,9 @@ struct Live {
     finish: Option<FinishReason>,
     timings: Timings,
     admitted: Option<Instant>,
+    /// The phase under way (queue, prefill, decode), ended when the next
+    /// begins.
+    phase: Span,
 }
 
 struct IngestJob {
@@ -237,7 +249,12 @@ fn ms(d: Duration) -> f64 {
 }
 
 /// Runs the engine thread until every command sender is dropped.
-pub fn run<B: Backend>(parts: WorkerParts<B>, cfg: WorkerConfig, rx: Receiver<Command>) -> Result<()> {
+pub fn run<B: Backend>(
+    parts: WorkerParts<B>,
+    cfg: WorkerConfig,
+    rx: Receiver<Command>,
+    metrics: Arc<WorkerMetrics>,
+) -> Result<()> {
     let WorkerParts { files, mut engine, embedder, mut memory, eos } = parts;
     let composer = Composer::new(&files, SYSTEM_PROMPT)?;
     let tokenizer =
@@ -273,6 +290,7 @@ pub fn run<B: Backend>(parts: WorkerParts<B>, cfg: WorkerConfig, rx: Receiver<Co
         next_id: 0,
         stats: Stats::default(),
         moves: moves::Moves::default(),
+        metrics,
         profile: Profile { on: std::env::var_os("INFERSCALE_WORKER_PROFILE").is_some(), ..Default::default() },
     };
     loop {
@@ -329,6 +347,7 @@ struct Core<'c, 'f, B: Backend> {
     next_id: RequestId,
     stats: Stats,
     moves: moves::Moves,
+    metrics: Arc<WorkerMetrics>,
     profile: Profile,
 }
 
@@ -336,7 +355,9 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
     fn handle(&mut self, c: Command, sched: &mut Scheduler) {
         match c {
             Command::Generate { job, events } => {
+                let span = job.span.clone();
                 if let Err(e) = self.admit(job, events.clone(), sched) {
+                    span.record("otel.status_code", "error");
                     self.stats.failed += 1;
                     let _ = events.send(Event::Failed(e));
                 }
@@ -408,6 +429,9 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
                 s.facts = m.users().map(|u| m.facts(u).map_or(0, <[_]>::len)).sum();
                 s.window = m.spec().window;
                 s.max_queue = self.cfg.max_queue;
+                let footprint = m.footprint(self.engine.backend().kv_bytes_per_value());
+                s.kv_resident_bytes = footprint.kv_resident_bytes;
+                s.disk_bytes = footprint.disk_bytes;
                 let _ = reply.send(s);
             }
         }
@@ -444,6 +468,9 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
         }
         let question = self.composer.question(&job.question)?;
         let t0 = Instant::now();
+        let retrieve =
+            info_span!(parent: &job.span, "retrieve", k = job.k as i64, candidates = Empty, retrieved = Empty);
+        let entered = retrieve.enter();
         let mut facts = Vec::new();
         if job.mode != Mode::None && self.memory.has_user(&job.user) {
             let engine = &mut self.engine;
@@ -454,7 +481,11 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
             let query = self.embedder.embed(self.engine.backend(), &[job.question.as_str()])?;
             let query = query.first().ok_or_else(|| WorkerError::Invalid("empty question embedding".into()))?;
             facts = self.memory.retrieve(&job.user, query, job.k)?;
+            retrieve.record("candidates", self.memory.facts(&job.user).map_or(0, <[_]>::len) as i64);
         }
+        retrieve.record("retrieved", facts.len() as i64);
+        drop(entered);
+        drop(retrieve);
         let retrieve_ms = ms(t0.elapsed());
         let all = if facts.is_empty() { &[][..] } else { self.memory.facts(&job.user)? };
         let memory_tokens: usize = facts.iter().map(|&i| all[i].tokens.len()).sum();
@@ -484,6 +515,7 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
         })?;
         let mut job = job;
         job.params.max_tokens = max_new;
+        let phase = info_span!(parent: &job.span, "queue");
         self.live.insert(
             id,
             Live {
@@ -498,6 +530,7 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
                 finish: None,
                 timings: Timings { retrieve_ms, ..Default::default() },
                 admitted: None,
+                phase,
                 question,
             },
         );
@@ -522,6 +555,7 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
                 if late && !l.events.is_closed() {
                     self.stats.failed += 1;
                     let ms = l.job.deadline.map_or(0, |d| d.as_millis() as u64);
+                    l.job.span.record("otel.status_code", "error");
                     let _ = l.events.send(Event::Failed(WorkerError::Deadline(ms)));
                 } else {
                     self.stats.cancelled += 1;
@@ -539,6 +573,7 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
             sched.cancel(id);
             if let Some(l) = self.live.remove(&id) {
                 self.stats.failed += 1;
+                l.job.span.record("otel.status_code", "error");
                 let _ = l.events.send(Event::Failed(why(user.to_string())));
             }
         }
@@ -603,6 +638,11 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
         l.admitted = Some(now);
         // Retrieval ran at arrival; the rest of the wait was for admission.
         l.timings.queue_ms = (ms(now - l.job.arrived) - l.timings.retrieve_ms).max(0.0);
+        self.metrics.admitted(l.timings.queue_ms / 1e3);
+        l.phase = Span::none();
+        let compose =
+            info_span!(parent: &l.job.span, "compose", mode = l.job.mode.as_str(), facts = l.fact_ids.len() as i64);
+        let _entered = compose.enter();
         let facts = match l.fact_ids.is_empty() {
             true => Vec::new(),
             false => {
@@ -617,6 +657,7 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
         let p = prepare(&mut self.engine, &self.memory, &l.job.user, &facts, l.job.mode, &self.header, &l.question)?;
         self.engine.backend().synchronize()?;
         l.timings.inject_ms = ms(now.elapsed());
+        l.phase = info_span!(parent: &l.job.span, "prefill", tokens = p.seq.pending() as i64);
         l.fact_ids = p.fact_ids;
         l.seq = Some(p.seq);
         Ok(())
@@ -654,7 +695,11 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
                 seqs.push(seq);
             }
         }
+        let forward = Instant::now();
         let logits = if seqs.is_empty() { Ok(Vec::new()) } else { self.engine.step_exact(&mut seqs, &takes, &greedy) };
+        if !seqs.is_empty() {
+            self.metrics.stepped(seqs.len(), forward.elapsed().as_secs_f64());
+        }
         drop(seqs);
         let t2 = self.profile.add(|p| &mut p.forward, t1);
         self.profile.steps += 1;
@@ -680,6 +725,7 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
             sched.cancel(id);
             if let Some(l) = self.live.remove(&id) {
                 self.stats.failed += 1;
+                l.job.span.record("otel.status_code", "error");
                 let _ = l.events.send(Event::Failed(e));
             }
         }
@@ -702,6 +748,8 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
             let now = Instant::now();
             l.timings.first_token_ms = ms(now - l.job.arrived);
             l.timings.prefill_ms = l.admitted.map_or(0.0, |a| ms(now - a) - l.timings.inject_ms);
+            self.metrics.first_token(l.job.mode, l.timings.first_token_ms / 1e3);
+            l.phase = info_span!(parent: &l.job.span, "decode", tokens = Empty);
         }
         if !l.job.params.ignore_eos && eos.contains(&tok) {
             l.finish = Some(FinishReason::Eos);
@@ -739,6 +787,12 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
         let header = self.header.len();
         let question = l.seq.as_ref().map_or(0, |s| s.len() - l.generated.len());
         l.timings.total_ms = ms(l.job.arrived.elapsed());
+        // The first token ends the prefill; the decode makes the others.
+        let decoded = l.generated.len().saturating_sub(1);
+        self.metrics.decoded(l.job.mode, decoded, (l.timings.total_ms - l.timings.first_token_ms).max(0.0) / 1e3);
+        l.phase.record("tokens", l.generated.len() as i64);
+        let reason = l.finish.unwrap_or(FinishReason::Length);
+        l.job.span.record("finish_reason", format!("{reason:?}").to_lowercase());
         let usage = Usage {
             prompt_tokens: question,
             injected_tokens: if l.job.mode == Mode::Kv { l.memory_tokens } else { 0 },
@@ -747,12 +801,7 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
             facts: l.fact_ids.len(),
         };
         self.stats.finished += 1;
-        let finished = Finished {
-            reason: l.finish.unwrap_or(FinishReason::Length),
-            usage,
-            timings: l.timings,
-            fact_ids: l.fact_ids,
-        };
+        let finished = Finished { reason, usage, timings: l.timings, fact_ids: l.fact_ids };
         let _ = l.events.send(Event::Finished(Box::new(finished)));
     }
 }

@@ -13,9 +13,12 @@ use inferscale_proto as pb;
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::{Stream, StreamExt, wrappers::UnboundedReceiverStream};
 use tonic::{Request, Response, Status};
+use tracing::{Instrument, info_span};
 
 use crate::core::{Command, Event, GenerateJob, ShardCommand, WorkerConfig, WorkerParts, run};
 use crate::error::{Result, WorkerError};
+use crate::metrics::WorkerMetrics;
+use inferscale_telemetry::propagate;
 
 /// Tokens generated when a request does not say.
 pub const DEFAULT_MAX_TOKENS: usize = 256;
@@ -41,6 +44,7 @@ pub struct WorkerService {
     tx: std::sync::mpsc::Sender<Command>,
     info: WorkerInfo,
     ready: Arc<AtomicBool>,
+    metrics: Arc<WorkerMetrics>,
 }
 
 /// Starts the engine thread: `load` builds the engine, embedder and memory
@@ -55,6 +59,8 @@ where
     let (started_tx, started_rx) = std::sync::mpsc::channel::<Result<()>>();
     let ready = Arc::new(AtomicBool::new(false));
     let flag = ready.clone();
+    let metrics = Arc::new(WorkerMetrics::default());
+    let observed = metrics.clone();
     let thread = std::thread::Builder::new()
         .name("inferscale-engine".into())
         .spawn(move || {
@@ -69,13 +75,13 @@ where
             // Not ready from the moment the thread ends, panics included.
             let _ready = NotReadyOnDrop(flag);
             let _ = started_tx.send(Ok(()));
-            if let Err(e) = run(parts, cfg, rx) {
+            if let Err(e) = run(parts, cfg, rx, observed) {
                 eprintln!("inferscale worker: engine thread stopped: {e}");
             }
         })
         .map_err(|e| WorkerError::Startup(format!("starting the engine thread: {e}")))?;
     started_rx.recv().map_err(|_| WorkerError::Startup("the engine thread exited while loading".into()))??;
-    Ok((WorkerService { tx, info, ready }, thread))
+    Ok((WorkerService { tx, info, ready, metrics }, thread))
 }
 
 impl WorkerService {
@@ -83,6 +89,19 @@ impl WorkerService {
         pb::worker_server::WorkerServer::new(self)
             .max_decoding_message_size(crate::transfer::MAX_MESSAGE_BYTES)
             .max_encoding_message_size(crate::transfer::MAX_MESSAGE_BYTES)
+    }
+
+    /// Whether the engine is loaded and its thread runs.
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::SeqCst)
+    }
+
+    pub fn info(&self) -> &WorkerInfo {
+        &self.info
+    }
+
+    pub fn metrics(&self) -> &WorkerMetrics {
+        &self.metrics
     }
 
     pub(crate) fn send(&self, c: Command) -> std::result::Result<(), Status> {
@@ -165,6 +184,8 @@ impl pb::worker_server::Worker for WorkerService {
         &self,
         req: Request<pb::IngestRequest>,
     ) -> std::result::Result<Response<pb::IngestResponse>, Status> {
+        let span = info_span!("ingest", otel.kind = "server", units = req.get_ref().units.len() as i64);
+        propagate::continue_from_metadata(&span, req.metadata());
         let r = req.into_inner();
         let units = r
             .units
@@ -173,7 +194,8 @@ impl pb::worker_server::Worker for WorkerService {
             .collect();
         let window = r.window.map(|w| w as usize);
         let (user, defer_kv) = (r.user, r.defer_kv);
-        let report = self.call(|reply| Command::Ingest { user, window, units, defer_kv, reply }).await??;
+        let report =
+            self.call(|reply| Command::Ingest { user, window, units, defer_kv, reply }).instrument(span).await??;
         Ok(Response::new(pb::IngestResponse {
             added: report.added as u32,
             skipped: report.skipped as u32,
@@ -185,6 +207,18 @@ impl pb::worker_server::Worker for WorkerService {
 
     async fn generate(&self, req: Request<pb::GenerateRequest>) -> std::result::Result<Response<EventStream>, Status> {
         let arrived = Instant::now();
+        let r = req.get_ref();
+        let memory = mode(r.mode)?;
+        // Ended when the engine thread lets go of the request.
+        let span = info_span!(
+            "generate",
+            otel.kind = "server",
+            otel.status_code = tracing::field::Empty,
+            mode = memory.as_str(),
+            k = i64::from(r.k),
+            finish_reason = tracing::field::Empty,
+        );
+        propagate::continue_from_metadata(&span, req.metadata());
         let r = req.into_inner();
         let question = match r.messages.last() {
             Some(m) if m.role == "user" => m.content.clone(),
@@ -196,12 +230,13 @@ impl pb::worker_server::Worker for WorkerService {
         let job = GenerateJob {
             user: r.user,
             question,
-            mode: mode(r.mode)?,
+            mode: memory,
             k: r.k as usize,
             window: r.window.map(|w| w as usize),
             params: sampling(r.sampling),
             deadline: (r.deadline_ms > 0).then(|| Duration::from_millis(r.deadline_ms.into())),
             arrived,
+            span,
         };
         let (events, rx) = mpsc::unbounded_channel();
         self.send(Command::Generate { job, events })?;
@@ -277,21 +312,29 @@ impl pb::worker_server::Worker for WorkerService {
         &self,
         req: Request<pb::ExportShardRequest>,
     ) -> std::result::Result<Response<Self::ExportShardStream>, Status> {
-        Ok(Response::new(crate::transfer::export(self.clone(), req.into_inner())))
+        let span = info_span!("export_shard", otel.kind = "server", user = %req.get_ref().user);
+        propagate::continue_from_metadata(&span, req.metadata());
+        Ok(Response::new(crate::transfer::export(self.clone(), req.into_inner(), span)))
     }
 
     async fn import_shard(
         &self,
         req: Request<tonic::Streaming<pb::ShardChunk>>,
     ) -> std::result::Result<Response<pb::ImportShardResponse>, Status> {
-        Ok(Response::new(crate::transfer::import(self, req.into_inner()).await?))
+        let span = info_span!("import_shard", otel.kind = "server", bytes = tracing::field::Empty);
+        propagate::continue_from_metadata(&span, req.metadata());
+        let r = crate::transfer::import(self, req.into_inner()).instrument(span.clone()).await?;
+        span.record("bytes", r.bytes as i64);
+        Ok(Response::new(r))
     }
 
     async fn send_shard(
         &self,
         req: Request<pb::SendShardRequest>,
     ) -> std::result::Result<Response<pb::SendShardResponse>, Status> {
-        Ok(Response::new(crate::transfer::send(self, req.into_inner()).await?))
+        let span = info_span!("send_shard", otel.kind = "server", user = %req.get_ref().user, to = %req.get_ref().to);
+        propagate::continue_from_metadata(&span, req.metadata());
+        Ok(Response::new(crate::transfer::send(self, req.into_inner()).instrument(span).await?))
     }
 
     async fn release_shard(

@@ -4,15 +4,18 @@
 //! export streamed into another worker's import).
 
 use std::collections::HashSet;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use inferscale_memory::{KvHeader, MemoryError, ShardRecord, Staging};
 use inferscale_proto as pb;
+use inferscale_telemetry::propagate;
 use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Status;
+use tracing::Instrument;
 
 use crate::core::{Command, ShardCommand};
 use crate::error::WorkerError;
@@ -37,14 +40,18 @@ fn shard_records(records: Vec<ShardRecord>) -> Vec<pb::ShardRecord> {
     records.into_iter().map(|r| pb::ShardRecord { crc32: r.checksum(), fact: r.fact, kv: r.kv }).collect()
 }
 
-/// Streams `req.user`'s shard (see `ExportShard` in the proto).
-pub fn export(svc: WorkerService, req: pb::ExportShardRequest) -> ChunkStream {
+/// Streams `req.user`'s shard (see `ExportShard` in the proto), traced
+/// under `span`.
+pub fn export(svc: WorkerService, req: pb::ExportShardRequest, span: tracing::Span) -> ChunkStream {
     let (tx, rx) = mpsc::channel(2);
-    tokio::spawn(async move {
-        if let Err(e) = export_into(&svc, req, &tx).await {
-            let _ = tx.send(Err(e)).await;
+    tokio::spawn(
+        async move {
+            if let Err(e) = export_into(&svc, req, &tx).await {
+                let _ = tx.send(Err(e)).await;
+            }
         }
-    });
+        .instrument(span),
+    );
     ReceiverStream::new(rx)
 }
 
@@ -183,6 +190,9 @@ pub async fn import(
             WorkerError::Memory(m) => staging_error(m),
             e => Status::from(e),
         })?;
+    let m = svc.metrics();
+    m.shards_received.fetch_add(1, Ordering::Relaxed);
+    m.shard_bytes_received.fetch_add(report.bytes, Ordering::Relaxed);
     Ok(pb::ImportShardResponse {
         facts: report.facts as u32,
         with_kv: report.with_kv as u32,
@@ -214,6 +224,7 @@ pub async fn send(svc: &WorkerService, req: pb::SendShardRequest) -> Result<pb::
             freeze: req.freeze,
             max_bytes_per_sec: req.max_bytes_per_sec,
         },
+        tracing::info_span!("export_shard", user = %req.user),
     );
     // An export error ends the outgoing stream early (the receiver then
     // imports nothing) and is what this call reports.
@@ -228,6 +239,8 @@ pub async fn send(svc: &WorkerService, req: pb::SendShardRequest) -> Result<pb::
             None
         }
     });
+    let mut outgoing = tonic::Request::new(outgoing);
+    propagate::inject_current(&mut outgoing);
     let answer = client.import_shard(outgoing).await;
     if let Some(e) = failed.lock().ok().and_then(|mut s| s.take()) {
         return Err(e);
@@ -237,5 +250,8 @@ pub async fn send(svc: &WorkerService, req: pb::SendShardRequest) -> Result<pb::
             Status::new(s.code(), format!("worker {} refused {:?}'s shard: {}", req.to, req.user, s.message()))
         })?
         .into_inner();
+    let m = svc.metrics();
+    m.shards_sent.fetch_add(1, Ordering::Relaxed);
+    m.shard_bytes_sent.fetch_add(imported.bytes, Ordering::Relaxed);
     Ok(pb::SendShardResponse { imported: Some(imported), seconds: started.elapsed().as_secs_f64() })
 }

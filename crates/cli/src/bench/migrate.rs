@@ -10,6 +10,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
+use inferscale_loadtest::synthetic::synthetic_facts;
 use inferscale_proto as pb;
 use inferscale_proto::worker_client::WorkerClient;
 use serde::Serialize;
@@ -17,7 +18,6 @@ use tokio::net::TcpListener;
 use tonic::transport::Channel;
 
 use crate::serve::{WorkerArgs, runtime, serve_grpc, start_worker};
-use crate::synthetic::synthetic_facts;
 
 #[derive(Args, Debug)]
 pub struct MigrateBenchArgs {

@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
+use inferscale_loadtest::synthetic::synthetic_facts;
 use inferscale_proto as pb;
 use inferscale_proto::worker_client::WorkerClient;
 use serde::Serialize;
@@ -29,7 +30,6 @@ use tokio::net::TcpListener;
 use tokio::sync::Mutex;
 
 use crate::serve::{WorkerArgs, runtime, serve_grpc, start_worker};
-use crate::synthetic::synthetic_facts;
 
 const QUESTION: &str = "Where did Caroline go camping last summer?";
 

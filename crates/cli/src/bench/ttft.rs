@@ -20,13 +20,13 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use inferscale_engine::sampling::{Rng, argmax};
 use inferscale_engine::{Backend, EncodeItem, Engine, KvChunk, Sequence};
+use inferscale_loadtest::synthetic::synthetic_facts;
+use inferscale_memory::{Composer, SYSTEM_PROMPT};
 use inferscale_model::ModelFiles;
 use serde::Serialize;
 
 use super::{median, random_prompt};
 use crate::runtime::{ModelArgs, load_on, on_backend};
-use crate::synthetic::synthetic_facts;
-use inferscale_memory::{Composer, SYSTEM_PROMPT};
 
 const QUESTION: &str = "Where did Caroline go camping?";
 

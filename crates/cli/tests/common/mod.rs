@@ -27,8 +27,14 @@ impl Drop for Proc {
 /// Starts `inferscale args…` and waits (up to 3 minutes) for the stderr line
 /// containing `marker`, taking the address that follows it.
 pub fn spawn(args: &[&str], marker: &str) -> Proc {
+    spawn_env(args, marker, &[])
+}
+
+/// [`spawn`] with extra environment variables.
+pub fn spawn_env(args: &[&str], marker: &str, env: &[(&str, &str)]) -> Proc {
     let mut child = Command::new(env!("CARGO_BIN_EXE_inferscale"))
         .args(args)
+        .envs(env.iter().copied())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
@@ -63,11 +69,24 @@ pub fn http_as(
     path: &str,
     body: &[u8],
 ) -> (u16, Vec<(String, String)>, Vec<u8>) {
+    let auth = key.map(|k| format!("Bearer {k}"));
+    let headers: Vec<(&str, &str)> = auth.as_deref().map(|a| ("Authorization", a)).into_iter().collect();
+    http_with(addr, method, path, &headers, body)
+}
+
+/// One HTTP/1.1 exchange with extra request headers.
+pub fn http_with(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> (u16, Vec<(String, String)>, Vec<u8>) {
     let mut s = TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
-    let auth = key.map_or(String::new(), |k| format!("Authorization: Bearer {k}\r\n"));
+    let extra: String = headers.iter().map(|(k, v)| format!("{k}: {v}\r\n")).collect();
     let head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\n{extra}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
         body.len()
     );
     s.write_all(head.as_bytes()).unwrap();
@@ -108,4 +127,13 @@ pub fn dechunk(mut b: &[u8]) -> Vec<u8> {
 pub fn json_call(addr: &str, method: &str, path: &str, body: &Value) -> (u16, Value) {
     let (status, _, b) = http(addr, method, path, body.to_string().as_bytes());
     (status, serde_json::from_slice(&b).unwrap_or(Value::Null))
+}
+
+/// Where the tests' Python packages are installed (`scripts/test.sh`
+/// fills it: the OpenAI client, the OTLP collectors).
+pub fn python_path() -> std::path::PathBuf {
+    let home = std::env::var_os("INFERSCALE_HOME")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/inferscale"));
+    home.join("python")
 }

@@ -1,0 +1,232 @@
+//! The closed loop: ingest every user's memory once, then for each
+//! (users, mode, k) point let N user tasks ask, each sending its next
+//! request as soon as the previous one ended.
+//!
+//! A closed loop measures what N users who wait for answers get; its
+//! offered load adapts to the server, so overload shows up as latency, not
+//! as an ever-growing queue. Each point starts with every user's warm-up
+//! requests (unmeasured: they open the user's connection and retrieve from
+//! its memory, so first-touch costs stay out of the numbers). Warm-ups are
+//! kv mode with one output token whatever the point's mode: they touch the
+//! same retrieval path, and a prompt-mode warm-up at k = 50 would cost as
+//! much as a measured round. Then a barrier, so all users start together.
+//! A point ends at `requests` requests in all or `duration` after its
+//! start, whichever comes first; requests already sent then still finish
+//! and count, and the point's wall time runs until the last one ends.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use hyper::Method;
+use serde_json::{Value, json};
+use tokio::sync::Barrier;
+
+use crate::client::{Client, Outcome};
+use crate::error::{Error, Result};
+use crate::report::{Ingest, Point};
+use crate::users::User;
+
+/// How memory reaches the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// The facts' stored KV is injected into the cache: only the question is prefilled.
+    Kv,
+    /// The facts' text is pasted into the prompt and prefilled.
+    Prompt,
+}
+
+impl Mode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Kv => "kv",
+            Mode::Prompt => "prompt",
+        }
+    }
+}
+
+impl std::str::FromStr for Mode {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Mode> {
+        match s {
+            "kv" => Ok(Mode::Kv),
+            "prompt" => Ok(Mode::Prompt),
+            other => Err(Error::Config(format!("unknown mode {other:?} (kv or prompt)"))),
+        }
+    }
+}
+
+/// What to measure. Points run users-major (all modes and k at 1 user, then
+/// at 5, …) so a run cut short still has complete low-concurrency curves.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub users: Vec<usize>,
+    pub modes: Vec<Mode>,
+    pub ks: Vec<u32>,
+    /// Requests per point, over all its users.
+    pub requests: usize,
+    /// Time per point.
+    pub duration: Duration,
+    pub max_tokens: u32,
+    /// Unmeasured requests per user before each point (kv mode, one token).
+    pub warmup: usize,
+    /// Ask for exactly `max_tokens` (vLLM's `ignore_eos`), so every request
+    /// does the same decode work whatever the answer.
+    pub ignore_eos: bool,
+    /// Sent with every ingest when set; the server refuses another than its own.
+    pub window: Option<u32>,
+}
+
+impl Plan {
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: &str| Err(Error::Config(m.to_string()));
+        if self.users.is_empty() || self.users.contains(&0) {
+            return bad("--users needs counts of at least 1");
+        }
+        if self.modes.is_empty() {
+            return bad("--modes needs kv, prompt or both");
+        }
+        if self.ks.is_empty() || self.ks.contains(&0) {
+            return bad("--k needs values of at least 1");
+        }
+        if self.requests == 0 || self.duration.is_zero() {
+            return bad("--requests and --duration-s must be positive");
+        }
+        if self.max_tokens == 0 {
+            return bad("--max-tokens must be at least 1");
+        }
+        Ok(())
+    }
+
+    /// The largest user count: how many users the run needs.
+    pub fn max_users(&self) -> usize {
+        self.users.iter().copied().max().unwrap_or(0)
+    }
+}
+
+/// Turns per ingest request: small enough that a batch is encoded well
+/// inside the router's deadline even on a slow CPU with a context window.
+const INGEST_BATCH: usize = 16;
+/// Ingest requests in flight at once. The worker encodes one unit after
+/// another anyway; more in flight would only make each wait longer (and
+/// risk the deadline) without storing memory any sooner.
+const INGEST_CONCURRENCY: usize = 2;
+/// Attempts per batch: a 429/503/504 is retried (re-sending stored ids is
+/// a no-op, so a batch the worker finished after the deadline is skipped).
+const INGEST_ATTEMPTS: usize = 4;
+
+/// Sends every user's turns, in batches, users side by side. A failed
+/// ingest stops the run: without memory the points would measure something
+/// else.
+pub async fn ingest(client: &Client, users: &[User], window: Option<u32>) -> Result<Ingest> {
+    let start = Instant::now();
+    let slots = Arc::new(tokio::sync::Semaphore::new(INGEST_CONCURRENCY));
+    let mut tasks = tokio::task::JoinSet::new();
+    for u in users {
+        let (client, u, slots) = (client.clone(), u.clone(), slots.clone());
+        tasks.spawn(async move {
+            let (mut added, mut skipped) = (0, 0);
+            for batch in u.turns.chunks(INGEST_BATCH) {
+                let mut body = json!({"user": u.id, "turns": batch});
+                if let Some(w) = window {
+                    body["window"] = json!(w);
+                }
+                let _slot = slots.acquire().await.map_err(|e| Error::Config(format!("ingest: {e}")))?;
+                let mut attempt = 1;
+                let v = loop {
+                    match client.json(Method::POST, "/v1/memories", Some(&body)).await {
+                        Err(Error::Status { status: 429 | 503 | 504, .. }) if attempt < INGEST_ATTEMPTS => {
+                            tokio::time::sleep(Duration::from_secs(2 * attempt as u64)).await;
+                            attempt += 1;
+                        }
+                        r => break r?,
+                    }
+                };
+                added += v["added"].as_u64().unwrap_or(0);
+                skipped += v["skipped"].as_u64().unwrap_or(0);
+            }
+            Ok::<_, Error>((added, skipped))
+        });
+    }
+    let mut out = Ingest { users: users.len(), ..Ingest::default() };
+    while let Some(r) = tasks.join_next().await {
+        let (a, s) = r.map_err(|e| Error::Config(format!("ingest task: {e}")))??;
+        out.added += a;
+        out.skipped += s;
+    }
+    out.seconds = start.elapsed().as_secs_f64();
+    Ok(out)
+}
+
+/// The chat body of one request.
+fn chat_body(model: &str, user: &User, question: &str, mode: Mode, k: u32, plan: &Plan) -> Value {
+    let mut b = json!({
+        "model": model,
+        "user": user.id,
+        "messages": [{"role": "user", "content": question}],
+        "stream": true,
+        "stream_options": {"include_usage": true},
+        "max_tokens": plan.max_tokens,
+        "temperature": 0,
+        "memory": {"mode": mode.as_str(), "k": k},
+    });
+    if plan.ignore_eos {
+        b["ignore_eos"] = json!(true);
+    }
+    b
+}
+
+/// Measures one point with the first `n` of `users`.
+pub async fn point(client: &Client, model: &str, users: &[User], n: usize, mode: Mode, k: u32, plan: &Plan) -> Point {
+    let barrier = Arc::new(Barrier::new(n));
+    let start: Arc<OnceLock<Instant>> = Arc::new(OnceLock::new());
+    let tickets = Arc::new(AtomicUsize::new(0));
+    let mut tasks = tokio::task::JoinSet::new();
+    for (i, u) in users.iter().take(n).enumerate() {
+        let (client, u, plan, model) = (client.clone(), u.clone(), plan.clone(), model.to_string());
+        let (barrier, start, tickets) = (barrier.clone(), start.clone(), tickets.clone());
+        tasks.spawn(async move {
+            // Users start at different questions so that they do not ask in lockstep.
+            let mut q = i;
+            let mut next = |u: &User| {
+                let body = chat_body(&model, u, &u.questions[q % u.questions.len()], mode, k, &plan);
+                q += 1;
+                body
+            };
+            for _ in 0..plan.warmup {
+                let mut body = next(&u);
+                body["memory"]["mode"] = json!(Mode::Kv.as_str());
+                body["max_tokens"] = json!(1);
+                client.chat_stream(&body).await;
+            }
+            barrier.wait().await;
+            let t0 = *start.get_or_init(Instant::now);
+            let deadline = t0 + plan.duration;
+            let mut outcomes = Vec::new();
+            let mut last = t0;
+            while Instant::now() < deadline && tickets.fetch_add(1, Ordering::Relaxed) < plan.requests {
+                outcomes.push(client.chat_stream(&next(&u)).await);
+                last = Instant::now();
+            }
+            (outcomes, last)
+        });
+    }
+    let mut outcomes: Vec<Outcome> = Vec::new();
+    let mut end = None;
+    while let Some(r) = tasks.join_next().await {
+        match r {
+            Ok((o, last)) => {
+                outcomes.extend(o);
+                end = end.max(Some(last));
+            }
+            // A user task only ends this way if it panicked: count it, go on.
+            Err(e) => outcomes
+                .push(Outcome::Failed(crate::client::Failure { status: "panic".into(), message: e.to_string() })),
+        }
+    }
+    let wall = match (start.get(), end) {
+        (Some(s), Some(e)) => e.saturating_duration_since(*s),
+        _ => Duration::ZERO,
+    };
+    Point::new(mode.as_str(), k, n, wall, &outcomes)
+}

@@ -1,0 +1,47 @@
+//! The worker's HTTP port: `/metrics` (Prometheus), `/healthz` (the
+//! process answers) and `/readyz` (the engine is loaded and its thread
+//! runs) — what a scraper and an orchestrator's probes need, apart from
+//! the gRPC service.
+
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::{Router, routing};
+use inferscale_telemetry::prom;
+
+use crate::core::Command;
+use crate::service::WorkerService;
+
+pub fn app(svc: WorkerService) -> Router {
+    Router::new()
+        .route("/metrics", routing::get(metrics))
+        .route("/healthz", routing::get(|| async { "ok\n" }))
+        .route("/readyz", routing::get(readyz))
+        .with_state(svc)
+}
+
+/// Serves [`app`] on `listener` until `shutdown` resolves.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    svc: WorkerService,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, app(svc)).with_graceful_shutdown(shutdown).await
+}
+
+async fn readyz(State(svc): State<WorkerService>) -> Response {
+    match svc.is_ready() {
+        true => "ready\n".into_response(),
+        false => (StatusCode::SERVICE_UNAVAILABLE, "the engine is not running\n").into_response(),
+    }
+}
+
+async fn metrics(State(svc): State<WorkerService>) -> Response {
+    match svc.call(|reply| Command::Stats { reply }).await {
+        Ok(stats) => {
+            let tier = if svc.info().backend == "cpu" { "host" } else { "device" };
+            ([(header::CONTENT_TYPE, prom::CONTENT_TYPE)], svc.metrics().render(&stats, tier)).into_response()
+        }
+        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("{}\n", e.message())).into_response(),
+    }
+}

@@ -1,0 +1,141 @@
+//! The worker's Prometheus metrics, served on its HTTP port ([`crate::http`]).
+//!
+//! Latencies are observed by the engine thread as they happen; gauges
+//! (queue, batch, KV blocks, memory per tier) are read from the engine
+//! thread's [`Stats`] at scrape time, so a scrape costs one round trip to
+//! that thread.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use inferscale_memory::Mode;
+use inferscale_telemetry::prom::{self, Histogram};
+
+use crate::core::Stats;
+
+/// Rows (sequences) per forward step: powers of two up to the largest
+/// running batch.
+const ROW_BUCKETS: [f64; 11] = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0];
+
+/// Memory modes, in label order.
+const MODES: [&str; 3] = ["kv", "prompt", "none"];
+
+fn mode_index(mode: Mode) -> usize {
+    match mode {
+        Mode::Kv => 0,
+        Mode::Prompt => 1,
+        Mode::None => 2,
+    }
+}
+
+#[derive(Debug)]
+pub struct WorkerMetrics {
+    /// Per mode: arrival at the worker to the first token, and the time per
+    /// output token after it.
+    ttft: [Histogram; 3],
+    tpot: [Histogram; 3],
+    /// Arrival to admission into the running batch (retrieval excluded).
+    queue: Histogram,
+    /// Sequences per forward step, and the step's duration.
+    batch_rows: Histogram,
+    step: Histogram,
+    pub shards_sent: AtomicU64,
+    pub shard_bytes_sent: AtomicU64,
+    pub shards_received: AtomicU64,
+    pub shard_bytes_received: AtomicU64,
+}
+
+impl Default for WorkerMetrics {
+    fn default() -> Self {
+        WorkerMetrics {
+            ttft: Default::default(),
+            tpot: Default::default(),
+            queue: Histogram::default(),
+            batch_rows: Histogram::new(&ROW_BUCKETS),
+            step: Histogram::default(),
+            shards_sent: AtomicU64::new(0),
+            shard_bytes_sent: AtomicU64::new(0),
+            shards_received: AtomicU64::new(0),
+            shard_bytes_received: AtomicU64::new(0),
+        }
+    }
+}
+
+impl WorkerMetrics {
+    pub(crate) fn first_token(&self, mode: Mode, seconds: f64) {
+        self.ttft[mode_index(mode)].observe(seconds);
+    }
+
+    /// A finished request's decode: `tokens` after the first in `seconds`.
+    pub(crate) fn decoded(&self, mode: Mode, tokens: usize, seconds: f64) {
+        if tokens > 0 {
+            self.tpot[mode_index(mode)].observe(seconds / tokens as f64);
+        }
+    }
+
+    pub(crate) fn admitted(&self, waited_seconds: f64) {
+        self.queue.observe(waited_seconds);
+    }
+
+    pub(crate) fn stepped(&self, rows: usize, seconds: f64) {
+        self.batch_rows.observe(rows as f64);
+        self.step.observe(seconds);
+    }
+
+    /// The exposition text: these histograms and counters with `stats`,
+    /// resident memory labelled as the `resident_tier` it lives in.
+    pub fn render(&self, stats: &Stats, resident_tier: &str) -> String {
+        let mut out = String::new();
+        for (name, help, h) in [
+            ("inferscale_worker_ttft_seconds", "Arrival at the worker to the first token, by memory mode.", &self.ttft),
+            ("inferscale_worker_tpot_seconds", "Time per output token after the first, by memory mode.", &self.tpot),
+        ] {
+            prom::header(&mut out, name, "histogram", help);
+            for (mode, h) in MODES.iter().zip(h) {
+                h.render(&mut out, name, &format!("mode=\"{mode}\""));
+            }
+        }
+        for (name, help, h) in [
+            ("inferscale_worker_queue_seconds", "Wait for admission into the running batch.", &self.queue),
+            ("inferscale_worker_batch_rows", "Sequences per forward step.", &self.batch_rows),
+            ("inferscale_worker_step_seconds", "Duration of a forward step.", &self.step),
+        ] {
+            prom::header(&mut out, name, "histogram", help);
+            h.render(&mut out, name, "");
+        }
+        let n = |v: usize| v as f64;
+        for (name, help, v) in [
+            ("inferscale_worker_queue_depth", "Requests waiting for admission.", n(stats.waiting)),
+            ("inferscale_worker_running", "Requests in the running batch.", n(stats.running)),
+            ("inferscale_worker_kv_blocks_total", "KV cache blocks.", n(stats.kv_blocks_total)),
+            ("inferscale_worker_kv_blocks_free", "Free KV cache blocks.", n(stats.kv_blocks_free)),
+            (
+                "inferscale_worker_kv_blocks_used",
+                "KV cache blocks in use.",
+                n(stats.kv_blocks_total.saturating_sub(stats.kv_blocks_free)),
+            ),
+            ("inferscale_worker_users", "Users with memory here.", n(stats.users)),
+            ("inferscale_worker_facts", "Memory units stored here.", n(stats.facts)),
+        ] {
+            prom::single(&mut out, name, help, v);
+        }
+        let name = "inferscale_worker_memory_bytes";
+        prom::header(&mut out, name, "gauge", "Memory-store bytes by tier (resident KV; logs on disk).");
+        out.push_str(&format!("{name}{{tier=\"{}\"}} {}\n", prom::label(resident_tier), stats.kv_resident_bytes));
+        out.push_str(&format!("{name}{{tier=\"disk\"}} {}\n", stats.disk_bytes));
+        let name = "inferscale_worker_requests_total";
+        prom::header(&mut out, name, "counter", "Requests that left the worker, by how.");
+        for (status, v) in [("finished", stats.finished), ("cancelled", stats.cancelled), ("failed", stats.failed)] {
+            out.push_str(&format!("{name}{{status=\"{status}\"}} {v}\n"));
+        }
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64;
+        for (name, help, v) in [
+            ("inferscale_worker_shards_sent_total", "Shards this worker sent in migrations.", &self.shards_sent),
+            ("inferscale_worker_shard_bytes_sent_total", "Bytes of shards sent.", &self.shard_bytes_sent),
+            ("inferscale_worker_shards_received_total", "Shards received and committed.", &self.shards_received),
+            ("inferscale_worker_shard_bytes_received_total", "Bytes of shards received.", &self.shard_bytes_received),
+        ] {
+            prom::single(&mut out, name, help, load(v));
+        }
+        out
+    }
+}

@@ -27,34 +27,9 @@ use crate::error::{Error, Result};
 use crate::report::{Ingest, Point};
 use crate::users::User;
 
-/// How memory reaches the model.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Mode {
-    /// The facts' stored KV is injected into the cache: only the question is prefilled.
-    Kv,
-    /// The facts' text is pasted into the prompt and prefilled.
-    Prompt,
-}
-
-impl Mode {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Mode::Kv => "kv",
-            Mode::Prompt => "prompt",
-        }
-    }
-}
-
-impl std::str::FromStr for Mode {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Mode> {
-        match s {
-            "kv" => Ok(Mode::Kv),
-            "prompt" => Ok(Mode::Prompt),
-            other => Err(Error::Config(format!("unknown mode {other:?} (kv or prompt)"))),
-        }
-    }
-}
+/// How memory reaches the model (`kv` or `prompt` for a load test): the
+/// worker's own type, so the names cannot drift.
+pub use inferscale_memory::Mode;
 
 /// What to measure. Points run users-major (all modes and k at 1 user, then
 /// at 5, …) so a run cut short still has complete low-concurrency curves.

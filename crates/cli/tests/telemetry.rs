@@ -436,3 +436,79 @@ fn one_trace_per_request_across_router_and_worker_and_metrics_move() {
     assert_eq!(router_moved("inferscale_requests_total{route=\"/v1/chat/completions\",status=\"200\"}"), 3.0);
     assert!(router_moved("inferscale_tpot_seconds_count{mode=\"kv\"}") >= 1.0);
 }
+
+/// A shard move between two worker processes, asked for by a caller with a
+/// trace of its own, is one trace: the source's `send_shard` continues the
+/// caller's span, its `export_shard` is a child, and the destination's
+/// `import_shard` (another process) is a child of the source's `send_shard`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shard_move_is_one_trace_across_both_workers() {
+    use inferscale_proto as pb;
+    let py = python_path();
+    assert!(py.join("oteltap").is_dir(), "oteltap is not in {}: run scripts/test.sh", py.display());
+    let dir = tempfile::tempdir().unwrap();
+    let tap_port = free_port();
+    let mut tap = Command::new("python3");
+    tap.args(["-m", "oteltap", "--port", &tap_port.to_string()]).env("PYTHONPATH", &py);
+    let tap = Collector::start(tap, "Listening");
+    let endpoint = format!("http://127.0.0.1:{tap_port}");
+    let env = [("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()), ("OTEL_BSP_SCHEDULE_DELAY", "100")];
+    let start = |name: &str| {
+        let mem = dir.path().join(name);
+        spawn_env(
+            &["worker", "--listen", "127.0.0.1:0", "--window", "0", "--memory", mem.to_str().unwrap()],
+            "gRPC on ",
+            &env,
+        )
+    };
+    let (wa, wb) = (start("a"), start("b"));
+    let max = inferscale_worker::transfer::MAX_MESSAGE_BYTES;
+    let mut a = pb::worker_client::WorkerClient::connect(format!("http://{}", wa.addr))
+        .await
+        .unwrap()
+        .max_decoding_message_size(max)
+        .max_encoding_message_size(max);
+    let unit = |id: &str, text: &str| pb::MemoryUnit {
+        id: id.into(),
+        speaker: "Ann".into(),
+        text: text.into(),
+        time: "8 May 2023".into(),
+        ..Default::default()
+    };
+    let units = vec![unit("D1:1", "I went camping at Lake Tahoe."), unit("D1:2", "My dog Rex came too.")];
+    a.ingest(pb::IngestRequest { user: "ann".into(), units, ..Default::default() }).await.unwrap();
+
+    let mut req = tonic::Request::new(pb::SendShardRequest {
+        user: "ann".into(),
+        to: wb.addr.clone(),
+        with_kv: true,
+        freeze: true,
+        ..Default::default()
+    });
+    let traceparent = format!("00-{CLIENT_TRACE}-{CLIENT_SPAN}-01");
+    req.metadata_mut().insert("traceparent", traceparent.parse().unwrap());
+    let sent = a.send_shard(req).await.unwrap().into_inner();
+    let bytes = sent.imported.unwrap().bytes;
+    assert!(bytes > 0);
+
+    let until = Instant::now() + Duration::from_secs(30);
+    let spans = loop {
+        let spans = tap_spans(&tap.lines());
+        let names = ["send_shard", "export_shard", "import_shard"];
+        if names.iter().all(|n| spans.iter().any(|s| s.trace == CLIENT_TRACE && s.name == *n)) || Instant::now() > until
+        {
+            break spans;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let one = |name: &str, parent: &str| -> Span {
+        let found: Vec<&Span> =
+            spans.iter().filter(|s| s.trace == CLIENT_TRACE && s.name == name && s.parent == parent).collect();
+        assert_eq!(found.len(), 1, "{name} under {parent}: {spans:#?}");
+        found[0].clone()
+    };
+    let send = one("send_shard", CLIENT_SPAN);
+    one("export_shard", &send.id);
+    let import = one("import_shard", &send.id);
+    assert_eq!(import.attrs.get("bytes").map(String::as_str), Some(bytes.to_string().as_str()), "{import:?}");
+}

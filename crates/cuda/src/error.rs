@@ -19,6 +19,10 @@ pub enum CudaError {
     #[error("CUDA headers not found: {0}")]
     Headers(String),
 
+    /// NCCL is missing or a collective failed.
+    #[error("NCCL: {0}")]
+    Nccl(String),
+
     #[error("{0}")]
     Unsupported(String),
 }

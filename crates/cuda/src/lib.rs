@@ -12,6 +12,7 @@
 pub mod backend;
 pub mod error;
 pub mod kernels;
+pub mod nccl;
 pub mod parity;
 mod profile;
 

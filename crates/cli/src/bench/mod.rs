@@ -3,6 +3,7 @@
 
 mod engine;
 mod migrate;
+mod nccl;
 mod serve;
 mod ttft;
 
@@ -20,6 +21,8 @@ pub enum Command {
     Serve(serve::ServeBenchArgs),
     /// Shard move throughput between two workers over the gRPC stream.
     Migrate(migrate::MigrateBenchArgs),
+    /// NCCL send/recv on one GPU (to itself), checked, next to a device copy.
+    Nccl(nccl::NcclBenchArgs),
 }
 
 pub fn run(c: Command) -> Result<()> {
@@ -28,6 +31,7 @@ pub fn run(c: Command) -> Result<()> {
         Command::Ttft(a) => ttft::run(a),
         Command::Serve(a) => serve::run(a),
         Command::Migrate(a) => migrate::run(a),
+        Command::Nccl(a) => nccl::run(a),
     }
 }
 

@@ -25,18 +25,13 @@ pub struct SelfTest {
     pub device: String,
     pub nccl_version: String,
     pub bytes: usize,
-    /// Medians over the repeats, in GB/s (10⁹ bytes per second).
-    pub nccl_gb_s: f64,
-    pub copy_gb_s: f64,
+    /// Each timed transfer's rate, in GB/s (10⁹ bytes per second).
+    pub nccl_gb_s: Vec<f64>,
+    pub copy_gb_s: Vec<f64>,
 }
 
 fn nccl(e: cudarc::nccl::result::NcclError) -> CudaError {
     CudaError::Nccl(format!("{e:?}"))
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
 
 /// Times `f`'s work on `stream` with device events, in milliseconds.
@@ -104,7 +99,7 @@ pub fn self_test(ordinal: usize, bytes: usize, repeat: usize) -> Result<SelfTest
         device: ctx.name()?,
         nccl_version: format!("{}.{}.{}", version / 10000, version / 100 % 100, version % 100),
         bytes,
-        nccl_gb_s: median(nccl_rates),
-        copy_gb_s: median(copy_rates),
+        nccl_gb_s: nccl_rates,
+        copy_gb_s: copy_rates,
     })
 }

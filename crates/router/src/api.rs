@@ -24,7 +24,7 @@ use crate::auth::{Keys, scoped};
 use crate::error::{ApiError, Result};
 use crate::metrics::{Metrics, mode_index};
 use crate::openai::{self, ChatRequest, IngestBody};
-use crate::workers::{InFlight, Workers};
+use crate::workers::{InFlight, Workers, request};
 
 /// Response header naming the worker that served a chat request.
 pub const WORKER_HEADER: &str = "x-inferscale-worker";
@@ -114,14 +114,6 @@ fn body(b: std::result::Result<Bytes, BytesRejection>, limit: usize) -> Result<B
 fn tenant(s: &AppState, headers: &HeaderMap) -> Result<String> {
     let auth = headers.get(header::AUTHORIZATION).map(|v| v.to_str().unwrap_or(""));
     s.keys.tenant(auth)
-}
-
-/// A worker call with a deadline, carrying the current span's trace context.
-fn grpc<T>(msg: T, deadline: Duration) -> tonic::Request<T> {
-    let mut r = tonic::Request::new(msg);
-    r.set_timeout(deadline);
-    propagate::inject_current(&mut r);
-    r
 }
 
 /// A value unique within this process and, through the clock, across
@@ -272,7 +264,7 @@ async fn start(
         let span = info_span!("route", worker = %w.worker().name, attempt = tried.len() as i64 + 1, memory);
         let attempt = async {
             let mut stream =
-                w.worker().client().generate(grpc(chat.req.clone(), s.defaults.deadline)).await?.into_inner();
+                w.worker().client().generate(request(chat.req.clone(), s.defaults.deadline)).await?.into_inner();
             let first = stream.message().await?;
             Ok::<_, tonic::Status>((stream, first))
         };
@@ -564,7 +556,7 @@ async fn ingest(
         &user,
         |_| false,
         |mut c, home| {
-            let req = grpc(pb::IngestRequest { defer_kv: !home, ..req.clone() }, deadline);
+            let req = request(pb::IngestRequest { defer_kv: !home, ..req.clone() }, deadline);
             async move { c.ingest(req).await }
         },
     )
@@ -587,7 +579,7 @@ async fn list(
     let r = w
         .worker()
         .client()
-        .list_memories(grpc(req, s.defaults.deadline))
+        .list_memories(request(req, s.defaults.deadline))
         .await
         .map_err(|e| ApiError::from(e).unscope(&tenant))?
         .into_inner();
@@ -613,7 +605,7 @@ async fn forget(s: &AppState, headers: &HeaderMap, user: &str, unit: String) -> 
     // A replica may not have (all of) the user yet; its "not found" is fine.
     let tolerate = |e: &tonic::Status| e.code() == tonic::Code::NotFound;
     write_all(s, &scoped_user, tolerate, |mut c, _| {
-        let req = grpc(req.clone(), deadline);
+        let req = request(req.clone(), deadline);
         async move { c.forget(req).await }
     })
     .await

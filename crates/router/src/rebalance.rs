@@ -32,7 +32,7 @@ use inferscale_cluster::view::{ClusterView, Keys, MemberState, PlacementRecord};
 use inferscale_proto as pb;
 use tracing::{Instrument, info_span};
 
-use crate::workers::{Worker, Workers};
+use crate::workers::{Worker, Workers, request};
 
 #[derive(Debug, Clone)]
 pub struct RebalanceConfig {
@@ -68,14 +68,6 @@ pub struct Rebalancer {
 
 fn json<T: serde::Serialize>(v: &T) -> Vec<u8> {
     serde_json::to_vec(v).unwrap_or_default()
-}
-
-/// A worker call with a deadline, carrying the current span's trace context.
-fn request<T>(msg: T, timeout: Duration) -> tonic::Request<T> {
-    let mut r = tonic::Request::new(msg);
-    r.set_timeout(timeout);
-    inferscale_telemetry::propagate::inject_current(&mut r);
-    r
 }
 
 impl Rebalancer {

@@ -41,6 +41,15 @@ pub struct Worker {
 }
 
 /// The endpoint of the worker at `addr`; a malformed address is an error here.
+/// A call to a worker with a deadline, carrying the current span's trace
+/// context (nothing when tracing is off).
+pub(crate) fn request<T>(msg: T, timeout: Duration) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(msg);
+    r.set_timeout(timeout);
+    inferscale_telemetry::propagate::inject_current(&mut r);
+    r
+}
+
 fn endpoint(addr: &str) -> Result<Endpoint> {
     Ok(Endpoint::from_shared(inferscale_proto::uri(addr))
         .map_err(|e| ApiError::Internal(format!("worker address {addr:?}: {e}")))?
@@ -235,13 +244,13 @@ impl Workers {
         let mut n = 0;
         for w in self.all() {
             let mut c = w.client();
-            let mut req = tonic::Request::new(inferscale_proto::HealthRequest {});
-            req.set_timeout(Duration::from_secs(2));
-            let ok = c.health(req).await.is_ok_and(|r| r.into_inner().ready);
+            let ok = c
+                .health(request(inferscale_proto::HealthRequest {}, Duration::from_secs(2)))
+                .await
+                .is_ok_and(|r| r.into_inner().ready);
             w.healthy.store(ok, Ordering::SeqCst);
             n += usize::from(ok);
-            let mut req = tonic::Request::new(inferscale_proto::StatsRequest {});
-            req.set_timeout(Duration::from_secs(2));
+            let req = request(inferscale_proto::StatsRequest {}, Duration::from_secs(2));
             let stats = if ok { c.stats(req).await.ok().map(tonic::Response::into_inner) } else { None };
             if let Ok(mut s) = w.stats.lock() {
                 *s = stats;

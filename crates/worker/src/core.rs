@@ -62,6 +62,14 @@ impl Default for WorkerConfig {
     }
 }
 
+/// A finish reason as OpenAI's API names it (end of sequence is `stop`).
+pub(crate) fn finish_reason(r: FinishReason) -> &'static str {
+    match r {
+        FinishReason::Eos | FinishReason::Stop => "stop",
+        FinishReason::Length => "length",
+    }
+}
+
 /// A chat request as the engine thread sees it.
 #[derive(Debug, Clone)]
 pub struct GenerateJob {
@@ -130,7 +138,7 @@ pub struct Stats {
     pub window: usize,
     pub max_queue: usize,
     /// Pre-RoPE KV of the memory held in the backend's memory, and the
-    /// memory's logs on disk.
+    /// memory's logs on disk (0 unless asked for).
     pub kv_resident_bytes: u64,
     pub disk_bytes: u64,
 }
@@ -161,6 +169,9 @@ pub enum Command {
         reply: oneshot::Sender<Result<()>>,
     },
     Stats {
+        /// Also measure the memory's bytes per tier (O(facts): asked for by
+        /// a metrics scrape, not by the router's once-a-second poll).
+        memory_bytes: bool,
         reply: oneshot::Sender<Stats>,
     },
     Shard(ShardCommand),
@@ -418,7 +429,7 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
                 let _ = reply.send(r);
             }
             Command::Shard(c) => self.handle_shard(c, sched),
-            Command::Stats { reply } => {
+            Command::Stats { memory_bytes, reply } => {
                 let m = &self.memory;
                 let mut s = self.stats.clone();
                 s.running = sched.running();
@@ -429,9 +440,11 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
                 s.facts = m.users().map(|u| m.facts(u).map_or(0, <[_]>::len)).sum();
                 s.window = m.spec().window;
                 s.max_queue = self.cfg.max_queue;
-                let footprint = m.footprint(self.engine.backend().kv_bytes_per_value());
-                s.kv_resident_bytes = footprint.kv_resident_bytes;
-                s.disk_bytes = footprint.disk_bytes;
+                if memory_bytes {
+                    let footprint = m.footprint(self.engine.backend().kv_bytes_per_value());
+                    s.kv_resident_bytes = footprint.kv_resident_bytes;
+                    s.disk_bytes = footprint.disk_bytes;
+                }
                 let _ = reply.send(s);
             }
         }
@@ -792,7 +805,7 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
         self.metrics.decoded(l.job.mode, decoded, (l.timings.total_ms - l.timings.first_token_ms).max(0.0) / 1e3);
         l.phase.record("tokens", l.generated.len() as i64);
         let reason = l.finish.unwrap_or(FinishReason::Length);
-        l.job.span.record("finish_reason", format!("{reason:?}").to_lowercase());
+        l.job.span.record("finish_reason", finish_reason(reason));
         let usage = Usage {
             prompt_tokens: question,
             injected_tokens: if l.job.mode == Mode::Kv { l.memory_tokens } else { 0 },

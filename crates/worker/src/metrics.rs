@@ -16,8 +16,8 @@ use crate::core::Stats;
 /// running batch.
 const ROW_BUCKETS: [f64; 11] = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0];
 
-/// Memory modes, in label order.
-const MODES: [&str; 3] = ["kv", "prompt", "none"];
+/// Memory modes, in the order of the per-mode histograms.
+const MODES: [Mode; 3] = [Mode::Kv, Mode::Prompt, Mode::None];
 
 fn mode_index(mode: Mode) -> usize {
     match mode {
@@ -91,7 +91,7 @@ impl WorkerMetrics {
         ] {
             prom::header(&mut out, name, "histogram", help);
             for (mode, h) in MODES.iter().zip(h) {
-                h.render(&mut out, name, &format!("mode=\"{mode}\""));
+                h.render(&mut out, name, &format!("mode=\"{}\"", mode.as_str()));
             }
         }
         for (name, help, h) in [

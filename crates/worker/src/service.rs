@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use inferscale_engine::Backend;
 use inferscale_engine::sampling::SamplingParams;
-use inferscale_engine::{Backend, FinishReason};
 use inferscale_memory::{Mode, Turn};
 use inferscale_proto as pb;
 use tokio::sync::{mpsc, oneshot};
@@ -15,7 +15,7 @@ use tokio_stream::{Stream, StreamExt, wrappers::UnboundedReceiverStream};
 use tonic::{Request, Response, Status};
 use tracing::{Instrument, info_span};
 
-use crate::core::{Command, Event, GenerateJob, ShardCommand, WorkerConfig, WorkerParts, run};
+use crate::core::{Command, Event, GenerateJob, ShardCommand, WorkerConfig, WorkerParts, finish_reason, run};
 use crate::error::{Result, WorkerError};
 use crate::metrics::WorkerMetrics;
 use inferscale_telemetry::propagate;
@@ -138,13 +138,6 @@ fn sampling(s: Option<pb::Sampling>) -> SamplingParams {
         max_tokens: if s.max_tokens == 0 { DEFAULT_MAX_TOKENS } else { s.max_tokens as usize },
         stop: s.stop,
         ignore_eos: s.ignore_eos,
-    }
-}
-
-fn finish_reason(r: FinishReason) -> &'static str {
-    match r {
-        FinishReason::Eos | FinishReason::Stop => "stop",
-        FinishReason::Length => "length",
     }
 }
 
@@ -282,7 +275,7 @@ impl pb::worker_server::Worker for WorkerService {
     }
 
     async fn stats(&self, _: Request<pb::StatsRequest>) -> std::result::Result<Response<pb::StatsResponse>, Status> {
-        let s = self.call(|reply| Command::Stats { reply }).await?;
+        let s = self.call(|reply| Command::Stats { memory_bytes: false, reply }).await?;
         Ok(Response::new(pb::StatsResponse {
             running: s.running as u32,
             waiting: s.waiting as u32,

@@ -17,6 +17,7 @@ use serde::Serialize;
 use tokio::net::TcpListener;
 use tonic::transport::Channel;
 
+use super::median;
 use crate::serve::{WorkerArgs, runtime, serve_grpc, start_worker};
 
 #[derive(Args, Debug)]
@@ -48,11 +49,6 @@ struct Report {
     backend: String,
     facts: usize,
     results: Vec<Row>,
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 async fn client(addr: &str) -> Result<WorkerClient<Channel>> {

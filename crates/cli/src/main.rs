@@ -10,6 +10,7 @@ mod config;
 mod demo;
 mod eval;
 mod generate;
+mod links;
 mod loadtest_cmd;
 mod memory_cmd;
 mod runtime;

@@ -13,7 +13,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use inferscale_cluster::Placement;
 use inferscale_cluster::membership::Registration;
-use inferscale_cluster::view::{Member, MemberState};
+use inferscale_cluster::view::{GpuId, Member, MemberState};
 use inferscale_engine::Backend;
 use inferscale_router::{Defaults, Keys, Membership, RebalanceConfig, RouterConfig};
 use inferscale_worker::{WorkerConfig, WorkerError, WorkerInfo, WorkerParts, WorkerService};
@@ -194,8 +194,17 @@ fn model_name(model: &str) -> String {
 }
 
 /// Starts a worker's engine thread; the thread ends once every clone of
-/// the service is dropped.
-pub(crate) fn start_worker(a: &WorkerArgs) -> Result<(WorkerService, std::thread::JoinHandle<()>)> {
+/// the service is dropped. A CUDA worker with libnccl can move shards' KV
+/// over NCCL links; the GPU identity to register is returned with it.
+pub(crate) fn start_worker(a: &WorkerArgs) -> Result<(WorkerService, std::thread::JoinHandle<()>, Option<GpuId>)> {
+    let (service, engine) = start_engine(a)?;
+    Ok(match crate::links::nccl(a) {
+        Some((links, gpu)) => (service.with_links(links), engine, Some(gpu)),
+        None => (service, engine, None),
+    })
+}
+
+fn start_engine(a: &WorkerArgs) -> Result<(WorkerService, std::thread::JoinHandle<()>)> {
     if a.max_running == 0 || a.max_queue == 0 || a.max_k == 0 {
         bail!("--max-running, --max-queue and --max-k must be at least 1");
     }
@@ -315,8 +324,14 @@ pub(crate) async fn serve_grpc(listener: TcpListener, service: WorkerService) ->
 }
 
 /// Registers this process's worker in `store` as `name` at `addr`.
-async fn register(store: Arc<dyn Placement>, c: &ClusterArgs, name: String, addr: String) -> Result<Registration> {
-    let member = Member { name: name.clone(), addr: addr.clone(), state: MemberState::Joining, gpu: None };
+async fn register(
+    store: Arc<dyn Placement>,
+    c: &ClusterArgs,
+    name: String,
+    addr: String,
+    gpu: Option<GpuId>,
+) -> Result<Registration> {
+    let member = Member { name: name.clone(), addr: addr.clone(), state: MemberState::Joining, gpu };
     let mut reg = Registration::spawn(store.clone(), c.keys(), member, c.ttl()?);
     match tokio::time::timeout(Duration::from_secs(30), reg.registered()).await {
         Ok(()) => eprintln!("inferscale worker: registered as {name} ({addr}) in {}", store.describe()),
@@ -326,7 +341,7 @@ async fn register(store: Arc<dyn Placement>, c: &ClusterArgs, name: String, addr
 }
 
 pub fn serve(a: ServeArgs) -> Result<()> {
-    let (service, _engine) = start_worker(&a.worker)?;
+    let (service, _engine, _) = start_worker(&a.worker)?;
     runtime()?.block_on(async move {
         let tracing = inferscale_telemetry::init("inferscale")?;
         serve_worker_http(a.worker_http_listen, service.clone()).await?;
@@ -338,7 +353,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         let store: Arc<dyn Placement> = inferscale_cluster::embedded::Embedded::open(&path)?;
         let cluster = ClusterArgs { etcd: Vec::new(), cluster_root: "/inferscale".into(), lease_ttl_s: 10, name: None };
         // The one worker and the one router share the node's name.
-        let reg = register(store.clone(), &cluster, "local".into(), addr).await?;
+        let reg = register(store.clone(), &cluster, "local".into(), addr, None).await?;
         let membership = Membership::Store {
             store,
             keys: cluster.keys(),
@@ -360,7 +375,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
 
 pub fn worker(a: WorkerCmd) -> Result<()> {
     a.cluster.ttl()?; // a bad TTL fails before the model loads
-    let (service, _engine) = start_worker(&a.worker)?;
+    let (service, _engine, gpu) = start_worker(&a.worker)?;
     runtime()?.block_on(async move {
         let tracing = inferscale_telemetry::init("inferscale-worker")?;
         let listener = TcpListener::bind(a.listen).await.with_context(|| format!("binding {}", a.listen))?;
@@ -372,7 +387,7 @@ pub fn worker(a: WorkerCmd) -> Result<()> {
             false => {
                 let addr = a.advertise.clone().unwrap_or_else(|| bound.to_string());
                 let name = a.cluster.name.clone().unwrap_or_else(|| addr.clone());
-                Some(register(a.cluster.etcd()?, &a.cluster, name, addr).await?)
+                Some(register(a.cluster.etcd()?, &a.cluster, name, addr, gpu).await?)
             }
         };
         let r = serve_grpc(listener, service).await;

@@ -96,6 +96,29 @@ async fn a_shard_moves_between_workers_and_answers_the_same() {
         assert!(b.list_users(pb::ListUsersRequest {}).await.unwrap().into_inner().users.is_empty());
     }
 
+    // A CPU worker has no device link: a move over NCCL is refused up
+    // front on either end, and nothing moves or freezes.
+    let nccl = pb::SendShardRequest {
+        user: user.into(),
+        to: wb.addr.clone(),
+        with_kv: true,
+        freeze: true,
+        nccl: true,
+        ..Default::default()
+    };
+    let err = a.send_shard(nccl).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err}");
+    assert!(err.message().contains("NCCL"), "{err}");
+    {
+        let req = pb::ExportShardRequest { user: user.into(), with_kv: true, ..Default::default() };
+        let mut first = a.export_shard(req).await.unwrap().into_inner().message().await.unwrap().unwrap();
+        first.link_id = vec![1; 128];
+        first.frame_bytes = 1 << 20;
+        let err = b.import_shard(tokio_stream::iter(vec![first])).await.unwrap_err();
+        assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err}");
+        assert!(b.list_users(pb::ListUsersRequest {}).await.unwrap().into_inner().users.is_empty());
+    }
+
     // The move: snapshot, freeze, catch-up, commit on b.
     let sent = a
         .send_shard(pb::SendShardRequest {

@@ -98,9 +98,33 @@ pub struct Member {
     /// gRPC address (`host:port`).
     pub addr: String,
     pub state: MemberState,
-    /// For NCCL migration between GPUs of one host: `(host id, device)`.
+    /// The GPU this worker serves from, when it has one: shard moves
+    /// between two GPUs of one host go over NCCL (see [`Member::nccl_peer`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub gpu: Option<(String, u32)>,
+    pub gpu: Option<GpuId>,
+}
+
+/// Where a worker's GPU is, in terms two workers can compare.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuId {
+    /// The machine (a Kubernetes node name, `/etc/machine-id`, or what the
+    /// operator sets): equal for two workers exactly when they share a host.
+    pub host: String,
+    /// The device's UUID (not an ordinal: each worker may see its GPU as
+    /// device 0 behind `CUDA_VISIBLE_DEVICES`).
+    pub device: String,
+}
+
+impl Member {
+    /// Whether a shard move between this worker and `other` can go over an
+    /// NCCL link: both serve from GPUs, on one host, and not the same GPU
+    /// (NCCL refuses two ranks on one device).
+    pub fn nccl_peer(&self, other: &Member) -> bool {
+        match (&self.gpu, &other.gpu) {
+            (Some(a), Some(b)) => a.host == b.host && a.device != b.device,
+            _ => false,
+        }
+    }
 }
 
 /// An explicit placement of one user, overriding the ring.
@@ -323,6 +347,27 @@ impl ClusterView {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn nccl_only_between_two_gpus_of_one_host() {
+        let m = |host: &str, device: &str| Member {
+            name: format!("{host}/{device}"),
+            addr: String::new(),
+            state: MemberState::Active,
+            gpu: (!host.is_empty()).then(|| GpuId { host: host.into(), device: device.into() }),
+        };
+        assert!(m("node-a", "GPU-0").nccl_peer(&m("node-a", "GPU-1")));
+        assert!(!m("node-a", "GPU-0").nccl_peer(&m("node-a", "GPU-0")), "one device");
+        assert!(!m("node-a", "GPU-0").nccl_peer(&m("node-b", "GPU-1")), "two hosts");
+        assert!(!m("", "").nccl_peer(&m("node-a", "GPU-1")), "a CPU worker");
+        // What a worker registers round-trips, and an old record without
+        // the field reads as a worker without a GPU.
+        let gpu = m("node-a", "GPU-0");
+        let back: Member = serde_json::from_slice(&serde_json::to_vec(&gpu).unwrap()).unwrap();
+        assert_eq!(back, gpu);
+        let old: Member = serde_json::from_str(r#"{"name":"w","addr":"a:1","state":"active"}"#).unwrap();
+        assert_eq!(old.gpu, None);
+    }
 
     fn kv(key: &str, value: &str, rev: i64) -> KeyValue {
         KeyValue { key: key.into(), value: value.as_bytes().to_vec(), mod_revision: rev, lease: 0 }

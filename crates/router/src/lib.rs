@@ -82,6 +82,7 @@ pub async fn build(cfg: RouterConfig, wait: Duration) -> Result<axum::Router> {
                 workers: workers.clone(),
                 cfg: rebalance.clone(),
                 stats: rebalance_stats.clone(),
+                nccl_failed: Default::default(),
             };
             rebalancer.spawn(campaign);
             workers

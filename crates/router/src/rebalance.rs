@@ -20,6 +20,10 @@
 //!
 //! Reads keep going to `from` until step 4; a failure before it puts the
 //! record back and unfreezes `from`.
+//!
+//! Step 3 puts the KV on an NCCL link when the two workers' GPUs share a
+//! host ([`Member::nccl_peer`]); a move whose link fails is planned again
+//! over gRPC alone, and that pair of workers keeps to gRPC from then on.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -28,7 +32,7 @@ use std::time::{Duration, Instant};
 use inferscale_cluster::membership::Campaign;
 use inferscale_cluster::plan::{Action, Holdings, plan};
 use inferscale_cluster::store::{Event, KeyValue, Placement, Txn};
-use inferscale_cluster::view::{ClusterView, Keys, MemberState, PlacementRecord};
+use inferscale_cluster::view::{ClusterView, Keys, Member, MemberState, PlacementRecord};
 use inferscale_proto as pb;
 use tracing::{Instrument, info_span};
 
@@ -64,6 +68,8 @@ pub struct Rebalancer {
     pub workers: Arc<Workers>,
     pub cfg: RebalanceConfig,
     pub stats: Arc<RebalanceStats>,
+    /// Pairs `(from, to)` whose NCCL link failed: their moves use gRPC.
+    pub nccl_failed: std::sync::Mutex<BTreeSet<(String, String)>>,
 }
 
 fn json<T: serde::Serialize>(v: &T) -> Vec<u8> {
@@ -154,6 +160,8 @@ impl Rebalancer {
                     with_kv: false,
                     freeze: false,
                     max_bytes_per_sec: self.cfg.max_bytes_per_sec,
+                    // Facts only: nothing worth a device link.
+                    nccl: false,
                 };
                 let src = self.worker(&from)?;
                 src.client().send_shard(request(req, Duration::from_secs(600))).await.map_err(|e| e.to_string())?;
@@ -219,14 +227,19 @@ impl Rebalancer {
         let Some(rev) = self.put_record(user, rev, &moving).instrument(claim).await? else {
             return Err("its placement changed meanwhile; planning again".into());
         };
+        let pair = (from.to_string(), to.to_string());
+        let member = |name| view.members.get(name).map(|m| &m.value);
+        let nccl = matches!((member(from), member(to)), (Some(a), Some(b)) if Member::nccl_peer(a, b))
+            && !self.nccl_failed.lock().is_ok_and(|f| f.contains(&pair));
         let req = pb::SendShardRequest {
             user: user.into(),
             to: dest.addr.clone(),
             with_kv: true,
             freeze: true,
             max_bytes_per_sec: self.cfg.max_bytes_per_sec,
+            nccl,
         };
-        let send = info_span!("send_shard", user, from, to, bytes = tracing::field::Empty);
+        let send = info_span!("send_shard", user, from, to, nccl, bytes = tracing::field::Empty);
         let sent = async { src.client().send_shard(request(req, Duration::from_secs(3600))).await }
             .instrument(send.clone())
             .await;
@@ -237,6 +250,10 @@ impl Rebalancer {
             Err(e) => {
                 let _ = self.put_record(user, rev, &back).await;
                 let _ = src.client().release_shard(request(release(false), Duration::from_secs(10))).await;
+                if nccl && let Ok(mut failed) = self.nccl_failed.lock() {
+                    failed.insert(pair);
+                    eprintln!("inferscale router: the NCCL link {from} -> {to} failed; moves between them use gRPC");
+                }
                 return Err(format!("sending the shard from {from} to {to}: {e}"));
             }
         };

@@ -50,6 +50,10 @@ pub enum WorkerError {
 
     #[error("{0}")]
     Startup(String),
+
+    /// A device-to-device link of a shard move failed (see [`crate::link`]).
+    #[error("link: {0}")]
+    Link(String),
 }
 
 impl From<MemoryError> for WorkerError {
@@ -77,7 +81,7 @@ impl From<WorkerError> for tonic::Status {
             WorkerError::Admit(AdmitError::Duplicate(_)) => Code::AlreadyExists,
             WorkerError::Deadline(_) => Code::DeadlineExceeded,
             WorkerError::Forgotten(_) => Code::Aborted,
-            WorkerError::Shutdown | WorkerError::Moving(_) => Code::Unavailable,
+            WorkerError::Shutdown | WorkerError::Moving(_) | WorkerError::Link(_) => Code::Unavailable,
             WorkerError::Memory(_) | WorkerError::Engine(_) | WorkerError::Model(_) | WorkerError::Startup(_) => {
                 Code::Internal
             }

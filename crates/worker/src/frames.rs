@@ -59,18 +59,24 @@ impl Manifest {
 
 /// The manifest of `records` and their KV cut into frames of `frame_bytes`.
 pub fn cut(records: &[ShardRecord], frame_bytes: usize) -> Result<(Manifest, Vec<Vec<u8>>), FrameError> {
-    if frame_bytes == 0 {
-        return Err(FrameError::ZeroFrame);
-    }
     let entries = records
         .iter()
         .map(|r| ManifestEntry { fact: r.fact.clone(), kv_len: r.kv.len() as u64, crc32: r.checksum() })
         .collect();
-    let manifest = Manifest { entries, frame_bytes };
-    let mut frames = Vec::with_capacity(manifest.frame_sizes().len());
+    let frames = pack(records.iter().map(|r| r.kv.as_slice()), frame_bytes)?;
+    Ok((Manifest { entries, frame_bytes }, frames))
+}
+
+/// `payloads` concatenated and cut into frames of `frame_bytes` (the last
+/// one shorter): what [`Manifest::frame_sizes`] describes for records with
+/// these KV payloads.
+pub fn pack<'a>(payloads: impl Iterator<Item = &'a [u8]>, frame_bytes: usize) -> Result<Vec<Vec<u8>>, FrameError> {
+    if frame_bytes == 0 {
+        return Err(FrameError::ZeroFrame);
+    }
+    let mut frames = Vec::new();
     let mut current = Vec::with_capacity(frame_bytes);
-    for r in records {
-        let mut kv = r.kv.as_slice();
+    for mut kv in payloads {
         while !kv.is_empty() {
             let n = kv.len().min(frame_bytes - current.len());
             current.extend_from_slice(&kv[..n]);
@@ -83,7 +89,7 @@ pub fn cut(records: &[ShardRecord], frame_bytes: usize) -> Result<(Manifest, Vec
     if !current.is_empty() {
         frames.push(current);
     }
-    Ok((manifest, frames))
+    Ok(frames)
 }
 
 /// Rebuilds records from a manifest and its frames, as they arrive.

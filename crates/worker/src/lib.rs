@@ -6,13 +6,14 @@
 //! [`core`] is the engine thread that carries out its steps; [`service`]
 //! turns gRPC calls into commands for that thread; [`transfer`] streams
 //! shards between workers for the cluster's rebalancer; [`frames`] cuts a
-//! shard into fixed-size frames for device-to-device (NCCL) transfer;
-//! [`http`] serves [`metrics`] and the health probes.
+//! shard into fixed-size frames for device-to-device (NCCL) transfer over
+//! a [`link`]; [`http`] serves [`metrics`] and the health probes.
 
 pub mod core;
 pub mod error;
 pub mod frames;
 pub mod http;
+pub mod link;
 pub mod metrics;
 pub mod scheduler;
 pub mod service;

@@ -17,6 +17,7 @@ use tracing::{Instrument, info_span};
 
 use crate::core::{Command, Event, GenerateJob, ShardCommand, WorkerConfig, WorkerParts, finish_reason, run};
 use crate::error::{Result, WorkerError};
+use crate::link::Links;
 use crate::metrics::WorkerMetrics;
 use inferscale_telemetry::propagate;
 
@@ -45,6 +46,7 @@ pub struct WorkerService {
     info: WorkerInfo,
     ready: Arc<AtomicBool>,
     metrics: Arc<WorkerMetrics>,
+    links: Option<Arc<dyn Links>>,
 }
 
 /// Starts the engine thread: `load` builds the engine, embedder and memory
@@ -81,7 +83,7 @@ where
         })
         .map_err(|e| WorkerError::Startup(format!("starting the engine thread: {e}")))?;
     started_rx.recv().map_err(|_| WorkerError::Startup("the engine thread exited while loading".into()))??;
-    Ok((WorkerService { tx, info, ready, metrics }, thread))
+    Ok((WorkerService { tx, info, ready, metrics, links: None }, thread))
 }
 
 impl WorkerService {
@@ -102,6 +104,17 @@ impl WorkerService {
 
     pub fn metrics(&self) -> &WorkerMetrics {
         &self.metrics
+    }
+
+    /// Lets this worker move shards' KV over device links (see
+    /// [`crate::link`]).
+    pub fn with_links(mut self, links: Arc<dyn Links>) -> WorkerService {
+        self.links = Some(links);
+        self
+    }
+
+    pub(crate) fn links(&self) -> Option<&Arc<dyn Links>> {
+        self.links.as_ref()
     }
 
     pub(crate) fn send(&self, c: Command) -> std::result::Result<(), Status> {

@@ -2,6 +2,15 @@
 //! fetched from the engine thread, paced), the import (checked and staged
 //! on disk off the engine thread, committed on it), and send (this worker's
 //! export streamed into another worker's import).
+//!
+//! A send may put the KV — the bulk of a shard — on a device [`link`]
+//! (NCCL between two GPUs of one host) instead: the gRPC stream then
+//! carries each chunk's records with their KV lengths and checksums (the
+//! [`frames`] manifest), and the chunk's KV follows over the link in frames.
+//! Both ends check every record's checksum either way.
+//!
+//! [`link`]: crate::link
+//! [`frames`]: crate::frames
 
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
@@ -19,6 +28,8 @@ use tracing::Instrument;
 
 use crate::core::{Command, ShardCommand};
 use crate::error::WorkerError;
+use crate::frames::{self, FrameError, Manifest, ManifestEntry, Reassembler};
+use crate::link::{FrameLink, Links};
 use crate::service::WorkerService;
 
 /// Bytes of records per chunk: large enough to amortise a round trip to
@@ -34,10 +45,14 @@ pub const MAX_MESSAGE_BYTES: usize = 256 << 20;
 /// `CHUNK_BYTES` uses a prefix of them (a SmolLM2 fact is about 1 MB).
 const EXPORT_IDS: usize = 1024;
 
+/// Frame size on a device link: a chunk's KV (`CHUNK_BYTES`, or one large
+/// fact's) in one or a few frames; the buffer both ends hold on the device.
+const LINK_FRAME_BYTES: usize = 16 << 20;
+
 pub type ChunkStream = ReceiverStream<Result<pb::ShardChunk, Status>>;
 
 fn shard_records(records: Vec<ShardRecord>) -> Vec<pb::ShardRecord> {
-    records.into_iter().map(|r| pb::ShardRecord { crc32: r.checksum(), fact: r.fact, kv: r.kv }).collect()
+    records.into_iter().map(|r| pb::ShardRecord { crc32: r.checksum(), fact: r.fact, kv: r.kv, kv_len: 0 }).collect()
 }
 
 /// Streams `req.user`'s shard (see `ExportShard` in the proto), traced
@@ -95,6 +110,7 @@ async fn export_into(
                 records: shard_records(records),
                 last: false,
                 total: 0,
+                ..Default::default()
             };
             if tx.send(Ok(chunk)).await.is_err() {
                 return Ok(()); // the receiver went away
@@ -115,7 +131,7 @@ async fn export_into(
         frozen = true;
     }
     let last =
-        pb::ShardChunk { user, kv_header: header.take().unwrap_or_default(), records: Vec::new(), last: true, total };
+        pb::ShardChunk { user, kv_header: header.take().unwrap_or_default(), last: true, total, ..Default::default() };
     let _ = tx.send(Ok(last)).await;
     Ok(())
 }
@@ -130,6 +146,74 @@ fn staging_error(e: MemoryError) -> Status {
 
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, MemoryError> + Send + 'static) -> Result<T, Status> {
     tokio::task::spawn_blocking(f).await.map_err(|e| Status::internal(e.to_string()))?.map_err(staging_error)
+}
+
+fn frame_error(e: FrameError) -> Status {
+    match e {
+        FrameError::ZeroFrame => Status::invalid_argument(e.to_string()),
+        e => Status::data_loss(format!("{e}; nothing was imported")),
+    }
+}
+
+fn link_error(e: WorkerError) -> Status {
+    Status::unavailable(format!("{e}; nothing was imported"))
+}
+
+async fn off_thread<T: Send + 'static>(f: impl FnOnce() -> Result<T, Status> + Send + 'static) -> Result<T, Status> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| Status::internal(e.to_string()))?
+}
+
+/// The receiving end of a shard whose KV comes over a device link.
+struct Incoming {
+    link: Box<dyn FrameLink>,
+    frame_bytes: usize,
+}
+
+impl Incoming {
+    /// Joins the link the shard's first chunk names, if it names one.
+    async fn join(svc: &WorkerService, first: &pb::ShardChunk) -> Result<Option<Incoming>, Status> {
+        if first.link_id.is_empty() {
+            return Ok(None);
+        }
+        let links: Arc<dyn Links> = svc.links().cloned().ok_or_else(|| {
+            Status::failed_precondition("this worker has no device link (NCCL needs a CUDA worker); send over gRPC")
+        })?;
+        let frame_bytes =
+            usize::try_from(first.frame_bytes).ok().filter(|&f| f > 0 && f <= MAX_MESSAGE_BYTES).ok_or_else(|| {
+                Status::invalid_argument(format!("link frame size {} is out of range", first.frame_bytes))
+            })?;
+        let id = first.link_id.clone();
+        let link = off_thread(move || links.connect(&id, false, frame_bytes).map_err(link_error)).await?;
+        Ok(Some(Incoming { link, frame_bytes }))
+    }
+
+    /// Receives `records`' KV (the chunk's manifest) over the link; returns
+    /// the whole records, checksums verified.
+    async fn fill(mut self, records: Vec<pb::ShardRecord>) -> Result<(Incoming, Vec<ShardRecord>), Status> {
+        let mut entries = Vec::with_capacity(records.len());
+        for r in records {
+            if !r.kv.is_empty() || r.kv_len > MAX_MESSAGE_BYTES as u64 {
+                return Err(Status::invalid_argument(format!(
+                    "a record of a shard sent over a link carries {} bytes of KV inline and announces {}",
+                    r.kv.len(),
+                    r.kv_len
+                )));
+            }
+            entries.push(ManifestEntry { fact: r.fact, kv_len: r.kv_len, crc32: r.crc32 });
+        }
+        let manifest = Manifest { entries, frame_bytes: self.frame_bytes };
+        off_thread(move || {
+            let mut r = Reassembler::new(manifest).map_err(frame_error)?;
+            let mut out = Vec::new();
+            while let Some(len) = r.next_frame() {
+                let frame = self.link.recv(len).map_err(link_error)?;
+                out.extend(r.push(&frame).map_err(frame_error)?);
+            }
+            out.extend(r.finish().map_err(frame_error)?);
+            Ok((self, out))
+        })
+        .await
+    }
 }
 
 /// Receives a shard (see `ImportShard` in the proto).
@@ -147,6 +231,8 @@ pub async fn import(
     let (dir, ours) = svc.call(|reply| Command::Shard(ShardCommand::ImportTarget { reply })).await?;
     let u = user.clone();
     let mut staging = blocking(move || Staging::create(&dir, &u, &ours, &theirs)).await?;
+    // Joined only once the shard is known to fit here (same model and KV).
+    let mut incoming = Incoming::join(svc, &first).await?;
     let mut next = Some(first);
     let mut count = 0usize;
     loop {
@@ -159,17 +245,27 @@ pub async fn import(
         if chunk.user != user {
             return Err(Status::invalid_argument(format!("a chunk for user {:?} in {user:?}'s shard", chunk.user)));
         }
-        let mut records = Vec::with_capacity(chunk.records.len());
-        for r in chunk.records {
-            let rec = ShardRecord { fact: r.fact, kv: r.kv };
-            if rec.checksum() != r.crc32 {
-                return Err(Status::data_loss(format!(
-                    "record {} of {user:?}'s shard fails its checksum; nothing was imported",
-                    count + records.len()
-                )));
+        let records = match incoming.take() {
+            Some(link) => {
+                let (link, records) = link.fill(chunk.records).await?;
+                incoming = Some(link);
+                records
             }
-            records.push(rec);
-        }
+            None => {
+                let mut records = Vec::with_capacity(chunk.records.len());
+                for r in chunk.records {
+                    let rec = ShardRecord { fact: r.fact, kv: r.kv };
+                    if rec.checksum() != r.crc32 {
+                        return Err(Status::data_loss(format!(
+                            "record {} of {user:?}'s shard fails its checksum; nothing was imported",
+                            count + records.len()
+                        )));
+                    }
+                    records.push(rec);
+                }
+                records
+            }
+        };
         count += records.len();
         staging = blocking(move || staging.append(&records).map(|()| staging)).await?;
         if chunk.last {
@@ -201,12 +297,92 @@ pub async fn import(
     })
 }
 
+/// The sending end of a link: a thread that joins it and sends each
+/// chunk's frames as the chunk's manifest goes out on the gRPC stream.
+struct Outgoing {
+    frames: mpsc::Sender<Vec<Vec<u8>>>,
+    sender: tokio::task::JoinHandle<Result<u64, WorkerError>>,
+    frame_bytes: usize,
+}
+
+impl Outgoing {
+    fn start(links: Arc<dyn Links>, id: Vec<u8>, frame_bytes: usize) -> Outgoing {
+        let (frames, mut queued) = mpsc::channel::<Vec<Vec<u8>>>(1);
+        let sender = tokio::task::spawn_blocking(move || {
+            let mut link = links.connect(&id, true, frame_bytes)?;
+            let mut bytes = 0u64;
+            while let Some(frames) = queued.blocking_recv() {
+                for f in &frames {
+                    link.send(f)?;
+                    bytes += f.len() as u64;
+                }
+            }
+            Ok(bytes)
+        });
+        Outgoing { frames, sender, frame_bytes }
+    }
+
+    /// `chunks` as the gRPC stream carries them: the first names the link,
+    /// every record's KV is replaced by its length and queued for the link.
+    fn route(&self, mut chunks: ChunkStream, id: Vec<u8>) -> ChunkStream {
+        let (tx, rx) = mpsc::channel(2);
+        let frames = self.frames.clone();
+        let frame_bytes = self.frame_bytes;
+        tokio::spawn(async move {
+            let mut id = Some(id);
+            while let Some(chunk) = chunks.next().await {
+                let mut chunk = match chunk {
+                    Ok(c) => c,
+                    Err(e) => {
+                        let _ = tx.send(Err(e)).await;
+                        return;
+                    }
+                };
+                if let Some(id) = id.take() {
+                    chunk.link_id = id;
+                    chunk.frame_bytes = frame_bytes as u64;
+                }
+                let packed = frames::pack(chunk.records.iter().map(|r| r.kv.as_slice()), frame_bytes);
+                let packed = match packed {
+                    Ok(p) => p,
+                    Err(e) => {
+                        let _ = tx.send(Err(Status::internal(e.to_string()))).await;
+                        return;
+                    }
+                };
+                for r in &mut chunk.records {
+                    r.kv_len = r.kv.len() as u64;
+                    r.kv = Vec::new();
+                }
+                if tx.send(Ok(chunk)).await.is_err() {
+                    return;
+                }
+                // A closed queue means the link failed: the stream ends
+                // short and the receiver imports nothing.
+                if !packed.is_empty() && frames.send(packed).await.is_err() {
+                    return;
+                }
+            }
+        });
+        ReceiverStream::new(rx)
+    }
+}
+
 /// Sends a shard to another worker (see `SendShard` in the proto).
 pub async fn send(svc: &WorkerService, req: pb::SendShardRequest) -> Result<pb::SendShardResponse, Status> {
     let started = Instant::now();
     if req.to.is_empty() {
         return Err(Status::invalid_argument("SendShard needs the receiving worker's address in `to`"));
     }
+    let links = match (req.nccl, svc.links()) {
+        (false, _) => None,
+        (true, Some(l)) => Some(l.clone()),
+        (true, None) => {
+            return Err(Status::failed_precondition(
+                "this worker has no device link (NCCL needs a CUDA worker and libnccl); send over gRPC",
+            ));
+        }
+    };
     let channel = tonic::transport::Endpoint::from_shared(pb::uri(&req.to))
         .map_err(|e| Status::invalid_argument(format!("worker address {:?}: {e}", req.to)))?
         .tcp_nodelay(true)
@@ -216,7 +392,7 @@ pub async fn send(svc: &WorkerService, req: pb::SendShardRequest) -> Result<pb::
     let mut client = pb::worker_client::WorkerClient::new(channel)
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
-    let chunks = export(
+    let mut chunks = export(
         svc.clone(),
         pb::ExportShardRequest {
             user: req.user.clone(),
@@ -226,6 +402,13 @@ pub async fn send(svc: &WorkerService, req: pb::SendShardRequest) -> Result<pb::
         },
         tracing::info_span!("export_shard", user = %req.user),
     );
+    let mut link = None;
+    if let Some(links) = links {
+        let id = links.new_id().map_err(|e| Status::unavailable(e.to_string()))?;
+        let out = Outgoing::start(links, id.clone(), LINK_FRAME_BYTES);
+        chunks = out.route(chunks, id);
+        link = Some(out);
+    }
     // An export error ends the outgoing stream early (the receiver then
     // imports nothing) and is what this call reports.
     let failed: Arc<Mutex<Option<Status>>> = Arc::default();
@@ -245,13 +428,148 @@ pub async fn send(svc: &WorkerService, req: pb::SendShardRequest) -> Result<pb::
     if let Some(e) = failed.lock().ok().and_then(|mut s| s.take()) {
         return Err(e);
     }
+    // The link's own failure explains a refused import best; a link still
+    // waiting for a receiver that gave up times out on its own thread.
+    let linked = match link {
+        Some(Outgoing { frames, sender, .. }) => {
+            drop(frames);
+            if answer.is_ok() || sender.is_finished() {
+                Some(sender.await.map_err(|e| Status::internal(e.to_string()))?)
+            } else {
+                None
+            }
+        }
+        None => None,
+    };
+    if let (Err(_), Some(Err(e))) = (&answer, &linked) {
+        return Err(Status::unavailable(format!("sending {:?}'s shard to worker {}: {e}", req.user, req.to)));
+    }
     let imported = answer
         .map_err(|s| {
             Status::new(s.code(), format!("worker {} refused {:?}'s shard: {}", req.to, req.user, s.message()))
         })?
         .into_inner();
+    if let Some(Err(e)) = linked {
+        // Imported, yet the link reports an error (e.g. closing it).
+        tracing::warn!(user = %req.user, to = %req.to, error = %e, "the shard arrived; its link did not close cleanly");
+    }
     let m = svc.metrics();
     m.shards_sent.fetch_add(1, Ordering::Relaxed);
     m.shard_bytes_sent.fetch_add(imported.bytes, Ordering::Relaxed);
     Ok(pb::SendShardResponse { imported: Some(imported), seconds: started.elapsed().as_secs_f64() })
+}
+
+#[cfg(test)]
+mod tests {
+    //! The link path of a move without a device: an in-process link pair
+    //! stands in for NCCL (which needs two GPUs) between the sending side's
+    //! routing and the receiving side's reassembly.
+
+    use std::sync::mpsc as std_mpsc;
+
+    use super::*;
+
+    /// Both ends of one in-process link; `connect` hands out the sender's
+    /// end or the receiver's.
+    struct Pair {
+        ends: Mutex<(Option<End>, Option<End>)>,
+    }
+
+    struct End {
+        tx: std_mpsc::Sender<Vec<u8>>,
+        rx: std_mpsc::Receiver<Vec<u8>>,
+        /// Corrupts the byte at this offset of every frame sent.
+        flip: Option<usize>,
+    }
+
+    impl Pair {
+        /// `flip`: the sender's end damages its frames.
+        fn new(flip: Option<usize>) -> Arc<Pair> {
+            let (a_tx, b_rx) = std_mpsc::channel();
+            let (b_tx, a_rx) = std_mpsc::channel();
+            let a = End { tx: a_tx, rx: a_rx, flip };
+            let b = End { tx: b_tx, rx: b_rx, flip: None };
+            Arc::new(Pair { ends: Mutex::new((Some(a), Some(b))) })
+        }
+    }
+
+    impl Links for Pair {
+        fn new_id(&self) -> crate::Result<Vec<u8>> {
+            Ok(vec![7; 128])
+        }
+        fn connect(&self, id: &[u8], sender: bool, _frame_bytes: usize) -> crate::Result<Box<dyn FrameLink>> {
+            assert_eq!(id, [7; 128], "the receiver joins the link the sender made");
+            let mut ends = self.ends.lock().unwrap();
+            let end = if sender { ends.0.take() } else { ends.1.take() };
+            Ok(Box::new(end.expect("each end joins once")))
+        }
+    }
+
+    impl FrameLink for End {
+        fn send(&mut self, frame: &[u8]) -> crate::Result<()> {
+            let mut f = frame.to_vec();
+            if let Some(at) = self.flip.filter(|&at| at < f.len()) {
+                f[at] ^= 0x10;
+            }
+            self.tx.send(f).map_err(|_| WorkerError::Link("the peer left".into()))
+        }
+        fn recv(&mut self, len: usize) -> crate::Result<Vec<u8>> {
+            let f = self.rx.recv().map_err(|_| WorkerError::Link("the peer left".into()))?;
+            assert_eq!(f.len(), len, "frames arrive in the sizes the manifest gives");
+            Ok(f)
+        }
+    }
+
+    fn record(i: usize, kv_len: usize) -> ShardRecord {
+        ShardRecord { fact: format!("fact {i}").into_bytes(), kv: (0..kv_len).map(|j| (i * 13 + j) as u8).collect() }
+    }
+
+    /// Three chunks as `export` makes them: KV inline, checksums set.
+    fn chunks() -> Vec<Vec<ShardRecord>> {
+        vec![vec![record(0, 40), record(1, 0), record(2, 9)], vec![record(3, 0)], vec![record(4, 33), record(5, 1)]]
+    }
+
+    async fn through(pair: Arc<Pair>, frame_bytes: usize) -> Result<Vec<ShardRecord>, Status> {
+        let (tx, rx) = mpsc::channel(8);
+        for (i, c) in chunks().into_iter().enumerate() {
+            let chunk =
+                pb::ShardChunk { user: "u".into(), records: shard_records(c), last: i == 2, ..Default::default() };
+            tx.send(Ok(chunk)).await.unwrap();
+        }
+        drop(tx);
+        let links: Arc<dyn Links> = pair.clone();
+        let out = Outgoing::start(links.clone(), links.new_id().unwrap(), frame_bytes);
+        let mut routed = out.route(ReceiverStream::new(rx), links.new_id().unwrap());
+        let mut incoming: Option<Incoming> = None;
+        let mut got = Vec::new();
+        while let Some(chunk) = routed.next().await {
+            let chunk = chunk?;
+            assert!(chunk.records.iter().all(|r| r.kv.is_empty()), "no KV inline");
+            if incoming.is_none() {
+                assert_eq!(chunk.frame_bytes, frame_bytes as u64);
+                let link = links.connect(&chunk.link_id, false, frame_bytes).unwrap();
+                incoming = Some(Incoming { link, frame_bytes });
+            } else {
+                assert!(chunk.link_id.is_empty(), "only the first chunk names the link");
+            }
+            let (link, records) = incoming.take().unwrap().fill(chunk.records).await?;
+            incoming = Some(link);
+            got.extend(records);
+        }
+        drop(out.frames);
+        let sent = out.sender.await.unwrap().unwrap();
+        assert_eq!(sent, got.iter().map(|r| r.kv.len() as u64).sum::<u64>());
+        Ok(got)
+    }
+
+    #[tokio::test]
+    async fn kv_over_a_link_arrives_whole_and_checked() {
+        let all: Vec<ShardRecord> = chunks().into_iter().flatten().collect();
+        for frame_bytes in [1, 8, 40, 1 << 20] {
+            assert_eq!(through(Pair::new(None), frame_bytes).await.unwrap(), all, "frames of {frame_bytes}");
+        }
+        let err = through(Pair::new(Some(3)), 8).await.unwrap_err();
+        assert_eq!(err.code(), tonic::Code::DataLoss, "{err}");
+        assert!(err.message().contains("checksum"), "{err}");
+    }
 }

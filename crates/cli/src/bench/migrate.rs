@@ -1,9 +1,11 @@
 //! `inferscale bench migrate`: how fast a user's shard (facts + pre-RoPE KV)
-//! moves between two workers over the gRPC stream, on loopback. Two workers
-//! run in this process, each with its own memory; one user's shard goes
-//! back and forth. Side by side: the export stream alone (read from the
-//! engine, sent, discarded by the client) and the full move (export, then
-//! the receiver's checks, staging with fsync, and commit).
+//! moves between two workers. By default two workers run in this process,
+//! each with its own memory, and the shard goes over the gRPC stream on
+//! loopback; `--peers A,B` drives two running workers instead (e.g. one per
+//! GPU), and `--nccl` puts the KV on an NCCL link between them. One user's
+//! shard goes back and forth. Side by side: the export stream alone (read
+//! from the engine, sent, discarded by the client) and the full move
+//! (export, then the receiver's checks, staging with fsync, and commit).
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -31,6 +33,14 @@ pub struct MigrateBenchArgs {
     /// Write results as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Two running workers' gRPC addresses to move between, instead of two
+    /// in this process (a user `bench-migrate-<pid>` is made there and forgotten
+    /// at the end).
+    #[arg(long, value_delimiter = ',')]
+    peers: Vec<String>,
+    /// Move the KV over an NCCL link (CUDA workers whose GPUs share a host).
+    #[arg(long)]
+    nccl: bool,
     #[command(flatten)]
     worker: WorkerArgs,
 }
@@ -48,6 +58,7 @@ struct Report {
     model: String,
     backend: String,
     facts: usize,
+    transport: &'static str,
     results: Vec<Row>,
 }
 
@@ -63,24 +74,30 @@ pub fn run(a: MigrateBenchArgs) -> Result<()> {
     if a.facts == 0 || a.repeat == 0 {
         bail!("--facts and --repeat must be at least 1");
     }
+    if !a.peers.is_empty() && a.peers.len() != 2 {
+        bail!("--peers takes two worker addresses (A,B), got {}", a.peers.len());
+    }
     let base = match &a.worker.mem.memory {
         Some(d) => d.clone(),
         None => std::env::temp_dir().join(format!("inferscale-bench-migrate-{}", std::process::id())),
     };
     let mut started = Vec::new();
-    for side in ["a", "b"] {
+    for side in ["a", "b"].into_iter().filter(|_| a.peers.is_empty()) {
         let mut args = a.worker.clone();
         let dir = base.join(side);
         if dir.exists() {
             std::fs::remove_dir_all(&dir).with_context(|| format!("clearing {}", dir.display()))?;
         }
         args.mem.memory = Some(dir);
-        started.push(start_worker(&args)?);
+        let (service, engine, _) = start_worker(&args)?;
+        started.push((service, engine));
     }
     let rt = runtime()?;
-    let user = "bench-migrate".to_string();
+    // Unique per run: a moved-away user is refused at its old worker for a
+    // while, so a second run on the same running workers needs a new name.
+    let user = format!("bench-migrate-{}", std::process::id());
     let report = rt.block_on(async {
-        let mut addrs = Vec::new();
+        let mut addrs = a.peers.clone();
         for (service, _) in &started {
             let listener = TcpListener::bind("127.0.0.1:0").await?;
             addrs.push(listener.local_addr()?.to_string());
@@ -109,8 +126,13 @@ pub fn run(a: MigrateBenchArgs) -> Result<()> {
             export_s.push(t.elapsed().as_secs_f64());
             // The full move to the other worker, then the source drops it.
             let to = 1 - at;
-            let req =
-                pb::SendShardRequest { user: user.clone(), to: addrs[to].clone(), with_kv: true, ..Default::default() };
+            let req = pb::SendShardRequest {
+                user: user.clone(),
+                to: addrs[to].clone(),
+                with_kv: true,
+                nccl: a.nccl,
+                ..Default::default()
+            };
             let sent = clients[at].send_shard(req).await?.into_inner();
             let imported = sent.imported.unwrap_or_default();
             if imported.bytes != streamed || imported.with_kv as usize != a.facts {
@@ -131,12 +153,19 @@ pub fn run(a: MigrateBenchArgs) -> Result<()> {
             );
             at = to;
         }
+        // Leave running workers as they were.
+        clients[at].forget(pb::ForgetRequest { user: user.clone(), unit_id: String::new() }).await?;
         let mb = bytes as f64 / 1e6;
         let row = |what, s: Vec<f64>| {
             let m = median(s);
             Row { what, megabytes: mb, seconds_median: m, mb_per_s: mb / m }
         };
-        anyhow::Ok(vec![row("export stream (discarded)", export_s), row("move (export, check, stage, commit)", send_s)])
+        let moved = if a.nccl {
+            "move over NCCL (export, check, stage, commit)"
+        } else {
+            "move (export, check, stage, commit)"
+        };
+        anyhow::Ok(vec![row("export stream (discarded)", export_s), row(moved, send_s)])
     })?;
     drop(rt);
     // The engine threads end once every handle to their services is gone.
@@ -147,15 +176,16 @@ pub fn run(a: MigrateBenchArgs) -> Result<()> {
     }
     let _ = std::fs::remove_dir_all(base.join("a"));
     let _ = std::fs::remove_dir_all(base.join("b"));
-    println!("{:<38} {:>9} {:>10} {:>9}", "", "MB", "s (med)", "MB/s");
+    println!("{:<48} {:>9} {:>10} {:>9}", "", "MB", "s (med)", "MB/s");
     for r in &report {
-        println!("{:<38} {:>9.1} {:>10.3} {:>9.0}", r.what, r.megabytes, r.seconds_median, r.mb_per_s);
+        println!("{:<48} {:>9.1} {:>10.3} {:>9.0}", r.what, r.megabytes, r.seconds_median, r.mb_per_s);
     }
     if let Some(path) = &a.json {
         let out = Report {
             model: a.worker.mem.model.shape.clone().unwrap_or_else(|| a.worker.mem.model.model.clone()),
             backend: a.worker.mem.model.backend.clone(),
             facts: a.facts,
+            transport: if a.nccl { "nccl" } else { "grpc" },
             results: report,
         };
         std::fs::write(path, serde_json::to_vec_pretty(&out)?)

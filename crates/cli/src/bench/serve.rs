@@ -250,7 +250,7 @@ pub fn run(mut a: ServeBenchArgs) -> Result<()> {
         tmp = Some(dir);
     }
     let byte_level = a.worker.mem.model.shape.is_some();
-    let (service, engine) = start_worker(&a.worker)?;
+    let (service, engine, _) = start_worker(&a.worker)?;
     let rt = runtime()?;
     let report = rt.block_on(async {
         let listener = TcpListener::bind("127.0.0.1:0").await?;

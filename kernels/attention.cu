@@ -47,14 +47,126 @@ __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
     return *(u32*)&v;
 }
 
+// 16 bytes global → shared without passing through registers (sm_80
+// cp.async); `full` false writes zeros and reads nothing.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool full) {
+    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(full ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// Four 8×8 bf16 tiles of a row-major shared matrix, transposed on the way
+// into registers: the B fragments of two m16n8k16 MMAs (lane l names row
+// l & 15 of the 16, column block l >> 4).
+__device__ __forceinline__ void ldmatrix_x4_trans(u32& b0, u32& b1, u32& b2, u32& b3, const bf16* p) {
+    unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3)
+                 : "r"(a));
+}
+
+// One warp's share of a key tile: keys kt + kb .. kt + kb + NK of the tile
+// of keys from kt in `Ks`/`Vs`, against the warp's 16 rows — scores on the tensor cores, the
+// online softmax update of (m, l), and P·V into `o`.
+template <int D, int NK>
+__device__ __forceinline__ void attend_tile(float (&o)[D / 8][4], float (&m)[2], float (&l)[2],
+                                            const u32 (&qa)[D / 16][4], const bf16* Ks, const bf16* Vs, u32 kt,
+                                            int kb, u32 k_end, const u32 (&limit)[2], float scale, int lane) {
+    constexpr int LK = D + 8;
+    const int r = lane >> 2, q4 = lane & 3;
+    const u32 k0 = kt + kb;
+    float sc[NK / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < NK / 8; nt++) {
+        sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
+        const bf16* kp = Ks + (kb + nt * 8 + r) * LK + q4 * 2;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++)
+            mma_bf16_16816(sc[nt], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], ld_u32(kp + kk * 16),
+                           ld_u32(kp + kk * 16 + 8));
+    }
+
+    float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+    for (int nt = 0; nt < NK / 8; nt++)
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                u32 key = k0 + nt * 8 + q4 * 2 + e;
+                float v = (key < k_end && key < limit[h]) ? sc[nt][2 * h + e] * scale : NEG_INF;
+                sc[nt][2 * h + e] = v;
+                mx[h] = fmaxf(mx[h], v);
+            }
+    float alpha[2], psum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+        float m_new = fmaxf(m[h], mx[h]);
+        alpha[h] = m_new == NEG_INF ? 1.0f : __expf(m[h] - m_new);
+        m[h] = m_new;
+    }
+#pragma unroll
+    for (int nt = 0; nt < NK / 8; nt++)
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                float v = sc[nt][2 * h + e];
+                float p = v == NEG_INF ? 0.0f : __expf(v - m[h]);
+                sc[nt][2 * h + e] = p;
+                psum[h] += p;
+            }
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        psum[h] += __shfl_xor_sync(0xffffffffu, psum[h], 1);
+        psum[h] += __shfl_xor_sync(0xffffffffu, psum[h], 2);
+        l[h] = l[h] * alpha[h] + psum[h];
+    }
+#pragma unroll
+    for (int dn = 0; dn < D / 8; dn++) {
+        o[dn][0] *= alpha[0];
+        o[dn][1] *= alpha[0];
+        o[dn][2] *= alpha[1];
+        o[dn][3] *= alpha[1];
+    }
+#pragma unroll
+    for (int kk = 0; kk < NK / 16; kk++) {
+        u32 a0 = pack_bf16(sc[2 * kk][0], sc[2 * kk][1]), a1 = pack_bf16(sc[2 * kk][2], sc[2 * kk][3]);
+        u32 a2 = pack_bf16(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+        u32 a3 = pack_bf16(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+        const bf16* vrow = Vs + (kb + kk * 16 + (lane & 15)) * LK + (lane >> 4) * 8;
+#pragma unroll
+        for (int dn = 0; dn < D / 8; dn += 2) {
+            u32 b0, b1, b2, b3;
+            ldmatrix_x4_trans(b0, b1, b2, b3, vrow + dn * 8);
+            mma_bf16_16816(o[dn], a0, a1, a2, a3, b0, b1);
+            mma_bf16_16816(o[dn + 1], a0, a1, a2, a3, b2, b3);
+        }
+    }
+}
+
 // Causal attention over the paged cache, FlashAttention-2 style: a block of
 // four warps takes 64 packed rows (consecutive tokens × the query heads that
 // share one KV head) of one sequence; each warp keeps its 16 rows' Q, scores
 // and output in registers (mma.sync m16n8k16 fragments), walks the keys 64
-// at a time through shared memory (K row-major, V transposed so both feed
-// the tensor cores with 32-bit loads), and rescales with an online softmax
-// in f32. It writes O / l — or, when keys are split across blocks (grid z),
-// the unnormalised O with its running max and sum for `attention_combine`.
+// at a time through shared memory, and rescales with an online softmax in
+// f32. Tiles are double-buffered: the next tile's K and V rows are copied
+// with cp.async (coalesced, one key's row of this KV head per eight
+// threads) while the tensor cores work on this one, since a decode step is
+// bound by reading the cache and few blocks fit per SM. K and V stay
+// row-major; V's fragments come through ldmatrix.trans. A block whose rows
+// fit in 16 (a decode token: its G query heads) would leave three warps
+// idle, so there the four warps share the 16 rows and split each tile's
+// keys instead, each with its own softmax state, merged at the end. In a
+// block of more rows, warps whose rows are all past the span only load.
+// It writes O / l — or, when keys are split across blocks (grid z), the
+// unnormalised O with its running max and sum for `attention_combine`.
 //
 // `meta`: spans as (q_start, q_len, context_len, table offset) × S, then at
 // `works_off` (span, first packed row) per block, then the block tables at
@@ -65,9 +177,8 @@ __device__ void paged_attention(bf16* out, float* part_o, float* part_ml, const 
                                 const bf16* vc, const u32* meta, u32 works_off, u32 tables_off, int heads,
                                 int kv_heads, int block_size, float scale, u32 keys_per_split, u32 n_tokens,
                                 unsigned char* smem) {
-    constexpr int LK = D + 8, LV = BK + 8, V8 = D / 8;
-    bf16* Ks = (bf16*)smem;   // [BK][LK]
-    bf16* Vt = Ks + BK * LK;  // [D][LV]
+    constexpr int LK = D + 8, V8 = D / 8, STAGE = 2 * BK * LK;
+    bf16* tiles = (bf16*)smem;  // 2 stages × (K [BK][LK], V [BK][LK])
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, r = lane >> 2, q4 = lane & 3;
     const u32 g = blockIdx.y, z = blockIdx.z, splits = gridDim.z;
@@ -82,12 +193,15 @@ __device__ void paged_attention(bf16* out, float* part_o, float* part_ml, const 
     const u32 k_limit = past + r_last / G + 1;
     const u32 k_begin = z * keys_per_split, k_end = min(k_limit, k_begin + keys_per_split);
 
+    // Decode-like: every warp takes the block's first 16 rows and a quarter
+    // of each tile's keys.
+    const bool split = rows_total - r0 <= 16;
     // This lane's two rows (fragment rows r and r + 8 of the warp's 16).
     u32 R[2], limit[2], head[2], qrow[2];
     bool valid[2];
     u32 qa[D / 16][4];
     for (int h = 0; h < 2; h++) {
-        R[h] = r0 + warp * 16 + r + 8 * h;
+        R[h] = r0 + (split ? 0 : warp * 16) + r + 8 * h;
         valid[h] = R[h] < rows_total;
         u32 t = valid[h] ? R[h] / G : 0;
         limit[h] = valid[h] ? past + t + 1 : 0;
@@ -108,91 +222,81 @@ __device__ void paged_attention(bf16* out, float* part_o, float* part_ml, const 
     for (int dn = 0; dn < D / 8; dn++) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.0f;
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
 
-    for (u32 kt = k_begin; kt < k_end; kt += BK) {
-        __syncthreads();
+    const bool active = split || r0 + warp * 16 < rows_total;
+    // Starts copying keys [kt, kt + BK) into `stage`; keys past the end read as zeros.
+    auto load = [&](u32 kt, int stage) {
+        bf16* Ks = tiles + stage * STAGE;
+        bf16* Vs = Ks + BK * LK;
         for (int i = tid; i < BK * V8; i += blockDim.x) {
-            int c8 = i / BK, j = i % BK;
+            int j = i / V8, c8 = i % V8;
             u32 key = kt + j;
-            uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
-            if (key < k_end) {
-                size_t slot = (size_t)table[key / block_size] * block_size + key % block_size;
-                size_t off = slot * kv_dim + g * D + c8 * 8;
-                kv = *(const uint4*)(kc + off);
-                vv = *(const uint4*)(vc + off);
-            }
-            *(uint4*)(Ks + j * LK + c8 * 8) = kv;
-            const bf16* ve = (const bf16*)&vv;
-#pragma unroll
-            for (int e = 0; e < 8; e++) Vt[(c8 * 8 + e) * LV + j] = ve[e];
+            bool full = key < k_end;
+            size_t off = 0;
+            if (full) off = ((size_t)table[key / block_size] * block_size + key % block_size) * kv_dim + g * D + c8 * 8;
+            cp_async16(Ks + j * LK + c8 * 8, kc + off, full);
+            cp_async16(Vs + j * LK + c8 * 8, vc + off, full);
+        }
+        cp_async_commit();
+    };
+    if (k_begin < k_end) load(k_begin, 0);
+    int stage = 0;
+    for (u32 kt = k_begin; kt < k_end; kt += BK, stage ^= 1) {
+        // Every warp is done with the other stage (the previous tile).
+        __syncthreads();
+        if (kt + BK < k_end) {
+            load(kt + BK, stage ^ 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
         }
         __syncthreads();
+        if (!active) continue;
+        const bf16* Ks = tiles + stage * STAGE;
+        const bf16* Vs = Ks + BK * LK;
 
-        float sc[BK / 8][4];
-#pragma unroll
-        for (int nt = 0; nt < BK / 8; nt++) {
-            sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
-            const bf16* kp = Ks + (nt * 8 + r) * LK + q4 * 2;
-#pragma unroll
-            for (int kk = 0; kk < D / 16; kk++)
-                mma_bf16_16816(sc[nt], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], ld_u32(kp + kk * 16),
-                               ld_u32(kp + kk * 16 + 8));
-        }
+        if (split)
+            attend_tile<D, BK / 4>(o, m, l, qa, Ks, Vs, kt, warp * (BK / 4), k_end, limit, scale, lane);
+        else
+            attend_tile<D, BK>(o, m, l, qa, Ks, Vs, kt, 0, k_end, limit, scale, lane);
+    }
 
-        float mx[2] = {NEG_INF, NEG_INF};
+    if (split) {
+        // Merge the four warps' partial softmax states into warp 0's.
+        constexpr int W = D / 2 + 4;  // per lane: o, then m[2], l[2]
+        float* red = (float*)smem;    // [4 warps][32 lanes][W], over the tiles
+        __syncthreads();
+        float* mine = red + (warp * 32 + lane) * W;
 #pragma unroll
-        for (int nt = 0; nt < BK / 8; nt++)
+        for (int dn = 0; dn < D / 8; dn++)
 #pragma unroll
-            for (int h = 0; h < 2; h++)
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    u32 key = kt + nt * 8 + q4 * 2 + e;
-                    float v = (key < k_end && key < limit[h]) ? sc[nt][2 * h + e] * scale : NEG_INF;
-                    sc[nt][2 * h + e] = v;
-                    mx[h] = fmaxf(mx[h], v);
-                }
-        float alpha[2], psum[2] = {0.0f, 0.0f};
+            for (int e = 0; e < 4; e++) mine[dn * 4 + e] = o[dn][e];
+        mine[D / 2] = m[0];
+        mine[D / 2 + 1] = m[1];
+        mine[D / 2 + 2] = l[0];
+        mine[D / 2 + 3] = l[1];
+        __syncthreads();
+        if (warp != 0) return;
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-            float m_new = fmaxf(m[h], mx[h]);
-            alpha[h] = m_new == NEG_INF ? 1.0f : __expf(m[h] - m_new);
-            m[h] = m_new;
-        }
-#pragma unroll
-        for (int nt = 0; nt < BK / 8; nt++)
-#pragma unroll
-            for (int h = 0; h < 2; h++)
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    float v = sc[nt][2 * h + e];
-                    float p = v == NEG_INF ? 0.0f : __expf(v - m[h]);
-                    sc[nt][2 * h + e] = p;
-                    psum[h] += p;
-                }
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            psum[h] += __shfl_xor_sync(0xffffffffu, psum[h], 1);
-            psum[h] += __shfl_xor_sync(0xffffffffu, psum[h], 2);
-            l[h] = l[h] * alpha[h] + psum[h];
-        }
-#pragma unroll
-        for (int dn = 0; dn < D / 8; dn++) {
-            o[dn][0] *= alpha[0];
-            o[dn][1] *= alpha[0];
-            o[dn][2] *= alpha[1];
-            o[dn][3] *= alpha[1];
-        }
-#pragma unroll
-        for (int kk = 0; kk < BK / 16; kk++) {
-            u32 a0 = pack_bf16(sc[2 * kk][0], sc[2 * kk][1]), a1 = pack_bf16(sc[2 * kk][2], sc[2 * kk][3]);
-            u32 a2 = pack_bf16(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-            u32 a3 = pack_bf16(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
-#pragma unroll
-            for (int dn = 0; dn < D / 8; dn++) {
-                const bf16* vp = Vt + (dn * 8 + r) * LV + kk * 16 + q4 * 2;
-                mma_bf16_16816(o[dn], a0, a1, a2, a3, ld_u32(vp), ld_u32(vp + 8));
+            float mm = NEG_INF;
+            for (int w = 0; w < 4; w++) mm = fmaxf(mm, red[(w * 32 + lane) * W + D / 2 + h]);
+            float wt[4], ll = 0.0f;
+            for (int w = 0; w < 4; w++) {
+                const float* other = red + (w * 32 + lane) * W;
+                float mw = other[D / 2 + h];
+                wt[w] = mw == NEG_INF ? 0.0f : __expf(mw - mm);
+                ll += other[D / 2 + 2 + h] * wt[w];
             }
+#pragma unroll
+            for (int dn = 0; dn < D / 8; dn++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    float acc = 0.0f;
+                    for (int w = 0; w < 4; w++) acc += red[(w * 32 + lane) * W + dn * 4 + 2 * h + e] * wt[w];
+                    o[dn][2 * h + e] = acc;
+                }
+            m[h] = mm;
+            l[h] = ll;
         }
     }
 

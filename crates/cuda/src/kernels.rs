@@ -24,11 +24,10 @@ pub const ATTN_KEYS: usize = 64;
 /// Threads of a `paged_attention` block (four warps of sixteen rows).
 pub const ATTN_THREADS: u32 = 128;
 
-/// Dynamic shared memory of `paged_attention_d{head_dim}`: a K tile
-/// (`[keys, head_dim + 8]`) and a transposed V tile (`[head_dim, keys + 8]`), bf16.
+/// Dynamic shared memory of `paged_attention_d{head_dim}`: two stages
+/// (double buffering) of a K and a V tile, each `[keys, head_dim + 8]` bf16.
 pub fn attention_smem_bytes(head_dim: usize) -> usize {
-    let k = ATTN_KEYS;
-    (k * (head_dim + 8) + head_dim * (k + 8)) * 2
+    2 * 2 * ATTN_KEYS * (head_dim + 8) * 2
 }
 
 /// The directory holding `cuda_bf16.h`: `$INFERSCALE_CUDA_INCLUDE`, then

@@ -87,7 +87,10 @@ mod cuda {
             eprintln!("inferscale worker: libnccl not found; shard moves from and to this GPU go over gRPC");
             return None;
         }
-        let (Some(host), Ok(uuid)) = (host_id(), nccl::device_uuid(device)) else {
+        // INFERSCALE_GPU_ID stands in for the UUID: two workers sharing one
+        // GPU in a dry run (each with its own NCCL_HOSTID) can be told apart.
+        let uuid = std::env::var("INFERSCALE_GPU_ID").map_err(|_| ()).or_else(|()| nccl::device_uuid(device));
+        let (Some(host), Ok(uuid)) = (host_id(), uuid) else {
             eprintln!("inferscale worker: no host id or GPU UUID; shard moves go over gRPC");
             return None;
         };

@@ -102,6 +102,80 @@ pub fn self_test(ordinal: usize, bytes: usize, repeat: usize) -> Result<SelfTest
     })
 }
 
+/// What [`pair_test`] measured between two GPUs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PairTest {
+    pub devices: [String; 2],
+    pub nccl_version: String,
+    pub bytes: usize,
+    /// NCCL send/recv from the first GPU to the second, GB/s per transfer.
+    pub nccl_gb_s: Vec<f64>,
+    /// A peer copy (`cuMemcpyPeerAsync`) of the same bytes, GB/s.
+    pub copy_gb_s: Vec<f64>,
+}
+
+/// Sends `bytes` from GPU `a` to GPU `b` `repeat` times through a two-rank
+/// NCCL communicator (after one checked warm-up) and as a peer copy; checks
+/// the received bytes and times both with the host clock around a
+/// synchronisation of both GPUs (transfers of hundreds of MiB take
+/// milliseconds; pass at least that).
+pub fn pair_test(a: usize, b: usize, bytes: usize, repeat: usize) -> Result<PairTest> {
+    if a == b || bytes == 0 || repeat == 0 {
+        return Err(CudaError::Unsupported("the pair test needs two different GPUs, bytes > 0, repeat > 0".into()));
+    }
+    library()?;
+    let (ca, cb) = (CudaContext::new(a)?, CudaContext::new(b)?);
+    let (sa, sb) = (ca.new_stream()?, cb.new_stream()?);
+    let comms = Comm::from_devices(vec![sa.clone(), sb.clone()]).map_err(nccl)?;
+    let pattern: Vec<u8> = (0..bytes).map(|i| (i as u32).wrapping_mul(2_654_435_761).rotate_right(11) as u8).collect();
+    let src: CudaSlice<u8> = sa.clone_htod(&pattern)?;
+    let mut dst: CudaSlice<u8> = sb.alloc_zeros(bytes)?;
+    let mut copy: CudaSlice<u8> = sb.alloc_zeros(bytes)?;
+    let both = || -> Result<()> {
+        sa.synchronize()?;
+        sb.synchronize()?;
+        Ok(())
+    };
+    let send = |dst: &mut CudaSlice<u8>| -> Result<f64> {
+        both()?;
+        let t = Instant::now();
+        cudarc::nccl::result::group_start().map_err(nccl)?;
+        let sent = comms[0].send(&src, 1).map_err(nccl);
+        let received = comms[1].recv(dst, 0).map(|_| ()).map_err(nccl);
+        cudarc::nccl::result::group_end().map_err(nccl)?;
+        sent?;
+        received?;
+        both()?;
+        Ok(t.elapsed().as_secs_f64())
+    };
+    send(&mut dst)?; // warm-up: NCCL connects the pair on first use
+    if sb.clone_dtoh(&dst)? != pattern {
+        return Err(CudaError::Nccl("NCCL delivered different bytes than were sent".into()));
+    }
+    let gb_s = |s: f64| bytes as f64 / s / 1e9;
+    let (mut nccl_rates, mut copy_rates) = (Vec::with_capacity(repeat), Vec::with_capacity(repeat));
+    for _ in 0..repeat {
+        sb.memset_zeros(&mut dst)?;
+        nccl_rates.push(gb_s(send(&mut dst)?));
+        both()?;
+        let t = Instant::now();
+        sb.memcpy_dtod(&src, &mut copy)?;
+        both()?;
+        copy_rates.push(gb_s(t.elapsed().as_secs_f64()));
+    }
+    if sb.clone_dtoh(&dst)? != pattern || sb.clone_dtoh(&copy)? != pattern {
+        return Err(CudaError::Nccl("a timed transfer delivered different bytes than were sent".into()));
+    }
+    let v = cudarc::nccl::result::get_nccl_version().unwrap_or(0);
+    Ok(PairTest {
+        devices: [ca.name()?, cb.name()?],
+        nccl_version: format!("{}.{}.{}", v / 10000, v / 100 % 100, v % 100),
+        bytes,
+        nccl_gb_s: nccl_rates,
+        copy_gb_s: copy_rates,
+    })
+}
+
 /// Bytes of an NCCL unique id: what the two ends of a [`Link`] share to find
 /// each other.
 pub const ID_BYTES: usize = 128;

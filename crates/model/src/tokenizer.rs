@@ -221,8 +221,26 @@ impl Tokenizer {
             .map_err(|e| ModelError::Tokenizer(format!("encode: {e}")))
     }
 
+    /// Decodes `ids`. An id the tokenizer has no entry for (a random-weight
+    /// model samples from the shape's whole vocabulary, its stand-in
+    /// byte-level tokenizer knows 256 bytes and a few specials) shows as
+    /// `<|id|>` instead of vanishing, so such outputs stay comparable.
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
-        self.inner.decode(ids, skip_special_tokens).map_err(|e| ModelError::Tokenizer(format!("decode: {e}")))
+        let run = |ids: &[u32]| {
+            self.inner.decode(ids, skip_special_tokens).map_err(|e| ModelError::Tokenizer(format!("decode: {e}")))
+        };
+        let known = u32::try_from(self.inner.get_vocab_size(true)).unwrap_or(u32::MAX);
+        if ids.iter().all(|&id| id < known) {
+            return run(ids);
+        }
+        let mut out = String::new();
+        for part in ids.chunk_by(|a, b| (*a < known) == (*b < known)) {
+            match part[0] < known {
+                true => out.push_str(&run(part)?),
+                false => part.iter().for_each(|id| out.push_str(&format!("<|{id}|>"))),
+            }
+        }
+        Ok(out)
     }
 }
 
@@ -240,5 +258,8 @@ mod tests {
         let ids = t.encode("<|im_start|>hi<|im_end|>", false).expect("encodes");
         assert_eq!(ids, vec![256, u32::from(b'h'), u32::from(b'i'), 257]);
         assert_eq!(t.eos, Some((257, "<|im_end|>".to_string())));
+        // Ids past the tokenizer's vocabulary show instead of vanishing.
+        let ids = [u32::from(b'h'), 5000, 70000, u32::from(b'i'), 257];
+        assert_eq!(t.decode(&ids, true).expect("decodes"), "h<|5000|><|70000|>i");
     }
 }

@@ -277,7 +277,8 @@ impl Rebalancer {
         self.stats.moves.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.stats.moved_bytes.fetch_add(imported.bytes, std::sync::atomic::Ordering::Relaxed);
         eprintln!(
-            "inferscale router: moved {user:?} {from} -> {to}: {} facts, {:.1} MB in {:.2} s ({:.0} MB/s stream), {:.2} s in all",
+            "inferscale router: moved {user:?} {from} -> {to} over {}: {} facts, {:.1} MB in {:.2} s ({:.0} MB/s stream), {:.2} s in all",
+            if nccl { "NCCL" } else { "gRPC" },
             imported.facts,
             imported.bytes as f64 / 1e6,
             sent.seconds,

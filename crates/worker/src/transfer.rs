@@ -374,9 +374,11 @@ pub async fn send(svc: &WorkerService, req: pb::SendShardRequest) -> Result<pb::
     if req.to.is_empty() {
         return Err(Status::invalid_argument("SendShard needs the receiving worker's address in `to`"));
     }
+    // The link's id is made before anything is exported, so a failure here
+    // leaves the user untouched.
     let links = match (req.nccl, svc.links()) {
         (false, _) => None,
-        (true, Some(l)) => Some(l.clone()),
+        (true, Some(l)) => Some((l.clone(), l.new_id().map_err(|e| Status::unavailable(e.to_string()))?)),
         (true, None) => {
             return Err(Status::failed_precondition(
                 "this worker has no device link (NCCL needs a CUDA worker and libnccl); send over gRPC",
@@ -403,8 +405,7 @@ pub async fn send(svc: &WorkerService, req: pb::SendShardRequest) -> Result<pb::
         tracing::info_span!("export_shard", user = %req.user),
     );
     let mut link = None;
-    if let Some(links) = links {
-        let id = links.new_id().map_err(|e| Status::unavailable(e.to_string()))?;
+    if let Some((links, id)) = links {
         let out = Outgoing::start(links, id.clone(), LINK_FRAME_BYTES);
         chunks = out.route(chunks, id);
         link = Some(out);

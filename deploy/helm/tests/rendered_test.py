@@ -135,6 +135,11 @@ class Rendered(unittest.TestCase):
         self.assertEqual(env["INFERSCALE_HTTP_LISTEN"], "0.0.0.0:9090")
         self.assertEqual(env["INFERSCALE_MEMORY"], "/data/memory")
         self.assertEqual(env["INFERSCALE_HOME"], "/data/cache")
+        # The node name tells workers which GPUs share a host (NCCL moves);
+        # the host's IPC namespace only when asked for.
+        node = [e for e in c["env"] if e["name"] == "NODE_NAME"]
+        self.assertEqual(node, [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}])
+        self.assertNotIn("hostIPC", pod)
         self.assertEqual(c["readinessProbe"]["httpGet"], {"path": "/readyz", "port": "http"})
         self.assertEqual(c["livenessProbe"]["httpGet"], {"path": "/healthz", "port": "http"})
         self.assertIn({"name": "http", "containerPort": 9090, "protocol": "TCP"}, c["ports"])

@@ -20,6 +20,9 @@ pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     pub bos: Option<(u32, String)>,
     pub eos: Option<(u32, String)>,
+    /// Ids below this have an entry; counted once, since the library
+    /// counts by building the whole vocabulary map.
+    known: u32,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -59,6 +62,11 @@ fn pre_tokenizer_for(pre: &str) -> Option<Value> {
 }
 
 impl Tokenizer {
+    fn new(inner: tokenizers::Tokenizer, bos: Option<(u32, String)>, eos: Option<(u32, String)>) -> Self {
+        let known = u32::try_from(inner.get_vocab_size(true)).unwrap_or(u32::MAX);
+        Tokenizer { inner, bos, eos, known }
+    }
+
     /// Builds the tokenizer described by GGUF `tokenizer.ggml.*` metadata.
     pub fn from_gguf(file: &GgufFile) -> Result<Self> {
         let path = file.path();
@@ -143,7 +151,7 @@ impl Tokenizer {
         });
         let inner = tokenizers::Tokenizer::from_bytes(spec.to_string().as_bytes())
             .map_err(|e| ModelError::Tokenizer(format!("{}: building from GGUF metadata: {e}", path.display())))?;
-        Ok(Tokenizer { inner, bos, eos })
+        Ok(Tokenizer::new(inner, bos, eos))
     }
 
     /// A byte-level tokenizer — one token per byte (ids 0–255), then
@@ -190,7 +198,7 @@ impl Tokenizer {
         let inner = tokenizers::Tokenizer::from_bytes(spec.to_string().as_bytes())
             .map_err(|e| ModelError::Tokenizer(format!("building the byte-level tokenizer: {e}")))?;
         let eos = eos.and_then(|e| specials.iter().position(|t| *t == e).map(|i| (256 + i as u32, e.to_string())));
-        Ok(Tokenizer { inner, bos: None, eos })
+        Ok(Tokenizer::new(inner, None, eos))
     }
 
     /// Loads an HF `tokenizer.json`; special tokens come from the model config
@@ -208,7 +216,7 @@ impl Tokenizer {
         let named = |id: Option<u32>| id.and_then(|id| inner.id_to_token(id).map(|t| (id, t)));
         let bos = named(bos_id);
         let eos = named(eos_id);
-        Ok(Tokenizer { inner, bos, eos })
+        Ok(Tokenizer::new(inner, bos, eos))
     }
 
     /// Encodes `text`. With `add_special_tokens` the model's post-processor
@@ -229,7 +237,7 @@ impl Tokenizer {
         let run = |ids: &[u32]| {
             self.inner.decode(ids, skip_special_tokens).map_err(|e| ModelError::Tokenizer(format!("decode: {e}")))
         };
-        let known = u32::try_from(self.inner.get_vocab_size(true)).unwrap_or(u32::MAX);
+        let known = self.known;
         if ids.iter().all(|&id| id < known) {
             return run(ids);
         }

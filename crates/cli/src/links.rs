@@ -10,12 +10,13 @@ use crate::serve::WorkerArgs;
 
 /// The links and GPU identity of a worker started with `a`: none for a CPU
 /// worker, or where libnccl is missing (its moves then go over gRPC).
+#[cfg(feature = "cuda")]
 pub(crate) fn nccl(a: &WorkerArgs) -> Option<(Arc<dyn Links>, GpuId)> {
-    #[cfg(feature = "cuda")]
-    if a.mem.model.backend == "cuda" {
-        return cuda::links(a.mem.model.device);
-    }
-    let _ = a;
+    (a.mem.model.backend == "cuda").then(|| cuda::links(a.mem.model.device)).flatten()
+}
+
+#[cfg(not(feature = "cuda"))]
+pub(crate) fn nccl(_: &WorkerArgs) -> Option<(Arc<dyn Links>, GpuId)> {
     None
 }
 

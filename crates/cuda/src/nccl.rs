@@ -38,6 +38,17 @@ fn nccl(e: cudarc::nccl::result::NcclError) -> CudaError {
     CudaError::Nccl(format!("{e:?}"))
 }
 
+/// The library's version, `major.minor.patch`.
+fn version() -> String {
+    let v = cudarc::nccl::result::get_nccl_version().unwrap_or(0);
+    format!("{}.{}.{}", v / 10000, v / 100 % 100, v % 100)
+}
+
+/// Test bytes that differ from byte to byte and from run to run of them.
+fn pattern(bytes: usize) -> Vec<u8> {
+    (0..bytes).map(|i| (i as u32).wrapping_mul(2_654_435_761).rotate_right(13) as u8).collect()
+}
+
 /// Times `f`'s work on `stream` with device events, in milliseconds.
 fn timed(stream: &Arc<CudaStream>, f: impl FnOnce() -> Result<()>) -> Result<f64> {
     let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
@@ -58,14 +69,10 @@ pub fn self_test(ordinal: usize, bytes: usize, repeat: usize) -> Result<SelfTest
     library()?;
     let ctx = CudaContext::new(ordinal)?;
     let stream = ctx.default_stream();
-    let mut version = 0i32;
-    // SAFETY: ncclGetVersion writes one int.
-    unsafe { cudarc::nccl::sys::ncclGetVersion(&mut version) };
     let id = Id::new().map_err(nccl)?;
     let comm = Comm::from_rank(stream.clone(), 0, 1, id).map_err(nccl)?;
 
-    // A pattern that differs from byte to byte and from run to run of it.
-    let pattern: Vec<u8> = (0..bytes).map(|i| (i as u32).wrapping_mul(2_654_435_761).rotate_right(13) as u8).collect();
+    let pattern = pattern(bytes);
     let src: CudaSlice<u8> = stream.clone_htod(&pattern)?;
     let mut dst: CudaSlice<u8> = stream.alloc_zeros(bytes)?;
     let mut copy: CudaSlice<u8> = stream.alloc_zeros(bytes)?;
@@ -93,13 +100,7 @@ pub fn self_test(ordinal: usize, bytes: usize, repeat: usize) -> Result<SelfTest
     if stream.clone_dtoh(&dst)? != pattern || stream.clone_dtoh(&copy)? != pattern {
         return Err(CudaError::Nccl("a timed transfer delivered different bytes than were sent".into()));
     }
-    Ok(SelfTest {
-        device: ctx.name()?,
-        nccl_version: format!("{}.{}.{}", version / 10000, version / 100 % 100, version % 100),
-        bytes,
-        nccl_gb_s: nccl_rates,
-        copy_gb_s: copy_rates,
-    })
+    Ok(SelfTest { device: ctx.name()?, nccl_version: version(), bytes, nccl_gb_s: nccl_rates, copy_gb_s: copy_rates })
 }
 
 /// What [`pair_test`] measured between two GPUs.
@@ -127,7 +128,7 @@ pub fn pair_test(a: usize, b: usize, bytes: usize, repeat: usize) -> Result<Pair
     let (ca, cb) = (CudaContext::new(a)?, CudaContext::new(b)?);
     let (sa, sb) = (ca.new_stream()?, cb.new_stream()?);
     let comms = Comm::from_devices(vec![sa.clone(), sb.clone()]).map_err(nccl)?;
-    let pattern: Vec<u8> = (0..bytes).map(|i| (i as u32).wrapping_mul(2_654_435_761).rotate_right(11) as u8).collect();
+    let pattern = pattern(bytes);
     let src: CudaSlice<u8> = sa.clone_htod(&pattern)?;
     let mut dst: CudaSlice<u8> = sb.alloc_zeros(bytes)?;
     let mut copy: CudaSlice<u8> = sb.alloc_zeros(bytes)?;
@@ -166,10 +167,9 @@ pub fn pair_test(a: usize, b: usize, bytes: usize, repeat: usize) -> Result<Pair
     if sb.clone_dtoh(&dst)? != pattern || sb.clone_dtoh(&copy)? != pattern {
         return Err(CudaError::Nccl("a timed transfer delivered different bytes than were sent".into()));
     }
-    let v = cudarc::nccl::result::get_nccl_version().unwrap_or(0);
     Ok(PairTest {
         devices: [ca.name()?, cb.name()?],
-        nccl_version: format!("{}.{}.{}", v / 10000, v / 100 % 100, v % 100),
+        nccl_version: version(),
         bytes,
         nccl_gb_s: nccl_rates,
         copy_gb_s: copy_rates,

@@ -10,7 +10,7 @@
 //! record; the [`Reassembler`] carries the partial record over and hands out
 //! each record once its last byte has arrived and its checksum holds.
 //!
-//! Pure data layout, no transport: the NCCL and gRPC paths share it, and it
+//! Pure data layout, no transport (any link can carry it), and it
 //! is tested on the CPU.
 
 use inferscale_memory::ShardRecord;
@@ -55,16 +55,6 @@ impl Manifest {
         let f = self.frame_bytes.max(1);
         (0..total.div_ceil(f)).map(|i| f.min(total - i * f)).collect()
     }
-}
-
-/// The manifest of `records` and their KV cut into frames of `frame_bytes`.
-pub fn cut(records: &[ShardRecord], frame_bytes: usize) -> Result<(Manifest, Vec<Vec<u8>>), FrameError> {
-    let entries = records
-        .iter()
-        .map(|r| ManifestEntry { fact: r.fact.clone(), kv_len: r.kv.len() as u64, crc32: r.checksum() })
-        .collect();
-    let frames = pack(records.iter().map(|r| r.kv.as_slice()), frame_bytes)?;
-    Ok((Manifest { entries, frame_bytes }, frames))
 }
 
 /// `payloads` concatenated and cut into frames of `frame_bytes` (the last
@@ -172,6 +162,18 @@ impl Reassembler {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What a sender makes of `records`: their manifest and their KV cut
+    /// into frames of `frame_bytes` (the transfer builds the same from its
+    /// protobuf records).
+    fn cut(records: &[ShardRecord], frame_bytes: usize) -> Result<(Manifest, Vec<Vec<u8>>), FrameError> {
+        let entries = records
+            .iter()
+            .map(|r| ManifestEntry { fact: r.fact.clone(), kv_len: r.kv.len() as u64, crc32: r.checksum() })
+            .collect();
+        let frames = pack(records.iter().map(|r| r.kv.as_slice()), frame_bytes)?;
+        Ok((Manifest { entries, frame_bytes }, frames))
+    }
 
     fn record(i: usize, kv_len: usize) -> ShardRecord {
         ShardRecord {

@@ -49,6 +49,9 @@ const EXPORT_IDS: usize = 1024;
 /// fact's) in one or a few frames; the buffer both ends hold on the device.
 const LINK_FRAME_BYTES: usize = 16 << 20;
 
+/// Why a worker without links refuses a move over one, on either end.
+const NO_LINK: &str = "this worker has no device link (NCCL needs a CUDA worker and libnccl); send over gRPC";
+
 pub type ChunkStream = ReceiverStream<Result<pb::ShardChunk, Status>>;
 
 fn shard_records(records: Vec<ShardRecord>) -> Vec<pb::ShardRecord> {
@@ -145,7 +148,7 @@ fn staging_error(e: MemoryError) -> Status {
 }
 
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, MemoryError> + Send + 'static) -> Result<T, Status> {
-    tokio::task::spawn_blocking(f).await.map_err(|e| Status::internal(e.to_string()))?.map_err(staging_error)
+    off_thread(move || f().map_err(staging_error)).await
 }
 
 fn frame_error(e: FrameError) -> Status {
@@ -175,9 +178,7 @@ impl Incoming {
         if first.link_id.is_empty() {
             return Ok(None);
         }
-        let links: Arc<dyn Links> = svc.links().cloned().ok_or_else(|| {
-            Status::failed_precondition("this worker has no device link (NCCL needs a CUDA worker); send over gRPC")
-        })?;
+        let links: Arc<dyn Links> = svc.links().cloned().ok_or_else(|| Status::failed_precondition(NO_LINK))?;
         let frame_bytes =
             usize::try_from(first.frame_bytes).ok().filter(|&f| f > 0 && f <= MAX_MESSAGE_BYTES).ok_or_else(|| {
                 Status::invalid_argument(format!("link frame size {} is out of range", first.frame_bytes))
@@ -380,9 +381,7 @@ pub async fn send(svc: &WorkerService, req: pb::SendShardRequest) -> Result<pb::
         (false, _) => None,
         (true, Some(l)) => Some((l.clone(), l.new_id().map_err(|e| Status::unavailable(e.to_string()))?)),
         (true, None) => {
-            return Err(Status::failed_precondition(
-                "this worker has no device link (NCCL needs a CUDA worker and libnccl); send over gRPC",
-            ));
+            return Err(Status::failed_precondition(NO_LINK));
         }
     };
     let channel = tonic::transport::Endpoint::from_shared(pb::uri(&req.to))
@@ -431,18 +430,11 @@ pub async fn send(svc: &WorkerService, req: pb::SendShardRequest) -> Result<pb::
     }
     // The link's own failure explains a refused import best; a link still
     // waiting for a receiver that gave up times out on its own thread.
-    let linked = match link {
-        Some(Outgoing { frames, sender, .. }) => {
-            drop(frames);
-            if answer.is_ok() || sender.is_finished() {
-                Some(sender.await.map_err(|e| Status::internal(e.to_string()))?)
-            } else {
-                None
-            }
-        }
-        None => None,
-    };
-    if let (Err(_), Some(Err(e))) = (&answer, &linked) {
+    if answer.is_err()
+        && let Some(out) = link
+        && out.sender.is_finished()
+        && let Ok(Err(e)) = out.sender.await
+    {
         return Err(Status::unavailable(format!("sending {:?}'s shard to worker {}: {e}", req.user, req.to)));
     }
     let imported = answer
@@ -450,10 +442,6 @@ pub async fn send(svc: &WorkerService, req: pb::SendShardRequest) -> Result<pb::
             Status::new(s.code(), format!("worker {} refused {:?}'s shard: {}", req.to, req.user, s.message()))
         })?
         .into_inner();
-    if let Some(Err(e)) = linked {
-        // Imported, yet the link reports an error (e.g. closing it).
-        tracing::warn!(user = %req.user, to = %req.to, error = %e, "the shard arrived; its link did not close cleanly");
-    }
     let m = svc.metrics();
     m.shards_sent.fetch_add(1, Ordering::Relaxed);
     m.shard_bytes_sent.fetch_add(imported.bytes, Ordering::Relaxed);

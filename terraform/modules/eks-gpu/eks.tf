@@ -101,16 +101,23 @@ resource "aws_iam_role_policy_attachment" "node" {
 # Launch templates: encrypted gp3 root volumes and IMDSv2 only, one hop (pods
 # cannot borrow the node's credentials; add-ons get theirs through EKS Pod
 # Identity).
-resource "aws_launch_template" "system" {
-  name_prefix            = "${var.cluster_name}-system-"
+resource "aws_launch_template" "node" {
+  for_each = {
+    system = { volume_size = 100, iops = null, throughput = null }
+    gpu    = { volume_size = var.gpu_root_volume_size_gib, iops = 6000, throughput = 500 }
+  }
+
+  name_prefix            = "${var.cluster_name}-${each.key}-"
   update_default_version = true
 
   block_device_mappings {
     device_name = "/dev/xvda"
 
     ebs {
-      volume_size           = 100
+      volume_size           = each.value.volume_size
       volume_type           = "gp3"
+      iops                  = each.value.iops
+      throughput            = each.value.throughput
       encrypted             = true
       kms_key_id            = aws_kms_key.this.arn
       delete_on_termination = true
@@ -129,43 +136,7 @@ resource "aws_launch_template" "system" {
 
   tag_specifications {
     resource_type = "instance"
-    tags          = merge(var.tags, { Name = "${var.cluster_name}-system" })
-  }
-
-  tags = var.tags
-}
-
-resource "aws_launch_template" "gpu" {
-  name_prefix            = "${var.cluster_name}-gpu-"
-  update_default_version = true
-
-  block_device_mappings {
-    device_name = "/dev/xvda"
-
-    ebs {
-      volume_size           = var.gpu_root_volume_size_gib
-      volume_type           = "gp3"
-      iops                  = 6000
-      throughput            = 500
-      encrypted             = true
-      kms_key_id            = aws_kms_key.this.arn
-      delete_on_termination = true
-    }
-  }
-
-  metadata_options {
-    http_endpoint               = "enabled"
-    http_tokens                 = "required"
-    http_put_response_hop_limit = 1
-  }
-
-  monitoring {
-    enabled = true
-  }
-
-  tag_specifications {
-    resource_type = "instance"
-    tags          = merge(var.tags, { Name = "${var.cluster_name}-gpu" })
+    tags          = merge(var.tags, { Name = "${var.cluster_name}-${each.key}" })
   }
 
   tags = var.tags
@@ -182,8 +153,8 @@ resource "aws_eks_node_group" "system" {
   instance_types  = var.system_node_instance_types
 
   launch_template {
-    id      = aws_launch_template.system.id
-    version = aws_launch_template.system.latest_version
+    id      = aws_launch_template.node["system"].id
+    version = aws_launch_template.node["system"].latest_version
   }
 
   scaling_config {
@@ -223,8 +194,8 @@ resource "aws_eks_node_group" "gpu" {
   instance_types  = [var.gpu_instance_type]
 
   launch_template {
-    id      = aws_launch_template.gpu.id
-    version = aws_launch_template.gpu.latest_version
+    id      = aws_launch_template.node["gpu"].id
+    version = aws_launch_template.node["gpu"].latest_version
   }
 
   scaling_config {

@@ -64,7 +64,11 @@ extern "C" __global__ void copy_blocks(bf16* kc, bf16* vc, const u32* pairs, siz
 // u32 arrays of T entries (chunk, row within the chunk, position, slot).
 // Tensors are `[rows, kv_dim]` bf16.
 //
-// Grid (token groups of INJECT_TOKENS, layers). A thread owns 8 dimensions
+// Grid (blocks over token groups of INJECT_TOKENS, a run of `layers` from
+// `layer0`). From device memory there is a block per group; from the host
+// tier a few layers at a time and a few blocks striding over the groups —
+// enough loads in flight for the bus, while leaving the multiprocessors to
+// the prefill that runs beside it. A thread owns 8 dimensions
 // (16-byte accesses) of every token in its group and issues all their loads
 // before any store; a thread whose dimensions lie in the first half of a
 // head's rotated part rotates them with their partners rot/2 further on.
@@ -72,14 +76,15 @@ extern "C" __global__ void copy_blocks(bf16* kc, bf16* vc, const u32* pairs, siz
 #define INJECT_TOKENS 4
 
 extern "C" __global__ void inject_kv(bf16* kc, bf16* vc, const unsigned long long* table, u32 tokens,
-                                     u32 chunks, size_t layer_elems, int kv_dim, int head_dim, int rot,
+                                     u32 chunks, u32 layer0, u32 layers, size_t layer_elems, int kv_dim, int head_dim, int rot,
                                      const float* cos_t, const float* sin_t, const float* inv_freq,
                                      u32 table_positions) {
-    const u32 layer = blockIdx.y, layers = gridDim.y;
+    const u32 layer = layer0 + blockIdx.y;
     const bf16* const* k_ptrs = (const bf16* const*)table;
     const bf16* const* v_ptrs = k_ptrs + (size_t)chunks * layers;
     const u32* meta = (const u32*)(table + 2 * (size_t)chunks * layers);
     const int half = rot / 2;
+    for (u32 group = blockIdx.x; group * INJECT_TOKENS < tokens; group += gridDim.x)
     for (int e = threadIdx.x * 8; e < kv_dim; e += blockDim.x * 8) {
         const int c = e % head_dim;
         const bool rotate = c < half, copy_k = c >= rot;
@@ -89,7 +94,7 @@ extern "C" __global__ void inject_kv(bf16* kc, bf16* vc, const unsigned long lon
         bool live[INJECT_TOKENS];
 #pragma unroll
         for (int i = 0; i < INJECT_TOKENS; i++) {
-            u32 t = blockIdx.x * INJECT_TOKENS + i;
+            u32 t = group * INJECT_TOKENS + i;
             live[i] = t < tokens;
             if (!live[i]) continue;
             u32 chunk = meta[t], row = meta[tokens + t];

@@ -26,6 +26,12 @@ pub struct MemoryArgs {
     /// Sentence-embedding model (name or directory; `random` for speed work).
     #[arg(long, default_value = fetch::DEFAULT_EMBEDDER)]
     pub(crate) embedder: String,
+    /// MiB of device memory for users' stored KV; users placed past it keep
+    /// theirs in the host tier (pinned host memory, read over the bus while
+    /// the question is prefilled). Default: no limit. Only the CUDA backend
+    /// has a separate host tier.
+    #[arg(long, env = "INFERSCALE_KV_DEVICE_MB")]
+    pub(crate) kv_device_mb: Option<u64>,
     #[command(flatten)]
     pub(crate) model: ModelArgs,
 }
@@ -99,8 +105,8 @@ pub(crate) fn open_memory<B: Backend>(a: &MemoryArgs, loaded: &Loaded<B>) -> Res
         Bert::load(loaded.engine.backend(), files).with_context(|| format!("loading the embedder {:?}", a.embedder))?;
     let dir = a.dir();
     let spec = ShardSpec { window: a.window, fingerprint: fingerprint(&loaded.files)? };
-    let (memory, warnings) =
-        Memory::open(&dir, spec, &loaded.engine).with_context(|| format!("opening memory {}", dir.display()))?;
+    let (memory, warnings) = Memory::open_tiered(&dir, spec, &loaded.engine, a.kv_device_mb.map(|mb| mb << 20))
+        .with_context(|| format!("opening memory {}", dir.display()))?;
     warnings.iter().for_each(|w| eprintln!("inferscale: warning: {w}"));
     Ok((embedder, memory))
 }

@@ -8,12 +8,14 @@
 //! 30-odd layers of a forward share one copy.
 
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::cublas::CudaBlas;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PinnedHostSlice, PushKernelArg,
+    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PinnedHostSlice,
+    PushKernelArg,
 };
 use half::bf16;
 use inferscale_engine::backend::{AttentionShape, Backend, InjectChunk, KvSpec, SeqSpan, matrix_dims};
@@ -25,9 +27,10 @@ use rayon::prelude::*;
 use crate::error::CudaError;
 use crate::kernels::{ATTN_KEYS, ATTN_ROWS, ATTN_THREADS, Kernels, attention_smem_bytes};
 use crate::profile::{Profiler, Span};
+use crate::tier::HostRows;
 
 /// Converts any CUDA-side error into the engine's.
-trait Cu<T> {
+pub(crate) trait Cu<T> {
     fn cu(self) -> Result<T>;
 }
 
@@ -37,20 +40,32 @@ impl<T, E: Into<CudaError>> Cu<T> for std::result::Result<T, E> {
     }
 }
 
-fn shape_err(what: String) -> EngineError {
+pub(crate) fn shape_err(what: String) -> EngineError {
     EngineError::Shape(what)
 }
 
-/// A row-major bf16 matrix on the device.
+/// A row-major bf16 matrix on the device, or — for stored KV in the host
+/// tier — in pinned host memory that kernels read over the bus (see
+/// `tier.rs`). Every op's output lives on the device.
 pub struct CudaTensor {
-    data: CudaSlice<bf16>,
-    rows: usize,
-    cols: usize,
+    pub(crate) data: Storage,
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
+}
+
+pub(crate) enum Storage {
+    Device(CudaSlice<bf16>),
+    Host(HostRows),
 }
 
 impl CudaTensor {
     pub fn len(&self) -> usize {
         self.rows * self.cols
+    }
+
+    /// Whether this tensor lives in the host tier.
+    pub fn in_host_tier(&self) -> bool {
+        matches!(self.data, Storage::Host(_))
     }
 
     pub fn is_empty(&self) -> bool {
@@ -59,11 +74,33 @@ impl CudaTensor {
 }
 
 /// Paged K and V: one buffer each, `[layers, slots, kv_heads·head_dim]`.
+///
+/// Injection from the host tier runs on a second stream, layer by layer, so
+/// that the bus transfer overlaps the prefill after it; `ready[l]` marks
+/// layer l's part done and `pending[l]` says the main stream has yet to wait
+/// for it. Every op that touches a layer of the store waits first.
 pub struct CudaKvStore {
-    spec: KvSpec,
-    k: CudaSlice<bf16>,
-    v: CudaSlice<bf16>,
-    layer_elems: usize,
+    pub(crate) spec: KvSpec,
+    pub(crate) k: CudaSlice<bf16>,
+    pub(crate) v: CudaSlice<bf16>,
+    pub(crate) layer_elems: usize,
+    pub(crate) ready: Vec<CudaEvent>,
+    pub(crate) pending: Vec<AtomicBool>,
+}
+
+impl Drop for CudaKvStore {
+    /// The buffers are freed in the main stream's order: it first waits for
+    /// any injection still writing them from the side stream.
+    fn drop(&mut self) {
+        let stream = self.k.stream().clone();
+        for (ready, pending) in self.ready.iter().zip(&self.pending) {
+            if pending.swap(false, Ordering::AcqRel) {
+                // Nothing to report to in a destructor; a failed wait leaves
+                // the device in an error state the next call reports.
+                let _ = stream.wait(ready);
+            }
+        }
+    }
 }
 
 impl CudaKvStore {
@@ -78,16 +115,13 @@ struct Blas(CudaBlas);
 // SAFETY: see above — never used by two threads at once.
 unsafe impl Send for Blas {}
 
-/// Tokens per block of `inject_kv` (`INJECT_TOKENS` in kernels/kv.cu).
-const INJECT_TOKENS: usize = 4;
-
 /// A model's RoPE tables on the device, keyed by its frequencies.
-struct DeviceRope {
+pub(crate) struct DeviceRope {
     inv_freq_host: Vec<f32>,
     dim: usize,
-    cos: CudaSlice<f32>,
-    sin: CudaSlice<f32>,
-    inv_freq: CudaSlice<f32>,
+    pub(crate) cos: CudaSlice<f32>,
+    pub(crate) sin: CudaSlice<f32>,
+    pub(crate) inv_freq: CudaSlice<f32>,
 }
 
 /// Recently uploaded metadata arrays, reused while the host copy is equal.
@@ -103,10 +137,10 @@ const META_ENTRIES: usize = 8;
 /// one GPU compile the kernels once.
 #[derive(Clone)]
 pub struct CudaBackend {
-    ctx: Arc<CudaContext>,
-    stream: Arc<CudaStream>,
+    pub(crate) ctx: Arc<CudaContext>,
+    pub(crate) stream: Arc<CudaStream>,
     blas: Arc<Mutex<Blas>>,
-    k: Arc<Kernels>,
+    pub(crate) k: Arc<Kernels>,
     sm_count: usize,
     device_name: String,
     ropes: Arc<Mutex<Vec<Arc<DeviceRope>>>>,
@@ -114,6 +148,11 @@ pub struct CudaBackend {
     profiler: Option<Arc<Profiler>>,
     /// Pinned host memory that `to_host` copies through.
     staging: Arc<Mutex<Option<PinnedHostSlice<bf16>>>>,
+    /// Where injections that read the host tier run (non-blocking, so it
+    /// never serialises with the main stream), and the event recorded after
+    /// each: host-tier memory is freed only once it has passed.
+    pub(crate) side: Arc<CudaStream>,
+    pub(crate) host_fence: Arc<CudaEvent>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -142,6 +181,8 @@ impl CudaBackend {
             .max(1) as usize;
         let device_name = ctx.name()?;
         let profiler = Profiler::from_env(&ctx, &stream);
+        let side = ctx.new_stream()?;
+        let host_fence = Arc::new(ctx.new_event(None)?);
         Ok(CudaBackend {
             ctx,
             stream,
@@ -153,6 +194,8 @@ impl CudaBackend {
             meta: Arc::new(Mutex::new(MetaCache::default())),
             profiler,
             staging: Arc::new(Mutex::new(None)),
+            side,
+            host_fence,
         })
     }
 
@@ -162,13 +205,34 @@ impl CudaBackend {
     }
 
     /// Brackets an op with profiling events when profiling is on.
-    fn span(&self, name: &'static str) -> Option<Span<'_>> {
+    pub(crate) fn span(&self, name: &'static str) -> Option<Span<'_>> {
         self.profiler.as_ref().map(|p| p.span(name))
     }
 
-    fn ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
+    pub(crate) fn ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
         let (p, _sync) = s.device_ptr(&self.stream);
         p
+    }
+
+    /// The address kernels read `t` at (host-tier memory is mapped into the
+    /// device's address space at the same address).
+    pub(crate) fn tp(&self, t: &CudaTensor) -> u64 {
+        match &t.data {
+            Storage::Device(s) => self.ptr(s),
+            Storage::Host(h) => h.ptr(),
+        }
+    }
+
+    /// Makes the main stream wait for a side-stream injection into `layer`.
+    pub(crate) fn await_layer(&self, store: &CudaKvStore, layer: usize) -> Result<()> {
+        match store.pending.get(layer) {
+            Some(p) if p.swap(false, Ordering::AcqRel) => self.stream.wait(&store.ready[layer]).cu(),
+            _ => Ok(()),
+        }
+    }
+
+    pub(crate) fn await_all_layers(&self, store: &CudaKvStore) -> Result<()> {
+        (0..store.pending.len()).try_for_each(|l| self.await_layer(store, l))
     }
 
     fn alloc(&self, n: usize) -> Result<CudaSlice<bf16>> {
@@ -176,8 +240,8 @@ impl CudaBackend {
         unsafe { self.stream.alloc::<bf16>(n.max(1)) }.cu()
     }
 
-    fn tensor(&self, rows: usize, cols: usize) -> Result<CudaTensor> {
-        Ok(CudaTensor { data: self.alloc(rows * cols)?, rows, cols })
+    pub(crate) fn tensor(&self, rows: usize, cols: usize) -> Result<CudaTensor> {
+        Ok(CudaTensor { data: Storage::Device(self.alloc(rows * cols)?), rows, cols })
     }
 
     /// `data` on the device, reusing a recent upload of equal contents.
@@ -197,7 +261,7 @@ impl CudaBackend {
         Ok(dev)
     }
 
-    fn rope_tables(&self, rope: &Rope) -> Result<Arc<DeviceRope>> {
+    pub(crate) fn rope_tables(&self, rope: &Rope) -> Result<Arc<DeviceRope>> {
         let mut ropes = lock(&self.ropes);
         if let Some(r) = ropes.iter().find(|r| r.dim == rope.dim() && r.inv_freq_host == rope.inv_freq()) {
             return Ok(r.clone());
@@ -218,7 +282,7 @@ impl CudaBackend {
         let (rows, cols) = matrix_dims(t)?;
         let host: Vec<bf16> = t.data.par_iter().map(|&x| bf16::from_f32(x)).collect();
         let data = self.stream.clone_htod(if host.is_empty() { &[bf16::ZERO][..] } else { &host }).cu()?;
-        Ok(CudaTensor { data, rows, cols })
+        Ok(CudaTensor { data: Storage::Device(data), rows, cols })
     }
 
     /// A grid-stride elementwise launch over `n` elements.
@@ -243,11 +307,21 @@ impl CudaBackend {
         LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }
     }
 
-    fn launch(&self, f: &CudaFunction, cfg: LaunchConfig, args: &[&dyn Arg]) -> Result<()> {
+    pub(crate) fn launch(&self, f: &CudaFunction, cfg: LaunchConfig, args: &[&dyn Arg]) -> Result<()> {
+        self.launch_on(&self.stream, f, cfg, args)
+    }
+
+    pub(crate) fn launch_on(
+        &self,
+        stream: &CudaStream,
+        f: &CudaFunction,
+        cfg: LaunchConfig,
+        args: &[&dyn Arg],
+    ) -> Result<()> {
         if cfg.grid_dim.0 == 0 || cfg.grid_dim.1 == 0 || cfg.grid_dim.2 == 0 {
             return Ok(());
         }
-        let mut b = self.stream.launch_builder(f);
+        let mut b = stream.launch_builder(f);
         for a in args {
             a.push(&mut b);
         }
@@ -256,14 +330,16 @@ impl CudaBackend {
         unsafe { b.launch(cfg) }.map(|_| ()).cu()
     }
 
-    fn layer_ptrs(&self, store: &CudaKvStore, layer: usize) -> (u64, u64) {
+    /// Layer `layer` of the store's K and V, once any injection into it is done.
+    fn layer_ptrs(&self, store: &CudaKvStore, layer: usize) -> Result<(u64, u64)> {
+        self.await_layer(store, layer)?;
         let off = (layer * store.layer_elems * 2) as u64;
-        (self.ptr(&store.k) + off, self.ptr(&store.v) + off)
+        Ok((self.ptr(&store.k) + off, self.ptr(&store.v) + off))
     }
 }
 
 /// A kernel argument (scalars by value, device pointers as `u64`).
-trait Arg {
+pub(crate) trait Arg {
     fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>);
 }
 
@@ -291,7 +367,8 @@ impl Backend for CudaBackend {
     }
 
     fn synchronize(&self) -> Result<()> {
-        self.stream.synchronize().cu()
+        self.stream.synchronize().cu()?;
+        self.side.synchronize().cu()
     }
 
     fn upload(&self, t: &HostTensor) -> Result<CudaTensor> {
@@ -302,8 +379,19 @@ impl Backend for CudaBackend {
         self.to_device(t)
     }
 
+    fn upload_rows_host_tier(&self, ts: &[&HostTensor]) -> Result<Vec<CudaTensor>> {
+        self.to_host_tier(ts)
+    }
+
+    fn has_host_tier(&self) -> bool {
+        true
+    }
+
     fn to_host(&self, t: &CudaTensor) -> Result<HostTensor> {
         let _span = self.span("to_host");
+        if let Storage::Host(h) = &t.data {
+            return Ok(HostTensor { shape: vec![t.rows, t.cols], data: h.to_f32() });
+        }
         let n = t.len();
         // Through a pinned buffer: a pageable copy is staged by the driver
         // and takes ~10× longer for the logits of a large vocabulary.
@@ -318,8 +406,7 @@ impl Backend for CudaBackend {
         if n > 0 {
             // SAFETY: `host` is n elements of pinned memory, the source n live
             // device elements; the stream is synchronised before `host` is read.
-            unsafe { cudarc::driver::result::memcpy_dtoh_async(host, self.ptr(&t.data), self.stream.cu_stream()) }
-                .cu()?;
+            unsafe { cudarc::driver::result::memcpy_dtoh_async(host, self.tp(t), self.stream.cu_stream()) }.cu()?;
             self.stream.synchronize().cu()?;
         }
         let data = if n >= 1 << 16 {
@@ -341,7 +428,7 @@ impl Backend for CudaBackend {
         }
         let out = self.tensor(ids.len(), table.cols)?;
         let dev = self.meta(ids)?;
-        let (o, t, i, c) = (self.ptr(&out.data), self.ptr(&table.data), self.ptr(&dev), table.cols as i32);
+        let (o, t, i, c) = (self.tp(&out), self.tp(table), self.ptr(&dev), table.cols as i32);
         self.launch(&self.k.embedding_gather, Self::rows_cfg(ids.len(), 256), &[&o, &t, &i, &c])?;
         Ok(out)
     }
@@ -352,7 +439,7 @@ impl Backend for CudaBackend {
             return Err(shape_err(format!("rms_norm weight {} for width {}", weight.len(), x.cols)));
         }
         let out = self.tensor(x.rows, x.cols)?;
-        let (o, xi, w, c) = (self.ptr(&out.data), self.ptr(&x.data), self.ptr(&weight.data), x.cols as i32);
+        let (o, xi, w, c) = (self.tp(&out), self.tp(x), self.tp(weight), x.cols as i32);
         if x.cols.is_multiple_of(8) && x.cols <= 8 * 1024 {
             let threads = (x.cols / 8).div_ceil(32) * 32;
             self.launch(&self.k.rms_norm_v8, Self::rows_cfg(x.rows, threads as u32), &[&o, &xi, &w, &c, &eps])?;
@@ -387,14 +474,14 @@ impl Backend for CudaBackend {
                     x.rows as i32,
                     x.cols as i32,
                     (&alpha) as *const f32 as *const c_void,
-                    self.ptr(&w.data) as *const c_void,
+                    self.tp(w) as *const c_void,
                     cudaDataType_t::CUDA_R_16BF,
                     w.cols as i32,
-                    self.ptr(&x.data) as *const c_void,
+                    self.tp(x) as *const c_void,
                     cudaDataType_t::CUDA_R_16BF,
                     x.cols as i32,
                     (&beta) as *const f32 as *const c_void,
-                    self.ptr(&out.data) as *mut c_void,
+                    self.tp(&out) as *mut c_void,
                     cudaDataType_t::CUDA_R_16BF,
                     w.rows as i32,
                     cublasComputeType_t::CUBLAS_COMPUTE_32F,
@@ -404,7 +491,7 @@ impl Backend for CudaBackend {
             .cu()?;
         }
         if let Some(b) = bias {
-            let (o, bi, n, c) = (self.ptr(&out.data), self.ptr(&b.data), out.len(), w.rows as i32);
+            let (o, bi, n, c) = (self.tp(&out), self.tp(b), out.len(), w.rows as i32);
             self.launch(&self.k.add_bias, self.elementwise_cfg(n), &[&o, &bi, &n, &c])?;
         }
         Ok(out)
@@ -426,8 +513,7 @@ impl Backend for CudaBackend {
         }
         let r = self.rope_tables(rope)?;
         let pos = self.meta(positions)?;
-        let (xp, pp, c, hd, rot) =
-            (self.ptr(&x.data), self.ptr(&pos), x.cols as i32, head_dim as i32, rope.dim() as i32);
+        let (xp, pp, c, hd, rot) = (self.tp(x), self.ptr(&pos), x.cols as i32, head_dim as i32, rope.dim() as i32);
         let (cs, sn, inv, tp) = (self.ptr(&r.cos), self.ptr(&r.sin), self.ptr(&r.inv_freq), TABLE_POSITIONS as u32);
         self.launch(&self.k.rope_apply, Self::rows_cfg(x.rows, 128), &[&xp, &pp, &c, &hd, &rot, &cs, &sn, &inv, &tp])
     }
@@ -438,8 +524,7 @@ impl Backend for CudaBackend {
             return Err(shape_err(format!("layer_norm weight/bias for width {}", x.cols)));
         }
         let out = self.tensor(x.rows, x.cols)?;
-        let (o, xi, w, b, c) =
-            (self.ptr(&out.data), self.ptr(&x.data), self.ptr(&weight.data), self.ptr(&bias.data), x.cols as i32);
+        let (o, xi, w, b, c) = (self.tp(&out), self.tp(x), self.tp(weight), self.tp(bias), x.cols as i32);
         self.launch(&self.k.layer_norm, Self::rows_cfg(x.rows, 256), &[&o, &xi, &w, &b, &c, &eps])?;
         Ok(out)
     }
@@ -447,7 +532,7 @@ impl Backend for CudaBackend {
     fn gelu(&self, x: &CudaTensor) -> Result<CudaTensor> {
         let _span = self.span("gelu");
         let out = self.tensor(x.rows, x.cols)?;
-        let (o, xi, n) = (self.ptr(&out.data), self.ptr(&x.data), x.len());
+        let (o, xi, n) = (self.tp(&out), self.tp(x), x.len());
         self.launch(&self.k.gelu, self.elementwise_cfg(n), &[&o, &xi, &n])?;
         Ok(out)
     }
@@ -462,7 +547,7 @@ impl Backend for CudaBackend {
             return Err(shape_err(format!("silu_mul: half width {half} must be even")));
         }
         let out = self.tensor(gate_up.rows, half)?;
-        let (o, g, h) = (self.ptr(&out.data), self.ptr(&gate_up.data), half as i32);
+        let (o, g, h) = (self.tp(&out), self.tp(gate_up), half as i32);
         self.launch(&self.k.silu_mul, Self::row_blocks_cfg(gate_up.rows, half / 2), &[&o, &g, &h])?;
         Ok(out)
     }
@@ -476,7 +561,7 @@ impl Backend for CudaBackend {
         let mut parts = Vec::with_capacity(widths.len());
         for &w in widths {
             let out = self.tensor(x.rows, w)?;
-            let (o, xp, wi, xc, st) = (self.ptr(&out.data), self.ptr(&x.data), w as i32, x.cols as i32, start as i32);
+            let (o, xp, wi, xc, st) = (self.tp(&out), self.tp(x), w as i32, x.cols as i32, start as i32);
             let vec: i32 = if [w, x.cols, start].iter().all(|v| v.is_multiple_of(8)) { 8 } else { 1 };
             let cfg = Self::row_blocks_cfg(x.rows, w / vec as usize);
             self.launch(&self.k.copy_cols, cfg, &[&o, &xp, &wi, &xc, &st, &vec])?;
@@ -494,7 +579,7 @@ impl Backend for CudaBackend {
         if !x.len().is_multiple_of(2) {
             return Err(shape_err(format!("add_assign of an odd size {}", x.len())));
         }
-        let (xp, yp, n) = (self.ptr(&x.data), self.ptr(&y.data), x.len());
+        let (xp, yp, n) = (self.tp(x), self.tp(y), x.len());
         self.launch(&self.k.add_assign, self.elementwise_cfg(n / 2), &[&xp, &yp, &n])
     }
 
@@ -506,7 +591,7 @@ impl Backend for CudaBackend {
         let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
         let out = self.tensor(rows.len(), x.cols)?;
         let dev = self.meta(&idx)?;
-        let (o, xi, i, c) = (self.ptr(&out.data), self.ptr(&x.data), self.ptr(&dev), x.cols as i32);
+        let (o, xi, i, c) = (self.tp(&out), self.tp(x), self.ptr(&dev), x.cols as i32);
         self.launch(&self.k.select_rows, Self::rows_cfg(rows.len(), 256), &[&o, &xi, &i, &c])?;
         Ok(out)
     }
@@ -517,7 +602,7 @@ impl Backend for CudaBackend {
             return Ok(Vec::new());
         }
         let out = self.stream.alloc_zeros::<u32>(x.rows).cu()?;
-        let (o, xi, c) = (self.ptr(&out), self.ptr(&x.data), x.cols as i32);
+        let (o, xi, c) = (self.ptr(&out), self.tp(x), x.cols as i32);
         self.launch(&self.k.argmax_rows, Self::rows_cfg(x.rows, 1024), &[&o, &xi, &c])?;
         self.stream.clone_dtoh(&out).cu()
     }
@@ -534,7 +619,10 @@ impl Backend for CudaBackend {
         let total = layer_elems * spec.num_layers;
         let k = self.stream.alloc_zeros::<bf16>(total.max(1)).cu()?;
         let v = self.stream.alloc_zeros::<bf16>(total.max(1)).cu()?;
-        Ok(CudaKvStore { spec, k, v, layer_elems })
+        let ready =
+            (0..spec.num_layers).map(|_| self.ctx.new_event(None)).collect::<std::result::Result<_, _>>().cu()?;
+        let pending = (0..spec.num_layers).map(|_| AtomicBool::new(false)).collect();
+        Ok(CudaKvStore { spec, k, v, layer_elems, ready, pending })
     }
 
     fn write_kv(
@@ -551,55 +639,14 @@ impl Backend for CudaBackend {
         if k.rows != slots.len() || v.rows != slots.len() || k.cols != kv_dim || v.cols != kv_dim {
             return Err(shape_err(format!("write_kv: {} slots for K [{}, {}]", slots.len(), k.rows, k.cols)));
         }
-        let (kc, vc) = self.layer_ptrs(store, layer);
+        let (kc, vc) = self.layer_ptrs(store, layer)?;
         let s = self.meta(slots)?;
-        let (kp, vp, sp, d) = (self.ptr(&k.data), self.ptr(&v.data), self.ptr(&s), kv_dim as i32);
+        let (kp, vp, sp, d) = (self.tp(k), self.tp(v), self.ptr(&s), kv_dim as i32);
         self.launch(&self.k.write_kv, Self::rows_cfg(slots.len(), 256), &[&kc, &vc, &kp, &vp, &sp, &d])
     }
 
     fn inject_kv(&self, store: &mut CudaKvStore, chunks: &[InjectChunk<'_, CudaTensor>], rope: &Rope) -> Result<()> {
-        let _span = self.span("inject_kv");
-        let spec = store.spec;
-        let (layers, kv_dim) = (spec.num_layers, spec.kv_dim());
-        let total: usize = chunks.iter().map(|c| c.slots.len()).sum();
-        if total == 0 {
-            return Ok(());
-        }
-        if !(rope.dim() / 2).is_multiple_of(8) || !spec.head_dim.is_multiple_of(8) {
-            return Err(CudaError::Unsupported(format!(
-                "inject_kv: rotated dims {} / head_dim {} must be multiples of 16 / 8",
-                rope.dim(),
-                spec.head_dim
-            ))
-            .into());
-        }
-        let mut ptrs = Vec::with_capacity(chunks.len() * layers);
-        for (ci, c) in chunks.iter().enumerate() {
-            let n = c.slots.len();
-            if c.k.len() != layers || c.v.len() != layers || c.positions.len() != n {
-                return Err(shape_err(format!("inject_kv: chunk {ci} has {} layers, {n} slots", c.k.len())));
-            }
-            spec.check_slots(c.slots)?;
-            for (l, (k, v)) in c.k.iter().zip(c.v).enumerate() {
-                if [k, v].iter().any(|x| x.rows != n || x.cols != kv_dim) {
-                    return Err(shape_err(format!("inject_kv: chunk {ci} layer {l} is [{}, {}]", k.rows, k.cols)));
-                }
-                ptrs.push((self.ptr(&k.data), self.ptr(&v.data)));
-            }
-        }
-        let table = inject_table(&ptrs, chunks.iter().map(|c| (c.positions, c.slots)), total);
-        let r = self.rope_tables(rope)?;
-        let table_dev = self.stream.clone_htod(&table).cu()?;
-        let (kc, vc) = (self.ptr(&store.k), self.ptr(&store.v));
-        let (tp_, tt, nc) = (self.ptr(&table_dev), total as u32, chunks.len() as u32);
-        let (le, d, hd, rot) = (store.layer_elems, kv_dim as i32, spec.head_dim as i32, rope.dim() as i32);
-        let (cs, sn, inv, tp) = (self.ptr(&r.cos), self.ptr(&r.sin), self.ptr(&r.inv_freq), TABLE_POSITIONS as u32);
-        let cfg = LaunchConfig {
-            grid_dim: (total.div_ceil(INJECT_TOKENS) as u32, layers as u32, 1),
-            block_dim: ((kv_dim / 8).clamp(32, 256) as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        self.launch(&self.k.inject_kv, cfg, &[&kc, &vc, &tp_, &tt, &nc, &le, &d, &hd, &rot, &cs, &sn, &inv, &tp])
+        self.inject(store, chunks, rope)
     }
 
     fn gather_kv(&self, store: &CudaKvStore, layer: usize, slots: &[u32]) -> Result<(CudaTensor, CudaTensor)> {
@@ -607,9 +654,9 @@ impl Backend for CudaBackend {
         store.spec.check(layer, slots)?;
         let kv_dim = store.spec.kv_dim();
         let (k, v) = (self.tensor(slots.len(), kv_dim)?, self.tensor(slots.len(), kv_dim)?);
-        let (kc, vc) = self.layer_ptrs(store, layer);
+        let (kc, vc) = self.layer_ptrs(store, layer)?;
         let s = self.meta(slots)?;
-        let (kp, vp, sp, d) = (self.ptr(&k.data), self.ptr(&v.data), self.ptr(&s), kv_dim as i32);
+        let (kp, vp, sp, d) = (self.tp(&k), self.tp(&v), self.ptr(&s), kv_dim as i32);
         self.launch(&self.k.gather_kv, Self::rows_cfg(slots.len(), 256), &[&kp, &vp, &kc, &vc, &sp, &d])?;
         Ok((k, v))
     }
@@ -620,6 +667,7 @@ impl Backend for CudaBackend {
         if let Some(p) = pairs.iter().find(|(s, d)| *s as usize >= spec.num_blocks || *d as usize >= spec.num_blocks) {
             return Err(shape_err(format!("copy_blocks: block pair {p:?} of {}", spec.num_blocks)));
         }
+        self.await_all_layers(store)?;
         let flat: Vec<u32> = pairs.iter().flat_map(|&(s, d)| [s, d]).collect();
         let dev = self.stream.clone_htod(if flat.is_empty() { &[0u32][..] } else { &flat }).cu()?;
         let (kc, vc, pp) = (self.ptr(&store.k), self.ptr(&store.v), self.ptr(&dev));
@@ -639,15 +687,16 @@ impl Backend for CudaBackend {
             return Err(shape_err("concat_rows: widths differ".into()));
         }
         let rows = parts.iter().map(|p| p.rows).sum();
-        let mut out = self.tensor(rows, cols)?;
-        let mut at = 0;
+        let out = self.tensor(rows, cols)?;
+        let mut at = self.tp(&out);
         for p in parts {
-            let n = p.len();
-            if n > 0 {
-                let mut dst = out.data.slice_mut(at..at + n);
-                self.stream.memcpy_dtod(&p.data.slice(..n), &mut dst).cu()?;
+            let bytes = p.len() * 2;
+            if bytes > 0 {
+                // SAFETY: `out` has room for every part; each source is a live tensor of `bytes` bytes.
+                unsafe { cudarc::driver::result::memcpy_dtod_async(at, self.tp(p), bytes, self.stream.cu_stream()) }
+                    .cu()?;
             }
-            at += n;
+            at += bytes as u64;
         }
         Ok(out)
     }
@@ -684,8 +733,7 @@ impl Backend for CudaBackend {
             block_dim: (128, 1, 1),
             shared_mem_bytes: (longest * 4) as u32,
         };
-        let (o, qp, kp, vp, rp) =
-            (self.ptr(&out.data), self.ptr(&q.data), self.ptr(&k.data), self.ptr(&v.data), self.ptr(&rs));
+        let (o, qp, kp, vp, rp) = (self.tp(&out), self.tp(q), self.tp(k), self.tp(v), self.ptr(&rs));
         let (h, d) = (shape.num_heads as i32, shape.head_dim as i32);
         self.launch(&self.k.attention_bidirectional, cfg, &[&o, &qp, &kp, &vp, &rp, &h, &d, &shape.scale])?;
         Ok(out)
@@ -728,8 +776,8 @@ impl Backend for CudaBackend {
         } else {
             (None, None)
         };
-        let (kc, vc) = self.layer_ptrs(store, layer);
-        let (o, qp, mp) = (self.ptr(&out.data), self.ptr(&q.data), self.ptr(&meta));
+        let (kc, vc) = self.layer_ptrs(store, layer)?;
+        let (o, qp, mp) = (self.tp(&out), self.tp(q), self.ptr(&meta));
         let po = part_o.as_ref().map_or(0, |p| self.ptr(p));
         let pm = part_ml.as_ref().map_or(0, |p| self.ptr(p));
         let (wo, to) = (plan.works_off as u32, plan.tables_off as u32);
@@ -748,36 +796,6 @@ impl Backend for CudaBackend {
         }
         Ok(out)
     }
-}
-
-/// The `table` argument of `inject_kv` (kernels/kv.cu), as u32 words for
-/// one upload: every (chunk, layer)'s K pointer, then every V pointer (64-bit,
-/// low word first), then four arrays of `total` entries — chunk index, row
-/// within the chunk, position, slot. `ptrs[c·layers + l]` = (K, V) of chunk c,
-/// layer l; `chunks` yields each chunk's positions and slots.
-fn inject_table<'a>(
-    ptrs: &[(u64, u64)],
-    chunks: impl Iterator<Item = (&'a [u32], &'a [u32])>,
-    total: usize,
-) -> Vec<u32> {
-    let mut table = vec![0u32; 4 * ptrs.len() + 4 * total];
-    let (words, meta) = table.split_at_mut(4 * ptrs.len());
-    for (i, &(k, v)) in ptrs.iter().enumerate() {
-        for (at, p) in [(2 * i, k), (2 * (ptrs.len() + i), v)] {
-            words[at..at + 2].copy_from_slice(&[p as u32, (p >> 32) as u32]);
-        }
-    }
-    let mut t = 0;
-    for (ci, (positions, slots)) in chunks.enumerate() {
-        for (row, (&p, &s)) in positions.iter().zip(slots).enumerate() {
-            meta[t] = ci as u32;
-            meta[total + t] = row as u32;
-            meta[2 * total + t] = p;
-            meta[3 * total + t] = s;
-            t += 1;
-        }
-    }
-    table
 }
 
 /// How one attention call is cut into blocks (see `paged_attention` in
@@ -842,22 +860,4 @@ pub(crate) fn plan_attention(
     let tables_off = meta.len();
     meta.extend(tables);
     Ok(AttentionPlan { meta, works_off, tables_off, works: n_works, splits, keys_per_split })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn inject_table_matches_the_kernels_layout() {
-        let ptrs = [(0x1_0000_0010, 0x2_0000_0020), (0x3_0000_0030, 0x4_0000_0040), (5, 6), (7, 8)];
-        let (p0, s0, p1, s1) = ([10, 11], [100, 101], [20], [200]);
-        let t = inject_table(&ptrs, [(&p0[..], &s0[..]), (&p1[..], &s1[..])].into_iter(), 3);
-        let word = |i: usize| t[2 * i] as u64 | (t[2 * i + 1] as u64) << 32;
-        // The kernel reads 64-bit K pointers at [c·L + l], V pointers after them.
-        assert_eq!((0..4).map(word).collect::<Vec<_>>(), [0x1_0000_0010, 0x3_0000_0030, 5, 7]);
-        assert_eq!((4..8).map(word).collect::<Vec<_>>(), [0x2_0000_0020, 0x4_0000_0040, 6, 8]);
-        // Then chunk, row, position and slot of each of the 3 tokens.
-        assert_eq!(&t[16..], &[0, 0, 1, 0, 1, 0, 10, 11, 20, 100, 101, 200]);
-    }
 }

@@ -10,11 +10,13 @@
 //! reference.
 
 pub mod backend;
+pub mod bench;
 pub mod error;
 pub mod kernels;
 pub mod nccl;
 pub mod parity;
 mod profile;
+mod tier;
 
 pub use backend::{CudaBackend, CudaKvStore, CudaTensor};
 pub use error::{CudaError, Result};

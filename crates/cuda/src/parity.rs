@@ -104,7 +104,8 @@ trait Ops {
         spans: &[(usize, usize)],
     ) -> R<Vec<f32>>;
     fn paged(&self, case: &PagedCase) -> R<Vec<f32>>;
-    fn inject(&self, case: &PagedCase, rope: &Rope) -> R<Vec<f32>>;
+    /// `host_tier`: the stored KV comes from the backend's host tier.
+    fn inject(&self, case: &PagedCase, rope: &Rope, host_tier: bool) -> R<Vec<f32>>;
 }
 
 struct Dyn<'a, B>(&'a B);
@@ -194,7 +195,7 @@ impl<B: Backend> Ops for Dyn<'_, B> {
         Ok(be.to_host(&be.attention(&q, &store, 0, c.shape, &spans)?)?.data)
     }
 
-    fn inject(&self, c: &PagedCase, rope: &Rope) -> R<Vec<f32>> {
+    fn inject(&self, c: &PagedCase, rope: &Rope, host_tier: bool) -> R<Vec<f32>> {
         let be = self.0;
         let mut store = be.new_kv_store(c.spec)?;
         let kv_dim = c.spec.kv_dim();
@@ -204,12 +205,17 @@ impl<B: Backend> Ops for Dyn<'_, B> {
         let mut vs = Vec::new();
         let mut meta = Vec::new();
         for (i, (ctx, _, table)) in c.seqs.iter().enumerate() {
-            let k: Vec<_> = (0..layers)
-                .map(|l| be.upload_rows(&host(c.seed + (100 * i + l) as u64, &[*ctx, kv_dim], 1.0)))
-                .collect::<R<_>>()?;
-            let v: Vec<_> = (0..layers)
-                .map(|l| be.upload_rows(&host(c.seed + (100 * i + l) as u64 + 50, &[*ctx, kv_dim], 1.0)))
-                .collect::<R<_>>()?;
+            let kh: Vec<_> = (0..layers).map(|l| host(c.seed + (100 * i + l) as u64, &[*ctx, kv_dim], 1.0)).collect();
+            let vh: Vec<_> =
+                (0..layers).map(|l| host(c.seed + (100 * i + l) as u64 + 50, &[*ctx, kv_dim], 1.0)).collect();
+            let (k, v) = if host_tier {
+                let mut k = be.upload_rows_host_tier(&kh.iter().chain(&vh).collect::<Vec<_>>())?;
+                let v = k.split_off(layers);
+                (k, v)
+            } else {
+                let up = |ts: &[HostTensor]| ts.iter().map(|t| be.upload_rows(t)).collect::<R<Vec<_>>>();
+                (up(&kh)?, up(&vh)?)
+            };
             // Positions past the RoPE table exercise the on-the-fly path.
             let positions: Vec<u32> = (0..*ctx as u32).map(|t| t * 37 + 8000 * i as u32).collect();
             let slots: Vec<u32> = (0..*ctx as u32).map(|t| table[(t / bs) as usize] * bs + t % bs).collect();
@@ -338,9 +344,29 @@ pub fn ops<G: Backend>(gpu: &G) -> R<Report> {
             &cpu,
             gpu,
             &format!("inject_kv d{hd} (2 chunks × 2 layers), copy_blocks, gather_kv"),
-            |be| be.inject(&c, &rope),
+            |be| be.inject(&c, &rope, false),
             &mut out,
         )?;
+        // From the host tier: the side stream, in groups of layers, read by
+        // gather_kv and copy_blocks on the main stream after their waits.
+        let c = PagedCase { spec: KvSpec { num_layers: 7, ..spec }, ..c };
+        both(
+            &cpu,
+            gpu,
+            &format!("inject_kv d{hd} from the host tier (2 chunks × 7 layers), copy_blocks, gather_kv"),
+            |be| be.inject(&c, &rope, true),
+            &mut out,
+        )?;
+        // Same kernel, same math: the tier must not change a single bit.
+        let (dev, tier) = (Dyn(gpu).inject(&c, &rope, false)?, Dyn(gpu).inject(&c, &rope, true)?);
+        let name = format!("inject_kv d{hd}: host tier = device memory, bit for bit");
+        let differ = dev.len() != tier.len() || dev.iter().zip(&tier).any(|(a, b)| a.to_bits() != b.to_bits());
+        out.push(Check {
+            name,
+            error: if differ { rel(&tier, &dev).max(f64::MIN_POSITIVE) } else { 0.0 },
+            tolerance: 0.0,
+            control: false,
+        });
     }
     Ok(out)
 }
@@ -421,9 +447,15 @@ pub fn model<G: Backend + Clone>(gpu: &G, name: &str, config: &ModelConfig) -> R
     push(&mut out, "E2 injected = prompt logits", rel(&e2g, &lg), MODEL_TOL, false);
 
     // E3: independent encodings (after the header), CUDA vs CPU injection.
-    let e3c = inject_independent(&mut c, &header, &facts, &question)?;
-    let e3g = inject_independent(&mut g, &header, &facts, &question)?;
+    let e3c = inject_independent(&mut c, &header, &facts, &question, false)?;
+    let e3g = inject_independent(&mut g, &header, &facts, &question, false)?;
     push(&mut out, "E3 independent chunks, logits vs CPU", rel(&e3g, &e3c), MODEL_TOL, false);
+    // The same from the host tier: its injection overlaps the prefill, which
+    // must wait for each layer; a missed wait shows as different logits.
+    let e3h = inject_independent(&mut g, &header, &facts, &question, true)?;
+    let same = e3h.len() == e3g.len() && e3h.iter().zip(&e3g).all(|(a, b)| a.to_bits() == b.to_bits());
+    let err = if same { 0.0 } else { rel(&e3h, &e3g).max(f64::MIN_POSITIVE) };
+    push(&mut out, "E3 from the host tier = from device memory, bit for bit", err, 0.0, false);
 
     // E1: a fact encoded at 0, injected at h, equals the forward at h; and not at h + 1.
     let chunk = g.encode(&[], &facts[0], 0)?;
@@ -460,9 +492,25 @@ fn prefill<B: Backend>(e: &mut Engine<B>, tokens: &[u32]) -> R<Vec<f32>> {
     e.prefill(&mut s)
 }
 
-fn inject_independent<B: Backend>(e: &mut Engine<B>, header: &[u32], facts: &[Vec<u32>], q: &[u32]) -> R<Vec<f32>> {
+fn inject_independent<B: Backend>(
+    e: &mut Engine<B>,
+    header: &[u32],
+    facts: &[Vec<u32>],
+    q: &[u32],
+    host_tier: bool,
+) -> R<Vec<f32>> {
     let h = header.len() as u32;
-    let chunks: Vec<KvChunk<B>> = facts.iter().map(|f| e.encode(header, f, h)).collect::<R<_>>()?;
+    let mut chunks: Vec<KvChunk<B>> = facts.iter().map(|f| e.encode(header, f, h)).collect::<R<_>>()?;
+    if host_tier {
+        let be = e.backend();
+        chunks = chunks
+            .into_iter()
+            .map(|c| {
+                let (k, v) = c.to_host(be)?;
+                KvChunk::from_host_tier(be, c.tokens.clone(), &k, &v)
+            })
+            .collect::<R<_>>()?;
+    }
     let mut seq = e.new_sequence(header.to_vec())?;
     e.prefill(&mut seq)?;
     e.inject(&mut seq, &chunks.iter().collect::<Vec<_>>())?;

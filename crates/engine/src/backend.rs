@@ -118,6 +118,18 @@ pub trait Backend: Send + Sync {
     /// Copies an activation-like tensor (e.g. stored KV) to the device as a
     /// plain row-major matrix, usable by every op.
     fn upload_rows(&self, t: &HostTensor) -> Result<Self::Tensor>;
+    /// Copies stored KV (each a plain row-major matrix) into the backend's
+    /// host tier — memory off the device that `inject_kv` reads directly,
+    /// for shards that do not fit beside the model — in one allocation.
+    /// Backends without such a tier place them as `upload_rows` does.
+    fn upload_rows_host_tier(&self, ts: &[&HostTensor]) -> Result<Vec<Self::Tensor>> {
+        ts.iter().map(|t| self.upload_rows(t)).collect()
+    }
+    /// Whether `upload_rows_host_tier` puts tensors anywhere else than
+    /// `upload_rows` does (a device backend's host memory).
+    fn has_host_tier(&self) -> bool {
+        false
+    }
     /// Copies a tensor back as row-major f32.
     fn to_host(&self, t: &Self::Tensor) -> Result<HostTensor>;
     /// `(rows, cols)`.

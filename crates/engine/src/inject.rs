@@ -51,12 +51,19 @@ impl<B: Backend> KvChunk<B> {
     /// A chunk from host tensors (per layer `[tokens, kv_dim]`), e.g. read
     /// back from a persisted segment.
     pub fn from_host(be: &B, tokens: Vec<u32>, k: &[HostTensor], v: &[HostTensor]) -> Result<Self> {
-        let n = tokens.len();
-        if k.len() != v.len() || k.iter().chain(v).any(|t| t.shape.first() != Some(&n)) {
-            return Err(EngineError::Shape(format!("KV chunk of {n} tokens: layer shapes disagree")));
-        }
+        check_layers(tokens.len(), k, v)?;
         let k = k.iter().map(|t| be.upload_rows(t)).collect::<Result<_>>()?;
         let v = v.iter().map(|t| be.upload_rows(t)).collect::<Result<_>>()?;
+        Ok(KvChunk { tokens, k, v })
+    }
+
+    /// [`KvChunk::from_host`] into the backend's host tier (one allocation
+    /// for every layer's K and V).
+    pub fn from_host_tier(be: &B, tokens: Vec<u32>, k: &[HostTensor], v: &[HostTensor]) -> Result<Self> {
+        check_layers(tokens.len(), k, v)?;
+        let all: Vec<&HostTensor> = k.iter().chain(v).collect();
+        let mut k = be.upload_rows_host_tier(&all)?;
+        let v = k.split_off(all.len() / 2);
         Ok(KvChunk { tokens, k, v })
     }
 
@@ -66,6 +73,14 @@ impl<B: Backend> KvChunk<B> {
         let v = self.v.iter().map(|t| be.to_host(t)).collect::<Result<_>>()?;
         Ok((k, v))
     }
+}
+
+/// Every layer's K and V has one row per token, and there are as many K as V.
+fn check_layers(n: usize, k: &[HostTensor], v: &[HostTensor]) -> Result<()> {
+    if k.len() != v.len() || k.iter().chain(v).any(|t| t.shape.first() != Some(&n)) {
+        return Err(EngineError::Shape(format!("KV chunk of {n} tokens: layer shapes disagree")));
+    }
+    Ok(())
 }
 
 impl<B: Backend> Engine<B> {

@@ -17,5 +17,5 @@ pub use compose::{Composer, SYSTEM_PROMPT};
 pub use error::{MemoryError, Result};
 pub use fact::Fact;
 pub use kvseg::KvHeader;
-pub use shard::{Encoders, Footprint, IngestReport, Memory, ShardSpec, Turn, fingerprint};
+pub use shard::{Encoders, Footprint, IngestReport, Memory, ShardSpec, Tier, Turn, fingerprint, place};
 pub use transfer::{ImportReport, ShardRecord, StagedShard, Staging};

@@ -59,8 +59,30 @@ pub struct Encoders<'e, 'c, B: Backend> {
     pub composer: &'e Composer<'c>,
 }
 
+/// Where a user's stored KV lives. A device backend keeps it in device
+/// memory unless the shard's device budget is spent; then in its host tier
+/// (pinned host memory that injection reads over the bus, overlapped with
+/// the prefill). Backends without a host tier keep both in one place.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tier {
+    Device,
+    Host,
+}
+
+/// The tier of a user being placed: the device while the budget (`None`:
+/// unlimited) holds the device bytes already placed plus this user's
+/// estimate. A user stays where it was placed while it grows, so the budget
+/// is checked at placement, not enforced byte by byte.
+pub fn place(budget: Option<u64>, device_bytes: u64, estimate: u64) -> Tier {
+    match budget {
+        Some(b) if device_bytes.saturating_add(estimate) > b => Tier::Host,
+        _ => Tier::Device,
+    }
+}
+
 pub(crate) struct UserShard<B: Backend> {
     dir: PathBuf,
+    tier: Tier,
     pub(crate) facts: Vec<Fact>,
     by_id: HashMap<String, usize>,
     kv: Vec<Option<KvChunk<B>>>,
@@ -82,6 +104,8 @@ pub struct Footprint {
     /// Pre-RoPE K and V held in the backend's memory (device memory on a
     /// GPU backend, host memory on the CPU one).
     pub kv_resident_bytes: u64,
+    /// Pre-RoPE K and V of users placed in the host tier.
+    pub kv_host_tier_bytes: u64,
     /// Fact and KV logs on disk.
     pub disk_bytes: u64,
 }
@@ -96,6 +120,9 @@ pub struct Memory<B: Backend> {
     /// without it, or dropped as corrupt): [`Memory::encode_pending`]'s work.
     pub(crate) pending: std::collections::BTreeSet<String>,
     encode_batch: usize,
+    /// Device bytes for users' KV before new users go to the host tier.
+    device_budget: Option<u64>,
+    bytes_per_value: usize,
     /// Exclusive lock on `dir/LOCK`, held while this value lives: a second
     /// writer would interleave appends and rewrites with ours.
     _lock: std::fs::File,
@@ -135,6 +162,18 @@ impl<B: Backend> Memory<B> {
     /// corrupt KV records): facts whose KV is missing are re-encoded by
     /// [`Memory::ensure_kv`].
     pub fn open(dir: &Path, spec: ShardSpec, engine: &Engine<B>) -> Result<(Self, Vec<String>)> {
+        Self::open_tiered(dir, spec, engine, None)
+    }
+
+    /// [`Memory::open`] with at most `device_budget` bytes of users' KV in
+    /// device memory (`None`: no limit); users past it are placed in the
+    /// host tier (see [`Tier`]).
+    pub fn open_tiered(
+        dir: &Path,
+        spec: ShardSpec,
+        engine: &Engine<B>,
+        device_budget: Option<u64>,
+    ) -> Result<(Self, Vec<String>)> {
         let c = engine.model().config();
         let kv_header = KvHeader {
             fingerprint: spec.fingerprint.clone(),
@@ -160,6 +199,8 @@ impl<B: Backend> Memory<B> {
         }
         let mut warnings = crate::transfer::recover(dir)?;
         let mut users = BTreeMap::new();
+        let bytes_per_value = be.kv_bytes_per_value();
+        let mut device_bytes = 0;
         let entries = std::fs::read_dir(&users_dir).map_err(io(&users_dir))?;
         for entry in entries {
             let entry = entry.map_err(io(&users_dir))?;
@@ -168,7 +209,12 @@ impl<B: Backend> Memory<B> {
                 warnings.push(format!("{}: not a user directory, ignored", entry.path().display()));
                 continue;
             };
-            let shard = UserShard::open(&entry.path(), be, &kv_header, &mut warnings)?;
+            let estimate = kv_estimate(&entry.path(), bytes_per_value);
+            let tier = place(device_budget, device_bytes, estimate);
+            if tier == Tier::Device {
+                device_bytes += estimate;
+            }
+            let shard = UserShard::open(&entry.path(), be, &kv_header, tier, &mut warnings)?;
             users.insert(user, shard);
         }
         Ok((
@@ -179,6 +225,8 @@ impl<B: Backend> Memory<B> {
                 pending: users.keys().cloned().collect(),
                 users,
                 encode_batch: ENCODE_BATCH,
+                device_budget,
+                bytes_per_value,
                 _lock: lock,
             },
             warnings,
@@ -203,14 +251,36 @@ impl<B: Backend> Memory<B> {
 
     /// Bytes held per tier, with resident KV at `bytes_per_value` per
     /// element (the backend's). O(facts): meant for a scrape, not a hot path.
-    pub fn footprint(&self, bytes_per_value: usize) -> Footprint {
-        let per_token = 2 * (self.header.layers * self.header.kv_dim * bytes_per_value) as u64;
+    pub fn footprint(&self) -> Footprint {
         let mut f = Footprint::default();
         for u in self.users.values() {
-            f.kv_resident_bytes += u.kv.iter().flatten().map(|c| c.len() as u64 * per_token).sum::<u64>();
+            let kv = u.kv_bytes(&self.header, self.bytes_per_value);
+            match u.tier {
+                Tier::Device => f.kv_resident_bytes += kv,
+                Tier::Host => f.kv_host_tier_bytes += kv,
+            }
             f.disk_bytes += u.log.len() + u.kv_log.len();
         }
         f
+    }
+
+    /// Where `user`'s KV lives.
+    pub fn tier(&self, user: &str) -> Result<Tier> {
+        Ok(self.user(user)?.tier)
+    }
+
+    /// The tier for a user arriving now with about `estimate` bytes of KV.
+    pub(crate) fn place_new(&self, estimate: u64) -> Tier {
+        if self.device_budget.is_none() {
+            return Tier::Device;
+        }
+        let device: u64 = self
+            .users
+            .values()
+            .filter(|u| u.tier == Tier::Device)
+            .map(|u| u.kv_bytes(&self.header, self.bytes_per_value))
+            .sum();
+        place(self.device_budget, device, estimate)
     }
 
     pub fn facts(&self, user: &str) -> Result<&[Fact]> {
@@ -289,7 +359,8 @@ impl<B: Backend> Memory<B> {
         if !self.users.contains_key(user) {
             let dir = self.dir.join("users").join(user_dir_name(user));
             let mut warnings = Vec::new();
-            let shard = UserShard::open(&dir, enc.engine.backend(), &self.header, &mut warnings)?;
+            let tier = self.place_new(0);
+            let shard = UserShard::open(&dir, enc.engine.backend(), &self.header, tier, &mut warnings)?;
             sync_dir(&self.dir.join("users"))?;
             self.users.insert(user.to_string(), shard);
         }
@@ -416,7 +487,7 @@ impl<B: Backend> Memory<B> {
 }
 
 impl<B: Backend> UserShard<B> {
-    pub(crate) fn open(dir: &Path, be: &B, header: &KvHeader, warnings: &mut Vec<String>) -> Result<Self> {
+    pub(crate) fn open(dir: &Path, be: &B, header: &KvHeader, tier: Tier, warnings: &mut Vec<String>) -> Result<Self> {
         std::fs::create_dir_all(dir).map_err(io(dir))?;
         let (log, rec) = RecordLog::open(&dir.join("facts.log"))?;
         if let Some(r) = &rec.reason {
@@ -463,12 +534,21 @@ impl<B: Backend> UserShard<B> {
                     if let Some(&i) = by_id.get(&stored.fact_id)
                         && facts[i].tokens == stored.tokens
                     {
-                        kv[i] = Some(KvChunk::from_host(be, stored.tokens, &stored.k, &stored.v)?);
+                        kv[i] = Some(match tier {
+                            Tier::Device => KvChunk::from_host(be, stored.tokens, &stored.k, &stored.v)?,
+                            Tier::Host => KvChunk::from_host_tier(be, stored.tokens, &stored.k, &stored.v)?,
+                        });
                     }
                 }
             }
         }
-        Ok(UserShard { dir: dir.to_path_buf(), facts, by_id, kv, log, kv_log })
+        Ok(UserShard { dir: dir.to_path_buf(), tier, facts, by_id, kv, log, kv_log })
+    }
+
+    /// Bytes of this user's stored KV in the backend's tensors.
+    fn kv_bytes(&self, header: &KvHeader, bytes_per_value: usize) -> u64 {
+        let per_token = 2 * (header.layers * header.kv_dim * bytes_per_value) as u64;
+        self.kv.iter().flatten().map(|c| c.len() as u64 * per_token).sum()
     }
 
     /// Where fact `i`'s context window ends: its source turn when that turn
@@ -513,14 +593,20 @@ impl<B: Backend> UserShard<B> {
                 .collect();
             let chunks = enc.engine.encode_batch(&items)?;
             let mut records = Vec::with_capacity(group.len());
-            for ((&i, chunk), context) in group.iter().zip(&chunks).zip(&contexts) {
-                let (k, v) = chunk.to_host(enc.engine.backend())?;
+            let mut placed = Vec::with_capacity(group.len());
+            let be = enc.engine.backend();
+            for ((&i, chunk), context) in group.iter().zip(chunks).zip(&contexts) {
+                let (k, v) = chunk.to_host(be)?;
                 let fact = &self.facts[i];
+                placed.push(match self.tier {
+                    Tier::Device => chunk,
+                    Tier::Host => KvChunk::from_host_tier(be, chunk.tokens.clone(), &k, &v)?,
+                });
                 records.push(StoredKv { fact_id: fact.id.clone(), tokens: fact.tokens.clone(), k, v }.encode());
                 tokens += context.len() + fact.tokens.len();
             }
             self.kv_log.append(&records.iter().map(Vec::as_slice).collect::<Vec<_>>())?;
-            for (&i, chunk) in group.iter().zip(chunks) {
+            for (&i, chunk) in group.iter().zip(placed) {
                 self.kv[i] = Some(chunk);
             }
         }
@@ -542,5 +628,27 @@ impl<B: Backend> UserShard<B> {
             }
         }
         self.kv_log.rewrite(&keep)
+    }
+}
+
+/// A user's KV bytes once loaded, from its segment on disk (f32 values
+/// there); 0 when it has none yet.
+pub(crate) fn kv_estimate(user_dir: &Path, bytes_per_value: usize) -> u64 {
+    let on_disk = std::fs::metadata(user_dir.join("kv.log")).map_or(0, |m| m.len());
+    on_disk / 4 * bytes_per_value as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn placement_keeps_the_device_within_budget_at_placement() {
+        assert_eq!(place(None, u64::MAX, 1), Tier::Device);
+        assert_eq!(place(Some(100), 60, 40), Tier::Device);
+        assert_eq!(place(Some(100), 60, 41), Tier::Host);
+        assert_eq!(place(Some(100), 101, 0), Tier::Host);
+        assert_eq!(place(Some(0), 0, 0), Tier::Device, "an empty user costs nothing yet");
+        assert_eq!(place(Some(10), u64::MAX, u64::MAX), Tier::Host, "no overflow");
     }
 }

@@ -160,7 +160,8 @@ impl<B: Backend> Memory<B> {
         staged.committed = true;
         sync_dir(&users_dir)?;
         let mut warnings = Vec::new();
-        match UserShard::open(&live, be, &self.header, &mut warnings) {
+        let tier = self.place_new(crate::shard::kv_estimate(&live, be.kv_bytes_per_value()));
+        match UserShard::open(&live, be, &self.header, tier, &mut warnings) {
             Ok(shard) => {
                 self.users.insert(user.to_string(), shard);
                 self.pending.insert(user.to_string());
@@ -175,7 +176,7 @@ impl<B: Backend> Memory<B> {
                 if trash.exists() {
                     std::fs::rename(&trash, &live).map_err(io(&trash))?;
                     sync_dir(&users_dir)?;
-                    let shard = UserShard::open(&live, be, &self.header, &mut warnings)?;
+                    let shard = UserShard::open(&live, be, &self.header, tier, &mut warnings)?;
                     self.users.insert(user.to_string(), shard);
                 }
                 Err(e)

@@ -401,3 +401,49 @@ fn an_import_interrupted_between_its_renames_is_undone_on_open() {
     assert!(warnings.iter().any(|w| w.contains("restored")), "{warnings:?}");
     assert!(!d.path().join("staging").exists());
 }
+
+#[test]
+fn users_past_the_device_budget_are_placed_in_the_host_tier() {
+    use inferscale_memory::Tier;
+    let m = models();
+    let mut e = engine(&m);
+    let composer = Composer::new(&m.files, SYSTEM_PROMPT).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let ingest = |mem: &mut Memory<CpuBackend>, e: &mut Engine<CpuBackend>, user: &str| {
+        let mut enc = Encoders { engine: e, embedder: &m.embedder, composer: &composer };
+        mem.ingest(user, &turns(user, 3), &mut enc).unwrap();
+    };
+    let (mut mem, _) = open(dir.path(), &e, 1);
+    ingest(&mut mem, &mut e, "alice");
+    let one_user = mem.footprint().kv_resident_bytes;
+    assert!(one_user > 0);
+    let alice_kv = kv_of(&mem, &e, "alice", "alice0").unwrap();
+    drop(mem);
+
+    // Room for about one and a half users: alice (reloaded) and the next
+    // new user fit, the one after does not.
+    let budget = Some(one_user * 3 / 2);
+    let (mut mem, _) = Memory::open_tiered(dir.path(), spec(1), &e, budget).unwrap();
+    assert_eq!(mem.tier("alice").unwrap(), Tier::Device);
+    ingest(&mut mem, &mut e, "bob");
+    ingest(&mut mem, &mut e, "carol");
+    assert_eq!(mem.tier("bob").unwrap(), Tier::Device);
+    assert_eq!(mem.tier("carol").unwrap(), Tier::Host);
+    let f = mem.footprint();
+    assert_eq!((f.kv_resident_bytes, f.kv_host_tier_bytes), (2 * one_user, one_user));
+    let carol_kv = kv_of(&mem, &e, "carol", "carol0").unwrap();
+    drop(mem);
+
+    // Placement is made again on every open, from the segments' sizes; the
+    // KV is the same wherever it lives.
+    let (mem, warnings) = Memory::open_tiered(dir.path(), spec(1), &e, Some(0)).unwrap();
+    assert!(warnings.is_empty(), "{warnings:?}");
+    assert!(["alice", "bob", "carol"].iter().all(|u| mem.tier(u).unwrap() == Tier::Host));
+    assert_eq!(mem.footprint().kv_resident_bytes, 0);
+    assert_eq!(mem.footprint().kv_host_tier_bytes, 3 * one_user);
+    assert_eq!(kv_of(&mem, &e, "alice", "alice0").unwrap(), alice_kv);
+    drop(mem);
+    let (mem, _) = open(dir.path(), &e, 1);
+    assert!(["alice", "bob", "carol"].iter().all(|u| mem.tier(u).unwrap() == Tier::Device));
+    assert_eq!(kv_of(&mem, &e, "carol", "carol0").unwrap(), carol_kv);
+}

@@ -140,6 +140,8 @@ pub struct Stats {
     /// Pre-RoPE KV of the memory held in the backend's memory, and the
     /// memory's logs on disk (0 unless asked for).
     pub kv_resident_bytes: u64,
+    /// Pre-RoPE KV of users placed in the backend's host tier.
+    pub kv_host_tier_bytes: u64,
     pub disk_bytes: u64,
 }
 
@@ -441,8 +443,9 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
                 s.window = m.spec().window;
                 s.max_queue = self.cfg.max_queue;
                 if memory_bytes {
-                    let footprint = m.footprint(self.engine.backend().kv_bytes_per_value());
+                    let footprint = m.footprint();
                     s.kv_resident_bytes = footprint.kv_resident_bytes;
+                    s.kv_host_tier_bytes = footprint.kv_host_tier_bytes;
                     s.disk_bytes = footprint.disk_bytes;
                 }
                 let _ = reply.send(s);

@@ -119,8 +119,14 @@ impl WorkerMetrics {
             prom::single(&mut out, name, help, v);
         }
         let name = "inferscale_worker_memory_bytes";
-        prom::header(&mut out, name, "gauge", "Memory-store bytes by tier (resident KV; logs on disk).");
+        prom::header(
+            &mut out,
+            name,
+            "gauge",
+            "Memory-store bytes by tier (resident KV; KV in the host tier; logs on disk).",
+        );
         out.push_str(&format!("{name}{{tier=\"{}\"}} {}\n", prom::label(resident_tier), stats.kv_resident_bytes));
+        out.push_str(&format!("{name}{{tier=\"pinned_host\"}} {}\n", stats.kv_host_tier_bytes));
         out.push_str(&format!("{name}{{tier=\"disk\"}} {}\n", stats.disk_bytes));
         let name = "inferscale_worker_requests_total";
         prom::header(&mut out, name, "counter", "Requests that left the worker, by how.");

@@ -2,6 +2,7 @@
 //! Speed targets live here, not in timed tests.
 
 mod engine;
+mod inject;
 mod migrate;
 mod nccl;
 mod serve;
@@ -17,6 +18,8 @@ pub enum Command {
     Engine(engine::EngineArgs),
     /// Time to first token with k memory facts, kv injection vs prompt mode.
     Ttft(ttft::TtftArgs),
+    /// The KV injection kernel alone next to device and host copies (CUDA).
+    Inject(inject::InjectBenchArgs),
     /// Closed-loop serving throughput of one worker, kv vs prompt mode.
     Serve(serve::ServeBenchArgs),
     /// Shard move throughput between two workers over the gRPC stream.
@@ -29,6 +32,7 @@ pub fn run(c: Command) -> Result<()> {
     match c {
         Command::Engine(a) => engine::run(a),
         Command::Ttft(a) => ttft::run(a),
+        Command::Inject(a) => inject::run(a),
         Command::Serve(a) => serve::run(a),
         Command::Migrate(a) => migrate::run(a),
         Command::Nccl(a) => nccl::run(a),

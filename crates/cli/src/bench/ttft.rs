@@ -4,11 +4,15 @@
 //! - `prompt`: the facts are rendered as text and prefilled with the question
 //!   after the cached header (the Mem0-style baseline);
 //! - `kv`: the facts were encoded once beforehand (after the same header);
-//!   their pre-RoPE KV is injected and only the question is prefilled.
+//!   their pre-RoPE KV is injected and only the question is prefilled;
+//! - `kv-host`: `kv` with the stored KV in the backend's host tier (pinned
+//!   host memory on CUDA, read over the bus while the question prefills).
 //!
 //! Each timed run forks the cached header, builds the prompt, prefills and
 //! picks the first token; the clock stops once the logits are on the host,
 //! so device work is included. Median over `--reps` runs after a warm-up.
+//! The injection alone is timed in separate runs (fork, inject, synchronise),
+//! so that the TTFT runs keep the overlap a real request has.
 //! With a real model the facts are synthetic sentences through the chat
 //! template; with `--shape … --random-weights` they are random token ids of
 //! the lengths given (`--header-tokens`, `--fact-tokens`, `--question-tokens`).
@@ -36,7 +40,7 @@ pub struct TtftArgs {
     #[arg(long, value_delimiter = ',', default_value = "5,10,20,50,100")]
     k: Vec<usize>,
     /// Modes to measure.
-    #[arg(long, value_delimiter = ',', default_value = "prompt,kv", value_parser = ["prompt", "kv"])]
+    #[arg(long, value_delimiter = ',', default_value = "prompt,kv", value_parser = ["prompt", "kv", "kv-host"])]
     modes: Vec<String>,
     /// Timed runs per (k, mode); the median is reported.
     #[arg(long, default_value_t = 20)]
@@ -90,7 +94,9 @@ struct Layout {
 }
 
 fn layout(files: &ModelFiles, a: &TtftArgs, k_max: usize) -> Result<Layout> {
-    if files.tokenizer.is_some() {
+    // Random-weight shapes carry a stand-in byte tokenizer, whose text
+    // would be several times the token counts: ids instead.
+    if a.model.shape.is_none() {
         let composer = Composer::new(files, SYSTEM_PROMPT)?;
         let facts = synthetic_facts(k_max).iter().map(|f| composer.fact(f)).collect::<Result<_, _>>()?;
         return Ok(Layout { header: composer.header().to_vec(), facts, question: composer.question(QUESTION)? });
@@ -104,31 +110,35 @@ fn layout(files: &ModelFiles, a: &TtftArgs, k_max: usize) -> Result<Layout> {
 }
 
 /// One timed run: fork the header, add the memory, prefill, pick a token.
-/// Returns (TTFT, injection alone) in ms.
+/// Returns the TTFT in ms.
 fn first_token<B: Backend>(
     e: &mut Engine<B>,
     header: &Sequence,
     facts: &[Vec<u32>],
     chunks: Option<&[KvChunk<B>]>,
     question: &[u32],
-) -> Result<(f64, f64)> {
+) -> Result<f64> {
     e.backend().synchronize()?;
     let t = Instant::now();
     let mut seq = e.fork(header)?;
-    let mut inject_ms = 0.0;
     match chunks {
-        Some(chunks) => {
-            let ti = Instant::now();
-            e.inject(&mut seq, &chunks.iter().collect::<Vec<_>>())?;
-            e.backend().synchronize()?;
-            inject_ms = ti.elapsed().as_secs_f64() * 1e3;
-        }
+        Some(chunks) => e.inject(&mut seq, &chunks.iter().collect::<Vec<_>>())?,
         None => facts.iter().for_each(|f| seq.extend(f)),
     }
     seq.extend(question);
     let logits = e.prefill(&mut seq)?;
     std::hint::black_box(argmax(&logits));
-    Ok((t.elapsed().as_secs_f64() * 1e3, inject_ms))
+    Ok(t.elapsed().as_secs_f64() * 1e3)
+}
+
+/// The injection call alone, host-timed until the device is done (ms).
+fn inject_alone<B: Backend>(e: &mut Engine<B>, header: &Sequence, chunks: &[KvChunk<B>]) -> Result<f64> {
+    e.backend().synchronize()?;
+    let t = Instant::now();
+    let mut seq = e.fork(header)?;
+    e.inject(&mut seq, &chunks.iter().collect::<Vec<_>>())?;
+    e.backend().synchronize()?;
+    Ok(t.elapsed().as_secs_f64() * 1e3)
 }
 
 pub fn run(a: TtftArgs) -> Result<()> {
@@ -156,23 +166,39 @@ fn run_on<B: Backend>(a: TtftArgs, backend: B) -> Result<()> {
     let chunks: Vec<KvChunk<B>> = e.encode_batch(&items)?;
     e.backend().synchronize()?;
     eprintln!("inferscale bench ttft: encoded in {:.2} s", t.elapsed().as_secs_f64());
+    let hosted: Vec<KvChunk<B>> = if a.modes.iter().any(|m| m == "kv-host") {
+        let be = e.backend();
+        chunks
+            .iter()
+            .map(|c| {
+                let (k, v) = c.to_host(be)?;
+                Ok(KvChunk::from_host_tier(be, c.tokens.clone(), &k, &v)?)
+            })
+            .collect::<Result<_>>()?
+    } else {
+        Vec::new()
+    };
     let mut header = e.new_sequence(l.header.clone())?;
     e.prefill(&mut header)?;
 
     let mut results = Vec::new();
     for &k in &a.k {
         let fact_tokens: usize = l.facts[..k].iter().map(Vec::len).sum();
-        for (mode, chunks) in [("prompt", None), ("kv", Some(&chunks[..k]))] {
+        let host_k = hosted.get(..k);
+        for (mode, chunks) in [("prompt", None), ("kv", Some(&chunks[..k])), ("kv-host", host_k)] {
             if !a.modes.iter().any(|m| m == mode) {
                 continue;
             }
             for _ in 0..2 {
                 first_token(e, &header, &l.facts[..k], chunks, &l.question)?; // warm-up
             }
-            let runs = (0..a.reps)
+            let ttft = (0..a.reps)
                 .map(|_| first_token(e, &header, &l.facts[..k], chunks, &l.question))
                 .collect::<Result<Vec<_>>>()?;
-            let ttft: Vec<f64> = runs.iter().map(|r| r.0).collect();
+            let inject = match chunks {
+                Some(c) => Some(median((0..a.reps).map(|_| inject_alone(e, &header, c)).collect::<Result<Vec<_>>>()?)),
+                None => None,
+            };
             let prefilled = l.question.len() + if chunks.is_some() { 0 } else { fact_tokens };
             results.push(Row {
                 k,
@@ -181,7 +207,7 @@ fn run_on<B: Backend>(a: TtftArgs, backend: B) -> Result<()> {
                 ttft_ms_median: median(ttft),
                 prompt_tokens: h + fact_tokens + l.question.len(),
                 prefilled_tokens: prefilled,
-                inject_ms_median: chunks.map(|_| median(runs.iter().map(|r| r.1).collect())),
+                inject_ms_median: inject,
                 inject_bytes: chunks.map(|_| 2 * fact_tokens * kv_bytes_per_token),
             });
             eprintln!("inferscale bench ttft: k={k} {mode} done");
@@ -210,7 +236,8 @@ fn print_table(r: &Report) {
         "backend {} · {} · header {} tokens, question {} tokens, facts {:.1} tokens on average · median of {}",
         r.backend, r.model, r.header_tokens, r.question_tokens, r.mean_fact_tokens, r.reps
     );
-    println!(
+    let host_tier = r.results.iter().any(|x| x.mode == "kv-host");
+    print!(
         "{:>5} {:>8} {:>15} {:>11} {:>15} {:>11} {:>9} {:>10} {:>8} {:>8}",
         "k",
         "prompt",
@@ -223,6 +250,10 @@ fn print_table(r: &Report) {
         "GB/s",
         "kv/k₀"
     );
+    if host_tier {
+        print!(" {:>16} {:>14}", "kv-host TTFT ms", "host − kv ms");
+    }
+    println!();
     let cell = |row: Option<&Row>| match row {
         Some(x) => (format!("{:.2}", x.ttft_ms_median), x.prefilled_tokens.to_string()),
         None => ("-".into(), "-".into()),
@@ -232,8 +263,8 @@ fn print_table(r: &Report) {
     let kv0 = r.results.iter().find(|x| x.mode == "kv").map(|x| x.ttft_ms_median);
     for k in ks {
         let find = |mode: &str| r.results.iter().find(|x| x.k == k && x.mode == mode);
-        let (p, kv) = (find("prompt"), find("kv"));
-        let tokens = p.or(kv).map_or(0, |x| x.prompt_tokens);
+        let (p, kv, kvh) = (find("prompt"), find("kv"), find("kv-host"));
+        let tokens = p.or(kv).or(kvh).map_or(0, |x| x.prompt_tokens);
         let speedup = match (p, kv) {
             (Some(p), Some(kv)) => format!("{:.1}×", p.ttft_ms_median / kv.ttft_ms_median),
             _ => "-".into(),
@@ -247,8 +278,15 @@ fn print_table(r: &Report) {
             _ => ("-".into(), "-".into(), "-".into()),
         };
         let ((pt, pp), (kt, kp)) = (cell(p), cell(kv));
-        println!(
-            "{k:>5} {tokens:>8} {pt:>15} {pp:>11} {kt:>15} {kp:>11} {speedup:>9} {inject:>10} {rate:>8} {ratio:>8}"
-        );
+        print!("{k:>5} {tokens:>8} {pt:>15} {pp:>11} {kt:>15} {kp:>11} {speedup:>9} {inject:>10} {rate:>8} {ratio:>8}");
+        if host_tier {
+            let (ht, _) = cell(kvh);
+            let extra = match (kvh, kv) {
+                (Some(h), Some(d)) => format!("{:+.2}", h.ttft_ms_median - d.ttft_ms_median),
+                _ => "-".into(),
+            };
+            print!(" {ht:>16} {extra:>14}");
+        }
+        println!();
     }
 }

@@ -1,0 +1,281 @@
+//! KV injection into the paged cache, from device memory or from the host
+//! tier.
+//!
+//! A shard whose facts' KV does not fit beside the model keeps it in pinned
+//! host memory (the host tier). Under unified addressing that memory has
+//! the same address on the device, so the injection kernel reads it over
+//! the bus directly — no staging buffer. What makes the tier cheap is
+//! overlap: the kernel runs on a second stream in groups of layers, each
+//! group recording its layers' `ready` events, and the main stream waits
+//! for layer l only when the prefill after the injection first touches
+//! layer l. The bus transfer (≈ 5 MB per layer at k = 50 on an 8B model)
+//! thus hides behind the question's prefill (≈ 0.2 ms of GEMMs per layer)
+//! except for the first group.
+//!
+//! Injection from device memory stays one launch on the main stream.
+
+use std::ops::Range;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use cudarc::driver::sys::{CU_MEMHOSTALLOC_DEVICEMAP, CU_MEMHOSTALLOC_PORTABLE};
+use cudarc::driver::{CudaEvent, LaunchConfig, PinnedHostSlice};
+use half::bf16;
+use inferscale_engine::Result;
+use inferscale_engine::backend::{InjectChunk, matrix_dims};
+use inferscale_engine::rope::{Rope, TABLE_POSITIONS};
+use inferscale_model::HostTensor;
+use rayon::prelude::*;
+
+use crate::backend::{Cu, CudaBackend, CudaKvStore, CudaTensor, Storage, shape_err};
+use crate::error::CudaError;
+
+/// Tokens per block of `inject_kv` (`INJECT_TOKENS` in kernels/kv.cu).
+const INJECT_TOKENS: usize = 4;
+
+/// Most layers one side-stream launch covers: a group's layers are ready
+/// only when the whole group is, so groups stay short.
+const MAX_GROUP_LAYERS: usize = 4;
+
+/// Blocks per layer of a host-tier launch. Its loads wait on the bus for
+/// microseconds; a block per token group would fill every multiprocessor
+/// with waiting warps and starve the prefill it is meant to overlap. Sixteen
+/// blocks keep ≈ 300 KB of loads in flight, several times what the bus's
+/// bandwidth-latency product asks.
+const HOST_TIER_BLOCKS: usize = 16;
+
+/// One pinned host allocation holding several tensors (a fact's K and V of
+/// every layer). Dropping it waits for the backend's host fence first, so
+/// memory is never freed under a kernel still reading it.
+pub(crate) struct PinnedBuf {
+    slice: PinnedHostSlice<bf16>,
+    base: u64,
+    fence: Arc<CudaEvent>,
+}
+
+impl Drop for PinnedBuf {
+    fn drop(&mut self) {
+        // A destructor has no one to report to; a failed wait leaves the
+        // context in an error state that the next call reports.
+        let _ = self.fence.synchronize();
+    }
+}
+
+/// A tensor's rows inside a [`PinnedBuf`].
+pub(crate) struct HostRows {
+    buf: Arc<PinnedBuf>,
+    offset: usize,
+    len: usize,
+}
+
+impl HostRows {
+    /// The address kernels read (same on host and device under unified addressing).
+    pub(crate) fn ptr(&self) -> u64 {
+        self.buf.base + (self.offset * 2) as u64
+    }
+
+    /// The values as f32. Kernels only ever read host-tier memory, so no
+    /// device work has to finish first.
+    pub(crate) fn to_f32(&self) -> Vec<f32> {
+        // SAFETY: `offset..offset + len` lies in the allocation, which lives
+        // as long as `self.buf`, and nothing writes it after `to_host_tier`.
+        let s = unsafe { std::slice::from_raw_parts((self.buf.base as *const bf16).add(self.offset), self.len) };
+        s.par_iter().with_min_len(1 << 14).map(|x| x.to_f32()).collect()
+    }
+}
+
+/// Layer ranges of the side-stream launches: one layer, one layer, then
+/// doubling up to [`MAX_GROUP_LAYERS`] — the first layers are needed first.
+pub(crate) fn layer_groups(layers: usize) -> Vec<Range<usize>> {
+    let mut groups = Vec::new();
+    let (mut at, mut size) = (0, 1);
+    while at < layers {
+        let end = (at + size).min(layers);
+        groups.push(at..end);
+        at = end;
+        if groups.len() >= 2 {
+            size = (size * 2).min(MAX_GROUP_LAYERS);
+        }
+    }
+    groups
+}
+
+impl CudaBackend {
+    /// Copies tensors into one pinned host allocation of the host tier.
+    pub(crate) fn to_host_tier(&self, ts: &[&HostTensor]) -> Result<Vec<CudaTensor>> {
+        let dims = ts.iter().map(|t| matrix_dims(t)).collect::<Result<Vec<_>>>()?;
+        let total: usize = dims.iter().map(|(r, c)| r * c).sum();
+        // PORTABLE | DEVICEMAP: readable by kernels of any context; not
+        // write-combined, since exporting a shard reads it back on the CPU.
+        // SAFETY: every element is written below before anything reads it.
+        let mut slice = unsafe {
+            self.ctx.alloc_pinned_with_flags::<bf16>(total.max(1), CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP)
+        }
+        .cu()?;
+        let host = slice.as_mut_slice().cu()?;
+        let mut at = 0;
+        for t in ts {
+            host[at..at + t.data.len()]
+                .par_iter_mut()
+                .zip(&t.data)
+                .with_min_len(1 << 14)
+                .for_each(|(d, &x)| *d = bf16::from_f32(x));
+            at += t.data.len();
+        }
+        let base = slice.as_mut_ptr().cu()? as u64;
+        let buf = Arc::new(PinnedBuf { slice, base, fence: self.host_fence.clone() });
+        let mut offset = 0;
+        let mut out = Vec::with_capacity(ts.len());
+        for (rows, cols) in dims {
+            let len = rows * cols;
+            out.push(CudaTensor { data: Storage::Host(HostRows { buf: buf.clone(), offset, len }), rows, cols });
+            offset += len;
+        }
+        debug_assert_eq!(buf.slice.len(), total.max(1));
+        Ok(out)
+    }
+
+    /// [`inferscale_engine::backend::Backend::inject_kv`]: one launch on the
+    /// main stream when every chunk is on the device; layer groups on the
+    /// side stream, overlapping what follows, when any is in the host tier.
+    pub(crate) fn inject(
+        &self,
+        store: &mut CudaKvStore,
+        chunks: &[InjectChunk<'_, CudaTensor>],
+        rope: &Rope,
+    ) -> Result<()> {
+        let spec = store.spec;
+        let (layers, kv_dim) = (spec.num_layers, spec.kv_dim());
+        let total: usize = chunks.iter().map(|c| c.slots.len()).sum();
+        if total == 0 {
+            return Ok(());
+        }
+        if !(rope.dim() / 2).is_multiple_of(8) || !spec.head_dim.is_multiple_of(8) {
+            return Err(CudaError::Unsupported(format!(
+                "inject_kv: rotated dims {} / head_dim {} must be multiples of 16 / 8",
+                rope.dim(),
+                spec.head_dim
+            ))
+            .into());
+        }
+        let mut ptrs = Vec::with_capacity(chunks.len() * layers);
+        let mut hosted = false;
+        for (ci, c) in chunks.iter().enumerate() {
+            let n = c.slots.len();
+            if c.k.len() != layers || c.v.len() != layers || c.positions.len() != n {
+                return Err(shape_err(format!("inject_kv: chunk {ci} has {} layers, {n} slots", c.k.len())));
+            }
+            spec.check_slots(c.slots)?;
+            for (l, (k, v)) in c.k.iter().zip(c.v).enumerate() {
+                if [k, v].iter().any(|x| x.rows != n || x.cols != kv_dim) {
+                    return Err(shape_err(format!("inject_kv: chunk {ci} layer {l} is [{}, {}]", k.rows, k.cols)));
+                }
+                hosted |= k.in_host_tier() || v.in_host_tier();
+                ptrs.push((self.tp(k), self.tp(v)));
+            }
+        }
+        let table = inject_table(&ptrs, chunks.iter().map(|c| (c.positions, c.slots)), total);
+        let r = self.rope_tables(rope)?;
+        let (kc, vc) = (self.ptr(&store.k), self.ptr(&store.v));
+        let (tt, nc, nl) = (total as u32, chunks.len() as u32, layers as u32);
+        let (le, d, hd, rot) = (store.layer_elems, kv_dim as i32, spec.head_dim as i32, rope.dim() as i32);
+        let (cs, sn, inv, tp) = (self.ptr(&r.cos), self.ptr(&r.sin), self.ptr(&r.inv_freq), TABLE_POSITIONS as u32);
+        let cfg = |blocks: usize, group: usize| LaunchConfig {
+            grid_dim: (blocks as u32, group as u32, 1),
+            block_dim: ((kv_dim / 8).clamp(32, 256) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        if !hosted {
+            let _span = self.span("inject_kv");
+            self.await_all_layers(store)?;
+            let table_dev = self.stream.clone_htod(&table).cu()?;
+            let (tb, l0) = (self.ptr(&table_dev), 0u32);
+            let args: [&dyn crate::backend::Arg; 15] =
+                [&kc, &vc, &tb, &tt, &nc, &l0, &nl, &le, &d, &hd, &rot, &cs, &sn, &inv, &tp];
+            return self.launch(&self.k.inject_kv, cfg(total.div_ceil(INJECT_TOKENS), layers), &args);
+        }
+        // Host tier. The table goes up first (a copy from pageable memory
+        // may wait for its stream's queued work, which the join below would
+        // make the main stream's); the kernels start after everything queued
+        // so far (the slots may have been read by an earlier step).
+        let table_dev = self.side.clone_htod(&table).cu()?;
+        self.side.join(&self.stream).cu()?;
+        let tb_ = self.ptr(&table_dev);
+        for g in layer_groups(layers) {
+            let l0 = g.start as u32;
+            let args: [&dyn crate::backend::Arg; 15] =
+                [&kc, &vc, &tb_, &tt, &nc, &l0, &nl, &le, &d, &hd, &rot, &cs, &sn, &inv, &tp];
+            let blocks = total.div_ceil(INJECT_TOKENS).min(HOST_TIER_BLOCKS);
+            self.launch_on(&self.side, &self.k.inject_kv, cfg(blocks, g.len()), &args)?;
+            for l in g {
+                store.ready[l].record(&self.side).cu()?;
+                store.pending[l].store(true, Ordering::Release);
+            }
+        }
+        self.host_fence.record(&self.side).cu()
+    }
+}
+
+/// The `table` argument of `inject_kv` (kernels/kv.cu), as u32 words for
+/// one upload: every (chunk, layer)'s K pointer, then every V pointer (64-bit,
+/// low word first), then four arrays of `total` entries — chunk index, row
+/// within the chunk, position, slot. `ptrs[c·layers + l]` = (K, V) of chunk c,
+/// layer l; `chunks` yields each chunk's positions and slots.
+fn inject_table<'a>(
+    ptrs: &[(u64, u64)],
+    chunks: impl Iterator<Item = (&'a [u32], &'a [u32])>,
+    total: usize,
+) -> Vec<u32> {
+    let mut table = vec![0u32; 4 * ptrs.len() + 4 * total];
+    let (words, meta) = table.split_at_mut(4 * ptrs.len());
+    for (i, &(k, v)) in ptrs.iter().enumerate() {
+        for (at, p) in [(2 * i, k), (2 * (ptrs.len() + i), v)] {
+            words[at..at + 2].copy_from_slice(&[p as u32, (p >> 32) as u32]);
+        }
+    }
+    let mut t = 0;
+    for (ci, (positions, slots)) in chunks.enumerate() {
+        for (row, (&p, &s)) in positions.iter().zip(slots).enumerate() {
+            meta[t] = ci as u32;
+            meta[total + t] = row as u32;
+            meta[2 * total + t] = p;
+            meta[3 * total + t] = s;
+            t += 1;
+        }
+    }
+    table
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn inject_table_matches_the_kernels_layout() {
+        let ptrs = [(0x1_0000_0010, 0x2_0000_0020), (0x3_0000_0030, 0x4_0000_0040), (5, 6), (7, 8)];
+        let (p0, s0, p1, s1) = ([10, 11], [100, 101], [20], [200]);
+        let t = inject_table(&ptrs, [(&p0[..], &s0[..]), (&p1[..], &s1[..])].into_iter(), 3);
+        let word = |i: usize| t[2 * i] as u64 | (t[2 * i + 1] as u64) << 32;
+        // The kernel reads 64-bit K pointers at [c·L + l], V pointers after them.
+        assert_eq!((0..4).map(word).collect::<Vec<_>>(), [0x1_0000_0010, 0x3_0000_0030, 5, 7]);
+        assert_eq!((4..8).map(word).collect::<Vec<_>>(), [0x2_0000_0020, 0x4_0000_0040, 6, 8]);
+        // Then chunk, row, position and slot of each of the 3 tokens.
+        assert_eq!(&t[16..], &[0, 0, 1, 0, 1, 0, 10, 11, 20, 100, 101, 200]);
+    }
+
+    #[test]
+    fn layer_groups_cover_every_layer_once_small_ones_first() {
+        assert_eq!(layer_groups(1), vec![Range { start: 0, end: 1 }]);
+        assert_eq!(layer_groups(3), [0..1, 1..2, 2..3]);
+        assert_eq!(layer_groups(7), [0..1, 1..2, 2..4, 4..7]);
+        for layers in 1..100 {
+            let g = layer_groups(layers);
+            assert_eq!(g.first().map(|r| r.start), Some(0));
+            assert!(g.windows(2).all(|w| w[0].end == w[1].start), "{g:?}");
+            assert_eq!(g.last().map(|r| r.end), Some(layers));
+            assert!(g.iter().all(|r| !r.is_empty() && r.len() <= MAX_GROUP_LAYERS));
+        }
+        // 1, 1, 2, 4, then six groups of 4.
+        assert_eq!(layer_groups(32).len(), 4 + 6);
+    }
+}

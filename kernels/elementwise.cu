@@ -48,6 +48,37 @@ extern "C" __global__ void rms_norm_v8(bf16* out, const bf16* x, const bf16* w, 
     ((uint4*)(out + (size_t)blockIdx.x * cols))[v] = pack8(f);
 }
 
+// The residual add and the norm after it, fused: x += y (in bf16, as
+// add_assign rounds it), then out = rms_norm_v8(x). Same widths as rms_norm_v8.
+extern "C" __global__ void add_rms_norm_v8(bf16* out, bf16* x, const bf16* y, const bf16* w, int cols, float eps) {
+    __shared__ float scratch[32];
+    const int v = threadIdx.x;
+    const bool live = v * 8 < cols;
+    uint4 sum = make_uint4(0, 0, 0, 0);
+    if (live) {
+        uint4 a = ((const uint4*)(x + (size_t)blockIdx.x * cols))[v];
+        uint4 b = ((const uint4*)(y + (size_t)blockIdx.x * cols))[v];
+        __nv_bfloat162* a2 = (__nv_bfloat162*)&a;
+        const __nv_bfloat162* b2 = (const __nv_bfloat162*)&b;
+        __nv_bfloat162* s2 = (__nv_bfloat162*)&sum;
+#pragma unroll
+        for (int i = 0; i < 4; i++) s2[i] = __hadd2(a2[i], b2[i]);
+        ((uint4*)(x + (size_t)blockIdx.x * cols))[v] = sum;
+    }
+    float f[8];
+    unpack8(sum, f);
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; i++) ss += f[i] * f[i];
+    float inv = rsqrtf(block_sum(ss, scratch) / cols + eps);
+    if (!live) return;
+    float g[8];
+    unpack8(((const uint4*)w)[v], g);
+#pragma unroll
+    for (int i = 0; i < 8; i++) f[i] = f[i] * inv * g[i];
+    ((uint4*)(out + (size_t)blockIdx.x * cols))[v] = pack8(f);
+}
+
 // One block per row: y = (x − mean) / sqrt(var + eps) · w + b.
 extern "C" __global__ void layer_norm(bf16* out, const bf16* x, const bf16* w, const bf16* b, int cols, float eps) {
     __shared__ float scratch[32];

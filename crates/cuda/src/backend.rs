@@ -18,13 +18,14 @@ use cudarc::driver::{
     PushKernelArg,
 };
 use half::bf16;
-use inferscale_engine::backend::{AttentionShape, Backend, InjectChunk, KvSpec, SeqSpan, matrix_dims};
+use inferscale_engine::backend::{AttentionShape, Backend, InjectChunk, KvSpec, NewRows, SeqSpan, matrix_dims};
 use inferscale_engine::rope::{Rope, TABLE_POSITIONS};
 use inferscale_engine::{EngineError, Result};
 use inferscale_model::HostTensor;
 use rayon::prelude::*;
 
 use crate::error::CudaError;
+use crate::gemm::{Operands, Shape as GemmShape, TUNED_ROWS, Tuner};
 use crate::kernels::{ATTN_KEYS, ATTN_ROWS, ATTN_THREADS, Kernels, attention_smem_bytes};
 use crate::profile::{Profiler, Span};
 use crate::tier::HostRows;
@@ -153,6 +154,8 @@ pub struct CudaBackend {
     /// each: host-tier memory is freed only once it has passed.
     pub(crate) side: Arc<CudaStream>,
     pub(crate) host_fence: Arc<CudaEvent>,
+    /// Per-shape GEMM choices for few rows (`gemm.rs`); `None` without libcublasLt.
+    tuner: Option<Arc<Mutex<Tuner>>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -183,6 +186,11 @@ impl CudaBackend {
         let profiler = Profiler::from_env(&ctx, &stream);
         let side = ctx.new_stream()?;
         let host_fence = Arc::new(ctx.new_event(None)?);
+        let tuner = if crate::kernels::library_present("cublasLt") {
+            Some(Arc::new(Mutex::new(Tuner::new(&stream)?)))
+        } else {
+            None
+        };
         Ok(CudaBackend {
             ctx,
             stream,
@@ -196,6 +204,7 @@ impl CudaBackend {
             staging: Arc::new(Mutex::new(None)),
             side,
             host_fence,
+            tuner,
         })
     }
 
@@ -245,7 +254,7 @@ impl CudaBackend {
     }
 
     /// `data` on the device, reusing a recent upload of equal contents.
-    fn meta(&self, data: &[u32]) -> Result<Arc<CudaSlice<u32>>> {
+    pub(crate) fn meta(&self, data: &[u32]) -> Result<Arc<CudaSlice<u32>>> {
         let mut cache = lock(&self.meta);
         if let Some(i) = cache.entries.iter().position(|(h, _)| h.as_slice() == data) {
             let e = cache.entries.remove(i);
@@ -303,7 +312,7 @@ impl CudaBackend {
         }
     }
 
-    fn rows_cfg(rows: usize, threads: u32) -> LaunchConfig {
+    pub(crate) fn rows_cfg(rows: usize, threads: u32) -> LaunchConfig {
         LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }
     }
 
@@ -331,7 +340,7 @@ impl CudaBackend {
     }
 
     /// Layer `layer` of the store's K and V, once any injection into it is done.
-    fn layer_ptrs(&self, store: &CudaKvStore, layer: usize) -> Result<(u64, u64)> {
+    pub(crate) fn layer_ptrs(&self, store: &CudaKvStore, layer: usize) -> Result<(u64, u64)> {
         self.await_layer(store, layer)?;
         let off = (layer * store.layer_elems * 2) as u64;
         Ok((self.ptr(&store.k) + off, self.ptr(&store.v) + off))
@@ -461,34 +470,45 @@ impl Backend for CudaBackend {
         }
         let out = self.tensor(x.rows, w.rows)?;
         if x.rows > 0 {
-            let (alpha, beta) = (1.0f32, 0.0f32);
-            let blas = lock(&self.blas);
-            // Column-major view: out (w.rows × n) = wᵀᵀ · x, with w stored [out, in].
-            // SAFETY: the pointers address live buffers of the sizes given.
-            unsafe {
-                cudarc::cublas::result::gemm_ex(
-                    *blas.0.handle(),
-                    cublasOperation_t::CUBLAS_OP_T,
-                    cublasOperation_t::CUBLAS_OP_N,
-                    w.rows as i32,
-                    x.rows as i32,
-                    x.cols as i32,
-                    (&alpha) as *const f32 as *const c_void,
-                    self.tp(w) as *const c_void,
-                    cudaDataType_t::CUDA_R_16BF,
-                    w.cols as i32,
-                    self.tp(x) as *const c_void,
-                    cudaDataType_t::CUDA_R_16BF,
-                    x.cols as i32,
-                    (&beta) as *const f32 as *const c_void,
-                    self.tp(&out) as *mut c_void,
-                    cudaDataType_t::CUDA_R_16BF,
-                    w.rows as i32,
-                    cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                    cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-                )
+            let cublas = || -> Result<()> {
+                let (alpha, beta) = (1.0f32, 0.0f32);
+                let blas = lock(&self.blas);
+                // Column-major view: out (w.rows × n) = wᵀᵀ · x, with w stored [out, in].
+                // SAFETY: the pointers address live buffers of the sizes given.
+                unsafe {
+                    cudarc::cublas::result::gemm_ex(
+                        *blas.0.handle(),
+                        cublasOperation_t::CUBLAS_OP_T,
+                        cublasOperation_t::CUBLAS_OP_N,
+                        w.rows as i32,
+                        x.rows as i32,
+                        x.cols as i32,
+                        (&alpha) as *const f32 as *const c_void,
+                        self.tp(w) as *const c_void,
+                        cudaDataType_t::CUDA_R_16BF,
+                        w.cols as i32,
+                        self.tp(x) as *const c_void,
+                        cudaDataType_t::CUDA_R_16BF,
+                        x.cols as i32,
+                        (&beta) as *const f32 as *const c_void,
+                        self.tp(&out) as *mut c_void,
+                        cudaDataType_t::CUDA_R_16BF,
+                        w.rows as i32,
+                        cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                        cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                    )
+                }
+                .cu()?;
+                Ok(())
+            };
+            match &self.tuner {
+                Some(t) if x.rows <= TUNED_ROWS => {
+                    let shape = GemmShape { rows: x.rows, n: w.rows, k: x.cols };
+                    let ops = Operands { x: self.tp(x), w: self.tp(w), out: self.tp(&out) };
+                    lock(t).run(&self.ctx, &self.stream, shape, ops, &cublas)?
+                }
+                _ => cublas()?,
             }
-            .cu()?;
         }
         if let Some(b) = bias {
             let (o, bi, n, c) = (self.tp(&out), self.tp(b), out.len(), w.rows as i32);
@@ -581,6 +601,22 @@ impl Backend for CudaBackend {
         }
         let (xp, yp, n) = (self.tp(x), self.tp(y), x.len());
         self.launch(&self.k.add_assign, self.elementwise_cfg(n / 2), &[&xp, &yp, &n])
+    }
+
+    fn add_rms_norm(&self, x: &mut CudaTensor, y: &CudaTensor, weight: &CudaTensor, eps: f32) -> Result<CudaTensor> {
+        self.fused_add_rms_norm(x, y, weight, eps)
+    }
+
+    fn qkv_rope_write(
+        &self,
+        qkv: &CudaTensor,
+        shape: AttentionShape,
+        rope: &Rope,
+        rows: NewRows<'_>,
+        store: &mut CudaKvStore,
+        layer: usize,
+    ) -> Result<CudaTensor> {
+        self.fused_qkv_rope_write(qkv, shape, rope, rows, store, layer)
     }
 
     fn select_rows(&self, x: &CudaTensor, rows: &[usize]) -> Result<CudaTensor> {

@@ -12,6 +12,8 @@
 pub mod backend;
 pub mod bench;
 pub mod error;
+mod fused;
+mod gemm;
 pub mod kernels;
 pub mod nccl;
 pub mod parity;

@@ -12,7 +12,7 @@
 //! carries a control that must miss by far more than its tolerance (keys
 //! one position off), so the checks can fail.
 
-use inferscale_engine::backend::{AttentionShape, Backend, InjectChunk, KvSpec, SeqSpan};
+use inferscale_engine::backend::{AttentionShape, Backend, InjectChunk, KvSpec, NewRows, SeqSpan};
 use inferscale_engine::rope::Rope;
 use inferscale_engine::sampling::argmax;
 use inferscale_engine::{CpuBackend, Engine, EngineConfig, KvChunk};
@@ -89,6 +89,18 @@ where
     Ok(())
 }
 
+/// A fused op against the ops it replaces, on one backend: the same bits.
+fn exact<G: Backend, F>(gpu: &G, name: &str, f: F, out: &mut Report) -> R<()>
+where
+    F: Fn(&dyn Ops, bool) -> R<Vec<f32>>,
+{
+    let (fused, plain) = (f(&Dyn(gpu), true)?, f(&Dyn(gpu), false)?);
+    let same = fused.len() == plain.len() && fused.iter().zip(&plain).all(|(a, b)| a.to_bits() == b.to_bits());
+    let error = if same { 0.0 } else { rel(&fused, &plain).max(f64::MIN_POSITIVE) };
+    out.push(Check { name: format!("{name}: fused = unfused, bit for bit"), error, tolerance: 0.0, control: false });
+    Ok(())
+}
+
 /// Object-safe view of the ops we compare, over either backend.
 trait Ops {
     fn linear(&self, x: &HostTensor, w: &HostTensor, b: Option<&HostTensor>) -> R<Vec<f32>>;
@@ -104,11 +116,26 @@ trait Ops {
         spans: &[(usize, usize)],
     ) -> R<Vec<f32>>;
     fn paged(&self, case: &PagedCase) -> R<Vec<f32>>;
+    /// `x += y` then RMSNorm: x and the norm, through `add_rms_norm` when
+    /// `fused`, else `add_assign` and `rms_norm`.
+    fn add_norm(&self, x: &HostTensor, y: &HostTensor, w: &HostTensor, fused: bool) -> R<Vec<f32>>;
+    /// Q, then the K and V written to the cache, through `qkv_rope_write`
+    /// when `fused`, else `split_cols`, `rope`, `rope` and `write_kv`.
+    fn qkv(&self, c: &QkvCase, fused: bool) -> R<Vec<f32>>;
     /// `host_tier`: the stored KV comes from the backend's host tier.
     fn inject(&self, case: &PagedCase, rope: &Rope, host_tier: bool) -> R<Vec<f32>>;
 }
 
 struct Dyn<'a, B>(&'a B);
+
+/// A fused-QKV case: `rows` new tokens at `positions` into `slots` of layer 1.
+struct QkvCase {
+    spec: KvSpec,
+    shape: AttentionShape,
+    rope: Rope,
+    positions: Vec<u32>,
+    slots: Vec<u32>,
+}
 
 /// A paged-attention case: KV for every context token written through
 /// `write_kv` into scattered blocks, then one attention call.
@@ -193,6 +220,46 @@ impl<B: Backend> Ops for Dyn<'_, B> {
             .map(|&(q_start, q_len, context_len, block_table)| SeqSpan { q_start, q_len, context_len, block_table })
             .collect();
         Ok(be.to_host(&be.attention(&q, &store, 0, c.shape, &spans)?)?.data)
+    }
+
+    fn add_norm(&self, x: &HostTensor, y: &HostTensor, w: &HostTensor, fused: bool) -> R<Vec<f32>> {
+        let be = self.0;
+        let (mut xd, yd, wd) = (be.upload_rows(x)?, be.upload_rows(y)?, be.upload(w)?);
+        let n = if fused {
+            be.add_rms_norm(&mut xd, &yd, &wd, 1e-5)?
+        } else {
+            be.add_assign(&mut xd, &yd)?;
+            be.rms_norm(&xd, &wd, 1e-5)?
+        };
+        let mut out = be.to_host(&xd)?.data;
+        out.extend(be.to_host(&n)?.data);
+        Ok(out)
+    }
+
+    fn qkv(&self, c: &QkvCase, fused: bool) -> R<Vec<f32>> {
+        let be = self.0;
+        let d = c.shape.head_dim;
+        let (qc, kvc) = (c.shape.num_heads * d, c.shape.num_kv_heads * d);
+        let qkv = be.upload_rows(&host(31, &[c.positions.len(), qc + 2 * kvc], 1.0))?;
+        let mut store = be.new_kv_store(c.spec)?;
+        let rows = NewRows { positions: &c.positions, slots: &c.slots };
+        let q = if fused {
+            be.qkv_rope_write(&qkv, c.shape, &c.rope, rows, &mut store, 1)?
+        } else {
+            let mut parts = be.split_cols(&qkv, &[qc, kvc, kvc])?;
+            let v = parts.pop().ok_or_else(|| inferscale_engine::EngineError::Shape("split".into()))?;
+            let mut k = parts.pop().ok_or_else(|| inferscale_engine::EngineError::Shape("split".into()))?;
+            let mut q = parts.pop().ok_or_else(|| inferscale_engine::EngineError::Shape("split".into()))?;
+            be.rope(&mut q, d, &c.positions, &c.rope)?;
+            be.rope(&mut k, d, &c.positions, &c.rope)?;
+            be.write_kv(&mut store, 1, &k, &v, &c.slots)?;
+            q
+        };
+        let (k, v) = be.gather_kv(&store, 1, &c.slots)?;
+        let mut out = be.to_host(&q)?.data;
+        out.extend(be.to_host(&k)?.data);
+        out.extend(be.to_host(&v)?.data);
+        Ok(out)
     }
 
     fn inject(&self, c: &PagedCase, rope: &Rope, host_tier: bool) -> R<Vec<f32>> {
@@ -299,6 +366,27 @@ pub fn ops<G: Backend>(gpu: &G) -> R<Report> {
             &mut out,
         )?;
     }
+    // Fused ops: against the CPU, and against the unfused ops on the same device bit for bit.
+    for (rows, width) in [(20, 4096), (3, 576), (7, 200)] {
+        let (x, y, w) = (host(21, &[rows, width], 1.0), host(22, &[rows, width], 1.0), host(23, &[width], 1.0));
+        let name = format!("add_rms_norm {rows}×{width}");
+        both(&cpu, gpu, &name, |be| be.add_norm(&x, &y, &w, true), &mut out)?;
+        exact(gpu, &name, |be, fused| be.add_norm(&x, &y, &w, fused), &mut out)?;
+    }
+    for (hd, heads, kv_heads, rot) in [(128, 32, 8, 128), (64, 9, 3, 64), (64, 4, 2, 32)] {
+        let spec = KvSpec { num_layers: 2, num_blocks: 8, block_size: 16, num_kv_heads: kv_heads, head_dim: hd };
+        let shape =
+            AttentionShape { num_heads: heads, num_kv_heads: kv_heads, head_dim: hd, scale: (hd as f32).powf(-0.5) };
+        let rope = Rope::new(&RopeConfig { theta: 10_000.0, dim: rot, scaling: RopeScaling::None });
+        // Positions in the table and past it; slots scattered.
+        let positions: Vec<u32> = (0..21).map(|i| i * 1000).collect();
+        let slots: Vec<u32> = (0..21).map(|i| (i * 37) % 128).collect();
+        let c = QkvCase { spec, shape, rope, positions, slots };
+        let name = format!("qkv_rope_write d{hd} {heads}/{kv_heads} heads, {rot} rotated");
+        both(&cpu, gpu, &name, |be| be.qkv(&c, true), &mut out)?;
+        exact(gpu, &name, |be, fused| be.qkv(&c, fused), &mut out)?;
+    }
+
     let s = AttentionShape { num_heads: 4, num_kv_heads: 4, head_dim: 32, scale: 32f32.powf(-0.5) };
     let (q, k, v) = (host(9, &[40, 128], 1.0), host(10, &[40, 128], 1.0), host(11, &[40, 128], 1.0));
     both(&cpu, gpu, "attention_bidirectional", |be| be.bidir(&q, &k, &v, s, &[(0, 15), (15, 25)]), &mut out)?;
@@ -359,7 +447,7 @@ pub fn ops<G: Backend>(gpu: &G) -> R<Report> {
         )?;
         // Same kernel, same math: the tier must not change a single bit.
         let (dev, tier) = (Dyn(gpu).inject(&c, &rope, false)?, Dyn(gpu).inject(&c, &rope, true)?);
-        let name = format!("inject_kv d{hd}: host tier = device memory, bit for bit");
+        let name = format!("inject_kv d{hd} {heads}/{kv_heads} heads: host tier = device memory, bit for bit");
         let differ = dev.len() != tier.len() || dev.iter().zip(&tier).any(|(a, b)| a.to_bits() != b.to_bits());
         out.push(Check {
             name,

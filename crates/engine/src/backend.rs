@@ -87,6 +87,13 @@ pub struct AttentionShape {
     pub scale: f32,
 }
 
+/// Where a forward's new rows go: their positions and their cache slots.
+#[derive(Debug, Clone, Copy)]
+pub struct NewRows<'a> {
+    pub positions: &'a [u32],
+    pub slots: &'a [u32],
+}
+
 /// One chunk of pre-RoPE KV to write into the cache: per layer `k[l]` and
 /// `v[l]` of shape `[n, kv_heads·head_dim]`, token `i` going to cache slot
 /// `slots[i]` with its key rotated to `positions[i]`.
@@ -161,6 +168,43 @@ pub trait Backend: Send + Sync {
     fn split_cols(&self, x: &Self::Tensor, widths: &[usize]) -> Result<Vec<Self::Tensor>>;
     /// `x += y`.
     fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
+    /// `x += y`, then RMSNorm of each row of `x` times `weight`: a residual
+    /// add and the norm after it, one kernel on devices.
+    fn add_rms_norm(
+        &self,
+        x: &mut Self::Tensor,
+        y: &Self::Tensor,
+        weight: &Self::Tensor,
+        eps: f32,
+    ) -> Result<Self::Tensor> {
+        self.add_assign(x, y)?;
+        self.rms_norm(x, weight, eps)
+    }
+    /// A layer's attention inputs from its fused QKV projection (rows
+    /// `[Q | K | V]`, widths from `shape`): Q and K rotated to
+    /// `rows.positions`, K and V written to `rows.slots` of `layer`; returns
+    /// Q. Exactly `split_cols`, two `rope`s and `write_kv`, which devices
+    /// fuse into one kernel.
+    fn qkv_rope_write(
+        &self,
+        qkv: &Self::Tensor,
+        shape: AttentionShape,
+        rope: &Rope,
+        rows: NewRows<'_>,
+        store: &mut Self::KvStore,
+        layer: usize,
+    ) -> Result<Self::Tensor> {
+        let d = shape.head_dim;
+        let widths = [shape.num_heads * d, shape.num_kv_heads * d, shape.num_kv_heads * d];
+        let [mut q, mut k, v]: [Self::Tensor; 3] = self
+            .split_cols(qkv, &widths)?
+            .try_into()
+            .map_err(|_| EngineError::Shape("split_cols returned the wrong number of parts".into()))?;
+        self.rope(&mut q, d, rows.positions, rope)?;
+        self.rope(&mut k, d, rows.positions, rope)?;
+        self.write_kv(store, layer, &k, &v, rows.slots)?;
+        Ok(q)
+    }
     /// The listed rows of `x`, in order.
     fn select_rows(&self, x: &Self::Tensor, rows: &[usize]) -> Result<Self::Tensor>;
 

@@ -7,7 +7,7 @@
 
 use inferscale_model::{HostTensor, ModelConfig, ModelFiles};
 
-use crate::backend::{AttentionShape, Backend, SeqSpan};
+use crate::backend::{AttentionShape, Backend, NewRows, SeqSpan};
 use crate::error::Result;
 use crate::rope::Rope;
 
@@ -120,15 +120,17 @@ impl<B: Backend> Attention<B> {
         let d = self.shape.head_dim;
         let (batch, rope, layer) = (step.batch, step.rope, step.layer);
         let qkv = self.qkv_proj.forward(be, x)?;
+        if batch.capture.is_empty() {
+            let rows = NewRows { positions: &batch.positions, slots: &batch.slots };
+            let q = be.qkv_rope_write(&qkv, self.shape, rope, rows, kv, layer)?;
+            let y = be.attention(&q, kv, layer, self.shape, &batch.spans)?;
+            return Ok((self.o_proj.forward(be, &y)?, None));
+        }
         let [mut q, mut k, v]: [B::Tensor; 3] = be
             .split_cols(&qkv, &self.widths)?
             .try_into()
             .map_err(|_| crate::error::EngineError::Shape("split_cols returned the wrong number of parts".into()))?;
-        let captured = if batch.capture.is_empty() {
-            None
-        } else {
-            Some((be.select_rows(&k, &batch.capture)?, be.select_rows(&v, &batch.capture)?))
-        };
+        let captured = Some((be.select_rows(&k, &batch.capture)?, be.select_rows(&v, &batch.capture)?));
         be.rope(&mut q, d, &batch.positions, rope)?;
         be.rope(&mut k, d, &batch.positions, rope)?;
         be.write_kv(kv, layer, &k, &v, &batch.slots)?;
@@ -189,20 +191,24 @@ impl<B: Backend> Block<B> {
         })
     }
 
+    /// Adds the previous block's MLP output (`pending`) to the residual
+    /// stream `x` — fused with this block's first norm — and returns this
+    /// block's MLP output, for the next block (or the final norm) to add.
     fn forward(
         &self,
         be: &B,
         x: &mut B::Tensor,
+        pending: Option<B::Tensor>,
         step: &Step<'_, '_>,
         kv: &mut B::KvStore,
-    ) -> Result<Option<LayerKv<B>>> {
-        let h = be.rms_norm(x, &self.input_layernorm, self.eps)?;
+    ) -> Result<(B::Tensor, Option<LayerKv<B>>)> {
+        let h = match pending {
+            Some(p) => be.add_rms_norm(x, &p, &self.input_layernorm, self.eps)?,
+            None => be.rms_norm(x, &self.input_layernorm, self.eps)?,
+        };
         let (attn, captured) = self.attn.forward(be, &h, step, kv)?;
-        be.add_assign(x, &attn)?;
-        let h = be.rms_norm(x, &self.post_attention_layernorm, self.eps)?;
-        let mlp = self.mlp.forward(be, &h)?;
-        be.add_assign(x, &mlp)?;
-        Ok(captured)
+        let h = be.add_rms_norm(x, &attn, &self.post_attention_layernorm, self.eps)?;
+        Ok((self.mlp.forward(be, &h)?, captured))
     }
 }
 
@@ -247,9 +253,11 @@ impl<B: Backend> Llama<B> {
     pub fn forward(&self, be: &B, batch: &ForwardBatch<'_>, kv: &mut B::KvStore) -> Result<ForwardOutput<B>> {
         let mut x = be.embedding(&self.embed_tokens, &batch.tokens)?;
         let mut captured = (!batch.capture.is_empty()).then(|| Vec::with_capacity(self.blocks.len()));
+        let mut pending = None;
         for (layer, block) in self.blocks.iter().enumerate() {
             let step = Step { batch, rope: &self.rope, layer };
-            let layer_kv = block.forward(be, &mut x, &step, kv)?;
+            let (mlp, layer_kv) = block.forward(be, &mut x, pending.take(), &step, kv)?;
+            pending = Some(mlp);
             if let (Some(all), Some(kv)) = (captured.as_mut(), layer_kv) {
                 all.push(kv);
             }
@@ -257,6 +265,9 @@ impl<B: Backend> Llama<B> {
         let logits = if batch.logit_rows.is_empty() {
             None
         } else {
+            if let Some(p) = pending {
+                be.add_assign(&mut x, &p)?;
+            }
             let x = be.select_rows(&x, &batch.logit_rows)?;
             let x = be.rms_norm(&x, &self.norm, self.config.rms_norm_eps)?;
             Some(be.linear(&x, self.lm_head.as_ref().unwrap_or(&self.embed_tokens), None)?)

@@ -1,0 +1,283 @@
+//! GEMMs with few rows — a question's 20 tokens, a decode batch — tuned
+//! once per shape.
+//!
+//! At such shapes a GEMM is bound by reading the weight once, and which
+//! kernel gets closest to that depends on the shape: how the K dimension is
+//! split across blocks, the tile, the number of stages. cuBLAS picks by
+//! heuristic. For `rows ≤ TUNED_ROWS` we ask cuBLASLt for its candidates,
+//! time each (and cuBLAS's own choice) on the call's own buffers the first
+//! time a shape is seen, and keep the fastest; later calls of that shape run
+//! it directly. The first call of a shape costs a few milliseconds.
+//! Candidates compute the same products with different summation orders,
+//! so results may differ in the last bits from cuBLAS's choice (each
+//! algorithm is deterministic; `inferscale check` holds them to the CPU).
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::mem::MaybeUninit;
+
+use cudarc::cublaslt::result as lt;
+use cudarc::cublaslt::sys::{
+    cublasComputeType_t, cublasLtHandle_t, cublasLtMatmulAlgo_t, cublasLtMatmulDesc_t, cublasLtMatmulDescAttributes_t,
+    cublasLtMatmulHeuristicResult_t, cublasLtMatmulPreferenceAttributes_t, cublasLtMatrixLayout_t, cublasStatus_t,
+    cudaDataType,
+};
+use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use inferscale_engine::Result;
+
+use crate::backend::Cu;
+use crate::error::CudaError;
+
+/// Most rows for which shapes are tuned (beyond, cuBLAS's choice stands).
+pub const TUNED_ROWS: usize = 256;
+/// Workspace for split-K candidates.
+const WORKSPACE_BYTES: usize = 32 << 20;
+/// Candidates asked of cuBLASLt per shape.
+const CANDIDATES: usize = 16;
+/// Timed calls per candidate (after one warm-up).
+const TIMED: usize = 5;
+
+/// `out [rows, n] = x [rows, k] · w [n, k]ᵀ`, bf16 with f32 accumulation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Shape {
+    pub rows: usize,
+    pub n: usize,
+    pub k: usize,
+}
+
+/// Device pointers of one call.
+#[derive(Debug, Clone, Copy)]
+pub struct Operands {
+    pub x: u64,
+    pub w: u64,
+    pub out: u64,
+}
+
+/// What a tuned shape runs.
+enum Plan {
+    /// cuBLAS's own choice won (or no candidate applied).
+    Cublas,
+    Lt(LtPlan),
+}
+
+/// A cuBLASLt matmul: its descriptors and the chosen algorithm.
+struct LtPlan {
+    desc: cublasLtMatmulDesc_t,
+    layouts: [cublasLtMatrixLayout_t; 3],
+    algo: cublasLtMatmulAlgo_t,
+    workspace: usize,
+}
+
+impl Drop for LtPlan {
+    fn drop(&mut self) {
+        // SAFETY: created by `LtPlan::new` and used by no call in flight
+        // (plans live as long as the tuner, which outlives its calls).
+        unsafe {
+            let _ = lt::destroy_matmul_desc(self.desc);
+            for l in self.layouts {
+                let _ = lt::destroy_matrix_layout(l);
+            }
+        }
+    }
+}
+
+/// The cuBLASLt handle, its workspace and the plans chosen so far. Used
+/// only under its mutex, as the cuBLAS handle is.
+pub(crate) struct Tuner {
+    handle: cublasLtHandle_t,
+    workspace: CudaSlice<u8>,
+    plans: HashMap<Shape, Plan>,
+}
+
+// SAFETY: the raw handles are only touched under the backend's mutex.
+unsafe impl Send for Tuner {}
+
+impl Drop for Tuner {
+    fn drop(&mut self) {
+        self.plans.clear();
+        // SAFETY: every plan using the handle is gone.
+        let _ = unsafe { lt::destroy_handle(self.handle) };
+    }
+}
+
+impl Tuner {
+    pub(crate) fn new(stream: &std::sync::Arc<CudaStream>) -> crate::Result<Self> {
+        let handle = lt::create_handle().map_err(|e| CudaError::Unsupported(format!("cuBLASLt: {e:?}")))?;
+        let workspace = stream.alloc_zeros::<u8>(WORKSPACE_BYTES)?;
+        Ok(Tuner { handle, workspace, plans: HashMap::new() })
+    }
+
+    /// Runs the GEMM: with the shape's plan, tuning it first if new. `cublas`
+    /// runs cuBLAS's own choice on the same operands.
+    pub(crate) fn run(
+        &mut self,
+        ctx: &std::sync::Arc<CudaContext>,
+        stream: &CudaStream,
+        s: Shape,
+        o: Operands,
+        cublas: &dyn Fn() -> Result<()>,
+    ) -> Result<()> {
+        if !self.plans.contains_key(&s) {
+            let plan = self.tune(ctx, stream, s, o, cublas)?;
+            self.plans.insert(s, plan);
+        }
+        match self.plans.get(&s) {
+            Some(Plan::Lt(p)) => self.matmul(stream, p, o),
+            _ => cublas(),
+        }
+    }
+
+    fn tune(
+        &self,
+        ctx: &std::sync::Arc<CudaContext>,
+        stream: &CudaStream,
+        s: Shape,
+        o: Operands,
+        cublas: &dyn Fn() -> Result<()>,
+    ) -> Result<Plan> {
+        let time = |f: &dyn Fn() -> Result<()>| -> Result<f32> {
+            f()?;
+            let (a, b) = (ctx.new_event(Some(CU_EVENT_DEFAULT)).cu()?, ctx.new_event(Some(CU_EVENT_DEFAULT)).cu()?);
+            a.record(stream).cu()?;
+            for _ in 0..TIMED {
+                f()?;
+            }
+            b.record(stream).cu()?;
+            a.elapsed_ms(&b).cu()
+        };
+        let mut best = (time(cublas)?, None);
+        for candidate in self.candidates(s)? {
+            // A candidate that fails to run is skipped, not fatal.
+            if let Ok(t) = time(&|| self.matmul(stream, &candidate, o))
+                && t < best.0
+            {
+                best = (t, Some(candidate));
+            }
+        }
+        Ok(best.1.map_or(Plan::Cublas, Plan::Lt))
+    }
+
+    /// cuBLASLt's candidates for `s`, each with its own descriptors.
+    fn candidates(&self, s: Shape) -> Result<Vec<LtPlan>> {
+        let base = LtPlan::new(s, cublasLtMatmulAlgo_t { data: [0; 8] }, 0)?;
+        let pref = lt::create_matmul_pref().map_err(blas)?;
+        let bytes = WORKSPACE_BYTES as u64;
+        let mut found = [MaybeUninit::<cublasLtMatmulHeuristicResult_t>::zeroed(); CANDIDATES];
+        let mut count = 0i32;
+        // SAFETY: the descriptors are live; `found` has room for CANDIDATES results.
+        let status = unsafe {
+            lt::set_matmul_pref_attribute(
+                pref,
+                cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                &bytes as *const u64 as *const c_void,
+                std::mem::size_of::<u64>(),
+            )
+            .and_then(|()| {
+                cudarc::cublaslt::sys::cublasLtMatmulAlgoGetHeuristic(
+                    self.handle,
+                    base.desc,
+                    base.layouts[0],
+                    base.layouts[1],
+                    base.layouts[2],
+                    base.layouts[2],
+                    pref,
+                    CANDIDATES as i32,
+                    found.as_mut_ptr() as *mut cublasLtMatmulHeuristicResult_t,
+                    &mut count,
+                )
+                .result()
+            })
+        };
+        // SAFETY: created above, used by nothing after this.
+        let _ = unsafe { lt::destroy_matmul_pref(pref) };
+        if status.is_err() {
+            return Ok(Vec::new()); // no candidates: cuBLAS's choice stands
+        }
+        let mut out = Vec::new();
+        for r in &found[..count.clamp(0, CANDIDATES as i32) as usize] {
+            // SAFETY: the first `count` entries were written by the heuristic query.
+            let r = unsafe { r.assume_init() };
+            if r.state == cublasStatus_t::CUBLAS_STATUS_SUCCESS && r.workspaceSize <= WORKSPACE_BYTES {
+                out.push(LtPlan::new(s, r.algo, r.workspaceSize)?);
+            }
+        }
+        Ok(out)
+    }
+
+    fn matmul(&self, stream: &CudaStream, p: &LtPlan, o: Operands) -> Result<()> {
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let (ws, _sync) = cudarc::driver::DevicePtr::device_ptr(&self.workspace, stream);
+        // SAFETY: the descriptors match the operands' shapes (the plan was
+        // made for this shape); the pointers address live buffers of them.
+        unsafe {
+            lt::matmul(
+                self.handle,
+                p.desc,
+                &alpha as *const f32 as *const c_void,
+                &beta as *const f32 as *const c_void,
+                o.w as *const c_void,
+                p.layouts[0],
+                o.x as *const c_void,
+                p.layouts[1],
+                o.out as *const c_void,
+                p.layouts[2],
+                o.out as *mut c_void,
+                p.layouts[2],
+                &p.algo,
+                ws as *mut c_void,
+                p.workspace,
+                stream.cu_stream() as _,
+            )
+        }
+        .map_err(blas)
+    }
+}
+
+impl LtPlan {
+    /// Column-major view, as the cuBLAS path uses: `out (n × rows) =
+    /// wᵀ (n × k) · x (k × rows)`, with w stored `[n, k]` row-major, i.e.
+    /// `k × n` column-major and transposed.
+    fn new(s: Shape, algo: cublasLtMatmulAlgo_t, workspace: usize) -> Result<Self> {
+        let bf16 = cudaDataType::CUDA_R_16BF;
+        let desc =
+            lt::create_matmul_desc(cublasComputeType_t::CUBLAS_COMPUTE_32F, cudaDataType::CUDA_R_32F).map_err(blas)?;
+        let layouts = [
+            lt::create_matrix_layout(bf16, s.k as u64, s.n as u64, s.k as i64),
+            lt::create_matrix_layout(bf16, s.k as u64, s.rows as u64, s.k as i64),
+            lt::create_matrix_layout(bf16, s.n as u64, s.rows as u64, s.n as i64),
+        ];
+        let plan = |layouts: [cublasLtMatrixLayout_t; 3]| LtPlan { desc, layouts, algo, workspace };
+        let layouts = match layouts {
+            [Ok(a), Ok(b), Ok(c)] => [a, b, c],
+            other => {
+                // Free whatever was made before reporting.
+                for l in other.iter().flatten() {
+                    // SAFETY: just created, used by nothing.
+                    let _ = unsafe { lt::destroy_matrix_layout(*l) };
+                }
+                // SAFETY: as above.
+                let _ = unsafe { lt::destroy_matmul_desc(desc) };
+                return Err(CudaError::Unsupported("cuBLASLt matrix layout".into()).into());
+            }
+        };
+        let p = plan(layouts);
+        // The attribute is a cublasOperation_t, an int32 in the C API.
+        let op_t = cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_T as i32;
+        // SAFETY: `desc` is live and the value is of the attribute's type.
+        unsafe {
+            lt::set_matmul_desc_attribute(
+                p.desc,
+                cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
+                &op_t as *const i32 as *const c_void,
+                std::mem::size_of::<i32>(),
+            )
+        }
+        .map_err(blas)?;
+        Ok(p)
+    }
+}
+
+fn blas(e: cudarc::cublaslt::result::CublasError) -> inferscale_engine::EngineError {
+    CudaError::Unsupported(format!("cuBLASLt: {e:?}")).into()
+}

@@ -6,8 +6,15 @@
 //! split across blocks, the tile, the number of stages. cuBLAS picks by
 //! heuristic. For `rows ≤ TUNED_ROWS` we ask cuBLASLt for its candidates,
 //! time each (and cuBLAS's own choice) on the call's own buffers the first
-//! time a shape is seen, and keep the fastest; later calls of that shape run
-//! it directly. The first call of a shape costs a few milliseconds.
+//! time a shape is seen, and keep the fastest. Each timed call starts with
+//! the L2 cache flushed: in a forward pass every weight comes from HBM, and
+//! a weight that fits in L2 would otherwise favour kernels that only win
+//! when it is already there. Row counts share a choice
+//! within a bucket (1, 2, 4, 8, 16, then steps of 32: what is fastest moves
+//! little inside one), so a server whose decode batches take every size
+//! tunes each weight about thirteen times, not 256; a bucket's algorithm is
+//! checked against each new row count (`cublasLtMatmulAlgoCheck`) before it
+//! runs it. Tuning a shape costs a few milliseconds, once.
 //! Candidates compute the same products with different summation orders,
 //! so results may differ in the last bits from cuBLAS's choice (each
 //! algorithm is deterministic; `inferscale check` holds them to the CPU).
@@ -37,6 +44,9 @@ const WORKSPACE_BYTES: usize = 32 << 20;
 const CANDIDATES: usize = 16;
 /// Timed calls per candidate (after one warm-up).
 const TIMED: usize = 5;
+/// Bytes written between timed calls to evict the L2 cache (50 MB on an
+/// H200; twice that covers larger parts).
+const FLUSH_BYTES: usize = 128 << 20;
 
 /// `out [rows, n] = x [rows, k] · w [n, k]ᵀ`, bf16 with f32 accumulation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -52,6 +62,18 @@ pub struct Operands {
     pub x: u64,
     pub w: u64,
     pub out: u64,
+}
+
+/// Rows of a shape's bucket (see the module doc).
+pub fn row_bucket(rows: usize) -> usize {
+    if rows <= 16 { rows.next_power_of_two() } else { rows.next_multiple_of(32) }
+}
+
+/// A bucket's choice: cuBLAS's own, or a cuBLASLt algorithm.
+#[derive(Clone, Copy)]
+enum Choice {
+    Cublas,
+    Lt(cublasLtMatmulAlgo_t, usize),
 }
 
 /// What a tuned shape runs.
@@ -87,6 +109,11 @@ impl Drop for LtPlan {
 pub(crate) struct Tuner {
     handle: cublasLtHandle_t,
     workspace: CudaSlice<u8>,
+    /// Overwritten between timed calls (allocated at the first tuning).
+    flush: Option<CudaSlice<u8>>,
+    /// Per (row bucket, n, k).
+    choices: HashMap<Shape, Choice>,
+    /// Per exact shape, with its descriptors.
     plans: HashMap<Shape, Plan>,
 }
 
@@ -105,7 +132,7 @@ impl Tuner {
     pub(crate) fn new(stream: &std::sync::Arc<CudaStream>) -> crate::Result<Self> {
         let handle = lt::create_handle().map_err(|e| CudaError::Unsupported(format!("cuBLASLt: {e:?}")))?;
         let workspace = stream.alloc_zeros::<u8>(WORKSPACE_BYTES)?;
-        Ok(Tuner { handle, workspace, plans: HashMap::new() })
+        Ok(Tuner { handle, workspace, flush: None, choices: HashMap::new(), plans: HashMap::new() })
     }
 
     /// Runs the GEMM: with the shape's plan, tuning it first if new. `cublas`
@@ -113,13 +140,30 @@ impl Tuner {
     pub(crate) fn run(
         &mut self,
         ctx: &std::sync::Arc<CudaContext>,
-        stream: &CudaStream,
+        stream: &std::sync::Arc<CudaStream>,
         s: Shape,
         o: Operands,
         cublas: &dyn Fn() -> Result<()>,
     ) -> Result<()> {
         if !self.plans.contains_key(&s) {
-            let plan = self.tune(ctx, stream, s, o, cublas)?;
+            let bucket = Shape { rows: row_bucket(s.rows), ..s };
+            let plan = match self.choices.get(&bucket) {
+                Some(&Choice::Lt(algo, ws)) => self.checked(s, algo, ws)?,
+                Some(Choice::Cublas) => Plan::Cublas,
+                None => {
+                    if self.flush.is_none() {
+                        // SAFETY: only ever written, never read.
+                        self.flush = Some(unsafe { stream.alloc::<u8>(FLUSH_BYTES) }.cu()?);
+                    }
+                    let plan = self.tune(ctx, stream, s, o, cublas)?;
+                    let choice = match &plan {
+                        Plan::Lt(p) => Choice::Lt(p.algo, p.workspace),
+                        Plan::Cublas => Choice::Cublas,
+                    };
+                    self.choices.insert(bucket, choice);
+                    plan
+                }
+            };
             self.plans.insert(s, plan);
         }
         match self.plans.get(&s) {
@@ -136,15 +180,23 @@ impl Tuner {
         o: Operands,
         cublas: &dyn Fn() -> Result<()>,
     ) -> Result<Plan> {
+        let flush = match &self.flush {
+            Some(f) => cudarc::driver::DevicePtr::device_ptr(f, stream).0,
+            None => return Ok(Plan::Cublas),
+        };
+        let (a, b) = (ctx.new_event(Some(CU_EVENT_DEFAULT)).cu()?, ctx.new_event(Some(CU_EVENT_DEFAULT)).cu()?);
         let time = |f: &dyn Fn() -> Result<()>| -> Result<f32> {
             f()?;
-            let (a, b) = (ctx.new_event(Some(CU_EVENT_DEFAULT)).cu()?, ctx.new_event(Some(CU_EVENT_DEFAULT)).cu()?);
-            a.record(stream).cu()?;
+            let mut total = 0.0;
             for _ in 0..TIMED {
+                // SAFETY: `flush` addresses FLUSH_BYTES of device memory nothing reads.
+                unsafe { cudarc::driver::result::memset_d8_async(flush, 0, FLUSH_BYTES, stream.cu_stream()) }.cu()?;
+                a.record(stream).cu()?;
                 f()?;
+                b.record(stream).cu()?;
+                total += a.elapsed_ms(&b).cu()?;
             }
-            b.record(stream).cu()?;
-            a.elapsed_ms(&b).cu()
+            Ok(total)
         };
         let mut best = (time(cublas)?, None);
         for candidate in self.candidates(s)? {
@@ -156,6 +208,34 @@ impl Tuner {
             }
         }
         Ok(best.1.map_or(Plan::Cublas, Plan::Lt))
+    }
+
+    /// The bucket's algorithm for the exact shape `s`, if cuBLASLt accepts
+    /// it there; else cuBLAS's choice.
+    fn checked(&self, s: Shape, algo: cublasLtMatmulAlgo_t, workspace: usize) -> Result<Plan> {
+        let mut p = LtPlan::new(s, algo, workspace)?;
+        let mut result = MaybeUninit::<cublasLtMatmulHeuristicResult_t>::zeroed();
+        // SAFETY: the descriptors are live; `result` is written by the call.
+        let status = unsafe {
+            cudarc::cublaslt::sys::cublasLtMatmulAlgoCheck(
+                self.handle,
+                p.desc,
+                p.layouts[0],
+                p.layouts[1],
+                p.layouts[2],
+                p.layouts[2],
+                &p.algo,
+                result.as_mut_ptr(),
+            )
+        };
+        // SAFETY: zero-initialised, and written by the check when it succeeds.
+        let needs = unsafe { result.assume_init() }.workspaceSize;
+        Ok(if status == cublasStatus_t::CUBLAS_STATUS_SUCCESS && needs <= WORKSPACE_BYTES {
+            p.workspace = needs.max(workspace);
+            Plan::Lt(p)
+        } else {
+            Plan::Cublas
+        })
     }
 
     /// cuBLASLt's candidates for `s`, each with its own descriptors.
@@ -280,4 +360,23 @@ impl LtPlan {
 
 fn blas(e: cudarc::cublaslt::result::CublasError) -> inferscale_engine::EngineError {
     CudaError::Unsupported(format!("cuBLASLt: {e:?}")).into()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn row_buckets_are_few_and_cover_every_row_count() {
+        let buckets: std::collections::BTreeSet<usize> = (1..=TUNED_ROWS).map(row_bucket).collect();
+        assert_eq!(buckets.len(), 13, "{buckets:?}");
+        for rows in 1..=TUNED_ROWS {
+            let b = row_bucket(rows);
+            assert!(b >= rows && b <= TUNED_ROWS, "{rows} -> {b}");
+        }
+        assert_eq!(
+            (row_bucket(1), row_bucket(3), row_bucket(16), row_bucket(17), row_bucket(100)),
+            (1, 4, 16, 32, 128)
+        );
+    }
 }

@@ -47,28 +47,6 @@ __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
     return *(u32*)&v;
 }
 
-// 16 bytes global → shared without passing through registers (sm_80
-// cp.async); `full` false writes zeros and reads nothing.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool full) {
-    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(full ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-// Four 8×8 bf16 tiles of a row-major shared matrix, transposed on the way
-// into registers: the B fragments of two m16n8k16 MMAs (lane l names row
-// l & 15 of the 16, column block l >> 4).
-__device__ __forceinline__ void ldmatrix_x4_trans(u32& b0, u32& b1, u32& b2, u32& b3, const bf16* p) {
-    unsigned a = (unsigned)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3)
-                 : "r"(a));
-}
-
 // One warp's share of a key tile: keys kt + kb .. kt + kb + NK of the tile
 // of keys from kt in `Ks`/`Vs`, against the warp's 16 rows — scores on the tensor cores, the
 // online softmax update of (m, l), and P·V into `o`.
@@ -77,17 +55,23 @@ __device__ __forceinline__ void attend_tile(float (&o)[D / 8][4], float (&m)[2],
                                             const u32 (&qa)[D / 16][4], const bf16* Ks, const bf16* Vs, u32 kt,
                                             int kb, u32 k_end, const u32 (&limit)[2], float scale, int lane) {
     constexpr int LK = D + 8;
-    const int r = lane >> 2, q4 = lane & 3;
+    const int q4 = lane & 3;
     const u32 k0 = kt + kb;
+    // Scores: K's rows are the B fragments of Qᵀ·K, two 8-key tiles per
+    // ldmatrix (lanes 0–15 the first tile's rows, 16–31 the second's).
     float sc[NK / 8][4];
 #pragma unroll
-    for (int nt = 0; nt < NK / 8; nt++) {
-        sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
-        const bf16* kp = Ks + (kb + nt * 8 + r) * LK + q4 * 2;
+    for (int nt = 0; nt < NK / 8; nt++) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
 #pragma unroll
-        for (int kk = 0; kk < D / 16; kk++)
-            mma_bf16_16816(sc[nt], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], ld_u32(kp + kk * 16),
-                           ld_u32(kp + kk * 16 + 8));
+    for (int nt = 0; nt < NK / 8; nt += 2) {
+        const bf16* kp = Ks + (kb + nt * 8 + (lane & 7) + ((lane >> 4) << 3)) * LK + ((lane >> 3) & 1) * 8;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) {
+            u32 b0, b1, b2, b3;
+            ldmatrix_x4(b0, b1, b2, b3, kp + kk * 16);
+            mma_bf16_16816(sc[nt], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b0, b1);
+            mma_bf16_16816(sc[nt + 1], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b2, b3);
+        }
     }
 
     float mx[2] = {NEG_INF, NEG_INF};
@@ -338,20 +322,34 @@ __device__ void paged_attention(bf16* out, float* part_o, float* part_ml, const 
 PAGED_ATTENTION(64)
 PAGED_ATTENTION(128)
 
-// Merges key splits: row (token, head) = blockIdx.x, one thread per dimension.
+// Merges key splits: row (token, head) = blockIdx.x, one thread per
+// dimension. The splits' (max, sum) pairs are read by as many threads at
+// once and their weights kept in shared memory (`splits` floats, dynamic),
+// so that the pass over the partial outputs is loads without a dependency
+// between them: reading split z's weight before split z's output, one split
+// after another, made this kernel a chain of `splits` memory latencies.
+// Every (split, row) entry was written by paged_attention (zeros where a
+// split saw no key), so empty splits weigh 0 and add nothing.
 extern "C" __global__ void attention_combine(bf16* out, const float* part_o, const float* part_ml, u32 rows,
                                              int splits, int head_dim) {
-    size_t row = blockIdx.x;
+    extern __shared__ float weight[];
+    __shared__ float scratch[32];
+    const size_t row = blockIdx.x;
     float mx = NEG_INF;
-    for (int z = 0; z < splits; z++) mx = fmaxf(mx, part_ml[2 * ((size_t)z * rows + row)]);
-    float l = 0.0f, acc = 0.0f;
-    for (int z = 0; z < splits; z++) {
-        size_t idx = (size_t)z * rows + row;
-        float lz = part_ml[2 * idx + 1];
-        if (lz == 0.0f) continue;
-        float w = __expf(part_ml[2 * idx] - mx);
-        l += lz * w;
-        acc += part_o[idx * head_dim + threadIdx.x] * w;
+    for (int z = threadIdx.x; z < splits; z += blockDim.x) mx = fmaxf(mx, part_ml[2 * ((size_t)z * rows + row)]);
+    mx = block_max(mx, scratch);
+    float part_l = 0.0f;
+    for (int z = threadIdx.x; z < splits; z += blockDim.x) {
+        const size_t idx = (size_t)z * rows + row;
+        const float lz = part_ml[2 * idx + 1];
+        const float w = lz == 0.0f ? 0.0f : __expf(part_ml[2 * idx] - mx);
+        weight[z] = w;
+        part_l += lz * w;
     }
+    // The sum's barriers also publish `weight`.
+    const float l = block_sum(part_l, scratch);
+    float acc = 0.0f;
+#pragma unroll 8
+    for (int z = 0; z < splits; z++) acc += part_o[((size_t)z * rows + row) * head_dim + threadIdx.x] * weight[z];
     out[row * head_dim + threadIdx.x] = __float2bfloat16(l > 0.0f ? acc / l : 0.0f);
 }

@@ -81,3 +81,35 @@ __device__ __forceinline__ uint4 pack8(const float* f) {
     for (int i = 0; i < 4; i++) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
     return v;
 }
+
+// 16 bytes global → shared without passing through registers (sm_80
+// cp.async); `full` false writes zeros and reads nothing.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool full) {
+    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(full ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// Four 8×8 bf16 tiles of a shared matrix into registers (lane l names the
+// row of tile l >> 3): A fragments of one m16n8k16 MMA, or B fragments of
+// two from a matrix stored [n][k].
+__device__ __forceinline__ void ldmatrix_x4(u32& r0, u32& r1, u32& r2, u32& r3, const bf16* p) {
+    unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(a));
+}
+
+// Four 8×8 bf16 tiles of a row-major shared matrix, transposed on the way
+// into registers: the B fragments of two m16n8k16 MMAs (lane l names row
+// l & 15 of the 16, column block l >> 4).
+__device__ __forceinline__ void ldmatrix_x4_trans(u32& b0, u32& b1, u32& b2, u32& b3, const bf16* p) {
+    unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3)
+                 : "r"(a));
+}

@@ -28,24 +28,31 @@ extern "C" __global__ void rms_norm(bf16* out, const bf16* x, const bf16* w, int
         dst[c] = __float2bfloat16(__bfloat162float(row[c]) * inv * __bfloat162float(w[c]));
 }
 
-// rms_norm for widths that are multiples of 8 and at most 8192: one thread
-// per 8 values, held in registers between the reduction and the write.
-extern "C" __global__ void rms_norm_v8(bf16* out, const bf16* x, const bf16* w, int cols, float eps) {
-    __shared__ float scratch[32];
-    const int v = threadIdx.x;
-    const bool live = v * 8 < cols;
-    float f[8];
-    unpack8(live ? ((const uint4*)(x + (size_t)blockIdx.x * cols))[v] : make_uint4(0, 0, 0, 0), f);
+// The end of rms_norm_v8 and add_rms_norm_v8, called by every thread of the
+// block (it reduces across it): the thread's 8 values `f` of the row are
+// normalised by the row's root mean square and stored times `w`.
+__device__ __forceinline__ void rms_norm8_store(float* f, bool live, int cols, float eps, const bf16* w,
+                                                bf16* out_row, float* scratch) {
     float ss = 0.0f;
 #pragma unroll
     for (int i = 0; i < 8; i++) ss += f[i] * f[i];
     float inv = rsqrtf(block_sum(ss, scratch) / cols + eps);
     if (!live) return;
     float g[8];
-    unpack8(((const uint4*)w)[v], g);
+    unpack8(((const uint4*)w)[threadIdx.x], g);
 #pragma unroll
     for (int i = 0; i < 8; i++) f[i] = f[i] * inv * g[i];
-    ((uint4*)(out + (size_t)blockIdx.x * cols))[v] = pack8(f);
+    ((uint4*)out_row)[threadIdx.x] = pack8(f);
+}
+
+// rms_norm for widths that are multiples of 8 and at most 8192: one thread
+// per 8 values, held in registers between the reduction and the write.
+extern "C" __global__ void rms_norm_v8(bf16* out, const bf16* x, const bf16* w, int cols, float eps) {
+    __shared__ float scratch[32];
+    const bool live = threadIdx.x * 8 < cols;
+    float f[8];
+    unpack8(live ? ((const uint4*)(x + (size_t)blockIdx.x * cols))[threadIdx.x] : make_uint4(0, 0, 0, 0), f);
+    rms_norm8_store(f, live, cols, eps, w, out + (size_t)blockIdx.x * cols, scratch);
 }
 
 // The residual add and the norm after it, fused: x += y (in bf16, as
@@ -67,16 +74,7 @@ extern "C" __global__ void add_rms_norm_v8(bf16* out, bf16* x, const bf16* y, co
     }
     float f[8];
     unpack8(sum, f);
-    float ss = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 8; i++) ss += f[i] * f[i];
-    float inv = rsqrtf(block_sum(ss, scratch) / cols + eps);
-    if (!live) return;
-    float g[8];
-    unpack8(((const uint4*)w)[v], g);
-#pragma unroll
-    for (int i = 0; i < 8; i++) f[i] = f[i] * inv * g[i];
-    ((uint4*)(out + (size_t)blockIdx.x * cols))[v] = pack8(f);
+    rms_norm8_store(f, live, cols, eps, w, out + (size_t)blockIdx.x * cols, scratch);
 }
 
 // One block per row: y = (x − mean) / sqrt(var + eps) · w + b.
@@ -161,7 +159,19 @@ extern "C" __global__ void argmax_rows(u32* out, const bf16* x, int cols) {
     const bf16* row = x + (size_t)blockIdx.x * cols;
     float best = NEG_INF;
     int idx = 0x7fffffff;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) argmax_merge(best, idx, __bfloat162float(row[c]), c);
+    if ((cols & 7) == 0) {
+        // Rows of whole 16-byte words (a vocabulary's logits): eight values
+        // per load, so that one block reads a 128k-entry row in a few
+        // microseconds rather than tens.
+        for (int c8 = threadIdx.x; c8 * 8 < cols; c8 += blockDim.x) {
+            float f[8];
+            unpack8(((const uint4*)row)[c8], f);
+#pragma unroll
+            for (int i = 0; i < 8; i++) argmax_merge(best, idx, f[i], c8 * 8 + i);
+        }
+    } else {
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) argmax_merge(best, idx, __bfloat162float(row[c]), c);
+    }
     for (int o = 16; o > 0; o >>= 1)
         argmax_merge(best, idx, __shfl_down_sync(0xffffffff, best, o), __shfl_down_sync(0xffffffff, idx, o));
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;

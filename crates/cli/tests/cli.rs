@@ -81,3 +81,46 @@ fn config_files_feed_the_serving_flags_and_bad_ones_name_the_line() {
     assert!(!o.status.success());
     assert!(stderr(&o).contains("router.env:2"), "{}", stderr(&o));
 }
+
+/// `bench ttft` end to end on the CPU: both modes at two k, the prompt
+/// mode's prefill cut into several steps (`--max-batch-tokens`) before its
+/// first token, and the JSON's token accounting: kv prefills only the
+/// question, prompt the facts as well, both after the same cached header.
+#[test]
+fn bench_ttft_reports_both_modes_with_their_token_counts() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("ttft.json");
+    let o = inferscale(&[
+        "bench",
+        "ttft",
+        "--shape",
+        "smollm2-135m",
+        "--random-weights",
+        "--k",
+        "1,3",
+        "--reps",
+        "2",
+        "--header-tokens",
+        "12",
+        "--fact-tokens",
+        "9",
+        "--question-tokens",
+        "5",
+        "--max-batch-tokens",
+        "8",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let rows = report["results"].as_array().unwrap();
+    assert_eq!(rows.len(), 4, "{report}");
+    for row in rows {
+        let (k, mode) = (row["k"].as_u64().unwrap(), row["mode"].as_str().unwrap());
+        assert_eq!(row["prompt_tokens"].as_u64(), Some(12 + 9 * k + 5), "{row}");
+        let prefilled = if mode == "kv" { 5 } else { 9 * k + 5 };
+        assert_eq!(row["prefilled_tokens"].as_u64(), Some(prefilled), "{row}");
+        assert!(row["ttft_ms_median"].as_f64().unwrap() > 0.0, "{row}");
+        assert_eq!(row["inject_ms_median"].is_f64(), mode == "kv", "{row}");
+    }
+}

@@ -28,7 +28,7 @@ use crate::error::CudaError;
 use crate::gemm::{Operands, Shape as GemmShape, TUNED_ROWS, Tuner};
 use crate::kernels::{ATTN_KEYS, ATTN_ROWS, ATTN_THREADS, Kernels, attention_smem_bytes};
 use crate::profile::{Profiler, Span};
-use crate::tier::HostRows;
+use crate::tier::{HostRows, KeptRows};
 
 /// Converts any CUDA-side error into the engine's.
 pub(crate) trait Cu<T> {
@@ -56,6 +56,8 @@ pub struct CudaTensor {
 
 pub(crate) enum Storage {
     Device(CudaSlice<bf16>),
+    /// Stored KV in device memory ([`Backend::keep_kv`]).
+    Kept(KeptRows),
     Host(HostRows),
 }
 
@@ -67,6 +69,12 @@ impl CudaTensor {
     /// Whether this tensor lives in the host tier.
     pub fn in_host_tier(&self) -> bool {
         matches!(self.data, Storage::Host(_))
+    }
+
+    /// Whether this tensor is stored KV whose release waits for side-stream
+    /// injections (kept device memory or the host tier).
+    pub(crate) fn is_stored(&self) -> bool {
+        matches!(self.data, Storage::Kept(_) | Storage::Host(_))
     }
 
     pub fn is_empty(&self) -> bool {
@@ -142,18 +150,19 @@ pub struct CudaBackend {
     pub(crate) stream: Arc<CudaStream>,
     blas: Arc<Mutex<Blas>>,
     pub(crate) k: Arc<Kernels>,
-    sm_count: usize,
+    pub(crate) sm_count: usize,
     device_name: String,
     ropes: Arc<Mutex<Vec<Arc<DeviceRope>>>>,
     meta: Arc<Mutex<MetaCache>>,
     profiler: Option<Arc<Profiler>>,
     /// Pinned host memory that `to_host` copies through.
     staging: Arc<Mutex<Option<PinnedHostSlice<bf16>>>>,
-    /// Where injections that read the host tier run (non-blocking, so it
-    /// never serialises with the main stream), and the event recorded after
-    /// each: host-tier memory is freed only once it has passed.
+    /// Where injections of stored KV run (non-blocking, so it never
+    /// serialises with the main stream), and the event recorded after each:
+    /// the memory they read (host tier, kept device KV) is freed only once
+    /// it has passed.
     pub(crate) side: Arc<CudaStream>,
-    pub(crate) host_fence: Arc<CudaEvent>,
+    pub(crate) inject_fence: Arc<CudaEvent>,
     /// Per-shape GEMM choices for few rows (`gemm.rs`); `None` without libcublasLt.
     tuner: Option<Arc<Mutex<Tuner>>>,
 }
@@ -185,7 +194,7 @@ impl CudaBackend {
         let device_name = ctx.name()?;
         let profiler = Profiler::from_env(&ctx, &stream);
         let side = ctx.new_stream()?;
-        let host_fence = Arc::new(ctx.new_event(None)?);
+        let inject_fence = Arc::new(ctx.new_event(None)?);
         let tuner = if crate::kernels::library_present("cublasLt") {
             Some(Arc::new(Mutex::new(Tuner::new(&stream)?)))
         } else {
@@ -203,7 +212,7 @@ impl CudaBackend {
             profiler,
             staging: Arc::new(Mutex::new(None)),
             side,
-            host_fence,
+            inject_fence,
             tuner,
         })
     }
@@ -228,6 +237,7 @@ impl CudaBackend {
     pub(crate) fn tp(&self, t: &CudaTensor) -> u64 {
         match &t.data {
             Storage::Device(s) => self.ptr(s),
+            Storage::Kept(k) => self.ptr(&k.slice),
             Storage::Host(h) => h.ptr(),
         }
     }
@@ -390,6 +400,16 @@ impl Backend for CudaBackend {
 
     fn upload_rows_host_tier(&self, ts: &[&HostTensor]) -> Result<Vec<CudaTensor>> {
         self.to_host_tier(ts)
+    }
+
+    fn profile_phase(&self, name: &str) {
+        if let Some(p) = &self.profiler {
+            p.phase(name);
+        }
+    }
+
+    fn keep_kv(&self, t: CudaTensor) -> Result<CudaTensor> {
+        Ok(self.kept(t))
     }
 
     fn has_host_tier(&self) -> bool {
@@ -637,7 +657,8 @@ impl Backend for CudaBackend {
         if x.rows == 0 {
             return Ok(Vec::new());
         }
-        let out = self.stream.alloc_zeros::<u32>(x.rows).cu()?;
+        // SAFETY: the kernel writes one id per row (block), every row.
+        let out = unsafe { self.stream.alloc::<u32>(x.rows) }.cu()?;
         let (o, xi, c) = (self.ptr(&out), self.tp(x), x.cols as i32);
         self.launch(&self.k.argmax_rows, Self::rows_cfg(x.rows, 1024), &[&o, &xi, &c])?;
         self.stream.clone_dtoh(&out).cu()
@@ -796,7 +817,7 @@ impl Backend for CudaBackend {
         if q.cols != shape.num_heads * d {
             return Err(shape_err(format!("attention: q width {} for {} heads", q.cols, shape.num_heads)));
         }
-        let plan = plan_attention(spans, shape, q.rows, spec, self.sm_count)?;
+        let plan = plan_attention(spans, shape, q.rows, spec, 2 * self.sm_count)?;
         let out = self.tensor(q.rows, q.cols)?;
         let meta = self.meta(&plan.meta)?;
         let rows = q.rows * shape.num_heads;
@@ -828,7 +849,8 @@ impl Backend for CudaBackend {
         self.launch(f, cfg, &[&o, &po, &pm, &qp, &kc, &vc, &mp, &wo, &to, &h, &kvh, &bs, &shape.scale, &kps, &nt])?;
         if plan.splits > 1 {
             let (r, s, hd) = (rows as u32, plan.splits as i32, d as i32);
-            self.launch(&self.k.attention_combine, Self::rows_cfg(rows, d as u32), &[&o, &po, &pm, &r, &s, &hd])?;
+            let cfg = LaunchConfig { shared_mem_bytes: (4 * plan.splits) as u32, ..Self::rows_cfg(rows, d as u32) };
+            self.launch(&self.k.attention_combine, cfg, &[&o, &po, &pm, &r, &s, &hd])?;
         }
         Ok(out)
     }
@@ -848,13 +870,18 @@ pub(crate) struct AttentionPlan {
 
 /// Packs the spans into 64-row works and, when that leaves the device
 /// under-filled (few query rows: decode, short questions), splits each
-/// sequence's keys so that about two blocks per multiprocessor run.
+/// sequence's keys so that about `target` blocks run (at least two key
+/// tiles per split, which the kernel's double buffering overlaps). The
+/// kernel's registers and shared memory fit two blocks per multiprocessor,
+/// so the caller asks for two per multiprocessor: one wave (measured on the
+/// H200: four or eight per multiprocessor, in two or more waves, were slower
+/// at 5,000 keys).
 pub(crate) fn plan_attention(
     spans: &[SeqSpan<'_>],
     shape: AttentionShape,
     rows: usize,
     spec: KvSpec,
-    sm_count: usize,
+    target: usize,
 ) -> Result<AttentionPlan> {
     let group = shape.num_heads / shape.num_kv_heads;
     let mut meta = Vec::with_capacity(4 * spans.len());
@@ -886,7 +913,6 @@ pub(crate) fn plan_attention(
     }
     let n_works = works.len() / 2;
     let blocks = n_works * shape.num_kv_heads;
-    let target = 2 * sm_count;
     let mut splits = if blocks >= target { 1 } else { target.div_ceil(blocks.max(1)) };
     splits = splits.min(max_ctx.div_ceil(2 * ATTN_KEYS)).max(1);
     let keys_per_split = max_ctx.div_ceil(splits).div_ceil(ATTN_KEYS) * ATTN_KEYS;

@@ -18,6 +18,7 @@
 //! Candidates compute the same products with different summation orders,
 //! so results may differ in the last bits from cuBLAS's choice (each
 //! algorithm is deterministic; `inferscale check` holds them to the CPU).
+//! `INFERSCALE_CUDA_GEMM_LOG=1` prints every tuning's times.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -109,6 +110,8 @@ impl Drop for LtPlan {
 pub(crate) struct Tuner {
     handle: cublasLtHandle_t,
     workspace: CudaSlice<u8>,
+    /// Whether each tuning prints its candidates' times.
+    log: bool,
     /// Overwritten between timed calls (allocated at the first tuning).
     flush: Option<CudaSlice<u8>>,
     /// Per (row bucket, n, k).
@@ -132,7 +135,8 @@ impl Tuner {
     pub(crate) fn new(stream: &std::sync::Arc<CudaStream>) -> crate::Result<Self> {
         let handle = lt::create_handle().map_err(|e| CudaError::Unsupported(format!("cuBLASLt: {e:?}")))?;
         let workspace = stream.alloc_zeros::<u8>(WORKSPACE_BYTES)?;
-        Ok(Tuner { handle, workspace, flush: None, choices: HashMap::new(), plans: HashMap::new() })
+        let log = std::env::var("INFERSCALE_CUDA_GEMM_LOG").is_ok_and(|v| v == "1");
+        Ok(Tuner { handle, workspace, log, flush: None, choices: HashMap::new(), plans: HashMap::new() })
     }
 
     /// Runs the GEMM: with the shape's plan, tuning it first if new. `cublas`
@@ -198,7 +202,8 @@ impl Tuner {
             }
             Ok(total)
         };
-        let mut best = (time(cublas)?, None);
+        let cublas_ms = time(cublas)?;
+        let mut best = (cublas_ms, None);
         for candidate in self.candidates(s)? {
             // A candidate that fails to run is skipped, not fatal.
             if let Ok(t) = time(&|| self.matmul(stream, &candidate, o))
@@ -206,6 +211,19 @@ impl Tuner {
             {
                 best = (t, Some(candidate));
             }
+        }
+        if self.log {
+            let us = |ms: f32| ms * 1e3 / TIMED as f32;
+            eprintln!(
+                "inferscale cuda gemm: rows {} n {} k {}: cuBLAS {:.1} µs, chosen {} {:.1} µs ({:.0} GB/s of weight)",
+                s.rows,
+                s.n,
+                s.k,
+                us(cublas_ms),
+                if best.1.is_some() { "cuBLASLt" } else { "cuBLAS" },
+                us(best.0),
+                (s.n * s.k * 2) as f32 / (us(best.0) * 1e3)
+            );
         }
         Ok(best.1.map_or(Plan::Cublas, Plan::Lt))
     }

@@ -14,6 +14,8 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 struct State {
     pending: Vec<(&'static str, CudaEvent, CudaEvent)>,
     totals: BTreeMap<&'static str, (usize, f64)>,
+    /// What the totals are of (see [`Profiler::phase`]).
+    phase: Option<String>,
 }
 
 impl State {
@@ -49,6 +51,20 @@ impl Profiler {
         })
     }
 
+    /// Reports what was measured since the last phase began, under that
+    /// phase's name, and starts counting anew for `name` — so that a
+    /// benchmark's timed runs are not mixed with its set-up (encoding,
+    /// GEMM tuning, warm-up).
+    pub fn phase(&self, name: &str) {
+        if self.stream.synchronize().is_err() {
+            return;
+        }
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        s.report();
+        s.totals.clear();
+        s.phase = Some(name.to_string());
+    }
+
     pub fn span(&self, name: &'static str) -> Span<'_> {
         let start = self.stream.record_event(Some(CU_EVENT_DEFAULT)).ok();
         Span { p: self, name, start }
@@ -74,12 +90,23 @@ impl Drop for Profiler {
         if self.stream.synchronize().is_err() {
             return;
         }
-        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        s.fold();
-        let total: f64 = s.totals.values().map(|v| v.1).sum();
-        eprintln!("inferscale cuda profile (device time per op):");
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).report();
+    }
+}
+
+impl State {
+    /// Prints the totals (after folding what is pending; the stream must be
+    /// synchronised).
+    fn report(&mut self) {
+        self.fold();
+        if self.totals.is_empty() {
+            return;
+        }
+        let total: f64 = self.totals.values().map(|v| v.1).sum();
+        let phase = self.phase.as_deref().map(|p| format!(", {p}")).unwrap_or_default();
+        eprintln!("inferscale cuda profile (device time per op{phase}; {total:.3} ms in all):");
         eprintln!("{:<20} {:>9} {:>12} {:>10} {:>7}", "op", "count", "total ms", "mean µs", "share");
-        let mut rows: Vec<_> = s.totals.iter().collect();
+        let mut rows: Vec<_> = self.totals.iter().collect();
         rows.sort_by(|a, b| b.1.1.total_cmp(&a.1.1));
         for (name, (n, ms)) in rows {
             eprintln!(

@@ -4,22 +4,30 @@
 //! A shard whose facts' KV does not fit beside the model keeps it in pinned
 //! host memory (the host tier). Under unified addressing that memory has
 //! the same address on the device, so the injection kernel reads it over
-//! the bus directly — no staging buffer. What makes the tier cheap is
-//! overlap: the kernel runs on a second stream in groups of layers, each
-//! group recording its layers' `ready` events, and the main stream waits
-//! for layer l only when the prefill after the injection first touches
-//! layer l. The bus transfer (≈ 5 MB per layer at k = 50 on an 8B model)
-//! thus hides behind the question's prefill (≈ 0.2 ms of GEMMs per layer)
-//! except for the first group.
+//! the bus directly — no staging buffer.
 //!
-//! Injection from device memory stays one launch on the main stream.
+//! Injection of stored KV overlaps the question's prefill after it: the
+//! kernel runs on a second stream in groups of layers, each group recording
+//! its layers' `ready` events, and the main stream waits for layer l only
+//! when the prefill first touches layer l. From the host tier the bus
+//! transfer (≈ 5 MB per layer at k = 50 on an 8B model) thus hides behind
+//! the question's GEMMs (≈ 0.2 ms per layer) except for the first group;
+//! from device memory the injection runs beside the first layers' GEMMs
+//! instead of before them (sharing HBM bandwidth with them).
+//!
+//! The side stream reads the stored tensors out of the main stream's order,
+//! while their memory is freed in it. So stored KV is *kept*
+//! ([`KeptRows`], [`PinnedBuf`]): its release first waits for the event
+//! recorded after the last side-stream injection. Tensors that were not
+//! kept (an op's output handed straight to `inject_kv`) are injected with
+//! one launch on the main stream.
 
 use std::ops::Range;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use cudarc::driver::sys::{CU_MEMHOSTALLOC_DEVICEMAP, CU_MEMHOSTALLOC_PORTABLE};
-use cudarc::driver::{CudaEvent, LaunchConfig, PinnedHostSlice};
+use cudarc::driver::{CudaEvent, CudaSlice, LaunchConfig, PinnedHostSlice};
 use half::bf16;
 use inferscale_engine::Result;
 use inferscale_engine::backend::{InjectChunk, matrix_dims};
@@ -45,8 +53,9 @@ const MAX_GROUP_LAYERS: usize = 4;
 const HOST_TIER_BLOCKS: usize = 16;
 
 /// One pinned host allocation holding several tensors (a fact's K and V of
-/// every layer). Dropping it waits for the backend's host fence first, so
-/// memory is never freed under a kernel still reading it.
+/// every layer). Dropping it waits on the host for the backend's injection
+/// fence first (host memory is not freed in stream order), so it is never
+/// freed under a kernel still reading it.
 pub(crate) struct PinnedBuf {
     slice: PinnedHostSlice<bf16>,
     base: u64,
@@ -58,6 +67,24 @@ impl Drop for PinnedBuf {
         // A destructor has no one to report to; a failed wait leaves the
         // context in an error state that the next call reports.
         let _ = self.fence.synchronize();
+    }
+}
+
+/// Stored KV in device memory ([`inferscale_engine::backend::Backend::keep_kv`]).
+/// Its memory is freed on the main stream (stream-ordered), after that
+/// stream has been made to wait for the injection fence: no side-stream
+/// injection still reading it can see it reused. The wait is queued, not
+/// taken on the host.
+pub(crate) struct KeptRows {
+    pub(crate) slice: CudaSlice<bf16>,
+    fence: Arc<CudaEvent>,
+}
+
+impl Drop for KeptRows {
+    fn drop(&mut self) {
+        // Runs before `slice` is dropped (and so freed on its stream). As
+        // above, a failed wait surfaces at the next call.
+        let _ = self.slice.stream().wait(&self.fence);
     }
 }
 
@@ -101,6 +128,17 @@ pub(crate) fn layer_groups(layers: usize) -> Vec<Range<usize>> {
 }
 
 impl CudaBackend {
+    /// `t` as stored KV: device memory is kept ([`KeptRows`]), host-tier
+    /// memory is already fenced.
+    pub(crate) fn kept(&self, t: CudaTensor) -> CudaTensor {
+        let CudaTensor { data, rows, cols } = t;
+        let data = match data {
+            Storage::Device(slice) => Storage::Kept(KeptRows { slice, fence: self.inject_fence.clone() }),
+            other => other,
+        };
+        CudaTensor { data, rows, cols }
+    }
+
     /// Copies tensors into one pinned host allocation of the host tier.
     pub(crate) fn to_host_tier(&self, ts: &[&HostTensor]) -> Result<Vec<CudaTensor>> {
         let dims = ts.iter().map(|t| matrix_dims(t)).collect::<Result<Vec<_>>>()?;
@@ -123,7 +161,7 @@ impl CudaBackend {
             at += t.data.len();
         }
         let base = slice.as_mut_ptr().cu()? as u64;
-        let buf = Arc::new(PinnedBuf { slice, base, fence: self.host_fence.clone() });
+        let buf = Arc::new(PinnedBuf { slice, base, fence: self.inject_fence.clone() });
         let mut offset = 0;
         let mut out = Vec::with_capacity(ts.len());
         for (rows, cols) in dims {
@@ -135,9 +173,9 @@ impl CudaBackend {
         Ok(out)
     }
 
-    /// [`inferscale_engine::backend::Backend::inject_kv`]: one launch on the
-    /// main stream when every chunk is on the device; layer groups on the
-    /// side stream, overlapping what follows, when any is in the host tier.
+    /// [`inferscale_engine::backend::Backend::inject_kv`]: layer groups on
+    /// the side stream, overlapping what follows, when every chunk is stored
+    /// KV (kept or in the host tier); else one launch on the main stream.
     pub(crate) fn inject(
         &self,
         store: &mut CudaKvStore,
@@ -159,7 +197,7 @@ impl CudaBackend {
             .into());
         }
         let mut ptrs = Vec::with_capacity(chunks.len() * layers);
-        let mut hosted = false;
+        let (mut hosted, mut stored) = (false, true);
         for (ci, c) in chunks.iter().enumerate() {
             let n = c.slots.len();
             if c.k.len() != layers || c.v.len() != layers || c.positions.len() != n {
@@ -171,6 +209,7 @@ impl CudaBackend {
                     return Err(shape_err(format!("inject_kv: chunk {ci} layer {l} is [{}, {}]", k.rows, k.cols)));
                 }
                 hosted |= k.in_host_tier() || v.in_host_tier();
+                stored &= k.is_stored() && v.is_stored();
                 ptrs.push((self.tp(k), self.tp(v)));
             }
         }
@@ -185,7 +224,7 @@ impl CudaBackend {
             block_dim: ((kv_dim / 8).clamp(32, 256) as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        if !hosted {
+        if !stored {
             let _span = self.span("inject_kv");
             self.await_all_layers(store)?;
             let table_dev = self.stream.clone_htod(&table).cu()?;
@@ -194,10 +233,13 @@ impl CudaBackend {
                 [&kc, &vc, &tb, &tt, &nc, &l0, &nl, &le, &d, &hd, &rot, &cs, &sn, &inv, &tp];
             return self.launch(&self.k.inject_kv, cfg(total.div_ceil(INJECT_TOKENS), layers), &args);
         }
-        // Host tier. The table goes up first (a copy from pageable memory
+        // Stored KV. The table goes up first (a copy from pageable memory
         // may wait for its stream's queued work, which the join below would
         // make the main stream's); the kernels start after everything queued
-        // so far (the slots may have been read by an earlier step).
+        // so far (the slots may have been read by an earlier step). Over the
+        // bus a few blocks per layer saturate the link; from device memory
+        // one block per multiprocessor and layer moves a layer in
+        // microseconds without crowding out the prefill's GEMMs.
         let table_dev = self.side.clone_htod(&table).cu()?;
         self.side.join(&self.stream).cu()?;
         let tb_ = self.ptr(&table_dev);
@@ -205,14 +247,14 @@ impl CudaBackend {
             let l0 = g.start as u32;
             let args: [&dyn crate::backend::Arg; 15] =
                 [&kc, &vc, &tb_, &tt, &nc, &l0, &nl, &le, &d, &hd, &rot, &cs, &sn, &inv, &tp];
-            let blocks = total.div_ceil(INJECT_TOKENS).min(HOST_TIER_BLOCKS);
+            let blocks = total.div_ceil(INJECT_TOKENS).min(if hosted { HOST_TIER_BLOCKS } else { self.sm_count });
             self.launch_on(&self.side, &self.k.inject_kv, cfg(blocks, g.len()), &args)?;
             for l in g {
                 store.ready[l].record(&self.side).cu()?;
                 store.pending[l].store(true, Ordering::Release);
             }
         }
-        self.host_fence.record(&self.side).cu()
+        self.inject_fence.record(&self.side).cu()
     }
 }
 

@@ -119,6 +119,12 @@ pub trait Backend: Send + Sync {
         Ok(())
     }
 
+    /// Starts a new phase of the backend's own per-op profiling, if it has
+    /// any and it is on (the CUDA backend's `INFERSCALE_CUDA_PROFILE=1`):
+    /// what was measured so far is reported under the previous phase.
+    /// Benchmarks mark their timed regions with it.
+    fn profile_phase(&self, _name: &str) {}
+
     /// Copies a weight to the device, in whatever layout the backend's
     /// matrix kernels want (only `linear` and `embedding` read weights).
     fn upload(&self, t: &HostTensor) -> Result<Self::Tensor>;
@@ -131,6 +137,15 @@ pub trait Backend: Send + Sync {
     /// Backends without such a tier place them as `upload_rows` does.
     fn upload_rows_host_tier(&self, ts: &[&HostTensor]) -> Result<Vec<Self::Tensor>> {
         ts.iter().map(|t| self.upload_rows(t)).collect()
+    }
+    /// Takes `t` over as stored KV: a memory shard's pre-RoPE K or V, kept
+    /// across requests and read by `inject_kv`. A backend may run an
+    /// injection asynchronously with the work queued after it; for such a
+    /// backend, a kept tensor's memory is released only after every
+    /// injection that read it. Backends that inject synchronously keep `t`
+    /// as it is.
+    fn keep_kv(&self, t: Self::Tensor) -> Result<Self::Tensor> {
+        Ok(t)
     }
     /// Whether `upload_rows_host_tier` puts tensors anywhere else than
     /// `upload_rows` does (a device backend's host memory).

@@ -52,8 +52,8 @@ impl<B: Backend> KvChunk<B> {
     /// back from a persisted segment.
     pub fn from_host(be: &B, tokens: Vec<u32>, k: &[HostTensor], v: &[HostTensor]) -> Result<Self> {
         check_layers(tokens.len(), k, v)?;
-        let k = k.iter().map(|t| be.upload_rows(t)).collect::<Result<_>>()?;
-        let v = v.iter().map(|t| be.upload_rows(t)).collect::<Result<_>>()?;
+        let k = k.iter().map(|t| be.keep_kv(be.upload_rows(t)?)).collect::<Result<_>>()?;
+        let v = v.iter().map(|t| be.keep_kv(be.upload_rows(t)?)).collect::<Result<_>>()?;
         Ok(KvChunk { tokens, k, v })
     }
 
@@ -150,8 +150,8 @@ impl<B: Backend> Engine<B> {
         for l in 0..layers {
             let ks: Vec<&B::Tensor> = parts.iter().map(|p| &p[l].0).collect();
             let vs: Vec<&B::Tensor> = parts.iter().map(|p| &p[l].1).collect();
-            k.push(self.backend.concat_rows(&ks)?);
-            v.push(self.backend.concat_rows(&vs)?);
+            k.push(self.backend.keep_kv(self.backend.concat_rows(&ks)?)?);
+            v.push(self.backend.keep_kv(self.backend.concat_rows(&vs)?)?);
         }
         let rows = k.first().map_or(0, |t| self.backend.dims(t).0);
         if rows != tokens.len() {

@@ -9,8 +9,10 @@
 //!   host memory on CUDA, read over the bus while the question prefills).
 //!
 //! Each timed run forks the cached header, builds the prompt, prefills and
-//! picks the first token; the clock stops once the logits are on the host,
-//! so device work is included. Median over `--reps` runs after a warm-up.
+//! picks the first token greedily as the worker does for a greedy request
+//! (the argmax taken on the device, one id crossing to the host); the clock
+//! stops once that id is on the host, so device work is included. Median
+//! over `--reps` runs after a warm-up.
 //! The injection alone is timed in separate runs (fork, inject, synchronise),
 //! so that the TTFT runs keep the overlap a real request has.
 //! With a real model the facts are synthetic sentences through the chat
@@ -22,8 +24,8 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use inferscale_engine::sampling::{Rng, argmax};
-use inferscale_engine::{Backend, EncodeItem, Engine, KvChunk, Sequence};
+use inferscale_engine::sampling::Rng;
+use inferscale_engine::{Backend, EncodeItem, Engine, KvChunk, NextToken, Sequence};
 use inferscale_loadtest::synthetic::synthetic_facts;
 use inferscale_memory::{Composer, SYSTEM_PROMPT};
 use inferscale_model::ModelFiles;
@@ -126,9 +128,24 @@ fn first_token<B: Backend>(
         None => facts.iter().for_each(|f| seq.extend(f)),
     }
     seq.extend(question);
-    let logits = e.prefill(&mut seq)?;
-    std::hint::black_box(argmax(&logits));
+    std::hint::black_box(prefill_greedy(e, &mut seq)?);
     Ok(t.elapsed().as_secs_f64() * 1e3)
+}
+
+/// Prefills `seq`'s pending tokens (in chunks of the engine's batch limit)
+/// and returns its first token by greedy argmax, through the worker's path
+/// (`Engine::step_exact`): on a device backend only the id crosses to the host.
+fn prefill_greedy<B: Backend>(e: &mut Engine<B>, seq: &mut Sequence) -> Result<u32> {
+    loop {
+        let take = seq.pending().min(e.max_batch_tokens());
+        let next = e.step_exact(&mut [&mut *seq], &[take], &[true])?;
+        if seq.pending() == 0 {
+            return match next.into_iter().next().flatten() {
+                Some(NextToken::Greedy(id)) => Ok(id),
+                _ => bail!("the prefill's last step returned no greedy token"),
+            };
+        }
+    }
 }
 
 /// The injection call alone, host-timed until the device is done (ms).
@@ -189,14 +206,19 @@ fn run_on<B: Backend>(a: TtftArgs, backend: B) -> Result<()> {
             if !a.modes.iter().any(|m| m == mode) {
                 continue;
             }
+            e.backend().profile_phase(&format!("k={k} {mode}: warm-up"));
             for _ in 0..2 {
                 first_token(e, &header, &l.facts[..k], chunks, &l.question)?; // warm-up
             }
+            e.backend().profile_phase(&format!("k={k} {mode}: {} timed requests", a.reps));
             let ttft = (0..a.reps)
                 .map(|_| first_token(e, &header, &l.facts[..k], chunks, &l.question))
                 .collect::<Result<Vec<_>>>()?;
             let inject = match chunks {
-                Some(c) => Some(median((0..a.reps).map(|_| inject_alone(e, &header, c)).collect::<Result<Vec<_>>>()?)),
+                Some(c) => {
+                    e.backend().profile_phase(&format!("k={k} {mode}: {} injections alone", a.reps));
+                    Some(median((0..a.reps).map(|_| inject_alone(e, &header, c)).collect::<Result<Vec<_>>>()?))
+                }
                 None => None,
             };
             let prefilled = l.question.len() + if chunks.is_some() { 0 } else { fact_tokens };

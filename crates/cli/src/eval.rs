@@ -241,7 +241,7 @@ fn locomo_eval(a: LocomoArgs) -> Result<()> {
             let (_, mem0) = &memories[0];
             let t_retrieve = Instant::now();
             let q = embedder.embed(e.backend(), &[qa.question.as_str()])?.remove(0);
-            let top = mem0.retrieve(&s.id, &q, k_max)?;
+            let top = mem0.retrieve(e.backend(), &s.id, &q, k_max)?;
             let retrieve_ms = t_retrieve.elapsed().as_secs_f64() * 1e3;
             let facts = mem0.facts(&s.id)?;
             let row = |mode: &str, window, k, text: String, ttft: f64, rec| Answer {

@@ -175,7 +175,7 @@ pub fn ask(a: AskArgs) -> Result<()> {
 
     let start = Instant::now();
     let query = s.embedder.embed(engine.backend(), &[a.question.as_str()])?.remove(0);
-    let top = s.memory.retrieve(&a.user, &query, a.k)?;
+    let top = s.memory.retrieve(engine.backend(), &a.user, &query, a.k)?;
     let p = prepare(engine, &s.memory, &a.user, &top, mode, &header, &question)?;
     let tok = s.loaded.files.tokenizer.as_ref();
     let out =

@@ -28,6 +28,7 @@ use crate::error::CudaError;
 use crate::gemm::{Operands, Shape as GemmShape, TUNED_ROWS, Tuner};
 use crate::kernels::{ATTN_KEYS, ATTN_ROWS, ATTN_THREADS, Kernels, attention_smem_bytes};
 use crate::profile::{Profiler, Span};
+use crate::retrieval::CudaEmbeddings;
 use crate::tier::{HostRows, KeptRows};
 
 /// Converts any CUDA-side error into the engine's.
@@ -376,6 +377,7 @@ scalar_arg!(u64, u32, i32, f32, usize);
 impl Backend for CudaBackend {
     type Tensor = CudaTensor;
     type KvStore = CudaKvStore;
+    type Embeddings = CudaEmbeddings;
 
     fn name(&self) -> &'static str {
         "cuda"
@@ -400,6 +402,14 @@ impl Backend for CudaBackend {
 
     fn upload_rows_host_tier(&self, ts: &[&HostTensor]) -> Result<Vec<CudaTensor>> {
         self.to_host_tier(ts)
+    }
+
+    fn upload_embeddings(&self, rows: &[f32], dim: usize) -> Result<CudaEmbeddings> {
+        self.embeddings(rows, dim)
+    }
+
+    fn top_k(&self, e: &CudaEmbeddings, query: &[f32], k: usize) -> Result<Vec<u32>> {
+        self.top_k_device(e, query, k)
     }
 
     fn profile_phase(&self, name: &str) {

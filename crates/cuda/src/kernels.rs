@@ -16,6 +16,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("elementwise.cu", include_str!("../../../kernels/elementwise.cu")),
     ("kv.cu", include_str!("../../../kernels/kv.cu")),
     ("attention.cu", include_str!("../../../kernels/attention.cu")),
+    ("retrieval.cu", include_str!("../../../kernels/retrieval.cu")),
 ];
 
 /// Query rows and keys per tile of `paged_attention` (`BR`, `BK` in attention.cu).
@@ -29,6 +30,10 @@ pub const ATTN_THREADS: u32 = 128;
 pub fn attention_smem_bytes(head_dim: usize) -> usize {
     2 * 2 * ATTN_KEYS * (head_dim + 8) * 2
 }
+
+/// Most rows `top_k_sorted` sorts in shared memory (8 bytes a row); a
+/// user with more facts has its scores ranked on the host.
+pub const TOP_K_SORT_ROWS: usize = 8192;
 
 /// The directory holding `cuda_bf16.h`: `$INFERSCALE_CUDA_INCLUDE`, then
 /// `$CUDA_HOME`/`$CUDA_PATH`, then the usual install places.
@@ -125,6 +130,8 @@ kernels!(
     paged_attention_d64,
     paged_attention_d128,
     attention_combine,
+    inner_products,
+    top_k_sorted,
 );
 
 impl Kernels {
@@ -146,6 +153,10 @@ impl Kernels {
                 attention_smem_bytes(d) as i32,
             )?;
         }
+        k.top_k_sorted.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            (8 * TOP_K_SORT_ROWS) as i32,
+        )?;
         Ok(k)
     }
 }

@@ -18,7 +18,9 @@ pub mod kernels;
 pub mod nccl;
 pub mod parity;
 mod profile;
+mod retrieval;
 mod tier;
 
 pub use backend::{CudaBackend, CudaKvStore, CudaTensor};
 pub use error::{CudaError, Result};
+pub use retrieval::CudaEmbeddings;

@@ -13,6 +13,7 @@
 //! one position off), so the checks can fail.
 
 use inferscale_engine::backend::{AttentionShape, Backend, InjectChunk, KvSpec, NewRows, SeqSpan};
+use inferscale_engine::retrieval::{HostEmbeddings, top_k_host};
 use inferscale_engine::rope::Rope;
 use inferscale_engine::sampling::argmax;
 use inferscale_engine::{CpuBackend, Engine, EngineConfig, KvChunk};
@@ -370,6 +371,27 @@ pub fn ops<G: Backend>(gpu: &G) -> R<Report> {
         let wrong = got.iter().zip(&want).filter(|(a, b)| a != b).count() + want.len().abs_diff(got.len());
         out.push(Check {
             name: format!("argmax_rows 7×{vocab} (rows differing)"),
+            error: wrong as f64,
+            tolerance: 0.0,
+            control: false,
+        });
+    }
+    // Retrieval: the device's GEMV and sort return exactly the host
+    // reference's ids — ties (duplicated rows) to the lower row — through
+    // the shared-memory sort and, past TOP_K_SORT_ROWS, the host ranking.
+    for (rows, k) in [(1, 5), (777, 50), (8192, 200), (9000, 64)] {
+        let dim = 384;
+        let mut e = values(40 + rows as u64, rows * dim, 1.0);
+        for r in (0..rows / 2).step_by(7) {
+            let row = e[r * dim..(r + 1) * dim].to_vec();
+            e[(rows / 2 + r) * dim..(rows / 2 + r + 1) * dim].copy_from_slice(&row);
+        }
+        let q = values(41, dim, 1.0);
+        let want = top_k_host(&HostEmbeddings::new(e.clone(), dim)?, &q, k)?;
+        let got = gpu.top_k(&gpu.upload_embeddings(&e, dim)?, &q, k)?;
+        let wrong = got.iter().zip(&want).filter(|(a, b)| a != b).count() + want.len().abs_diff(got.len());
+        out.push(Check {
+            name: format!("top_k over {rows} × {dim}, k = {k} (ids differing from the host's)"),
             error: wrong as f64,
             tolerance: 0.0,
             control: false,

@@ -109,6 +109,9 @@ pub trait Backend: Send + Sync {
     type Tensor: Send + Sync;
     /// Paged K and V for every layer.
     type KvStore: Send;
+    /// A user's fact embeddings, where [`Backend::top_k`] searches them
+    /// (device memory on a GPU backend).
+    type Embeddings: Send + Sync;
 
     fn name(&self) -> &'static str;
     /// Bytes one K or V element takes in the cache (sizes the block pool).
@@ -118,6 +121,14 @@ pub trait Backend: Send + Sync {
     fn synchronize(&self) -> Result<()> {
         Ok(())
     }
+
+    /// Uploads `rows` (`[n, dim]` row-major unit vectors) for [`Backend::top_k`].
+    fn upload_embeddings(&self, rows: &[f32], dim: usize) -> Result<Self::Embeddings>;
+    /// The indices of the `k` rows of `e` with the largest inner product
+    /// with `query` (all rows if fewer), highest first, ties to the lower
+    /// index: exactly [`crate::retrieval::top_k_host`]'s order, with scores
+    /// summed in f32.
+    fn top_k(&self, e: &Self::Embeddings, query: &[f32], k: usize) -> Result<Vec<u32>>;
 
     /// Starts a new phase of the backend's own per-op profiling, if it has
     /// any and it is on (the CUDA backend's `INFERSCALE_CUDA_PROFILE=1`):

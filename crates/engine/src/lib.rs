@@ -16,6 +16,7 @@ pub mod generate;
 pub mod inject;
 pub mod kv_cache;
 pub mod llama;
+pub mod retrieval;
 pub mod rope;
 pub mod sampling;
 

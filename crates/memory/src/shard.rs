@@ -88,6 +88,10 @@ pub(crate) struct UserShard<B: Backend> {
     kv: Vec<Option<KvChunk<B>>>,
     log: RecordLog,
     kv_log: RecordLog,
+    /// The facts' embeddings where the backend searches them (device memory
+    /// on a GPU), made by the first retrieval after the facts change and
+    /// dropped (`None`) whenever they do.
+    index: std::sync::Mutex<Option<B::Embeddings>>,
 }
 
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -393,6 +397,7 @@ impl<B: Backend> Memory<B> {
             shard.facts.push(f);
             shard.kv.push(None);
         }
+        shard.facts_changed();
         report.added = new.len();
         match encode {
             true => {
@@ -444,20 +449,40 @@ impl<B: Backend> Memory<B> {
     }
 
     /// The `k` facts most similar to `query` (cosine of unit vectors), best
-    /// first; ties go to the earlier fact. Only `user`'s facts are read.
-    pub fn retrieve(&self, user: &str, query: &[f32], k: usize) -> Result<Vec<usize>> {
+    /// first; ties go to the earlier fact. Only `user`'s facts are read. The
+    /// search runs on `be` (`Backend::top_k`: one GEMV and a sort on a GPU),
+    /// over the user's embeddings uploaded once after each change.
+    pub fn retrieve(&self, be: &B, user: &str, query: &[f32], k: usize) -> Result<Vec<usize>> {
         if k == 0 {
             return Err(MemoryError::Invalid { what: "k", reason: "k must be at least 1".into() });
         }
         let shard = self.user(user)?;
-        let mut scored: Vec<(f32, usize)> = shard
-            .facts
-            .iter()
-            .enumerate()
-            .map(|(i, f)| (f.embedding.iter().zip(query).map(|(a, b)| a * b).sum::<f32>(), i))
-            .collect();
-        scored.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-        Ok(scored.into_iter().take(k).map(|(_, i)| i).collect())
+        let Some(dim) = shard.facts.first().map(|f| f.embedding.len()) else { return Ok(Vec::new()) };
+        if query.len() != dim {
+            return Err(MemoryError::Invalid {
+                what: "query",
+                reason: format!("an embedding of {} values for facts embedded in {dim}", query.len()),
+            });
+        }
+        let mut index = shard.index.lock().unwrap_or_else(|p| p.into_inner());
+        let index = match &mut *index {
+            Some(e) => e,
+            slot => {
+                if let Some(f) = shard.facts.iter().find(|f| f.embedding.len() != dim) {
+                    return Err(MemoryError::Invalid {
+                        what: "embedding",
+                        reason: format!(
+                            "fact {:?} of {user:?} has {} values, the others {dim}",
+                            f.id,
+                            f.embedding.len()
+                        ),
+                    });
+                }
+                let rows: Vec<f32> = shard.facts.iter().flat_map(|f| f.embedding.iter().copied()).collect();
+                slot.insert(be.upload_embeddings(&rows, dim)?)
+            }
+        };
+        Ok(be.top_k(index, query, k)?.into_iter().map(|i| i as usize).collect())
     }
 
     /// Removes `user` from memory and from disk.
@@ -479,6 +504,7 @@ impl<B: Backend> Memory<B> {
         })?;
         shard.facts.remove(idx);
         shard.kv.remove(idx);
+        shard.facts_changed();
         shard.by_id = shard.facts.iter().enumerate().map(|(i, f)| (f.id.clone(), i)).collect();
         let records: Vec<Vec<u8>> = shard.facts.iter().map(|f| Record::Put(f.clone()).encode()).collect();
         shard.log.rewrite(&records)?;
@@ -487,6 +513,11 @@ impl<B: Backend> Memory<B> {
 }
 
 impl<B: Backend> UserShard<B> {
+    /// Drops the search index: the facts it was made of have changed.
+    fn facts_changed(&mut self) {
+        *self.index.get_mut().unwrap_or_else(|p| p.into_inner()) = None;
+    }
+
     pub(crate) fn open(dir: &Path, be: &B, header: &KvHeader, tier: Tier, warnings: &mut Vec<String>) -> Result<Self> {
         std::fs::create_dir_all(dir).map_err(io(dir))?;
         let (log, rec) = RecordLog::open(&dir.join("facts.log"))?;
@@ -542,7 +573,7 @@ impl<B: Backend> UserShard<B> {
                 }
             }
         }
-        Ok(UserShard { dir: dir.to_path_buf(), tier, facts, by_id, kv, log, kv_log })
+        Ok(UserShard { dir: dir.to_path_buf(), tier, facts, by_id, kv, log, kv_log, index: Default::default() })
     }
 
     /// Bytes of this user's stored KV in the backend's tensors.

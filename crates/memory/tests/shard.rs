@@ -138,12 +138,12 @@ fn users_are_isolated_and_forgetting_removes_data() {
     e.prefill(&mut header).unwrap();
     let q = m.embedder.embed(&CpuBackend, &["Where is Caroline moving?"]).unwrap().remove(0);
     let question = composer.question("Where is Caroline moving?").unwrap();
-    let top = mem.retrieve("alice", &q, 10).unwrap();
+    let top = mem.retrieve(&CpuBackend, "alice", &q, 10).unwrap();
     assert_eq!(top.len(), 3, "alice has three facts; bob's are never candidates");
     assert_eq!(mem.facts("alice").unwrap()[top[0]].id, "A2", "the Lisbon turn ranks first");
     // Bob's request is in flight while alice's is prepared.
     let qb = m.embedder.embed(&CpuBackend, &["Where did Melanie go camping?"]).unwrap().remove(0);
-    let bob_top = mem.retrieve("bob", &qb, 10).unwrap();
+    let bob_top = mem.retrieve(&CpuBackend, "bob", &qb, 10).unwrap();
     let pb = prepare(&mut e, &mem, "bob", &bob_top, Mode::Kv, &header, &question).unwrap();
     let p = prepare(&mut e, &mem, "alice", &top, Mode::Kv, &header, &question).unwrap();
     assert!(p.fact_ids.iter().all(|id| id.starts_with('A')), "{:?}", p.fact_ids);
@@ -186,9 +186,20 @@ fn users_are_isolated_and_forgetting_removes_data() {
     want.extend(&question);
     assert_eq!(p.seq.tokens(), &want[..]);
 
+    // Retrieval follows the facts: its index (made by the first retrieval)
+    // is rebuilt after an ingest and after a forget.
+    {
+        let mut enc = Encoders { engine: &mut e, embedder: &m.embedder, composer: &composer };
+        mem.ingest("alice", &turns("A", 5), &mut enc).unwrap();
+    }
+    assert_eq!(mem.retrieve(&CpuBackend, "alice", &q, 10).unwrap().len(), 5);
+
     // Forgetting a fact, then a user, removes them from memory and disk.
     mem.forget_fact("bob", "B1").unwrap();
     assert_eq!(mem.facts("bob").unwrap().len(), 3);
+    let after = mem.retrieve(&CpuBackend, "bob", &qb, 10).unwrap();
+    assert_eq!(after.len(), 3);
+    assert!(after.iter().all(|&i| mem.facts("bob").unwrap()[i].id != "B1"), "{after:?}");
     drop(mem);
     let (mut mem, _) = open(dir.path(), &e, 0);
     assert!(mem.facts("bob").unwrap().iter().all(|f| f.id != "B1"));
@@ -214,8 +225,8 @@ fn bad_input_is_refused_and_stores_nothing() {
     assert!(matches!(mem.ingest("carol", &dup, &mut enc), Err(MemoryError::Invalid { .. })));
     assert!(matches!(mem.ingest("", &turns("C", 1), &mut enc), Err(MemoryError::Invalid { .. })));
     assert_eq!(mem.facts("carol").unwrap().len(), 2, "nothing stored by refused calls");
-    assert!(matches!(mem.retrieve("carol", &[0.0; 384], 0), Err(MemoryError::Invalid { .. })));
-    assert!(matches!(mem.retrieve("nobody", &[0.0; 384], 3), Err(MemoryError::UnknownUser(_))));
+    assert!(matches!(mem.retrieve(&CpuBackend, "carol", &[0.0; 384], 0), Err(MemoryError::Invalid { .. })));
+    assert!(matches!(mem.retrieve(&CpuBackend, "nobody", &[0.0; 384], 3), Err(MemoryError::UnknownUser(_))));
 }
 
 #[test]

@@ -496,7 +496,7 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
             }
             let query = self.embedder.embed(self.engine.backend(), &[job.question.as_str()])?;
             let query = query.first().ok_or_else(|| WorkerError::Invalid("empty question embedding".into()))?;
-            facts = self.memory.retrieve(&job.user, query, job.k)?;
+            facts = self.memory.retrieve(self.engine.backend(), &job.user, query, job.k)?;
             retrieve.record("candidates", self.memory.facts(&job.user).map_or(0, <[_]>::len) as i64);
         }
         retrieve.record("retrieved", facts.len() as i64);

@@ -13,6 +13,7 @@ use rayon::prelude::*;
 
 use crate::backend::{AttentionShape, Backend, InjectChunk, KvSpec, SeqSpan, matrix_dims};
 use crate::error::{EngineError, Result};
+use crate::retrieval::{HostEmbeddings, top_k_host};
 use crate::rope::Rope;
 
 pub use matmul::matmul_bt;
@@ -79,6 +80,7 @@ fn shape_err(what: String) -> EngineError {
 impl Backend for CpuBackend {
     type Tensor = CpuTensor;
     type KvStore = CpuKvStore;
+    type Embeddings = HostEmbeddings;
 
     fn name(&self) -> &'static str {
         "cpu"
@@ -86,6 +88,14 @@ impl Backend for CpuBackend {
 
     fn kv_bytes_per_value(&self) -> usize {
         4
+    }
+
+    fn upload_embeddings(&self, rows: &[f32], dim: usize) -> Result<HostEmbeddings> {
+        HostEmbeddings::new(rows.to_vec(), dim)
+    }
+
+    fn top_k(&self, e: &HostEmbeddings, query: &[f32], k: usize) -> Result<Vec<u32>> {
+        top_k_host(e, query, k)
     }
 
     fn upload(&self, t: &HostTensor) -> Result<CpuTensor> {

@@ -97,6 +97,23 @@ fn bit_error(a: &[f32], b: &[f32]) -> f64 {
     if same { 0.0 } else { rel(a, b).max(f64::MIN_POSITIVE) }
 }
 
+/// A check that ids chosen on the device equal the host reference's:
+/// error = positions that differ (and any difference in count).
+fn same_ids(name: String, got: &[u32], want: &[u32]) -> Check {
+    let wrong = got.iter().zip(want).filter(|(a, b)| a != b).count() + want.len().abs_diff(got.len());
+    Check { name, error: wrong as f64, tolerance: 0.0, control: false }
+}
+
+/// Stored KV as plain rows, each tensor kept (`keep_kv`) when `keep`.
+fn upload_kv<B: Backend>(be: &B, ts: &[HostTensor], keep: bool) -> R<Vec<B::Tensor>> {
+    ts.iter()
+        .map(|t| {
+            let d = be.upload_rows(t)?;
+            if keep { be.keep_kv(d) } else { Ok(d) }
+        })
+        .collect()
+}
+
 /// A fused op against the ops it replaces, on one backend: the same bits.
 fn exact<G: Backend, F>(gpu: &G, name: &str, f: F, out: &mut Report) -> R<()>
 where
@@ -298,15 +315,8 @@ impl<B: Backend> Ops for Dyn<'_, B> {
                 let v = k.split_off(layers);
                 (k, v)
             } else {
-                let up = |ts: &[HostTensor]| {
-                    ts.iter()
-                        .map(|t| {
-                            let d = be.upload_rows(t)?;
-                            if src == KvSource::Kept { be.keep_kv(d) } else { Ok(d) }
-                        })
-                        .collect::<R<Vec<_>>>()
-                };
-                (up(&kh)?, up(&vh)?)
+                let keep = src == KvSource::Kept;
+                (upload_kv(be, &kh, keep)?, upload_kv(be, &vh, keep)?)
             };
             // Positions past the RoPE table exercise the on-the-fly path.
             let positions: Vec<u32> = (0..*ctx as u32).map(|t| t * 37 + 8000 * i as u32).collect();
@@ -368,13 +378,7 @@ pub fn ops<G: Backend>(gpu: &G) -> R<Report> {
         let got = gpu.argmax_rows(&xd)?;
         let h = gpu.to_host(&xd)?;
         let want: Vec<u32> = (0..rows).map(|r| argmax(&h.data[r * vocab..(r + 1) * vocab])).collect();
-        let wrong = got.iter().zip(&want).filter(|(a, b)| a != b).count() + want.len().abs_diff(got.len());
-        out.push(Check {
-            name: format!("argmax_rows 7×{vocab} (rows differing)"),
-            error: wrong as f64,
-            tolerance: 0.0,
-            control: false,
-        });
+        out.push(same_ids(format!("argmax_rows 7×{vocab} (rows differing)"), &got, &want));
     }
     // Retrieval: the device's GEMV and sort return exactly the host
     // reference's ids — ties (duplicated rows) to the lower row — through
@@ -389,13 +393,7 @@ pub fn ops<G: Backend>(gpu: &G) -> R<Report> {
         let q = values(41, dim, 1.0);
         let want = top_k_host(&HostEmbeddings::new(e.clone(), dim)?, &q, k)?;
         let got = gpu.top_k(&gpu.upload_embeddings(&e, dim)?, &q, k)?;
-        let wrong = got.iter().zip(&want).filter(|(a, b)| a != b).count() + want.len().abs_diff(got.len());
-        out.push(Check {
-            name: format!("top_k over {rows} × {dim}, k = {k} (ids differing from the host's)"),
-            error: wrong as f64,
-            tolerance: 0.0,
-            control: false,
-        });
+        out.push(same_ids(format!("top_k over {rows} × {dim}, k = {k} (ids differing from the host's)"), &got, &want));
     }
     let llama3 = RopeScaling::Llama3 {
         factor: 8.0,
@@ -646,8 +644,7 @@ fn inject_independent<B: Backend>(
                 if src == KvSource::HostTier {
                     return KvChunk::from_host_tier(be, c.tokens.clone(), &k, &v);
                 }
-                let up = |ts: &[HostTensor]| ts.iter().map(|t| be.upload_rows(t)).collect::<R<Vec<_>>>();
-                Ok(KvChunk { tokens: c.tokens.clone(), k: up(&k)?, v: up(&v)? })
+                Ok(KvChunk { tokens: c.tokens.clone(), k: upload_kv(be, &k, false)?, v: upload_kv(be, &v, false)? })
             })
             .collect::<R<_>>()?;
     }

@@ -28,6 +28,28 @@ impl State {
             }
         }
     }
+
+    /// Prints the totals (after folding what is pending; the stream must be
+    /// synchronised).
+    fn report(&mut self) {
+        self.fold();
+        if self.totals.is_empty() {
+            return;
+        }
+        let total: f64 = self.totals.values().map(|v| v.1).sum();
+        let phase = self.phase.as_deref().map(|p| format!(", {p}")).unwrap_or_default();
+        eprintln!("inferscale cuda profile (device time per op{phase}; {total:.3} ms in all):");
+        eprintln!("{:<20} {:>9} {:>12} {:>10} {:>7}", "op", "count", "total ms", "mean µs", "share");
+        let mut rows: Vec<_> = self.totals.iter().collect();
+        rows.sort_by(|a, b| b.1.1.total_cmp(&a.1.1));
+        for (name, (n, ms)) in rows {
+            eprintln!(
+                "{name:<20} {n:>9} {ms:>12.3} {:>10.2} {:>6.1}%",
+                ms * 1e3 / *n as f64,
+                100.0 * ms / total.max(1e-9)
+            );
+        }
+    }
 }
 
 pub(crate) struct Profiler {
@@ -91,29 +113,5 @@ impl Drop for Profiler {
             return;
         }
         self.state.lock().unwrap_or_else(|e| e.into_inner()).report();
-    }
-}
-
-impl State {
-    /// Prints the totals (after folding what is pending; the stream must be
-    /// synchronised).
-    fn report(&mut self) {
-        self.fold();
-        if self.totals.is_empty() {
-            return;
-        }
-        let total: f64 = self.totals.values().map(|v| v.1).sum();
-        let phase = self.phase.as_deref().map(|p| format!(", {p}")).unwrap_or_default();
-        eprintln!("inferscale cuda profile (device time per op{phase}; {total:.3} ms in all):");
-        eprintln!("{:<20} {:>9} {:>12} {:>10} {:>7}", "op", "count", "total ms", "mean µs", "share");
-        let mut rows: Vec<_> = self.totals.iter().collect();
-        rows.sort_by(|a, b| b.1.1.total_cmp(&a.1.1));
-        for (name, (n, ms)) in rows {
-            eprintln!(
-                "{name:<20} {n:>9} {ms:>12.3} {:>10.2} {:>6.1}%",
-                ms * 1e3 / *n as f64,
-                100.0 * ms / total.max(1e-9)
-            );
-        }
     }
 }

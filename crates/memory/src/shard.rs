@@ -467,20 +467,7 @@ impl<B: Backend> Memory<B> {
         let mut index = shard.index.lock().unwrap_or_else(|p| p.into_inner());
         let index = match &mut *index {
             Some(e) => e,
-            slot => {
-                if let Some(f) = shard.facts.iter().find(|f| f.embedding.len() != dim) {
-                    return Err(MemoryError::Invalid {
-                        what: "embedding",
-                        reason: format!(
-                            "fact {:?} of {user:?} has {} values, the others {dim}",
-                            f.id,
-                            f.embedding.len()
-                        ),
-                    });
-                }
-                let rows: Vec<f32> = shard.facts.iter().flat_map(|f| f.embedding.iter().copied()).collect();
-                slot.insert(be.upload_embeddings(&rows, dim)?)
-            }
+            slot => slot.insert(be.upload_embeddings(&shard.embedding_rows(user, dim)?, dim)?),
         };
         Ok(be.top_k(index, query, k)?.into_iter().map(|i| i as usize).collect())
     }
@@ -513,6 +500,18 @@ impl<B: Backend> Memory<B> {
 }
 
 impl<B: Backend> UserShard<B> {
+    /// Every fact's embedding, `[facts, dim]` row-major; an error naming the
+    /// first fact of another width.
+    fn embedding_rows(&self, user: &str, dim: usize) -> Result<Vec<f32>> {
+        if let Some(f) = self.facts.iter().find(|f| f.embedding.len() != dim) {
+            return Err(MemoryError::Invalid {
+                what: "embedding",
+                reason: format!("fact {:?} of {user:?} has {} values, the others {dim}", f.id, f.embedding.len()),
+            });
+        }
+        Ok(self.facts.iter().flat_map(|f| f.embedding.iter().copied()).collect())
+    }
+
     /// Drops the search index: the facts it was made of have changed.
     fn facts_changed(&mut self) {
         *self.index.get_mut().unwrap_or_else(|p| p.into_inner()) = None;

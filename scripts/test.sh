@@ -21,6 +21,8 @@ fi
 echo "test.sh: formatting and lints" >&2
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
+# The vLLM connector's PyO3 bindings build only with its `python` feature.
+cargo clippy -p inferscale-vllm-connector --all-targets --features python -- -D warnings
 # The CPU-only build (no CUDA backend) must keep compiling too.
 cargo check --quiet -p inferscale-cli --no-default-features
 
@@ -75,3 +77,26 @@ if cargo nextest --version >/dev/null 2>&1; then
 else
   cargo test --workspace --no-fail-fast
 fi
+
+# The vLLM connector's contract tests drive it with vLLM 0.26's own
+# scheduler and request objects on CPU. vLLM, torch 2.11 and what they
+# import go into a virtual environment in the cache, every package pinned
+# and installed without resolution (crates/vllm-connector/requirements-test.txt);
+# maturin builds the connector into it.
+vllm_env="${INFERSCALE_HOME:-$HOME/.cache/inferscale}/vllm-0.26-env"
+reqs=crates/vllm-connector/requirements-test.txt
+reqs_sum=$(sha256sum "$reqs" | cut -d' ' -f1)
+if [ "$(cat "$vllm_env/.complete" 2>/dev/null)" != "$reqs_sum" ]; then
+  echo "test.sh: installing vLLM 0.26 and torch 2.11 (PyPI, ~3 GB) for the connector's contract tests" >&2
+  python3 -c 'import venv, ensurepip' 2>/dev/null || { apt-get update -qq && apt-get install -y -qq python3-venv; }
+  rm -rf "$vllm_env"
+  python3 -m venv "$vllm_env"
+  "$vllm_env/bin/python" -m pip install -q --disable-pip-version-check --no-deps -r "$reqs"
+  echo "$reqs_sum" > "$vllm_env/.complete"
+fi
+echo "test.sh: the vLLM connector's contract tests" >&2
+(
+  cd crates/vllm-connector
+  VIRTUAL_ENV="$vllm_env" PATH="$vllm_env/bin:$PATH" maturin develop --quiet
+  HF_HUB_OFFLINE=1 "$vllm_env/bin/python" -m pytest -q -p no:cacheprovider tests
+)

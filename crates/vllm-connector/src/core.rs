@@ -1,0 +1,321 @@
+//! The connector's core inside vLLM's worker process: the same memory shard
+//! as a native worker (facts, pre-RoPE KV, retrieval), the prompt layout of
+//! design.md §3, the plans it issued, and the loads into vLLM's cache.
+//!
+//! It runs our engine on the CPU backend to encode facts (host KV, written
+//! into host caches by [`crate::inject`]). One core per worker process.
+
+use std::collections::{HashMap, VecDeque};
+use std::io::Read;
+use std::path::PathBuf;
+
+use inferscale_engine::bert::Bert;
+use inferscale_engine::rope::Rope;
+use inferscale_engine::{CpuBackend, Engine, EngineConfig, KvChunk};
+use inferscale_memory::{Composer, Encoders, IngestReport, Memory, SYSTEM_PROMPT, ShardSpec, Turn, fingerprint};
+use inferscale_model::{Family, ModelFiles, RopeScaling};
+
+use crate::error::{ConnectorError, Result};
+use crate::inject::{CacheMut, Rows, write_layer};
+use crate::layout::CacheView;
+use crate::plan::{Chunk, ModelShape, PLAN_VERSION, Plan, salt, shape_fingerprint, token_digest};
+
+/// Plans remembered for loading; the oldest is dropped beyond this (its
+/// request, if still unloaded, is then recomputed by vLLM).
+pub const MAX_PLANS: usize = 65_536;
+
+/// How to open a core.
+#[derive(Debug, Clone)]
+pub struct CoreConfig {
+    /// A GGUF file, an HF model directory or a packaged model name.
+    pub model: String,
+    /// The sentence embedder (`random` for speed work).
+    pub embedder: String,
+    /// The memory shard's directory (created if missing).
+    pub memory_dir: PathBuf,
+    /// Context window of fact encoding, in turns (0 = each fact alone).
+    pub window: usize,
+    /// Host KV cache of the encoding engine, in MiB.
+    pub kv_cache_mb: usize,
+    pub max_batch_tokens: usize,
+}
+
+/// A composed request: the prompt vLLM is given and the plan in its params.
+#[derive(Debug, Clone)]
+pub struct Composed {
+    pub prompt: Vec<u32>,
+    pub plan: Plan,
+    /// Ids of the facts in the prompt, in prompt order.
+    pub fact_ids: Vec<String>,
+}
+
+pub struct Core {
+    files: ModelFiles,
+    engine: Engine<CpuBackend>,
+    embedder: Bert<CpuBackend>,
+    memory: Memory<CpuBackend>,
+    rope: Rope,
+    header: Vec<u32>,
+    header_kv: KvChunk<CpuBackend>,
+    shape: ModelShape,
+    fingerprint: String,
+    /// Bumped by every ingest and forget of a user: part of the salt, so
+    /// vLLM's cached blocks of the old memory are never hit again.
+    generation: HashMap<String, u64>,
+    plans: HashMap<String, Plan>,
+    order: VecDeque<String>,
+}
+
+impl Core {
+    pub fn open(cfg: &CoreConfig) -> Result<Core> {
+        let files = inferscale_model::open(&cfg.model)?;
+        let engine_cfg = EngineConfig::with_kv_bytes(&files, cfg.kv_cache_mb << 20, cfg.max_batch_tokens, 4);
+        let mut engine = Engine::new(CpuBackend, &files, engine_cfg)?;
+        let embedder = Bert::load(engine.backend(), inferscale_model::encoder::open(&cfg.embedder)?)?;
+        let spec = ShardSpec { window: cfg.window, fingerprint: fingerprint(&files)? };
+        let (memory, warnings) = Memory::open(&cfg.memory_dir, spec, &engine)?;
+        for w in warnings {
+            eprintln!("inferscale-vllm: warning: {w}");
+        }
+        let header = Composer::new(&files, SYSTEM_PROMPT)?.header().to_vec();
+        // The header at position 0 with nothing before it: its pre-RoPE KV is
+        // exactly what a prefill of the prompt's first tokens computes (E2).
+        let header_kv = engine.encode(&[], &header, 0)?;
+        let rope = engine.model().rope().clone();
+        let shape = model_shape(&files);
+        let fingerprint = shape_fingerprint(&shape);
+        Ok(Core {
+            files,
+            engine,
+            embedder,
+            memory,
+            rope,
+            header,
+            header_kv,
+            shape,
+            fingerprint,
+            generation: HashMap::new(),
+            plans: HashMap::new(),
+            order: VecDeque::new(),
+        })
+    }
+
+    pub fn shape(&self) -> &ModelShape {
+        &self.shape
+    }
+
+    pub fn fingerprint(&self) -> &str {
+        &self.fingerprint
+    }
+
+    pub fn files(&self) -> &ModelFiles {
+        &self.files
+    }
+
+    /// Stores `turns` for `user` (durably, before returning) and encodes their KV.
+    pub fn ingest(&mut self, user: &str, turns: &[Turn]) -> Result<IngestReport> {
+        let composer = Composer::new(&self.files, SYSTEM_PROMPT)?;
+        let mut enc = Encoders { engine: &mut self.engine, embedder: &self.embedder, composer: &composer };
+        let report = self.memory.ingest(user, turns, &mut enc)?;
+        *self.generation.entry(user.to_string()).or_default() += 1;
+        Ok(report)
+    }
+
+    /// Forgets one fact of `user`, or all of them.
+    pub fn forget(&mut self, user: &str, fact: Option<&str>) -> Result<()> {
+        match fact {
+            Some(id) => self.memory.forget_fact(user, id)?,
+            None => self.memory.forget_user(user)?,
+        }
+        *self.generation.entry(user.to_string()).or_default() += 1;
+        Ok(())
+    }
+
+    /// Facts `user` has.
+    pub fn facts(&self, user: &str) -> usize {
+        if self.memory.has_user(user) { self.memory.facts(user).map_or(0, |f| f.len()) } else { 0 }
+    }
+
+    /// Retrieves `user`'s `k` best facts for `question`, lays out header,
+    /// facts (least relevant first) and question, and issues the plan that
+    /// injects header and facts. The prompt-mode baseline is the same
+    /// prompt with no plan: identical token ids at identical positions.
+    pub fn compose(&mut self, user: &str, question: &str, k: usize) -> Result<Composed> {
+        let composer = Composer::new(&self.files, SYSTEM_PROMPT)?;
+        let q_tokens = composer.question(question)?;
+        let best = if k > 0 && self.memory.has_user(user) {
+            let q = self.embedder.embed(self.engine.backend(), &[question])?;
+            let q =
+                q.first().ok_or_else(|| ConnectorError::Invalid { what: "question", reason: "no embedding".into() })?;
+            self.memory.retrieve(self.engine.backend(), user, q, k)?
+        } else {
+            Vec::new()
+        };
+        let mut prompt = self.header.clone();
+        let mut chunks = vec![Chunk { fact: None, start: 0, len: self.header.len() }];
+        let mut fact_ids = Vec::with_capacity(best.len());
+        if !best.is_empty() {
+            self.memory.ensure_kv(
+                user,
+                &mut Encoders { engine: &mut self.engine, embedder: &self.embedder, composer: &composer },
+            )?;
+            let facts = self.memory.facts(user)?;
+            for &i in best.iter().rev() {
+                let f = &facts[i];
+                chunks.push(Chunk { fact: Some(f.id.clone()), start: prompt.len(), len: f.tokens.len() });
+                prompt.extend_from_slice(&f.tokens);
+                fact_ids.push(f.id.clone());
+            }
+        }
+        let end = prompt.len();
+        prompt.extend_from_slice(&q_tokens);
+        let generation = self.generation.get(user).copied().unwrap_or(0);
+        let plan = Plan {
+            v: PLAN_VERSION,
+            id: random_id()?,
+            user: user.to_string(),
+            fingerprint: self.fingerprint.clone(),
+            salt: salt(user, generation, &self.fingerprint, &chunks),
+            digest: token_digest(&prompt[..end]),
+            chunks,
+        };
+        self.remember(plan.clone());
+        Ok(Composed { prompt, plan, fact_ids })
+    }
+
+    fn remember(&mut self, plan: Plan) {
+        if self.order.len() >= MAX_PLANS
+            && let Some(old) = self.order.pop_front()
+        {
+            self.plans.remove(&old);
+        }
+        self.order.push_back(plan.id.clone());
+        self.plans.insert(plan.id.clone(), plan);
+    }
+
+    /// Forgets an issued plan (its request finished).
+    pub fn finish(&mut self, plan_id: &str) {
+        if self.plans.remove(plan_id).is_some() {
+            self.order.retain(|id| id != plan_id);
+        }
+    }
+
+    /// Writes `plan`'s KV at positions `from..end` into `layers` (vLLM's
+    /// caches in layer order) at the slots of `block_ids`. `plan` must be
+    /// one this core issued, unchanged; every layer is checked before the
+    /// first write.
+    pub fn load(
+        &self,
+        plan: &Plan,
+        layers: &mut [(CacheMut<'_>, CacheView)],
+        block_ids: &[u32],
+        from: usize,
+    ) -> Result<()> {
+        match self.plans.get(&plan.id) {
+            Some(issued) if issued == plan => {}
+            Some(_) => return Err(ConnectorError::Plan(format!("plan {} differs from the one issued", plan.id))),
+            None => return Err(ConnectorError::Plan(format!("plan {} was not issued by this worker", plan.id))),
+        }
+        let n = self.shape.num_layers;
+        if layers.len() != n {
+            return Err(ConnectorError::Layout(format!("{} cache layers registered, the model has {n}", layers.len())));
+        }
+        let chunks =
+            plan.chunks.iter().map(|c| self.chunk_kv(&plan.user, c)).collect::<Result<Vec<&KvChunk<CpuBackend>>>>()?;
+        for (l, (cache, view)) in layers.iter_mut().enumerate() {
+            let rows: Vec<Rows<'_>> = chunks
+                .iter()
+                .zip(&plan.chunks)
+                .map(|(kv, c)| Rows { k: &kv.k[l].data, v: &kv.v[l].data, start: c.start })
+                .collect();
+            write_layer(cache, view, &self.rope, &rows, block_ids, from)?;
+        }
+        Ok(())
+    }
+
+    fn chunk_kv(&self, user: &str, c: &Chunk) -> Result<&KvChunk<CpuBackend>> {
+        let kv = match &c.fact {
+            None => &self.header_kv,
+            Some(id) => {
+                let facts = self.memory.facts(user)?;
+                let i = facts
+                    .iter()
+                    .position(|f| &f.id == id)
+                    .ok_or_else(|| ConnectorError::Plan(format!("{user:?} has no fact {id:?} any more")))?;
+                self.memory
+                    .kv(user, i)?
+                    .ok_or_else(|| ConnectorError::Plan(format!("fact {id:?} of {user:?} has no KV yet")))?
+            }
+        };
+        if kv.len() != c.len {
+            return Err(ConnectorError::Plan(format!(
+                "chunk {:?}: {} tokens stored, {} planned",
+                c.fact,
+                kv.len(),
+                c.len
+            )));
+        }
+        Ok(kv)
+    }
+
+    /// The KV a prompt prefill of `tokens` alone at positions `start..`
+    /// leaves in the cache, per layer `(K, V)` as `[tokens, kv_dim]` with K
+    /// rotated: the reference the connector's loads are checked against
+    /// (a chunk encoded on its own is the block-diagonal mask's KV, E3).
+    pub fn reference_kv(&mut self, tokens: &[u32], start: u32) -> Result<Vec<(Vec<f32>, Vec<f32>)>> {
+        let mut seq = self.engine.new_sequence_at(tokens.to_vec(), start)?;
+        self.engine.prefill(&mut seq)?;
+        (0..self.shape.num_layers)
+            .map(|l| {
+                let (k, v) = self.engine.cached_kv(&seq, l)?;
+                Ok((k.data, v.data))
+            })
+            .collect()
+    }
+}
+
+/// The HF architecture name of a family, as vLLM's config reports it.
+pub fn architecture(f: Family) -> &'static str {
+    match f {
+        Family::Llama => "LlamaForCausalLM",
+        Family::Mistral => "MistralForCausalLM",
+        Family::Qwen2 => "Qwen2ForCausalLM",
+    }
+}
+
+/// The name vLLM's HF config gives a RoPE scaling (`rope_type`).
+pub fn rope_type(s: &RopeScaling) -> &'static str {
+    match s {
+        RopeScaling::None => "default",
+        RopeScaling::Linear { .. } => "linear",
+        RopeScaling::Llama3 { .. } => "llama3",
+        // Per-frequency divisors from a GGUF file: no HF counterpart, so it
+        // never matches an engine's shape and nothing is injected.
+        RopeScaling::Divisors(_) => "gguf-divisors",
+    }
+}
+
+fn model_shape(files: &ModelFiles) -> ModelShape {
+    let c = &files.config;
+    ModelShape {
+        architecture: architecture(c.family).into(),
+        num_layers: c.num_layers,
+        num_kv_heads: c.num_kv_heads,
+        head_dim: c.head_dim,
+        hidden_size: c.hidden_size,
+        vocab_size: c.vocab_size,
+        rope_theta: c.rope.theta,
+        rotary_dim: c.rope.dim,
+        rope_type: rope_type(&c.rope.scaling).into(),
+    }
+}
+
+/// 128 random bits, hex: unguessable, so a client cannot name another
+/// request's plan.
+fn random_id() -> Result<String> {
+    let mut b = [0u8; 16];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut b))
+        .map_err(|source| ConnectorError::Io { what: "reading /dev/urandom".into(), source })?;
+    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
+}

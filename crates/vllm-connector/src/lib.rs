@@ -1,0 +1,22 @@
+//! InferScale inside vLLM: a KV connector (vLLM's V1 connector API, no
+//! engine changes) whose Rust core owns the user memory shard in vLLM's
+//! worker process and writes stored pre-RoPE KV, rotated to its prompt
+//! positions, straight into vLLM's paged cache.
+//!
+//! - [`layout`]: vLLM's cache layouts, detected from the tensors' shapes.
+//! - [`plan`]: a request's memory plan as carried in `kv_transfer_params`,
+//!   and the scheduler side's matched-token decision.
+//! - [`inject`]: the write of stored KV into one layer of a host cache.
+//! - [`core`]: the memory shard, composition and loads.
+//! - `python` (feature `python`): the PyO3 module `inferscale_vllm._core`
+//!   behind the Python shim `inferscale_vllm.connector`.
+
+pub mod core;
+pub mod error;
+pub mod inject;
+pub mod layout;
+pub mod plan;
+#[cfg(feature = "python")]
+mod python;
+
+pub use error::{ConnectorError, Result};

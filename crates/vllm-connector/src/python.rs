@@ -1,0 +1,298 @@
+//! The PyO3 module `inferscale_vllm._core`: what the Python shim
+//! (`inferscale_vllm/connector.py`) calls. Plans cross as JSON strings,
+//! caches as raw pointers with their shape and strides, checked here.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Mutex;
+
+use inferscale_memory::Turn;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+
+use crate::core::{Core, CoreConfig};
+use crate::error::ConnectorError;
+use crate::inject::CacheMut;
+use crate::layout::{CacheView, DType, Geometry};
+use crate::plan::{self, ModelShape, Plan};
+
+fn py_err(e: ConnectorError) -> PyErr {
+    match e {
+        ConnectorError::Layout(_)
+        | ConnectorError::Plan(_)
+        | ConnectorError::Unsupported(_)
+        | ConnectorError::Invalid { .. } => PyValueError::new_err(e.to_string()),
+        _ => PyRuntimeError::new_err(e.to_string()),
+    }
+}
+
+fn parse_plan(params_json: &str) -> PyResult<Plan> {
+    let v: serde_json::Value = serde_json::from_str(params_json)
+        .map_err(|e| PyValueError::new_err(format!("kv_transfer_params is not JSON: {e}")))?;
+    Plan::from_params(&v).map_err(py_err)?.ok_or_else(|| PyValueError::new_err("kv_transfer_params has no memory plan"))
+}
+
+/// A cache tensor as the shim passes it: `(data_ptr, shape, strides,
+/// storage_elements, dtype)`.
+type TensorArgs = (usize, Vec<usize>, Vec<usize>, usize, String);
+
+/// One registered layer: where its storage starts and how it is addressed.
+struct Layer {
+    ptr: usize,
+    view: CacheView,
+}
+
+/// The connector's core (see the Rust crate's `core` module).
+#[pyclass(frozen, name = "Core")]
+struct PyCore {
+    core: Mutex<Core>,
+    layers: Mutex<Vec<Layer>>,
+}
+
+impl PyCore {
+    fn lock(&self) -> PyResult<std::sync::MutexGuard<'_, Core>> {
+        self.core.lock().map_err(|_| PyRuntimeError::new_err("core poisoned by an earlier panic"))
+    }
+}
+
+#[pymethods]
+impl PyCore {
+    #[new]
+    #[pyo3(signature = (model, memory_dir, embedder = "minilm", window = 20, kv_cache_mb = 256, max_batch_tokens = 512))]
+    fn new(
+        model: &str,
+        memory_dir: &str,
+        embedder: &str,
+        window: usize,
+        kv_cache_mb: usize,
+        max_batch_tokens: usize,
+    ) -> PyResult<Self> {
+        let cfg = CoreConfig {
+            model: model.into(),
+            embedder: embedder.into(),
+            memory_dir: PathBuf::from(memory_dir),
+            window,
+            kv_cache_mb,
+            max_batch_tokens,
+        };
+        let core = Core::open(&cfg).map_err(py_err)?;
+        Ok(PyCore { core: Mutex::new(core), layers: Mutex::new(Vec::new()) })
+    }
+
+    /// The model shape's fingerprint (what a plan's `fingerprint` names).
+    fn fingerprint(&self) -> PyResult<String> {
+        Ok(self.lock()?.fingerprint().to_string())
+    }
+
+    /// The model's HF `config.json` fields vLLM needs to build the same shape.
+    fn hf_config(&self) -> PyResult<String> {
+        let core = self.lock()?;
+        let c = &core.files().config;
+        let v = serde_json::json!({
+            "architectures": [crate::core::architecture(c.family)],
+            "model_type": match c.family {
+                inferscale_model::Family::Llama => "llama",
+                inferscale_model::Family::Mistral => "mistral",
+                inferscale_model::Family::Qwen2 => "qwen2",
+            },
+            "hidden_size": c.hidden_size,
+            "intermediate_size": c.intermediate_size,
+            "num_hidden_layers": c.num_layers,
+            "num_attention_heads": c.num_heads,
+            "num_key_value_heads": c.num_kv_heads,
+            "head_dim": c.head_dim,
+            "rms_norm_eps": c.rms_norm_eps,
+            "rope_theta": c.rope.theta,
+            "max_position_embeddings": c.max_position_embeddings,
+            "vocab_size": c.vocab_size,
+            "tie_word_embeddings": c.tie_word_embeddings,
+        });
+        Ok(v.to_string())
+    }
+
+    /// Stores turns (dicts with `id`, `text` and optionally `speaker`,
+    /// `time`, `source_turn`) for `user`; returns how many were new.
+    fn ingest(&self, user: &str, turns: Vec<HashMap<String, String>>) -> PyResult<usize> {
+        let turns = turns
+            .into_iter()
+            .enumerate()
+            .map(|(i, mut t)| {
+                let mut take = |k: &str| t.remove(k).unwrap_or_default();
+                let turn = Turn {
+                    id: take("id"),
+                    text: take("text"),
+                    speaker: take("speaker"),
+                    time: take("time"),
+                    source_turn: take("source_turn"),
+                };
+                if turn.id.is_empty() || turn.text.is_empty() {
+                    return Err(PyValueError::new_err(format!("turn {i}: `id` and `text` are required")));
+                }
+                Ok(turn)
+            })
+            .collect::<PyResult<Vec<Turn>>>()?;
+        Ok(self.lock()?.ingest(user, &turns).map_err(py_err)?.added)
+    }
+
+    #[pyo3(signature = (user, fact = None))]
+    fn forget(&self, user: &str, fact: Option<&str>) -> PyResult<()> {
+        self.lock()?.forget(user, fact).map_err(py_err)
+    }
+
+    fn facts(&self, user: &str) -> PyResult<usize> {
+        Ok(self.lock()?.facts(user))
+    }
+
+    /// `(prompt token ids, kv_transfer_params as JSON, cache_salt, fact ids)`
+    /// of a kv-mode request; the prompt-mode baseline submits the same ids
+    /// with neither params nor salt.
+    fn compose(&self, user: &str, question: &str, k: usize) -> PyResult<(Vec<u32>, String, String, Vec<String>)> {
+        let c = self.lock()?.compose(user, question, k).map_err(py_err)?;
+        Ok((c.prompt, c.plan.to_params().to_string(), c.plan.salt.clone(), c.fact_ids))
+    }
+
+    /// Registers vLLM's cache tensors, in layer order: each
+    /// `(data_ptr, shape, strides, storage_elements, dtype)`. Returns the
+    /// detected layout's name. An error leaves nothing registered.
+    fn register_caches(&self, layers: Vec<TensorArgs>, block_size: usize) -> PyResult<String> {
+        let shape = self.lock()?.shape().clone();
+        if layers.len() != shape.num_layers {
+            return Err(PyValueError::new_err(format!(
+                "{} cache layers, the model has {}",
+                layers.len(),
+                shape.num_layers
+            )));
+        }
+        let g = Geometry { block_size, kv_heads: shape.num_kv_heads, head_dim: shape.head_dim };
+        let mut out = Vec::with_capacity(layers.len());
+        for (i, (ptr, dims, strides, elems, dtype)) in layers.into_iter().enumerate() {
+            let dtype = DType::parse(&dtype).map_err(py_err)?;
+            let view = CacheView::new(&dims, &strides, elems, dtype, &g)
+                .map_err(|e| PyValueError::new_err(format!("layer {i}: {e}")))?;
+            if ptr == 0 || ptr % dtype.size() != 0 {
+                return Err(PyValueError::new_err(format!("layer {i}: bad data pointer {ptr:#x}")));
+            }
+            if out.first().is_some_and(|l: &Layer| l.view.layout != view.layout) {
+                return Err(PyValueError::new_err(format!("layer {i}: layout differs from layer 0's")));
+            }
+            out.push(Layer { ptr, view });
+        }
+        let name = out.first().map_or("none", |l| l.view.layout.as_str()).to_string();
+        *self.layers.lock().map_err(|_| PyRuntimeError::new_err("layers poisoned"))? = out;
+        Ok(name)
+    }
+
+    /// Loads the plan in `params_json` into the registered caches at the
+    /// slots of `block_ids`, positions `from_position..end`.
+    fn load(&self, params_json: &str, block_ids: Vec<u32>, from_position: usize) -> PyResult<()> {
+        let plan = parse_plan(params_json)?;
+        let core = self.lock()?;
+        let layers = self.layers.lock().map_err(|_| PyRuntimeError::new_err("layers poisoned"))?;
+        if layers.is_empty() {
+            return Err(PyValueError::new_err("no kv caches registered"));
+        }
+        // SAFETY: each pointer was checked at registration to address a
+        // storage of at least `view.extent` elements of `view.dtype`;
+        // vLLM keeps registered caches alive for the engine's lifetime, and
+        // the slices live only for this call, while vLLM's forward waits
+        // on it (no other writer of these blocks runs meanwhile).
+        let mut caches: Vec<(CacheMut<'_>, CacheView)> = layers
+            .iter()
+            .map(|l| {
+                let cache = unsafe {
+                    match l.view.dtype {
+                        DType::F32 => CacheMut::F32(std::slice::from_raw_parts_mut(l.ptr as *mut f32, l.view.extent)),
+                        DType::F16 => {
+                            CacheMut::F16(std::slice::from_raw_parts_mut(l.ptr as *mut half::f16, l.view.extent))
+                        }
+                        DType::BF16 => {
+                            CacheMut::BF16(std::slice::from_raw_parts_mut(l.ptr as *mut half::bf16, l.view.extent))
+                        }
+                    }
+                };
+                (cache, l.view)
+            })
+            .collect();
+        core.load(&plan, &mut caches, &block_ids, from_position).map_err(py_err)
+    }
+
+    /// Forgets an issued plan once its request is done.
+    fn finish(&self, plan_id: &str) -> PyResult<()> {
+        self.lock()?.finish(plan_id);
+        Ok(())
+    }
+
+    /// Per layer `(K, V)`, each `[tokens · kv_dim]` floats, K rotated: the
+    /// cache contents a prompt prefill of `tokens` alone at `start..` leaves.
+    fn reference_kv(&self, tokens: Vec<u32>, start: u32) -> PyResult<Vec<(Vec<f32>, Vec<f32>)>> {
+        self.lock()?.reference_kv(&tokens, start).map_err(py_err)
+    }
+}
+
+/// Scheduler side: `(tokens to load, None)` or `(0, why not)`.
+#[pyfunction]
+#[pyo3(signature = (params_json, prompt, cache_salt, num_computed, engine_fingerprint))]
+fn external_tokens(
+    params_json: &str,
+    prompt: Vec<u32>,
+    cache_salt: Option<&str>,
+    num_computed: usize,
+    engine_fingerprint: &str,
+) -> PyResult<(usize, Option<String>)> {
+    let plan = parse_plan(params_json)?;
+    Ok(match plan::external_tokens(&plan, &prompt, cache_salt, num_computed, engine_fingerprint) {
+        Ok(n) => (n, None),
+        Err(why) => (0, Some(why.to_string())),
+    })
+}
+
+/// One past the last memory position of the plan in `params_json`.
+#[pyfunction]
+fn plan_end(params_json: &str) -> PyResult<usize> {
+    Ok(parse_plan(params_json)?.end())
+}
+
+/// The plan id in `params_json`.
+#[pyfunction]
+fn plan_id(params_json: &str) -> PyResult<String> {
+    Ok(parse_plan(params_json)?.id)
+}
+
+/// The fingerprint of a model shape as vLLM's config describes it.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)] // one argument per config field, named at the call
+#[pyo3(signature = (architecture, num_layers, num_kv_heads, head_dim, hidden_size, vocab_size, rope_type, rope_theta, rotary_dim))]
+fn shape_fingerprint(
+    architecture: String,
+    num_layers: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    hidden_size: usize,
+    vocab_size: usize,
+    rope_type: String,
+    rope_theta: f32,
+    rotary_dim: usize,
+) -> String {
+    plan::shape_fingerprint(&ModelShape {
+        architecture,
+        num_layers,
+        num_kv_heads,
+        head_dim,
+        hidden_size,
+        vocab_size,
+        rope_theta,
+        rotary_dim,
+        rope_type,
+    })
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyCore>()?;
+    m.add_function(wrap_pyfunction!(external_tokens, m)?)?;
+    m.add_function(wrap_pyfunction!(plan_end, m)?)?;
+    m.add_function(wrap_pyfunction!(plan_id, m)?)?;
+    m.add_function(wrap_pyfunction!(shape_fingerprint, m)?)?;
+    m.add("PARAMS_KEY", plan::PARAMS_KEY)?;
+    Ok(())
+}

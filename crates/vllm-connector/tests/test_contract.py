@@ -33,11 +33,9 @@ import re
 
 import pytest
 import torch
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-from vllm import SamplingParams  # noqa: E402
-from vllm.config import (  # noqa: E402
+from inferscale_vllm import connector as isc
+from vllm import SamplingParams
+from vllm.config import (
     CacheConfig,
     DeviceConfig,
     KVTransferConfig,
@@ -45,16 +43,14 @@ from vllm.config import (  # noqa: E402
     SchedulerConfig,
     VllmConfig,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
-from vllm.utils.hashing import sha256  # noqa: E402
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
-from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
-from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
-from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
-
-from inferscale_vllm import connector as isc  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
 
 BLOCK = 16
 NUM_BLOCKS = 64
@@ -64,7 +60,12 @@ EOS = 2
 TURNS = [
     {"id": "D1:1", "speaker": "Ana", "time": "1 May 2023", "text": "I adopted a grey cat called Pixel last spring."},
     {"id": "D1:2", "speaker": "Ana", "time": "1 May 2023", "text": "My sister Lena lives in Porto and teaches piano."},
-    {"id": "D1:3", "speaker": "Ana", "time": "2 May 2023", "text": "I am training for the Lisbon half marathon in October."},
+    {
+        "id": "D1:3",
+        "speaker": "Ana",
+        "time": "2 May 2023",
+        "text": "I am training for the Lisbon half marathon in October.",
+    },
     {"id": "D1:4", "speaker": "Ana", "time": "2 May 2023", "text": "Coffee makes me jittery, so I drink green tea."},
 ]
 
@@ -126,7 +127,9 @@ def scheduler(vc: VllmConfig) -> Scheduler:
         num_blocks=NUM_BLOCKS,
         kv_cache_tensors=[],
         kv_cache_groups=[
-            KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=3, head_size=64, dtype=torch.float32))
+            KVCacheGroupSpec(
+                ["layer"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=3, head_size=64, dtype=torch.float32)
+            )
         ],
     )
     vc.cache_config.num_gpu_blocks = NUM_BLOCKS
@@ -348,7 +351,9 @@ def reference(core, header, prompt, chunk, shift=0):
         kv = core.reference_kv(tokens, start + shift)
     else:
         kv = core.reference_kv(header + tokens, start - len(header) + shift)
-    return [(torch.tensor(k).reshape(-1, HEADS * DIM)[-n:], torch.tensor(v).reshape(-1, HEADS * DIM)[-n:]) for k, v in kv]
+    return [
+        (torch.tensor(k).reshape(-1, HEADS * DIM)[-n:], torch.tensor(v).reshape(-1, HEADS * DIM)[-n:]) for k, v in kv
+    ]
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -395,7 +400,9 @@ def test_bf16_cache_holds_the_rounded_reference(core, model_dir, extra):
     header = prompt[: params["inferscale"]["chunks"][0]["len"]]
     ref = reference(core, header, prompt, c)
     t = kv["model.layers.7.self_attn.attn"]
-    got = torch.stack([read_kv(t, "packed", load.block_ids[p // BLOCK] * BLOCK + p % BLOCK)[0] for p in range(start, start + n)])
+    got = torch.stack(
+        [read_kv(t, "packed", load.block_ids[p // BLOCK] * BLOCK + p % BLOCK)[0] for p in range(start, start + n)]
+    )
     want = ref[7][0].to(torch.bfloat16).float()
     assert float(((got - want).abs() / want.abs().clamp_min(1e-3)).max()) <= 2**-8
 

@@ -235,9 +235,7 @@ class InferScaleConnector(KVConnectorBase_V1):
             for name in names:
                 t = kv_caches[name]
                 if t.device.type != "cpu":
-                    raise ValueError(
-                        f"{name}: a {t.device.type} cache; this build loads into host caches only"
-                    )
+                    raise ValueError(f"{name}: a {t.device.type} cache; this build loads into host caches only")
                 size = t.element_size()
                 elems = (t.untyped_storage().nbytes() - t.storage_offset() * size) // size
                 layers.append((t.data_ptr(), list(t.shape), list(t.stride()), elems, str(t.dtype)))

@@ -103,7 +103,7 @@ extern "C" __global__ void copy_blocks(bf16* kc, bf16* vc, const u32* pairs, siz
 // token and layer in one launch. `table` holds, as 64-bit words: chunk c's
 // layer-l K pointer at [c·L + l], V pointers after all K pointers, then four
 // u32 arrays of T entries (chunk, row within the chunk, position, slot).
-// Tensors are `[rows, kv_dim]` bf16.
+// Stored tensors are `[rows, kv_dim]` bf16.
 //
 // Grid (blocks over token groups of INJECT_TOKENS, a run of `layers` from
 // `layer0`). From device memory there is a block per group; from the host
@@ -114,13 +114,17 @@ extern "C" __global__ void copy_blocks(bf16* kc, bf16* vc, const u32* pairs, siz
 // before any store; a thread whose dimensions lie in the first half of a
 // head's rotated part rotates them with their partners rot/2 further on.
 // Needs rot/2 and head_dim multiples of 8.
+//
+// Where a value lands is the destination's business (`Dst::at`: the K and V
+// addresses of dimension e of a slot in a layer): our paged cache, or a
+// cache another engine owns, addressed by its strides.
 #define INJECT_TOKENS 4
 
-extern "C" __global__ void inject_kv(bf16* kc, bf16* vc, const unsigned long long* table, u32 tokens,
-                                     u32 chunks, u32 layer0, u32 layers, size_t layer_elems, int kv_dim, int head_dim, int rot,
-                                     const float* cos_t, const float* sin_t, const float* inv_freq,
-                                     u32 table_positions) {
-    const u32 layer = layer0 + blockIdx.y;
+template <typename Dst>
+__device__ __forceinline__ void inject_body(const Dst& out, const unsigned long long* table, u32 tokens, u32 chunks,
+                                            u32 layer, u32 layers, int kv_dim, int head_dim, int rot,
+                                            const float* cos_t, const float* sin_t, const float* inv_freq,
+                                            u32 table_positions) {
     const bf16* const* k_ptrs = (const bf16* const*)table;
     const bf16* const* v_ptrs = k_ptrs + (size_t)chunks * layers;
     const u32* meta = (const u32*)(table + 2 * (size_t)chunks * layers);
@@ -130,7 +134,8 @@ extern "C" __global__ void inject_kv(bf16* kc, bf16* vc, const unsigned long lon
         const int c = e % head_dim;
         const bool rotate = c < half, copy_k = c >= rot;
         uint4 vv[INJECT_TOKENS], lo[INJECT_TOKENS], hi[INJECT_TOKENS];
-        size_t dst[INJECT_TOKENS];
+        bf16* kd[INJECT_TOKENS];
+        bf16* vd[INJECT_TOKENS];
         u32 pos[INJECT_TOKENS];
         bool live[INJECT_TOKENS];
 #pragma unroll
@@ -140,7 +145,7 @@ extern "C" __global__ void inject_kv(bf16* kc, bf16* vc, const unsigned long lon
             if (!live[i]) continue;
             u32 chunk = meta[t], row = meta[tokens + t];
             pos[i] = meta[2 * tokens + t];
-            dst[i] = layer * layer_elems + (size_t)meta[3 * tokens + t] * kv_dim + e;
+            out.at(layer, meta[3 * tokens + t], e, &kd[i], &vd[i]);
             const bf16* k = k_ptrs[(size_t)chunk * layers + layer] + (size_t)row * kv_dim + e;
             vv[i] = *(const uint4*)(v_ptrs[(size_t)chunk * layers + layer] + (size_t)row * kv_dim + e);
             if (rotate || copy_k) lo[i] = *(const uint4*)k;
@@ -149,8 +154,8 @@ extern "C" __global__ void inject_kv(bf16* kc, bf16* vc, const unsigned long lon
 #pragma unroll
         for (int i = 0; i < INJECT_TOKENS; i++) {
             if (!live[i]) continue;
-            *(uint4*)(vc + dst[i]) = vv[i];
-            if (copy_k) *(uint4*)(kc + dst[i]) = lo[i];
+            *(uint4*)vd[i] = vv[i];
+            if (copy_k) *(uint4*)kd[i] = lo[i];
             if (!rotate) continue;
             float cs[8], sn[8];
             if (pos[i] < table_positions) {
@@ -176,8 +181,57 @@ extern "C" __global__ void inject_kv(bf16* kc, bf16* vc, const unsigned long lon
                 l2[j] = __floats2bfloat162_rn(x1.x * c0 - x2.x * s0, x1.y * c1 - x2.y * s1);
                 h2[j] = __floats2bfloat162_rn(x2.x * c0 + x1.x * s0, x2.y * c1 + x1.y * s1);
             }
-            *(uint4*)(kc + dst[i]) = lo[i];
-            *(uint4*)(kc + dst[i] + half) = hi[i];
+            *(uint4*)kd[i] = lo[i];
+            *(uint4*)(kd[i] + half) = hi[i];
         }
     }
+}
+
+// Our paged cache (layout at the top of this file).
+struct PagedDst {
+    bf16* kc;
+    bf16* vc;
+    size_t layer_elems;
+    int kv_dim;
+    __device__ __forceinline__ void at(u32 layer, u32 slot, int e, bf16** k, bf16** v) const {
+        size_t o = layer * layer_elems + (size_t)slot * kv_dim + e;
+        *k = kc + o;
+        *v = vc + o;
+    }
+};
+
+extern "C" __global__ void inject_kv(bf16* kc, bf16* vc, const unsigned long long* table, u32 tokens,
+                                     u32 chunks, u32 layer0, u32 layers, size_t layer_elems, int kv_dim, int head_dim, int rot,
+                                     const float* cos_t, const float* sin_t, const float* inv_freq,
+                                     u32 table_positions) {
+    PagedDst out{kc, vc, layer_elems, kv_dim};
+    inject_body(out, table, tokens, chunks, layer0 + blockIdx.y, layers, kv_dim, head_dim, rot, cos_t, sin_t,
+                inv_freq, table_positions);
+}
+
+// A cache another engine owns (vLLM's), one tensor per layer at `bases[l]`,
+// addressed in elements: slot s = block · block_size + n is at
+// block·s_block + n·s_slot, head h at h·s_head, V at s_kv past K. The host
+// checks every stride and base keeps 16-byte accesses aligned.
+struct StridedDst {
+    const unsigned long long* bases;
+    u32 block_size;
+    size_t s_block, s_slot, s_head, s_kv;
+    int head_dim;
+    __device__ __forceinline__ void at(u32 layer, u32 slot, int e, bf16** k, bf16** v) const {
+        size_t o = (size_t)(slot / block_size) * s_block + (size_t)(slot % block_size) * s_slot +
+                   (size_t)(e / head_dim) * s_head + (e % head_dim);
+        *k = (bf16*)bases[layer] + o;
+        *v = *k + s_kv;
+    }
+};
+
+extern "C" __global__ void inject_kv_strided(const unsigned long long* bases, const unsigned long long* table,
+                                             u32 tokens, u32 chunks, u32 layers, u32 block_size, size_t s_block,
+                                             size_t s_slot, size_t s_head, size_t s_kv, int kv_dim, int head_dim,
+                                             int rot, const float* cos_t, const float* sin_t, const float* inv_freq,
+                                             u32 table_positions) {
+    StridedDst out{bases, block_size, s_block, s_slot, s_head, s_kv, head_dim};
+    inject_body(out, table, tokens, chunks, blockIdx.y, layers, kv_dim, head_dim, rot, cos_t, sin_t, inv_freq,
+                table_positions);
 }

@@ -58,7 +58,8 @@ pub fn run(a: Args) -> Result<()> {
     use anyhow::Context;
     use inferscale_cuda::parity;
     let be = crate::runtime::cuda_backend(a.device)?;
-    let report = parity::run(&be).context("running the parity checks")?;
+    let mut report = parity::run(&be).context("running the parity checks")?;
+    report.extend(inferscale_cuda::external::check(&be).context("checking injection into vLLM's cache layouts")?);
     println!(
         "{:<72} {:>10} {:>10}  result",
         "check (relative L2 error, CUDA vs CPU unless noted)", "error", "tolerance"

@@ -126,6 +126,7 @@ kernels!(
     gather_kv,
     copy_blocks,
     inject_kv,
+    inject_kv_strided,
     attention_bidirectional,
     paged_attention_d64,
     paged_attention_d128,

@@ -12,6 +12,7 @@
 pub mod backend;
 pub mod bench;
 pub mod error;
+pub mod external;
 mod fused;
 mod gemm;
 pub mod kernels;
@@ -23,4 +24,5 @@ mod tier;
 
 pub use backend::{CudaBackend, CudaKvStore, CudaTensor};
 pub use error::{CudaError, Result};
+pub use external::{ExternalCache, ExternalChunk};
 pub use retrieval::CudaEmbeddings;

@@ -47,7 +47,7 @@ impl Check {
 
 pub type Report = Vec<Check>;
 
-fn rel(a: &[f32], b: &[f32]) -> f64 {
+pub(crate) fn rel(a: &[f32], b: &[f32]) -> f64 {
     if a.len() != b.len() {
         return f64::INFINITY;
     }
@@ -74,7 +74,7 @@ fn values(seed: u64, n: usize, std: f32) -> Vec<f32> {
         .collect()
 }
 
-fn host(seed: u64, shape: &[usize], std: f32) -> HostTensor {
+pub(crate) fn host(seed: u64, shape: &[usize], std: f32) -> HostTensor {
     HostTensor { shape: shape.to_vec(), data: values(seed, shape.iter().product(), std) }
 }
 
@@ -105,7 +105,7 @@ fn same_ids(name: String, got: &[u32], want: &[u32]) -> Check {
 }
 
 /// Stored KV as plain rows, each tensor kept (`keep_kv`) when `keep`.
-fn upload_kv<B: Backend>(be: &B, ts: &[HostTensor], keep: bool) -> R<Vec<B::Tensor>> {
+pub(crate) fn upload_kv<B: Backend>(be: &B, ts: &[HostTensor], keep: bool) -> R<Vec<B::Tensor>> {
     ts.iter()
         .map(|t| {
             let d = be.upload_rows(t)?;
@@ -349,7 +349,7 @@ impl<B: Backend> Ops for Dyn<'_, B> {
     }
 }
 
-fn rope_for(head_dim: usize, scaling: RopeScaling) -> Rope {
+pub(crate) fn rope_for(head_dim: usize, scaling: RopeScaling) -> Rope {
     Rope::new(&RopeConfig { theta: 500_000.0, dim: head_dim, scaling })
 }
 

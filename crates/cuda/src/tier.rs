@@ -39,7 +39,7 @@ use crate::backend::{Cu, CudaBackend, CudaKvStore, CudaTensor, Storage, shape_er
 use crate::error::CudaError;
 
 /// Tokens per block of `inject_kv` (`INJECT_TOKENS` in kernels/kv.cu).
-const INJECT_TOKENS: usize = 4;
+pub(crate) const INJECT_TOKENS: usize = 4;
 
 /// Most layers one side-stream launch covers: a group's layers are ready
 /// only when the whole group is, so groups stay short.
@@ -263,7 +263,7 @@ impl CudaBackend {
 /// low word first), then four arrays of `total` entries — chunk index, row
 /// within the chunk, position, slot. `ptrs[c·layers + l]` = (K, V) of chunk c,
 /// layer l; `chunks` yields each chunk's positions and slots.
-fn inject_table<'a>(
+pub(crate) fn inject_table<'a>(
     ptrs: &[(u64, u64)],
     chunks: impl Iterator<Item = (&'a [u32], &'a [u32])>,
     total: usize,

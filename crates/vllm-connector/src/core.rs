@@ -2,8 +2,10 @@
 //! as a native worker (facts, pre-RoPE KV, retrieval), the prompt layout of
 //! design.md §3, the plans it issued, and the loads into vLLM's cache.
 //!
-//! It runs our engine on the CPU backend to encode facts (host KV, written
-//! into host caches by [`crate::inject`]). One core per worker process.
+//! Generic over our backend: on the CPU the stored KV is host memory,
+//! written into host caches by [`crate::inject`]; on CUDA (feature `cuda`)
+//! it stays in device memory and our fused kernel writes it into vLLM's
+//! device cache on vLLM's stream. One core per worker process.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::Read;
@@ -11,9 +13,9 @@ use std::path::PathBuf;
 
 use inferscale_engine::bert::Bert;
 use inferscale_engine::rope::Rope;
-use inferscale_engine::{CpuBackend, Engine, EngineConfig, KvChunk};
+use inferscale_engine::{Backend, CpuBackend, Engine, EngineConfig, KvChunk};
 use inferscale_memory::{Composer, Encoders, IngestReport, Memory, SYSTEM_PROMPT, ShardSpec, Turn, fingerprint};
-use inferscale_model::{Family, ModelFiles, RopeScaling};
+use inferscale_model::{Family, ModelFiles, RopeScaling, shapes};
 
 use crate::error::{ConnectorError, Result};
 use crate::inject::{CacheMut, Rows, write_layer};
@@ -29,6 +31,9 @@ pub const MAX_PLANS: usize = 65_536;
 pub struct CoreConfig {
     /// A GGUF file, an HF model directory or a packaged model name.
     pub model: String,
+    /// Instead of `model`: random weights of a named shape (speed work,
+    /// beside a vLLM loading dummy weights of the same shape).
+    pub random_shape: Option<String>,
     /// The sentence embedder (`random` for speed work).
     pub embedder: String,
     /// The memory shard's directory (created if missing).
@@ -49,14 +54,14 @@ pub struct Composed {
     pub fact_ids: Vec<String>,
 }
 
-pub struct Core {
+pub struct Core<B: Backend> {
     files: ModelFiles,
-    engine: Engine<CpuBackend>,
-    embedder: Bert<CpuBackend>,
-    memory: Memory<CpuBackend>,
+    engine: Engine<B>,
+    embedder: Bert<B>,
+    memory: Memory<B>,
     rope: Rope,
     header: Vec<u32>,
-    header_kv: KvChunk<CpuBackend>,
+    header_kv: KvChunk<B>,
     shape: ModelShape,
     fingerprint: String,
     /// Bumped by every ingest and forget of a user: part of the salt, so
@@ -66,11 +71,25 @@ pub struct Core {
     order: VecDeque<String>,
 }
 
-impl Core {
-    pub fn open(cfg: &CoreConfig) -> Result<Core> {
-        let files = inferscale_model::open(&cfg.model)?;
-        let engine_cfg = EngineConfig::with_kv_bytes(&files, cfg.kv_cache_mb << 20, cfg.max_batch_tokens, 4);
-        let mut engine = Engine::new(CpuBackend, &files, engine_cfg)?;
+impl<B: Backend> Core<B> {
+    pub fn open(cfg: &CoreConfig, backend: B) -> Result<Core<B>> {
+        let files = match &cfg.random_shape {
+            Some(name) => {
+                let config = shapes::preset(name).ok_or_else(|| ConnectorError::Invalid {
+                    what: "random_shape",
+                    reason: format!("`{name}` is not a known shape"),
+                })?;
+                ModelFiles::random(name, config, 0).with_byte_tokenizer()?
+            }
+            None => inferscale_model::open(&cfg.model)?,
+        };
+        let engine_cfg = EngineConfig::with_kv_bytes(
+            &files,
+            cfg.kv_cache_mb << 20,
+            cfg.max_batch_tokens,
+            backend.kv_bytes_per_value(),
+        );
+        let mut engine = Engine::new(backend, &files, engine_cfg)?;
         let embedder = Bert::load(engine.backend(), inferscale_model::encoder::open(&cfg.embedder)?)?;
         let spec = ShardSpec { window: cfg.window, fingerprint: fingerprint(&files)? };
         let (memory, warnings) = Memory::open(&cfg.memory_dir, spec, &engine)?;
@@ -200,40 +219,22 @@ impl Core {
         }
     }
 
-    /// Writes `plan`'s KV at positions `from..end` into `layers` (vLLM's
-    /// caches in layer order) at the slots of `block_ids`. `plan` must be
-    /// one this core issued, unchanged; every layer is checked before the
-    /// first write.
-    pub fn load(
-        &self,
-        plan: &Plan,
-        layers: &mut [(CacheMut<'_>, CacheView)],
-        block_ids: &[u32],
-        from: usize,
-    ) -> Result<()> {
+    /// The stored KV of each of `plan`'s chunks, once `plan` is found to be
+    /// one this core issued, unchanged, for a cache of `layers` layers.
+    fn plan_kv(&self, plan: &Plan, layers: usize) -> Result<Vec<&KvChunk<B>>> {
         match self.plans.get(&plan.id) {
             Some(issued) if issued == plan => {}
             Some(_) => return Err(ConnectorError::Plan(format!("plan {} differs from the one issued", plan.id))),
             None => return Err(ConnectorError::Plan(format!("plan {} was not issued by this worker", plan.id))),
         }
         let n = self.shape.num_layers;
-        if layers.len() != n {
-            return Err(ConnectorError::Layout(format!("{} cache layers registered, the model has {n}", layers.len())));
+        if layers != n {
+            return Err(ConnectorError::Layout(format!("{layers} cache layers registered, the model has {n}")));
         }
-        let chunks =
-            plan.chunks.iter().map(|c| self.chunk_kv(&plan.user, c)).collect::<Result<Vec<&KvChunk<CpuBackend>>>>()?;
-        for (l, (cache, view)) in layers.iter_mut().enumerate() {
-            let rows: Vec<Rows<'_>> = chunks
-                .iter()
-                .zip(&plan.chunks)
-                .map(|(kv, c)| Rows { k: &kv.k[l].data, v: &kv.v[l].data, start: c.start })
-                .collect();
-            write_layer(cache, view, &self.rope, &rows, block_ids, from)?;
-        }
-        Ok(())
+        plan.chunks.iter().map(|c| self.chunk_kv(&plan.user, c)).collect()
     }
 
-    fn chunk_kv(&self, user: &str, c: &Chunk) -> Result<&KvChunk<CpuBackend>> {
+    fn chunk_kv(&self, user: &str, c: &Chunk) -> Result<&KvChunk<B>> {
         let kv = match &c.fact {
             None => &self.header_kv,
             Some(id) => {
@@ -271,6 +272,108 @@ impl Core {
                 Ok((k.data, v.data))
             })
             .collect()
+    }
+}
+
+impl Core<CpuBackend> {
+    /// Writes `plan`'s KV at positions `from..end` into `layers` (vLLM's host
+    /// caches in layer order) at the slots of `block_ids`. `plan` must be
+    /// one this core issued, unchanged; every layer is checked before the
+    /// first write.
+    pub fn load(
+        &self,
+        plan: &Plan,
+        layers: &mut [(CacheMut<'_>, CacheView)],
+        block_ids: &[u32],
+        from: usize,
+    ) -> Result<()> {
+        let chunks = self.plan_kv(plan, layers.len())?;
+        for (l, (cache, view)) in layers.iter_mut().enumerate() {
+            let rows: Vec<Rows<'_>> = chunks
+                .iter()
+                .zip(&plan.chunks)
+                .map(|(kv, c)| Rows { k: &kv.k[l].data, v: &kv.v[l].data, start: c.start })
+                .collect();
+            write_layer(cache, view, &self.rope, &rows, block_ids, from)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl Core<inferscale_cuda::CudaBackend> {
+    /// [`Core::load`] into vLLM's device caches (`bases[l]`: layer l's data
+    /// pointer, every layer addressed by `view`), by our fused kernel on
+    /// `stream`.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of the device's primary context and
+    /// each base a live bf16 allocation that `view` addresses; vLLM orders
+    /// its own work on that stream.
+    pub unsafe fn load_device(
+        &self,
+        plan: &Plan,
+        bases: &[u64],
+        view: &CacheView,
+        block_ids: &[u32],
+        from: usize,
+        stream: u64,
+    ) -> Result<()> {
+        use inferscale_cuda::{ExternalCache, ExternalChunk};
+        if view.dtype != crate::layout::DType::BF16 || view.strides.dim != 1 {
+            return Err(ConnectorError::Unsupported(format!(
+                "device caches must be bfloat16 with contiguous head dimensions ({:?}, dim stride {})",
+                view.dtype, view.strides.dim
+            )));
+        }
+        let chunks = self.plan_kv(plan, bases.len())?;
+        let bs = view.geometry.block_size;
+        let mut rows = Vec::with_capacity(chunks.len());
+        for c in &plan.chunks {
+            let first = from.clamp(c.start, c.start + c.len);
+            let (mut positions, mut slots) = (Vec::new(), Vec::new());
+            for p in first..c.start + c.len {
+                let block = *block_ids.get(p / bs).ok_or_else(|| {
+                    ConnectorError::Plan(format!("position {p} is past the request's {} blocks", block_ids.len()))
+                })? as usize;
+                if block >= view.num_blocks {
+                    return Err(ConnectorError::Plan(format!(
+                        "block {block} of a cache of {} blocks",
+                        view.num_blocks
+                    )));
+                }
+                positions.push(p as u32);
+                slots.push((block * bs + p % bs) as u32);
+            }
+            rows.push((first - c.start, positions, slots));
+        }
+        let ext: Vec<ExternalChunk<'_>> = chunks
+            .iter()
+            .zip(&rows)
+            .filter(|(_, (_, p, _))| !p.is_empty())
+            .map(|(kv, (first, positions, slots))| ExternalChunk {
+                k: &kv.k,
+                v: &kv.v,
+                first_row: *first,
+                positions,
+                slots,
+            })
+            .collect();
+        let s = view.strides;
+        let cache = ExternalCache {
+            bases: bases.to_vec(),
+            num_blocks: view.num_blocks,
+            block_size: bs,
+            kv_heads: view.geometry.kv_heads,
+            head_dim: view.geometry.head_dim,
+            s_block: s.block,
+            s_slot: s.slot,
+            s_head: s.head,
+            s_kv: s.kv,
+        };
+        // SAFETY: forwarded from the caller.
+        unsafe { self.engine.backend().inject_external(&cache, &ext, &self.rope, stream)? };
+        Ok(())
     }
 }
 

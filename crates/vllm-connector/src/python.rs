@@ -7,8 +7,11 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 
 use inferscale_memory::Turn;
+use inferscale_model::RopeScaling;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
+
+use inferscale_engine::CpuBackend;
 
 use crate::core::{Core, CoreConfig};
 use crate::error::ConnectorError;
@@ -42,15 +45,33 @@ struct Layer {
     view: CacheView,
 }
 
+/// The core on the backend it was opened with.
+enum Inner {
+    Cpu(Box<Core<CpuBackend>>),
+    #[cfg(feature = "cuda")]
+    Cuda(Box<Core<inferscale_cuda::CudaBackend>>),
+}
+
+/// Runs `$e` with `$c` bound to the core, whichever backend it runs on.
+macro_rules! each {
+    ($inner:expr, $c:ident => $e:expr) => {
+        match $inner {
+            Inner::Cpu($c) => $e,
+            #[cfg(feature = "cuda")]
+            Inner::Cuda($c) => $e,
+        }
+    };
+}
+
 /// The connector's core (see the Rust crate's `core` module).
 #[pyclass(frozen, name = "Core")]
 struct PyCore {
-    core: Mutex<Core>,
+    core: Mutex<Inner>,
     layers: Mutex<Vec<Layer>>,
 }
 
 impl PyCore {
-    fn lock(&self) -> PyResult<std::sync::MutexGuard<'_, Core>> {
+    fn lock(&self) -> PyResult<std::sync::MutexGuard<'_, Inner>> {
         self.core.lock().map_err(|_| PyRuntimeError::new_err("core poisoned by an earlier panic"))
     }
 }
@@ -58,7 +79,9 @@ impl PyCore {
 #[pymethods]
 impl PyCore {
     #[new]
-    #[pyo3(signature = (model, memory_dir, embedder = "minilm", window = 20, kv_cache_mb = 256, max_batch_tokens = 512))]
+    #[pyo3(signature = (model, memory_dir, embedder = "minilm", window = 20, kv_cache_mb = 256, max_batch_tokens = 512,
+                        backend = "cpu", device = 0, random_shape = None))]
+    #[allow(clippy::too_many_arguments)] // keyword arguments from the connector's config
     fn new(
         model: &str,
         memory_dir: &str,
@@ -66,29 +89,48 @@ impl PyCore {
         window: usize,
         kv_cache_mb: usize,
         max_batch_tokens: usize,
+        backend: &str,
+        device: usize,
+        random_shape: Option<String>,
     ) -> PyResult<Self> {
         let cfg = CoreConfig {
             model: model.into(),
+            random_shape,
             embedder: embedder.into(),
             memory_dir: PathBuf::from(memory_dir),
             window,
             kv_cache_mb,
             max_batch_tokens,
         };
-        let core = Core::open(&cfg).map_err(py_err)?;
-        Ok(PyCore { core: Mutex::new(core), layers: Mutex::new(Vec::new()) })
+        let inner = match backend {
+            "cpu" => Inner::Cpu(Box::new(Core::open(&cfg, CpuBackend).map_err(py_err)?)),
+            #[cfg(feature = "cuda")]
+            "cuda" => {
+                let be = inferscale_cuda::CudaBackend::new(device)
+                    .map_err(|e| PyRuntimeError::new_err(format!("opening GPU {device}: {e}")))?;
+                Inner::Cuda(Box::new(Core::open(&cfg, be).map_err(py_err)?))
+            }
+            other => {
+                let _ = device;
+                return Err(PyValueError::new_err(format!(
+                    "backend {other:?}: this build has {}",
+                    if cfg!(feature = "cuda") { "cpu and cuda" } else { "cpu only (build with the cuda feature)" }
+                )));
+            }
+        };
+        Ok(PyCore { core: Mutex::new(inner), layers: Mutex::new(Vec::new()) })
     }
 
     /// The model shape's fingerprint (what a plan's `fingerprint` names).
     fn fingerprint(&self) -> PyResult<String> {
-        Ok(self.lock()?.fingerprint().to_string())
+        Ok(each!(&*self.lock()?, c => c.fingerprint().to_string()))
     }
 
     /// The model's HF `config.json` fields vLLM needs to build the same shape.
     fn hf_config(&self) -> PyResult<String> {
-        let core = self.lock()?;
-        let c = &core.files().config;
-        let v = serde_json::json!({
+        let inner = self.lock()?;
+        let c = each!(&*inner, core => core.files().config.clone());
+        let mut v = serde_json::json!({
             "architectures": [crate::core::architecture(c.family)],
             "model_type": match c.family {
                 inferscale_model::Family::Llama => "llama",
@@ -107,6 +149,22 @@ impl PyCore {
             "vocab_size": c.vocab_size,
             "tie_word_embeddings": c.tie_word_embeddings,
         });
+        match c.rope.scaling {
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+                v["rope_scaling"] = serde_json::json!({
+                    "rope_type": "llama3",
+                    "factor": factor,
+                    "low_freq_factor": low_freq_factor,
+                    "high_freq_factor": high_freq_factor,
+                    "original_max_position_embeddings": original_max_position_embeddings as u64,
+                });
+            }
+            RopeScaling::Linear { factor } => {
+                v["rope_scaling"] = serde_json::json!({"rope_type": "linear", "factor": factor});
+            }
+            // No scaling, or GGUF divisors (no HF counterpart: the shapes differ).
+            RopeScaling::None | RopeScaling::Divisors(_) => {}
+        }
         Ok(v.to_string())
     }
 
@@ -131,31 +189,41 @@ impl PyCore {
                 Ok(turn)
             })
             .collect::<PyResult<Vec<Turn>>>()?;
-        Ok(self.lock()?.ingest(user, &turns).map_err(py_err)?.added)
+        Ok(each!(&mut *self.lock()?, c => c.ingest(user, &turns)).map_err(py_err)?.added)
     }
 
     #[pyo3(signature = (user, fact = None))]
     fn forget(&self, user: &str, fact: Option<&str>) -> PyResult<()> {
-        self.lock()?.forget(user, fact).map_err(py_err)
+        each!(&mut *self.lock()?, c => c.forget(user, fact)).map_err(py_err)
     }
 
     fn facts(&self, user: &str) -> PyResult<usize> {
-        Ok(self.lock()?.facts(user))
+        Ok(each!(&*self.lock()?, c => c.facts(user)))
     }
 
     /// `(prompt token ids, kv_transfer_params as JSON, cache_salt, fact ids)`
     /// of a kv-mode request; the prompt-mode baseline submits the same ids
     /// with neither params nor salt.
     fn compose(&self, user: &str, question: &str, k: usize) -> PyResult<(Vec<u32>, String, String, Vec<String>)> {
-        let c = self.lock()?.compose(user, question, k).map_err(py_err)?;
+        let c = each!(&mut *self.lock()?, c => c.compose(user, question, k)).map_err(py_err)?;
         Ok((c.prompt, c.plan.to_params().to_string(), c.plan.salt.clone(), c.fact_ids))
     }
 
     /// Registers vLLM's cache tensors, in layer order: each
     /// `(data_ptr, shape, strides, storage_elements, dtype)`. Returns the
     /// detected layout's name. An error leaves nothing registered.
-    fn register_caches(&self, layers: Vec<TensorArgs>, block_size: usize) -> PyResult<String> {
-        let shape = self.lock()?.shape().clone();
+    fn register_caches(&self, layers: Vec<TensorArgs>, block_size: usize, on_device: bool) -> PyResult<String> {
+        let (shape, device_core) = {
+            let inner = self.lock()?;
+            (each!(&*inner, c => c.shape().clone()), !matches!(*inner, Inner::Cpu(_)))
+        };
+        if on_device != device_core {
+            return Err(PyValueError::new_err(format!(
+                "{} caches for a core on the {}",
+                if on_device { "device" } else { "host" },
+                if device_core { "GPU" } else { "CPU" }
+            )));
+        }
         if layers.len() != shape.num_layers {
             return Err(PyValueError::new_err(format!(
                 "{} cache layers, the model has {}",
@@ -172,8 +240,8 @@ impl PyCore {
             if ptr == 0 || ptr % dtype.size() != 0 {
                 return Err(PyValueError::new_err(format!("layer {i}: bad data pointer {ptr:#x}")));
             }
-            if out.first().is_some_and(|l: &Layer| l.view.layout != view.layout) {
-                return Err(PyValueError::new_err(format!("layer {i}: layout differs from layer 0's")));
+            if out.first().is_some_and(|l: &Layer| l.view != view) {
+                return Err(PyValueError::new_err(format!("layer {i}: shape or strides differ from layer 0's")));
             }
             out.push(Layer { ptr, view });
         }
@@ -183,14 +251,32 @@ impl PyCore {
     }
 
     /// Loads the plan in `params_json` into the registered caches at the
-    /// slots of `block_ids`, positions `from_position..end`.
-    fn load(&self, params_json: &str, block_ids: Vec<u32>, from_position: usize) -> PyResult<()> {
+    /// slots of `block_ids`, positions `from_position..end`; device caches
+    /// on CUDA stream `stream` (torch's current stream, as an integer).
+    #[pyo3(signature = (params_json, block_ids, from_position, stream = 0))]
+    fn load(&self, params_json: &str, block_ids: Vec<u32>, from_position: usize, stream: u64) -> PyResult<()> {
         let plan = parse_plan(params_json)?;
-        let core = self.lock()?;
+        let inner = self.lock()?;
         let layers = self.layers.lock().map_err(|_| PyRuntimeError::new_err("layers poisoned"))?;
         if layers.is_empty() {
             return Err(PyValueError::new_err("no kv caches registered"));
         }
+        // Without the cuda feature the match has one arm.
+        #[allow(clippy::infallible_destructuring_match)]
+        let core = match &*inner {
+            Inner::Cpu(core) => core,
+            #[cfg(feature = "cuda")]
+            Inner::Cuda(core) => {
+                let bases: Vec<u64> = layers.iter().map(|l| l.ptr as u64).collect();
+                // SAFETY: registration checked each pointer's storage against
+                // the view (device memory vLLM keeps for the engine's life);
+                // `stream` is torch's current stream of this device, on which
+                // vLLM runs the forward that reads these blocks.
+                return unsafe { core.load_device(&plan, &bases, &layers[0].view, &block_ids, from_position, stream) }
+                    .map_err(py_err);
+            }
+        };
+        let _ = stream;
         // SAFETY: each pointer was checked at registration to address a
         // storage of at least `view.extent` elements of `view.dtype`;
         // vLLM keeps registered caches alive for the engine's lifetime, and
@@ -218,14 +304,14 @@ impl PyCore {
 
     /// Forgets an issued plan once its request is done.
     fn finish(&self, plan_id: &str) -> PyResult<()> {
-        self.lock()?.finish(plan_id);
+        each!(&mut *self.lock()?, c => c.finish(plan_id));
         Ok(())
     }
 
     /// Per layer `(K, V)`, each `[tokens · kv_dim]` floats, K rotated: the
     /// cache contents a prompt prefill of `tokens` alone at `start..` leaves.
     fn reference_kv(&self, tokens: Vec<u32>, start: u32) -> PyResult<Vec<(Vec<f32>, Vec<f32>)>> {
-        self.lock()?.reference_kv(&tokens, start).map_err(py_err)
+        each!(&mut *self.lock()?, c => c.reference_kv(&tokens, start)).map_err(py_err)
     }
 }
 

@@ -53,9 +53,11 @@ _CORES: dict[tuple, _core.Core] = {}
 _CORES_LOCK = threading.Lock()
 
 
-def core_for(extra: dict[str, Any]) -> _core.Core:
+def core_for(extra: dict[str, Any], device_type: str = "cpu") -> _core.Core:
     """The process's core for a connector's ``kv_connector_extra_config``
-    (opened on first use: it loads the model and the memory shard)."""
+    (opened on first use: it loads the model and the memory shard). The
+    core runs on the GPU (``backend: cuda``, the default when vLLM runs on
+    one) so that stored KV stays in device memory."""
     try:
         model, memory_dir = str(extra["model"]), str(extra["memory_dir"])
     except KeyError as e:
@@ -69,6 +71,9 @@ def core_for(extra: dict[str, Any]) -> _core.Core:
         int(extra.get("window", 20)),
         int(extra.get("kv_cache_mb", 256)),
         int(extra.get("max_batch_tokens", 512)),
+        str(extra.get("backend", "cuda" if device_type == "cuda" else "cpu")),
+        _device_index() if device_type == "cuda" else 0,
+        extra.get("random_shape"),
     )
     with _CORES_LOCK:
         core = _CORES.get(key)
@@ -76,6 +81,12 @@ def core_for(extra: dict[str, Any]) -> _core.Core:
             core = _core.Core(*key)
             _CORES[key] = core
         return core
+
+
+def _device_index() -> int:
+    import torch
+
+    return torch.cuda.current_device()
 
 
 def engine_fingerprint(vllm_config: VllmConfig) -> str:
@@ -107,6 +118,14 @@ def _plan_json(request: Request) -> str | None:
     if not params or _core.PARAMS_KEY not in params:
         return None
     return json.dumps({_core.PARAMS_KEY: params[_core.PARAMS_KEY]})
+
+
+def _current_stream() -> int:
+    """Torch's current CUDA stream: vLLM's forward runs on it, so a load
+    queued there precedes the attention that reads it."""
+    import torch
+
+    return torch.cuda.current_stream().cuda_stream
 
 
 @dataclass
@@ -151,15 +170,18 @@ class InferScaleConnector(KVConnectorBase_V1):
                 "fails instead of being recomputed; set it to 'recompute'",
                 self._kv_transfer_config.kv_load_failure_policy,
             )
-        # Scheduler side: loads decided this step, by request id.
+        # Scheduler side: loads decided this step, by request id; requests
+        # already warned about (vLLM may ask again at every step).
         self._pending: dict[str, Load] = {}
+        self._warned: set[str] = set()
         # Worker side.
         self._core: _core.Core | None = None
         self._unusable: str | None = None
         self._failed_blocks: set[int] = set()
         self._plans_by_req: dict[str, str] = {}
+        self._on_device = False
         if role == KVConnectorRole.WORKER:
-            self._core = core_for(extra)
+            self._core = core_for(extra, vllm_config.device_config.device_type)
             if self._core.fingerprint() != self._fingerprint:
                 self._unusable = (
                     f"vLLM runs model shape {self._fingerprint}, the memory was made with {self._core.fingerprint()}"
@@ -177,11 +199,16 @@ class InferScaleConnector(KVConnectorBase_V1):
                 params, list(request.prompt_token_ids or []), request.cache_salt, num_computed_tokens, self._fingerprint
             )
         except ValueError as e:
-            logger.warning("inferscale: request %s: %s; its memory is recomputed", request.request_id, e)
+            self._warn_once(request.request_id, str(e))
             return 0, False
         if why is not None:
-            logger.warning("inferscale: request %s: %s; its memory is recomputed", request.request_id, why)
+            self._warn_once(request.request_id, why)
         return n, False
+
+    def _warn_once(self, req_id: str, why: str) -> None:
+        if req_id not in self._warned:
+            self._warned.add(req_id)
+            logger.warning("inferscale: request %s: %s; its memory is recomputed", req_id, why)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         if num_external_tokens <= 0:
@@ -221,6 +248,8 @@ class InferScaleConnector(KVConnectorBase_V1):
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._warned.discard(request.request_id)
+        self._pending.pop(request.request_id, None)
         return False, None
 
     # ---- worker side ----
@@ -232,14 +261,16 @@ class InferScaleConnector(KVConnectorBase_V1):
         try:
             names = _layer_order(list(kv_caches))
             layers = []
+            devices = {kv_caches[n].device.type for n in names}
+            if len(devices) != 1 or not devices <= {"cpu", "cuda"}:
+                raise ValueError(f"kv caches on {sorted(devices)}: one of cpu or cuda expected")
+            self._on_device = devices == {"cuda"}
             for name in names:
                 t = kv_caches[name]
-                if t.device.type != "cpu":
-                    raise ValueError(f"{name}: a {t.device.type} cache; this build loads into host caches only")
                 size = t.element_size()
                 elems = (t.untyped_storage().nbytes() - t.storage_offset() * size) // size
                 layers.append((t.data_ptr(), list(t.shape), list(t.stride()), elems, str(t.dtype)))
-            layout = self._core.register_caches(layers, self._block_size)
+            layout = self._core.register_caches(layers, self._block_size, self._on_device)
             logger.info("inferscale: %d kv cache layers, layout %s", len(layers), layout)
         except ValueError as e:
             self._unusable = str(e)
@@ -253,7 +284,8 @@ class InferScaleConnector(KVConnectorBase_V1):
                 if self._unusable is not None:
                     raise ValueError(self._unusable)
                 assert self._core is not None
-                self._core.load(load.params_json, load.block_ids, load.from_position)
+                stream = _current_stream() if self._on_device else 0
+                self._core.load(load.params_json, load.block_ids, load.from_position, stream)
                 self._plans_by_req[load.req_id] = _core.plan_id(load.params_json)
             except ValueError as e:
                 logger.warning("inferscale: request %s: %s; recomputing its memory", load.req_id, e)

@@ -23,6 +23,7 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 # The vLLM connector's PyO3 bindings build only with its `python` feature.
 cargo clippy -p inferscale-vllm-connector --all-targets --features python -- -D warnings
+cargo clippy -p inferscale-vllm-connector --all-targets --features python,cuda -- -D warnings
 # The CPU-only build (no CUDA backend) must keep compiling too.
 cargo check --quiet -p inferscale-cli --no-default-features
 

@@ -123,16 +123,7 @@ impl CudaBackend {
                 ptrs.push((self.tp(k), self.tp(v)));
             }
         }
-        let mut table = inject_table(&ptrs, chunks.iter().map(|c| (c.positions, c.slots)), total);
-        // The table numbers each chunk's rows from 0; these start at `first_row`.
-        let row_words = &mut table[4 * ptrs.len() + total..4 * ptrs.len() + 2 * total];
-        let mut t = 0;
-        for c in chunks {
-            for w in &mut row_words[t..t + c.slots.len()] {
-                *w += c.first_row as u32;
-            }
-            t += c.slots.len();
-        }
+        let table = external_table(&ptrs, chunks.iter().map(|c| (c.first_row, c.positions, c.slots)), total);
         let table_dev = self.stream.clone_htod(&table).cu()?;
         let bases_dev = self.stream.clone_htod(&cache.bases).cu()?;
         let r = self.rope_tables(rope)?;
@@ -159,6 +150,25 @@ impl CudaBackend {
         self.inject_fence.record(&theirs).cu()?;
         self.stream.join(&theirs).cu()
     }
+}
+
+/// `inject_kv`'s table (tier.rs, `inject_table`) for chunks whose rows start
+/// at `first_row` instead of 0: `chunks` yields (first row, positions, slots).
+fn external_table<'a>(
+    ptrs: &[(u64, u64)],
+    chunks: impl Iterator<Item = (usize, &'a [u32], &'a [u32])> + Clone,
+    total: usize,
+) -> Vec<u32> {
+    let mut table = inject_table(ptrs, chunks.clone().map(|(_, p, s)| (p, s)), total);
+    let row_words = &mut table[4 * ptrs.len() + total..4 * ptrs.len() + 2 * total];
+    let mut t = 0;
+    for (first, _, slots) in chunks {
+        for w in &mut row_words[t..t + slots.len()] {
+            *w += first as u32;
+        }
+        t += slots.len();
+    }
+    table
 }
 
 /// The logical layouts of vLLM's caches the check covers, with their
@@ -317,4 +327,19 @@ pub fn check(be: &CudaBackend) -> Result<crate::parity::Report> {
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_start_at_each_chunks_first_row() {
+        let ptrs = [(1, 2), (3, 4)];
+        let (p0, s0, p1, s1) = ([10, 11], [100, 101], [20], [200]);
+        let t = external_table(&ptrs, [(0, &p0[..], &s0[..]), (5, &p1[..], &s1[..])].into_iter(), 3);
+        // After the 4 pointer words of each of the 2 (chunk, layer) entries:
+        // chunk, row, position and slot of each of the 3 tokens.
+        assert_eq!(&t[8..], &[0, 0, 1, 0, 1, 5, 10, 11, 20, 100, 101, 200]);
+    }
 }

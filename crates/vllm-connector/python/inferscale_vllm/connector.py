@@ -50,6 +50,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger("inferscale_vllm")
 
 _CORES: dict[tuple, _core.Core] = {}
+
+#: Worker-side loads in this process: requests loaded, and requests whose
+#: memory was refused (their blocks recomputed by vLLM).
+STATS = {"loads": 0, "failed": 0}
 _CORES_LOCK = threading.Lock()
 
 
@@ -287,8 +291,10 @@ class InferScaleConnector(KVConnectorBase_V1):
                 stream = _current_stream() if self._on_device else 0
                 self._core.load(load.params_json, load.block_ids, load.from_position, stream)
                 self._plans_by_req[load.req_id] = _core.plan_id(load.params_json)
+                STATS["loads"] += 1
             except ValueError as e:
                 logger.warning("inferscale: request %s: %s; recomputing its memory", load.req_id, e)
+                STATS["failed"] += 1
                 bs = self._block_size
                 self._failed_blocks.update(load.block_ids[load.from_position // bs : (load.end - 1) // bs + 1])
 

@@ -29,12 +29,21 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from inferscale_vllm import _core, connector
 from vllm import LLM, SamplingParams
-from vllm.config import KVTransferConfig
 from vllm.inputs import TokensPrompt
 
 SHAPE = "llama3.1-8b"
 KS = (5, 10, 20, 50)
 WARMUP, REPS = 3, 10
+
+
+def fact(i: int) -> dict[str, str]:
+    """A fact of about 25 tokens (our random shape tokenizes bytes)."""
+    return {
+        "id": f"t{i}",
+        "speaker": "U",
+        "time": "",
+        "text": f"Fact {i:02d}: pet is a cat.",
+    }
 
 
 def main():
@@ -62,24 +71,18 @@ def main():
         gpu_memory_utilization=0.55,
         enable_prefix_caching=True,
         enforce_eager=eager,
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="InferScaleConnector",
-            kv_connector_module_path="inferscale_vllm.connector",
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config=extra,
-        ),
+        kv_transfer_config=connector.kv_transfer_config(extra),
     )
     startup = time.time() - t0
     core = connector.core_for(extra, "cuda")
-    # Facts of about 25 tokens each (our random shape tokenizes bytes).
-    turns = [{"id": f"t{i}", "speaker": "U", "time": "", "text": f"Fact {i:02d}: pet is a cat."} for i in range(60)]
-    core.ingest("u", turns)
+    core.ingest("u", [fact(i) for i in range(60)])
     one = SamplingParams(max_tokens=1, detokenize=False)
 
     def timed(prompt, params=None, salt=None):
         sp = SamplingParams(
-            max_tokens=1, detokenize=False, extra_args={"kv_transfer_params": params} if params else None
+            max_tokens=1,
+            detokenize=False,
+            extra_args={"kv_transfer_params": params} if params else None,
         )
         p = TokensPrompt(prompt_token_ids=prompt)
         if salt:
@@ -108,7 +111,9 @@ def main():
                     assert p2 == prompt
                     ms, r = timed(prompt, json.loads(params), salt)
                 else:
-                    llm.generate([TokensPrompt(prompt_token_ids=header)], one, use_tqdm=False)
+                    llm.generate(
+                        [TokensPrompt(prompt_token_ids=header)], one, use_tqdm=False
+                    )
                     ms, r = timed(prompt)
                 if rep >= WARMUP:
                     times.append(ms)

@@ -38,7 +38,6 @@ from vllm import SamplingParams
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
-    KVTransferConfig,
     ModelConfig,
     SchedulerConfig,
     VllmConfig,
@@ -111,13 +110,7 @@ def vllm_config(model_dir, extra, **hf_overrides) -> VllmConfig:
             is_encoder_decoder=False,
         ),
         cache_config=CacheConfig(block_size=BLOCK, gpu_memory_utilization=0.9, enable_prefix_caching=True),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="InferScaleConnector",
-            kv_connector_module_path="inferscale_vllm.connector",
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config=extra,
-        ),
+        kv_transfer_config=isc.kv_transfer_config(extra),
         device_config=DeviceConfig("cpu"),
     )
 

@@ -87,6 +87,21 @@ def core_for(extra: dict[str, Any], device_type: str = "cpu") -> _core.Core:
         return core
 
 
+def kv_transfer_config(extra: dict[str, Any]):
+    """vLLM's ``KVTransferConfig`` that loads this connector with
+    ``kv_connector_extra_config=extra`` — for ``vllm.LLM(...,
+    kv_transfer_config=...)``; the CLI takes the same as JSON."""
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(
+        kv_connector="InferScaleConnector",
+        kv_connector_module_path="inferscale_vllm.connector",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config=extra,
+    )
+
+
 def _device_index() -> int:
     import torch
 

@@ -6,8 +6,9 @@
 //! - [`layout`]: vLLM's cache layouts, detected from the tensors' shapes.
 //! - [`plan`]: a request's memory plan as carried in `kv_transfer_params`,
 //!   and the scheduler side's matched-token decision.
-//! - [`inject`]: the write of stored KV into one layer of a host cache.
-//! - [`core`]: the memory shard, composition and loads.
+//! - [`inject`]: the write of stored KV into one layer of a host cache
+//!   (device caches: `inferscale_cuda::external`, with feature `cuda`).
+//! - [`core`]: the memory shard, composition and loads, on either backend.
 //! - `python` (feature `python`): the PyO3 module `inferscale_vllm._core`
 //!   behind the Python shim `inferscale_vllm.connector`.
 

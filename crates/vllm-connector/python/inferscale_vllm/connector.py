@@ -24,7 +24,6 @@ and writes are in the Rust core, ``inferscale_vllm._core``.
 from __future__ import annotations
 
 import json
-import logging
 import re
 import threading
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.logger import init_logger
 
 from inferscale_vllm import _core
 
@@ -47,7 +47,9 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-logger = logging.getLogger("inferscale_vllm")
+# Under vLLM's logger tree, so our lines go where and how vLLM's go (its
+# INFO level included: the detected cache layout is logged at start).
+logger = init_logger(f"vllm.{__name__}")
 
 _CORES: dict[tuple, _core.Core] = {}
 

@@ -23,7 +23,7 @@ use inferscale_engine::rope::{Rope, TABLE_POSITIONS};
 
 use crate::backend::{Cu, CudaBackend, CudaTensor, shape_err};
 use crate::error::CudaError;
-use crate::tier::{INJECT_TOKENS, inject_table};
+use crate::tier::{INJECT_TOKENS, check_inject_dims, inject_table};
 
 /// A foreign bf16 KV cache, per layer one tensor, addressed in elements.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -42,15 +42,14 @@ pub struct ExternalCache {
 }
 
 impl ExternalCache {
-    /// Checks what the kernel's 16-byte accesses need: head dimensions
-    /// contiguous (the caller's view guarantees that), every stride and
-    /// base a multiple of 8 elements.
+    /// Checks what the kernel's 16-byte accesses need beyond
+    /// [`check_inject_dims`]: head dimensions contiguous (the caller's view
+    /// guarantees that), every stride and base a multiple of 8 elements.
     fn check(&self) -> Result<()> {
         let strides = [self.s_block, self.s_slot, self.s_head, self.s_kv];
-        if !self.head_dim.is_multiple_of(8) || strides.iter().any(|s| !s.is_multiple_of(8)) {
+        if strides.iter().any(|s| !s.is_multiple_of(8)) {
             return Err(CudaError::Unsupported(format!(
-                "external cache: head_dim {} and strides {strides:?} must be multiples of 8 elements",
-                self.head_dim
+                "external cache: strides {strides:?} must be multiples of 8 elements"
             ))
             .into());
         }
@@ -88,16 +87,10 @@ impl CudaBackend {
         rope: &Rope,
         stream: u64,
     ) -> Result<()> {
+        check_inject_dims(rope, cache.head_dim)?;
         cache.check()?;
         let layers = cache.bases.len();
         let kv_dim = cache.kv_heads * cache.head_dim;
-        if !(rope.dim() / 2).is_multiple_of(8) {
-            return Err(CudaError::Unsupported(format!(
-                "inject: rotated dims {} must be a multiple of 16",
-                rope.dim()
-            ))
-            .into());
-        }
         let slots_total = (cache.num_blocks * cache.block_size) as u64;
         let total: usize = chunks.iter().map(|c| c.slots.len()).sum();
         if total == 0 {
@@ -123,7 +116,7 @@ impl CudaBackend {
                 ptrs.push((self.tp(k), self.tp(v)));
             }
         }
-        let table = external_table(&ptrs, chunks.iter().map(|c| (c.first_row, c.positions, c.slots)), total);
+        let table = inject_table(&ptrs, chunks.iter().map(|c| (c.first_row, c.positions, c.slots)), total);
         let table_dev = self.stream.clone_htod(&table).cu()?;
         let bases_dev = self.stream.clone_htod(&cache.bases).cu()?;
         let r = self.rope_tables(rope)?;
@@ -150,25 +143,6 @@ impl CudaBackend {
         self.inject_fence.record(&theirs).cu()?;
         self.stream.join(&theirs).cu()
     }
-}
-
-/// `inject_kv`'s table (tier.rs, `inject_table`) for chunks whose rows start
-/// at `first_row` instead of 0: `chunks` yields (first row, positions, slots).
-fn external_table<'a>(
-    ptrs: &[(u64, u64)],
-    chunks: impl Iterator<Item = (usize, &'a [u32], &'a [u32])> + Clone,
-    total: usize,
-) -> Vec<u32> {
-    let mut table = inject_table(ptrs, chunks.clone().map(|(_, p, s)| (p, s)), total);
-    let row_words = &mut table[4 * ptrs.len() + total..4 * ptrs.len() + 2 * total];
-    let mut t = 0;
-    for (first, _, slots) in chunks {
-        for w in &mut row_words[t..t + slots.len()] {
-            *w += first as u32;
-        }
-        t += slots.len();
-    }
-    table
 }
 
 /// The logical layouts of vLLM's caches the check covers, with their
@@ -337,7 +311,7 @@ mod tests {
     fn rows_start_at_each_chunks_first_row() {
         let ptrs = [(1, 2), (3, 4)];
         let (p0, s0, p1, s1) = ([10, 11], [100, 101], [20], [200]);
-        let t = external_table(&ptrs, [(0, &p0[..], &s0[..]), (5, &p1[..], &s1[..])].into_iter(), 3);
+        let t = inject_table(&ptrs, [(0, &p0[..], &s0[..]), (5, &p1[..], &s1[..])].into_iter(), 3);
         // After the 4 pointer words of each of the 2 (chunk, layer) entries:
         // chunk, row, position and slot of each of the 3 tokens.
         assert_eq!(&t[8..], &[0, 0, 1, 0, 1, 5, 10, 11, 20, 100, 101, 200]);

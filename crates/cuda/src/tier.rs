@@ -188,14 +188,7 @@ impl CudaBackend {
         if total == 0 {
             return Ok(());
         }
-        if !(rope.dim() / 2).is_multiple_of(8) || !spec.head_dim.is_multiple_of(8) {
-            return Err(CudaError::Unsupported(format!(
-                "inject_kv: rotated dims {} / head_dim {} must be multiples of 16 / 8",
-                rope.dim(),
-                spec.head_dim
-            ))
-            .into());
-        }
+        check_inject_dims(rope, spec.head_dim)?;
         let mut ptrs = Vec::with_capacity(chunks.len() * layers);
         let (mut hosted, mut stored) = (false, true);
         for (ci, c) in chunks.iter().enumerate() {
@@ -213,7 +206,7 @@ impl CudaBackend {
                 ptrs.push((self.tp(k), self.tp(v)));
             }
         }
-        let table = inject_table(&ptrs, chunks.iter().map(|c| (c.positions, c.slots)), total);
+        let table = inject_table(&ptrs, chunks.iter().map(|c| (0, c.positions, c.slots)), total);
         let r = self.rope_tables(rope)?;
         let (kc, vc) = (self.ptr(&store.k), self.ptr(&store.v));
         let (tt, nc, nl) = (total as u32, chunks.len() as u32, layers as u32);
@@ -258,14 +251,27 @@ impl CudaBackend {
     }
 }
 
+/// What the injection kernels' 16-byte accesses and pairwise rotation need.
+pub(crate) fn check_inject_dims(rope: &Rope, head_dim: usize) -> Result<()> {
+    if !(rope.dim() / 2).is_multiple_of(8) || !head_dim.is_multiple_of(8) {
+        return Err(CudaError::Unsupported(format!(
+            "inject_kv: rotated dims {} / head_dim {head_dim} must be multiples of 16 / 8",
+            rope.dim()
+        ))
+        .into());
+    }
+    Ok(())
+}
+
 /// The `table` argument of `inject_kv` (kernels/kv.cu), as u32 words for
 /// one upload: every (chunk, layer)'s K pointer, then every V pointer (64-bit,
 /// low word first), then four arrays of `total` entries — chunk index, row
 /// within the chunk, position, slot. `ptrs[c·layers + l]` = (K, V) of chunk c,
-/// layer l; `chunks` yields each chunk's positions and slots.
+/// layer l; `chunks` yields each chunk's first row to write (0 for all of
+/// it), and the positions and slots of the rows from there.
 pub(crate) fn inject_table<'a>(
     ptrs: &[(u64, u64)],
-    chunks: impl Iterator<Item = (&'a [u32], &'a [u32])>,
+    chunks: impl Iterator<Item = (usize, &'a [u32], &'a [u32])>,
     total: usize,
 ) -> Vec<u32> {
     let mut table = vec![0u32; 4 * ptrs.len() + 4 * total];
@@ -276,10 +282,10 @@ pub(crate) fn inject_table<'a>(
         }
     }
     let mut t = 0;
-    for (ci, (positions, slots)) in chunks.enumerate() {
+    for (ci, (first, positions, slots)) in chunks.enumerate() {
         for (row, (&p, &s)) in positions.iter().zip(slots).enumerate() {
             meta[t] = ci as u32;
-            meta[total + t] = row as u32;
+            meta[total + t] = (first + row) as u32;
             meta[2 * total + t] = p;
             meta[3 * total + t] = s;
             t += 1;
@@ -296,7 +302,7 @@ mod tests {
     fn inject_table_matches_the_kernels_layout() {
         let ptrs = [(0x1_0000_0010, 0x2_0000_0020), (0x3_0000_0030, 0x4_0000_0040), (5, 6), (7, 8)];
         let (p0, s0, p1, s1) = ([10, 11], [100, 101], [20], [200]);
-        let t = inject_table(&ptrs, [(&p0[..], &s0[..]), (&p1[..], &s1[..])].into_iter(), 3);
+        let t = inject_table(&ptrs, [(0, &p0[..], &s0[..]), (0, &p1[..], &s1[..])].into_iter(), 3);
         let word = |i: usize| t[2 * i] as u64 | (t[2 * i + 1] as u64) << 32;
         // The kernel reads 64-bit K pointers at [c·L + l], V pointers after them.
         assert_eq!((0..4).map(word).collect::<Vec<_>>(), [0x1_0000_0010, 0x3_0000_0030, 5, 7]);

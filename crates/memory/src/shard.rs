@@ -291,6 +291,11 @@ impl<B: Backend> Memory<B> {
         Ok(&self.user(user)?.facts)
     }
 
+    /// Where fact `id` of `user` is among [`Memory::facts`], if it is stored.
+    pub fn fact_index(&self, user: &str, id: &str) -> Result<Option<usize>> {
+        Ok(self.user(user)?.by_id.get(id).copied())
+    }
+
     fn user(&self, user: &str) -> Result<&UserShard<B>> {
         self.users.get(user).ok_or_else(|| MemoryError::UnknownUser(user.to_string()))
     }

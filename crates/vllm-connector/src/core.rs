@@ -12,7 +12,6 @@ use std::io::Read;
 use std::path::PathBuf;
 
 use inferscale_engine::bert::Bert;
-use inferscale_engine::rope::Rope;
 use inferscale_engine::{Backend, CpuBackend, Engine, EngineConfig, KvChunk};
 use inferscale_memory::{Composer, Encoders, IngestReport, Memory, SYSTEM_PROMPT, ShardSpec, Turn, fingerprint};
 use inferscale_model::{Family, ModelFiles, RopeScaling, shapes};
@@ -55,12 +54,14 @@ pub struct Composed {
 }
 
 pub struct Core<B: Backend> {
-    files: ModelFiles,
+    /// A core lives as long as its process (one per vLLM worker, kept in
+    /// the shim's registry), so its model files are leaked: the composer
+    /// borrows them for good and is built once, not per request.
+    files: &'static ModelFiles,
+    composer: Composer<'static>,
     engine: Engine<B>,
     embedder: Bert<B>,
     memory: Memory<B>,
-    rope: Rope,
-    header: Vec<u32>,
     header_kv: KvChunk<B>,
     shape: ModelShape,
     fingerprint: String,
@@ -68,6 +69,8 @@ pub struct Core<B: Backend> {
     /// vLLM's cached blocks of the old memory are never hit again.
     generation: HashMap<String, u64>,
     plans: HashMap<String, Plan>,
+    /// Plan ids in issue order, for the [`MAX_PLANS`] bound; ids of plans
+    /// already finished stay until they reach the front.
     order: VecDeque<String>,
 }
 
@@ -83,33 +86,32 @@ impl<B: Backend> Core<B> {
             }
             None => inferscale_model::open(&cfg.model)?,
         };
+        let files: &'static ModelFiles = Box::leak(Box::new(files));
         let engine_cfg = EngineConfig::with_kv_bytes(
-            &files,
+            files,
             cfg.kv_cache_mb << 20,
             cfg.max_batch_tokens,
             backend.kv_bytes_per_value(),
         );
-        let mut engine = Engine::new(backend, &files, engine_cfg)?;
+        let mut engine = Engine::new(backend, files, engine_cfg)?;
         let embedder = Bert::load(engine.backend(), inferscale_model::encoder::open(&cfg.embedder)?)?;
-        let spec = ShardSpec { window: cfg.window, fingerprint: fingerprint(&files)? };
+        let spec = ShardSpec { window: cfg.window, fingerprint: fingerprint(files)? };
         let (memory, warnings) = Memory::open(&cfg.memory_dir, spec, &engine)?;
         for w in warnings {
             eprintln!("inferscale-vllm: warning: {w}");
         }
-        let header = Composer::new(&files, SYSTEM_PROMPT)?.header().to_vec();
+        let composer = Composer::new(files, SYSTEM_PROMPT)?;
         // The header at position 0 with nothing before it: its pre-RoPE KV is
         // exactly what a prefill of the prompt's first tokens computes (E2).
-        let header_kv = engine.encode(&[], &header, 0)?;
-        let rope = engine.model().rope().clone();
-        let shape = model_shape(&files);
+        let header_kv = engine.encode(&[], composer.header(), 0)?;
+        let shape = model_shape(files);
         let fingerprint = shape_fingerprint(&shape);
         Ok(Core {
             files,
+            composer,
             engine,
             embedder,
             memory,
-            rope,
-            header,
             header_kv,
             shape,
             fingerprint,
@@ -128,13 +130,12 @@ impl<B: Backend> Core<B> {
     }
 
     pub fn files(&self) -> &ModelFiles {
-        &self.files
+        self.files
     }
 
     /// Stores `turns` for `user` (durably, before returning) and encodes their KV.
     pub fn ingest(&mut self, user: &str, turns: &[Turn]) -> Result<IngestReport> {
-        let composer = Composer::new(&self.files, SYSTEM_PROMPT)?;
-        let mut enc = Encoders { engine: &mut self.engine, embedder: &self.embedder, composer: &composer };
+        let mut enc = Encoders { engine: &mut self.engine, embedder: &self.embedder, composer: &self.composer };
         let report = self.memory.ingest(user, turns, &mut enc)?;
         *self.generation.entry(user.to_string()).or_default() += 1;
         Ok(report)
@@ -160,8 +161,7 @@ impl<B: Backend> Core<B> {
     /// injects header and facts. The prompt-mode baseline is the same
     /// prompt with no plan: identical token ids at identical positions.
     pub fn compose(&mut self, user: &str, question: &str, k: usize) -> Result<Composed> {
-        let composer = Composer::new(&self.files, SYSTEM_PROMPT)?;
-        let q_tokens = composer.question(question)?;
+        let q_tokens = self.composer.question(question)?;
         let best = if k > 0 && self.memory.has_user(user) {
             let q = self.embedder.embed(self.engine.backend(), &[question])?;
             let q =
@@ -170,13 +170,13 @@ impl<B: Backend> Core<B> {
         } else {
             Vec::new()
         };
-        let mut prompt = self.header.clone();
-        let mut chunks = vec![Chunk { fact: None, start: 0, len: self.header.len() }];
+        let mut prompt = self.composer.header().to_vec();
+        let mut chunks = vec![Chunk { fact: None, start: 0, len: prompt.len() }];
         let mut fact_ids = Vec::with_capacity(best.len());
         if !best.is_empty() {
             self.memory.ensure_kv(
                 user,
-                &mut Encoders { engine: &mut self.engine, embedder: &self.embedder, composer: &composer },
+                &mut Encoders { engine: &mut self.engine, embedder: &self.embedder, composer: &self.composer },
             )?;
             let facts = self.memory.facts(user)?;
             for &i in best.iter().rev() {
@@ -203,6 +203,11 @@ impl<B: Backend> Core<B> {
     }
 
     fn remember(&mut self, plan: Plan) {
+        // Finished plans' ids are dropped here, not in `finish` (which would
+        // scan the queue at every request's end).
+        while self.order.front().is_some_and(|id| !self.plans.contains_key(id)) {
+            self.order.pop_front();
+        }
         if self.order.len() >= MAX_PLANS
             && let Some(old) = self.order.pop_front()
         {
@@ -214,9 +219,7 @@ impl<B: Backend> Core<B> {
 
     /// Forgets an issued plan (its request finished).
     pub fn finish(&mut self, plan_id: &str) {
-        if self.plans.remove(plan_id).is_some() {
-            self.order.retain(|id| id != plan_id);
-        }
+        self.plans.remove(plan_id);
     }
 
     /// The stored KV of each of `plan`'s chunks, once `plan` is found to be
@@ -238,10 +241,9 @@ impl<B: Backend> Core<B> {
         let kv = match &c.fact {
             None => &self.header_kv,
             Some(id) => {
-                let facts = self.memory.facts(user)?;
-                let i = facts
-                    .iter()
-                    .position(|f| &f.id == id)
+                let i = self
+                    .memory
+                    .fact_index(user, id)?
                     .ok_or_else(|| ConnectorError::Plan(format!("{user:?} has no fact {id:?} any more")))?;
                 self.memory
                     .kv(user, i)?
@@ -294,7 +296,7 @@ impl Core<CpuBackend> {
                 .zip(&plan.chunks)
                 .map(|(kv, c)| Rows { k: &kv.k[l].data, v: &kv.v[l].data, start: c.start })
                 .collect();
-            write_layer(cache, view, &self.rope, &rows, block_ids, from)?;
+            write_layer(cache, view, self.engine.model().rope(), &rows, block_ids, from)?;
         }
         Ok(())
     }
@@ -372,7 +374,7 @@ impl Core<inferscale_cuda::CudaBackend> {
             s_kv: s.kv,
         };
         // SAFETY: forwarded from the caller.
-        unsafe { self.engine.backend().inject_external(&cache, &ext, &self.rope, stream)? };
+        unsafe { self.engine.backend().inject_external(&cache, &ext, self.engine.model().rope(), stream)? };
         Ok(())
     }
 }

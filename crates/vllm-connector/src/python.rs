@@ -217,8 +217,9 @@ impl PyCore {
     /// Loads the plan in `params_json` into the registered caches at the
     /// slots of `block_ids`, positions `from_position..end`; device caches
     /// on CUDA stream `stream` (torch's current stream, as an integer).
+    /// Returns the plan's id (for [`PyCore::finish`] when the request ends).
     #[pyo3(signature = (params_json, block_ids, from_position, stream = 0))]
-    fn load(&self, params_json: &str, block_ids: Vec<u32>, from_position: usize, stream: u64) -> PyResult<()> {
+    fn load(&self, params_json: &str, block_ids: Vec<u32>, from_position: usize, stream: u64) -> PyResult<String> {
         let plan = parse_plan(params_json)?;
         let inner = self.lock()?;
         let layers = self.layers.lock().map_err(|_| PyRuntimeError::new_err("layers poisoned"))?;
@@ -236,8 +237,9 @@ impl PyCore {
                 // the view (device memory vLLM keeps for the engine's life);
                 // `stream` is torch's current stream of this device, on which
                 // vLLM runs the forward that reads these blocks.
-                return unsafe { core.load_device(&plan, &bases, &layers[0].view, &block_ids, from_position, stream) }
-                    .map_err(py_err);
+                unsafe { core.load_device(&plan, &bases, &layers[0].view, &block_ids, from_position, stream) }
+                    .map_err(py_err)?;
+                return Ok(plan.id);
             }
         };
         let _ = stream;
@@ -263,7 +265,8 @@ impl PyCore {
                 (cache, l.view)
             })
             .collect();
-        core.load(&plan, &mut caches, &block_ids, from_position).map_err(py_err)
+        core.load(&plan, &mut caches, &block_ids, from_position).map_err(py_err)?;
+        Ok(plan.id)
     }
 
     /// Forgets an issued plan once its request is done.
@@ -351,12 +354,6 @@ fn plan_end(params_json: &str) -> PyResult<usize> {
     Ok(parse_plan(params_json)?.end())
 }
 
-/// The plan id in `params_json`.
-#[pyfunction]
-fn plan_id(params_json: &str) -> PyResult<String> {
-    Ok(parse_plan(params_json)?.id)
-}
-
 /// The fingerprint of a model shape as vLLM's config describes it.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)] // one argument per config field, named at the call
@@ -390,7 +387,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyCore>()?;
     m.add_function(wrap_pyfunction!(external_tokens, m)?)?;
     m.add_function(wrap_pyfunction!(plan_end, m)?)?;
-    m.add_function(wrap_pyfunction!(plan_id, m)?)?;
     m.add_function(wrap_pyfunction!(shape_fingerprint, m)?)?;
     m.add_function(wrap_pyfunction!(shape_hf_config, m)?)?;
     m.add("PARAMS_KEY", plan::PARAMS_KEY)?;

@@ -306,8 +306,8 @@ class InferScaleConnector(KVConnectorBase_V1):
                     raise ValueError(self._unusable)
                 assert self._core is not None
                 stream = _current_stream() if self._on_device else 0
-                self._core.load(load.params_json, load.block_ids, load.from_position, stream)
-                self._plans_by_req[load.req_id] = _core.plan_id(load.params_json)
+                plan = self._core.load(load.params_json, load.block_ids, load.from_position, stream)
+                self._plans_by_req[load.req_id] = plan
                 STATS["loads"] += 1
             except ValueError as e:
                 logger.warning("inferscale: request %s: %s; recomputing its memory", load.req_id, e)

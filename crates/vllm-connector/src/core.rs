@@ -13,7 +13,10 @@ use std::path::PathBuf;
 
 use inferscale_engine::bert::Bert;
 use inferscale_engine::{Backend, CpuBackend, Engine, EngineConfig, KvChunk};
-use inferscale_memory::{Composer, Encoders, IngestReport, Memory, SYSTEM_PROMPT, ShardSpec, Turn, fingerprint};
+use inferscale_memory::{
+    Composer, Encoders, ImportReport, IngestReport, KvHeader, Memory, SYSTEM_PROMPT, ShardRecord, ShardSpec,
+    StagedShard, Turn, fingerprint,
+};
 use inferscale_model::{Family, ModelFiles, RopeScaling, shapes};
 
 use crate::error::{ConnectorError, Result};
@@ -72,6 +75,9 @@ pub struct Core<B: Backend> {
     /// Plan ids in issue order, for the [`MAX_PLANS`] bound; ids of plans
     /// already finished stay until they reach the front.
     order: VecDeque<String>,
+    /// Memory tokens written per plan, for plans whose issuer asked to
+    /// know ([`Core::compose_tracked`]); taken by [`Core::take_loaded`].
+    loaded: HashMap<String, usize>,
 }
 
 impl<B: Backend> Core<B> {
@@ -118,6 +124,7 @@ impl<B: Backend> Core<B> {
             generation: HashMap::new(),
             plans: HashMap::new(),
             order: VecDeque::new(),
+            loaded: HashMap::new(),
         })
     }
 
@@ -129,15 +136,38 @@ impl<B: Backend> Core<B> {
         &self.fingerprint
     }
 
-    pub fn files(&self) -> &ModelFiles {
+    /// The model files, for the life of the process (the gRPC front
+    /// detokenizes vLLM's output with its tokenizer, without the lock).
+    pub fn files(&self) -> &'static ModelFiles {
         self.files
+    }
+
+    /// The memory shard (read-only: every write goes through the core, which
+    /// keeps the salts' generations).
+    pub fn memory(&self) -> &Memory<B> {
+        &self.memory
+    }
+
+    pub fn backend(&self) -> &B {
+        self.engine.backend()
     }
 
     /// Stores `turns` for `user` (durably, before returning) and encodes their KV.
     pub fn ingest(&mut self, user: &str, turns: &[Turn]) -> Result<IngestReport> {
+        self.ingest_with(user, turns, false)
+    }
+
+    /// [`Core::ingest`], or with `defer_kv` the facts only (their KV is
+    /// encoded when a request first retrieves them: a replica's copy).
+    pub fn ingest_with(&mut self, user: &str, turns: &[Turn], defer_kv: bool) -> Result<IngestReport> {
         let mut enc = Encoders { engine: &mut self.engine, embedder: &self.embedder, composer: &self.composer };
-        let report = self.memory.ingest(user, turns, &mut enc)?;
-        *self.generation.entry(user.to_string()).or_default() += 1;
+        let report = match defer_kv {
+            true => self.memory.ingest_deferred(user, turns, &mut enc)?,
+            false => self.memory.ingest(user, turns, &mut enc)?,
+        };
+        if report.added > 0 {
+            self.bump(user);
+        }
         Ok(report)
     }
 
@@ -147,8 +177,37 @@ impl<B: Backend> Core<B> {
             Some(id) => self.memory.forget_fact(user, id)?,
             None => self.memory.forget_user(user)?,
         }
-        *self.generation.entry(user.to_string()).or_default() += 1;
+        self.bump(user);
         Ok(())
+    }
+
+    /// A new memory generation for `user`: plans of the old one no longer
+    /// match the salt, so vLLM's cached blocks of it are never hit again.
+    fn bump(&mut self, user: &str) {
+        *self.generation.entry(user.to_string()).or_default() += 1;
+    }
+
+    /// Transfer records of `user`'s facts `ids` (see [`Memory::export`]).
+    pub fn export(
+        &self,
+        user: &str,
+        ids: &[String],
+        with_kv: bool,
+        max_bytes: usize,
+    ) -> Result<(Vec<ShardRecord>, usize)> {
+        Ok(self.memory.export(self.engine.backend(), user, ids, with_kv, max_bytes)?)
+    }
+
+    /// Where imports are staged, and the KV header a shard must match.
+    pub fn import_target(&self) -> (PathBuf, KvHeader) {
+        (self.memory.dir().to_path_buf(), self.memory.kv_header().clone())
+    }
+
+    /// Commits a staged shard in place of `user`'s copy here.
+    pub fn commit_import(&mut self, user: &str, staged: StagedShard) -> Result<ImportReport> {
+        let r = self.memory.commit_import(self.engine.backend(), user, staged)?;
+        self.bump(user);
+        Ok(r)
     }
 
     /// Facts `user` has.
@@ -200,6 +259,26 @@ impl<B: Backend> Core<B> {
         };
         self.remember(plan.clone());
         Ok(Composed { prompt, plan, fact_ids })
+    }
+
+    /// [`Core::compose`], counting the memory tokens its loads write (for
+    /// the request's usage): [`Core::take_loaded`] reads and drops the count.
+    pub fn compose_tracked(&mut self, user: &str, question: &str, k: usize) -> Result<Composed> {
+        let c = self.compose(user, question, k)?;
+        self.loaded.insert(c.plan.id.clone(), 0);
+        Ok(c)
+    }
+
+    /// Memory tokens the loads of a tracked plan wrote (0 when vLLM found
+    /// them all in its prefix cache or refused the plan), once.
+    pub fn take_loaded(&mut self, plan_id: &str) -> usize {
+        self.loaded.remove(plan_id).unwrap_or(0)
+    }
+
+    fn note_loaded(&mut self, plan: &Plan, from: usize) {
+        if let Some(n) = self.loaded.get_mut(&plan.id) {
+            *n += plan.end().saturating_sub(from);
+        }
     }
 
     fn remember(&mut self, plan: Plan) {
@@ -283,7 +362,7 @@ impl Core<CpuBackend> {
     /// one this core issued, unchanged; every layer is checked before the
     /// first write.
     pub fn load(
-        &self,
+        &mut self,
         plan: &Plan,
         layers: &mut [(CacheMut<'_>, CacheView)],
         block_ids: &[u32],
@@ -298,6 +377,7 @@ impl Core<CpuBackend> {
                 .collect();
             write_layer(cache, view, self.engine.model().rope(), &rows, block_ids, from)?;
         }
+        self.note_loaded(plan, from);
         Ok(())
     }
 }
@@ -313,7 +393,7 @@ impl Core<inferscale_cuda::CudaBackend> {
     /// each base a live bf16 allocation that `view` addresses; vLLM orders
     /// its own work on that stream.
     pub unsafe fn load_device(
-        &self,
+        &mut self,
         plan: &Plan,
         bases: &[u64],
         view: &CacheView,
@@ -375,7 +455,27 @@ impl Core<inferscale_cuda::CudaBackend> {
         };
         // SAFETY: forwarded from the caller.
         unsafe { self.engine.backend().inject_external(&cache, &ext, self.engine.model().rope(), stream)? };
+        self.note_loaded(plan, from);
         Ok(())
+    }
+}
+
+/// A core on whichever backend it was opened with: what the PyO3 module
+/// and the gRPC front share (behind one lock).
+pub enum AnyCore {
+    Cpu(Box<Core<CpuBackend>>),
+    #[cfg(feature = "cuda")]
+    Cuda(Box<Core<inferscale_cuda::CudaBackend>>),
+}
+
+impl AnyCore {
+    /// The backend's name, as a worker's health answer gives it.
+    pub fn backend_name(&self) -> &'static str {
+        match self {
+            AnyCore::Cpu(_) => "cpu",
+            #[cfg(feature = "cuda")]
+            AnyCore::Cuda(_) => "cuda",
+        }
     }
 }
 

@@ -9,15 +9,31 @@
 //! - [`inject`]: the write of stored KV into one layer of a host cache
 //!   (device caches: `inferscale_cuda::external`, with feature `cuda`).
 //! - [`core`]: the memory shard, composition and loads, on either backend.
+//! - [`front`]: the worker gRPC API served from the core's process, its
+//!   Generate relayed to the co-located vLLM server (`relay`).
 //! - `python` (feature `python`): the PyO3 module `inferscale_vllm._core`
 //!   behind the Python shim `inferscale_vllm.connector`.
 
+/// Runs `$e` with `$c` bound to the [`core::Core`] inside an
+/// [`core::AnyCore`], whichever backend it runs on.
+macro_rules! each {
+    ($any:expr, $c:ident => $e:expr) => {
+        match $any {
+            $crate::core::AnyCore::Cpu($c) => $e,
+            #[cfg(feature = "cuda")]
+            $crate::core::AnyCore::Cuda($c) => $e,
+        }
+    };
+}
+
 pub mod core;
 pub mod error;
+pub mod front;
 pub mod inject;
 pub mod layout;
 pub mod plan;
 #[cfg(feature = "python")]
 mod python;
+mod relay;
 
 pub use error::{ConnectorError, Result};

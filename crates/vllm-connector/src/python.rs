@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use inferscale_memory::Turn;
 use inferscale_model::RopeScaling;
@@ -13,7 +13,7 @@ use pyo3::prelude::*;
 
 use inferscale_engine::CpuBackend;
 
-use crate::core::{Core, CoreConfig};
+use crate::core::{AnyCore, Core, CoreConfig};
 use crate::error::ConnectorError;
 use crate::inject::CacheMut;
 use crate::layout::{CacheView, DType, Geometry};
@@ -45,33 +45,17 @@ struct Layer {
     view: CacheView,
 }
 
-/// The core on the backend it was opened with.
-enum Inner {
-    Cpu(Box<Core<CpuBackend>>),
-    #[cfg(feature = "cuda")]
-    Cuda(Box<Core<inferscale_cuda::CudaBackend>>),
-}
-
-/// Runs `$e` with `$c` bound to the core, whichever backend it runs on.
-macro_rules! each {
-    ($inner:expr, $c:ident => $e:expr) => {
-        match $inner {
-            Inner::Cpu($c) => $e,
-            #[cfg(feature = "cuda")]
-            Inner::Cuda($c) => $e,
-        }
-    };
-}
-
 /// The connector's core (see the Rust crate's `core` module).
 #[pyclass(frozen, name = "Core")]
 struct PyCore {
-    core: Mutex<Inner>,
+    /// Shared with the gRPC front's threads, once serving.
+    core: Arc<Mutex<AnyCore>>,
     layers: Mutex<Vec<Layer>>,
+    front: Mutex<Option<crate::front::Front>>,
 }
 
 impl PyCore {
-    fn lock(&self) -> PyResult<std::sync::MutexGuard<'_, Inner>> {
+    fn lock(&self) -> PyResult<std::sync::MutexGuard<'_, AnyCore>> {
         self.core.lock().map_err(|_| PyRuntimeError::new_err("core poisoned by an earlier panic"))
     }
 }
@@ -103,12 +87,12 @@ impl PyCore {
             max_batch_tokens,
         };
         let inner = match backend {
-            "cpu" => Inner::Cpu(Box::new(Core::open(&cfg, CpuBackend).map_err(py_err)?)),
+            "cpu" => AnyCore::Cpu(Box::new(Core::open(&cfg, CpuBackend).map_err(py_err)?)),
             #[cfg(feature = "cuda")]
             "cuda" => {
                 let be = inferscale_cuda::CudaBackend::new(device)
                     .map_err(|e| PyRuntimeError::new_err(format!("opening GPU {device}: {e}")))?;
-                Inner::Cuda(Box::new(Core::open(&cfg, be).map_err(py_err)?))
+                AnyCore::Cuda(Box::new(Core::open(&cfg, be).map_err(py_err)?))
             }
             other => {
                 let _ = device;
@@ -118,7 +102,7 @@ impl PyCore {
                 )));
             }
         };
-        Ok(PyCore { core: Mutex::new(inner), layers: Mutex::new(Vec::new()) })
+        Ok(PyCore { core: Arc::new(Mutex::new(inner)), layers: Mutex::new(Vec::new()), front: Mutex::new(None) })
     }
 
     /// The model shape's fingerprint (what a plan's `fingerprint` names).
@@ -134,7 +118,7 @@ impl PyCore {
 
     /// Stores turns (dicts with `id`, `text` and optionally `speaker`,
     /// `time`, `source_turn`) for `user`; returns how many were new.
-    fn ingest(&self, user: &str, turns: Vec<HashMap<String, String>>) -> PyResult<usize> {
+    fn ingest(&self, py: Python<'_>, user: &str, turns: Vec<HashMap<String, String>>) -> PyResult<usize> {
         let turns = turns
             .into_iter()
             .enumerate()
@@ -153,7 +137,7 @@ impl PyCore {
                 Ok(turn)
             })
             .collect::<PyResult<Vec<Turn>>>()?;
-        Ok(each!(&mut *self.lock()?, c => c.ingest(user, &turns)).map_err(py_err)?.added)
+        py.detach(|| Ok(each!(&mut *self.lock()?, c => c.ingest(user, &turns)).map_err(py_err)?.added))
     }
 
     #[pyo3(signature = (user, fact = None))]
@@ -168,8 +152,14 @@ impl PyCore {
     /// `(prompt token ids, kv_transfer_params as JSON, cache_salt, fact ids)`
     /// of a kv-mode request; the prompt-mode baseline submits the same ids
     /// with neither params nor salt.
-    fn compose(&self, user: &str, question: &str, k: usize) -> PyResult<(Vec<u32>, String, String, Vec<String>)> {
-        let c = each!(&mut *self.lock()?, c => c.compose(user, question, k)).map_err(py_err)?;
+    fn compose(
+        &self,
+        py: Python<'_>,
+        user: &str,
+        question: &str,
+        k: usize,
+    ) -> PyResult<(Vec<u32>, String, String, Vec<String>)> {
+        let c = py.detach(|| each!(&mut *self.lock()?, c => c.compose(user, question, k)).map_err(py_err))?;
         Ok((c.prompt, c.plan.to_params().to_string(), c.plan.salt.clone(), c.fact_ids))
     }
 
@@ -179,7 +169,7 @@ impl PyCore {
     fn register_caches(&self, layers: Vec<TensorArgs>, block_size: usize, on_device: bool) -> PyResult<String> {
         let (shape, device_core) = {
             let inner = self.lock()?;
-            (each!(&*inner, c => c.shape().clone()), !matches!(*inner, Inner::Cpu(_)))
+            (each!(&*inner, c => c.shape().clone()), !matches!(*inner, AnyCore::Cpu(_)))
         };
         if on_device != device_core {
             return Err(PyValueError::new_err(format!(
@@ -219,25 +209,84 @@ impl PyCore {
     /// on CUDA stream `stream` (torch's current stream, as an integer).
     /// Returns the plan's id (for [`PyCore::finish`] when the request ends).
     #[pyo3(signature = (params_json, block_ids, from_position, stream = 0))]
-    fn load(&self, params_json: &str, block_ids: Vec<u32>, from_position: usize, stream: u64) -> PyResult<String> {
+    fn load(
+        &self,
+        py: Python<'_>,
+        params_json: &str,
+        block_ids: Vec<u32>,
+        from_position: usize,
+        stream: u64,
+    ) -> PyResult<String> {
+        // Without the GIL: the gRPC front may hold the core for an ingest batch.
+        py.detach(|| self.load_plan(params_json, &block_ids, from_position, stream))
+    }
+
+    /// Serves the worker gRPC API on `listen` (`host:port`) from background
+    /// threads, its Generate relayed to the vLLM server at `vllm_url`
+    /// serving `served_model`. Returns the bound address. Once per core.
+    #[pyo3(signature = (listen, vllm_url, served_model, max_k = 200, max_in_flight = 256))]
+    fn serve(
+        &self,
+        listen: &str,
+        vllm_url: &str,
+        served_model: &str,
+        max_k: usize,
+        max_in_flight: usize,
+    ) -> PyResult<String> {
+        let mut front = self.front.lock().map_err(|_| PyRuntimeError::new_err("front poisoned"))?;
+        if let Some(f) = front.as_ref() {
+            return Err(PyRuntimeError::new_err(format!("this core already serves on {}", f.addr())));
+        }
+        let addr: std::net::SocketAddr =
+            listen.parse().map_err(|e| PyValueError::new_err(format!("grpc_listen {listen:?}: {e}")))?;
+        if max_k == 0 || max_in_flight == 0 {
+            return Err(PyValueError::new_err("max_k and max_in_flight must be at least 1"));
+        }
+        let mut cfg = crate::front::FrontConfig::new(addr, vllm_url, served_model);
+        cfg.max_k = max_k;
+        cfg.max_in_flight = max_in_flight;
+        let f = crate::front::serve(self.core.clone(), cfg).map_err(py_err)?;
+        let bound = f.addr().to_string();
+        *front = Some(f);
+        Ok(bound)
+    }
+
+    /// Forgets an issued plan once its request is done.
+    fn finish(&self, py: Python<'_>, plan_id: &str) -> PyResult<()> {
+        py.detach(|| {
+            each!(&mut *self.lock()?, c => c.finish(plan_id));
+            Ok(())
+        })
+    }
+
+    /// Per layer `(K, V)`, each `[tokens · kv_dim]` floats, K rotated: the
+    /// cache contents a prompt prefill of `tokens` alone at `start..` leaves.
+    fn reference_kv(&self, tokens: Vec<u32>, start: u32) -> PyResult<Vec<(Vec<f32>, Vec<f32>)>> {
+        each!(&mut *self.lock()?, c => c.reference_kv(&tokens, start)).map_err(py_err)
+    }
+}
+
+impl PyCore {
+    /// [`PyCore::load`]'s body, run without the GIL.
+    fn load_plan(&self, params_json: &str, block_ids: &[u32], from_position: usize, stream: u64) -> PyResult<String> {
         let plan = parse_plan(params_json)?;
-        let inner = self.lock()?;
+        let mut inner = self.lock()?;
         let layers = self.layers.lock().map_err(|_| PyRuntimeError::new_err("layers poisoned"))?;
         if layers.is_empty() {
             return Err(PyValueError::new_err("no kv caches registered"));
         }
         // Without the cuda feature the match has one arm.
         #[allow(clippy::infallible_destructuring_match)]
-        let core = match &*inner {
-            Inner::Cpu(core) => core,
+        let core = match &mut *inner {
+            AnyCore::Cpu(core) => core,
             #[cfg(feature = "cuda")]
-            Inner::Cuda(core) => {
+            AnyCore::Cuda(core) => {
                 let bases: Vec<u64> = layers.iter().map(|l| l.ptr as u64).collect();
                 // SAFETY: registration checked each pointer's storage against
                 // the view (device memory vLLM keeps for the engine's life);
                 // `stream` is torch's current stream of this device, on which
                 // vLLM runs the forward that reads these blocks.
-                unsafe { core.load_device(&plan, &bases, &layers[0].view, &block_ids, from_position, stream) }
+                unsafe { core.load_device(&plan, &bases, &layers[0].view, block_ids, from_position, stream) }
                     .map_err(py_err)?;
                 return Ok(plan.id);
             }
@@ -265,20 +314,8 @@ impl PyCore {
                 (cache, l.view)
             })
             .collect();
-        core.load(&plan, &mut caches, &block_ids, from_position).map_err(py_err)?;
+        core.load(&plan, &mut caches, block_ids, from_position).map_err(py_err)?;
         Ok(plan.id)
-    }
-
-    /// Forgets an issued plan once its request is done.
-    fn finish(&self, plan_id: &str) -> PyResult<()> {
-        each!(&mut *self.lock()?, c => c.finish(plan_id));
-        Ok(())
-    }
-
-    /// Per layer `(K, V)`, each `[tokens · kv_dim]` floats, K rotated: the
-    /// cache contents a prompt prefill of `tokens` alone at `start..` leaves.
-    fn reference_kv(&self, tokens: Vec<u32>, start: u32) -> PyResult<Vec<(Vec<f32>, Vec<f32>)>> {
-        each!(&mut *self.lock()?, c => c.reference_kv(&tokens, start)).map_err(py_err)
     }
 }
 

@@ -447,3 +447,24 @@ def test_layer_names_are_ordered_by_index():
     with pytest.raises(ValueError, match="no layer index"):
         isc._layer_order(["lm_head"])
     assert re.search(r"layers", names[0])
+
+
+def test_the_worker_api_starts_once_per_core_when_configured(core, model_dir, extra):
+    import socket
+
+    served = dict(extra, grpc_listen="127.0.0.1:0", vllm_url="http://127.0.0.1:8000")
+    vc = vllm_config(model_dir, served)
+    w = isc.InferScaleConnector(vc, KVConnectorRole.WORKER, None)
+    assert w._core is core, "the same process core serves the API"
+    bound = isc.serve_front(core, served, vc)
+    host, port = bound.rsplit(":", 1)
+    assert int(port) > 0
+    socket.create_connection((host, int(port)), timeout=5).close()
+    # A second connector of this process reuses the running API.
+    isc.InferScaleConnector(vc, KVConnectorRole.WORKER, None)
+    assert isc.serve_front(core, served, vc) == bound
+    with pytest.raises(RuntimeError, match="already serves"):
+        core.serve("127.0.0.1:0", "http://127.0.0.1:8000", "m")
+    with pytest.raises(ValueError, match="vllm_url"):
+        isc.serve_front(core, dict(extra, grpc_listen="127.0.0.1:0"), vc)
+    assert isc.serve_front(core, extra, vc) is None, "not configured: nothing served"

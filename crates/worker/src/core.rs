@@ -30,7 +30,7 @@ use crate::text::{Delta, TextStream};
 
 mod moves;
 
-pub use moves::ShardCommand;
+pub use moves::{Moves, ShardCommand};
 
 /// What the engine thread owns.
 pub struct WorkerParts<B: Backend> {

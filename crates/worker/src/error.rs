@@ -54,6 +54,15 @@ pub enum WorkerError {
     /// A device-to-device link of a shard move failed (see [`crate::link`]).
     #[error("link: {0}")]
     Link(String),
+
+    /// The engine a worker hands generation to (vLLM, in vLLM mode) is
+    /// unreachable or failed the request. Retryable.
+    #[error("engine: {0}")]
+    Upstream(String),
+
+    /// A fault of this worker that the caller cannot fix.
+    #[error("{0}")]
+    Internal(String),
 }
 
 impl From<MemoryError> for WorkerError {
@@ -81,10 +90,14 @@ impl From<WorkerError> for tonic::Status {
             WorkerError::Admit(AdmitError::Duplicate(_)) => Code::AlreadyExists,
             WorkerError::Deadline(_) => Code::DeadlineExceeded,
             WorkerError::Forgotten(_) => Code::Aborted,
-            WorkerError::Shutdown | WorkerError::Moving(_) | WorkerError::Link(_) => Code::Unavailable,
-            WorkerError::Memory(_) | WorkerError::Engine(_) | WorkerError::Model(_) | WorkerError::Startup(_) => {
-                Code::Internal
+            WorkerError::Shutdown | WorkerError::Moving(_) | WorkerError::Link(_) | WorkerError::Upstream(_) => {
+                Code::Unavailable
             }
+            WorkerError::Memory(_)
+            | WorkerError::Engine(_)
+            | WorkerError::Model(_)
+            | WorkerError::Startup(_)
+            | WorkerError::Internal(_) => Code::Internal,
         };
         tonic::Status::new(code, e.to_string())
     }

@@ -23,4 +23,4 @@ pub mod transfer;
 pub use core::{WorkerConfig, WorkerParts};
 pub use error::{Result, WorkerError};
 pub use scheduler::{AdmitError, RequestSpec, Scheduler, SchedulerConfig, Step, StepItem};
-pub use service::{WorkerInfo, WorkerService, spawn};
+pub use service::{WorkerInfo, WorkerService, spawn, spawn_handler};

@@ -61,12 +61,13 @@ impl Default for WorkerMetrics {
 }
 
 impl WorkerMetrics {
-    pub(crate) fn first_token(&self, mode: Mode, seconds: f64) {
+    /// A request's first token, `seconds` after its arrival.
+    pub fn first_token(&self, mode: Mode, seconds: f64) {
         self.ttft[mode_index(mode)].observe(seconds);
     }
 
     /// A finished request's decode: `tokens` after the first in `seconds`.
-    pub(crate) fn decoded(&self, mode: Mode, tokens: usize, seconds: f64) {
+    pub fn decoded(&self, mode: Mode, tokens: usize, seconds: f64) {
         if tokens > 0 {
             self.tpot[mode_index(mode)].observe(seconds / tokens as f64);
         }

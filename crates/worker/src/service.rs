@@ -86,6 +86,32 @@ where
     Ok((WorkerService { tx, info, ready, metrics, links: None }, thread))
 }
 
+/// Starts a thread that carries out the service's commands with `handle`
+/// instead of an engine of ours: the vLLM-mode worker, whose generation
+/// is vLLM's, serves the same API this way. The service is ready while
+/// `handle` runs; `handle` returns when every clone of the service is gone
+/// (its receiver disconnects).
+pub fn spawn_handler<F>(handle: F, info: WorkerInfo) -> Result<(WorkerService, std::thread::JoinHandle<()>)>
+where
+    F: FnOnce(std::sync::mpsc::Receiver<Command>, Arc<WorkerMetrics>) -> Result<()> + Send + 'static,
+{
+    let (tx, rx) = std::sync::mpsc::channel();
+    let ready = Arc::new(AtomicBool::new(true));
+    let flag = ready.clone();
+    let metrics = Arc::new(WorkerMetrics::default());
+    let observed = metrics.clone();
+    let thread = std::thread::Builder::new()
+        .name("inferscale-commands".into())
+        .spawn(move || {
+            let _ready = NotReadyOnDrop(flag);
+            if let Err(e) = handle(rx, observed) {
+                eprintln!("inferscale worker: command thread stopped: {e}");
+            }
+        })
+        .map_err(|e| WorkerError::Startup(format!("starting the command thread: {e}")))?;
+    Ok((WorkerService { tx, info, ready, metrics, links: None }, thread))
+}
+
 impl WorkerService {
     pub fn into_server(self) -> pb::worker_server::WorkerServer<WorkerService> {
         pb::worker_server::WorkerServer::new(self)

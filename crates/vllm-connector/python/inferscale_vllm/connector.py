@@ -89,6 +89,37 @@ def core_for(extra: dict[str, Any], device_type: str = "cpu") -> _core.Core:
         return core
 
 
+_FRONTS: dict[int, str] = {}
+
+
+def serve_front(core: _core.Core, extra: dict[str, Any], vllm_config: VllmConfig) -> str | None:
+    """Starts the worker gRPC API of ``core`` (once per core) when the
+    extra config names ``grpc_listen``: memory calls on this process's
+    shard, Generate relayed to the vLLM server at ``vllm_url``. Returns the
+    bound address, or None when not configured."""
+    listen = extra.get("grpc_listen")
+    if not listen:
+        return None
+    url = extra.get("vllm_url")
+    if not url:
+        raise ValueError("kv_connector_extra_config: grpc_listen needs vllm_url (this vLLM server's http://host:port)")
+    with _CORES_LOCK:
+        bound = _FRONTS.get(id(core))
+        if bound is None:
+            names = vllm_config.model_config.served_model_name
+            served = names[0] if isinstance(names, (list, tuple)) else names
+            bound = core.serve(
+                str(listen),
+                str(url),
+                str(served or vllm_config.model_config.model),
+                int(extra.get("max_k", 200)),
+                int(extra.get("max_in_flight", 256)),
+            )
+            _FRONTS[id(core)] = bound
+            logger.info("inferscale: worker API on %s (Generate through %s)", bound, url)
+        return bound
+
+
 def kv_transfer_config(extra: dict[str, Any]):
     """vLLM's ``KVTransferConfig`` that loads this connector with
     ``kv_connector_extra_config=extra`` — for ``vllm.LLM(...,
@@ -208,6 +239,7 @@ class InferScaleConnector(KVConnectorBase_V1):
                     f"vLLM runs model shape {self._fingerprint}, the memory was made with {self._core.fingerprint()}"
                 )
                 logger.error("inferscale: %s; memory will be recomputed, never injected", self._unusable)
+            serve_front(self._core, extra, vllm_config)
 
     # ---- scheduler side ----
 

@@ -72,8 +72,11 @@ pub enum ShardCommand {
     },
 }
 
+/// Which users are frozen or moved away, with their expiry: the state
+/// that keeps writes from slipping past a move. Shared by every kind of
+/// worker that serves [`ShardCommand`]s.
 #[derive(Default)]
-pub(super) struct Moves {
+pub struct Moves {
     frozen: HashMap<String, Instant>,
     freezing: Vec<(String, oneshot::Sender<Vec<String>>)>,
     moved: HashMap<String, Instant>,
@@ -92,7 +95,7 @@ fn live(map: &mut HashMap<String, Instant>, user: &str) -> bool {
 
 impl Moves {
     /// Whether `user`'s memory may be written here now.
-    pub(super) fn check_write(&mut self, user: &str) -> Result<()> {
+    pub fn check_write(&mut self, user: &str) -> Result<()> {
         if live(&mut self.frozen, user) || live(&mut self.moved, user) {
             return Err(WorkerError::Moving(user.to_string()));
         }
@@ -100,11 +103,30 @@ impl Moves {
     }
 
     /// Whether `user`'s memory may be read here now.
-    pub(super) fn check_read(&mut self, user: &str) -> Result<()> {
+    pub fn check_read(&mut self, user: &str) -> Result<()> {
         if live(&mut self.moved, user) {
             return Err(WorkerError::Moving(user.to_string()));
         }
         Ok(())
+    }
+
+    /// Refuses `user`'s writes from now until released (or [`FREEZE_TTL`]).
+    pub fn freeze(&mut self, user: &str) {
+        self.frozen.insert(user.to_string(), Instant::now() + FREEZE_TTL);
+    }
+
+    /// Ends a freeze; with `drop`, refuses `user`'s requests as moved for
+    /// [`MOVED_TTL`] (the caller removes the memory).
+    pub fn release(&mut self, user: &str, drop: bool) {
+        self.frozen.remove(user);
+        if drop {
+            self.moved.insert(user.to_string(), Instant::now() + MOVED_TTL);
+        }
+    }
+
+    /// `user`'s shard was imported here: its home is here again.
+    pub fn imported(&mut self, user: &str) {
+        self.moved.remove(user);
     }
 }
 
@@ -126,7 +148,7 @@ impl<B: Backend> Core<'_, '_, B> {
                 let _ = reply.send(r.map_err(WorkerError::from));
             }
             ShardCommand::Freeze { user, reply } => {
-                self.moves.frozen.insert(user.clone(), Instant::now() + FREEZE_TTL);
+                self.moves.freeze(&user);
                 self.moves.freezing.push((user, reply));
                 self.settle_freezes();
             }
@@ -139,15 +161,14 @@ impl<B: Backend> Core<'_, '_, B> {
                 self.drop_unstarted(&user, sched, WorkerError::Moving);
                 let r = self.memory.commit_import(self.engine.backend(), &user, staged);
                 if r.is_ok() {
-                    self.moves.moved.remove(&user);
+                    self.moves.imported(&user);
                 }
                 let _ = reply.send(r.map_err(WorkerError::from));
             }
             ShardCommand::Release { user, drop, reply } => {
-                self.moves.frozen.remove(&user);
+                self.moves.release(&user, drop);
                 let mut r = Ok(());
                 if drop {
-                    self.moves.moved.insert(user.clone(), Instant::now() + MOVED_TTL);
                     self.drop_unstarted(&user, sched, WorkerError::Moving);
                     if self.memory.has_user(&user) {
                         r = self.memory.forget_user(&user).map_err(WorkerError::from);

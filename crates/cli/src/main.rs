@@ -15,6 +15,7 @@ mod loadtest_cmd;
 mod memory_cmd;
 mod runtime;
 mod serve;
+mod vllm_cmd;
 
 use clap::{Parser, Subcommand};
 
@@ -41,6 +42,17 @@ enum Command {
         #[arg(default_value = inferscale_model::fetch::DEFAULT_MODEL)]
         model: String,
     },
+    /// Write a model (e.g. the packaged GGUF) as an HF directory — config.json
+    /// and bfloat16 model.safetensors — for engines that load only that
+    /// (`worker --engine vllm --vllm-model DIR`).
+    ExportHf {
+        /// A GGUF file, an HF model directory, or a packaged model name.
+        #[arg(long, default_value = inferscale_model::fetch::DEFAULT_MODEL)]
+        model: String,
+        /// The directory to write.
+        #[arg(long)]
+        out: std::path::PathBuf,
+    },
     /// Store a LoCoMo conversation's turns in a user's memory.
     Ingest(memory_cmd::IngestArgs),
     /// Answer a question from a user's memory (kv, prompt or none mode).
@@ -66,6 +78,13 @@ enum Command {
     Loadtest(loadtest_cmd::Args),
 }
 
+fn export_hf(model: &str, out: &std::path::Path) -> anyhow::Result<()> {
+    let files = inferscale_model::open(model)?;
+    let bytes = inferscale_model::export::write_hf_dir(&files, out)?;
+    eprintln!("inferscale: wrote {} ({:.1} MB of bfloat16 weights)", out.display(), bytes as f64 / 1e6);
+    Ok(())
+}
+
 fn main() {
     // Before parsing: the file's settings become the flags' environment defaults.
     let args: Vec<String> = std::env::args().collect();
@@ -89,6 +108,7 @@ fn main() {
         Command::Worker(a) => serve::worker(a),
         Command::Router(a) => serve::router(a),
         Command::Cluster(c) => cluster_cmd::run(c),
+        Command::ExportHf { model, out } => export_hf(&model, &out),
         Command::Fetch { model } => {
             inferscale_model::fetch::resolve(&model).map(|p| println!("{}", p.display())).map_err(anyhow::Error::from)
         }

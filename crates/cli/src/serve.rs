@@ -116,19 +116,25 @@ pub struct ServeArgs {
 pub struct WorkerCmd {
     /// gRPC address to serve on.
     #[arg(long, env = "INFERSCALE_LISTEN", default_value = "127.0.0.1:50051")]
-    listen: SocketAddr,
+    pub(crate) listen: SocketAddr,
     /// Address routers and other workers reach this one at (default: the
     /// bound listen address).
     #[arg(long, env = "INFERSCALE_ADVERTISE")]
-    advertise: Option<String>,
+    pub(crate) advertise: Option<String>,
     /// HTTP address of `/metrics` (Prometheus), `/healthz` and `/readyz`
     /// (off unless given).
     #[arg(long, env = "INFERSCALE_HTTP_LISTEN")]
-    http_listen: Option<SocketAddr>,
+    pub(crate) http_listen: Option<SocketAddr>,
+    /// Who generates: `native` (our engine) or `vllm` (vLLM 0.26 with our KV
+    /// connector, started and supervised by this process; docs/vllm.md).
+    #[arg(long, env = "INFERSCALE_ENGINE", default_value = "native", value_parser = ["native", "vllm"])]
+    pub(crate) engine: String,
     #[command(flatten)]
-    cluster: ClusterArgs,
+    pub(crate) vllm: crate::vllm_cmd::VllmArgs,
     #[command(flatten)]
-    worker: WorkerArgs,
+    pub(crate) cluster: ClusterArgs,
+    #[command(flatten)]
+    pub(crate) worker: WorkerArgs,
 }
 
 #[derive(Args, Debug)]
@@ -189,7 +195,7 @@ where
 }
 
 /// The name clients use for a model: its packaged name, or the file stem.
-fn model_name(model: &str) -> String {
+pub(crate) fn model_name(model: &str) -> String {
     std::path::Path::new(model).file_stem().map_or(model.to_string(), |s| s.to_string_lossy().into_owned())
 }
 
@@ -223,7 +229,7 @@ pub(crate) fn runtime() -> Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")
 }
 
-async fn shutdown_signal() {
+pub(crate) async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {
@@ -324,7 +330,7 @@ pub(crate) async fn serve_grpc(listener: TcpListener, service: WorkerService) ->
 }
 
 /// Registers this process's worker in `store` as `name` at `addr`.
-async fn register(
+pub(crate) async fn register(
     store: Arc<dyn Placement>,
     c: &ClusterArgs,
     name: String,
@@ -374,6 +380,9 @@ pub fn serve(a: ServeArgs) -> Result<()> {
 }
 
 pub fn worker(a: WorkerCmd) -> Result<()> {
+    if a.engine == "vllm" {
+        return crate::vllm_cmd::worker(a);
+    }
     a.cluster.ttl()?; // a bad TTL fails before the model loads
     let (service, _engine, gpu) = start_worker(&a.worker)?;
     runtime()?.block_on(async move {

@@ -124,3 +124,59 @@ fn bench_ttft_reports_both_modes_with_their_token_counts() {
         assert_eq!(row["inject_ms_median"].is_f64(), mode == "kv", "{row}");
     }
 }
+
+#[test]
+fn worker_engine_vllm_configures_vllm_with_the_connector_and_refuses_what_it_cannot_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let mem = dir.path().join("memory");
+    let home = dir.path().join("home");
+    let run = |extra: &[&str]| {
+        let mut args =
+            vec!["worker", "--engine", "vllm", "--memory", mem.to_str().unwrap(), "--listen", "127.0.0.1:50071"];
+        args.extend_from_slice(extra);
+        Command::new(env!("CARGO_BIN_EXE_inferscale")).args(&args).env("INFERSCALE_HOME", &home).output().unwrap()
+    };
+    let o = run(&[
+        "--shape",
+        "llama3.1-8b",
+        "--random-weights",
+        "--backend",
+        "cuda",
+        "--window",
+        "0",
+        "--vllm-port",
+        "8123",
+        "--vllm-arg=--gpu-memory-utilization=0.8",
+        "--print-vllm-command",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let line = String::from_utf8(o.stdout).unwrap();
+    let words: Vec<&str> = line.split_whitespace().collect();
+    assert_eq!(&words[..4], ["python3", "-m", "vllm.entrypoints.cli.main", "serve"]);
+    // The shape's config for vLLM's dummy weights, written under the home.
+    let model = std::path::Path::new(words[4]);
+    assert!(model.starts_with(&home), "{line}");
+    let config: serde_json::Value = serde_json::from_slice(&std::fs::read(model.join("config.json")).unwrap()).unwrap();
+    assert_eq!((config["num_hidden_layers"].as_u64(), config["num_key_value_heads"].as_u64()), (Some(32), Some(8)));
+    assert!(words.contains(&"--load-format=dummy") && words.contains(&"--port=8123"), "{line}");
+    assert!(words.last() == Some(&"--gpu-memory-utilization=0.8"), "extra vLLM arguments come last: {line}");
+    let transfer = words.iter().find_map(|w| w.strip_prefix("'--kv-transfer-config=")).unwrap();
+    let transfer: serde_json::Value = serde_json::from_str(transfer.trim_end_matches('\'')).unwrap();
+    assert_eq!(transfer["kv_connector_module_path"], "inferscale_vllm.connector");
+    assert_eq!(transfer["kv_load_failure_policy"], "recompute");
+    let extra = &transfer["kv_connector_extra_config"];
+    assert_eq!(extra["grpc_listen"], "127.0.0.1:50071");
+    assert_eq!(extra["vllm_url"], "http://127.0.0.1:8123");
+    assert_eq!((extra["random_shape"].as_str(), extra["window"].as_u64()), (Some("llama3.1-8b"), Some(0)));
+    assert_eq!(extra["memory_dir"], mem.to_str().unwrap());
+
+    let o = run(&[]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("--vllm-model"), "{}", stderr(&o));
+    let o = run(&["--vllm-model", "x", "--vllm-python", "/nonexistent/python3"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("/nonexistent/python3: not found"), "{}", stderr(&o));
+    let o = run(&["--vllm-model", "x", "--http-listen", "127.0.0.1:9100"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("--http-listen"), "{}", stderr(&o));
+}

@@ -10,6 +10,7 @@ pub mod chat;
 pub mod config;
 pub mod encoder;
 pub mod error;
+pub mod export;
 pub mod fetch;
 pub mod gguf;
 pub mod quant;

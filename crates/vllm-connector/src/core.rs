@@ -22,7 +22,7 @@ use inferscale_model::{Family, ModelFiles, RopeScaling, shapes};
 use crate::error::{ConnectorError, Result};
 use crate::inject::{CacheMut, Rows, write_layer};
 use crate::layout::CacheView;
-use crate::plan::{Chunk, ModelShape, PLAN_VERSION, Plan, salt, shape_fingerprint, token_digest};
+use crate::plan::{Chunk, ModelShape, PLAN_VERSION, Plan, prompt_salt, salt, shape_fingerprint, token_digest};
 
 /// Plans remembered for loading; the oldest is dropped beyond this (its
 /// request, if still unloaded, is then recomputed by vLLM).
@@ -52,6 +52,9 @@ pub struct CoreConfig {
 pub struct Composed {
     pub prompt: Vec<u32>,
     pub plan: Plan,
+    /// The `cache_salt` of the same prompt in prompt mode (no plan): never
+    /// the plan's, so a prefill never reuses injected blocks.
+    pub prompt_salt: String,
     /// Ids of the facts in the prompt, in prompt order.
     pub fact_ids: Vec<String>,
 }
@@ -258,7 +261,8 @@ impl<B: Backend> Core<B> {
             chunks,
         };
         self.remember(plan.clone());
-        Ok(Composed { prompt, plan, fact_ids })
+        let prompt_salt = prompt_salt(user, generation, &self.fingerprint);
+        Ok(Composed { prompt, plan, prompt_salt, fact_ids })
     }
 
     /// [`Core::compose`], counting the memory tokens its loads write (for
@@ -481,11 +485,7 @@ impl AnyCore {
 
 /// The HF architecture name of a family, as vLLM's config reports it.
 pub fn architecture(f: Family) -> &'static str {
-    match f {
-        Family::Llama => "LlamaForCausalLM",
-        Family::Mistral => "MistralForCausalLM",
-        Family::Qwen2 => "Qwen2ForCausalLM",
-    }
+    inferscale_model::export::architecture(f)
 }
 
 /// The name vLLM's HF config gives a RoPE scaling (`rope_type`).
@@ -498,6 +498,12 @@ pub fn rope_type(s: &RopeScaling) -> &'static str {
         // never matches an engine's shape and nothing is injected.
         RopeScaling::Divisors(_) => "gguf-divisors",
     }
+}
+
+/// `config.json` for vLLM describing `c` (with `torch_dtype` bfloat16): the
+/// model directory of a vLLM loading dummy weights of our random shape.
+pub fn hf_config(c: &inferscale_model::ModelConfig) -> String {
+    inferscale_model::export::hf_config(c).to_string()
 }
 
 fn model_shape(files: &ModelFiles) -> ModelShape {

@@ -196,6 +196,20 @@ pub fn salt(user: &str, generation: u64, fingerprint: &str, chunks: &[Chunk]) ->
     format!("inferscale-{:016x}", h.finish())
 }
 
+/// The prefix-cache salt of a prompt-mode request (the same token ids as a
+/// kv-mode one, every token prefilled by vLLM): its own namespace per user
+/// and memory generation, apart from every plan's, so that it never reuses
+/// blocks holding injected KV — the baseline stays a prefill — nor another
+/// user's blocks.
+pub fn prompt_salt(user: &str, generation: u64, fingerprint: &str) -> String {
+    let mut h = Fnv::new();
+    h.bytes(b"prompt");
+    h.bytes(user.as_bytes());
+    h.bytes(&generation.to_le_bytes());
+    h.bytes(fingerprint.as_bytes());
+    format!("inferscale-prompt-{:016x}", h.finish())
+}
+
 /// Digest of token ids (FNV-1a, 64 bits): catches a plan paired with
 /// another prompt by mistake. Not a security boundary: the worker side
 /// trusts only plans it issued.
@@ -298,5 +312,11 @@ mod tests {
         assert_ne!(base, salt("u", 1, "m", &c2));
         assert_ne!(base, salt("u", 1, "n", &c));
         assert_eq!(base, salt("u", 1, "m", &c));
+        // Prompt mode: its own namespace, per user and generation.
+        let p = prompt_salt("u", 1, "m");
+        assert!(p != base && p != salt("u", 1, "m", &[]), "never a plan's salt");
+        assert_ne!(p, prompt_salt("v", 1, "m"));
+        assert_ne!(p, prompt_salt("u", 2, "m"));
+        assert_eq!(p, prompt_salt("u", 1, "m"));
     }
 }

@@ -7,7 +7,6 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use inferscale_memory::Turn;
-use inferscale_model::RopeScaling;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
@@ -113,7 +112,7 @@ impl PyCore {
     /// The model's HF `config.json` fields vLLM needs to build the same shape.
     fn hf_config(&self) -> PyResult<String> {
         let inner = self.lock()?;
-        Ok(hf_config_json(&each!(&*inner, core => core.files().config.clone())))
+        Ok(crate::core::hf_config(&each!(&*inner, core => core.files().config.clone())))
     }
 
     /// Stores turns (dicts with `id`, `text` and optionally `speaker`,
@@ -319,53 +318,12 @@ impl PyCore {
     }
 }
 
-/// `config.json` for vLLM describing `c` (with `torch_dtype` bfloat16).
-fn hf_config_json(c: &inferscale_model::ModelConfig) -> String {
-    let mut v = serde_json::json!({
-        "architectures": [crate::core::architecture(c.family)],
-        "model_type": match c.family {
-            inferscale_model::Family::Llama => "llama",
-            inferscale_model::Family::Mistral => "mistral",
-            inferscale_model::Family::Qwen2 => "qwen2",
-        },
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": c.num_layers,
-        "num_attention_heads": c.num_heads,
-        "num_key_value_heads": c.num_kv_heads,
-        "head_dim": c.head_dim,
-        "rms_norm_eps": c.rms_norm_eps,
-        "rope_theta": c.rope.theta,
-        "max_position_embeddings": c.max_position_embeddings,
-        "vocab_size": c.vocab_size,
-        "tie_word_embeddings": c.tie_word_embeddings,
-    });
-    match c.rope.scaling {
-        RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
-            v["rope_scaling"] = serde_json::json!({
-                "rope_type": "llama3",
-                "factor": factor,
-                "low_freq_factor": low_freq_factor,
-                "high_freq_factor": high_freq_factor,
-                "original_max_position_embeddings": original_max_position_embeddings as u64,
-            });
-        }
-        RopeScaling::Linear { factor } => {
-            v["rope_scaling"] = serde_json::json!({"rope_type": "linear", "factor": factor});
-        }
-        // No scaling, or GGUF divisors (no HF counterpart: the shapes differ).
-        RopeScaling::None | RopeScaling::Divisors(_) => {}
-    }
-    v["torch_dtype"] = serde_json::json!("bfloat16");
-    v.to_string()
-}
-
 /// `config.json` for vLLM of a named random-weight shape (as `random_shape`).
 #[pyfunction]
 fn shape_hf_config(name: &str) -> PyResult<String> {
     let c = inferscale_model::shapes::preset(name)
         .ok_or_else(|| PyValueError::new_err(format!("`{name}` is not a known shape")))?;
-    Ok(hf_config_json(&c))
+    Ok(crate::core::hf_config(&c))
 }
 
 /// Scheduler side: `(tokens to load, None)` or `(0, why not)`.

@@ -199,13 +199,16 @@ impl Relay {
             "max_tokens": p.max_tokens,
             "temperature": p.temperature,
             "top_p": p.top_p,
-            "seed": p.seed,
+            // vLLM's seeds are signed 64-bit: the same bits, reinterpreted.
+            "seed": p.seed as i64,
             "ignore_eos": p.ignore_eos,
             "stop_token_ids": eos,
             "stream": true,
             "stream_options": {"include_usage": true},
             "return_token_ids": true,
-            "cache_salt": c.plan.salt,
+            // kv mode: the plan's salt (the scheduler side checks it); prompt
+            // mode: the user's prompt namespace, never a block we injected.
+            "cache_salt": if job.mode == Mode::Prompt { &c.prompt_salt } else { &c.plan.salt },
             "request_id": format!("inferscale-{}", c.plan.id),
         });
         if p.top_k > 0 {

@@ -254,11 +254,15 @@ async fn generate_submits_the_composed_prompt_with_its_plan_and_relays_the_answe
     let porto: Vec<u32> = "Porto".bytes().map(u32::from).collect();
     assert!(prompt[..end as usize].windows(porto.len()).any(|w| w == porto));
 
-    // Prompt mode: the same ids, no plan.
+    // Prompt mode: the same ids, no plan, and a salt of its own: a prefill
+    // must never reuse the blocks kv mode injected for the same ids.
+    let kv_salt = plan["salt"].clone();
     let (_, fin) =
         generate(&mut c, chat("ana", "Where does my sister live?", pb::MemoryMode::Prompt)).await.expect("p");
     let body = s.seen.lock().expect("lock").last().cloned().expect("request");
     assert!(body.get("kv_transfer_params").is_none(), "{body}");
+    let prompt_salt = body["cache_salt"].as_str().expect("prompt mode is salted per user");
+    assert!(prompt_salt.starts_with("inferscale-prompt-") && json!(prompt_salt) != kv_salt, "{prompt_salt}");
     let again: Vec<u32> = serde_json::from_value(body["prompt"].clone()).expect("ids");
     assert_eq!(again, prompt);
     assert_eq!(fin.usage.expect("usage").injected_tokens, 0);

@@ -86,14 +86,12 @@ impl Relay {
         counters_in.counters.in_flight.fetch_add(1, Ordering::SeqCst);
         self.rt.spawn(async move {
             let span = job.span.clone();
-            let deadline = job.deadline.map(|d| job.arrived + d);
+            let deadline = job.deadline.map(|d| (job.arrived + d, d));
             let run = relay.run(job, &events, &metrics);
             let r = match deadline {
-                Some(at) => match tokio::time::timeout_at(at.into(), run).await {
+                Some((at, d)) => match tokio::time::timeout_at(at.into(), run).await {
                     Ok(r) => r,
-                    Err(_) => Err(Stop::Failed(WorkerError::Deadline(
-                        at.saturating_duration_since(Instant::now()).as_millis() as u64,
-                    ))),
+                    Err(_) => Err(Stop::Failed(WorkerError::Deadline(d.as_millis() as u64))),
                 },
                 None => run.await,
             };

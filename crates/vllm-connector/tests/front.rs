@@ -162,6 +162,10 @@ async fn completions(
     Json(body): Json<Value>,
 ) -> axum::response::Response {
     s.seen.lock().expect("lock").push(body.clone());
+    if body["max_tokens"] == json!(5) {
+        // Slower than the caller's deadline.
+        tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    }
     if body["max_tokens"] == json!(3) {
         let e = json!({"error": {"message": "This model's maximum context length is 8 tokens", "code": 400}});
         return (axum::http::StatusCode::BAD_REQUEST, Json(e)).into_response();
@@ -280,6 +284,14 @@ async fn generate_submits_the_composed_prompt_with_its_plan_and_relays_the_answe
     assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
     assert!(e.message().contains("maximum context length"), "{}", e.message());
 
+    // Past the caller's deadline the worker stops waiting (and drops vLLM's stream).
+    let mut req = chat("ana", "Where does my sister live?", pb::MemoryMode::Kv);
+    req.sampling.as_mut().expect("sampling").max_tokens = 5;
+    req.deadline_ms = 500;
+    let e = generate(&mut c, req).await.expect_err("deadline");
+    assert_eq!(e.code(), Code::DeadlineExceeded, "{e:?}");
+    assert!(e.message().contains("500 ms"), "{}", e.message());
+
     // Our own checks run before vLLM sees anything.
     let mut req = chat("ana", "Where does my sister live?", pb::MemoryMode::Kv);
     req.k = 1000;
@@ -289,7 +301,7 @@ async fn generate_submits_the_composed_prompt_with_its_plan_and_relays_the_answe
     assert_eq!(s.seen.lock().expect("lock").len(), before);
 
     let st = c.stats(pb::StatsRequest {}).await.expect("stats").into_inner();
-    assert_eq!((st.requests_finished, st.requests_failed, st.running), (3, 2, 0), "{st:?}");
+    assert_eq!((st.requests_finished, st.requests_failed, st.running), (3, 3, 0), "{st:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -9,7 +9,7 @@
 //! long context — a question prefilled after injected memory, or decode.
 //! Causal chunks read only keys their last row may see.
 
-use std::borrow::Cow;
+use std::cell::RefCell;
 
 use rayon::prelude::*;
 
@@ -159,44 +159,62 @@ fn run_task(t: &Task, s: &SeqSpan<'_>, ctx: &TaskCtx<'_>) -> Partial {
             qs[(j * rows + r) * d..(j * rows + r + 1) * d].copy_from_slice(&q.data[src..src + d]);
         }
     }
-    let (keys, values) = gather(store, layer, s.block_table, t.kv_head, t.k0, t.k1);
-    let mut scores = vec![0f32; stacked * n_keys];
-    gemm_strided(
-        &mut scores,
-        n_keys,
-        Strided { data: &qs, rs: d, cs: 1 },
-        Strided { data: &keys, rs: 1, cs: d },
-        (stacked, n_keys, d),
-        scale,
-    );
-    let mut max = vec![f32::NEG_INFINITY; stacked];
-    let mut sum = vec![0f32; stacked];
-    for (i, row) in scores.chunks_exact_mut(n_keys).enumerate() {
-        // Keys this row may see, relative to the chunk.
-        let visible = (first_pos + t.r0 + i % rows + 1).saturating_sub(t.k0).min(n_keys);
-        let (live, masked) = row.split_at_mut(visible);
-        masked.fill(0.0);
-        if visible == 0 {
-            continue;
+    SCRATCH.with_borrow_mut(|Scratch { scores, kv }| {
+        let (keys, values) = gather(store, layer, s.block_table, t.kv_head, t.k0, t.k1, kv);
+        // Every element is written below, by the product or the mask.
+        scores.resize(stacked * n_keys, 0.0);
+        let scores = &mut scores[..stacked * n_keys];
+        gemm_strided(
+            scores,
+            n_keys,
+            Strided { data: &qs, rs: d, cs: 1 },
+            Strided { data: keys, rs: 1, cs: d },
+            (stacked, n_keys, d),
+            scale,
+        );
+        let mut max = vec![f32::NEG_INFINITY; stacked];
+        let mut sum = vec![0f32; stacked];
+        for (i, row) in scores.chunks_exact_mut(n_keys).enumerate() {
+            // Keys this row may see, relative to the chunk.
+            let visible = (first_pos + t.r0 + i % rows + 1).saturating_sub(t.k0).min(n_keys);
+            let (live, masked) = row.split_at_mut(visible);
+            masked.fill(0.0);
+            if visible == 0 {
+                continue;
+            }
+            let m = live.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            max[i] = m;
+            sum[i] = vmath::exp_shift_sum(live, m);
         }
-        let m = live.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        max[i] = m;
-        sum[i] = vmath::exp_shift_sum(live, m);
-    }
-    let mut o = vec![0f32; stacked * d];
-    gemm_strided(
-        &mut o,
-        d,
-        Strided { data: &scores, rs: n_keys, cs: 1 },
-        Strided { data: &values, rs: d, cs: 1 },
-        (stacked, d, n_keys),
-        1.0,
-    );
-    Partial { o, max, sum }
+        let mut o = vec![0f32; stacked * d];
+        gemm_strided(
+            &mut o,
+            d,
+            Strided { data: scores, rs: n_keys, cs: 1 },
+            Strided { data: values, rs: d, cs: 1 },
+            (stacked, d, n_keys),
+            1.0,
+        );
+        Partial { o, max, sum }
+    })
+}
+
+/// Buffers a task reuses from the previous task on its thread: score rows
+/// and gathered keys and values run to hundreds of KB, which a fresh
+/// allocation per task pays for in page faults and zeroing.
+#[derive(Default)]
+struct Scratch {
+    scores: Vec<f32>,
+    kv: (Vec<f32>, Vec<f32>),
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::default();
 }
 
 /// Positions `k0..k1` of one KV head as contiguous `[k1 - k0, d]` K and V:
-/// borrowed from the cache when the blocks are consecutive, else copied.
+/// borrowed from the cache when the blocks are consecutive, else copied
+/// into `buf`.
 fn gather<'a>(
     store: &'a CpuKvStore,
     layer: usize,
@@ -204,17 +222,21 @@ fn gather<'a>(
     head: usize,
     k0: usize,
     k1: usize,
-) -> (Cow<'a, [f32]>, Cow<'a, [f32]>) {
+    buf: &'a mut (Vec<f32>, Vec<f32>),
+) -> (&'a [f32], &'a [f32]) {
     let d = store.spec().head_dim;
     let bs = store.spec().block_size;
     let n = k1 - k0;
     let (b0, b1) = (k0 / bs, (k1 - 1) / bs);
     if table[b0..=b1].windows(2).all(|w| w[1] == w[0] + 1) {
         let src = store.offset(table[b0] as usize * bs + k0 % bs, head);
-        return (Cow::Borrowed(&store.k[layer][src..src + n * d]), Cow::Borrowed(&store.v[layer][src..src + n * d]));
+        return (&store.k[layer][src..src + n * d], &store.v[layer][src..src + n * d]);
     }
-    let mut k = vec![0f32; n * d];
-    let mut v = vec![0f32; n * d];
+    let (k, v) = buf;
+    // Every element is copied over below.
+    k.resize(n * d, 0.0);
+    v.resize(n * d, 0.0);
+    let (k, v) = (&mut k[..n * d], &mut v[..n * d]);
     let mut pos = k0;
     while pos < k1 {
         let (bi, off) = (pos / bs, pos % bs);
@@ -225,7 +247,7 @@ fn gather<'a>(
         v[dst..dst + len * d].copy_from_slice(&store.v[layer][src..src + len * d]);
         pos += len;
     }
-    (Cow::Owned(k), Cow::Owned(v))
+    (k, v)
 }
 
 /// Dense bidirectional attention within each span (encoders), one task per

@@ -21,7 +21,11 @@ fn exp(x: f32) -> f32 {
         ((((1.987_569_1e-4 * r + 1.398_2e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r + 1.666_666_5e-1) * r + 0.5;
     let y = p * z + r + 1.0;
     // 2^n by building the exponent bits; n ∈ [-126, 128] after the clamp.
-    let scale = f32::from_bits(((n as i32 + 127).clamp(0, 255) as u32) << 23);
+    // Adding 2^23 puts the integer n + 127 (in [1, 255]) in the low mantissa
+    // bits: integer ops only, so the loop stays vectorised (an `as i32` cast
+    // saturates, which compiles to a scalar conversion per lane).
+    let biased = (n + (127.0 + 8_388_608.0)).to_bits().wrapping_sub(0x4B00_0000);
+    let scale = f32::from_bits(biased.min(255) << 23);
     y * scale
 }
 

@@ -22,6 +22,9 @@ use crate::error::{EngineError, Result};
 const ROWS_PER_TASK: usize = 64;
 /// Smallest key chunk worth a task of its own.
 const MIN_KEYS_PER_TASK: usize = 256;
+/// Shortest run of consecutive blocks read in place rather than copied
+/// with its neighbour (a product over fewer keys costs more than the copy).
+const MIN_RUN_KEYS: usize = 32;
 
 struct Task {
     span: usize,
@@ -69,7 +72,7 @@ pub fn paged_attention(
             )));
         }
     }
-    let tasks = plan(spans, num_kv_heads);
+    let tasks = plan(spans, num_kv_heads, spec.block_size);
     let group = num_heads / num_kv_heads;
     let ctx = TaskCtx { q, store, layer, group, d, scale };
     let partials: Vec<Partial> = tasks.par_iter().map(|t| run_task(t, &spans[t.span], &ctx)).collect();
@@ -112,8 +115,10 @@ pub fn paged_attention(
 }
 
 /// Splits the work so that both cores stay busy: row chunks first, then key
-/// chunks when there are few row chunks and long contexts.
-fn plan(spans: &[SeqSpan<'_>], num_kv_heads: usize) -> Vec<Task> {
+/// chunks when there are few row chunks and long contexts; a key chunk is
+/// cut where the sequence's blocks stop being consecutive (a forked header,
+/// then the blocks allocated after it), so each piece is read in place.
+fn plan(spans: &[SeqSpan<'_>], num_kv_heads: usize, block_size: usize) -> Vec<Task> {
     let row_tasks: usize = spans.iter().map(|s| s.q_len.div_ceil(ROWS_PER_TASK) * num_kv_heads).sum();
     let want = 2 * rayon::current_num_threads();
     let mut tasks = Vec::new();
@@ -126,12 +131,37 @@ fn plan(spans: &[SeqSpan<'_>], num_kv_heads: usize) -> Vec<Task> {
                 let splits = if row_tasks >= want { 1 } else { want.div_ceil(row_tasks) };
                 let chunk = n_keys.div_ceil(splits).max(MIN_KEYS_PER_TASK);
                 for k0 in (0..n_keys).step_by(chunk) {
-                    tasks.push(Task { span: si, kv_head: g, r0, r1, k0, k1: (k0 + chunk).min(n_keys) });
+                    for (a, z) in runs(s.block_table, block_size, k0, (k0 + chunk).min(n_keys)) {
+                        tasks.push(Task { span: si, kv_head: g, r0, r1, k0: a, k1: z });
+                    }
                 }
             }
         }
     }
     tasks
+}
+
+/// `k0..k1` cut at every block boundary where the table's blocks stop
+/// being consecutive, pieces shorter than [`MIN_RUN_KEYS`] joined to a
+/// neighbour (that piece is then copied by [`gather`]).
+fn runs(table: &[u32], block_size: usize, k0: usize, k1: usize) -> Vec<(usize, usize)> {
+    let mut cuts = vec![k0];
+    let mut b = k0 / block_size + 1;
+    while b * block_size < k1 {
+        if table[b] != table[b - 1].wrapping_add(1) {
+            cuts.push(b * block_size);
+        }
+        b += 1;
+    }
+    cuts.push(k1);
+    let mut out: Vec<(usize, usize)> = Vec::with_capacity(cuts.len() - 1);
+    for w in cuts.windows(2) {
+        match out.last_mut() {
+            Some(last) if w[1] - w[0] < MIN_RUN_KEYS || last.1 - last.0 < MIN_RUN_KEYS => last.1 = w[1],
+            _ => out.push((w[0], w[1])),
+        }
+    }
+    out
 }
 
 /// What every task of one attention call shares.
@@ -309,4 +339,25 @@ pub fn bidirectional(
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_ranges_are_cut_where_blocks_stop_being_consecutive() {
+        // A forked 3-block header, then blocks allocated after it.
+        let table = [7, 8, 9, 20, 21, 22, 23, 24, 40, 41];
+        assert_eq!(runs(&table, 16, 0, 160), vec![(0, 48), (48, 128), (128, 160)]);
+        // A key chunk starting mid-run, and one inside a run.
+        assert_eq!(runs(&table, 16, 40, 100), vec![(40, 100)], "an 8-key piece joins its neighbour");
+        assert_eq!(runs(&table, 16, 50, 120), vec![(50, 120)]);
+        // Scattered single blocks: pieces below the minimum are joined (copied).
+        let scattered = [5, 3, 9, 1];
+        assert_eq!(runs(&scattered, 16, 0, 64), vec![(0, 64)]);
+        let pairs = [5, 6, 9, 10];
+        assert_eq!(runs(&pairs, 16, 0, 64), vec![(0, 32), (32, 64)]);
+        assert_eq!(runs(&scattered, 8, 0, 32), vec![(0, 32)]);
+    }
 }

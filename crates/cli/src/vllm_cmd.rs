@@ -178,6 +178,12 @@ pub fn worker(a: WorkerCmd) -> Result<()> {
     if a.http_listen.is_some() {
         bail!("--engine vllm: --http-listen is for native workers (vLLM serves its own /metrics on --vllm-port)");
     }
+    if a.worker.mem.model.backend == "cpu" {
+        eprintln!(
+            "inferscale worker: warning: --backend cpu puts the connector's core on the CPU, which loads only into \
+             a CPU vLLM's caches; for vLLM on a GPU give --backend cuda (else every memory is recomputed)"
+        );
+    }
     let args = vllm_command(&a)?;
     if a.vllm.print_vllm_command {
         let quoted: Vec<String> = args.iter().map(|s| shell_quote(s)).collect();

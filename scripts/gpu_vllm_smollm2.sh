@@ -11,27 +11,15 @@
 # /tmp/gguf (split here by `split -b 50000000`, one part per transfer), and
 # target/release/inferscale carried.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 INFERSCALE_HOME=/tmp/ishome
-. scripts/gpu_env.sh
-OUT=${OUT:-/tmp/out}
-BIN=target/release/inferscale
+. scripts/gpu_vllm_common.sh
 MEM=/tmp/smem
 rm -rf "$MEM"
 cat /tmp/gguf/* > /tmp/smollm2.gguf
 $BIN export-hf --model /tmp/smollm2.gguf --out /tmp/smollm2-hf || exit 1
 
-$BIN worker --engine vllm --listen 127.0.0.1:50052 --memory "$MEM" --backend cuda --model /tmp/smollm2.gguf \
-  --vllm-model /tmp/smollm2-hf --vllm-port 8001 --embedder random --window 0 --kv-cache-mb 512 \
-  --vllm-arg=--gpu-memory-utilization=0.3 --vllm-arg=--max-model-len=4096 > "$OUT/smol-worker.log" 2>&1 &
-WORKER=$!
-start=$(date +%s)
-until grep -q "gRPC on" "$OUT/smol-worker.log"; do
-  if ! kill -0 $WORKER 2>/dev/null; then echo "worker exited"; tail -40 "$OUT/smol-worker.log"; exit 1; fi
-  if [ $(( $(date +%s) - start )) -gt 400 ]; then echo "worker not ready"; tail -40 "$OUT/smol-worker.log"; exit 1; fi
-  sleep 2
-done
-echo "worker ready after $(( $(date +%s) - start )) s"
+start_worker "$OUT/smol-worker.log" 400 --listen 127.0.0.1:50052 --memory "$MEM" --backend cuda \
+  --model /tmp/smollm2.gguf --vllm-model /tmp/smollm2-hf --vllm-port 8001 --embedder random --window 0 \
+  --kv-cache-mb 512 --vllm-arg=--gpu-memory-utilization=0.3 --vllm-arg=--max-model-len=4096
 $BIN router --worker 127.0.0.1:50052 --listen 127.0.0.1:8081 > "$OUT/smol-router.log" 2>&1 &
 ROUTER=$!
 sleep 3
@@ -65,6 +53,4 @@ for user, q in [("bob", "What is the capital of France?"), ("bob", "Write one se
 json.dump(out, open(sys.argv[1], "w"), indent=1)
 EOF
 grep -E "inferscale: |refused|recomput" "$OUT/smol-worker.log" | head -20
-kill -TERM $ROUTER $WORKER
-for _ in $(seq 40); do kill -0 $WORKER 2>/dev/null || break; sleep 1; done
-pgrep -f "vllm.entrypoints.cli.main" > /dev/null && echo "vLLM left running" || echo "vLLM stopped with the worker"
+stop_worker $ROUTER $WORKER

@@ -9,25 +9,13 @@
 # 1–3 of scripts/gpu_vllm_prepare.sh's header, without running its script)
 # and target/release/inferscale carried.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 INFERSCALE_HOME=/tmp/ishome
-. scripts/gpu_env.sh
-OUT=${OUT:-/tmp/out}
-BIN=target/release/inferscale
+. scripts/gpu_vllm_common.sh
 MEM=/tmp/vmem
 rm -rf "$MEM"
 
-$BIN worker --engine vllm --listen 127.0.0.1:50051 --memory "$MEM" --backend cuda \
+start_worker "$OUT/worker.log" 420 --listen 127.0.0.1:50051 --memory "$MEM" --backend cuda \
   --shape llama3.1-8b --random-weights --embedder random --window 0 --kv-cache-mb 2048 \
-  --vllm-arg=--gpu-memory-utilization=0.55 --vllm-arg=--max-model-len=8192 > "$OUT/worker.log" 2>&1 &
-WORKER=$!
-start=$(date +%s)
-until grep -q "gRPC on" "$OUT/worker.log"; do
-  if ! kill -0 $WORKER 2>/dev/null; then echo "worker exited"; tail -40 "$OUT/worker.log"; exit 1; fi
-  if [ $(( $(date +%s) - start )) -gt 420 ]; then echo "worker not ready in 420 s"; tail -40 "$OUT/worker.log"; exit 1; fi
-  sleep 2
-done
-echo "worker ready after $(( $(date +%s) - start )) s"
+  --vllm-arg=--gpu-memory-utilization=0.55 --vllm-arg=--max-model-len=8192
 $BIN router --worker 127.0.0.1:50051 --listen 127.0.0.1:8080 --deadline-s 300 > "$OUT/router.log" 2>&1 &
 ROUTER=$!
 sleep 3
@@ -69,9 +57,5 @@ grep -E "^inferscale_worker_(running|facts|users)" "$OUT/router-metrics.txt" | h
 grep -E "inferscale: (loaded|request)|refused|Traceback|Error" "$OUT/worker.log" | head -20
 grep -cE "recomputed" "$OUT/worker.log"
 
-kill -TERM $ROUTER
-kill -TERM $WORKER
-for _ in $(seq 40); do kill -0 $WORKER 2>/dev/null || break; sleep 1; done
-kill -0 $WORKER 2>/dev/null && echo "worker still running after SIGTERM"
-pgrep -f "vllm.entrypoints.cli.main" > /dev/null && echo "vLLM left running" || echo "vLLM stopped with the worker"
+stop_worker $ROUTER $WORKER
 tail -5 "$OUT/worker.log"

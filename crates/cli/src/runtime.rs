@@ -48,13 +48,7 @@ pub struct Loaded<B: Backend = CpuBackend> {
 impl<B: Backend> Loaded<B> {
     /// End-of-sequence ids: the config's, plus the tokenizer's EOS.
     pub fn eos_ids(&self) -> Vec<u32> {
-        let mut ids = self.files.config.eos_token_ids.clone();
-        if let Some((id, _)) = self.files.tokenizer.as_ref().and_then(|t| t.eos.as_ref())
-            && !ids.contains(id)
-        {
-            ids.push(*id);
-        }
-        ids
+        self.files.eos_ids()
     }
 }
 

@@ -84,7 +84,7 @@ fn vllm_model(a: &WorkerCmd) -> Result<(String, Vec<String>)> {
     let dir = inferscale_model::fetch::home_dir().join("vllm-models").join(shape);
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let path = dir.join("config.json");
-    std::fs::write(&path, inferscale_vllm::core::hf_config(&config))
+    std::fs::write(&path, inferscale_model::export::hf_config(&config).to_string())
         .with_context(|| format!("writing {}", path.display()))?;
     Ok((dir.to_string_lossy().into_owned(), vec!["--load-format=dummy".into()]))
 }

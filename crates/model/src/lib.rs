@@ -38,6 +38,17 @@ pub struct ModelFiles {
 }
 
 impl ModelFiles {
+    /// End-of-sequence ids: the config's, plus the tokenizer's EOS.
+    pub fn eos_ids(&self) -> Vec<u32> {
+        let mut ids = self.config.eos_token_ids.clone();
+        if let Some((id, _)) = self.tokenizer.as_ref().and_then(|t| t.eos.as_ref())
+            && !ids.contains(id)
+        {
+            ids.push(*id);
+        }
+        ids
+    }
+
     /// Opens a `.gguf` file or an HF model directory.
     pub fn open(path: &Path) -> Result<Self> {
         if path.is_dir() { Self::open_hf_dir(path) } else { Self::open_gguf(path) }

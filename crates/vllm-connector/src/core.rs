@@ -17,7 +17,7 @@ use inferscale_memory::{
     Composer, Encoders, ImportReport, IngestReport, KvHeader, Memory, SYSTEM_PROMPT, ShardRecord, ShardSpec,
     StagedShard, Turn, fingerprint,
 };
-use inferscale_model::{Family, ModelFiles, RopeScaling, shapes};
+use inferscale_model::{ModelFiles, RopeScaling, shapes};
 
 use crate::error::{ConnectorError, Result};
 use crate::inject::{CacheMut, Rows, write_layer};
@@ -483,11 +483,6 @@ impl AnyCore {
     }
 }
 
-/// The HF architecture name of a family, as vLLM's config reports it.
-pub fn architecture(f: Family) -> &'static str {
-    inferscale_model::export::architecture(f)
-}
-
 /// The name vLLM's HF config gives a RoPE scaling (`rope_type`).
 pub fn rope_type(s: &RopeScaling) -> &'static str {
     match s {
@@ -500,16 +495,10 @@ pub fn rope_type(s: &RopeScaling) -> &'static str {
     }
 }
 
-/// `config.json` for vLLM describing `c` (with `torch_dtype` bfloat16): the
-/// model directory of a vLLM loading dummy weights of our random shape.
-pub fn hf_config(c: &inferscale_model::ModelConfig) -> String {
-    inferscale_model::export::hf_config(c).to_string()
-}
-
 fn model_shape(files: &ModelFiles) -> ModelShape {
     let c = &files.config;
     ModelShape {
-        architecture: architecture(c.family).into(),
+        architecture: inferscale_model::export::architecture(c.family).into(),
         num_layers: c.num_layers,
         num_kv_heads: c.num_kv_heads,
         head_dim: c.head_dim,

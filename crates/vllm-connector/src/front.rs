@@ -18,7 +18,7 @@ use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
-use inferscale_memory::{Memory, MemoryError, Turn};
+use inferscale_memory::{Fact, Memory, MemoryError, Turn};
 use inferscale_model::ModelFiles;
 use inferscale_worker::core::{Command, Event, Moves, ShardCommand, Stats};
 use inferscale_worker::error::{Result as WResult, WorkerError};
@@ -38,10 +38,9 @@ pub struct FrontConfig {
     pub listen: SocketAddr,
     /// The co-located vLLM server's OpenAI-compatible API, `http://host:port`.
     pub vllm_url: String,
-    /// The model name that server serves (the `model` of its requests).
+    /// The model name that server serves (the `model` of its requests and
+    /// of health answers).
     pub served_model: String,
-    /// The model's name in health answers.
-    pub model_name: String,
     /// Largest `k` a request may ask for.
     pub max_k: usize,
     /// Generate requests in flight (at vLLM) beyond which new ones are
@@ -57,7 +56,6 @@ impl FrontConfig {
             listen,
             vllm_url: vllm_url.trim_end_matches('/').to_string(),
             served_model: served_model.to_string(),
-            model_name: served_model.to_string(),
             max_k: 200,
             max_in_flight: 256,
             ingest_batch: 4,
@@ -78,8 +76,12 @@ pub(crate) struct Counters {
 pub(crate) struct Shared {
     pub(crate) core: Arc<Mutex<AnyCore>>,
     pub(crate) cfg: FrontConfig,
-    /// The model's files (tokenizer, end-of-sequence ids), for the process's life.
+    /// The model's files (the tokenizer), for the process's life.
     pub(crate) files: &'static ModelFiles,
+    /// The model's end-of-sequence ids.
+    pub(crate) eos: Vec<u32>,
+    /// The context window the shard's KV is encoded with (fixed per shard).
+    pub(crate) window: usize,
     pub(crate) counters: Counters,
 }
 
@@ -122,9 +124,9 @@ pub fn serve(core: Arc<Mutex<AnyCore>>, cfg: FrontConfig) -> Result<Front> {
     let listener = std::net::TcpListener::bind(cfg.listen).map_err(|e| io(&format!("binding {}", cfg.listen), e))?;
     listener.set_nonblocking(true).map_err(|e| io("configuring the gRPC listener", e))?;
     let addr = listener.local_addr().map_err(|e| io("reading the bound address", e))?;
-    let (files, backend) = {
+    let (files, window, backend) = {
         let g = core.lock().map_err(|_| ConnectorError::Unsupported("the core was poisoned by a panic".into()))?;
-        (each!(&*g, c => c.files()), g.backend_name())
+        (each!(&*g, c => c.files()), each!(&*g, c => c.memory().spec().window), g.backend_name())
     };
     if files.tokenizer.is_none() {
         return Err(ConnectorError::Unsupported("the model has no tokenizer to render prompts and answers".into()));
@@ -135,8 +137,9 @@ pub fn serve(core: Arc<Mutex<AnyCore>>, cfg: FrontConfig) -> Result<Front> {
         .enable_all()
         .build()
         .map_err(|e| io("starting the front's async runtime", e))?;
-    let info = WorkerInfo { model: cfg.model_name.clone(), backend: format!("vllm+{backend}") };
-    let shared = Arc::new(Shared { core, cfg, files, counters: Counters::default() });
+    let info = WorkerInfo { model: cfg.served_model.clone(), backend: format!("vllm+{backend}") };
+    let eos = files.eos_ids();
+    let shared = Arc::new(Shared { core, cfg, files, eos, window, counters: Counters::default() });
     let relay = Relay::new(shared.clone(), runtime.handle().clone())?;
     let (service, _commands) =
         inferscale_worker::spawn_handler(move |rx, metrics| run(&shared, &relay, rx, metrics), info)
@@ -212,11 +215,8 @@ fn run(shared: &Shared, relay: &Relay, rx: Receiver<Command>, metrics: Arc<Worke
             }
             Command::List { user, reply } => {
                 let r = shared.lock().and_then(|g| {
-                    each!(&*g, c => {
-                        let window = c.memory().spec().window;
-                        let facts = c.memory().facts(&user)?;
-                        Ok((facts.iter().map(inferscale_memory::Fact::unit).collect(), window))
-                    })
+                    let units: Vec<Turn> = each!(&*g, c => c.memory().facts(&user)?.iter().map(Fact::unit).collect());
+                    Ok((units, shared.window))
                 });
                 let _ = reply.send(r);
             }
@@ -236,7 +236,7 @@ fn run(shared: &Shared, relay: &Relay, rx: Receiver<Command>, metrics: Arc<Worke
 }
 
 fn check_window(shared: &Shared, window: Option<usize>) -> WResult<()> {
-    let ours = each!(&*shared.lock()?, c => c.memory().spec().window);
+    let ours = shared.window;
     match window {
         Some(w) if w != ours => Err(WorkerError::Invalid(format!(
             "window {w}: this worker's memory is encoded with a context window of {ours} turns"
@@ -312,13 +312,13 @@ fn stats(shared: &Shared, memory_bytes: bool) -> WResult<Stats> {
         cancelled: n.cancelled.load(Ordering::Relaxed),
         failed: n.failed.load(Ordering::Relaxed),
         max_queue: shared.cfg.max_in_flight,
+        window: shared.window,
         ..Default::default()
     };
     each!(&*g, c => {
         let m = c.memory();
         s.users = m.users().count();
         s.facts = m.users().map(|u| m.facts(u).map_or(0, <[_]>::len)).sum();
-        s.window = m.spec().window;
         if memory_bytes {
             let f = m.footprint();
             s.kv_resident_bytes = f.kv_resident_bytes;

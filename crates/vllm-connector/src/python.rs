@@ -112,7 +112,7 @@ impl PyCore {
     /// The model's HF `config.json` fields vLLM needs to build the same shape.
     fn hf_config(&self) -> PyResult<String> {
         let inner = self.lock()?;
-        Ok(crate::core::hf_config(&each!(&*inner, core => core.files().config.clone())))
+        Ok(inferscale_model::export::hf_config(&each!(&*inner, core => core.files().config.clone())).to_string())
     }
 
     /// Stores turns (dicts with `id`, `text` and optionally `speaker`,
@@ -323,7 +323,7 @@ impl PyCore {
 fn shape_hf_config(name: &str) -> PyResult<String> {
     let c = inferscale_model::shapes::preset(name)
         .ok_or_else(|| PyValueError::new_err(format!("`{name}` is not a known shape")))?;
-    Ok(crate::core::hf_config(&c))
+    Ok(inferscale_model::export::hf_config(&c).to_string())
 }
 
 /// Scheduler side: `(tokens to load, None)` or `(0, why not)`.

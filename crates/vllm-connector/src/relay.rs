@@ -23,7 +23,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use inferscale_engine::FinishReason;
 use inferscale_memory::Mode;
-use inferscale_worker::core::{Event, Finished, GenerateJob, Timings, Usage};
+use inferscale_worker::core::{Event, Finished, GenerateJob, Timings, Usage, finish_reason};
 use inferscale_worker::error::WorkerError;
 use inferscale_worker::metrics::WorkerMetrics;
 use inferscale_worker::text::{Delta, TextStream};
@@ -82,8 +82,7 @@ impl Relay {
     /// Runs `job` on the front's runtime; its events go to `events`.
     pub(crate) fn spawn(&self, job: GenerateJob, events: UnboundedSender<Event>, metrics: Arc<WorkerMetrics>) {
         let relay = self.clone();
-        let counters_in = relay.shared.clone();
-        counters_in.counters.in_flight.fetch_add(1, Ordering::SeqCst);
+        self.shared.counters.in_flight.fetch_add(1, Ordering::SeqCst);
         self.rt.spawn(async move {
             let span = job.span.clone();
             let deadline = job.deadline.map(|d| (job.arrived + d, d));
@@ -98,7 +97,7 @@ impl Relay {
             let n = &relay.shared.counters;
             match r {
                 Ok(f) => {
-                    span.record("finish_reason", inferscale_worker_finish(f.reason));
+                    span.record("finish_reason", finish_reason(f.reason));
                     n.finished.fetch_add(1, Ordering::Relaxed);
                     let _ = events.send(Event::Finished(Box::new(f)));
                 }
@@ -106,7 +105,7 @@ impl Relay {
                     n.cancelled.fetch_add(1, Ordering::Relaxed);
                 }
                 Err(Stop::Failed(e)) => {
-                    span.record("otel.status_code", "ERROR");
+                    span.record("otel.status_code", "error");
                     n.failed.fetch_add(1, Ordering::Relaxed);
                     let _ = events.send(Event::Failed(e));
                 }
@@ -190,7 +189,7 @@ impl Relay {
     /// header too with no memory), the same ids without one in prompt mode.
     fn body(&self, job: &GenerateJob, c: &Composed) -> Value {
         let p = &job.params;
-        let eos = if p.ignore_eos { Vec::new() } else { eos_ids(self.shared.files) };
+        let eos: &[u32] = if p.ignore_eos { &[] } else { &self.shared.eos };
         let mut body = json!({
             "model": self.shared.cfg.served_model,
             "prompt": c.prompt,
@@ -250,7 +249,6 @@ impl Relay {
             }));
         }
         let tok = self.shared.files.tokenizer.as_ref().ok_or_else(|| WorkerError::Internal("no tokenizer".into()))?;
-        let eos = eos_ids(self.shared.files);
         let (mut sse, mut text) = (Sse::default(), TextStream::default());
         let mut generated: Vec<u32> = Vec::new();
         let (mut first, mut cached, mut reason) = (None, 0usize, None::<FinishReason>);
@@ -312,7 +310,7 @@ impl Relay {
                     None => {}
                     Some("length") => reason = Some(FinishReason::Length),
                     Some("stop") => {
-                        let last_is_eos = generated.last().is_some_and(|t| eos.contains(t));
+                        let last_is_eos = generated.last().is_some_and(|t| self.shared.eos.contains(t));
                         reason = Some(if last_is_eos { FinishReason::Eos } else { FinishReason::Stop });
                     }
                     Some(other) => return Err(upstream(format!("vLLM ended the request: {other}"))),
@@ -328,25 +326,6 @@ impl Relay {
             }
         }
     }
-}
-
-/// A finish reason as the worker API names it.
-fn inferscale_worker_finish(r: FinishReason) -> &'static str {
-    match r {
-        FinishReason::Eos | FinishReason::Stop => "stop",
-        FinishReason::Length => "length",
-    }
-}
-
-/// End-of-sequence ids: the config's, and the tokenizer's own.
-fn eos_ids(files: &inferscale_model::ModelFiles) -> Vec<u32> {
-    let mut ids = files.config.eos_token_ids.clone();
-    if let Some((id, _)) = files.tokenizer.as_ref().and_then(|t| t.eos.as_ref())
-        && !ids.contains(id)
-    {
-        ids.push(*id);
-    }
-    ids
 }
 
 /// The message of an OpenAI-style error body, or the body itself.

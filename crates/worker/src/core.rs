@@ -63,7 +63,7 @@ impl Default for WorkerConfig {
 }
 
 /// A finish reason as OpenAI's API names it (end of sequence is `stop`).
-pub(crate) fn finish_reason(r: FinishReason) -> &'static str {
+pub fn finish_reason(r: FinishReason) -> &'static str {
     match r {
         FinishReason::Eos | FinishReason::Stop => "stop",
         FinishReason::Length => "length",

@@ -130,6 +130,16 @@ pub trait Backend: Send + Sync {
     /// summed in f32.
     fn top_k(&self, e: &Self::Embeddings, query: &[f32], k: usize) -> Result<Vec<u32>>;
 
+    /// Runs `f` — a forward pass, an injection — where the backend's
+    /// operations are best issued from. Device backends run it as is; the
+    /// CPU backend runs it on one of its worker threads, so that the dozen
+    /// parallel operations of each layer fork and join inside the thread
+    /// pool rather than each waking the pool from outside and putting the
+    /// caller to sleep until it is done.
+    fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        f()
+    }
+
     /// Starts a new phase of the backend's own per-op profiling, if it has
     /// any and it is on (the CUDA backend's `INFERSCALE_CUDA_PROFILE=1`):
     /// what was measured so far is reported under the previous phase.

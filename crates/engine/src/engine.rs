@@ -390,7 +390,8 @@ impl<B: Backend> Engine<B> {
         if batch.tokens.is_empty() {
             return Ok(((None, finishing), captured));
         }
-        let fwd = self.model.forward(&self.backend, &batch, &mut self.kv)?;
+        let (model, backend, kv) = (&self.model, &self.backend, &mut self.kv);
+        let fwd = backend.run(|| model.forward(backend, &batch, kv))?;
         let logits = fwd.logits;
         if let Some(layers) = fwd.captured {
             let owners: Vec<usize> = (0..seqs.len()).filter(|&i| !captured_rows[i].is_empty()).collect();

@@ -198,7 +198,8 @@ impl<B: Backend> Engine<B> {
             .zip(&slots)
             .map(|((c, r), slots)| InjectChunk { k: &c.k, v: &c.v, positions: &seq.positions()[r.clone()], slots })
             .collect();
-        self.backend.inject_kv(&mut self.kv, &inject, self.model.rope())?;
+        let (backend, kv, rope) = (&self.backend, &mut self.kv, self.model.rope());
+        backend.run(|| backend.inject_kv(kv, &inject, rope))?;
         seq.mark_computed(seq.len() - start);
         Ok(())
     }

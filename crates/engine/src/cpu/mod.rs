@@ -4,18 +4,24 @@
 //! This is the reference backend: every other backend is checked against it.
 
 mod attention;
+mod attn_kernel;
+mod kv_store;
 mod matmul;
 mod packed;
+mod profile;
 mod vmath;
 
 use inferscale_model::HostTensor;
 use rayon::prelude::*;
+
+use kv_store::LayerChunk;
 
 use crate::backend::{AttentionShape, Backend, InjectChunk, KvSpec, SeqSpan, matrix_dims};
 use crate::error::{EngineError, Result};
 use crate::retrieval::{HostEmbeddings, top_k_host};
 use crate::rope::Rope;
 
+pub use kv_store::CpuKvStore;
 pub use matmul::matmul_bt;
 pub use packed::PackedMatrix;
 
@@ -33,40 +39,6 @@ impl CpuTensor {
     pub fn zeros(rows: usize, cols: usize) -> Self {
         CpuTensor { rows, cols, data: vec![0.0; rows * cols], packed: None }
     }
-}
-
-/// Paged K/V: per layer, `[kv_heads, num_blocks, block_size, head_dim]`, so a
-/// head's block is one contiguous run, and so are consecutive block ids —
-/// attention reads such runs in place instead of gathering them.
-#[derive(Debug)]
-pub struct CpuKvStore {
-    spec: KvSpec,
-    k: Vec<Vec<f32>>,
-    v: Vec<Vec<f32>>,
-}
-
-impl CpuKvStore {
-    pub fn spec(&self) -> KvSpec {
-        self.spec
-    }
-
-    /// Offset of (slot, head) in a layer's buffer.
-    fn offset(&self, slot: usize, head: usize) -> usize {
-        let s = &self.spec;
-        (head * s.num_blocks * s.block_size + slot) * s.head_dim
-    }
-}
-
-/// Touches every page of a freshly allocated (lazily mapped, zeroed) buffer
-/// so that the first request to use a block does not pay page faults on the
-/// hot path.
-fn prefault(buf: &mut [f32]) {
-    const PAGE_FLOATS: usize = 4096 / std::mem::size_of::<f32>();
-    buf.par_chunks_mut(PAGE_FLOATS).for_each(|page| {
-        // SAFETY: `page` is a valid, non-empty slice; the volatile write keeps
-        // the compiler from eliding a store of the value already there.
-        unsafe { std::ptr::write_volatile(page.as_mut_ptr(), 0.0) };
-    });
 }
 
 /// The CPU backend. Threads come from rayon's global pool.
@@ -90,11 +62,25 @@ impl Backend for CpuBackend {
         4
     }
 
+    /// On a rayon worker: every parallel operation inside `f` then forks
+    /// and joins within the pool. Issued from a thread outside it, each of
+    /// a forward's ~300 operations would cost two futex round trips (wake
+    /// the workers, then sleep until they finish), tens of µs apiece under
+    /// a hypervisor.
+    fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        rayon::scope(|_| f())
+    }
+
+    fn profile_phase(&self, name: &str) {
+        profile::phase(name);
+    }
+
     fn upload_embeddings(&self, rows: &[f32], dim: usize) -> Result<HostEmbeddings> {
         HostEmbeddings::new(rows.to_vec(), dim)
     }
 
     fn top_k(&self, e: &HostEmbeddings, query: &[f32], k: usize) -> Result<Vec<u32>> {
+        let _t = profile::span("top_k");
         top_k_host(e, query, k)
     }
 
@@ -125,6 +111,7 @@ impl Backend for CpuBackend {
     }
 
     fn embedding(&self, table: &CpuTensor, ids: &[u32]) -> Result<CpuTensor> {
+        let _t = profile::span("embedding");
         let mut out = CpuTensor::zeros(ids.len(), table.cols);
         for (row, &id) in out.data.chunks_exact_mut(table.cols).zip(ids) {
             let id = id as usize;
@@ -140,6 +127,7 @@ impl Backend for CpuBackend {
     }
 
     fn rms_norm(&self, x: &CpuTensor, weight: &CpuTensor, eps: f32) -> Result<CpuTensor> {
+        let _t = profile::span("rms_norm");
         if weight.data.len() != x.cols {
             return Err(shape_err(format!("rms_norm weight {} for width {}", weight.data.len(), x.cols)));
         }
@@ -155,6 +143,7 @@ impl Backend for CpuBackend {
     }
 
     fn linear(&self, x: &CpuTensor, w: &CpuTensor, bias: Option<&CpuTensor>) -> Result<CpuTensor> {
+        let _t = profile::span("linear");
         if x.cols != w.cols {
             return Err(shape_err(format!("linear: x [{}, {}] · w [{}, {}]ᵀ", x.rows, x.cols, w.rows, w.cols)));
         }
@@ -177,6 +166,7 @@ impl Backend for CpuBackend {
     }
 
     fn rope(&self, x: &mut CpuTensor, head_dim: usize, positions: &[u32], rope: &Rope) -> Result<()> {
+        let _t = profile::span("rope");
         if positions.len() != x.rows || !x.cols.is_multiple_of(head_dim) || rope.dim() > head_dim {
             return Err(shape_err(format!(
                 "rope: {} positions for [{}, {}] with head_dim {head_dim}",
@@ -196,6 +186,7 @@ impl Backend for CpuBackend {
     }
 
     fn layer_norm(&self, x: &CpuTensor, weight: &CpuTensor, bias: &CpuTensor, eps: f32) -> Result<CpuTensor> {
+        let _t = profile::span("layer_norm");
         if weight.data.len() != x.cols || bias.data.len() != x.cols {
             return Err(shape_err(format!("layer_norm weight/bias for width {}", x.cols)));
         }
@@ -213,6 +204,7 @@ impl Backend for CpuBackend {
     }
 
     fn gelu(&self, x: &CpuTensor) -> Result<CpuTensor> {
+        let _t = profile::span("gelu");
         let mut out = x.clone();
         out.data.par_chunks_mut(4096).for_each(|c| {
             for v in c {
@@ -223,6 +215,7 @@ impl Backend for CpuBackend {
     }
 
     fn silu_mul(&self, gate_up: &CpuTensor) -> Result<CpuTensor> {
+        let _t = profile::span("silu_mul");
         if !gate_up.cols.is_multiple_of(2) {
             return Err(shape_err(format!("silu_mul of an odd width {}", gate_up.cols)));
         }
@@ -242,6 +235,7 @@ impl Backend for CpuBackend {
     }
 
     fn split_cols(&self, x: &CpuTensor, widths: &[usize]) -> Result<Vec<CpuTensor>> {
+        let _t = profile::span("split_cols");
         if widths.iter().sum::<usize>() != x.cols {
             return Err(shape_err(format!("split_cols {widths:?} of width {}", x.cols)));
         }
@@ -257,6 +251,7 @@ impl Backend for CpuBackend {
     }
 
     fn add_assign(&self, x: &mut CpuTensor, y: &CpuTensor) -> Result<()> {
+        let _t = profile::span("add_assign");
         if x.data.len() != y.data.len() {
             return Err(shape_err("add_assign shapes differ".into()));
         }
@@ -269,6 +264,7 @@ impl Backend for CpuBackend {
     }
 
     fn select_rows(&self, x: &CpuTensor, rows: &[usize]) -> Result<CpuTensor> {
+        let _t = profile::span("select_rows");
         let mut out = CpuTensor::zeros(rows.len(), x.cols);
         for (o, &r) in out.data.chunks_exact_mut(x.cols).zip(rows) {
             if r >= x.rows {
@@ -280,17 +276,7 @@ impl Backend for CpuBackend {
     }
 
     fn new_kv_store(&self, spec: KvSpec) -> Result<CpuKvStore> {
-        let per_layer = spec.capacity() * spec.kv_dim();
-        let layer = || {
-            let mut buf = vec![0f32; per_layer];
-            prefault(&mut buf);
-            buf
-        };
-        Ok(CpuKvStore {
-            spec,
-            k: (0..spec.num_layers).map(|_| layer()).collect(),
-            v: (0..spec.num_layers).map(|_| layer()).collect(),
-        })
+        Ok(CpuKvStore::new(spec))
     }
 
     fn write_kv(
@@ -301,6 +287,7 @@ impl Backend for CpuBackend {
         v: &CpuTensor,
         slots: &[u32],
     ) -> Result<()> {
+        let _t = profile::span("write_kv");
         let s = store.spec;
         let width = s.kv_dim();
         s.check(layer, slots)?;
@@ -327,6 +314,7 @@ impl Backend for CpuBackend {
     }
 
     fn inject_kv(&self, store: &mut CpuKvStore, chunks: &[InjectChunk<'_, CpuTensor>], rope: &Rope) -> Result<()> {
+        let _t = profile::span("inject_kv");
         let s = store.spec;
         let width = s.kv_dim();
         for (ci, c) in chunks.iter().enumerate() {
@@ -357,29 +345,25 @@ impl Backend for CpuBackend {
                 (cos, sin)
             })
             .collect();
-        let half = rope.dim() / 2;
-        let d = s.head_dim;
-        let offset = |slot: usize, head: usize| (head * s.num_blocks * s.block_size + slot) * d;
         store.k.par_iter_mut().zip(store.v.par_iter_mut()).enumerate().for_each(|(layer, (kl, vl))| {
-            for (c, (cos, sin)) in chunks.iter().zip(&tables) {
-                let (k, v) = (&c.k[layer], &c.v[layer]);
-                for (i, &slot) in c.slots.iter().enumerate() {
-                    let (cos, sin) = (&cos[i * half..(i + 1) * half], &sin[i * half..(i + 1) * half]);
-                    for h in 0..s.num_kv_heads {
-                        let dst = offset(slot as usize, h);
-                        let src = i * width + h * d;
-                        let head = &mut kl[dst..dst + d];
-                        head.copy_from_slice(&k.data[src..src + d]);
-                        rope.rotate(head, cos, sin);
-                        vl[dst..dst + d].copy_from_slice(&v.data[src..src + d]);
-                    }
-                }
-            }
+            let layer_chunks: Vec<LayerChunk<'_>> = chunks
+                .iter()
+                .zip(&tables)
+                .map(|(c, (cos, sin))| LayerChunk {
+                    k: &c.k[layer].data,
+                    v: &c.v[layer].data,
+                    slots: c.slots,
+                    cos,
+                    sin,
+                })
+                .collect();
+            kv_store::inject_layer(s, kl, vl, &layer_chunks, rope);
         });
         Ok(())
     }
 
     fn gather_kv(&self, store: &CpuKvStore, layer: usize, slots: &[u32]) -> Result<(CpuTensor, CpuTensor)> {
+        let _t = profile::span("gather_kv");
         let s = store.spec;
         let width = s.kv_dim();
         s.check(layer, slots)?;
@@ -397,6 +381,7 @@ impl Backend for CpuBackend {
     }
 
     fn copy_blocks(&self, store: &mut CpuKvStore, pairs: &[(u32, u32)]) -> Result<()> {
+        let _t = profile::span("copy_blocks");
         let s = store.spec;
         let block = s.block_size * s.head_dim;
         if let Some(p) = pairs.iter().find(|(a, b)| *a as usize >= s.num_blocks || *b as usize >= s.num_blocks) {
@@ -415,6 +400,7 @@ impl Backend for CpuBackend {
     }
 
     fn concat_rows(&self, parts: &[&CpuTensor]) -> Result<CpuTensor> {
+        let _t = profile::span("concat_rows");
         let cols = parts.first().map_or(0, |t| t.cols);
         if parts.iter().any(|t| t.cols != cols) {
             return Err(shape_err("concat_rows of different widths".into()));
@@ -434,6 +420,7 @@ impl Backend for CpuBackend {
         shape: AttentionShape,
         spans: &[(usize, usize)],
     ) -> Result<CpuTensor> {
+        let _t = profile::span("attention_bidirectional");
         attention::bidirectional(q, k, v, shape, spans)
     }
 
@@ -445,6 +432,7 @@ impl Backend for CpuBackend {
         shape: AttentionShape,
         spans: &[SeqSpan<'_>],
     ) -> Result<CpuTensor> {
+        let _t = profile::span("attention");
         attention::paged_attention(q, store, layer, shape, spans)
     }
 }

@@ -15,6 +15,11 @@
 //! over `--reps` runs after a warm-up.
 //! The injection alone is timed in separate runs (fork, inject, synchronise),
 //! so that the TTFT runs keep the overlap a real request has.
+//! The cells (k × mode) are measured in rounds, one run of each per round,
+//! so that a slow stretch of a shared machine (another tenant's load on the
+//! host, a frequency change) falls on every cell alike instead of on the
+//! one being measured at the time: the kv/k₀ ratios compare like with like.
+//! `--blocked` measures each cell's runs back to back instead.
 //! With a real model the facts are synthetic sentences through the chat
 //! template; with `--shape … --random-weights` they are random token ids of
 //! the lengths given (`--header-tokens`, `--fact-tokens`, `--question-tokens`).
@@ -59,6 +64,10 @@ pub struct TtftArgs {
     /// Write results as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Run each cell's timed runs back to back (with a CUDA profile phase
+    /// per cell) instead of interleaving the cells run by run.
+    #[arg(long)]
+    blocked: bool,
     #[command(flatten)]
     model: ModelArgs,
 }
@@ -86,6 +95,14 @@ struct Row {
     /// (K and V of every layer, read once and written once).
     inject_ms_median: Option<f64>,
     inject_bytes: Option<usize>,
+}
+
+/// One (k, mode) cell of the table, with the stored KV it injects (none in
+/// prompt mode).
+struct Cell<'a, B: Backend> {
+    k: usize,
+    mode: &'static str,
+    chunks: Option<&'a [KvChunk<B>]>,
 }
 
 /// The prompt pieces, as token ids.
@@ -198,43 +215,74 @@ fn run_on<B: Backend>(a: TtftArgs, backend: B) -> Result<()> {
     let mut header = e.new_sequence(l.header.clone())?;
     e.prefill(&mut header)?;
 
-    let mut results = Vec::new();
-    for &k in &a.k {
-        let fact_tokens: usize = l.facts[..k].iter().map(Vec::len).sum();
-        let host_k = hosted.get(..k);
-        for (mode, chunks) in [("prompt", None), ("kv", Some(&chunks[..k])), ("kv-host", host_k)] {
-            if !a.modes.iter().any(|m| m == mode) {
-                continue;
-            }
-            e.backend().profile_phase(&format!("k={k} {mode}: warm-up"));
+    // The cells to measure, each with its stored KV (None: prompt mode).
+    let cells: Vec<Cell<'_, B>> =
+        a.k.iter()
+            .flat_map(|&k| {
+                let host_k = hosted.get(..k);
+                [("prompt", None), ("kv", Some(&chunks[..k])), ("kv-host", host_k)]
+                    .into_iter()
+                    .filter(|(mode, _)| a.modes.iter().any(|m| m == mode))
+                    .map(move |(mode, chunks)| Cell { k, mode, chunks })
+            })
+            .collect();
+    let mut ttft: Vec<Vec<f64>> = vec![Vec::with_capacity(a.reps); cells.len()];
+    let mut inject: Vec<Vec<f64>> = vec![Vec::with_capacity(a.reps); cells.len()];
+    let mut measure = |e: &mut Engine<B>, i: usize, c: &Cell<'_, B>| -> Result<()> {
+        ttft[i].push(first_token(e, &header, &l.facts[..c.k], c.chunks, &l.question)?);
+        if let Some(chunks) = c.chunks {
+            inject[i].push(inject_alone(e, &header, chunks)?);
+        }
+        Ok(())
+    };
+    if a.blocked {
+        for (i, c) in cells.iter().enumerate() {
+            e.backend().profile_phase(&format!("k={} {}: warm-up", c.k, c.mode));
             for _ in 0..2 {
-                first_token(e, &header, &l.facts[..k], chunks, &l.question)?; // warm-up
+                first_token(e, &header, &l.facts[..c.k], c.chunks, &l.question)?;
             }
-            e.backend().profile_phase(&format!("k={k} {mode}: {} timed requests", a.reps));
-            let ttft = (0..a.reps)
-                .map(|_| first_token(e, &header, &l.facts[..k], chunks, &l.question))
-                .collect::<Result<Vec<_>>>()?;
-            let inject = match chunks {
-                Some(c) => {
-                    e.backend().profile_phase(&format!("k={k} {mode}: {} injections alone", a.reps));
-                    Some(median((0..a.reps).map(|_| inject_alone(e, &header, c)).collect::<Result<Vec<_>>>()?))
-                }
-                None => None,
-            };
-            let prefilled = l.question.len() + if chunks.is_some() { 0 } else { fact_tokens };
-            results.push(Row {
-                k,
-                mode,
+            e.backend().profile_phase(&format!("k={} {}: {} timed requests and injections", c.k, c.mode, a.reps));
+            for _ in 0..a.reps {
+                measure(e, i, c)?;
+            }
+            eprintln!("inferscale bench ttft: k={} {} done", c.k, c.mode);
+        }
+    } else {
+        e.backend().profile_phase("warm-up");
+        for c in &cells {
+            for _ in 0..2 {
+                first_token(e, &header, &l.facts[..c.k], c.chunks, &l.question)?;
+            }
+        }
+        e.backend().profile_phase(&format!("{} rounds of timed requests and injections, cells interleaved", a.reps));
+        for rep in 0..a.reps {
+            for (i, c) in cells.iter().enumerate() {
+                measure(e, i, c)?;
+            }
+            if (rep + 1) % 5 == 0 || rep + 1 == a.reps {
+                eprintln!("inferscale bench ttft: round {}/{} done", rep + 1, a.reps);
+            }
+        }
+    }
+    e.backend().profile_phase("done");
+    let results = cells
+        .iter()
+        .zip(ttft)
+        .zip(inject)
+        .map(|((c, ttft), inject)| {
+            let fact_tokens: usize = l.facts[..c.k].iter().map(Vec::len).sum();
+            Row {
+                k: c.k,
+                mode: c.mode,
                 ttft_ms_min: ttft.iter().copied().fold(f64::INFINITY, f64::min),
                 ttft_ms_median: median(ttft),
                 prompt_tokens: h + fact_tokens + l.question.len(),
-                prefilled_tokens: prefilled,
-                inject_ms_median: inject,
-                inject_bytes: chunks.map(|_| 2 * fact_tokens * kv_bytes_per_token),
-            });
-            eprintln!("inferscale bench ttft: k={k} {mode} done");
-        }
-    }
+                prefilled_tokens: l.question.len() + if c.chunks.is_some() { 0 } else { fact_tokens },
+                inject_ms_median: c.chunks.map(|_| median(inject)),
+                inject_bytes: c.chunks.map(|_| 2 * fact_tokens * kv_bytes_per_token),
+            }
+        })
+        .collect();
     let report = Report {
         backend: a.model.backend.clone(),
         model: files.path.display().to_string(),

@@ -36,19 +36,7 @@ impl State {
         if self.totals.is_empty() {
             return;
         }
-        let total: f64 = self.totals.values().map(|v| v.1).sum();
-        let phase = self.phase.as_deref().map(|p| format!(", {p}")).unwrap_or_default();
-        eprintln!("inferscale cuda profile (device time per op{phase}; {total:.3} ms in all):");
-        eprintln!("{:<20} {:>9} {:>12} {:>10} {:>7}", "op", "count", "total ms", "mean µs", "share");
-        let mut rows: Vec<_> = self.totals.iter().collect();
-        rows.sort_by(|a, b| b.1.1.total_cmp(&a.1.1));
-        for (name, (n, ms)) in rows {
-            eprintln!(
-                "{name:<20} {n:>9} {ms:>12.3} {:>10.2} {:>6.1}%",
-                ms * 1e3 / *n as f64,
-                100.0 * ms / total.max(1e-9)
-            );
-        }
+        inferscale_engine::backend::print_op_profile("cuda", "device", self.phase.as_deref(), &self.totals);
     }
 }
 

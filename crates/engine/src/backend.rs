@@ -63,6 +63,27 @@ pub fn matrix_dims(t: &HostTensor) -> Result<(usize, usize)> {
     Ok((rows, cols))
 }
 
+/// Prints a backend profiler's table to stderr: per op, its count, total
+/// and mean time and share, slowest first, under `inferscale {backend}
+/// profile ({clock} time per op, {phase}; … ms in all)`. `totals` maps each
+/// op to (calls, milliseconds).
+pub fn print_op_profile(
+    backend: &str,
+    clock: &str,
+    phase: Option<&str>,
+    totals: &std::collections::BTreeMap<&'static str, (usize, f64)>,
+) {
+    let total: f64 = totals.values().map(|v| v.1).sum();
+    let phase = phase.map(|p| format!(", {p}")).unwrap_or_default();
+    eprintln!("inferscale {backend} profile ({clock} time per op{phase}; {total:.3} ms in all):");
+    eprintln!("{:<20} {:>9} {:>12} {:>10} {:>7}", "op", "count", "total ms", "mean µs", "share");
+    let mut rows: Vec<_> = totals.iter().collect();
+    rows.sort_by(|a, b| b.1.1.total_cmp(&a.1.1));
+    for (op, (n, ms)) in rows {
+        eprintln!("{op:<20} {n:>9} {ms:>12.3} {:>10.2} {:>6.1}%", ms * 1e3 / *n as f64, 100.0 * ms / total.max(1e-9));
+    }
+}
+
 /// One sequence's part of a batched attention call.
 #[derive(Debug, Clone, Copy)]
 pub struct SeqSpan<'a> {

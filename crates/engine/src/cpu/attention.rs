@@ -15,8 +15,9 @@ use std::cell::RefCell;
 
 use rayon::prelude::*;
 
+use super::attn_kernel::{self, Dims};
 use super::matmul::{Strided, gemm_strided};
-use super::{CpuKvStore, CpuTensor, attn_kernel, vmath};
+use super::{CpuKvStore, CpuTensor, vmath};
 use crate::backend::{AttentionShape, SeqSpan};
 use crate::error::{EngineError, Result};
 
@@ -207,7 +208,8 @@ fn run_task(t: &Task, s: &SeqSpan<'_>, ctx: &TaskCtx<'_>) -> Partial {
         for &(a, z) in &runs {
             let (keys, values) = key_run(store, layer, s.block_table, t.kv_head, a, z);
             let m = if a >= all_see { &mut tail_max } else { &mut max };
-            attn_kernel::scores_t(&mut st[(a - t.k0) * mp..(z - t.k0) * mp], m, keys, values, qt, z - a, d, mp);
+            let dims = Dims { n: z - a, d, mp };
+            attn_kernel::scores_t(&mut st[(a - t.k0) * mp..(z - t.k0) * mp], m, (keys, values), qt, dims);
         }
         for (i, row) in st[(all_see - t.k0) * mp..].chunks_exact_mut(mp).enumerate() {
             // Rows r0 + first_row.. of each head see key all_see + i.
@@ -228,7 +230,7 @@ fn run_task(t: &Task, s: &SeqSpan<'_>, ctx: &TaskCtx<'_>) -> Partial {
         for (i, &(a, z)) in runs.iter().enumerate() {
             let (_, values) = key_run(store, layer, s.block_table, t.kv_head, a, z);
             let p = &st[(a - t.k0) * mp..(z - t.k0) * mp];
-            attn_kernel::weighted_values(&mut o, p, values, z - a, d, mp, stacked, i > 0);
+            attn_kernel::weighted_values(&mut o, p, values, Dims { n: z - a, d, mp }, (stacked, i > 0));
         }
         max.truncate(stacked);
         sum.truncate(stacked);

@@ -18,6 +18,15 @@
 //! not a multiple of 16 for `P · V`, take a portable loop with the same
 //! layout.
 
+/// The sizes of a task's products: `n` keys of `d` dimensions, and `mp`
+/// columns of stacked query rows (a multiple of 16).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Dims {
+    pub n: usize,
+    pub d: usize,
+    pub mp: usize,
+}
+
 /// `st[i·mp + m] = Σ_c k[i·d + c] · qt[c·mp + m]` for keys `i < n` and
 /// columns `m < mp`: the transposed scores of `n` keys (`[n, d]`, row-major)
 /// against packed queries `qt` (`[d, mp]`). `mp` must be a multiple of 16.
@@ -25,17 +34,8 @@
 /// softmax needs it, and the registers hold the scores already). The same
 /// keys' values `v` (`[n, d]`) are brought into L2 meanwhile, for the
 /// product that follows the softmax.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn scores_t(
-    st: &mut [f32],
-    max: &mut [f32],
-    k: &[f32],
-    v: &[f32],
-    qt: &[f32],
-    n: usize,
-    d: usize,
-    mp: usize,
-) {
+pub(crate) fn scores_t(st: &mut [f32], max: &mut [f32], (k, v): (&[f32], &[f32]), qt: &[f32], dims: Dims) {
+    let Dims { n, d, mp } = dims;
     assert!(mp.is_multiple_of(16), "scores_t: mp {mp} is not a multiple of 16");
     assert!(st.len() >= n * mp && max.len() >= mp, "scores_t outputs");
     assert!(k.len() >= n * d && v.len() >= n * d && qt.len() >= d * mp, "scores_t operands");
@@ -46,33 +46,24 @@ pub(crate) fn scores_t(
             // row and column the strips address (columns m0..m0 + 16·MV ≤ mp).
             unsafe {
                 match ((mp - m0) / 16).min(4) {
-                    4 => avx512::score_strip::<6, 4>(st, max, (k, v), qt, n, d, mp, m0),
-                    3 => avx512::score_strip::<8, 3>(st, max, (k, v), qt, n, d, mp, m0),
-                    2 => avx512::score_strip::<12, 2>(st, max, (k, v), qt, n, d, mp, m0),
-                    _ => avx512::score_strip::<12, 1>(st, max, (k, v), qt, n, d, mp, m0),
+                    4 => avx512::score_strip::<6, 4>(st, max, (k, v), qt, dims, m0),
+                    3 => avx512::score_strip::<8, 3>(st, max, (k, v), qt, dims, m0),
+                    2 => avx512::score_strip::<12, 2>(st, max, (k, v), qt, dims, m0),
+                    _ => avx512::score_strip::<12, 1>(st, max, (k, v), qt, dims, m0),
                 }
             }
         }
         return;
     }
-    scores_t_portable(st, max, k, qt, n, d, mp);
+    scores_t_portable(st, max, k, qt, dims);
 }
 
 /// `o[m·d + c] = Σ_i pt[i·mp + m] · v[i·d + c]` for stacked rows `m < rows`
 /// and `c < d`: the probabilities `pt` (`[n, mp]`, transposed) times the
 /// values `v` (`[n, d]`, row-major). With `accumulate`, added to what `o`
 /// holds (the keys of a task come in several runs).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn weighted_values(
-    o: &mut [f32],
-    pt: &[f32],
-    v: &[f32],
-    n: usize,
-    d: usize,
-    mp: usize,
-    rows: usize,
-    accumulate: bool,
-) {
+pub(crate) fn weighted_values(o: &mut [f32], pt: &[f32], v: &[f32], dims: Dims, (rows, accumulate): (usize, bool)) {
+    let Dims { n, d, mp } = dims;
     assert!(rows <= mp, "weighted_values: {rows} rows in a width of {mp}");
     assert!(o.len() >= rows * d && pt.len() >= n * mp && v.len() >= n * d, "weighted_values operands");
     #[cfg(target_arch = "x86_64")]
@@ -83,16 +74,16 @@ pub(crate) fn weighted_values(
             unsafe {
                 let at = (rows, c0, accumulate);
                 match ((d - c0) / 16).min(4) {
-                    4 => avx512::value_strip::<6, 4>(o, pt, v, n, d, mp, at),
-                    3 => avx512::value_strip::<8, 3>(o, pt, v, n, d, mp, at),
-                    2 => avx512::value_strip::<12, 2>(o, pt, v, n, d, mp, at),
-                    _ => avx512::value_strip::<12, 1>(o, pt, v, n, d, mp, at),
+                    4 => avx512::value_strip::<6, 4>(o, pt, v, dims, at),
+                    3 => avx512::value_strip::<8, 3>(o, pt, v, dims, at),
+                    2 => avx512::value_strip::<12, 2>(o, pt, v, dims, at),
+                    _ => avx512::value_strip::<12, 1>(o, pt, v, dims, at),
                 }
             }
         }
         return;
     }
-    weighted_values_portable(o, pt, v, n, d, mp, rows, accumulate);
+    weighted_values_portable(o, pt, v, dims, (rows, accumulate));
 }
 
 /// `qt[c·mp + m] = scale · q[rows[m] + c]` for `c < d` and `m <
@@ -119,7 +110,7 @@ pub(crate) fn pack_queries_t(qt: &mut [f32], q: &[f32], rows: &[usize], d: usize
     }
 }
 
-fn scores_t_portable(st: &mut [f32], max: &mut [f32], k: &[f32], qt: &[f32], n: usize, d: usize, mp: usize) {
+fn scores_t_portable(st: &mut [f32], max: &mut [f32], k: &[f32], qt: &[f32], Dims { n, d, mp }: Dims) {
     for (srow, krow) in st[..n * mp].chunks_exact_mut(mp).zip(k.chunks_exact(d)) {
         srow.fill(0.0);
         for (&x, qrow) in krow.iter().zip(qt.chunks_exact(mp)) {
@@ -133,17 +124,8 @@ fn scores_t_portable(st: &mut [f32], max: &mut [f32], k: &[f32], qt: &[f32], n: 
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn weighted_values_portable(
-    o: &mut [f32],
-    pt: &[f32],
-    v: &[f32],
-    n: usize,
-    d: usize,
-    mp: usize,
-    rows: usize,
-    accumulate: bool,
-) {
+fn weighted_values_portable(o: &mut [f32], pt: &[f32], v: &[f32], dims: Dims, (rows, accumulate): (usize, bool)) {
+    let Dims { n, d, mp } = dims;
     let o = &mut o[..rows * d];
     if !accumulate {
         o.fill(0.0);
@@ -160,6 +142,8 @@ fn weighted_values_portable(
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use std::arch::x86_64::*;
+
+    use super::Dims;
 
     /// Keys per block of the `P · V` kernel: 64 rows of Pᵀ and of a 64-wide
     /// V strip are 32 KB, inside a 48 KB L1.
@@ -198,15 +182,12 @@ mod avx512 {
     /// AVX-512F must be available; `st` holds `n·mp`, `k` `n·d` and `qt`
     /// `d·mp` floats, and `m0 + 16·MV ≤ mp`.
     #[target_feature(enable = "avx512f")]
-    #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn score_strip<const R: usize, const MV: usize>(
         st: &mut [f32],
         max: &mut [f32],
         (k, v): (&[f32], &[f32]),
         qt: &[f32],
-        n: usize,
-        d: usize,
-        mp: usize,
+        Dims { n, d, mp }: Dims,
         m0: usize,
     ) {
         let (ps, pk, pq, pm) = (st.as_mut_ptr(), k.as_ptr(), qt.as_ptr(), max.as_mut_ptr());
@@ -263,9 +244,45 @@ mod avx512 {
         }
     }
 
-    /// `R` keys × `16·MV` columns: one pass over the head dimension with
-    /// `R·MV` accumulators, each key element broadcast once; `hi` takes the
-    /// columns' running maxima.
+    /// `acc[r][j] += Σ_s a[r·a_rs + s·a_cs] · b[s·b_rs + 16·j ..][..16]` over
+    /// `s < steps`: `R × V` accumulators, each element of `a` broadcast once
+    /// and each vector of `b` loaded once per step. Both products are this
+    /// kernel: the scores with `a` the keys (rows: keys, steps: head
+    /// dimensions) and `b` = Qᵀ; the values with `a` = Pᵀ (rows: stacked
+    /// query rows, steps: keys) and `b` = V.
+    ///
+    /// # Safety
+    /// AVX-512F must be available, and every element addressed lies in the
+    /// allocations `a` and `b` point into.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn rank1_tile<const R: usize, const V: usize>(
+        acc: &mut [[__m512; V]; R],
+        a: *const f32,
+        (a_rs, a_cs): (usize, usize),
+        b: *const f32,
+        b_rs: usize,
+        steps: usize,
+    ) {
+        // SAFETY: the caller's bounds.
+        unsafe {
+            for step in 0..steps {
+                let mut w = [_mm512_setzero_ps(); V];
+                for (j, wv) in w.iter_mut().enumerate() {
+                    *wv = _mm512_loadu_ps(b.add(step * b_rs + 16 * j));
+                }
+                for (r, row) in acc.iter_mut().enumerate() {
+                    let x = _mm512_set1_ps(*a.add(r * a_rs + step * a_cs));
+                    for (acc, wv) in row.iter_mut().zip(&w) {
+                        *acc = _mm512_fmadd_ps(x, *wv, *acc);
+                    }
+                }
+            }
+        }
+    }
+
+    /// `R` keys × `16·MV` columns of `Sᵀ`; `hi` takes the columns' running
+    /// maxima.
     #[target_feature(enable = "avx512f")]
     #[inline]
     unsafe fn score_tile<const R: usize, const MV: usize>(
@@ -280,18 +297,7 @@ mod avx512 {
         // SAFETY: the caller guarantees R key rows of d floats at k, d rows
         // of mp floats at qt (16·MV of them from qt on), R rows at st.
         unsafe {
-            for c in 0..d {
-                let mut q = [_mm512_setzero_ps(); MV];
-                for (v, qv) in q.iter_mut().enumerate() {
-                    *qv = _mm512_loadu_ps(qt.add(c * mp + 16 * v));
-                }
-                for (r, row) in acc.iter_mut().enumerate() {
-                    let x = _mm512_set1_ps(*k.add(r * d + c));
-                    for (a, qv) in row.iter_mut().zip(&q) {
-                        *a = _mm512_fmadd_ps(x, *qv, *a);
-                    }
-                }
-            }
+            rank1_tile(&mut acc, k, (d, 1), qt, mp, d);
             for (r, row) in acc.iter().enumerate() {
                 for ((v, a), h) in row.iter().enumerate().zip(hi.iter_mut()) {
                     _mm512_storeu_ps(st.add(r * mp + 16 * v), *a);
@@ -312,9 +318,7 @@ mod avx512 {
         o: &mut [f32],
         pt: &[f32],
         v: &[f32],
-        n: usize,
-        d: usize,
-        mp: usize,
+        Dims { n, d, mp }: Dims,
         (rows, c0, accumulate): (usize, usize, bool),
     ) {
         let (po, pp, pv) = (o.as_mut_ptr(), pt.as_ptr(), v.as_ptr());
@@ -346,9 +350,8 @@ mod avx512 {
         }
     }
 
-    /// `R` rows × `16·DV` columns of `O`: one pass over `n` keys with
-    /// `R·DV` accumulators, each probability broadcast once; the
-    /// accumulators start at zero when `first`, else at what `o` holds.
+    /// `R` rows × `16·DV` columns of `O` over `n` keys; the accumulators
+    /// start at zero when `first`, else at what `o` holds.
     #[target_feature(enable = "avx512f")]
     #[inline]
     unsafe fn value_tile<const R: usize, const DV: usize>(
@@ -371,18 +374,7 @@ mod avx512 {
                     }
                 }
             }
-            for i in 0..n {
-                let mut w = [_mm512_setzero_ps(); DV];
-                for (j, wv) in w.iter_mut().enumerate() {
-                    *wv = _mm512_loadu_ps(v.add(i * d + 16 * j));
-                }
-                for (r, row) in acc.iter_mut().enumerate() {
-                    let p = _mm512_set1_ps(*pt.add(i * mp + r));
-                    for (a, wv) in row.iter_mut().zip(&w) {
-                        *a = _mm512_fmadd_ps(p, *wv, *a);
-                    }
-                }
-            }
+            rank1_tile(&mut acc, pt, (1, mp), v, d, n);
             for (r, row) in acc.iter().enumerate() {
                 for (j, a) in row.iter().enumerate() {
                     _mm512_storeu_ps(o.add(r * d + 16 * j), *a);
@@ -432,6 +424,7 @@ mod tests {
             (7, 80, 64),
         ] {
             let mp = rows.next_multiple_of(16);
+            let dims = Dims { n, d, mp };
             let (k, qt, v) = (data(n * d, 0.37), data(d * mp, 0.11), data(n * d, 0.23));
             let want_s: Vec<f32> =
                 (0..n * mp).map(|x| (0..d).map(|c| k[(x / mp) * d + c] * qt[c * mp + x % mp]).sum()).collect();
@@ -447,25 +440,24 @@ mod tests {
             };
             let want_max: Vec<f32> =
                 (0..mp).map(|m| (0..n).map(|i| want_s[i * mp + m]).fold(f32::NEG_INFINITY, f32::max)).collect();
-            let (mut st, mut o) = (vec![f32::NAN; n * mp], vec![f32::NAN; rows * d]);
-            let mut max = vec![f32::NEG_INFINITY; mp];
-            scores_t(&mut st, &mut max, &k, &v, &qt, n, d, mp);
-            close(&st, &want_s, "scores");
-            close(&max, &want_max, "column maxima");
-            weighted_values(&mut o, &want_s, &v, n, d, mp, rows, false);
-            close(&o, &want_o, "values");
-            // Accumulating onto the same result doubles it.
-            weighted_values(&mut o, &want_s, &v, n, d, mp, rows, true);
-            close(&o, &want_o.iter().map(|x| 2.0 * x).collect::<Vec<_>>(), "accumulated values");
-            let (mut st, mut o) = (vec![f32::NAN; n * mp], vec![f32::NAN; rows * d]);
-            let mut max = vec![f32::NEG_INFINITY; mp];
-            scores_t_portable(&mut st, &mut max, &k, &qt, n, d, mp);
-            close(&st, &want_s, "portable scores");
-            close(&max, &want_max, "portable column maxima");
-            weighted_values_portable(&mut o, &want_s, &v, n, d, mp, rows, false);
-            close(&o, &want_o, "portable values");
-            weighted_values_portable(&mut o, &want_s, &v, n, d, mp, rows, true);
-            close(&o, &want_o.iter().map(|x| 2.0 * x).collect::<Vec<_>>(), "portable accumulated values");
+            type Scores = fn(&mut [f32], &mut [f32], &[f32], &[f32], &[f32], Dims);
+            type Values = fn(&mut [f32], &[f32], &[f32], Dims, (usize, bool));
+            let dispatched: (Scores, Values) =
+                (|st, max, k, v, qt, dims| scores_t(st, max, (k, v), qt, dims), weighted_values);
+            let portable: (Scores, Values) =
+                (|st, max, k, _, qt, dims| scores_t_portable(st, max, k, qt, dims), weighted_values_portable);
+            for (path, (scores, values)) in [("dispatched", dispatched), ("portable", portable)] {
+                let (mut st, mut o) = (vec![f32::NAN; n * mp], vec![f32::NAN; rows * d]);
+                let mut max = vec![f32::NEG_INFINITY; mp];
+                scores(&mut st, &mut max, &k, &v, &qt, dims);
+                close(&st, &want_s, &format!("{path} scores"));
+                close(&max, &want_max, &format!("{path} column maxima"));
+                values(&mut o, &want_s, &v, dims, (rows, false));
+                close(&o, &want_o, &format!("{path} values"));
+                // Accumulating onto the same result doubles it.
+                values(&mut o, &want_s, &v, dims, (rows, true));
+                close(&o, &want_o.iter().map(|x| 2.0 * x).collect::<Vec<_>>(), &format!("{path} accumulated values"));
+            }
         }
     }
 }

@@ -59,19 +59,7 @@ pub(crate) fn phase(name: &str) {
     let Some(p) = profiler() else { return };
     let mut s = lock(p);
     if !s.totals.is_empty() {
-        let total: f64 = s.totals.values().map(|v| v.1).sum();
-        let phase = s.phase.as_deref().map(|p| format!(", {p}")).unwrap_or_default();
-        eprintln!("inferscale cpu profile (wall time per op{phase}; {total:.3} ms in all):");
-        eprintln!("{:<20} {:>9} {:>12} {:>10} {:>7}", "op", "count", "total ms", "mean µs", "share");
-        let mut rows: Vec<_> = s.totals.iter().collect();
-        rows.sort_by(|a, b| b.1.1.total_cmp(&a.1.1));
-        for (op, (n, ms)) in rows {
-            eprintln!(
-                "{op:<20} {n:>9} {ms:>12.3} {:>10.2} {:>6.1}%",
-                ms * 1e3 / *n as f64,
-                100.0 * ms / total.max(1e-9)
-            );
-        }
+        crate::backend::print_op_profile("cpu", "wall", s.phase.as_deref(), &s.totals);
     }
     s.totals.clear();
     s.phase = Some(name.to_string());

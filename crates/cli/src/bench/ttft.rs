@@ -228,6 +228,12 @@ fn run_on<B: Backend>(a: TtftArgs, backend: B) -> Result<()> {
             .collect();
     let mut ttft: Vec<Vec<f64>> = vec![Vec::with_capacity(a.reps); cells.len()];
     let mut inject: Vec<Vec<f64>> = vec![Vec::with_capacity(a.reps); cells.len()];
+    let warm_up = |e: &mut Engine<B>, c: &Cell<'_, B>| -> Result<()> {
+        for _ in 0..2 {
+            first_token(e, &header, &l.facts[..c.k], c.chunks, &l.question)?;
+        }
+        Ok(())
+    };
     let mut measure = |e: &mut Engine<B>, i: usize, c: &Cell<'_, B>| -> Result<()> {
         ttft[i].push(first_token(e, &header, &l.facts[..c.k], c.chunks, &l.question)?);
         if let Some(chunks) = c.chunks {
@@ -238,9 +244,7 @@ fn run_on<B: Backend>(a: TtftArgs, backend: B) -> Result<()> {
     if a.blocked {
         for (i, c) in cells.iter().enumerate() {
             e.backend().profile_phase(&format!("k={} {}: warm-up", c.k, c.mode));
-            for _ in 0..2 {
-                first_token(e, &header, &l.facts[..c.k], c.chunks, &l.question)?;
-            }
+            warm_up(e, c)?;
             e.backend().profile_phase(&format!("k={} {}: {} timed requests and injections", c.k, c.mode, a.reps));
             for _ in 0..a.reps {
                 measure(e, i, c)?;
@@ -250,9 +254,7 @@ fn run_on<B: Backend>(a: TtftArgs, backend: B) -> Result<()> {
     } else {
         e.backend().profile_phase("warm-up");
         for c in &cells {
-            for _ in 0..2 {
-                first_token(e, &header, &l.facts[..c.k], c.chunks, &l.question)?;
-            }
+            warm_up(e, c)?;
         }
         e.backend().profile_phase(&format!("{} rounds of timed requests and injections, cells interleaved", a.reps));
         for rep in 0..a.reps {

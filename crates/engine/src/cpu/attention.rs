@@ -193,7 +193,14 @@ fn run_task(t: &Task, s: &SeqSpan<'_>, ctx: &TaskCtx<'_>) -> Partial {
     // r0 + r. Keys before `all_see` are visible to every row of the task;
     // the few from it on (at most a row chunk) are masked below.
     let all_see = (first_pos + t.r0 + 1).clamp(t.k0, t.k1);
-    let runs = pieces(s.block_table, store.spec().block_size, t.k0, t.k1, all_see);
+    // Each piece's keys and values, in place: (first key, keys, values).
+    let runs: Vec<(usize, &[f32], &[f32])> = pieces(s.block_table, store.spec().block_size, t.k0, t.k1, all_see)
+        .into_iter()
+        .map(|(a, z)| {
+            let (keys, values) = key_run(store, layer, s.block_table, t.kv_head, a, z);
+            (a, keys, values)
+        })
+        .collect();
     SCRATCH.with_borrow_mut(|Scratch { qt, scores }| {
         // Qᵀ of the group's query heads, scaled: column j·rows + r is head
         // kv_head·group + j at query row r0 + r.
@@ -204,12 +211,13 @@ fn run_task(t: &Task, s: &SeqSpan<'_>, ctx: &TaskCtx<'_>) -> Partial {
         attn_kernel::pack_queries_t(qt, &q.data, &rows_at, d, mp, scale);
         // Every element is written by the products, run by run.
         let st = grown(scores, n_keys * mp);
-        let (mut max, mut tail_max) = (vec![f32::NEG_INFINITY; mp], vec![f32::NEG_INFINITY; mp]);
-        for &(a, z) in &runs {
-            let (keys, values) = key_run(store, layer, s.block_table, t.kv_head, a, z);
-            let m = if a >= all_see { &mut tail_max } else { &mut max };
-            let dims = Dims { n: z - a, d, mp };
-            attn_kernel::scores_t(&mut st[(a - t.k0) * mp..(z - t.k0) * mp], m, (keys, values), qt, dims);
+        // The kernel raises a column maximum as it goes; the tail's is taken
+        // after its mask instead, so what it raises for the tail is dropped.
+        let (mut max, mut unmasked_tail_max) = (vec![f32::NEG_INFINITY; mp], vec![f32::NEG_INFINITY; mp]);
+        for &(a, keys, values) in &runs {
+            let m = if a >= all_see { &mut unmasked_tail_max } else { &mut max };
+            let dims = Dims { n: keys.len() / d, d, mp };
+            attn_kernel::scores_t(&mut st[(a - t.k0) * mp..][..dims.n * mp], m, (keys, values), qt, dims);
         }
         for (i, row) in st[(all_see - t.k0) * mp..].chunks_exact_mut(mp).enumerate() {
             // Rows r0 + first_row.. of each head see key all_see + i.
@@ -227,10 +235,10 @@ fn run_task(t: &Task, s: &SeqSpan<'_>, ctx: &TaskCtx<'_>) -> Partial {
         let mut sum = vec![0f32; mp];
         vmath::exp_sub_cols_sum(st, &shift, &mut sum);
         let mut o = vec![0f32; stacked * d];
-        for (i, &(a, z)) in runs.iter().enumerate() {
-            let (_, values) = key_run(store, layer, s.block_table, t.kv_head, a, z);
-            let p = &st[(a - t.k0) * mp..(z - t.k0) * mp];
-            attn_kernel::weighted_values(&mut o, p, values, Dims { n: z - a, d, mp }, (stacked, i > 0));
+        for (i, &(a, _, values)) in runs.iter().enumerate() {
+            let dims = Dims { n: values.len() / d, d, mp };
+            let p = &st[(a - t.k0) * mp..][..dims.n * mp];
+            attn_kernel::weighted_values(&mut o, p, values, dims, (stacked, i > 0));
         }
         max.truncate(stacked);
         sum.truncate(stacked);

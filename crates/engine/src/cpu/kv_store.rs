@@ -98,9 +98,13 @@ impl CpuKvStore {
 
     /// Offset of (slot, head) in a layer's buffer.
     pub(crate) fn offset(&self, slot: usize, head: usize) -> usize {
-        let s = &self.spec;
-        (head * s.num_blocks * s.block_size + slot) * s.head_dim
+        head_offset(self.spec, slot, head)
     }
+}
+
+/// Offset of (slot, head) in a layer's buffer of a store shaped `spec`.
+fn head_offset(spec: KvSpec, slot: usize, head: usize) -> usize {
+    (head * spec.num_blocks * spec.block_size + slot) * spec.head_dim
 }
 
 /// One injected chunk's layer: token `i`'s stored pre-RoPE key (`k`, `[n,
@@ -131,12 +135,11 @@ pub(crate) fn inject_layer(spec: KvSpec, kl: &mut [f32], vl: &mut [f32], chunks:
 
 fn inject_layer_portable(spec: KvSpec, kl: &mut [f32], vl: &mut [f32], chunks: &[LayerChunk<'_>], rope: &Rope) {
     let (d, width, half) = (spec.head_dim, spec.kv_dim(), rope.dim() / 2);
-    let offset = |slot: usize, head: usize| (head * spec.num_blocks * spec.block_size + slot) * d;
     for c in chunks {
         for (i, &slot) in c.slots.iter().enumerate() {
             let (cos, sin) = (&c.cos[i * half..(i + 1) * half], &c.sin[i * half..(i + 1) * half]);
             for h in 0..spec.num_kv_heads {
-                let (dst, src) = (offset(slot as usize, h), i * width + h * d);
+                let (dst, src) = (head_offset(spec, slot as usize, h), i * width + h * d);
                 let head = &mut kl[dst..dst + d];
                 head.copy_from_slice(&c.k[src..src + d]);
                 rope.rotate(head, cos, sin);
@@ -186,7 +189,7 @@ mod avx512 {
             for (i, &slot) in c.slots.iter().enumerate() {
                 let (cos, sin) = (&c.cos[i * half..(i + 1) * half], &c.sin[i * half..(i + 1) * half]);
                 for h in 0..spec.num_kv_heads {
-                    let dst = (h * spec.num_blocks * spec.block_size + slot as usize) * d;
+                    let dst = super::head_offset(spec, slot as usize, h);
                     let src = i * width + h * d;
                     let (k, v) = (&c.k[src..src + d], &c.v[src..src + d]);
                     assert!(dst + d <= kl.len().min(vl.len()), "inject: slot {slot} beyond the layer");

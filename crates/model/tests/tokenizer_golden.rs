@@ -50,10 +50,28 @@ fn builtin_templates_render_like_transformers() {
 fn smollm2_tokenizer_and_template_match_reference() {
     let files = inferscale_model::open("smollm2").unwrap();
     let tok = files.tokenizer.as_ref().unwrap();
-    let tmpl = files.chat_template.as_ref().unwrap();
     assert_eq!(tok.bos.as_ref().map(|b| b.0), Some(1));
     assert_eq!(tok.eos.as_ref().map(|b| b.0), Some(2));
-    let g = golden("smollm2.json");
+    check_against_golden(&files, "smollm2.json");
+}
+
+/// Qwen2.5-Coder-1.5B-Instruct's GGUF tokenizer (the `qwen2` pre-tokenizer,
+/// 151,936 tokens) and its own chat template. Needs the 1.1 GB model, so it
+/// runs on request: `cargo nextest run --run-ignored only -E 'test(qwen)'`.
+#[test]
+#[ignore = "needs Qwen2.5-Coder-1.5B (1.1 GB): inferscale fetch qwen2.5-coder-1.5b"]
+fn qwen_tokenizer_and_template_match_reference() {
+    let files = inferscale_model::open("qwen2.5-coder-1.5b").unwrap();
+    assert_eq!(files.config.vocab_size, 151_936);
+    check_against_golden(&files, "qwen2.5-coder-1.5b.json");
+}
+
+/// The golden's tokenizations, chat renderings and prompt ids (raw prompts:
+/// with the special tokens the model's metadata asks for).
+fn check_against_golden(files: &inferscale_model::ModelFiles, name: &str) {
+    let tok = files.tokenizer.as_ref().unwrap();
+    let tmpl = files.chat_template.as_ref().unwrap();
+    let g = golden(name);
     for t in g["tokenize"].as_array().unwrap() {
         let text = t["text"].as_str().unwrap();
         let want: Vec<u32> = serde_json::from_value(t["ids"].clone()).unwrap();

@@ -133,8 +133,19 @@ pub struct SmolGolden {
 }
 
 pub fn load_smollm2_golden() -> SmolGolden {
-    let path = golden_dir().join("smollm2.json");
+    load_model_golden("smollm2.json")
+}
+
+/// A real model's golden (smollm2.json, qwen2.5-coder-1.5b.json).
+pub fn load_model_golden(name: &str) -> SmolGolden {
+    let path = golden_dir().join(name);
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+/// Qwen2.5-Coder-1.5B-Instruct (1.1 GB), fetched into the cache on first
+/// use; the tests that need it are `#[ignore]`d and run on request.
+pub fn open_qwen() -> ModelFiles {
+    inferscale_model::open("qwen2.5-coder-1.5b").expect("Qwen2.5-Coder-1.5B (inferscale fetch qwen2.5-coder-1.5b)")
 }
 
 /// SmolLM2-135M-Instruct, fetched into the cache on first use.

@@ -17,8 +17,9 @@ pub struct Args {
     /// Write the comparisons as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
-    /// Also decode a real model greedily on both backends (a GGUF file, an HF
-    /// directory or a packaged model name) for the prompts of `--golden`.
+    /// Also check a real model (a GGUF file, an HF directory or a packaged
+    /// model name): its logits against the CPU's and E1–E4 on the device,
+    /// then greedy decoding on both backends for the prompts of `--golden`.
     #[arg(long, requires = "golden")]
     model: Option<String>,
     /// Golden file with the prompts' token ids (tests/golden/smollm2.json).
@@ -64,18 +65,14 @@ pub fn run(a: Args) -> Result<()> {
         "{:<72} {:>10} {:>10}  result",
         "check (relative L2 error, CUDA vs CPU unless noted)", "error", "tolerance"
     );
-    for c in &report {
-        let verdict = match (c.passed(), c.control) {
-            (true, false) => "ok",
-            (true, true) => "ok (control: must exceed)",
-            (false, _) => "FAILED",
-        };
-        println!("{:<72} {:>10.2e} {:>10.0e}  {verdict}", c.name, c.error, c.tolerance);
-    }
+    report.iter().for_each(print_check);
     let mut greedy_rows = Vec::new();
     if let (Some(model), Some(golden)) = (&a.model, &a.golden) {
         let files = inferscale_model::open(model).with_context(|| format!("loading model `{model}`"))?;
         let cases = golden_cases(golden)?;
+        let checks = parity::real_model(&be, model, &files).context("E1–E4 on the model")?;
+        checks.iter().for_each(print_check);
+        report.extend(checks);
         greedy_rows = parity::greedy(&be, &files, &cases).context("greedy decoding on both backends")?;
         println!("\ngreedy decoding of {model}, CUDA vs CPU (teacher-forced on the CPU's tokens)");
         println!(
@@ -121,6 +118,16 @@ pub fn run(a: Args) -> Result<()> {
     }
     eprintln!("inferscale check: all {} checks passed on {}", report.len() + greedy_rows.len(), be.device_name());
     Ok(())
+}
+
+#[cfg(feature = "cuda")]
+fn print_check(c: &inferscale_cuda::parity::Check) {
+    let verdict = match (c.passed(), c.control) {
+        (true, false) => "ok",
+        (true, true) => "ok (control: must exceed)",
+        (false, _) => "FAILED",
+    };
+    println!("{:<72} {:>10.2e} {:>10.0e}  {verdict}", c.name, c.error, c.tolerance);
 }
 
 #[cfg(not(feature = "cuda"))]

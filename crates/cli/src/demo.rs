@@ -13,7 +13,7 @@ use clap::Args as ClapArgs;
 use inferscale_engine::{Generation, KvChunk, SamplingParams, generate_sequences};
 
 use crate::runtime::{ModelArgs, load};
-use inferscale_memory::{Composer, SYSTEM_PROMPT};
+use inferscale_memory::{Composer, Prompts};
 
 const FACTS: &[&str] = &[
     "Melanie ran a charity race for mental health on 20 May 2023.",
@@ -42,7 +42,7 @@ pub fn run(a: Args) -> Result<()> {
     let eos = m.eos_ids();
     let files = &m.files;
     let e = &mut m.engine;
-    let composer = Composer::new(files, SYSTEM_PROMPT)?;
+    let composer = Composer::new(files, &Prompts::default())?;
     let texts: Vec<String> =
         if a.facts.is_empty() { FACTS.iter().map(|s| s.to_string()).collect() } else { a.facts.clone() };
     let facts: Vec<Vec<u32>> = texts.iter().map(|f| composer.fact(f)).collect::<Result<_, _>>()?;

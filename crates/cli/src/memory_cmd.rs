@@ -8,11 +8,14 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use inferscale_engine::bert::Bert;
 use inferscale_engine::sampling::SamplingParams;
-use inferscale_engine::{Backend, CpuBackend, generate_sequences};
-use inferscale_memory::{Composer, Encoders, Memory, Mode, SYSTEM_PROMPT, ShardSpec, fingerprint, locomo, prepare};
+use inferscale_engine::{Backend, generate_sequences};
+use inferscale_memory::{
+    ANSWER_INSTRUCTION, Composer, Encoders, Memory, Mode, Prompts, Query, Retriever, SYSTEM_PROMPT, ShardSpec,
+    fingerprint, locomo, prepare,
+};
 use inferscale_model::fetch;
 
-use crate::runtime::{Loaded, ModelArgs, load};
+use crate::runtime::{Loaded, ModelArgs, load_on, on_backend};
 
 #[derive(Args, Debug, Clone)]
 pub struct MemoryArgs {
@@ -26,6 +29,12 @@ pub struct MemoryArgs {
     /// Sentence-embedding model (name or directory; `random` for speed work).
     #[arg(long, default_value = fetch::DEFAULT_EMBEDDER)]
     pub(crate) embedder: String,
+    /// How facts are ranked for a question: dense (sentence embeddings),
+    /// lexical (BM25) or hybrid (both, fused by reciprocal rank).
+    #[arg(long, env = "INFERSCALE_RETRIEVER", default_value = "hybrid", value_parser = parse_retriever)]
+    pub(crate) retriever: Retriever,
+    #[command(flatten)]
+    pub(crate) prompts: PromptArgs,
     /// MiB of device memory for users' stored KV; users placed past it keep
     /// theirs in the host tier (pinned host memory, read over the bus while
     /// the question is prefilled). Default: no limit. Only the CUDA backend
@@ -76,7 +85,33 @@ pub struct AskArgs {
     mem: MemoryArgs,
 }
 
+/// The words around the facts (see [`Prompts`]).
+#[derive(Args, Debug, Clone)]
+pub struct PromptArgs {
+    /// The system prompt. Every fact is encoded after it, so a memory's KV
+    /// is made for one system prompt; another is refused (the facts stay).
+    #[arg(long, env = "INFERSCALE_SYSTEM_PROMPT", default_value = SYSTEM_PROMPT)]
+    pub(crate) system_prompt: String,
+    /// The instruction before each question (free to change).
+    #[arg(long, env = "INFERSCALE_INSTRUCTION", default_value = ANSWER_INSTRUCTION)]
+    pub(crate) instruction: String,
+}
+
+impl PromptArgs {
+    pub(crate) fn prompts(&self) -> Prompts {
+        Prompts { system: self.system_prompt.clone(), instruction: self.instruction.clone() }
+    }
+}
+
+pub(crate) fn parse_retriever(s: &str) -> Result<Retriever, String> {
+    s.parse().map_err(|e: inferscale_memory::MemoryError| e.to_string())
+}
+
 impl MemoryArgs {
+    pub(crate) fn prompts(&self) -> Prompts {
+        self.prompts.prompts()
+    }
+
     /// The memory directory: `--memory`, else `$INFERSCALE_HOME/memory`.
     pub(crate) fn dir(&self) -> PathBuf {
         self.memory.clone().unwrap_or_else(|| fetch::home_dir().join("memory"))
@@ -84,14 +119,14 @@ impl MemoryArgs {
 }
 
 /// Everything a memory command needs, loaded once.
-struct Session {
-    loaded: Loaded,
-    embedder: Bert<CpuBackend>,
-    memory: Memory<CpuBackend>,
+struct Session<B: Backend> {
+    loaded: Loaded<B>,
+    embedder: Bert<B>,
+    memory: Memory<B>,
 }
 
-fn open(a: &MemoryArgs) -> Result<Session> {
-    let loaded = load(&a.model)?;
+fn open<B: Backend>(a: &MemoryArgs, backend: B) -> Result<Session<B>> {
+    let loaded = load_on(&a.model, backend)?;
     let (embedder, memory) = open_memory(a, &loaded)?;
     Ok(Session { loaded, embedder, memory })
 }
@@ -104,14 +139,19 @@ pub(crate) fn open_memory<B: Backend>(a: &MemoryArgs, loaded: &Loaded<B>) -> Res
     let embedder =
         Bert::load(loaded.engine.backend(), files).with_context(|| format!("loading the embedder {:?}", a.embedder))?;
     let dir = a.dir();
-    let spec = ShardSpec { window: a.window, fingerprint: fingerprint(&loaded.files)? };
-    let (memory, warnings) = Memory::open_tiered(&dir, spec, &loaded.engine, a.kv_device_mb.map(|mb| mb << 20))
+    let spec = ShardSpec { window: a.window, fingerprint: fingerprint(&loaded.files)? + &a.prompts().kv_tag() };
+    let (mut memory, warnings) = Memory::open_tiered(&dir, spec, &loaded.engine, a.kv_device_mb.map(|mb| mb << 20))
         .with_context(|| format!("opening memory {}", dir.display()))?;
+    memory.set_retriever(a.retriever);
     warnings.iter().for_each(|w| eprintln!("inferscale: warning: {w}"));
     Ok((embedder, memory))
 }
 
 pub fn ingest(a: IngestArgs) -> Result<()> {
+    on_backend!(a.mem.model, ingest_on(&a))
+}
+
+fn ingest_on<B: Backend>(a: &IngestArgs, backend: B) -> Result<()> {
     if a.batch == 0 {
         bail!("--batch must be at least 1");
     }
@@ -130,8 +170,8 @@ pub fn ingest(a: IngestArgs) -> Result<()> {
         (None, Some(path)) => (locomo::read_facts(path)?, format!("facts of {}", path.display())),
         (None, None) => bail!("give --locomo or --facts"),
     };
-    let mut s = open(&a.mem)?;
-    let composer = Composer::new(&s.loaded.files, SYSTEM_PROMPT)?;
+    let mut s = open(&a.mem, backend)?;
+    let composer = Composer::new(&s.loaded.files, &a.mem.prompts())?;
     let mut enc = Encoders { engine: &mut s.loaded.engine, embedder: &s.embedder, composer: &composer };
     let t0 = Instant::now();
     let (mut added, mut skipped, mut tokens) = (0, 0, 0);
@@ -154,6 +194,10 @@ pub fn ingest(a: IngestArgs) -> Result<()> {
 }
 
 pub fn ask(a: AskArgs) -> Result<()> {
+    on_backend!(a.mem.model, ask_on(&a))
+}
+
+fn ask_on<B: Backend>(a: &AskArgs, backend: B) -> Result<()> {
     if a.question.trim().is_empty() {
         bail!("the question is empty");
     }
@@ -161,8 +205,8 @@ pub fn ask(a: AskArgs) -> Result<()> {
         bail!("--k must be between 1 and 1000, got {}", a.k);
     }
     let mode: Mode = a.mode.parse()?;
-    let mut s = open(&a.mem)?;
-    let composer = Composer::new(&s.loaded.files, SYSTEM_PROMPT)?;
+    let mut s = open(&a.mem, backend)?;
+    let composer = Composer::new(&s.loaded.files, &a.mem.prompts())?;
     {
         let mut enc = Encoders { engine: &mut s.loaded.engine, embedder: &s.embedder, composer: &composer };
         s.memory.ensure_kv(&a.user, &mut enc)?;
@@ -175,7 +219,7 @@ pub fn ask(a: AskArgs) -> Result<()> {
 
     let start = Instant::now();
     let query = s.embedder.embed(engine.backend(), &[a.question.as_str()])?.remove(0);
-    let top = s.memory.retrieve(engine.backend(), &a.user, &query, a.k)?;
+    let top = s.memory.retrieve(engine.backend(), &a.user, Query { text: &a.question, embedding: &query }, a.k)?;
     let p = prepare(engine, &s.memory, &a.user, &top, mode, &header, &question)?;
     let tok = s.loaded.files.tokenizer.as_ref();
     let out =

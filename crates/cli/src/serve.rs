@@ -180,6 +180,7 @@ where
         max_running: a.max_running,
         max_queue: a.max_queue,
         max_k: a.max_k as usize,
+        prompts: a.mem.prompts(),
         ..Default::default()
     };
     let info = WorkerInfo {

@@ -545,10 +545,34 @@ fn tokens(seed: u32, n: usize) -> Vec<u32> {
 
 /// Model-level checks on one shape: CUDA against CPU, and E1–E4 on CUDA.
 pub fn model<G: Backend + Clone>(gpu: &G, name: &str, config: &ModelConfig) -> R<Report> {
-    let files = ModelFiles::random(name, config.clone(), 11);
+    model_files(gpu, name, &ModelFiles::random(name, config.clone(), 11), MODEL_TOL, OP_TOL)
+}
+
+/// The same checks on a real model's files: logits held to
+/// [`REAL_MODEL_TOL`], and E1 and E4 to [`MODEL_TOL`]. E1 and E4 compare
+/// keys of the last layers, which on a deep model carry the bf16 rounding
+/// of every layer below them, computed twice at different positions: on
+/// Qwen2.5-Coder-1.5B (28 layers) 1.0e-2 and 3.0e-2, against 6e-3 on the
+/// three-layer shapes. The E1 control (keys one position off) stays near
+/// 0.27, five times the tolerance; on the CPU, in f32, the same properties
+/// hold to 1e-5 (crates/engine/tests/equivalence.rs).
+pub fn real_model<G: Backend + Clone>(gpu: &G, name: &str, files: &ModelFiles) -> R<Report> {
+    model_files(gpu, name, files, REAL_MODEL_TOL, MODEL_TOL)
+}
+
+/// Prompt logits CUDA vs CPU, E2 and E3 with logits within `logits_tol`,
+/// E1 and E4 within `keys_tol`, each with its control where it has one.
+fn model_files<G: Backend + Clone>(
+    gpu: &G,
+    name: &str,
+    files: &ModelFiles,
+    logits_tol: f64,
+    keys_tol: f64,
+) -> R<Report> {
+    let config = files.config.clone();
     let cfg = EngineConfig { kv_blocks: 256, max_batch_tokens: 512 };
-    let mut c = Engine::new(CpuBackend, &files, cfg)?;
-    let mut g = Engine::new(gpu.clone(), &files, cfg)?;
+    let mut c = Engine::new(CpuBackend, files, cfg)?;
+    let mut g = Engine::new(gpu.clone(), files, cfg)?;
     let mut out = Report::new();
     let push = |out: &mut Report, what: &str, error, tolerance, control| {
         out.push(Check { name: format!("{name}: {what}"), error, tolerance, control })
@@ -562,7 +586,7 @@ pub fn model<G: Backend + Clone>(gpu: &G, name: &str, config: &ModelConfig) -> R
     prompt.extend(&question);
     let lc = prefill(&mut c, &prompt)?;
     let lg = prefill(&mut g, &prompt)?;
-    push(&mut out, "prompt logits vs CPU", rel(&lg, &lc), MODEL_TOL, false);
+    push(&mut out, "prompt logits vs CPU", rel(&lg, &lc), logits_tol, false);
 
     // E2: KV of header + facts captured exactly, injected after the cached header.
     let prefix: Vec<u32> = prompt[..prompt.len() - question.len()].to_vec();
@@ -576,14 +600,14 @@ pub fn model<G: Backend + Clone>(gpu: &G, name: &str, config: &ModelConfig) -> R
         e.prefill(&mut seq)
     };
     let e2g = e2(&mut g)?;
-    push(&mut out, "E2 injected = prompt logits", rel(&e2g, &lg), MODEL_TOL, false);
+    push(&mut out, "E2 injected = prompt logits", rel(&e2g, &lg), logits_tol, false);
 
     // E3: independent encodings (after the header), CUDA vs CPU injection.
     // Encodings are stored KV (kept), so the CUDA injection overlaps the
     // prefill, which must wait for each layer.
     let e3c = inject_independent(&mut c, &header, &facts, &question, KvSource::Kept)?;
     let e3g = inject_independent(&mut g, &header, &facts, &question, KvSource::Kept)?;
-    push(&mut out, "E3 independent chunks, logits vs CPU", rel(&e3g, &e3c), MODEL_TOL, false);
+    push(&mut out, "E3 independent chunks, logits vs CPU", rel(&e3g, &e3c), logits_tol, false);
     // Against one main-stream launch, and from the host tier: a missed wait
     // shows as different logits.
     let e3d = inject_independent(&mut g, &header, &facts, &question, KvSource::Device)?;
@@ -609,15 +633,15 @@ pub fn model<G: Backend + Clone>(gpu: &G, name: &str, config: &ModelConfig) -> R
         }
         if at == h { e1 = worst } else { control = worst }
     }
-    push(&mut out, "E1 re-rotated keys = forward keys", e1, OP_TOL, false);
-    push(&mut out, "E1 control: one position off", control, OP_TOL, true);
+    push(&mut out, "E1 re-rotated keys = forward keys", e1, keys_tol, false);
+    push(&mut out, "E1 control: one position off", control, keys_tol, true);
 
     // E4: stored pre-RoPE tensors do not depend on the encoding offset.
     let a = g.encode(&[], &facts[1], 0)?.to_host(g.backend())?;
     let b = g.encode(&[], &facts[1], 1000)?.to_host(g.backend())?;
     let worst =
         a.0.iter().zip(&b.0).chain(a.1.iter().zip(&b.1)).map(|(x, y)| rel(&y.data, &x.data)).fold(0f64, f64::max);
-    push(&mut out, "E4 offset 0 vs 1000, stored K/V", worst, OP_TOL, false);
+    push(&mut out, "E4 offset 0 vs 1000, stored K/V", worst, keys_tol, false);
     Ok(out)
 }
 

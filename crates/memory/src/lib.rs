@@ -8,14 +8,16 @@ pub mod fact;
 pub mod kvseg;
 pub mod locomo;
 pub mod log;
+pub mod retrieval;
 pub mod score;
 pub mod shard;
 pub mod transfer;
 
 pub use answer::{Mode, Prepared, prepare};
-pub use compose::{Composer, SYSTEM_PROMPT};
+pub use compose::{ANSWER_INSTRUCTION, Composer, Prompts, SYSTEM_PROMPT};
 pub use error::{MemoryError, Result};
 pub use fact::Fact;
 pub use kvseg::KvHeader;
+pub use retrieval::{Query, Retriever};
 pub use shard::{Encoders, Footprint, IngestReport, Memory, ShardSpec, Tier, Turn, fingerprint, place};
 pub use transfer::{ImportReport, ShardRecord, StagedShard, Staging};

@@ -23,6 +23,7 @@ use crate::error::{MemoryError, Result, io};
 use crate::fact::{Fact, Record};
 use crate::kvseg::{KvHeader, StoredKv};
 use crate::log::{RecordLog, sync_dir};
+use crate::retrieval::{self, LexicalIndex, Query, Retriever};
 
 /// Facts encoded per engine call by default (their forward passes are
 /// packed together); see [`Memory::set_encode_batch`].
@@ -92,6 +93,8 @@ pub(crate) struct UserShard<B: Backend> {
     /// on a GPU), made by the first retrieval after the facts change and
     /// dropped (`None`) whenever they do.
     index: std::sync::Mutex<Option<B::Embeddings>>,
+    /// BM25 over the fact lines, made and dropped likewise.
+    lexical: std::sync::Mutex<Option<LexicalIndex>>,
 }
 
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -127,6 +130,8 @@ pub struct Memory<B: Backend> {
     /// Device bytes for users' KV before new users go to the host tier.
     device_budget: Option<u64>,
     bytes_per_value: usize,
+    /// How [`Memory::retrieve`] ranks facts.
+    retriever: Retriever,
     /// Exclusive lock on `dir/LOCK`, held while this value lives: a second
     /// writer would interleave appends and rewrites with ours.
     _lock: std::fs::File,
@@ -231,6 +236,7 @@ impl<B: Backend> Memory<B> {
                 encode_batch: ENCODE_BATCH,
                 device_budget,
                 bytes_per_value,
+                retriever: Retriever::default(),
                 _lock: lock,
             },
             warnings,
@@ -453,28 +459,49 @@ impl<B: Backend> Memory<B> {
         Ok(0)
     }
 
-    /// The `k` facts most similar to `query` (cosine of unit vectors), best
-    /// first; ties go to the earlier fact. Only `user`'s facts are read. The
-    /// search runs on `be` (`Backend::top_k`: one GEMV and a sort on a GPU),
-    /// over the user's embeddings uploaded once after each change.
-    pub fn retrieve(&self, be: &B, user: &str, query: &[f32], k: usize) -> Result<Vec<usize>> {
+    /// The `k` facts that best answer `query`, best first, ranked by the
+    /// shard's [`Retriever`] (see [`crate::retrieval`]). Only `user`'s facts
+    /// are read. Dense search runs on `be` (`Backend::top_k`: one GEMV and a
+    /// sort on a GPU) over the user's embeddings uploaded once after each
+    /// change; the lexical index is likewise built once after each change.
+    pub fn retrieve(&self, be: &B, user: &str, query: Query<'_>, k: usize) -> Result<Vec<usize>> {
         if k == 0 {
             return Err(MemoryError::Invalid { what: "k", reason: "k must be at least 1".into() });
         }
         let shard = self.user(user)?;
-        let Some(dim) = shard.facts.first().map(|f| f.embedding.len()) else { return Ok(Vec::new()) };
-        if query.len() != dim {
-            return Err(MemoryError::Invalid {
-                what: "query",
-                reason: format!("an embedding of {} values for facts embedded in {dim}", query.len()),
-            });
+        let n = shard.facts.len();
+        if n == 0 {
+            return Ok(Vec::new());
         }
-        let mut index = shard.index.lock().unwrap_or_else(|p| p.into_inner());
-        let index = match &mut *index {
-            Some(e) => e,
-            slot => slot.insert(be.upload_embeddings(&shard.embedding_rows(user, dim)?, dim)?),
-        };
-        Ok(be.top_k(index, query, k)?.into_iter().map(|i| i as usize).collect())
+        let lexical = || shard.lexical_rank(query.text);
+        Ok(match self.retriever {
+            Retriever::Dense => shard.dense_rank(be, user, query.embedding, k)?,
+            Retriever::Lexical => {
+                // Facts sharing no term with the question follow in dense order.
+                let mut order = lexical();
+                if order.len() < k {
+                    let dense = shard.dense_rank(be, user, query.embedding, n)?;
+                    let seen: std::collections::HashSet<usize> = order.iter().copied().collect();
+                    order.extend(dense.into_iter().filter(|i| !seen.contains(i)));
+                }
+                order.truncate(k);
+                order
+            }
+            Retriever::Hybrid => {
+                let dense = shard.dense_rank(be, user, query.embedding, n)?;
+                let lexical = lexical();
+                retrieval::fuse(&[(&dense, retrieval::DENSE_WEIGHT), (&lexical, retrieval::LEXICAL_WEIGHT)], k)
+            }
+        })
+    }
+
+    /// Ranks this shard's facts with `retriever` from now on.
+    pub fn set_retriever(&mut self, retriever: Retriever) {
+        self.retriever = retriever;
+    }
+
+    pub fn retriever(&self) -> Retriever {
+        self.retriever
     }
 
     /// Removes `user` from memory and from disk.
@@ -517,9 +544,40 @@ impl<B: Backend> UserShard<B> {
         Ok(self.facts.iter().flat_map(|f| f.embedding.iter().copied()).collect())
     }
 
-    /// Drops the search index: the facts it was made of have changed.
+    /// Drops the search indexes: the facts they were made of have changed.
     fn facts_changed(&mut self) {
         *self.index.get_mut().unwrap_or_else(|p| p.into_inner()) = None;
+        *self.lexical.get_mut().unwrap_or_else(|p| p.into_inner()) = None;
+    }
+
+    /// The `k` facts of highest cosine similarity to `query`, best first;
+    /// ties go to the earlier fact.
+    fn dense_rank(&self, be: &B, user: &str, query: &[f32], k: usize) -> Result<Vec<usize>> {
+        let Some(dim) = self.facts.first().map(|f| f.embedding.len()) else { return Ok(Vec::new()) };
+        if query.len() != dim {
+            return Err(MemoryError::Invalid {
+                what: "query",
+                reason: format!("an embedding of {} values for facts embedded in {dim}", query.len()),
+            });
+        }
+        let mut index = self.index.lock().unwrap_or_else(|p| p.into_inner());
+        let index = match &mut *index {
+            Some(e) => e,
+            slot => slot.insert(be.upload_embeddings(&self.embedding_rows(user, dim)?, dim)?),
+        };
+        Ok(be.top_k(index, query, k)?.into_iter().map(|i| i as usize).collect())
+    }
+
+    /// Facts whose lexical document shares a term with `text`, best BM25
+    /// score first.
+    fn lexical_rank(&self, text: &str) -> Vec<usize> {
+        let mut index = self.lexical.lock().unwrap_or_else(|p| p.into_inner());
+        let index = index.get_or_insert_with(|| {
+            let docs: Vec<String> =
+                (0..self.facts.len()).map(|i| retrieval::lexical_document(&self.facts, i)).collect();
+            LexicalIndex::new(&docs.iter().map(String::as_str).collect::<Vec<_>>())
+        });
+        index.rank(text)
     }
 
     pub(crate) fn open(dir: &Path, be: &B, header: &KvHeader, tier: Tier, warnings: &mut Vec<String>) -> Result<Self> {
@@ -577,7 +635,17 @@ impl<B: Backend> UserShard<B> {
                 }
             }
         }
-        Ok(UserShard { dir: dir.to_path_buf(), tier, facts, by_id, kv, log, kv_log, index: Default::default() })
+        Ok(UserShard {
+            dir: dir.to_path_buf(),
+            tier,
+            facts,
+            by_id,
+            kv,
+            log,
+            kv_log,
+            index: Default::default(),
+            lexical: Default::default(),
+        })
     }
 
     /// Bytes of this user's stored KV in the backend's tensors.

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use inferscale_engine::bert::Bert;
 use inferscale_engine::{CpuBackend, Engine, EngineConfig};
-use inferscale_memory::{Composer, Encoders, Memory, SYSTEM_PROMPT, ShardSpec, Turn};
+use inferscale_memory::{Composer, Encoders, Memory, Prompts, ShardSpec, Turn};
 
 const CHILD_ENV: &str = "INFERSCALE_INGEST_CRASH_CHILD";
 const USER: &str = "crash-user";
@@ -54,7 +54,7 @@ fn child_ingests_until_killed() {
     let Ok(dir) = std::env::var(CHILD_ENV) else { return };
     let s = stack();
     let mut e = engine(&s);
-    let composer = Composer::new(&s.files, SYSTEM_PROMPT).unwrap();
+    let composer = Composer::new(&s.files, &Prompts::default()).unwrap();
     let (mut mem, _) = Memory::open(Path::new(&dir), spec(), &e).unwrap();
     let start = mem.facts(USER).map_or(0, <[_]>::len);
     let mut enc = Encoders { engine: &mut e, embedder: &s.embedder, composer: &composer };
@@ -109,7 +109,7 @@ fn sigkill_during_ingest_loses_no_acknowledged_turn() {
 
         let s = stack();
         let mut e = engine(&s);
-        let composer = Composer::new(&s.files, SYSTEM_PROMPT).unwrap();
+        let composer = Composer::new(&s.files, &Prompts::default()).unwrap();
         let (mut mem, _warnings) = Memory::open(dir.path(), spec(), &e).unwrap();
         let facts = mem.facts(USER).unwrap().to_vec();
         let ids: Vec<&str> = facts.iter().map(|f| f.id.as_str()).collect();

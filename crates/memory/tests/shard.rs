@@ -9,7 +9,9 @@ use std::path::Path;
 
 use inferscale_engine::bert::Bert;
 use inferscale_engine::{CpuBackend, Engine, EngineConfig};
-use inferscale_memory::{Composer, Encoders, Memory, MemoryError, Mode, SYSTEM_PROMPT, ShardSpec, Turn, prepare};
+use inferscale_memory::{
+    Composer, Encoders, Memory, MemoryError, Mode, Prompts, Query, Retriever, ShardSpec, Turn, prepare,
+};
 use inferscale_model::ModelFiles;
 
 struct Models {
@@ -50,6 +52,10 @@ fn turns(prefix: &str, n: usize) -> Vec<Turn> {
         .collect()
 }
 
+fn query<'a>(text: &'a str, embedding: &'a [f32]) -> Query<'a> {
+    Query { text, embedding }
+}
+
 fn spec(window: usize) -> ShardSpec {
     ShardSpec { window, fingerprint: "smollm2-test".into() }
 }
@@ -62,7 +68,7 @@ fn open(dir: &Path, e: &Engine<CpuBackend>, window: usize) -> (Memory<CpuBackend
 fn ingest_is_durable_idempotent_and_reloads_without_reencoding() {
     let m = models();
     let mut e = engine(&m);
-    let composer = Composer::new(&m.files, SYSTEM_PROMPT).unwrap();
+    let composer = Composer::new(&m.files, &Prompts::default()).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let (mut mem, _) = open(dir.path(), &e, 2);
     {
@@ -91,7 +97,7 @@ fn ingest_is_durable_idempotent_and_reloads_without_reencoding() {
 fn corrupt_kv_is_reported_and_reencoded_and_other_settings_are_refused() {
     let m = models();
     let mut e = engine(&m);
-    let composer = Composer::new(&m.files, SYSTEM_PROMPT).unwrap();
+    let composer = Composer::new(&m.files, &Prompts::default()).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let (mut mem, _) = open(dir.path(), &e, 1);
     let mut enc = Encoders { engine: &mut e, embedder: &m.embedder, composer: &composer };
@@ -126,7 +132,7 @@ fn corrupt_kv_is_reported_and_reencoded_and_other_settings_are_refused() {
 fn users_are_isolated_and_forgetting_removes_data() {
     let m = models();
     let mut e = engine(&m);
-    let composer = Composer::new(&m.files, SYSTEM_PROMPT).unwrap();
+    let composer = Composer::new(&m.files, &Prompts::default()).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let (mut mem, _) = open(dir.path(), &e, 0);
     {
@@ -138,12 +144,12 @@ fn users_are_isolated_and_forgetting_removes_data() {
     e.prefill(&mut header).unwrap();
     let q = m.embedder.embed(&CpuBackend, &["Where is Caroline moving?"]).unwrap().remove(0);
     let question = composer.question("Where is Caroline moving?").unwrap();
-    let top = mem.retrieve(&CpuBackend, "alice", &q, 10).unwrap();
+    let top = mem.retrieve(&CpuBackend, "alice", query("Where is Caroline moving?", &q), 10).unwrap();
     assert_eq!(top.len(), 3, "alice has three facts; bob's are never candidates");
     assert_eq!(mem.facts("alice").unwrap()[top[0]].id, "A2", "the Lisbon turn ranks first");
     // Bob's request is in flight while alice's is prepared.
     let qb = m.embedder.embed(&CpuBackend, &["Where did Melanie go camping?"]).unwrap().remove(0);
-    let bob_top = mem.retrieve(&CpuBackend, "bob", &qb, 10).unwrap();
+    let bob_top = mem.retrieve(&CpuBackend, "bob", query("Where did Melanie go camping?", &qb), 10).unwrap();
     let pb = prepare(&mut e, &mem, "bob", &bob_top, Mode::Kv, &header, &question).unwrap();
     let p = prepare(&mut e, &mem, "alice", &top, Mode::Kv, &header, &question).unwrap();
     assert!(p.fact_ids.iter().all(|id| id.starts_with('A')), "{:?}", p.fact_ids);
@@ -192,12 +198,12 @@ fn users_are_isolated_and_forgetting_removes_data() {
         let mut enc = Encoders { engine: &mut e, embedder: &m.embedder, composer: &composer };
         mem.ingest("alice", &turns("A", 5), &mut enc).unwrap();
     }
-    assert_eq!(mem.retrieve(&CpuBackend, "alice", &q, 10).unwrap().len(), 5);
+    assert_eq!(mem.retrieve(&CpuBackend, "alice", query("Where is Caroline moving?", &q), 10).unwrap().len(), 5);
 
     // Forgetting a fact, then a user, removes them from memory and disk.
     mem.forget_fact("bob", "B1").unwrap();
     assert_eq!(mem.facts("bob").unwrap().len(), 3);
-    let after = mem.retrieve(&CpuBackend, "bob", &qb, 10).unwrap();
+    let after = mem.retrieve(&CpuBackend, "bob", query("Where did Melanie go camping?", &qb), 10).unwrap();
     assert_eq!(after.len(), 3);
     assert!(after.iter().all(|&i| mem.facts("bob").unwrap()[i].id != "B1"), "{after:?}");
     drop(mem);
@@ -209,11 +215,51 @@ fn users_are_isolated_and_forgetting_removes_data() {
     assert!(matches!(mem.facts("bob"), Err(MemoryError::UnknownUser(_))));
 }
 
+/// Each retriever ranks the user's facts: dense by meaning, lexical by shared
+/// words (facts sharing none follow in dense order), hybrid by both; the
+/// lexical index follows the facts as the dense one does.
+#[test]
+fn every_retriever_ranks_the_users_facts() {
+    let m = models();
+    let mut e = engine(&m);
+    let composer = Composer::new(&m.files, &Prompts::default()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (mut mem, _) = open(dir.path(), &e, 0);
+    let mut enc = Encoders { engine: &mut e, embedder: &m.embedder, composer: &composer };
+    mem.ingest_deferred("u", &turns("T", 6), &mut enc).unwrap();
+    assert_eq!(mem.retriever(), Retriever::Hybrid, "the default");
+    let ids = |mem: &Memory<CpuBackend>, text: &str, k: usize| -> Vec<String> {
+        let q = m.embedder.embed(&CpuBackend, &[text]).unwrap().remove(0);
+        let top = mem.retrieve(&CpuBackend, "u", query(text, &q), k).unwrap();
+        top.iter().map(|&i| mem.facts("u").unwrap()[i].id.clone()).collect()
+    };
+    for r in Retriever::ALL {
+        mem.set_retriever(r);
+        assert_eq!(ids(&mem, "Which city is Caroline moving to for her studies?", 1), ["T2"], "{r}");
+        assert_eq!(ids(&mem, "What is the name of the cat?", 1), ["T0"], "{r}");
+        let all = ids(&mem, "What did Melanie paint?", 10);
+        assert_eq!(all.len(), 6, "{r}: every fact is ranked once: {all:?}");
+        assert_eq!(all[0], "T3", "{r}");
+    }
+    mem.set_retriever(Retriever::Lexical);
+    let mut enc = Encoders { engine: &mut e, embedder: &m.embedder, composer: &composer };
+    let new = Turn {
+        id: "T9".into(),
+        speaker: "Melanie".into(),
+        text: "Our dog Biscuit ate my homework.".into(),
+        ..Default::default()
+    };
+    mem.ingest_deferred("u", &[new], &mut enc).unwrap();
+    assert_eq!(ids(&mem, "What is Biscuit?", 1), ["T9"], "an ingest rebuilds the lexical index");
+    mem.forget_fact("u", "T9").unwrap();
+    assert_ne!(ids(&mem, "What is Biscuit?", 1), ["T9"], "a forget does too");
+}
+
 #[test]
 fn bad_input_is_refused_and_stores_nothing() {
     let m = models();
     let mut e = engine(&m);
-    let composer = Composer::new(&m.files, SYSTEM_PROMPT).unwrap();
+    let composer = Composer::new(&m.files, &Prompts::default()).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let (mut mem, _) = open(dir.path(), &e, 0);
     let mut enc = Encoders { engine: &mut e, embedder: &m.embedder, composer: &composer };
@@ -225,15 +271,18 @@ fn bad_input_is_refused_and_stores_nothing() {
     assert!(matches!(mem.ingest("carol", &dup, &mut enc), Err(MemoryError::Invalid { .. })));
     assert!(matches!(mem.ingest("", &turns("C", 1), &mut enc), Err(MemoryError::Invalid { .. })));
     assert_eq!(mem.facts("carol").unwrap().len(), 2, "nothing stored by refused calls");
-    assert!(matches!(mem.retrieve(&CpuBackend, "carol", &[0.0; 384], 0), Err(MemoryError::Invalid { .. })));
-    assert!(matches!(mem.retrieve(&CpuBackend, "nobody", &[0.0; 384], 3), Err(MemoryError::UnknownUser(_))));
+    assert!(matches!(mem.retrieve(&CpuBackend, "carol", query("?", &[0.0; 384]), 0), Err(MemoryError::Invalid { .. })));
+    assert!(matches!(
+        mem.retrieve(&CpuBackend, "nobody", query("?", &[0.0; 384]), 3),
+        Err(MemoryError::UnknownUser(_))
+    ));
 }
 
 #[test]
 fn supplied_facts_are_encoded_after_their_source_turns_context() {
     let m = models();
     let mut e = engine(&m);
-    let composer = Composer::new(&m.files, SYSTEM_PROMPT).unwrap();
+    let composer = Composer::new(&m.files, &Prompts::default()).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let (mut mem, _) = open(dir.path(), &e, 2);
     let fact = Turn {
@@ -330,7 +379,7 @@ fn a_shard_moves_between_memories_with_its_kv_and_keeps_units_sent_meanwhile() {
     use inferscale_memory::{ShardRecord, Staging};
     let m = models();
     let mut e = engine(&m);
-    let composer = Composer::new(&m.files, SYSTEM_PROMPT).unwrap();
+    let composer = Composer::new(&m.files, &Prompts::default()).unwrap();
     let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let (mut a, _) = open(da.path(), &e, 2);
     let (mut b, _) = open(db.path(), &e, 2);
@@ -395,7 +444,7 @@ fn a_shard_moves_between_memories_with_its_kv_and_keeps_units_sent_meanwhile() {
 fn an_import_interrupted_between_its_renames_is_undone_on_open() {
     let m = models();
     let mut e = engine(&m);
-    let composer = Composer::new(&m.files, SYSTEM_PROMPT).unwrap();
+    let composer = Composer::new(&m.files, &Prompts::default()).unwrap();
     let d = tempfile::tempdir().unwrap();
     let (mut a, _) = open(d.path(), &e, 0);
     let mut enc = Encoders { engine: &mut e, embedder: &m.embedder, composer: &composer };
@@ -418,7 +467,7 @@ fn users_past_the_device_budget_are_placed_in_the_host_tier() {
     use inferscale_memory::Tier;
     let m = models();
     let mut e = engine(&m);
-    let composer = Composer::new(&m.files, SYSTEM_PROMPT).unwrap();
+    let composer = Composer::new(&m.files, &Prompts::default()).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let ingest = |mem: &mut Memory<CpuBackend>, e: &mut Engine<CpuBackend>, user: &str| {
         let mut enc = Encoders { engine: e, embedder: &m.embedder, composer: &composer };

@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use inferscale_engine::bert::Bert;
 use inferscale_engine::{Backend, CpuBackend, Engine, EngineConfig, KvChunk};
 use inferscale_memory::{
-    Composer, Encoders, ImportReport, IngestReport, KvHeader, Memory, SYSTEM_PROMPT, ShardRecord, ShardSpec,
+    Composer, Encoders, ImportReport, IngestReport, KvHeader, Memory, Prompts, Query, ShardRecord, ShardSpec,
     StagedShard, Turn, fingerprint,
 };
 use inferscale_model::{ModelFiles, RopeScaling, shapes};
@@ -109,7 +109,7 @@ impl<B: Backend> Core<B> {
         for w in warnings {
             eprintln!("inferscale-vllm: warning: {w}");
         }
-        let composer = Composer::new(files, SYSTEM_PROMPT)?;
+        let composer = Composer::new(files, &Prompts::default())?;
         // The header at position 0 with nothing before it: its pre-RoPE KV is
         // exactly what a prefill of the prompt's first tokens computes (E2).
         let header_kv = engine.encode(&[], composer.header(), 0)?;
@@ -228,7 +228,7 @@ impl<B: Backend> Core<B> {
             let q = self.embedder.embed(self.engine.backend(), &[question])?;
             let q =
                 q.first().ok_or_else(|| ConnectorError::Invalid { what: "question", reason: "no embedding".into() })?;
-            self.memory.retrieve(self.engine.backend(), user, q, k)?
+            self.memory.retrieve(self.engine.backend(), user, Query { text: question, embedding: q }, k)?
         } else {
             Vec::new()
         };

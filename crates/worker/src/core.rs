@@ -18,7 +18,7 @@ use inferscale_engine::bert::Bert;
 use inferscale_engine::kv_cache::BLOCK_SIZE;
 use inferscale_engine::sampling::{Rng, SamplingParams, sample};
 use inferscale_engine::{Backend, Engine, FinishReason, NextToken, Sequence};
-use inferscale_memory::{Composer, Encoders, Fact, IngestReport, Memory, Mode, SYSTEM_PROMPT, Turn, prepare};
+use inferscale_memory::{Composer, Encoders, Fact, IngestReport, Memory, Mode, Prompts, Query, Turn, prepare};
 use inferscale_model::ModelFiles;
 use tokio::sync::{mpsc, oneshot};
 use tracing::{Span, field::Empty, info_span};
@@ -54,11 +54,21 @@ pub struct WorkerConfig {
     /// Tokens of one unit's encoding (context window and the unit) that the
     /// ingest reserve is sized for; longer encodings may find the pool short.
     pub ingest_tokens_per_unit: usize,
+    /// The system prompt of the header and the instruction before each
+    /// question (the memory's KV must have been made with this system prompt).
+    pub prompts: Prompts,
 }
 
 impl Default for WorkerConfig {
     fn default() -> Self {
-        WorkerConfig { max_running: 64, max_queue: 256, max_k: 200, ingest_batch: 4, ingest_tokens_per_unit: 2048 }
+        WorkerConfig {
+            max_running: 64,
+            max_queue: 256,
+            max_k: 200,
+            ingest_batch: 4,
+            ingest_tokens_per_unit: 2048,
+            prompts: Prompts::default(),
+        }
     }
 }
 
@@ -269,7 +279,7 @@ pub fn run<B: Backend>(
     metrics: Arc<WorkerMetrics>,
 ) -> Result<()> {
     let WorkerParts { files, mut engine, embedder, mut memory, eos } = parts;
-    let composer = Composer::new(&files, SYSTEM_PROMPT)?;
+    let composer = Composer::new(&files, &cfg.prompts)?;
     let tokenizer =
         files.tokenizer.as_ref().ok_or_else(|| WorkerError::Startup("the model has no tokenizer".into()))?;
     memory.set_encode_batch(cfg.ingest_batch);
@@ -496,7 +506,12 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
             }
             let query = self.embedder.embed(self.engine.backend(), &[job.question.as_str()])?;
             let query = query.first().ok_or_else(|| WorkerError::Invalid("empty question embedding".into()))?;
-            facts = self.memory.retrieve(self.engine.backend(), &job.user, query, job.k)?;
+            facts = self.memory.retrieve(
+                self.engine.backend(),
+                &job.user,
+                Query { text: &job.question, embedding: query },
+                job.k,
+            )?;
             retrieve.record("candidates", self.memory.facts(&job.user).map_or(0, <[_]>::len) as i64);
         }
         retrieve.record("retrieved", facts.len() as i64);

@@ -32,7 +32,7 @@ use clap::Args;
 use inferscale_engine::sampling::Rng;
 use inferscale_engine::{Backend, EncodeItem, Engine, KvChunk, NextToken, Sequence};
 use inferscale_loadtest::synthetic::synthetic_facts;
-use inferscale_memory::{Composer, SYSTEM_PROMPT};
+use inferscale_memory::{Composer, Prompts};
 use inferscale_model::ModelFiles;
 use serde::Serialize;
 
@@ -116,7 +116,7 @@ fn layout(files: &ModelFiles, a: &TtftArgs, k_max: usize) -> Result<Layout> {
     // Random-weight shapes carry a stand-in byte tokenizer, whose text
     // would be several times the token counts: ids instead.
     if a.model.shape.is_none() {
-        let composer = Composer::new(files, SYSTEM_PROMPT)?;
+        let composer = Composer::new(files, &Prompts::default())?;
         let facts = synthetic_facts(k_max).iter().map(|f| composer.fact(f)).collect::<Result<_, _>>()?;
         return Ok(Layout { header: composer.header().to_vec(), facts, question: composer.question(QUESTION)? });
     }

@@ -1,32 +1,44 @@
 //! `inferscale eval locomo`: answer LoCoMo questions from memory in each
-//! mode, window and k, and score them (see inferscale_memory::score).
+//! mode, window and k, and score them (see inferscale_memory::score);
+//! `inferscale eval retrieval`: recall of the evidence turns per retriever.
 //!
 //! Retrieval and prompt mode do not depend on the encoding window (the same
 //! facts, embeddings and text), so they run once per question and k; kv mode
-//! runs once per window. Every answer's first-token distribution is kept to
-//! compare kv with prompt mode (KL divergence) before it is dropped.
+//! runs once per window. Answers are generated in batches — every mode, k
+//! and window of several questions prefilled and decoded together, as a
+//! serving engine would — so that a GPU is kept busy; time to first token is
+//! measured apart, one request at a time as a user sees it, on the first
+//! `--ttft-questions` questions of each sample. Every answer's first-token
+//! distribution is kept to compare kv with prompt mode (KL divergence) before
+//! it is dropped.
 
-use std::collections::BTreeMap;
+mod report;
+mod retrieval;
+
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
 use inferscale_engine::bert::Bert;
+use inferscale_engine::kv_cache::BLOCK_SIZE;
 use inferscale_engine::sampling::{SamplingParams, argmax};
-use inferscale_engine::{CpuBackend, Engine, FinishReason, Sequence, generate_sequences};
-use inferscale_loadtest::plot;
+use inferscale_engine::{Backend, Engine, FinishReason, Sequence, generate_sequences};
 use inferscale_memory::score::{kl, locomo_f1, log_softmax, recall};
-use inferscale_memory::{Composer, Encoders, Memory, Mode, SYSTEM_PROMPT, ShardSpec, fingerprint, locomo, prepare};
-use serde::{Deserialize, Serialize};
+use inferscale_memory::{Composer, Encoders, Memory, Mode, Query, Retriever, ShardSpec, fingerprint, locomo, prepare};
 
-use crate::bench::median;
-use crate::runtime::{ModelArgs, load};
+use crate::memory_cmd::{PromptArgs, parse_retriever};
+use crate::runtime::{ModelArgs, load_on, on_backend};
+use report::{Answer, Ingest, Report};
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// LoCoMo question answering from memory.
     Locomo(LocomoArgs),
+    /// Recall of LoCoMo's evidence turns among the k facts each retriever
+    /// finds (no answering model runs).
+    Retrieval(retrieval::Args),
 }
 
 #[derive(Args, Debug)]
@@ -54,8 +66,21 @@ pub struct LocomoArgs {
     max_questions: usize,
     #[arg(long, default_value_t = 32)]
     max_tokens: usize,
+    /// Questions answered together (all their modes, k and windows in one
+    /// batch of sequences); fewer when the KV cache cannot hold them.
+    #[arg(long, default_value_t = 16)]
+    batch: usize,
+    /// Questions per sample whose time to first token is measured, one
+    /// request at a time, in every mode, k and window (0: none).
+    #[arg(long, default_value_t = 10)]
+    ttft_questions: usize,
     #[arg(long, default_value = inferscale_model::fetch::DEFAULT_EMBEDDER)]
     embedder: String,
+    /// How facts are ranked: dense, lexical or hybrid.
+    #[arg(long, default_value = "hybrid", value_parser = parse_retriever)]
+    retriever: Retriever,
+    #[command(flatten)]
+    prompts: PromptArgs,
     /// Output directory (results, table, memory stores).
     #[arg(long)]
     out: PathBuf,
@@ -63,114 +88,40 @@ pub struct LocomoArgs {
     model: ModelArgs,
 }
 
-#[derive(Serialize, Deserialize, Clone)]
-struct Answer {
-    sample: String,
-    question: usize,
-    category: u8,
-    mode: String,
-    window: Option<usize>,
-    k: usize,
-    answer: String,
-    f1: f64,
-    ttft_ms: f64,
-    recall: Option<f64>,
-    /// kv rows: KL(prompt ‖ kv) of the first-token distributions, and
-    /// whether the greedy answers are identical.
-    kl_vs_prompt: Option<f64>,
-    same_as_prompt: Option<bool>,
-}
-
-#[derive(Serialize, Deserialize)]
-struct Ingest {
-    window: usize,
-    turns: usize,
-    seconds: f64,
-    turns_per_s: f64,
-    encoded_tokens_per_s: f64,
-}
-
-#[derive(Serialize, Deserialize)]
-struct Row {
-    mode: String,
-    window: Option<usize>,
-    k: usize,
-    n: usize,
-    f1: f64,
-    f1_by_category: BTreeMap<u8, f64>,
-    recall: f64,
-    ttft_ms_median: f64,
-    agreement: Option<f64>,
-    kl_mean: Option<f64>,
-}
-
-#[derive(Serialize, Deserialize)]
-struct Report {
-    data: String,
-    samples: Vec<String>,
-    model: String,
-    ingest: Vec<Ingest>,
-    summary: Vec<Row>,
-    answers: Vec<Answer>,
-}
-
 pub fn run(c: Command) -> Result<()> {
     match c {
-        Command::Locomo(a) => locomo_eval(a),
+        Command::Locomo(a) if a.replot => report::replot(&a.out),
+        Command::Locomo(a) => on_backend!(a.model, locomo_eval(&a)),
+        Command::Retrieval(a) => retrieval::run(a),
     }
 }
 
-/// Prefills `seq` and decodes greedily; returns the first-token
-/// log-probabilities, the answer (first line) and the time to first token.
-fn answer(
-    e: &mut Engine<CpuBackend>,
-    mut seq: Sequence,
-    start: Instant,
-    tok: &inferscale_model::Tokenizer,
-    eos: &[u32],
-    max_tokens: usize,
-) -> Result<(Vec<f64>, String, f64)> {
-    let logits = e.prefill(&mut seq)?;
-    let first = argmax(&logits);
-    let ttft = start.elapsed().as_secs_f64() * 1e3;
-    let mut text = String::new();
-    if !eos.contains(&first) {
-        seq.push(first);
-        let params = SamplingParams { stop: vec!["\n".into()], ..SamplingParams::greedy(max_tokens.saturating_sub(1)) };
-        let g = generate_sequences(e, Some(tok), eos, vec![(seq, params)], start)?.remove(0);
-        let mut ids = vec![first];
-        ids.extend(&g.tokens);
-        text = tok.decode(&ids, true)?;
-        if g.finish == FinishReason::Stop || text.contains('\n') {
-            text = text.split('\n').next().unwrap_or("").to_string();
-        }
-    }
-    Ok((log_softmax(&logits), text.trim().to_string(), ttft))
+/// One answer to produce: which question, and how its prompt is made.
+#[derive(Clone, Copy)]
+struct Variant {
+    mode: Mode,
+    k: usize,
+    /// Index into the memories (one per window) for kv mode.
+    memory: usize,
 }
 
-fn write_outputs(out: &std::path::Path, report: &Report) -> Result<()> {
-    let md = markdown(report);
-    std::fs::write(out.join("locomo.md"), &md)?;
-    println!("{md}");
-    let png = out.join("locomo.png");
-    match plot::line_charts(&png, &panels(&report.summary)) {
-        Ok(()) => eprintln!("inferscale eval: wrote locomo.json, locomo.md and locomo.png in {}", out.display()),
-        Err(e) => eprintln!("inferscale eval: wrote locomo.json and locomo.md in {}; no chart: {e:#}", out.display()),
-    }
-    Ok(())
+/// A question with its retrieval done.
+struct Asked<'s> {
+    sample: &'s str,
+    index: usize,
+    qa: &'s locomo::Qa,
+    tokens: Vec<u32>,
+    /// The k_max best facts, best first.
+    top: Vec<usize>,
 }
 
-fn locomo_eval(a: LocomoArgs) -> Result<()> {
-    if a.replot {
-        let path = a.out.join("locomo.json");
-        let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-        let report: Report =
-            serde_json::from_str(&text).with_context(|| format!("{}: not an eval report", path.display()))?;
-        return write_outputs(&a.out, &report);
-    }
+fn locomo_eval<B: Backend>(a: &LocomoArgs, backend: B) -> Result<()> {
     let data = a.data.clone().context("--data is required")?;
     if a.k.contains(&0) || a.k.is_empty() {
         bail!("--k needs values of at least 1");
+    }
+    if a.batch == 0 {
+        bail!("--batch must be at least 1");
     }
     let samples: Vec<_> =
         locomo::read(&data)?.into_iter().filter(|s| a.samples.is_empty() || a.samples.contains(&s.id)).collect();
@@ -178,12 +129,13 @@ fn locomo_eval(a: LocomoArgs) -> Result<()> {
         bail!("{}: none of the samples {:?}", data.display(), a.samples);
     }
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
-    let mut m = load(&a.model)?;
+    let mut m = load_on(&a.model, backend)?;
     let eos = m.eos_ids();
-    let embedder = Bert::load(&CpuBackend, inferscale_model::encoder::open(&a.embedder)?)?;
-    let composer = Composer::new(&m.files, SYSTEM_PROMPT)?;
+    let embedder = Bert::load(m.engine.backend(), inferscale_model::encoder::open(&a.embedder)?)?;
+    let prompts = a.prompts.prompts();
+    let composer = Composer::new(&m.files, &prompts)?;
     let tok = m.files.tokenizer.as_ref().context("the model has no tokenizer")?;
-    let fp = fingerprint(&m.files)?;
+    let fp = fingerprint(&m.files)? + &prompts.kv_tag();
     let e = &mut m.engine;
 
     // One memory per window, every sample a user of it.
@@ -193,6 +145,7 @@ fn locomo_eval(a: LocomoArgs) -> Result<()> {
         let dir = a.out.join(format!("memory-w{w}"));
         let (mut mem, warnings) = Memory::open(&dir, ShardSpec { window: w, fingerprint: fp.clone() }, e)?;
         warnings.iter().for_each(|x| eprintln!("inferscale eval: warning: {x}"));
+        mem.set_retriever(a.retriever);
         let mut enc = Encoders { engine: e, embedder: &embedder, composer: &composer };
         let (t0, mut turns, mut tokens) = (Instant::now(), 0, 0);
         for s in &samples {
@@ -226,7 +179,22 @@ fn locomo_eval(a: LocomoArgs) -> Result<()> {
     e.prefill(&mut header)?;
     let k_max = *a.k.iter().max().context("--k")?;
     let want = |m: &str| a.modes.iter().any(|x| x == m);
-    let mut answers = Vec::new();
+    let mut variants = Vec::new();
+    if want("none") {
+        variants.push(Variant { mode: Mode::None, k: 0, memory: 0 });
+    }
+    for &k in &a.k {
+        // Prompt mode first: kv answers of the same question and k compare with it.
+        if want("prompt") {
+            variants.push(Variant { mode: Mode::Prompt, k, memory: 0 });
+        }
+        if want("kv") {
+            variants.extend((0..memories.len()).map(|memory| Variant { mode: Mode::Kv, k, memory }));
+        }
+    }
+
+    // Retrieval for every question (the same in every mode and window).
+    let mut asked = Vec::new();
     for s in &samples {
         let qas: Vec<(usize, &locomo::Qa)> =
             s.qa.iter()
@@ -234,70 +202,84 @@ fn locomo_eval(a: LocomoArgs) -> Result<()> {
                 .filter(|(_, q)| a.categories.contains(&q.category) && q.answer.is_some())
                 .take(if a.max_questions == 0 { usize::MAX } else { a.max_questions })
                 .collect();
-        for (n, (qi, qa)) in qas.iter().enumerate() {
-            eprint!("\rinferscale eval: {} question {}/{}   ", s.id, n + 1, qas.len());
-            let gold = qa.answer.as_deref().unwrap_or_default();
-            let question = composer.question(&qa.question)?;
-            let (_, mem0) = &memories[0];
-            let t_retrieve = Instant::now();
-            let q = embedder.embed(e.backend(), &[qa.question.as_str()])?.remove(0);
-            let top = mem0.retrieve(e.backend(), &s.id, &q, k_max)?;
-            let retrieve_ms = t_retrieve.elapsed().as_secs_f64() * 1e3;
-            let facts = mem0.facts(&s.id)?;
-            let row = |mode: &str, window, k, text: String, ttft: f64, rec| Answer {
-                sample: s.id.clone(),
-                question: *qi,
-                category: qa.category,
-                mode: mode.into(),
-                window,
-                k,
-                f1: locomo_f1(&text, gold, qa.category),
-                answer: text,
-                ttft_ms: ttft + retrieve_ms,
-                recall: rec,
-                kl_vs_prompt: None,
-                same_as_prompt: None,
-            };
-            if want("none") {
-                let p = prepare(e, mem0, &s.id, &[], Mode::None, &header, &question)?;
-                let (_, text, ttft) = answer(e, p.seq, Instant::now(), tok, &eos, a.max_tokens)?;
-                answers.push(row("none", None, 0, text, ttft, None));
-            }
-            for &k in &a.k {
-                let ids = &top[..k.min(top.len())];
-                let names: Vec<&str> = ids.iter().map(|&i| facts[i].id.as_str()).collect();
-                let rec = recall(&names, &qa.evidence);
-                let mut prompt_ref = None;
-                if want("prompt") {
-                    let start = Instant::now();
-                    let p = prepare(e, mem0, &s.id, ids, Mode::Prompt, &header, &question)?;
-                    let (lp, text, ttft) = answer(e, p.seq, start, tok, &eos, a.max_tokens)?;
-                    prompt_ref = Some((lp, text.clone()));
-                    answers.push(row("prompt", None, k, text, ttft, rec));
-                }
-                if want("kv") {
-                    for (w, mem) in &memories {
-                        let start = Instant::now();
-                        let p = prepare(e, mem, &s.id, ids, Mode::Kv, &header, &question)?;
-                        let (lp, text, ttft) = answer(e, p.seq, start, tok, &eos, a.max_tokens)?;
-                        let mut r = row("kv", Some(*w), k, text.clone(), ttft, rec);
-                        if let Some((plp, ptext)) = &prompt_ref {
-                            r.kl_vs_prompt = Some(kl(plp, &lp));
-                            r.same_as_prompt = Some(&text == ptext);
-                        }
-                        answers.push(r);
-                    }
-                }
-            }
+        let texts: Vec<&str> = qas.iter().map(|(_, q)| q.question.as_str()).collect();
+        let embeddings = if texts.is_empty() { Vec::new() } else { embedder.embed(e.backend(), &texts)? };
+        let mem0 = &memories[0].1;
+        for ((index, qa), q) in qas.into_iter().zip(&embeddings) {
+            let top = mem0.retrieve(e.backend(), &s.id, Query { text: &qa.question, embedding: q }, k_max)?;
+            asked.push(Asked { sample: &s.id, index, qa, tokens: composer.question(&qa.question)?, top });
         }
-        eprintln!();
     }
 
-    let summary = summarize(&answers);
+    let mut answers = Vec::new();
+    let header_len = composer.header().len();
+    let mut batch: Vec<&Asked<'_>> = Vec::new();
+    let mut batch_blocks = 0;
+    let total_blocks = e.pool().free_blocks();
+    for (n, q) in asked.iter().enumerate() {
+        let facts = memories[0].1.facts(q.sample)?;
+        let blocks: usize = variants
+            .iter()
+            .map(|v| {
+                let memory: usize = q.top[..v.k.min(q.top.len())].iter().map(|&i| facts[i].tokens.len()).sum();
+                (header_len + memory + q.tokens.len() + a.max_tokens).div_ceil(BLOCK_SIZE) + 1
+            })
+            .sum();
+        if blocks > total_blocks {
+            bail!(
+                "the KV cache ({total_blocks} blocks of {BLOCK_SIZE} tokens) cannot hold one question's {} answers \
+                 ({blocks} blocks): raise --kv-cache-mb",
+                variants.len()
+            );
+        }
+        if !batch.is_empty() && (batch.len() == a.batch || batch_blocks + blocks > total_blocks) {
+            answers.extend(answer_questions(e, &memories, &header, &batch, &variants, tok, &eos, a.max_tokens)?);
+            (batch, batch_blocks) = (Vec::new(), 0);
+        }
+        batch.push(q);
+        batch_blocks += blocks;
+        eprint!("\rinferscale eval: question {}/{}   ", n + 1, asked.len());
+    }
+    if !batch.is_empty() {
+        answers.extend(answer_questions(e, &memories, &header, &batch, &variants, tok, &eos, a.max_tokens)?);
+    }
+    eprintln!();
+
+    // Time to first token, one request at a time, retrieval included.
+    let mut ttft: HashMap<(&str, usize, usize), f64> = HashMap::new();
+    for s in &samples {
+        for q in asked.iter().filter(|q| q.sample == s.id).take(a.ttft_questions) {
+            for (vi, v) in variants.iter().enumerate() {
+                let mem = &memories[v.memory].1;
+                let start = Instant::now();
+                let top = match v.mode {
+                    Mode::None => Vec::new(),
+                    _ => {
+                        let emb = embedder.embed(e.backend(), &[q.qa.question.as_str()])?.remove(0);
+                        mem.retrieve(e.backend(), q.sample, Query { text: &q.qa.question, embedding: &emb }, v.k)?
+                    }
+                };
+                let mut p = prepare(e, mem, q.sample, &top, v.mode, &header, &q.tokens)?;
+                let _first = argmax(&e.prefill(&mut p.seq)?);
+                ttft.insert((q.sample, q.index, vi), start.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+    }
+    let answers: Vec<Answer> = answers
+        .into_iter()
+        .map(|(vi, mut x)| {
+            x.ttft_ms = ttft.get(&(x.sample.as_str(), x.question, vi)).copied();
+            x
+        })
+        .collect();
+
+    let summary = report::summarize(&answers);
     let report = Report {
         data: data.display().to_string(),
         samples: samples.iter().map(|s| s.id.clone()).collect(),
         model: m.files.path.display().to_string(),
+        retriever: Some(a.retriever.to_string()),
+        prompts: Some(report::PromptsUsed { system: prompts.system.clone(), instruction: prompts.instruction.clone() }),
         ingest,
         summary,
         answers,
@@ -305,106 +287,124 @@ fn locomo_eval(a: LocomoArgs) -> Result<()> {
     let json = a.out.join("locomo.json");
     std::fs::write(&json, serde_json::to_string_pretty(&report)?)
         .with_context(|| format!("writing {}", json.display()))?;
-    write_outputs(&a.out, &report)
+    report::write_outputs(&a.out, &report)
 }
 
-/// F1 and TTFT against k, one line per mode (and window for kv).
-fn panels(rows: &[Row]) -> Vec<plot::Panel> {
-    let mut lines: BTreeMap<String, Vec<&Row>> = BTreeMap::new();
-    for r in rows.iter().filter(|r| r.mode != "none") {
-        let label = match r.window {
-            Some(w) => format!("{} w={w}", r.mode),
-            None => r.mode.clone(),
-        };
-        lines.entry(label).or_default().push(r);
-    }
-    let series = |f: fn(&Row) -> f64| {
-        lines
-            .iter()
-            .map(|(label, rs)| plot::Series {
-                label: label.clone(),
-                points: rs.iter().map(|r| (r.k as f64, f(r))).collect(),
-            })
-            .collect()
-    };
-    vec![
-        plot::Panel {
-            title: "Token F1 (LoCoMo cat. 1-4)".into(),
-            y_label: "F1".into(),
-            log_y: false,
-            series: series(|r| r.f1),
-        },
-        plot::Panel {
-            title: "Time to first token".into(),
-            y_label: "ms (median)".into(),
-            log_y: true,
-            series: series(|r| r.ttft_ms_median),
-        },
-    ]
-}
-
-fn summarize(answers: &[Answer]) -> Vec<Row> {
-    let mut groups: BTreeMap<(String, Option<usize>, usize), Vec<&Answer>> = BTreeMap::new();
-    for x in answers {
-        groups.entry((x.mode.clone(), x.window, x.k)).or_default().push(x);
-    }
-    groups
-        .into_iter()
-        .map(|((mode, window, k), xs)| {
-            let mean = |v: Vec<f64>| if v.is_empty() { 0.0 } else { v.iter().sum::<f64>() / v.len() as f64 };
-            let mut by_cat: BTreeMap<u8, Vec<f64>> = BTreeMap::new();
-            xs.iter().for_each(|x| by_cat.entry(x.category).or_default().push(x.f1));
-            let kls: Vec<f64> = xs.iter().filter_map(|x| x.kl_vs_prompt).collect();
-            let same: Vec<f64> =
-                xs.iter().filter_map(|x| x.same_as_prompt.map(|b| if b { 1.0 } else { 0.0 })).collect();
-            Row {
-                mode,
-                window,
-                k,
-                n: xs.len(),
-                f1: mean(xs.iter().map(|x| x.f1).collect()),
-                f1_by_category: by_cat.into_iter().map(|(c, v)| (c, mean(v))).collect(),
-                recall: mean(xs.iter().filter_map(|x| x.recall).collect()),
-                ttft_ms_median: median(xs.iter().map(|x| x.ttft_ms).collect()),
-                agreement: (!same.is_empty()).then(|| mean(same)),
-                kl_mean: (!kls.is_empty()).then(|| mean(kls)),
-            }
-        })
-        .collect()
-}
-
-fn markdown(r: &Report) -> String {
-    let mut s = format!("LoCoMo: {} ({}), model {}\n\n", r.data, r.samples.join(", "), r.model);
-    s += "| mode | window | k | n | F1 | F1 cat 1 | cat 2 | cat 3 | cat 4 | recall@k | TTFT ms (median) | agreement | KL |\n";
-    s += "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
-    for x in &r.summary {
-        let cat = |c: u8| x.f1_by_category.get(&c).map_or("-".to_string(), |v| format!("{v:.3}"));
-        let opt = |v: Option<f64>, p: usize| v.map_or("-".to_string(), |v| format!("{v:.p$}"));
-        s += &format!(
-            "| {} | {} | {} | {} | {:.3} | {} | {} | {} | {} | {:.3} | {:.1} | {} | {} |\n",
-            x.mode,
-            x.window.map_or("-".into(), |w| w.to_string()),
-            x.k,
-            x.n,
-            x.f1,
-            cat(1),
-            cat(2),
-            cat(3),
-            cat(4),
-            x.recall,
-            x.ttft_ms_median,
-            opt(x.agreement, 3),
-            opt(x.kl_mean, 4)
-        );
-    }
-    if !r.ingest.is_empty() {
-        s += "\n| ingest window | turns | seconds | turns/s | encoded tokens/s |\n|---:|---:|---:|---:|---:|\n";
-        for i in &r.ingest {
-            s += &format!(
-                "| {} | {} | {:.1} | {:.2} | {:.0} |\n",
-                i.window, i.turns, i.seconds, i.turns_per_s, i.encoded_tokens_per_s
-            );
+/// Answers every variant of `batch`'s questions in one batch of sequences
+/// and scores them; kv answers are compared with the prompt answer of the
+/// same question and k. Returns each answer with its variant's index.
+#[allow(clippy::too_many_arguments)]
+fn answer_questions<B: Backend>(
+    e: &mut Engine<B>,
+    memories: &[(usize, Memory<B>)],
+    header: &Sequence,
+    batch: &[&Asked<'_>],
+    variants: &[Variant],
+    tok: &inferscale_model::Tokenizer,
+    eos: &[u32],
+    max_tokens: usize,
+) -> Result<Vec<(usize, Answer)>> {
+    let mut seqs = Vec::with_capacity(batch.len() * variants.len());
+    let mut rows = Vec::with_capacity(seqs.capacity());
+    for q in batch {
+        let facts = memories[0].1.facts(q.sample)?;
+        for (vi, v) in variants.iter().enumerate() {
+            let (window, mem) = &memories[v.memory];
+            let ids = &q.top[..v.k.min(q.top.len())];
+            let names: Vec<&str> = ids.iter().map(|&i| facts[i].id.as_str()).collect();
+            let p = prepare(e, mem, q.sample, ids, v.mode, header, &q.tokens)?;
+            seqs.push(p.seq);
+            rows.push((
+                vi,
+                Answer {
+                    sample: q.sample.to_string(),
+                    question: q.index,
+                    category: q.qa.category,
+                    mode: v.mode.as_str().into(),
+                    window: (v.mode == Mode::Kv).then_some(*window),
+                    k: v.k,
+                    answer: String::new(),
+                    f1: 0.0,
+                    ttft_ms: None,
+                    recall: if v.mode == Mode::None { None } else { recall(&names, &q.qa.evidence) },
+                    kl_vs_prompt: None,
+                    same_as_prompt: None,
+                },
+            ));
         }
     }
-    s
+    let outs = answer_batch(e, seqs, tok, eos, max_tokens)?;
+    let mut prompt_ref: HashMap<(String, usize, usize), (Vec<f64>, String)> = HashMap::new();
+    let golds =
+        batch.iter().flat_map(|q| std::iter::repeat_n(q.qa.answer.as_deref().unwrap_or_default(), variants.len()));
+    for (((_, r), (lp, text)), gold) in rows.iter_mut().zip(outs).zip(golds) {
+        r.f1 = locomo_f1(&text, gold, r.category);
+        let key = (r.sample.clone(), r.question, r.k);
+        match r.mode.as_str() {
+            "prompt" => {
+                prompt_ref.insert(key, (lp, text.clone()));
+            }
+            "kv" => {
+                if let Some((plp, ptext)) = prompt_ref.get(&key) {
+                    r.kl_vs_prompt = Some(kl(plp, &lp));
+                    r.same_as_prompt = Some(&text == ptext);
+                }
+            }
+            _ => {}
+        }
+        r.answer = text;
+    }
+    Ok(rows)
+}
+
+/// Prefills every sequence (together, in forward passes of the engine's
+/// token budget), then decodes them together greedily, each up to its first
+/// newline. Returns per sequence the first-token log-probabilities and the
+/// answer.
+fn answer_batch<B: Backend>(
+    e: &mut Engine<B>,
+    mut seqs: Vec<Sequence>,
+    tok: &inferscale_model::Tokenizer,
+    eos: &[u32],
+    max_tokens: usize,
+) -> Result<Vec<(Vec<f64>, String)>> {
+    let mut first: Vec<Option<Vec<f32>>> = vec![None; seqs.len()];
+    loop {
+        let (idx, mut refs): (Vec<usize>, Vec<&mut Sequence>) =
+            seqs.iter_mut().enumerate().filter(|(i, _)| first[*i].is_none()).unzip();
+        if refs.is_empty() {
+            break;
+        }
+        for (i, logits) in idx.into_iter().zip(e.step(&mut refs)?) {
+            if logits.is_some() {
+                first[i] = logits;
+            }
+        }
+    }
+    let params = SamplingParams { stop: vec!["\n".into()], ..SamplingParams::greedy(max_tokens.saturating_sub(1)) };
+    let mut out = Vec::with_capacity(seqs.len());
+    let mut decode = Vec::new();
+    for (i, (mut seq, logits)) in seqs.into_iter().zip(first).enumerate() {
+        let logits = logits.context("a prefill produced no logits")?;
+        let token = argmax(&logits);
+        out.push((log_softmax(&logits), token, String::new()));
+        if !eos.contains(&token) && max_tokens > 1 {
+            seq.push(token);
+            decode.push((i, seq));
+        } else if !eos.contains(&token) {
+            out[i].2 = tok.decode(&[token], true)?;
+        }
+    }
+    let (idx, work): (Vec<usize>, Vec<_>) = decode.into_iter().map(|(i, s)| (i, (s, params.clone()))).unzip();
+    let generated = generate_sequences(e, Some(tok), eos, work, Instant::now())?;
+    for (i, g) in idx.into_iter().zip(generated) {
+        let mut ids = vec![out[i].1];
+        ids.extend(&g.tokens);
+        let mut text = tok.decode(&ids, true)?;
+        if g.finish == FinishReason::Stop || text.contains('\n') {
+            text = text.split('\n').next().unwrap_or("").to_string();
+        }
+        out[i].2 = text;
+    }
+    Ok(out.into_iter().map(|(lp, _, text)| (lp, text.trim().to_string())).collect())
 }

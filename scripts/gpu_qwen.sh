@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Qwen2.5-Coder-1.5B-Instruct on a GPU node with no network: stash the pieces
+# scripts/gpu_qwen_prepare.sh made (one device call each, back to back),
+# assemble and verify them, then measure. Results go to OUT.
+#
+#   gpu_qwen.sh stash DIR…        copy carried pieces out of the checkout
+#   gpu_qwen.sh assemble          GGUF, MiniLM and binary into /tmp/qwen, checksums verified
+#   gpu_qwen.sh check OUT         inferscale check with the model and its golden (E1–E4 on the device too)
+#   gpu_qwen.sh eval OUT          LoCoMo dev split, kv/prompt/none × k 5,20,50 × windows 0,20, started
+#                                 in its own session (it outlives the call); `gpu_qwen.sh collect OUT`
+#                                 waits for it and copies its report
+#   gpu_qwen.sh instruction OUT TEXT   kv and prompt at k = 20, w = 20 with another answer instruction
+#   gpu_qwen.sh bench OUT         bench ttft and bench serve (1 and 100 clients, k = 50)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+stage=/tmp/qwen-stage
+work=/tmp/qwen
+bin=$work/inferscale
+eval_common=(--backend cuda --model "$work/qwen.gguf" --embedder "$work/minilm" --data "$work/locomo-dev.json"
+  --kv-cache-mb 40000 --max-batch-tokens 8192)
+
+sum_ok() { [ "$(sha256sum "$1" | cut -d' ' -f1)" = "$(cat "$2")" ] || { echo "checksum mismatch: $1" >&2; exit 1; }; }
+
+case "${1:-}" in
+stash)
+  shift
+  mkdir -p "$stage"
+  for d in "$@"; do cp -r "$d"/. "$stage"/; done
+  ls "$stage" | wc -l
+  ;;
+assemble)
+  mkdir -p "$work/minilm"
+  cat "$stage"/part??.bin > "$work/qwen.gguf"
+  sum_ok "$work/qwen.gguf" "$stage/gguf.sha256"
+  tar -C "$work/minilm" -xf "$stage/minilm-small.tar"
+  cat "$stage"/minilm.part-? > "$work/minilm/model.safetensors"
+  sum_ok "$work/minilm/model.safetensors" "$stage/minilm.sha256"
+  cp "$stage/inferscale" "$stage/locomo-dev.json" "$work/"
+  chmod +x "$bin"
+  rm -rf "$stage"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  echo "assembled: $(ls -la "$work")"
+  ;;
+check)
+  source scripts/gpu_env.sh
+  "$bin" check --model "$work/qwen.gguf" --golden tests/golden/qwen2.5-coder-1.5b.json --json "$2/check-qwen.json" \
+    2>&1 | tee "$2/check-qwen.txt"
+  ;;
+eval)
+  source scripts/gpu_env.sh
+  mkdir -p "$work/eval"
+  setsid nohup "$bin" eval locomo "${eval_common[@]}" --modes kv,prompt,none --k 5,20,50 --window 0,20 \
+    --batch 32 --ttft-questions 10 --out "$work/eval" > "$work/eval.log" 2>&1 < /dev/null &
+  echo "eval started (pid $!)"
+  ;;
+collect)
+  while pgrep -f "inferscale eval locomo" > /dev/null; do sleep 5; done
+  tr '\r' '\n' < "$work/eval.log" | grep -v "question [0-9]*/" | tail -n 40
+  cp "$work/eval/locomo.json" "$work/eval/locomo.md" "$work/eval/locomo.png" "$2/" 2>/dev/null || true
+  tr '\r' '\n' < "$work/eval.log" | grep -v "question [0-9]*/" > "$2/eval.log"
+  ;;
+instruction)
+  source scripts/gpu_env.sh
+  out=$work/instr-$(echo "$3" | sha256sum | cut -c1-8)
+  mkdir -p "$out"
+  ln -sfn "$work/eval/memory-w20" "$out/memory-w20"
+  "$bin" eval locomo "${eval_common[@]}" --modes kv,prompt --k 20 --window 20 --batch 32 --ttft-questions 0 \
+    --instruction "$3" --out "$out" 2>&1 | tr '\r' '\n' | grep -v "question [0-9]*/" | tail -n 8
+  cp "$out/locomo.md" "$2/instruction-$(basename "$out").md"
+  ;;
+bench)
+  source scripts/gpu_env.sh
+  "$bin" bench ttft --backend cuda --model "$work/qwen.gguf" --k 5,10,20,50,100 --json "$2/ttft-qwen.json" \
+    2>&1 | grep -v "^inferscale bench ttft: k=" | tee "$2/ttft-qwen.txt"
+  "$bin" bench serve --backend cuda --model "$work/qwen.gguf" --embedder "$work/minilm" --window 0 \
+    --kv-cache-mb 40000 --max-batch-tokens 2048 --max-running 128 --max-queue 512 \
+    --users 1,100 --modes kv,prompt --k 50 --max-tokens 32 --memory-users 10 --facts-per-user 50 \
+    --warmup-s 6 --duration-s 20 --json "$2/serve-qwen.json" 2>&1 | tail -n 20 | tee "$2/serve-qwen.txt"
+  ;;
+*)
+  sed -n '2,14p' "$0"
+  exit 2
+  ;;
+esac

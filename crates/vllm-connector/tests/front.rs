@@ -224,7 +224,7 @@ async fn generate_submits_the_composed_prompt_with_its_plan_and_relays_the_answe
     let mut c = client(&f).await;
     let facts =
         vec![unit("u1", "I adopted a cat named Miso."), unit("u2", "My sister lives in Porto."), unit("u3", "I run.")];
-    c.ingest(ingest("ana", facts)).await.expect("ingests");
+    c.ingest(ingest("ana", facts.clone())).await.expect("ingests");
 
     let (text, fin) =
         generate(&mut c, chat("ana", "Where does my sister live?", pb::MemoryMode::Kv)).await.expect("kv");
@@ -254,9 +254,12 @@ async fn generate_submits_the_composed_prompt_with_its_plan_and_relays_the_answe
     assert!(tail.windows(question.len()).any(|w| w == question), "the question's tokens follow the memory");
     let eos: Vec<u32> = serde_json::from_value(body["stop_token_ids"].clone()).expect("eos ids");
     assert!(!eos.is_empty(), "end of sequence is vLLM's to stop at");
-    // The composed facts are in the prompt as text tokens, so vLLM's positions are right.
-    let porto: Vec<u32> = "Porto".bytes().map(u32::from).collect();
-    assert!(prompt[..end as usize].windows(porto.len()).any(|w| w == porto));
+    // The retrieved facts are in the prompt as text tokens, so vLLM's positions are right.
+    for id in &fin.fact_ids {
+        let fact = facts.iter().find(|f| &f.id == id).expect("a retrieved id is a stored unit");
+        let text: Vec<u32> = fact.text.bytes().map(u32::from).collect();
+        assert!(prompt[..end as usize].windows(text.len()).any(|w| w == text), "fact {id} in the prompt");
+    }
 
     // Prompt mode: the same ids, no plan, and a salt of its own: a prefill
     // must never reuse the blocks kv mode injected for the same ids.

@@ -61,7 +61,16 @@ fn extra_config(a: &WorkerCmd) -> Value {
         "vllm_url": format!("http://127.0.0.1:{}", a.vllm.vllm_port),
         "max_k": w.max_k,
         "max_in_flight": w.max_queue,
+        "retriever": w.mem.retriever.as_str(),
     });
+    // The connector's defaults are the native worker's: only a change travels.
+    let (prompts, defaults) = (w.mem.prompts(), inferscale_memory::Prompts::default());
+    if prompts.system != defaults.system {
+        extra["system_prompt"] = json!(prompts.system);
+    }
+    if prompts.instruction != defaults.instruction {
+        extra["instruction"] = json!(prompts.instruction);
+    }
     if let Some(shape) = &m.shape {
         extra["random_shape"] = json!(shape);
     }

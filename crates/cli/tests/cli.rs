@@ -147,6 +147,8 @@ fn worker_engine_vllm_configures_vllm_with_the_connector_and_refuses_what_it_can
         "--vllm-port",
         "8123",
         "--vllm-arg=--gpu-memory-utilization=0.8",
+        "--retriever=dense",
+        "--instruction=Briefly:",
         "--print-vllm-command",
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
@@ -169,6 +171,10 @@ fn worker_engine_vllm_configures_vllm_with_the_connector_and_refuses_what_it_can
     assert_eq!(extra["vllm_url"], "http://127.0.0.1:8123");
     assert_eq!((extra["random_shape"].as_str(), extra["window"].as_u64()), (Some("llama3.1-8b"), Some(0)));
     assert_eq!(extra["memory_dir"], mem.to_str().unwrap());
+    // How facts are found and the words around them reach the connector; the
+    // default system prompt is the connector's default too, so it stays out.
+    assert_eq!((extra["retriever"].as_str(), extra["instruction"].as_str()), (Some("dense"), Some("Briefly:")));
+    assert!(extra.get("system_prompt").is_none(), "{extra}");
 
     let o = run(&[]);
     assert!(!o.status.success());

@@ -14,8 +14,8 @@ use std::path::PathBuf;
 use inferscale_engine::bert::Bert;
 use inferscale_engine::{Backend, CpuBackend, Engine, EngineConfig, KvChunk};
 use inferscale_memory::{
-    Composer, Encoders, ImportReport, IngestReport, KvHeader, Memory, Prompts, Query, ShardRecord, ShardSpec,
-    StagedShard, Turn, fingerprint,
+    Composer, Encoders, ImportReport, IngestReport, KvHeader, Memory, Prompts, Query, Retriever, ShardRecord,
+    ShardSpec, StagedShard, Turn, fingerprint,
 };
 use inferscale_model::{ModelFiles, RopeScaling, shapes};
 
@@ -45,6 +45,11 @@ pub struct CoreConfig {
     /// Host KV cache of the encoding engine, in MiB.
     pub kv_cache_mb: usize,
     pub max_batch_tokens: usize,
+    /// How facts are ranked for a question.
+    pub retriever: Retriever,
+    /// The system prompt of the header and the instruction before the
+    /// question (a memory's KV is made with one system prompt).
+    pub prompts: Prompts,
 }
 
 /// A composed request: the prompt vLLM is given and the plan in its params.
@@ -104,12 +109,13 @@ impl<B: Backend> Core<B> {
         );
         let mut engine = Engine::new(backend, files, engine_cfg)?;
         let embedder = Bert::load(engine.backend(), inferscale_model::encoder::open(&cfg.embedder)?)?;
-        let spec = ShardSpec { window: cfg.window, fingerprint: fingerprint(files)? };
-        let (memory, warnings) = Memory::open(&cfg.memory_dir, spec, &engine)?;
+        let spec = ShardSpec { window: cfg.window, fingerprint: fingerprint(files)? + &cfg.prompts.kv_tag() };
+        let (mut memory, warnings) = Memory::open(&cfg.memory_dir, spec, &engine)?;
+        memory.set_retriever(cfg.retriever);
         for w in warnings {
             eprintln!("inferscale-vllm: warning: {w}");
         }
-        let composer = Composer::new(files, &Prompts::default())?;
+        let composer = Composer::new(files, &cfg.prompts)?;
         // The header at position 0 with nothing before it: its pre-RoPE KV is
         // exactly what a prefill of the prompt's first tokens computes (E2).
         let header_kv = engine.encode(&[], composer.header(), 0)?;

@@ -11,6 +11,7 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
 use inferscale_engine::CpuBackend;
+use inferscale_memory::{MemoryError, Prompts};
 
 use crate::core::{AnyCore, Core, CoreConfig};
 use crate::error::ConnectorError;
@@ -63,7 +64,8 @@ impl PyCore {
 impl PyCore {
     #[new]
     #[pyo3(signature = (model, memory_dir, embedder = "minilm", window = 20, kv_cache_mb = 256, max_batch_tokens = 512,
-                        backend = "cpu", device = 0, random_shape = None))]
+                        backend = "cpu", device = 0, random_shape = None, retriever = "hybrid",
+                        system_prompt = None, instruction = None))]
     #[allow(clippy::too_many_arguments)] // keyword arguments from the connector's config
     fn new(
         model: &str,
@@ -75,7 +77,11 @@ impl PyCore {
         backend: &str,
         device: usize,
         random_shape: Option<String>,
+        retriever: &str,
+        system_prompt: Option<String>,
+        instruction: Option<String>,
     ) -> PyResult<Self> {
+        let defaults = Prompts::default();
         let cfg = CoreConfig {
             model: model.into(),
             random_shape,
@@ -84,6 +90,11 @@ impl PyCore {
             window,
             kv_cache_mb,
             max_batch_tokens,
+            retriever: retriever.parse().map_err(|e: MemoryError| PyValueError::new_err(e.to_string()))?,
+            prompts: Prompts {
+                system: system_prompt.unwrap_or(defaults.system),
+                instruction: instruction.unwrap_or(defaults.instruction),
+            },
         };
         let inner = match backend {
             "cpu" => AnyCore::Cpu(Box::new(Core::open(&cfg, CpuBackend).map_err(py_err)?)),

@@ -31,6 +31,8 @@ fn core(dir: &std::path::Path) -> Arc<Mutex<AnyCore>> {
         window: 0,
         kv_cache_mb: 64,
         max_batch_tokens: 256,
+        retriever: Default::default(),
+        prompts: Default::default(),
     };
     let core = Core::open(&cfg, inferscale_engine::CpuBackend).expect("core opens");
     Arc::new(Mutex::new(AnyCore::Cpu(Box::new(core))))

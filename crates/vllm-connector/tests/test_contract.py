@@ -468,3 +468,9 @@ def test_the_worker_api_starts_once_per_core_when_configured(core, model_dir, ex
     with pytest.raises(ValueError, match="vllm_url"):
         isc.serve_front(core, dict(extra, grpc_listen="127.0.0.1:0"), vc)
     assert isc.serve_front(core, extra, vc) is None, "not configured: nothing served"
+
+
+def test_a_bad_retriever_in_the_extra_config_is_refused(extra, tmp_path):
+    bad = dict(extra, memory_dir=str(tmp_path / "memory"), retriever="bm25")
+    with pytest.raises(ValueError, match="`bm25` is not one of dense, lexical, hybrid"):
+        isc.core_for(bad)

@@ -80,6 +80,9 @@ def core_for(extra: dict[str, Any], device_type: str = "cpu") -> _core.Core:
         str(extra.get("backend", "cuda" if device_type == "cuda" else "cpu")),
         _device_index() if device_type == "cuda" else 0,
         extra.get("random_shape"),
+        str(extra.get("retriever", "hybrid")),
+        extra.get("system_prompt"),
+        extra.get("instruction"),
     )
     with _CORES_LOCK:
         core = _CORES.get(key)

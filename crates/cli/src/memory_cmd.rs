@@ -10,8 +10,8 @@ use inferscale_engine::bert::Bert;
 use inferscale_engine::sampling::SamplingParams;
 use inferscale_engine::{Backend, generate_sequences};
 use inferscale_memory::{
-    ANSWER_INSTRUCTION, Composer, Encoders, Memory, Mode, Prompts, Query, Retriever, SYSTEM_PROMPT, ShardSpec,
-    fingerprint, locomo, prepare,
+    ANSWER_INSTRUCTION, Composer, Encoders, Memory, Mode, Prompts, Query, Retriever, SYSTEM_PROMPT, ShardSpec, locomo,
+    prepare,
 };
 use inferscale_model::fetch;
 
@@ -139,7 +139,7 @@ pub(crate) fn open_memory<B: Backend>(a: &MemoryArgs, loaded: &Loaded<B>) -> Res
     let embedder =
         Bert::load(loaded.engine.backend(), files).with_context(|| format!("loading the embedder {:?}", a.embedder))?;
     let dir = a.dir();
-    let spec = ShardSpec { window: a.window, fingerprint: fingerprint(&loaded.files)? + &a.prompts().kv_tag() };
+    let spec = ShardSpec::new(&loaded.files, a.window, &a.prompts())?;
     let (mut memory, warnings) = Memory::open_tiered(&dir, spec, &loaded.engine, a.kv_device_mb.map(|mb| mb << 20))
         .with_context(|| format!("opening memory {}", dir.display()))?;
     memory.set_retriever(a.retriever);

@@ -29,7 +29,7 @@ pub const ANSWER_INSTRUCTION: &str = "Answer in a few words, not a full sentence
 /// every fact is encoded after (so part of what a memory's KV is made with),
 /// and the instruction before the question (prefilled with it, free to
 /// change per request).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Prompts {
     pub system: String,
     pub instruction: String,
@@ -46,7 +46,7 @@ impl Prompts {
     /// for the default system prompt (memories made before the prompt was
     /// configurable stay valid), else a checksum of the system prompt, so
     /// that a memory is never served with a header its KV was not made after.
-    pub fn kv_tag(&self) -> String {
+    pub(crate) fn kv_tag(&self) -> String {
         if self.system == SYSTEM_PROMPT {
             String::new()
         } else {

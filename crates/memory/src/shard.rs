@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use inferscale_engine::bert::Bert;
 use inferscale_engine::{Backend, EncodeItem, Engine, KvChunk};
 
-use crate::compose::Composer;
+use crate::compose::{Composer, Prompts};
 use crate::error::{MemoryError, Result, io};
 use crate::fact::{Fact, Record};
 use crate::kvseg::{KvHeader, StoredKv};
@@ -51,6 +51,15 @@ pub struct ShardSpec {
     pub window: usize,
     /// Identifies the model whose KV this is (see [`fingerprint`]).
     pub fingerprint: String,
+}
+
+impl ShardSpec {
+    /// The spec of a memory whose KV `files` encode with `window` turns of
+    /// context after the header of `prompts`' system prompt (a non-default
+    /// one is part of the fingerprint, see [`Prompts::kv_tag`]).
+    pub fn new(files: &inferscale_model::ModelFiles, window: usize, prompts: &Prompts) -> Result<Self> {
+        Ok(ShardSpec { window, fingerprint: fingerprint(files)? + &prompts.kv_tag() })
+    }
 }
 
 /// The models and prompt pieces that turn text into facts and KV.

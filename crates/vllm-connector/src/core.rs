@@ -15,7 +15,7 @@ use inferscale_engine::bert::Bert;
 use inferscale_engine::{Backend, CpuBackend, Engine, EngineConfig, KvChunk};
 use inferscale_memory::{
     Composer, Encoders, ImportReport, IngestReport, KvHeader, Memory, Prompts, Query, Retriever, ShardRecord,
-    ShardSpec, StagedShard, Turn, fingerprint,
+    ShardSpec, StagedShard, Turn,
 };
 use inferscale_model::{ModelFiles, RopeScaling, shapes};
 
@@ -109,7 +109,7 @@ impl<B: Backend> Core<B> {
         );
         let mut engine = Engine::new(backend, files, engine_cfg)?;
         let embedder = Bert::load(engine.backend(), inferscale_model::encoder::open(&cfg.embedder)?)?;
-        let spec = ShardSpec { window: cfg.window, fingerprint: fingerprint(files)? + &cfg.prompts.kv_tag() };
+        let spec = ShardSpec::new(files, cfg.window, &cfg.prompts)?;
         let (mut memory, warnings) = Memory::open(&cfg.memory_dir, spec, &engine)?;
         memory.set_retriever(cfg.retriever);
         for w in warnings {

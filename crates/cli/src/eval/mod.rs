@@ -26,7 +26,7 @@ use inferscale_engine::kv_cache::BLOCK_SIZE;
 use inferscale_engine::sampling::{SamplingParams, argmax};
 use inferscale_engine::{Backend, Engine, FinishReason, Sequence, generate_sequences};
 use inferscale_memory::score::{kl, locomo_f1, log_softmax, recall};
-use inferscale_memory::{Composer, Encoders, Memory, Mode, Query, Retriever, ShardSpec, fingerprint, locomo, prepare};
+use inferscale_memory::{Composer, Encoders, Memory, Mode, Query, Retriever, ShardSpec, locomo, prepare};
 
 use crate::memory_cmd::{PromptArgs, parse_retriever};
 use crate::runtime::{ModelArgs, load_on, on_backend};
@@ -135,7 +135,6 @@ fn locomo_eval<B: Backend>(a: &LocomoArgs, backend: B) -> Result<()> {
     let prompts = a.prompts.prompts();
     let composer = Composer::new(&m.files, &prompts)?;
     let tok = m.files.tokenizer.as_ref().context("the model has no tokenizer")?;
-    let fp = fingerprint(&m.files)? + &prompts.kv_tag();
     let e = &mut m.engine;
 
     // One memory per window, every sample a user of it.
@@ -143,7 +142,7 @@ fn locomo_eval<B: Backend>(a: &LocomoArgs, backend: B) -> Result<()> {
     let mut ingest = Vec::new();
     for &w in &a.window {
         let dir = a.out.join(format!("memory-w{w}"));
-        let (mut mem, warnings) = Memory::open(&dir, ShardSpec { window: w, fingerprint: fp.clone() }, e)?;
+        let (mut mem, warnings) = Memory::open(&dir, ShardSpec::new(&m.files, w, &prompts)?, e)?;
         warnings.iter().for_each(|x| eprintln!("inferscale eval: warning: {x}"));
         mem.set_retriever(a.retriever);
         let mut enc = Encoders { engine: e, embedder: &embedder, composer: &composer };
@@ -279,7 +278,7 @@ fn locomo_eval<B: Backend>(a: &LocomoArgs, backend: B) -> Result<()> {
         samples: samples.iter().map(|s| s.id.clone()).collect(),
         model: m.files.path.display().to_string(),
         retriever: Some(a.retriever.to_string()),
-        prompts: Some(report::PromptsUsed { system: prompts.system.clone(), instruction: prompts.instruction.clone() }),
+        prompts: Some(prompts),
         ingest,
         summary,
         answers,
@@ -337,20 +336,20 @@ fn answer_questions<B: Backend>(
     let mut prompt_ref: HashMap<(String, usize, usize), (Vec<f64>, String)> = HashMap::new();
     let golds =
         batch.iter().flat_map(|q| std::iter::repeat_n(q.qa.answer.as_deref().unwrap_or_default(), variants.len()));
-    for (((_, r), (lp, text)), gold) in rows.iter_mut().zip(outs).zip(golds) {
+    for (((vi, r), (lp, text)), gold) in rows.iter_mut().zip(outs).zip(golds) {
         r.f1 = locomo_f1(&text, gold, r.category);
         let key = (r.sample.clone(), r.question, r.k);
-        match r.mode.as_str() {
-            "prompt" => {
+        match variants[*vi].mode {
+            Mode::Prompt => {
                 prompt_ref.insert(key, (lp, text.clone()));
             }
-            "kv" => {
+            Mode::Kv => {
                 if let Some((plp, ptext)) = prompt_ref.get(&key) {
                     r.kl_vs_prompt = Some(kl(plp, &lp));
                     r.same_as_prompt = Some(&text == ptext);
                 }
             }
-            _ => {}
+            Mode::None => {}
         }
         r.answer = text;
     }
@@ -388,11 +387,9 @@ fn answer_batch<B: Backend>(
         let logits = logits.context("a prefill produced no logits")?;
         let token = argmax(&logits);
         out.push((log_softmax(&logits), token, String::new()));
-        if !eos.contains(&token) && max_tokens > 1 {
+        if !eos.contains(&token) {
             seq.push(token);
             decode.push((i, seq));
-        } else if !eos.contains(&token) {
-            out[i].2 = tok.decode(&[token], true)?;
         }
     }
     let (idx, work): (Vec<usize>, Vec<_>) = decode.into_iter().map(|(i, s)| (i, (s, params.clone()))).unzip();

@@ -53,12 +53,6 @@ pub(super) struct Row {
 }
 
 #[derive(Serialize, Deserialize)]
-pub(super) struct PromptsUsed {
-    pub(super) system: String,
-    pub(super) instruction: String,
-}
-
-#[derive(Serialize, Deserialize)]
 pub(super) struct Report {
     pub(super) data: String,
     pub(super) samples: Vec<String>,
@@ -68,7 +62,7 @@ pub(super) struct Report {
     pub(super) retriever: Option<String>,
     /// The system prompt and instruction (absent in older reports: the defaults of then).
     #[serde(default)]
-    pub(super) prompts: Option<PromptsUsed>,
+    pub(super) prompts: Option<inferscale_memory::Prompts>,
     pub(super) ingest: Vec<Ingest>,
     pub(super) summary: Vec<Row>,
     pub(super) answers: Vec<Answer>,

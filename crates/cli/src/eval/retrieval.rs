@@ -10,7 +10,7 @@ use anyhow::{Context, Result, bail};
 use inferscale_engine::Backend;
 use inferscale_engine::bert::Bert;
 use inferscale_memory::score::recall;
-use inferscale_memory::{Composer, Encoders, Memory, Prompts, Query, Retriever, ShardSpec, fingerprint, locomo};
+use inferscale_memory::{Composer, Encoders, Memory, Prompts, Query, Retriever, ShardSpec, locomo};
 use serde::Serialize;
 
 use crate::memory_cmd::parse_retriever;
@@ -68,7 +68,7 @@ fn run_on<B: Backend>(a: &Args, backend: B) -> Result<()> {
     let embedder = Bert::load(m.engine.backend(), inferscale_model::encoder::open(&a.embedder)?)?;
     let composer = Composer::new(&m.files, &Prompts::default())?;
     let dir = tempfile::tempdir().context("a temporary memory directory")?;
-    let spec = ShardSpec { window: 0, fingerprint: fingerprint(&m.files)? };
+    let spec = ShardSpec::new(&m.files, 0, &Prompts::default())?;
     let e = &mut m.engine;
     let (mut mem, _) = Memory::open(dir.path(), spec, e)?;
     let k_max = *a.k.iter().max().context("--k")?;

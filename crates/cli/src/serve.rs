@@ -315,19 +315,7 @@ async fn serve_worker_http(listen: Option<SocketAddr>, service: WorkerService) -
 }
 
 pub(crate) async fn serve_grpc(listener: TcpListener, service: WorkerService) -> Result<()> {
-    use tokio_stream::StreamExt;
-    // Token events are small writes: without TCP_NODELAY, Nagle's
-    // algorithm holds each one until the peer's delayed ACK (~40 ms).
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener).map(|s| {
-        s.inspect(|tcp| {
-            let _ = tcp.set_nodelay(true);
-        })
-    });
-    tonic::transport::Server::builder()
-        .add_service(service.into_server())
-        .serve_with_incoming_shutdown(incoming, shutdown_signal())
-        .await?;
-    Ok(())
+    Ok(service.serve(listener, shutdown_signal()).await?)
 }
 
 /// Registers this process's worker in `store` as `name` at `addr`.

@@ -25,6 +25,9 @@ pub enum MemoryError {
     #[error("unknown user `{0}`")]
     UnknownUser(String),
 
+    #[error("user {user:?} has no fact {id:?}")]
+    UnknownFact { user: String, id: String },
+
     /// Bad caller input (empty text, k = 0, …): nothing was stored.
     #[error("invalid {what}: {reason}")]
     Invalid { what: &'static str, reason: String },

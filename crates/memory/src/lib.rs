@@ -19,5 +19,5 @@ pub use error::{MemoryError, Result};
 pub use fact::Fact;
 pub use kvseg::KvHeader;
 pub use retrieval::{Query, Retriever};
-pub use shard::{Encoders, Footprint, IngestReport, Memory, ShardSpec, Tier, Turn, fingerprint, place};
+pub use shard::{Encoders, Footprint, IngestReport, Memory, ShardSpec, Tier, Turn, fingerprint, place, validate};
 pub use transfer::{ImportReport, ShardRecord, StagedShard, Staging};

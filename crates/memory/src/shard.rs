@@ -114,6 +114,33 @@ pub struct IngestReport {
     pub encoded_tokens: usize,
 }
 
+/// Checks `turns` as [`Memory::ingest`] would, storing nothing: a caller
+/// that ingests in several calls validates the whole request first.
+pub fn validate(user: &str, turns: &[Turn]) -> Result<()> {
+    if user.is_empty() {
+        return Err(MemoryError::Invalid { what: "user", reason: "empty user id".into() });
+    }
+    let mut seen = std::collections::HashSet::new();
+    for t in turns {
+        if t.id.is_empty() || t.text.trim().is_empty() {
+            return Err(MemoryError::Invalid {
+                what: "turn",
+                reason: format!("turn {:?} has an empty id or text", t.id),
+            });
+        }
+        if t.source_turn == t.id {
+            return Err(MemoryError::Invalid {
+                what: "fact",
+                reason: format!("fact {:?} names itself as its source turn", t.id),
+            });
+        }
+        if !seen.insert(t.id.as_str()) {
+            return Err(MemoryError::Invalid { what: "turn", reason: format!("turn id {:?} appears twice", t.id) });
+        }
+    }
+    Ok(())
+}
+
 /// Where a shard's bytes are, for the stores-per-tier metrics.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Footprint {
@@ -306,6 +333,16 @@ impl<B: Backend> Memory<B> {
         Ok(&self.user(user)?.facts)
     }
 
+    /// `user`'s facts as the units they were stored from, in order.
+    pub fn units(&self, user: &str) -> Result<Vec<Turn>> {
+        Ok(self.facts(user)?.iter().map(Fact::unit).collect())
+    }
+
+    /// Facts stored here, over all users.
+    pub fn fact_count(&self) -> usize {
+        self.users.values().map(|s| s.facts.len()).sum()
+    }
+
     /// Where fact `id` of `user` is among [`Memory::facts`], if it is stored.
     pub fn fact_index(&self, user: &str, id: &str) -> Result<Option<usize>> {
         Ok(self.user(user)?.by_id.get(id).copied())
@@ -318,33 +355,6 @@ impl<B: Backend> Memory<B> {
     /// The stored KV of fact `idx` of `user`, if encoded.
     pub fn kv(&self, user: &str, idx: usize) -> Result<Option<&KvChunk<B>>> {
         Ok(self.user(user)?.kv.get(idx).and_then(Option::as_ref))
-    }
-
-    /// Checks `turns` as [`Memory::ingest`] would, storing nothing: a caller
-    /// that ingests in several calls validates the whole request first.
-    pub fn validate(user: &str, turns: &[Turn]) -> Result<()> {
-        if user.is_empty() {
-            return Err(MemoryError::Invalid { what: "user", reason: "empty user id".into() });
-        }
-        let mut seen = std::collections::HashSet::new();
-        for t in turns {
-            if t.id.is_empty() || t.text.trim().is_empty() {
-                return Err(MemoryError::Invalid {
-                    what: "turn",
-                    reason: format!("turn {:?} has an empty id or text", t.id),
-                });
-            }
-            if t.source_turn == t.id {
-                return Err(MemoryError::Invalid {
-                    what: "fact",
-                    reason: format!("fact {:?} names itself as its source turn", t.id),
-                });
-            }
-            if !seen.insert(t.id.as_str()) {
-                return Err(MemoryError::Invalid { what: "turn", reason: format!("turn id {:?} appears twice", t.id) });
-            }
-        }
-        Ok(())
     }
 
     /// Whether `user` has any memory.
@@ -379,7 +389,7 @@ impl<B: Backend> Memory<B> {
         enc: &mut Encoders<'_, '_, B>,
         encode: bool,
     ) -> Result<IngestReport> {
-        Self::validate(user, turns)?;
+        validate(user, turns)?;
         if !self.users.contains_key(user) {
             let dir = self.dir.join("users").join(user_dir_name(user));
             let mut warnings = Vec::new();
@@ -513,6 +523,14 @@ impl<B: Backend> Memory<B> {
         self.retriever
     }
 
+    /// Forgets one fact of `user` (`Some(id)`), or all of them.
+    pub fn forget(&mut self, user: &str, fact: Option<&str>) -> Result<()> {
+        match fact {
+            Some(id) => self.forget_fact(user, id),
+            None => self.forget_user(user),
+        }
+    }
+
     /// Removes `user` from memory and from disk.
     pub fn forget_user(&mut self, user: &str) -> Result<()> {
         let shard = self.users.remove(user).ok_or_else(|| MemoryError::UnknownUser(user.to_string()))?;
@@ -526,10 +544,10 @@ impl<B: Backend> Memory<B> {
     /// rewritten without it).
     pub fn forget_fact(&mut self, user: &str, id: &str) -> Result<()> {
         let shard = self.users.get_mut(user).ok_or_else(|| MemoryError::UnknownUser(user.to_string()))?;
-        let idx = *shard.by_id.get(id).ok_or_else(|| MemoryError::Invalid {
-            what: "fact id",
-            reason: format!("user {user:?} has no fact {id:?}"),
-        })?;
+        let idx = *shard
+            .by_id
+            .get(id)
+            .ok_or_else(|| MemoryError::UnknownFact { user: user.to_string(), id: id.to_string() })?;
         shard.facts.remove(idx);
         shard.kv.remove(idx);
         shard.facts_changed();

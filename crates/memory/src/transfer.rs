@@ -83,6 +83,15 @@ impl<B: Backend> Memory<B> {
         self.users.get(user).map_or_else(Vec::new, |s| s.facts.iter().map(|f| f.id.clone()).collect())
     }
 
+    /// The start of an export of `user`: this shard's KV header and the
+    /// user's fact ids, in order.
+    pub fn export_begin(&self, user: &str) -> Result<(KvHeader, Vec<String>)> {
+        match self.has_user(user) {
+            true => Ok((self.header.clone(), self.fact_ids(user))),
+            false => Err(MemoryError::UnknownUser(user.to_string())),
+        }
+    }
+
     /// Transfer records of `user`'s facts named in `ids`, in that order,
     /// with their KV when `with_kv` (read back from the device), stopping
     /// once `max_bytes` are gathered (at least one record). Ids no longer

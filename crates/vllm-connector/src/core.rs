@@ -182,10 +182,7 @@ impl<B: Backend> Core<B> {
 
     /// Forgets one fact of `user`, or all of them.
     pub fn forget(&mut self, user: &str, fact: Option<&str>) -> Result<()> {
-        match fact {
-            Some(id) => self.memory.forget_fact(user, id)?,
-            None => self.memory.forget_user(user)?,
-        }
+        self.memory.forget(user, fact)?;
         self.bump(user);
         Ok(())
     }

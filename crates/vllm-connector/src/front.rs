@@ -2,29 +2,31 @@
 //! threads of the connector's core, so that a router talks to a vLLM
 //! worker exactly as to a native one.
 //!
-//! The service itself is the worker crate's (the same calls, checks,
-//! shard transfers and metrics); only what carries its commands out
-//! differs. Memory calls (ingest, list, forget, shard export/import)
-//! run here on the core's shard, one command at a time on the command
-//! thread, taking the core's lock for a few units at a time so that
-//! vLLM's loads (which take it on vLLM's thread) wait at most that long.
+//! The service and its protocol are the worker crate's (the same calls,
+//! checks, shard transfers and metrics); this file is only vLLM's
+//! [`MemoryHost`]. Memory calls (ingest, list, forget, shard
+//! export/import) run on the core's shard, one command at a time on the
+//! protocol's thread, taking the core's lock for one ingest batch at a
+//! time so that vLLM's loads (which take it on vLLM's thread) wait at most
+//! that long.
 //! Generate composes the memory layout here and hands the prompt to the
 //! co-located vLLM server ([`crate::relay`]), whose connector then loads
 //! the plan back from this same core.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::mpsc::Receiver;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
-use inferscale_memory::{Fact, Memory, MemoryError, Turn};
+use inferscale_memory::{ImportReport, IngestReport, KvHeader, ShardRecord, StagedShard, Turn};
 use inferscale_model::ModelFiles;
-use inferscale_worker::core::{Command, Event, Moves, ShardCommand, Stats};
-use inferscale_worker::error::{Result as WResult, WorkerError};
 use inferscale_worker::metrics::WorkerMetrics;
-use inferscale_worker::scheduler::AdmitError;
-use inferscale_worker::{WorkerInfo, WorkerService};
+use inferscale_worker::{
+    AdmitError, Events, GenerateJob, Holdings, Load, MemoryHost, ProtocolConfig, WorkerError, WorkerInfo,
+    WorkerService, holdings,
+};
+use inferscale_worker::Result as WResult;
 use tokio::sync::oneshot;
 
 use crate::core::AnyCore;
@@ -63,15 +65,6 @@ impl FrontConfig {
     }
 }
 
-/// Request counters of the front (a native worker keeps the same).
-#[derive(Debug, Default)]
-pub(crate) struct Counters {
-    pub(crate) in_flight: AtomicUsize,
-    pub(crate) finished: AtomicU64,
-    pub(crate) cancelled: AtomicU64,
-    pub(crate) failed: AtomicU64,
-}
-
 /// What the command thread and the relay tasks share.
 pub(crate) struct Shared {
     pub(crate) core: Arc<Mutex<AnyCore>>,
@@ -82,7 +75,8 @@ pub(crate) struct Shared {
     pub(crate) eos: Vec<u32>,
     /// The context window the shard's KV is encoded with (fixed per shard).
     pub(crate) window: usize,
-    pub(crate) counters: Counters,
+    /// Generate requests handed to vLLM and not yet seen end.
+    pub(crate) in_flight: AtomicUsize,
 }
 
 impl Shared {
@@ -139,10 +133,11 @@ pub fn serve(core: Arc<Mutex<AnyCore>>, cfg: FrontConfig) -> Result<Front> {
         .map_err(|e| io("starting the front's async runtime", e))?;
     let info = WorkerInfo { model: cfg.served_model.clone(), backend: format!("vllm+{backend}") };
     let eos = files.eos_ids();
-    let shared = Arc::new(Shared { core, cfg, files, eos, window, counters: Counters::default() });
+    let protocol = ProtocolConfig { max_k: cfg.max_k, ingest_batch: cfg.ingest_batch };
+    let shared = Arc::new(Shared { core, cfg, files, eos, window, in_flight: AtomicUsize::new(0) });
     let relay = Relay::new(shared.clone(), runtime.handle().clone())?;
     let (service, _commands) =
-        inferscale_worker::spawn_handler(move |rx, metrics| run(&shared, &relay, rx, metrics), info)
+        inferscale_worker::spawn_host(move |metrics| Ok(Host { shared, relay, metrics }), protocol, info)
             .map_err(|e| ConnectorError::Unsupported(e.to_string()))?;
     let (stop, stopped) = oneshot::channel::<()>();
     let server = std::thread::Builder::new()
@@ -161,22 +156,11 @@ async fn grpc(
     service: WorkerService,
     stopped: oneshot::Receiver<()>,
 ) -> std::result::Result<(), String> {
-    use tokio_stream::StreamExt;
     let listener = tokio::net::TcpListener::from_std(listener).map_err(|e| e.to_string())?;
-    // Token events are small writes: without TCP_NODELAY, Nagle's
-    // algorithm holds each one until the peer's delayed ACK (~40 ms).
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener).map(|s| {
-        s.inspect(|tcp| {
-            let _ = tcp.set_nodelay(true);
-        })
-    });
-    tonic::transport::Server::builder()
-        .add_service(service.into_server())
-        .serve_with_incoming_shutdown(incoming, async {
-            let _ = stopped.await;
-        })
-        .await
-        .map_err(|e| e.to_string())
+    let stopped = async {
+        let _ = stopped.await;
+    };
+    service.serve(listener, stopped).await.map_err(|e| e.to_string())
 }
 
 /// The connector's errors as the worker API reports them.
@@ -190,202 +174,96 @@ pub(crate) fn worker_error(e: ConnectorError) -> WorkerError {
     }
 }
 
-/// The command thread: carries out the service's commands until every
-/// clone of the service is gone.
-fn run(shared: &Shared, relay: &Relay, rx: Receiver<Command>, metrics: Arc<WorkerMetrics>) -> WResult<()> {
-    let mut moves = Moves::default();
-    while let Ok(command) = rx.recv() {
-        match command {
-            Command::Generate { job, events } => {
-                let admitted = moves.check_read(&job.user).and_then(|()| admit(shared, &job));
-                match admitted {
-                    Ok(()) => relay.spawn(job, events, metrics.clone()),
-                    Err(e) => {
-                        shared.counters.failed.fetch_add(1, Ordering::Relaxed);
-                        let _ = events.send(Event::Failed(e));
-                    }
-                }
-            }
-            Command::Ingest { user, window, units, defer_kv, reply } => {
-                let r = check_window(shared, window)
-                    .and_then(|()| Ok(Memory::<inferscale_engine::CpuBackend>::validate(&user, &units)?))
-                    .and_then(|()| moves.check_write(&user))
-                    .and_then(|()| ingest(shared, &user, &units, defer_kv));
-                let _ = reply.send(r);
-            }
-            Command::List { user, reply } => {
-                let r = shared.lock().and_then(|g| {
-                    let units: Vec<Turn> = each!(&*g, c => c.memory().facts(&user)?.iter().map(Fact::unit).collect());
-                    Ok((units, shared.window))
-                });
-                let _ = reply.send(r);
-            }
-            Command::Forget { user, unit, reply } => {
-                let r = moves.check_write(&user).and_then(|()| forget(shared, &user, unit));
-                let _ = reply.send(r);
-            }
-            Command::Stats { memory_bytes, reply } => {
-                if let Ok(s) = stats(shared, memory_bytes) {
-                    let _ = reply.send(s);
-                }
-            }
-            Command::Shard(c) => shard(shared, &mut moves, c),
+/// vLLM's side of the worker protocol: the shard is the core's (behind
+/// its lock, which vLLM's loads also take), and generation is relayed to
+/// the co-located vLLM server.
+struct Host {
+    shared: Arc<Shared>,
+    relay: Relay,
+    metrics: Arc<WorkerMetrics>,
+}
+
+impl Host {
+    /// Runs `f` on the core, whichever backend it runs on.
+    fn read<T>(&self, f: impl FnOnce(&AnyCore) -> Result<T>) -> WResult<T> {
+        f(&*self.shared.lock()?).map_err(worker_error)
+    }
+
+    fn write<T>(&mut self, f: impl FnOnce(&mut AnyCore) -> Result<T>) -> WResult<T> {
+        f(&mut *self.shared.lock()?).map_err(worker_error)
+    }
+}
+
+impl MemoryHost for Host {
+    fn window(&self) -> usize {
+        self.shared.window
+    }
+
+    fn generate(&mut self, job: GenerateJob, events: Events) -> WResult<()> {
+        let in_flight = self.shared.in_flight.load(Ordering::SeqCst);
+        if in_flight >= self.shared.cfg.max_in_flight {
+            return Err(AdmitError::QueueFull(in_flight).into());
         }
+        self.relay.spawn(job, events, self.metrics.clone());
+        Ok(())
     }
-    Ok(())
-}
 
-fn check_window(shared: &Shared, window: Option<usize>) -> WResult<()> {
-    let ours = shared.window;
-    match window {
-        Some(w) if w != ours => Err(WorkerError::Invalid(format!(
-            "window {w}: this worker's memory is encoded with a context window of {ours} turns"
-        ))),
-        _ => Ok(()),
+    fn ingest(&mut self, user: &str, units: &[Turn], defer_kv: bool) -> WResult<IngestReport> {
+        self.write(|g| each!(g, c => c.ingest_with(user, units, defer_kv)))
     }
-}
 
-/// The checks a native worker makes at admission, before vLLM sees anything.
-fn admit(shared: &Shared, job: &inferscale_worker::core::GenerateJob) -> WResult<()> {
-    check_window(shared, job.window)?;
-    job.params.validate()?;
-    if job.params.max_tokens == 0 {
-        return Err(WorkerError::Invalid("max_tokens must be at least 1".into()));
+    fn units(&self, user: &str) -> WResult<Vec<Turn>> {
+        self.read(|g| Ok(each!(g, c => c.memory().units(user))?))
     }
-    if job.question.trim().is_empty() {
-        return Err(WorkerError::Invalid("the question (last user message) is empty".into()));
-    }
-    if job.k > shared.cfg.max_k {
-        return Err(WorkerError::Invalid(format!("k = {} is more than this worker's {}", job.k, shared.cfg.max_k)));
-    }
-    let in_flight = shared.counters.in_flight.load(Ordering::SeqCst);
-    if in_flight >= shared.cfg.max_in_flight {
-        return Err(AdmitError::QueueFull(in_flight).into());
-    }
-    Ok(())
-}
 
-/// Stores `units` a few at a time (the lock is released between batches);
-/// on a failure, says how many of the request's units are stored.
-fn ingest(shared: &Shared, user: &str, units: &[Turn], defer_kv: bool) -> WResult<inferscale_memory::IngestReport> {
-    let mut report = inferscale_memory::IngestReport::default();
-    for batch in units.chunks(shared.cfg.ingest_batch.max(1)) {
-        let r = each!(&mut *shared.lock()?, c => c.ingest_with(user, batch, defer_kv));
-        match r {
-            Ok(r) => {
-                report.added += r.added;
-                report.skipped += r.skipped;
-                report.encoded_tokens += r.encoded_tokens;
-            }
-            Err(e) => {
-                return Err(match worker_error(e) {
-                    WorkerError::Memory(m) if report.added > 0 => WorkerError::Invalid(format!(
-                        "{m} (the first {} units of this request are stored)",
-                        report.added
-                    )),
-                    e => e,
-                });
-            }
-        }
+    fn forget(&mut self, user: &str, unit: Option<&str>) -> WResult<()> {
+        self.write(|g| each!(g, c => c.forget(user, unit)))
     }
-    Ok(report)
-}
 
-fn forget(shared: &Shared, user: &str, unit: Option<String>) -> WResult<()> {
-    let r = each!(&mut *shared.lock()?, c => c.forget(user, unit.as_deref()));
-    r.map_err(|e| match (e, unit) {
-        (ConnectorError::Memory(MemoryError::Invalid { .. }), Some(id)) => {
-            WorkerError::UnknownUnit { user: user.to_string(), id }
-        }
-        (e, _) => worker_error(e),
-    })
-}
-
-fn stats(shared: &Shared, memory_bytes: bool) -> WResult<Stats> {
-    let g = shared.lock()?;
-    let n = &shared.counters;
-    let mut s = Stats {
+    fn load(&self) -> Load {
         // vLLM owns the running batch, its queue and its cache: what this
         // worker knows is what it has handed vLLM and not yet seen end.
-        running: n.in_flight.load(Ordering::Relaxed),
-        finished: n.finished.load(Ordering::Relaxed),
-        cancelled: n.cancelled.load(Ordering::Relaxed),
-        failed: n.failed.load(Ordering::Relaxed),
-        max_queue: shared.cfg.max_in_flight,
-        window: shared.window,
-        ..Default::default()
-    };
-    each!(&*g, c => {
-        let m = c.memory();
-        s.users = m.users().count();
-        s.facts = m.users().map(|u| m.facts(u).map_or(0, <[_]>::len)).sum();
-        if memory_bytes {
-            let f = m.footprint();
-            s.kv_resident_bytes = f.kv_resident_bytes;
-            s.kv_host_tier_bytes = f.kv_host_tier_bytes;
-            s.disk_bytes = f.disk_bytes;
+        Load {
+            running: self.shared.in_flight.load(Ordering::Relaxed),
+            max_queue: self.shared.cfg.max_in_flight,
+            ..Load::default()
         }
-    });
-    Ok(s)
-}
+    }
 
-/// Shard moves, as a native worker carries them out (its `core::moves`):
-/// ingests run to completion on this thread, so a freeze sees them all.
-fn shard(shared: &Shared, moves: &mut Moves, c: ShardCommand) {
-    match c {
-        ShardCommand::ListUsers { reply } => {
-            let users = shared
-                .lock()
-                .map(|g| each!(&*g, c => c.memory().users().map(str::to_string).collect()))
-                .unwrap_or_default();
-            let _ = reply.send(users);
-        }
-        ShardCommand::ExportBegin { user, reply } => {
-            let r = shared.lock().and_then(|g| {
-                each!(&*g, c => match c.memory().has_user(&user) {
-                    true => Ok((c.memory().kv_header().clone(), c.memory().fact_ids(&user))),
-                    false => Err(WorkerError::UnknownUser(user)),
-                })
-            });
-            let _ = reply.send(r);
-        }
-        ShardCommand::Export { user, ids, with_kv, max_bytes, reply } => {
-            let r = shared
-                .lock()
-                .and_then(|g| each!(&*g, c => c.export(&user, &ids, with_kv, max_bytes)).map_err(worker_error));
-            let _ = reply.send(r);
-        }
-        ShardCommand::Freeze { user, reply } => {
-            moves.freeze(&user);
-            let ids = shared.lock().map(|g| each!(&*g, c => c.memory().fact_ids(&user))).unwrap_or_default();
-            let _ = reply.send(ids);
-        }
-        ShardCommand::ImportTarget { reply } => {
-            if let Ok(g) = shared.lock() {
-                let _ = reply.send(each!(&*g, c => c.import_target()));
-            }
-        }
-        ShardCommand::CommitImport { user, staged, reply } => {
-            let r = shared
-                .lock()
-                .and_then(|mut g| each!(&mut *g, c => c.commit_import(&user, staged)).map_err(worker_error));
-            if r.is_ok() {
-                moves.imported(&user);
-            }
-            let _ = reply.send(r);
-        }
-        ShardCommand::Release { user, drop, reply } => {
-            moves.release(&user, drop);
-            let r = match drop {
+    fn holdings(&self, footprint: bool) -> Holdings {
+        self.read(|g| Ok(each!(g, c => holdings(c.memory(), footprint)))).unwrap_or_default()
+    }
+
+    fn users(&self) -> Vec<String> {
+        self.read(|g| Ok(each!(g, c => c.memory().users().map(str::to_string).collect()))).unwrap_or_default()
+    }
+
+    fn fact_ids(&self, user: &str) -> Vec<String> {
+        self.read(|g| Ok(each!(g, c => c.memory().fact_ids(user)))).unwrap_or_default()
+    }
+
+    fn export_begin(&self, user: &str) -> WResult<(KvHeader, Vec<String>)> {
+        self.read(|g| Ok(each!(g, c => c.memory().export_begin(user))?))
+    }
+
+    fn export(&self, user: &str, ids: &[String], with_kv: bool, max_bytes: usize) -> WResult<(Vec<ShardRecord>, usize)> {
+        self.read(|g| each!(g, c => c.export(user, ids, with_kv, max_bytes)))
+    }
+
+    fn import_target(&self) -> WResult<(PathBuf, KvHeader)> {
+        self.read(|g| Ok(each!(g, c => c.import_target())))
+    }
+
+    fn commit_import(&mut self, user: &str, staged: StagedShard) -> WResult<ImportReport> {
+        self.write(|g| each!(g, c => c.commit_import(user, staged)))
+    }
+
+    fn drop_user(&mut self, user: &str) -> WResult<()> {
+        self.write(|g| {
+            each!(g, c => match c.memory().has_user(user) {
+                true => c.forget(user, None),
                 false => Ok(()),
-                true => shared.lock().and_then(|mut g| {
-                    each!(&mut *g, c => match c.memory().has_user(&user) {
-                        true => c.forget(&user, None).map_err(worker_error),
-                        false => Ok(()),
-                    })
-                }),
-            };
-            let _ = reply.send(r);
-        }
+            })
+        })
     }
 }

@@ -23,9 +23,8 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use inferscale_engine::FinishReason;
 use inferscale_memory::Mode;
-use inferscale_worker::core::{Event, Finished, GenerateJob, Timings, Usage, finish_reason};
-use inferscale_worker::error::WorkerError;
 use inferscale_worker::metrics::WorkerMetrics;
+use inferscale_worker::{Event, Finished, GenerateJob, Timings, Usage, WorkerError, finish_reason};
 use inferscale_worker::text::{Delta, TextStream};
 use serde_json::{Value, json};
 use tokio::sync::mpsc::UnboundedSender;
@@ -82,7 +81,7 @@ impl Relay {
     /// Runs `job` on the front's runtime; its events go to `events`.
     pub(crate) fn spawn(&self, job: GenerateJob, events: UnboundedSender<Event>, metrics: Arc<WorkerMetrics>) {
         let relay = self.clone();
-        self.shared.counters.in_flight.fetch_add(1, Ordering::SeqCst);
+        self.shared.in_flight.fetch_add(1, Ordering::SeqCst);
         self.rt.spawn(async move {
             let span = job.span.clone();
             let deadline = job.deadline.map(|d| (job.arrived + d, d));
@@ -94,23 +93,20 @@ impl Relay {
                 },
                 None => run.await,
             };
-            let n = &relay.shared.counters;
             match r {
                 Ok(f) => {
                     span.record("finish_reason", finish_reason(f.reason));
-                    n.finished.fetch_add(1, Ordering::Relaxed);
+                    metrics.finished();
                     let _ = events.send(Event::Finished(Box::new(f)));
                 }
-                Err(Stop::Cancelled) => {
-                    n.cancelled.fetch_add(1, Ordering::Relaxed);
-                }
+                Err(Stop::Cancelled) => metrics.cancelled(),
                 Err(Stop::Failed(e)) => {
                     span.record("otel.status_code", "error");
-                    n.failed.fetch_add(1, Ordering::Relaxed);
+                    metrics.failed();
                     let _ = events.send(Event::Failed(e));
                 }
             }
-            n.in_flight.fetch_sub(1, Ordering::SeqCst);
+            relay.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
         });
     }
 

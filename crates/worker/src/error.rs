@@ -70,6 +70,7 @@ impl From<MemoryError> for WorkerError {
         match e {
             MemoryError::Invalid { what, reason } => WorkerError::Invalid(format!("invalid {what}: {reason}")),
             MemoryError::UnknownUser(u) => WorkerError::UnknownUser(u),
+            MemoryError::UnknownFact { user, id } => WorkerError::UnknownUnit { user, id },
             other => WorkerError::Memory(other),
         }
     }

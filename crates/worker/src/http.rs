@@ -9,7 +9,7 @@ use axum::response::{IntoResponse, Response};
 use axum::{Router, routing};
 use inferscale_telemetry::prom;
 
-use crate::core::Command;
+use crate::protocol::Command;
 use crate::service::WorkerService;
 
 pub fn app(svc: WorkerService) -> Router {

@@ -3,24 +3,31 @@
 //!
 //! Layers: [`scheduler`] is pure decision logic (request ids and token and
 //! block counts, no tensors, no I/O) so that it can be tested exhaustively;
-//! [`core`] is the engine thread that carries out its steps; [`service`]
-//! turns gRPC calls into commands for that thread; [`transfer`] streams
+//! [`protocol`] is the worker protocol, one dispatcher for every engine
+//! behind the [`MemoryHost`] trait; `engine_thread` is our engine's host,
+//! which carries out the scheduler's steps (vLLM's is the vLLM connector's
+//! front); [`service`] turns gRPC calls into protocol commands; [`transfer`] streams
 //! shards between workers for the cluster's rebalancer; [`frames`] cuts a
 //! shard into fixed-size frames for device-to-device (NCCL) transfer over
 //! a [`link`]; [`http`] serves [`metrics`] and the health probes.
 
-pub mod core;
+mod engine_thread;
 pub mod error;
 pub mod frames;
 pub mod http;
 pub mod link;
 pub mod metrics;
+pub mod protocol;
 pub mod scheduler;
 pub mod service;
 pub mod text;
 pub mod transfer;
 
-pub use core::{WorkerConfig, WorkerParts};
+pub use engine_thread::{WorkerConfig, WorkerParts};
 pub use error::{Result, WorkerError};
+pub use protocol::{
+    Event, Events, Finished, GenerateJob, Holdings, Load, MemoryHost, ProtocolConfig, Stats, Timings, Usage,
+    finish_reason, holdings,
+};
 pub use scheduler::{AdmitError, RequestSpec, Scheduler, SchedulerConfig, Step, StepItem};
-pub use service::{WorkerInfo, WorkerService, spawn, spawn_handler};
+pub use service::{WorkerInfo, WorkerService, spawn, spawn_host};

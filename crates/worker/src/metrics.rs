@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use inferscale_memory::Mode;
 use inferscale_telemetry::prom::{self, Histogram};
 
-use crate::core::Stats;
+use crate::protocol::Stats;
 
 /// Rows (sequences) per forward step: powers of two up to the largest
 /// running batch.
@@ -38,6 +38,10 @@ pub struct WorkerMetrics {
     /// Sequences per forward step, and the step's duration.
     batch_rows: Histogram,
     step: Histogram,
+    /// Requests that left the worker, by how: every engine counts here.
+    finished: AtomicU64,
+    cancelled: AtomicU64,
+    failed: AtomicU64,
     pub shards_sent: AtomicU64,
     pub shard_bytes_sent: AtomicU64,
     pub shards_received: AtomicU64,
@@ -52,6 +56,9 @@ impl Default for WorkerMetrics {
             queue: Histogram::default(),
             batch_rows: Histogram::new(&ROW_BUCKETS),
             step: Histogram::default(),
+            finished: AtomicU64::new(0),
+            cancelled: AtomicU64::new(0),
+            failed: AtomicU64::new(0),
             shards_sent: AtomicU64::new(0),
             shard_bytes_sent: AtomicU64::new(0),
             shards_received: AtomicU64::new(0),
@@ -71,6 +78,27 @@ impl WorkerMetrics {
         if tokens > 0 {
             self.tpot[mode_index(mode)].observe(seconds / tokens as f64);
         }
+    }
+
+    /// A request answered in full.
+    pub fn finished(&self) {
+        self.finished.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A request whose caller went away.
+    pub fn cancelled(&self) {
+        self.cancelled.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A request refused or failed.
+    pub fn failed(&self) {
+        self.failed.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Requests finished, cancelled and failed so far.
+    pub(crate) fn outcomes(&self) -> (u64, u64, u64) {
+        let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        (n(&self.finished), n(&self.cancelled), n(&self.failed))
     }
 
     pub(crate) fn admitted(&self, waited_seconds: f64) {

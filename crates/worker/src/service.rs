@@ -15,7 +15,10 @@ use tokio_stream::{Stream, StreamExt, wrappers::UnboundedReceiverStream};
 use tonic::{Request, Response, Status};
 use tracing::{Instrument, info_span};
 
-use crate::core::{Command, Event, GenerateJob, ShardCommand, WorkerConfig, WorkerParts, finish_reason, run};
+use crate::engine_thread::{WorkerConfig, WorkerParts, run};
+use crate::protocol::{
+    Command, Event, GenerateJob, MemoryHost, Protocol, ProtocolConfig, ShardCommand, finish_reason,
+};
 use crate::error::{Result, WorkerError};
 use crate::link::Links;
 use crate::metrics::WorkerMetrics;
@@ -86,33 +89,67 @@ where
     Ok((WorkerService { tx, info, ready, metrics, links: None }, thread))
 }
 
-/// Starts a thread that carries out the service's commands with `handle`
-/// instead of an engine of ours: the vLLM-mode worker, whose generation
-/// is vLLM's, serves the same API this way. The service is ready while
-/// `handle` runs; `handle` returns when every clone of the service is gone
-/// (its receiver disconnects).
-pub fn spawn_handler<F>(handle: F, info: WorkerInfo) -> Result<(WorkerService, std::thread::JoinHandle<()>)>
+/// Starts a thread that carries out the service's commands on a host of
+/// another engine, made on that thread by `make` (so it need not be
+/// `Send`): the vLLM-mode worker, whose generation is vLLM's, serves the
+/// same API this way. Ingests run to completion between commands, a batch
+/// at a time. Returns once the host is made, or with `make`'s error; the
+/// thread ends when every clone of the service is gone.
+pub fn spawn_host<H, F>(make: F, cfg: ProtocolConfig, info: WorkerInfo) -> Result<(WorkerService, std::thread::JoinHandle<()>)>
 where
-    F: FnOnce(std::sync::mpsc::Receiver<Command>, Arc<WorkerMetrics>) -> Result<()> + Send + 'static,
+    H: MemoryHost,
+    F: FnOnce(Arc<WorkerMetrics>) -> Result<H> + Send + 'static,
 {
-    let (tx, rx) = std::sync::mpsc::channel();
-    let ready = Arc::new(AtomicBool::new(true));
+    let (tx, rx) = std::sync::mpsc::channel::<Command>();
+    let (started_tx, started_rx) = std::sync::mpsc::channel::<Result<()>>();
+    let ready = Arc::new(AtomicBool::new(false));
     let flag = ready.clone();
     let metrics = Arc::new(WorkerMetrics::default());
     let observed = metrics.clone();
     let thread = std::thread::Builder::new()
         .name("inferscale-commands".into())
         .spawn(move || {
+            let mut host = match make(observed.clone()) {
+                Ok(h) => h,
+                Err(e) => {
+                    let _ = started_tx.send(Err(e));
+                    return;
+                }
+            };
+            flag.store(true, Ordering::SeqCst);
             let _ready = NotReadyOnDrop(flag);
-            if let Err(e) = handle(rx, observed) {
-                eprintln!("inferscale worker: command thread stopped: {e}");
+            let _ = started_tx.send(Ok(()));
+            let mut protocol = Protocol::new(cfg, observed);
+            while let Ok(c) = rx.recv() {
+                protocol.handle(&mut host, c);
+                while protocol.ingest_some(&mut host) {}
             }
         })
         .map_err(|e| WorkerError::Startup(format!("starting the command thread: {e}")))?;
+    started_rx.recv().map_err(|_| WorkerError::Startup("the command thread exited while starting".into()))??;
     Ok((WorkerService { tx, info, ready, metrics, links: None }, thread))
 }
 
 impl WorkerService {
+    /// Serves the worker API on `listener` until `shutdown` resolves.
+    pub async fn serve(
+        self,
+        listener: tokio::net::TcpListener,
+        shutdown: impl std::future::Future<Output = ()> + Send,
+    ) -> std::result::Result<(), tonic::transport::Error> {
+        // Token events are small writes: without TCP_NODELAY, Nagle's
+        // algorithm holds each one until the peer's delayed ACK (~40 ms).
+        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener).map(|s| {
+            s.inspect(|tcp| {
+                let _ = tcp.set_nodelay(true);
+            })
+        });
+        tonic::transport::Server::builder()
+            .add_service(self.into_server())
+            .serve_with_incoming_shutdown(incoming, shutdown)
+            .await
+    }
+
     pub fn into_server(self) -> pb::worker_server::WorkerServer<WorkerService> {
         pb::worker_server::WorkerServer::new(self)
             .max_decoding_message_size(crate::transfer::MAX_MESSAGE_BYTES)

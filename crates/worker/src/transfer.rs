@@ -26,7 +26,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::Status;
 use tracing::Instrument;
 
-use crate::core::{Command, ShardCommand};
+use crate::protocol::{Command, ShardCommand};
 use crate::error::WorkerError;
 use crate::frames::{self, FrameError, Manifest, ManifestEntry, Reassembler};
 use crate::link::{FrameLink, Links};

@@ -7,30 +7,34 @@
 //! cached header, inject or paste the retrieved facts), run the step's
 //! forward pass, sample, stream tokens. Ingests are encoded a few units
 //! per loop turn, so a large ingest never stalls the running batch for
-//! long. The gRPC layer talks to this thread only through [`Command`]s.
+//! long. Commands are carried out by the worker protocol
+//! ([`crate::protocol`]), for which this thread is the [`MemoryHost`].
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::time::{Duration, Instant};
 
 use inferscale_engine::bert::Bert;
 use inferscale_engine::kv_cache::BLOCK_SIZE;
-use inferscale_engine::sampling::{Rng, SamplingParams, sample};
+use inferscale_engine::sampling::{Rng, sample};
 use inferscale_engine::{Backend, Engine, FinishReason, NextToken, Sequence};
-use inferscale_memory::{Composer, Encoders, Fact, IngestReport, Memory, Mode, Prompts, Query, Turn, prepare};
+use inferscale_memory::{
+    Composer, Encoders, ImportReport, IngestReport, KvHeader, Memory, Mode, Prompts, Query, ShardRecord, StagedShard,
+    Turn, prepare,
+};
 use inferscale_model::ModelFiles;
-use tokio::sync::{mpsc, oneshot};
 use tracing::{Span, field::Empty, info_span};
 
 use crate::error::{Result, WorkerError};
 use crate::metrics::WorkerMetrics;
+use crate::protocol::{
+    Command, Event, Events, Finished, GenerateJob, Holdings, Load, MemoryHost, Protocol, ProtocolConfig, Timings,
+    Usage, finish_reason, holdings,
+};
 use crate::scheduler::{RequestId, RequestSpec, Scheduler, SchedulerConfig};
 use crate::text::{Delta, TextStream};
-
-mod moves;
-
-pub use moves::{Moves, ShardCommand};
 
 /// What the engine thread owns.
 pub struct WorkerParts<B: Backend> {
@@ -72,128 +76,11 @@ impl Default for WorkerConfig {
     }
 }
 
-/// A finish reason as OpenAI's API names it (end of sequence is `stop`).
-pub fn finish_reason(r: FinishReason) -> &'static str {
-    match r {
-        FinishReason::Eos | FinishReason::Stop => "stop",
-        FinishReason::Length => "length",
-    }
-}
-
-/// A chat request as the engine thread sees it.
-#[derive(Debug, Clone)]
-pub struct GenerateJob {
-    pub user: String,
-    pub question: String,
-    pub mode: Mode,
-    pub k: usize,
-    /// The context window the caller expects its memory encoded with.
-    pub window: Option<usize>,
-    pub params: SamplingParams,
-    pub deadline: Option<Duration>,
-    pub arrived: Instant,
-    /// The request's trace span; its phases are children of it.
-    pub span: Span,
-}
-
-/// Where a request's time went, in milliseconds: each phase's duration,
-/// and the first token and the end measured from arrival at the worker.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct Timings {
-    pub queue_ms: f64,
-    pub retrieve_ms: f64,
-    pub inject_ms: f64,
-    pub prefill_ms: f64,
-    pub first_token_ms: f64,
-    pub total_ms: f64,
-}
-
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Usage {
-    pub prompt_tokens: usize,
-    pub injected_tokens: usize,
-    pub cached_tokens: usize,
-    pub completion_tokens: usize,
-    pub facts: usize,
-}
-
-#[derive(Debug, Clone)]
-pub struct Finished {
-    pub reason: FinishReason,
-    pub usage: Usage,
-    pub timings: Timings,
-    pub fact_ids: Vec<String>,
-}
-
-/// What a generate request's stream carries.
-#[derive(Debug)]
-pub enum Event {
-    Token { id: u32, text: String },
-    Finished(Box<Finished>),
-    Failed(WorkerError),
-}
-
-/// Counters and gauges of a worker.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Stats {
-    pub running: usize,
-    pub waiting: usize,
-    pub kv_blocks_total: usize,
-    pub kv_blocks_free: usize,
-    pub users: usize,
-    pub facts: usize,
-    pub finished: u64,
-    pub cancelled: u64,
-    pub failed: u64,
-    pub window: usize,
-    pub max_queue: usize,
-    /// Pre-RoPE KV of the memory held in the backend's memory, and the
-    /// memory's logs on disk (0 unless asked for).
-    pub kv_resident_bytes: u64,
-    /// Pre-RoPE KV of users placed in the backend's host tier.
-    pub kv_host_tier_bytes: u64,
-    pub disk_bytes: u64,
-}
-
-/// A stored unit as listed.
-pub type Unit = Turn;
-
-pub enum Command {
-    Generate {
-        job: GenerateJob,
-        events: mpsc::UnboundedSender<Event>,
-    },
-    Ingest {
-        user: String,
-        window: Option<usize>,
-        units: Vec<Turn>,
-        /// Store facts only; KV is encoded when first needed.
-        defer_kv: bool,
-        reply: oneshot::Sender<Result<IngestReport>>,
-    },
-    List {
-        user: String,
-        reply: oneshot::Sender<Result<(Vec<Unit>, usize)>>,
-    },
-    Forget {
-        user: String,
-        unit: Option<String>,
-        reply: oneshot::Sender<Result<()>>,
-    },
-    Stats {
-        /// Also measure the memory's bytes per tier (O(facts): asked for by
-        /// a metrics scrape, not by the router's once-a-second poll).
-        memory_bytes: bool,
-        reply: oneshot::Sender<Stats>,
-    },
-    Shard(ShardCommand),
-}
-
 /// A request from arrival to its last token.
 struct Live {
     job: GenerateJob,
     question: Vec<u32>,
-    events: mpsc::UnboundedSender<Event>,
+    events: Events,
     /// Retrieved fact ids, best first.
     fact_ids: Vec<String>,
     memory_tokens: usize,
@@ -207,15 +94,6 @@ struct Live {
     /// The phase under way (queue, prefill, decode), ended when the next
     /// begins.
     phase: Span,
-}
-
-struct IngestJob {
-    user: String,
-    units: Vec<Turn>,
-    defer_kv: bool,
-    next: usize,
-    report: IngestReport,
-    reply: oneshot::Sender<Result<IngestReport>>,
 }
 
 /// Where the engine thread's time goes, printed every 10 s when
@@ -272,7 +150,7 @@ fn ms(d: Duration) -> f64 {
 }
 
 /// Runs the engine thread until every command sender is dropped.
-pub fn run<B: Backend>(
+pub(crate) fn run<B: Backend>(
     parts: WorkerParts<B>,
     cfg: WorkerConfig,
     rx: Receiver<Command>,
@@ -292,13 +170,15 @@ pub fn run<B: Backend>(
             "the KV cache has {free} free blocks after the header; ingest needs {reserve}: give it more memory"
         ))
     })?;
-    let mut sched = Scheduler::new(SchedulerConfig {
+    let sched = Scheduler::new(SchedulerConfig {
         max_batch_tokens: engine.max_batch_tokens(),
         max_running: cfg.max_running,
         max_queue: cfg.max_queue,
         total_blocks,
         block_size: BLOCK_SIZE,
     });
+    let mut protocol =
+        Protocol::new(ProtocolConfig { max_k: cfg.max_k, ingest_batch: cfg.ingest_batch }, metrics.clone());
     let mut core = Core {
         engine,
         embedder,
@@ -308,25 +188,23 @@ pub fn run<B: Backend>(
         tokenizer,
         header,
         cfg,
+        sched,
         live: HashMap::new(),
-        ingests: VecDeque::new(),
         next_id: 0,
-        stats: Stats::default(),
-        moves: moves::Moves::default(),
         metrics,
         profile: Profile { on: std::env::var_os("INFERSCALE_WORKER_PROFILE").is_some(), ..Default::default() },
     };
     loop {
-        let idle = core.live.is_empty() && core.ingests.is_empty();
+        let idle = core.live.is_empty() && !protocol.ingesting();
         if idle && core.encode_pending() {
             // Background work done; look for commands before more of it.
             match rx.try_recv() {
-                Ok(c) => core.handle(c, &mut sched),
+                Ok(c) => protocol.handle(&mut core, c),
                 Err(TryRecvError::Empty) => continue,
                 Err(TryRecvError::Disconnected) => return Ok(()),
             }
         }
-        let idle = core.live.is_empty() && core.ingests.is_empty();
+        let idle = core.live.is_empty() && !protocol.ingesting();
         let first = if idle {
             match rx.recv_timeout(Duration::from_millis(500)) {
                 Ok(c) => Some(c),
@@ -338,21 +216,22 @@ pub fn run<B: Backend>(
         };
         let t0 = Instant::now();
         if let Some(c) = first {
-            core.handle(c, &mut sched);
+            protocol.handle(&mut core, c);
         }
         loop {
             match rx.try_recv() {
-                Ok(c) => core.handle(c, &mut sched),
+                Ok(c) => protocol.handle(&mut core, c),
                 Err(TryRecvError::Empty) => break,
                 Err(TryRecvError::Disconnected) => return Ok(()),
             }
         }
         core.profile.add(|p| &mut p.commands, t0);
         core.profile.report();
-        core.reap(&mut sched);
-        core.ingest_some();
-        core.settle_freezes();
-        core.step(&mut sched);
+        core.reap();
+        // One batch of the oldest ingest per turn: a large ingest never
+        // stalls the running batch for long.
+        protocol.ingest_some(&mut core);
+        core.step();
     }
 }
 
@@ -365,133 +244,94 @@ struct Core<'c, 'f, B: Backend> {
     tokenizer: &'f inferscale_model::Tokenizer,
     header: Sequence,
     cfg: WorkerConfig,
+    sched: Scheduler,
     live: HashMap<RequestId, Live>,
-    ingests: VecDeque<IngestJob>,
     next_id: RequestId,
-    stats: Stats,
-    moves: moves::Moves,
     metrics: Arc<WorkerMetrics>,
     profile: Profile,
 }
 
-impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
-    fn handle(&mut self, c: Command, sched: &mut Scheduler) {
-        match c {
-            Command::Generate { job, events } => {
-                let span = job.span.clone();
-                if let Err(e) = self.admit(job, events.clone(), sched) {
-                    span.record("otel.status_code", "error");
-                    self.stats.failed += 1;
-                    let _ = events.send(Event::Failed(e));
-                }
-            }
-            Command::Ingest { user, window, units, defer_kv, reply } => {
-                let check = self
-                    .check_window(window)
-                    .and_then(|()| Ok(Memory::<B>::validate(&user, &units)?))
-                    .and_then(|()| self.moves.check_write(&user));
-                match check {
-                    Err(e) => {
-                        let _ = reply.send(Err(e));
-                    }
-                    Ok(()) => self.ingests.push_back(IngestJob {
-                        user,
-                        units,
-                        defer_kv,
-                        next: 0,
-                        report: IngestReport::default(),
-                        reply,
-                    }),
-                }
-            }
-            Command::List { user, reply } => {
-                let window = self.memory.spec().window;
-                let units = self.memory.facts(&user).map_err(WorkerError::from);
-                let units = units.map(|facts| (facts.iter().map(Fact::unit).collect(), window));
-                let _ = reply.send(units);
-            }
-            Command::Forget { user, unit, reply } => {
-                if let Err(e) = self.moves.check_write(&user) {
-                    let _ = reply.send(Err(e));
-                    return;
-                }
-                let whole_user = unit.is_none();
-                let r = match &unit {
-                    None => self.memory.forget_user(&user),
-                    Some(id) => self.memory.forget_fact(&user, id),
-                };
-                let r = r.map_err(|e| match (e, unit) {
-                    (inferscale_memory::MemoryError::Invalid { .. }, Some(id)) => {
-                        WorkerError::UnknownUnit { user: user.clone(), id }
-                    }
-                    (e, _) => e.into(),
-                });
-                if r.is_ok() {
-                    self.drop_unstarted(&user, sched, WorkerError::Forgotten);
-                    if whole_user {
-                        // An ingest still encoding would bring the user back after the delete.
-                        let (gone, keep): (VecDeque<IngestJob>, VecDeque<IngestJob>) =
-                            std::mem::take(&mut self.ingests).into_iter().partition(|j| j.user == user);
-                        self.ingests = keep;
-                        for j in gone {
-                            let _ = j.reply.send(Err(WorkerError::Forgotten(user.clone())));
-                        }
-                    }
-                }
-                let _ = reply.send(r);
-            }
-            Command::Shard(c) => self.handle_shard(c, sched),
-            Command::Stats { memory_bytes, reply } => {
-                let m = &self.memory;
-                let mut s = self.stats.clone();
-                s.running = sched.running();
-                s.waiting = sched.waiting();
-                s.kv_blocks_total = self.engine.pool().total_blocks();
-                s.kv_blocks_free = self.engine.pool().free_blocks();
-                s.users = m.users().count();
-                s.facts = m.users().map(|u| m.facts(u).map_or(0, <[_]>::len)).sum();
-                s.window = m.spec().window;
-                s.max_queue = self.cfg.max_queue;
-                if memory_bytes {
-                    let footprint = m.footprint();
-                    s.kv_resident_bytes = footprint.kv_resident_bytes;
-                    s.kv_host_tier_bytes = footprint.kv_host_tier_bytes;
-                    s.disk_bytes = footprint.disk_bytes;
-                }
-                let _ = reply.send(s);
-            }
+/// The native engine's side of the protocol: the shard is this thread's,
+/// and generation is this thread's scheduler and engine.
+impl<B: Backend> MemoryHost for Core<'_, '_, B> {
+    fn window(&self) -> usize {
+        self.memory.spec().window
+    }
+
+    fn generate(&mut self, job: GenerateJob, events: Events) -> Result<()> {
+        self.admit(job, events)
+    }
+
+    fn ingest(&mut self, user: &str, units: &[Turn], defer_kv: bool) -> Result<IngestReport> {
+        let mut enc = Encoders { engine: &mut self.engine, embedder: &self.embedder, composer: self.composer };
+        Ok(match defer_kv {
+            true => self.memory.ingest_deferred(user, units, &mut enc)?,
+            false => self.memory.ingest(user, units, &mut enc)?,
+        })
+    }
+
+    fn units(&self, user: &str) -> Result<Vec<Turn>> {
+        Ok(self.memory.units(user)?)
+    }
+
+    fn forget(&mut self, user: &str, unit: Option<&str>) -> Result<()> {
+        self.memory.forget(user, unit)?;
+        self.drop_unstarted(user, WorkerError::Forgotten);
+        Ok(())
+    }
+
+    fn load(&self) -> Load {
+        Load {
+            running: self.sched.running(),
+            waiting: self.sched.waiting(),
+            kv_blocks_total: self.engine.pool().total_blocks(),
+            kv_blocks_free: self.engine.pool().free_blocks(),
+            max_queue: self.cfg.max_queue,
         }
     }
 
-    fn check_window(&self, window: Option<usize>) -> Result<()> {
-        let ours = self.memory.spec().window;
-        match window {
-            Some(w) if w != ours => Err(WorkerError::Invalid(format!(
-                "window {w}: this worker's memory is encoded with a context window of {ours} turns"
-            ))),
-            _ => Ok(()),
-        }
+    fn holdings(&self, footprint: bool) -> Holdings {
+        holdings(&self.memory, footprint)
     }
 
-    /// Retrieves, sizes and queues a request.
-    fn admit(&mut self, job: GenerateJob, events: mpsc::UnboundedSender<Event>, sched: &mut Scheduler) -> Result<()> {
-        self.check_window(job.window)?;
-        job.params.validate()?;
-        if job.params.max_tokens == 0 {
-            return Err(WorkerError::Invalid("max_tokens must be at least 1".into()));
+    fn users(&self) -> Vec<String> {
+        self.memory.users().map(str::to_string).collect()
+    }
+
+    fn fact_ids(&self, user: &str) -> Vec<String> {
+        self.memory.fact_ids(user)
+    }
+
+    fn export_begin(&self, user: &str) -> Result<(KvHeader, Vec<String>)> {
+        Ok(self.memory.export_begin(user)?)
+    }
+
+    fn export(&self, user: &str, ids: &[String], with_kv: bool, max_bytes: usize) -> Result<(Vec<ShardRecord>, usize)> {
+        Ok(self.memory.export(self.engine.backend(), user, ids, with_kv, max_bytes)?)
+    }
+
+    fn import_target(&self) -> Result<(PathBuf, KvHeader)> {
+        Ok((self.memory.dir().to_path_buf(), self.memory.kv_header().clone()))
+    }
+
+    fn commit_import(&mut self, user: &str, staged: StagedShard) -> Result<ImportReport> {
+        // Requests that retrieved from the old copy must not lay out from the new one.
+        self.drop_unstarted(user, WorkerError::Moving);
+        Ok(self.memory.commit_import(self.engine.backend(), user, staged)?)
+    }
+
+    fn drop_user(&mut self, user: &str) -> Result<()> {
+        self.drop_unstarted(user, WorkerError::Moving);
+        if self.memory.has_user(user) {
+            self.memory.forget_user(user)?;
         }
-        if job.question.trim().is_empty() {
-            return Err(WorkerError::Invalid("the question (last user message) is empty".into()));
-        }
-        if job.mode != Mode::None && job.user.is_empty() {
-            return Err(WorkerError::Invalid("a user is required when memory is used".into()));
-        }
-        if job.mode != Mode::None {
-            self.moves.check_read(&job.user)?;
-        }
-        if job.mode != Mode::None && (job.k == 0 || job.k > self.cfg.max_k) {
-            return Err(WorkerError::Invalid(format!("k = {} is outside 1..={}", job.k, self.cfg.max_k)));
-        }
+        Ok(())
+    }
+}
+
+impl<B: Backend> Core<'_, '_, B> {
+    /// Retrieves, sizes and queues a request the protocol admitted.
+    fn admit(&mut self, job: GenerateJob, events: Events) -> Result<()> {
         let question = self.composer.question(&job.question)?;
         let t0 = Instant::now();
         let retrieve =
@@ -536,7 +376,7 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
         };
         let id = self.next_id;
         self.next_id += 1;
-        sched.submit(RequestSpec {
+        self.sched.submit(RequestSpec {
             id,
             user: job.user.clone(),
             prompt_tokens: computed,
@@ -570,7 +410,7 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
 
     /// Drops requests whose client went away or whose deadline passed;
     /// their blocks are free at once.
-    fn reap(&mut self, sched: &mut Scheduler) {
+    fn reap(&mut self) {
         let now = Instant::now();
         let gone: Vec<(RequestId, bool)> = self
             .live
@@ -581,15 +421,15 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
             })
             .collect();
         for (id, late) in gone {
-            sched.cancel(id);
+            self.sched.cancel(id);
             if let Some(l) = self.live.remove(&id) {
                 if late && !l.events.is_closed() {
-                    self.stats.failed += 1;
+                    self.metrics.failed();
                     let ms = l.job.deadline.map_or(0, |d| d.as_millis() as u64);
                     l.job.span.record("otel.status_code", "error");
                     let _ = l.events.send(Event::Failed(WorkerError::Deadline(ms)));
                 } else {
-                    self.stats.cancelled += 1;
+                    self.metrics.cancelled();
                 }
             }
         }
@@ -597,13 +437,13 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
 
     /// Fails `user`'s requests that were not laid out yet, with `why`: the
     /// facts they retrieved may be gone.
-    fn drop_unstarted(&mut self, user: &str, sched: &mut Scheduler, why: fn(String) -> WorkerError) {
+    fn drop_unstarted(&mut self, user: &str, why: fn(String) -> WorkerError) {
         let ids: Vec<RequestId> =
             self.live.iter().filter(|(_, l)| l.job.user == user && l.seq.is_none()).map(|(&id, _)| id).collect();
         for id in ids {
-            sched.cancel(id);
+            self.sched.cancel(id);
             if let Some(l) = self.live.remove(&id) {
-                self.stats.failed += 1;
+                self.metrics.failed();
                 l.job.span.record("otel.status_code", "error");
                 let _ = l.events.send(Event::Failed(why(user.to_string())));
             }
@@ -619,44 +459,6 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
             Err(e) => {
                 eprintln!("inferscale worker: encoding stored facts in the background: {e}");
                 false
-            }
-        }
-    }
-
-    /// Encodes the next few units of the oldest ingest; answers it when done.
-    fn ingest_some(&mut self) {
-        let Some(job) = self.ingests.front_mut() else { return };
-        let end = (job.next + self.cfg.ingest_batch).min(job.units.len());
-        let mut enc = Encoders { engine: &mut self.engine, embedder: &self.embedder, composer: self.composer };
-        let units = &job.units[job.next..end];
-        let r = match job.defer_kv {
-            true => self.memory.ingest_deferred(&job.user, units, &mut enc),
-            false => self.memory.ingest(&job.user, units, &mut enc),
-        };
-        match r {
-            Ok(r) => {
-                job.report.added += r.added;
-                job.report.skipped += r.skipped;
-                job.report.encoded_tokens += r.encoded_tokens;
-                job.next = end;
-                if job.next < job.units.len() {
-                    return;
-                }
-                if let Some(job) = self.ingests.pop_front() {
-                    let _ = job.reply.send(Ok(job.report));
-                }
-            }
-            Err(e) => {
-                if let Some(job) = self.ingests.pop_front() {
-                    let stored = job.report.added;
-                    let e = WorkerError::from(e);
-                    let _ = job.reply.send(Err(match e {
-                        WorkerError::Memory(m) if stored > 0 => {
-                            WorkerError::Invalid(format!("{m} (the first {stored} units of this request are stored)"))
-                        }
-                        e => e,
-                    }));
-                }
             }
         }
     }
@@ -695,8 +497,8 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
     }
 
     /// One scheduler step: lay out, forward, sample, stream.
-    fn step(&mut self, sched: &mut Scheduler) {
-        let step = sched.schedule();
+    fn step(&mut self) {
+        let step = self.sched.schedule();
         if step.is_empty() {
             return;
         }
@@ -753,14 +555,14 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
             }
         }
         for (id, e) in failed {
-            sched.cancel(id);
+            self.sched.cancel(id);
             if let Some(l) = self.live.remove(&id) {
-                self.stats.failed += 1;
+                self.metrics.failed();
                 l.job.span.record("otel.status_code", "error");
                 let _ = l.events.send(Event::Failed(e));
             }
         }
-        for id in sched.complete(&step, &finished) {
+        for id in self.sched.complete(&step, &finished) {
             self.finish(id);
         }
         self.profile.add(|p| &mut p.sample, t2);
@@ -831,7 +633,7 @@ impl<'c, 'f, B: Backend> Core<'c, 'f, B> {
             completion_tokens: l.generated.len(),
             facts: l.fact_ids.len(),
         };
-        self.stats.finished += 1;
+        self.metrics.finished();
         let finished = Finished { reason, usage, timings: l.timings, fact_ids: l.fact_ids };
         let _ = l.events.send(Event::Finished(Box::new(finished)));
     }

@@ -1,0 +1,462 @@
+//! The worker protocol, one for every engine: what the gRPC service asks
+//! of a worker ([`Command`]), what a generate request streams back
+//! ([`Event`]), and the one dispatcher ([`Protocol`]) that carries the
+//! commands out.
+//!
+//! Two engines serve it: our own (the engine thread,
+//! `crate::engine_thread`) and vLLM (the connector's front). They differ
+//! in how an answer is generated and in where the memory shard lives, and
+//! nothing else; that difference is the [`MemoryHost`] trait. Everything
+//! a caller can observe beyond it — the admission checks and their error
+//! texts, ingests in bounded batches and their partial-failure report,
+//! forget, stats, and the freeze/release states of shard moves — is
+//! written once, here, so the two kinds of worker cannot drift apart.
+
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use inferscale_engine::sampling::SamplingParams;
+use inferscale_engine::{Backend, FinishReason};
+use inferscale_memory::{
+    Footprint, ImportReport, IngestReport, KvHeader, Memory, Mode, ShardRecord, StagedShard, Turn,
+};
+use tokio::sync::{mpsc, oneshot};
+use tracing::Span;
+
+use crate::error::{Result, WorkerError};
+use crate::metrics::WorkerMetrics;
+
+mod moves;
+
+pub(crate) use moves::{Moves, ShardCommand};
+
+/// A chat request as a worker's engine sees it.
+#[derive(Debug, Clone)]
+pub struct GenerateJob {
+    pub user: String,
+    pub question: String,
+    pub mode: Mode,
+    pub k: usize,
+    /// The context window the caller expects its memory encoded with.
+    pub window: Option<usize>,
+    pub params: SamplingParams,
+    pub deadline: Option<Duration>,
+    pub arrived: Instant,
+    /// The request's trace span; its phases are children of it.
+    pub span: Span,
+}
+
+/// Where a request's time went, in milliseconds: each phase's duration,
+/// and the first token and the end measured from arrival at the worker.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Timings {
+    pub queue_ms: f64,
+    pub retrieve_ms: f64,
+    pub inject_ms: f64,
+    pub prefill_ms: f64,
+    pub first_token_ms: f64,
+    pub total_ms: f64,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub injected_tokens: usize,
+    pub cached_tokens: usize,
+    pub completion_tokens: usize,
+    pub facts: usize,
+}
+
+#[derive(Debug, Clone)]
+pub struct Finished {
+    pub reason: FinishReason,
+    pub usage: Usage,
+    pub timings: Timings,
+    pub fact_ids: Vec<String>,
+}
+
+/// What a generate request's stream carries.
+#[derive(Debug)]
+pub enum Event {
+    Token { id: u32, text: String },
+    Finished(Box<Finished>),
+    Failed(WorkerError),
+}
+
+/// Where a generate request's events go; closed when its caller left.
+pub type Events = mpsc::UnboundedSender<Event>;
+
+/// A finish reason as OpenAI's API names it (end of sequence is `stop`).
+pub fn finish_reason(r: FinishReason) -> &'static str {
+    match r {
+        FinishReason::Eos | FinishReason::Stop => "stop",
+        FinishReason::Length => "length",
+    }
+}
+
+/// Counters and gauges of a worker.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Stats {
+    pub running: usize,
+    pub waiting: usize,
+    pub kv_blocks_total: usize,
+    pub kv_blocks_free: usize,
+    pub users: usize,
+    pub facts: usize,
+    pub finished: u64,
+    pub cancelled: u64,
+    pub failed: u64,
+    pub window: usize,
+    pub max_queue: usize,
+    /// Pre-RoPE KV of the memory held in the backend's memory, and the
+    /// memory's logs on disk (0 unless asked for).
+    pub kv_resident_bytes: u64,
+    /// Pre-RoPE KV of users placed in the backend's host tier.
+    pub kv_host_tier_bytes: u64,
+    pub disk_bytes: u64,
+}
+
+/// What an engine reports of its running batch, for [`Stats`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Load {
+    pub running: usize,
+    pub waiting: usize,
+    pub kv_blocks_total: usize,
+    pub kv_blocks_free: usize,
+    /// Requests beyond which new ones are refused as queue-full.
+    pub max_queue: usize,
+}
+
+/// What a memory shard holds, for [`Stats`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Holdings {
+    pub users: usize,
+    pub facts: usize,
+    /// Bytes per tier, when asked for (O(facts) to measure).
+    pub footprint: Option<Footprint>,
+}
+
+/// What `memory` holds (with its bytes per tier when `footprint`).
+pub fn holdings<B: Backend>(memory: &Memory<B>, footprint: bool) -> Holdings {
+    Holdings {
+        users: memory.users().count(),
+        facts: memory.fact_count(),
+        footprint: footprint.then(|| memory.footprint()),
+    }
+}
+
+/// What the service asks of a worker.
+pub(crate) enum Command {
+    Generate {
+        job: GenerateJob,
+        events: Events,
+    },
+    Ingest {
+        user: String,
+        window: Option<usize>,
+        units: Vec<Turn>,
+        /// Store facts only; KV is encoded when first needed.
+        defer_kv: bool,
+        reply: oneshot::Sender<Result<IngestReport>>,
+    },
+    List {
+        user: String,
+        reply: oneshot::Sender<Result<(Vec<Turn>, usize)>>,
+    },
+    Forget {
+        user: String,
+        unit: Option<String>,
+        reply: oneshot::Sender<Result<()>>,
+    },
+    Stats {
+        /// Also measure the memory's bytes per tier (O(facts): asked for by
+        /// a metrics scrape, not by the router's once-a-second poll).
+        memory_bytes: bool,
+        reply: oneshot::Sender<Stats>,
+    },
+    Shard(ShardCommand),
+}
+
+/// An engine with a memory shard: what differs between the kinds of
+/// worker. Called from the one thread that runs the [`Protocol`]; every
+/// input has passed the protocol's checks.
+pub trait MemoryHost {
+    /// The context window (in turns) the shard's KV is encoded with.
+    fn window(&self) -> usize;
+
+    /// Starts answering an admitted request: its events (tokens, then
+    /// finished or failed) go to `events`, now or later. An error refuses
+    /// it (the protocol reports it and counts the failure).
+    fn generate(&mut self, job: GenerateJob, events: Events) -> Result<()>;
+
+    /// Stores a few of `user`'s validated units and, unless `defer_kv`,
+    /// encodes their KV (the protocol splits large ingests into batches).
+    fn ingest(&mut self, user: &str, units: &[Turn], defer_kv: bool) -> Result<IngestReport>;
+
+    /// `user`'s stored units, in order.
+    fn units(&self, user: &str) -> Result<Vec<Turn>>;
+
+    /// Forgets one unit of `user`, or all of them; requests that retrieved
+    /// from the memory but have not used it yet fail as forgotten.
+    fn forget(&mut self, user: &str, unit: Option<&str>) -> Result<()>;
+
+    fn load(&self) -> Load;
+
+    fn holdings(&self, footprint: bool) -> Holdings;
+
+    fn users(&self) -> Vec<String>;
+
+    /// `user`'s fact ids in order (empty for an unknown user).
+    fn fact_ids(&self, user: &str) -> Vec<String>;
+
+    /// The shard's KV header and `user`'s fact ids: the start of an export.
+    fn export_begin(&self, user: &str) -> Result<(KvHeader, Vec<String>)>;
+
+    /// Transfer records for a prefix of `ids` (about `max_bytes`), and how
+    /// many ids they cover.
+    fn export(&self, user: &str, ids: &[String], with_kv: bool, max_bytes: usize)
+    -> Result<(Vec<ShardRecord>, usize)>;
+
+    /// Where imports are staged, and the KV header a shard must match.
+    fn import_target(&self) -> Result<(PathBuf, KvHeader)>;
+
+    /// Commits a staged shard in place of `user`'s copy; requests that
+    /// retrieved from the old copy and have not used it fail as moving.
+    fn commit_import(&mut self, user: &str, staged: StagedShard) -> Result<ImportReport>;
+
+    /// Removes `user`, who has moved away (its unstarted requests fail as
+    /// moving); nothing to do for a user this shard does not have.
+    fn drop_user(&mut self, user: &str) -> Result<()>;
+}
+
+/// The protocol's own limits.
+#[derive(Debug, Clone, Copy)]
+pub struct ProtocolConfig {
+    /// Largest `k` a request may ask for.
+    pub max_k: usize,
+    /// Units per [`MemoryHost::ingest`] call: an ingest holds its engine
+    /// (or, in vLLM mode, the shard's lock) for this many units at most.
+    pub ingest_batch: usize,
+}
+
+/// An ingest admitted and not yet stored in full.
+struct IngestJob {
+    user: String,
+    units: Vec<Turn>,
+    defer_kv: bool,
+    next: usize,
+    report: IngestReport,
+    reply: oneshot::Sender<Result<IngestReport>>,
+}
+
+/// The one dispatcher of [`Command`]s: checks, then the host.
+pub(crate) struct Protocol {
+    cfg: ProtocolConfig,
+    moves: Moves,
+    ingests: VecDeque<IngestJob>,
+    metrics: std::sync::Arc<WorkerMetrics>,
+}
+
+impl Protocol {
+    pub(crate) fn new(cfg: ProtocolConfig, metrics: std::sync::Arc<WorkerMetrics>) -> Protocol {
+        Protocol { cfg, moves: Moves::default(), ingests: VecDeque::new(), metrics }
+    }
+
+    /// Whether an ingest is waiting for [`Protocol::ingest_some`].
+    pub(crate) fn ingesting(&self) -> bool {
+        !self.ingests.is_empty()
+    }
+
+    pub(crate) fn handle(&mut self, host: &mut impl MemoryHost, c: Command) {
+        match c {
+            Command::Generate { job, events } => {
+                let span = job.span.clone();
+                if let Err(e) = self.admit(host, &job).and_then(|()| host.generate(job, events.clone())) {
+                    span.record("otel.status_code", "error");
+                    self.metrics.failed();
+                    let _ = events.send(Event::Failed(e));
+                }
+            }
+            Command::Ingest { user, window, units, defer_kv, reply } => {
+                let check = check_window(host, window)
+                    .and_then(|()| Ok(inferscale_memory::validate(&user, &units)?))
+                    .and_then(|()| self.moves.check_write(&user));
+                match check {
+                    Err(e) => {
+                        let _ = reply.send(Err(e));
+                    }
+                    Ok(()) => self.ingests.push_back(IngestJob {
+                        user,
+                        units,
+                        defer_kv,
+                        next: 0,
+                        report: IngestReport::default(),
+                        reply,
+                    }),
+                }
+            }
+            Command::List { user, reply } => {
+                let _ = reply.send(host.units(&user).map(|units| (units, host.window())));
+            }
+            Command::Forget { user, unit, reply } => {
+                let r = self.moves.check_write(&user).and_then(|()| host.forget(&user, unit.as_deref()));
+                if r.is_ok() && unit.is_none() {
+                    // An ingest still queued would bring the user back after the delete.
+                    let (gone, keep) = std::mem::take(&mut self.ingests).into_iter().partition(|j| j.user == user);
+                    self.ingests = keep;
+                    for j in gone {
+                        let _ = j.reply.send(Err(WorkerError::Forgotten(user.clone())));
+                    }
+                    self.settle_freezes(host);
+                }
+                let _ = reply.send(r);
+            }
+            Command::Stats { memory_bytes, reply } => {
+                let _ = reply.send(self.stats(host, memory_bytes));
+            }
+            Command::Shard(c) => self.shard(host, c),
+        }
+    }
+
+    /// The checks every request passes before its engine sees it.
+    fn admit(&mut self, host: &impl MemoryHost, job: &GenerateJob) -> Result<()> {
+        check_window(host, job.window)?;
+        job.params.validate()?;
+        if job.params.max_tokens == 0 {
+            return Err(WorkerError::Invalid("max_tokens must be at least 1".into()));
+        }
+        if job.question.trim().is_empty() {
+            return Err(WorkerError::Invalid("the question (last user message) is empty".into()));
+        }
+        if job.mode == Mode::None {
+            return Ok(());
+        }
+        if job.user.is_empty() {
+            return Err(WorkerError::Invalid("a user is required when memory is used".into()));
+        }
+        self.moves.check_read(&job.user)?;
+        if job.k == 0 || job.k > self.cfg.max_k {
+            return Err(WorkerError::Invalid(format!("k = {} is outside 1..={}", job.k, self.cfg.max_k)));
+        }
+        Ok(())
+    }
+
+    /// Stores the next batch of the oldest ingest; answers it when done or
+    /// failed. Returns whether an ingest is still waiting.
+    pub(crate) fn ingest_some(&mut self, host: &mut impl MemoryHost) -> bool {
+        let Some(job) = self.ingests.front_mut() else { return false };
+        let end = (job.next + self.cfg.ingest_batch.max(1)).min(job.units.len());
+        match host.ingest(&job.user, &job.units[job.next..end], job.defer_kv) {
+            Ok(r) => {
+                job.report.added += r.added;
+                job.report.skipped += r.skipped;
+                job.report.encoded_tokens += r.encoded_tokens;
+                job.next = end;
+                if job.next < job.units.len() {
+                    return true;
+                }
+                if let Some(job) = self.ingests.pop_front() {
+                    let _ = job.reply.send(Ok(job.report));
+                }
+            }
+            Err(e) => {
+                if let Some(job) = self.ingests.pop_front() {
+                    let stored = job.report.added;
+                    let _ = job.reply.send(Err(match e {
+                        WorkerError::Memory(m) if stored > 0 => {
+                            WorkerError::Invalid(format!("{m} (the first {stored} units of this request are stored)"))
+                        }
+                        e => e,
+                    }));
+                }
+            }
+        }
+        self.settle_freezes(host);
+        self.ingesting()
+    }
+
+    fn stats(&self, host: &impl MemoryHost, memory_bytes: bool) -> Stats {
+        let load = host.load();
+        let held = host.holdings(memory_bytes);
+        let (finished, cancelled, failed) = self.metrics.outcomes();
+        let footprint = held.footprint.unwrap_or_default();
+        Stats {
+            running: load.running,
+            waiting: load.waiting,
+            kv_blocks_total: load.kv_blocks_total,
+            kv_blocks_free: load.kv_blocks_free,
+            max_queue: load.max_queue,
+            users: held.users,
+            facts: held.facts,
+            window: host.window(),
+            finished,
+            cancelled,
+            failed,
+            kv_resident_bytes: footprint.kv_resident_bytes,
+            kv_host_tier_bytes: footprint.kv_host_tier_bytes,
+            disk_bytes: footprint.disk_bytes,
+        }
+    }
+
+    fn shard(&mut self, host: &mut impl MemoryHost, c: ShardCommand) {
+        match c {
+            ShardCommand::ListUsers { reply } => {
+                let _ = reply.send(host.users());
+            }
+            ShardCommand::ExportBegin { user, reply } => {
+                let _ = reply.send(host.export_begin(&user));
+            }
+            ShardCommand::Export { user, ids, with_kv, max_bytes, reply } => {
+                let _ = reply.send(host.export(&user, &ids, with_kv, max_bytes));
+            }
+            ShardCommand::Freeze { user, reply } => {
+                self.moves.freeze(&user);
+                self.moves.freezing.push((user, reply));
+                self.settle_freezes(host);
+            }
+            ShardCommand::ImportTarget { reply } => match host.import_target() {
+                Ok(target) => {
+                    let _ = reply.send(target);
+                }
+                // Dropping the reply fails the import as shutting down.
+                Err(e) => eprintln!("inferscale worker: no import target: {e}"),
+            },
+            ShardCommand::CommitImport { user, staged, reply } => {
+                let r = host.commit_import(&user, staged);
+                if r.is_ok() {
+                    self.moves.imported(&user);
+                }
+                let _ = reply.send(r);
+            }
+            ShardCommand::Release { user, drop, reply } => {
+                self.moves.release(&user, drop);
+                let r = if drop { host.drop_user(&user) } else { Ok(()) };
+                let _ = reply.send(r);
+            }
+        }
+    }
+
+    /// Answers freezes whose user has no ingest left in the queue: a
+    /// freeze must see every unit its user was sent before it.
+    fn settle_freezes(&mut self, host: &impl MemoryHost) {
+        let pending = std::mem::take(&mut self.moves.freezing);
+        for (user, reply) in pending {
+            if self.ingests.iter().any(|j| j.user == user) {
+                self.moves.freezing.push((user, reply));
+            } else {
+                let _ = reply.send(host.fact_ids(&user));
+            }
+        }
+    }
+}
+
+fn check_window(host: &impl MemoryHost, window: Option<usize>) -> Result<()> {
+    let ours = host.window();
+    match window {
+        Some(w) if w != ours => Err(WorkerError::Invalid(format!(
+            "window {w}: this worker's memory is encoded with a context window of {ours} turns"
+        ))),
+        _ => Ok(()),
+    }
+}

@@ -31,8 +31,8 @@ pub struct Args {
     /// Facts retrieved per request, one point each.
     #[arg(long, value_delimiter = ',', default_value = "5,20,50")]
     k: Vec<u32>,
-    #[arg(long, value_delimiter = ',', default_value = "kv,prompt", value_parser = ["kv", "prompt"])]
-    modes: Vec<String>,
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "kv,prompt")]
+    modes: Vec<Mode>,
     /// Measured requests per point, over all its users (the point also
     /// stops at `--duration-s`, whichever comes first).
     #[arg(long, default_value_t = 200)]
@@ -104,7 +104,7 @@ pub fn run(a: Args) -> Result<()> {
         Some(path) => Source::Locomo { path: path.clone(), max_turns: a.max_turns },
         None => Source::Synthetic { facts: a.synthetic_facts, memories: a.memories },
     };
-    let modes = a.modes.iter().map(|m| m.parse::<Mode>()).collect::<Result<Vec<_>, _>>()?;
+    let modes = a.modes.clone();
     let cfg = Config {
         url: a.url,
         api_key: a.api_key,

@@ -9,9 +9,9 @@ use clap::Args;
 use inferscale_engine::bert::Bert;
 use inferscale_engine::sampling::SamplingParams;
 use inferscale_engine::{Backend, generate_sequences};
+use inferscale_eval::locomo;
 use inferscale_memory::{
-    ANSWER_INSTRUCTION, Composer, Encoders, Memory, Mode, Prompts, Query, Retriever, SYSTEM_PROMPT, ShardSpec, locomo,
-    prepare,
+    ANSWER_INSTRUCTION, Composer, Encoders, Memory, Mode, Prompts, Query, Retriever, SYSTEM_PROMPT, ShardSpec, prepare,
 };
 use inferscale_model::fetch;
 
@@ -72,8 +72,8 @@ pub struct IngestArgs {
 pub struct AskArgs {
     #[arg(long)]
     user: String,
-    #[arg(long, default_value = "kv", value_parser = ["kv", "prompt", "none"])]
-    mode: String,
+    #[arg(long, value_enum, default_value_t = Mode::Kv)]
+    mode: Mode,
     /// Facts to retrieve.
     #[arg(long, default_value_t = 20)]
     k: usize,
@@ -204,7 +204,6 @@ fn ask_on<B: Backend>(a: &AskArgs, backend: B) -> Result<()> {
     if a.k == 0 || a.k > 1000 {
         bail!("--k must be between 1 and 1000, got {}", a.k);
     }
-    let mode: Mode = a.mode.parse()?;
     let mut s = open(&a.mem, backend)?;
     let composer = Composer::new(&s.loaded.files, &a.mem.prompts())?;
     {
@@ -220,7 +219,7 @@ fn ask_on<B: Backend>(a: &AskArgs, backend: B) -> Result<()> {
     let start = Instant::now();
     let query = s.embedder.embed(engine.backend(), &[a.question.as_str()])?.remove(0);
     let top = s.memory.retrieve(engine.backend(), &a.user, Query { text: &a.question, embedding: &query }, a.k)?;
-    let p = prepare(engine, &s.memory, &a.user, &top, mode, &header, &question)?;
+    let p = prepare(engine, &s.memory, &a.user, &top, a.mode, &header, &question)?;
     let tok = s.loaded.files.tokenizer.as_ref();
     let out =
         generate_sequences(engine, tok, &eos, vec![(p.seq, SamplingParams::greedy(a.max_tokens))], start)?.remove(0);

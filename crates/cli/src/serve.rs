@@ -15,6 +15,7 @@ use inferscale_cluster::Placement;
 use inferscale_cluster::membership::Registration;
 use inferscale_cluster::view::{GpuId, Member, MemberState};
 use inferscale_engine::Backend;
+use inferscale_memory::Mode;
 use inferscale_router::{Defaults, Keys, Membership, RebalanceConfig, RouterConfig};
 use inferscale_worker::{WorkerConfig, WorkerError, WorkerInfo, WorkerParts, WorkerService};
 use tokio::net::TcpListener;
@@ -43,8 +44,8 @@ pub struct RouterArgs {
     #[arg(long, env = "INFERSCALE_API_KEYS_FILE")]
     api_keys: Option<PathBuf>,
     /// Memory mode when a request does not say (kv, prompt, none).
-    #[arg(long, env = "INFERSCALE_DEFAULT_MODE", default_value = "kv", value_parser = ["kv", "prompt", "none"])]
-    default_mode: String,
+    #[arg(long, env = "INFERSCALE_DEFAULT_MODE", value_enum, default_value_t = Mode::Kv)]
+    default_mode: Mode,
     /// Facts retrieved when a request does not say.
     #[arg(long, env = "INFERSCALE_DEFAULT_K", default_value_t = 20)]
     default_k: u32,
@@ -277,7 +278,7 @@ fn router_config(a: &RouterArgs, membership: Membership, listen: SocketAddr) -> 
         keys,
         model: None,
         defaults: Defaults {
-            mode: a.default_mode.clone(),
+            mode: a.default_mode,
             k: a.default_k,
             max_k: 200,
             max_tokens: a.default_max_tokens,

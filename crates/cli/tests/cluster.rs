@@ -151,6 +151,7 @@ async fn a_shard_moves_between_workers_and_answers_the_same() {
         .unwrap_err();
     assert_eq!(err.code(), tonic::Code::Unavailable, "{err}");
     assert!(err.message().contains("moving"), "{err}");
+    assert_eq!(pb::ErrorKind::of(&err), Some(pb::ErrorKind::Moving), "{err:?}");
     assert_eq!(ask(&mut a, user, question).await.unwrap(), before);
 
     // Released with drop: the source refuses the user as moved instead of

@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 use plotters::style::RGBColor;
 
 use crate::error::Result;
-use crate::plot::{Layout, Panel, Series, line_charts_with};
 use crate::report::{Point, Report};
+use inferscale_eval::plot::{Layout, Panel, Series, line_charts_with};
 
 /// Light to dark.
 const BLUES: [RGBColor; 4] = [RGBColor(107, 174, 214), RGBColor(33, 113, 181), RGBColor(8, 48, 107), RGBColor(0, 0, 0)];

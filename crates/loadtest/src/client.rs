@@ -15,6 +15,7 @@ use hyper::{Method, Request, Uri};
 use hyper_util::client::legacy::Client as Pool;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
+use inferscale_types::sse::{DONE, SseParser, error_message};
 use serde_json::Value;
 
 use crate::error::{Error, Result};
@@ -207,14 +208,6 @@ fn transport(e: &(dyn std::error::Error + 'static)) -> String {
     s
 }
 
-/// The `error.message` of an OpenAI-style error body, else the body.
-fn error_message(body: &[u8]) -> String {
-    serde_json::from_slice::<Value>(body)
-        .ok()
-        .and_then(|v| v["error"]["message"].as_str().map(str::to_string))
-        .unwrap_or_else(|| String::from_utf8_lossy(body).chars().take(300).collect())
-}
-
 /// What a stream has said so far.
 #[derive(Default)]
 struct StreamState {
@@ -228,7 +221,7 @@ struct StreamState {
 impl StreamState {
     /// Takes one SSE `data` payload; a failure ends the request.
     fn event(&mut self, data: &str, at: Duration) -> Option<Failure> {
-        if data == "[DONE]" {
+        if data == DONE {
             self.done = true;
             return None;
         }
@@ -262,54 +255,9 @@ impl StreamState {
     }
 }
 
-/// Splits a byte stream into SSE events' `data` payloads. Chunks may cut
-/// events (and lines) anywhere, so bytes wait in `buf` until their line ends.
-#[derive(Default)]
-pub(crate) struct SseParser {
-    buf: Vec<u8>,
-    data: Vec<String>,
-}
-
-impl SseParser {
-    /// Feeds bytes; returns the payloads of the events they complete.
-    pub(crate) fn push(&mut self, bytes: &[u8]) -> Vec<String> {
-        self.buf.extend_from_slice(bytes);
-        let mut events = Vec::new();
-        while let Some(nl) = self.buf.iter().position(|&b| b == b'\n') {
-            let mut line: Vec<u8> = self.buf.drain(..=nl).collect();
-            line.pop();
-            if line.last() == Some(&b'\r') {
-                line.pop();
-            }
-            if line.is_empty() {
-                if !self.data.is_empty() {
-                    events.push(self.data.join("\n"));
-                    self.data.clear();
-                }
-            } else if let Some(rest) = line.strip_prefix(b"data:") {
-                let rest = rest.strip_prefix(b" ").unwrap_or(rest);
-                self.data.push(String::from_utf8_lossy(rest).into_owned());
-            }
-            // Comments (`: keep-alive`), `event:` and `id:` lines carry nothing we use.
-        }
-        events
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn sse_events_survive_any_split() {
-        let stream = b"data: {\"a\":1}\n\n: keep-alive\n\ndata: {\"b\":2}\r\n\r\ndata: [DONE]\n\n";
-        for cut in 0..stream.len() {
-            let mut p = SseParser::default();
-            let mut got = p.push(&stream[..cut]);
-            got.extend(p.push(&stream[cut..]));
-            assert_eq!(got, vec!["{\"a\":1}", "{\"b\":2}", "[DONE]"], "cut at {cut}");
-        }
-    }
 
     #[test]
     fn stream_state_takes_ttft_usage_and_errors() {

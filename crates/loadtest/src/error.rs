@@ -18,11 +18,11 @@ pub enum Error {
     /// The server answered a setup call (models, ingest) with an error.
     #[error("{what}: HTTP {status}: {body}")]
     Status { what: String, status: u16, body: String },
-    /// A LoCoMo file that cannot be read. Its message already names the
-    /// file and the cause, so it is not chained as a source (which would
-    /// print the cause twice).
+    /// A LoCoMo file that cannot be read, or a chart that cannot be drawn.
+    /// Its message already names the file and the cause, so it is not
+    /// chained as a source (which would print the cause twice).
     #[error("{0}")]
-    Locomo(inferscale_memory::MemoryError),
+    Eval(#[from] inferscale_eval::EvalError),
     /// Arguments that describe no run (no users, no modes, k = 0, …).
     #[error("invalid configuration: {0}")]
     Config(String),
@@ -30,9 +30,6 @@ pub enum Error {
     Io { path: PathBuf, source: std::io::Error },
     #[error("JSON: {0}")]
     Json(#[from] serde_json::Error),
-    /// A chart could not be drawn (no font, or the PNG not written).
-    #[error("chart {path}: {reason}")]
-    Plot { path: PathBuf, reason: String },
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

@@ -17,7 +17,6 @@
 pub mod charts;
 pub mod client;
 pub mod error;
-pub mod plot;
 pub mod report;
 pub mod runner;
 pub mod synthetic;

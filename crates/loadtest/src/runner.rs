@@ -29,7 +29,7 @@ use crate::users::User;
 
 /// How memory reaches the model (`kv` or `prompt` for a load test): the
 /// worker's own type, so the names cannot drift.
-pub use inferscale_memory::Mode;
+pub use inferscale_types::Mode;
 
 /// What to measure. Points run users-major (all modes and k at 1 user, then
 /// at 5, …) so a run cut short still has complete low-concurrency curves.

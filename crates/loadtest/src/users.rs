@@ -17,24 +17,15 @@
 
 use std::path::Path;
 
-use serde::Serialize;
+use inferscale_types::MemoryUnit;
 
 use crate::error::{Error, Result};
 use crate::synthetic::synthetic_fact;
 
-/// One turn of a user's memory, as `POST /v1/memories` takes it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct Turn {
-    pub id: String,
-    pub speaker: String,
-    pub text: String,
-    pub time: String,
-}
-
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct User {
     pub id: String,
-    pub turns: Vec<Turn>,
+    pub turns: Vec<MemoryUnit>,
     /// Asked round robin; never empty.
     pub questions: Vec<String>,
 }
@@ -93,11 +84,12 @@ fn synthetic_users(facts: usize, memories: Option<usize>, n: usize, prefix: &str
                     .into_iter()
                     .filter(|_| m == u)
                     .enumerate()
-                    .map(|(j, f)| Turn {
+                    .map(|(j, f)| MemoryUnit {
                         id: format!("S{j}"),
                         speaker: f.speaker,
                         text: f.text,
                         time: "8 May 2023".into(),
+                        source_turn: String::new(),
                     })
                     .collect(),
             }
@@ -106,7 +98,7 @@ fn synthetic_users(facts: usize, memories: Option<usize>, n: usize, prefix: &str
 }
 
 fn locomo_users(path: &Path, max_turns: Option<usize>, n: usize, prefix: &str) -> Result<Vec<User>> {
-    let samples = inferscale_memory::locomo::read(path).map_err(Error::Locomo)?;
+    let samples = inferscale_eval::locomo::read(path)?;
     let mut base = Vec::new();
     for s in &samples {
         let questions: Vec<String> = s.qa.iter().map(|q| q.question.clone()).collect();
@@ -121,17 +113,12 @@ fn locomo_users(path: &Path, max_turns: Option<usize>, n: usize, prefix: &str) -
             }
         }
         for speaker in speakers {
-            let turns: Vec<Turn> = s
+            let turns: Vec<MemoryUnit> = s
                 .turns
                 .iter()
                 .filter(|t| t.speaker == speaker && !t.text.trim().is_empty())
                 .take(max_turns.unwrap_or(usize::MAX))
-                .map(|t| Turn {
-                    id: t.id.clone(),
-                    speaker: t.speaker.clone(),
-                    text: t.text.clone(),
-                    time: t.time.clone(),
-                })
+                .cloned()
                 .collect();
             if !turns.is_empty() {
                 let id = format!("{prefix}-{}-{}", slug(&s.id), slug(speaker));

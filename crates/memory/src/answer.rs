@@ -4,39 +4,10 @@
 
 use inferscale_engine::{Backend, Engine, KvChunk, Sequence};
 
+use inferscale_types::Mode;
+
 use crate::error::{MemoryError, Result};
 use crate::shard::Memory;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Mode {
-    Kv,
-    Prompt,
-    None,
-}
-
-impl Mode {
-    /// The name requests use (`kv`, `prompt`, `none`).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Mode::Kv => "kv",
-            Mode::Prompt => "prompt",
-            Mode::None => "none",
-        }
-    }
-}
-
-impl std::str::FromStr for Mode {
-    type Err = MemoryError;
-
-    fn from_str(s: &str) -> Result<Mode> {
-        match s {
-            "kv" => Ok(Mode::Kv),
-            "prompt" => Ok(Mode::Prompt),
-            "none" => Ok(Mode::None),
-            other => Err(MemoryError::Invalid { what: "mode", reason: format!("`{other}` (kv, prompt, none)") }),
-        }
-    }
-}
 
 /// A request ready to prefill: the sequence (question pending) and what went in.
 pub struct Prepared {

@@ -36,9 +36,6 @@ pub enum MemoryError {
     #[error("KV segment {path}: made for {found}, this shard needs {expected}")]
     KvMismatch { path: PathBuf, found: String, expected: String },
 
-    #[error("{path}: not a LoCoMo file: {reason}")]
-    Locomo { path: PathBuf, reason: String },
-
     #[error(transparent)]
     Engine(#[from] EngineError),
 

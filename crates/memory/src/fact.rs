@@ -8,6 +8,8 @@
 
 use std::path::Path;
 
+use inferscale_types::MemoryUnit;
+
 use crate::error::{MemoryError, Result};
 
 #[derive(Debug, Clone, PartialEq)]
@@ -27,8 +29,8 @@ pub struct Fact {
 
 impl Fact {
     /// The memory unit this fact stores (what a caller ingested).
-    pub fn unit(&self) -> crate::shard::Turn {
-        crate::shard::Turn {
+    pub fn unit(&self) -> MemoryUnit {
+        MemoryUnit {
             id: self.id.clone(),
             speaker: self.speaker.clone(),
             text: self.text.clone(),

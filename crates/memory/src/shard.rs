@@ -17,6 +17,7 @@ use std::path::{Path, PathBuf};
 
 use inferscale_engine::bert::Bert;
 use inferscale_engine::{Backend, EncodeItem, Engine, KvChunk};
+use inferscale_types::MemoryUnit;
 
 use crate::compose::{Composer, Prompts};
 use crate::error::{MemoryError, Result, io};
@@ -28,21 +29,6 @@ use crate::retrieval::{self, LexicalIndex, Query, Retriever};
 /// Facts encoded per engine call by default (their forward passes are
 /// packed together); see [`Memory::set_encode_batch`].
 const ENCODE_BATCH: usize = 16;
-
-/// A memory unit to remember: a conversation turn, or a fact the caller
-/// extracted from one (then `source_turn` names that turn).
-#[derive(Debug, Clone, PartialEq, Default)]
-pub struct Turn {
-    pub id: String,
-    pub speaker: String,
-    pub text: String,
-    pub time: String,
-    /// For a caller-supplied fact: the id of the turn it came from. Its
-    /// context window is then the units stored before that turn (when the
-    /// turn is stored) instead of the units stored before the fact. Empty
-    /// for a conversation turn.
-    pub source_turn: String,
-}
 
 /// What the shard's KV is made with.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -116,7 +102,7 @@ pub struct IngestReport {
 
 /// Checks `turns` as [`Memory::ingest`] would, storing nothing: a caller
 /// that ingests in several calls validates the whole request first.
-pub fn validate(user: &str, turns: &[Turn]) -> Result<()> {
+pub fn validate(user: &str, turns: &[MemoryUnit]) -> Result<()> {
     if user.is_empty() {
         return Err(MemoryError::Invalid { what: "user", reason: "empty user id".into() });
     }
@@ -334,7 +320,7 @@ impl<B: Backend> Memory<B> {
     }
 
     /// `user`'s facts as the units they were stored from, in order.
-    pub fn units(&self, user: &str) -> Result<Vec<Turn>> {
+    pub fn units(&self, user: &str) -> Result<Vec<MemoryUnit>> {
         Ok(self.facts(user)?.iter().map(Fact::unit).collect())
     }
 
@@ -366,7 +352,7 @@ impl<B: Backend> Memory<B> {
     /// returns; then their KV is encoded with the shard's window and
     /// appended to the user's segment. Turns whose id is already stored are
     /// skipped. Invalid input stores nothing.
-    pub fn ingest(&mut self, user: &str, turns: &[Turn], enc: &mut Encoders<'_, '_, B>) -> Result<IngestReport> {
+    pub fn ingest(&mut self, user: &str, turns: &[MemoryUnit], enc: &mut Encoders<'_, '_, B>) -> Result<IngestReport> {
         self.ingest_with(user, turns, enc, true)
     }
 
@@ -376,7 +362,7 @@ impl<B: Backend> Memory<B> {
     pub fn ingest_deferred(
         &mut self,
         user: &str,
-        turns: &[Turn],
+        turns: &[MemoryUnit],
         enc: &mut Encoders<'_, '_, B>,
     ) -> Result<IngestReport> {
         self.ingest_with(user, turns, enc, false)
@@ -385,7 +371,7 @@ impl<B: Backend> Memory<B> {
     fn ingest_with(
         &mut self,
         user: &str,
-        turns: &[Turn],
+        turns: &[MemoryUnit],
         enc: &mut Encoders<'_, '_, B>,
         encode: bool,
     ) -> Result<IngestReport> {
@@ -399,7 +385,7 @@ impl<B: Backend> Memory<B> {
             self.users.insert(user.to_string(), shard);
         }
         let shard = self.users.get_mut(user).ok_or_else(|| MemoryError::UnknownUser(user.to_string()))?;
-        let new: Vec<&Turn> = turns.iter().filter(|t| !shard.by_id.contains_key(&t.id)).collect();
+        let new: Vec<&MemoryUnit> = turns.iter().filter(|t| !shard.by_id.contains_key(&t.id)).collect();
         let mut report = IngestReport { skipped: turns.len() - new.len(), ..Default::default() };
         if new.is_empty() {
             return Ok(report);

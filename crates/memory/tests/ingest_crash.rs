@@ -13,13 +13,13 @@ use std::time::{Duration, Instant};
 
 use inferscale_engine::bert::Bert;
 use inferscale_engine::{CpuBackend, Engine, EngineConfig};
-use inferscale_memory::{Composer, Encoders, Memory, Prompts, ShardSpec, Turn};
+use inferscale_memory::{Composer, Encoders, Memory, MemoryUnit, Prompts, ShardSpec};
 
 const CHILD_ENV: &str = "INFERSCALE_INGEST_CRASH_CHILD";
 const USER: &str = "crash-user";
 
-fn turn(i: usize) -> Turn {
-    Turn {
+fn turn(i: usize) -> MemoryUnit {
+    MemoryUnit {
         id: format!("D{i}"),
         speaker: if i.is_multiple_of(2) { "Caroline" } else { "Melanie" }.into(),
         text: format!("Turn number {i}: I visited place {} and met friend {}.", i * 7 % 13, i * 5 % 11),

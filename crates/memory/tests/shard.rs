@@ -10,7 +10,7 @@ use std::path::Path;
 use inferscale_engine::bert::Bert;
 use inferscale_engine::{CpuBackend, Engine, EngineConfig};
 use inferscale_memory::{
-    Composer, Encoders, Memory, MemoryError, Mode, Prompts, Query, Retriever, ShardSpec, Turn, prepare,
+    Composer, Encoders, Memory, MemoryError, MemoryUnit, Mode, Prompts, Query, Retriever, ShardSpec, prepare,
 };
 use inferscale_model::ModelFiles;
 
@@ -29,7 +29,7 @@ fn engine(m: &Models) -> Engine<CpuBackend> {
     Engine::new(CpuBackend, &m.files, EngineConfig { kv_blocks: 512, max_batch_tokens: 512 }).unwrap()
 }
 
-fn turns(prefix: &str, n: usize) -> Vec<Turn> {
+fn turns(prefix: &str, n: usize) -> Vec<MemoryUnit> {
     let lines = [
         ("Caroline", "I adopted a grey cat named Miso last spring."),
         ("Melanie", "That's lovely! I ran a charity race for mental health on Saturday."),
@@ -41,7 +41,7 @@ fn turns(prefix: &str, n: usize) -> Vec<Turn> {
     (0..n)
         .map(|i| {
             let (speaker, text) = lines[i % lines.len()];
-            Turn {
+            MemoryUnit {
                 id: format!("{prefix}{i}"),
                 speaker: speaker.into(),
                 text: text.into(),
@@ -243,7 +243,7 @@ fn every_retriever_ranks_the_users_facts() {
     }
     mem.set_retriever(Retriever::Lexical);
     let mut enc = Encoders { engine: &mut e, embedder: &m.embedder, composer: &composer };
-    let new = Turn {
+    let new = MemoryUnit {
         id: "T9".into(),
         speaker: "Melanie".into(),
         text: "Our dog Biscuit ate my homework.".into(),
@@ -285,7 +285,7 @@ fn supplied_facts_are_encoded_after_their_source_turns_context() {
     let composer = Composer::new(&m.files, &Prompts::default()).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let (mut mem, _) = open(dir.path(), &e, 2);
-    let fact = Turn {
+    let fact = MemoryUnit {
         id: "F1".into(),
         speaker: "Caroline".into(),
         text: "Caroline is moving to Lisbon in September.".into(),
@@ -336,36 +336,6 @@ fn supplied_facts_are_encoded_after_their_source_turns_context() {
     drop(mem);
     let (mem, _) = open(dir.path(), &e, 2);
     assert_eq!(mem.facts("u").unwrap()[6].source_turn, "T2");
-}
-
-#[test]
-fn facts_files_are_read_with_errors_naming_line_and_field() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("facts.jsonl");
-    let read = |text: &str| {
-        std::fs::write(&path, text).unwrap();
-        inferscale_memory::locomo::read_facts(&path)
-    };
-    let good = read(
-        "{\"id\": \"F1\", \"text\": \"Likes ramen.\", \"source_turn\": \"D1:3\", \"speaker\": \"Caroline\"}\n\n\
-         {\"id\": \"F2\", \"text\": \"Lives in Lisbon.\", \"source_turn\": \"D2:1\"}\n",
-    )
-    .unwrap();
-    assert_eq!(good.len(), 2);
-    assert_eq!(
-        (good[0].speaker.as_str(), good[1].source_turn.as_str(), good[1].time.as_str()),
-        ("Caroline", "D2:1", "")
-    );
-    for (text, needle) in [
-        ("{\"id\": \"F1\", \"text\": \"x\", \"source_turn\": \"D1\"}\n{\"id\": \"F2\"", "facts.jsonl:2: invalid JSON"),
-        ("{\"id\": \"F1\", \"text\": \"x\"}", "facts.jsonl:1: missing field `source_turn`"),
-        ("{\"id\": \"F1\", \"text\": \" \", \"source_turn\": \"D1\"}", "facts.jsonl:1: field `text` is empty"),
-        ("{\"id\": 7, \"text\": \"x\", \"source_turn\": \"D1\"}", "facts.jsonl:1: field `id` is not a string"),
-        ("\n\n", "no facts"),
-    ] {
-        let err = read(text).unwrap_err().to_string();
-        assert!(err.contains(needle), "{err:?} lacks {needle:?}");
-    }
 }
 
 fn kv_of(m: &Memory<CpuBackend>, e: &Engine<CpuBackend>, user: &str, id: &str) -> Option<Vec<f32>> {

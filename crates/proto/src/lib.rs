@@ -1,6 +1,8 @@
 //! InferScale's gRPC API (`proto/inferscale.proto`) and the client side of
 //! the subset of etcd's v3 API that placement uses (`proto/etcd.proto`),
-//! generated with tonic.
+//! generated with tonic; the one conversion between the API's messages and
+//! the shared words of `inferscale-types`; and the error kinds a worker
+//! attaches to a status so that callers act on a kind, never on its text.
 
 #![allow(clippy::all)]
 
@@ -19,4 +21,77 @@ pub use v1::*;
 /// addresses are given either way on command lines and in the cluster.
 pub fn uri(addr: &str) -> String {
     if addr.contains("://") { addr.to_string() } else { format!("http://{addr}") }
+}
+
+impl From<inferscale_types::MemoryUnit> for MemoryUnit {
+    fn from(u: inferscale_types::MemoryUnit) -> Self {
+        MemoryUnit { id: u.id, speaker: u.speaker, text: u.text, time: u.time, source_turn: u.source_turn }
+    }
+}
+
+impl From<MemoryUnit> for inferscale_types::MemoryUnit {
+    fn from(u: MemoryUnit) -> Self {
+        inferscale_types::MemoryUnit {
+            id: u.id,
+            speaker: u.speaker,
+            text: u.text,
+            time: u.time,
+            source_turn: u.source_turn,
+        }
+    }
+}
+
+impl From<inferscale_types::Mode> for MemoryMode {
+    fn from(m: inferscale_types::Mode) -> Self {
+        match m {
+            inferscale_types::Mode::Kv => MemoryMode::Kv,
+            inferscale_types::Mode::Prompt => MemoryMode::Prompt,
+            inferscale_types::Mode::None => MemoryMode::None,
+        }
+    }
+}
+
+impl MemoryMode {
+    /// The mode a request names; an unspecified mode is `kv`, the default.
+    pub fn to_mode(self) -> inferscale_types::Mode {
+        match self {
+            MemoryMode::Kv | MemoryMode::Unspecified => inferscale_types::Mode::Kv,
+            MemoryMode::Prompt => inferscale_types::Mode::Prompt,
+            MemoryMode::None => inferscale_types::Mode::None,
+        }
+    }
+}
+
+/// The status metadata key under which a worker names the kind of an
+/// error that its code alone does not tell apart.
+pub const ERROR_KIND: &str = "inferscale-error-kind";
+
+/// Kinds of [`ERROR_KIND`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// `UNAVAILABLE` because the user's memory is moving between workers:
+    /// the worker itself is fine; retry (on the user's new home).
+    Moving,
+}
+
+impl ErrorKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorKind::Moving => "moving",
+        }
+    }
+
+    /// `status` marked as of this kind.
+    pub fn mark(self, mut status: tonic::Status) -> tonic::Status {
+        status.metadata_mut().insert(ERROR_KIND, tonic::metadata::MetadataValue::from_static(self.as_str()));
+        status
+    }
+
+    /// The kind `status` is marked with, if any.
+    pub fn of(status: &tonic::Status) -> Option<ErrorKind> {
+        match status.metadata().get(ERROR_KIND)?.to_str().ok()? {
+            "moving" => Some(ErrorKind::Moving),
+            _ => None,
+        }
+    }
 }

@@ -25,6 +25,7 @@ use crate::error::{ApiError, Result};
 use crate::metrics::{Metrics, mode_index};
 use crate::openai::{self, ChatRequest, IngestBody};
 use crate::workers::{InFlight, Workers, request};
+use inferscale_types::{MemoryUnit, Mode};
 
 /// Response header naming the worker that served a chat request.
 pub const WORKER_HEADER: &str = "x-inferscale-worker";
@@ -32,7 +33,7 @@ pub const WORKER_HEADER: &str = "x-inferscale-worker";
 /// Server-side defaults and limits of the chat API.
 #[derive(Debug, Clone)]
 pub struct Defaults {
-    pub mode: String,
+    pub mode: Mode,
     pub k: u32,
     pub max_k: u32,
     pub max_tokens: u32,
@@ -44,7 +45,7 @@ pub struct Defaults {
 impl Default for Defaults {
     fn default() -> Self {
         Defaults {
-            mode: "kv".into(),
+            mode: Mode::Kv,
             k: 20,
             max_k: 200,
             max_tokens: 256,
@@ -132,7 +133,7 @@ fn now_secs() -> u64 {
 /// A validated chat request, ready for a worker.
 struct Chat {
     req: pb::GenerateRequest,
-    mode: String,
+    mode: Mode,
     stream: bool,
     include_usage: bool,
     user: String,
@@ -162,13 +163,8 @@ fn validate(s: &AppState, tenant: &str, r: ChatRequest) -> Result<Chat> {
         return Err(ApiError::BadRequest("the last message must have role `user` (the question)".into()));
     }
     let mem = r.memory.unwrap_or_default();
-    let mode = mem.mode.unwrap_or_else(|| s.defaults.mode.clone());
-    let pmode = match mode.as_str() {
-        "kv" => pb::MemoryMode::Kv,
-        "prompt" => pb::MemoryMode::Prompt,
-        "none" => pb::MemoryMode::None,
-        other => return Err(ApiError::BadRequest(format!("memory.mode {other:?}: expected kv, prompt or none"))),
-    };
+    let mode = mem.mode.unwrap_or(s.defaults.mode);
+    let pmode = pb::MemoryMode::from(mode);
     let k = mem.k.unwrap_or(u64::from(s.defaults.k));
     if pmode != pb::MemoryMode::None && (k == 0 || k > u64::from(s.defaults.max_k)) {
         return Err(ApiError::BadRequest(format!("memory.k = {k}: must be between 1 and {}", s.defaults.max_k)));
@@ -233,7 +229,7 @@ const RETRY_PAUSE: Duration = Duration::from_millis(150);
 /// than a refusal it answered with): its health is then re-probed before
 /// it gets more requests.
 fn unreachable(e: &tonic::Status) -> bool {
-    e.code() == tonic::Code::Unavailable && !e.message().contains("is moving")
+    e.code() == tonic::Code::Unavailable && pb::ErrorKind::of(e) != Some(pb::ErrorKind::Moving)
 }
 
 /// Sends `chat` to a worker and waits for its first event. Nothing has been
@@ -336,7 +332,7 @@ where
 
 type WorkerClient = inferscale_proto::worker_client::WorkerClient<tonic::transport::Channel>;
 
-fn usage(mode: &str, f: &pb::Finished) -> openai::Usage {
+fn usage(mode: Mode, f: &pb::Finished) -> openai::Usage {
     let u = f.usage.unwrap_or_default();
     openai::Usage {
         prompt_tokens: u.prompt_tokens,
@@ -344,7 +340,7 @@ fn usage(mode: &str, f: &pb::Finished) -> openai::Usage {
         total_tokens: u.prompt_tokens + u.completion_tokens,
         prompt_tokens_details: openai::PromptDetails { cached_tokens: u.cached_tokens + u.injected_tokens },
         memory: openai::MemoryUsage {
-            mode: mode.to_string(),
+            mode,
             facts: u.facts,
             injected_tokens: u.injected_tokens,
             fact_ids: f.fact_ids.clone(),
@@ -371,7 +367,7 @@ impl Clock {
         self.tokens += 1;
     }
 
-    fn record(&self, m: &Metrics, mode: &str) {
+    fn record(&self, m: &Metrics, mode: Mode) {
         let i = mode_index(mode);
         if let Some(first) = self.first {
             m.ttft[i].observe((first - self.start).as_secs_f64());
@@ -437,7 +433,7 @@ async fn complete(
                 text.push_str(&t.text);
             }
             Some(E::Finished(f)) => {
-                clock.record(&s.metrics, &chat.mode);
+                clock.record(&s.metrics, chat.mode);
                 return Ok(Json(openai::ChatResponse {
                     id,
                     object: "chat.completion",
@@ -448,7 +444,7 @@ async fn complete(
                         message: openai::AssistantMessage { role: "assistant", content: text },
                         finish_reason: f.reason.clone(),
                     }],
-                    usage: usage(&chat.mode, &f),
+                    usage: usage(chat.mode, &f),
                     timings: timings(&f),
                 }));
             }
@@ -504,11 +500,11 @@ fn sse(st: SseState) -> Sse<impl Stream<Item = std::result::Result<SseEvent, Inf
                 out.push(chunk(&st, delta, None));
             }
             Ok(Some(pb::GenerateEvent { event: Some(E::Finished(f)) })) => {
-                st.clock.record(&st.s.metrics, &st.chat.mode);
+                st.clock.record(&st.s.metrics, st.chat.mode);
                 out.push(chunk(&st, json!({}), Some(&f.reason)));
                 if st.chat.include_usage {
                     let body = json!({"id": st.id, "object": "chat.completion.chunk", "created": st.created,
-                                      "model": st.s.model, "choices": [], "usage": usage(&st.chat.mode, &f),
+                                      "model": st.s.model, "choices": [], "usage": usage(st.chat.mode, &f),
                                       "timings": timings(&f)});
                     out.push(SseEvent::default().data(body.to_string()));
                 }
@@ -583,7 +579,7 @@ async fn list(
         .await
         .map_err(|e| ApiError::from(e).unscope(&tenant))?
         .into_inner();
-    let units: Vec<openai::UnitBody> = r.units.into_iter().map(openai::UnitBody::from).collect();
+    let units: Vec<MemoryUnit> = r.units.into_iter().map(MemoryUnit::from).collect();
     Ok(Json(json!({"user": user, "window": r.window, "count": units.len(), "units": units})))
 }
 

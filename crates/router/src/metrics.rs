@@ -8,9 +8,10 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use inferscale_telemetry::prom::{self, Histogram};
+use inferscale_types::Mode;
 
-/// Memory modes, in label order.
-pub const MODES: [&str; 3] = ["kv", "prompt", "none"];
+/// Memory modes, in the order of the per-mode histograms.
+const MODES: [Mode; 3] = Mode::ALL;
 
 #[derive(Default)]
 pub struct Metrics {
@@ -23,8 +24,8 @@ pub struct Metrics {
     pub ingested_units: AtomicU64,
 }
 
-pub fn mode_index(mode: &str) -> usize {
-    MODES.iter().position(|m| *m == mode).unwrap_or(2)
+pub fn mode_index(mode: Mode) -> usize {
+    MODES.iter().position(|&m| m == mode).unwrap_or(2)
 }
 
 impl Metrics {

@@ -5,6 +5,7 @@
 //! that send more than we use keep working; known fields of the wrong type
 //! are refused with the field's path in the message.
 
+use inferscale_types::{MemoryUnit, Mode};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
@@ -111,7 +112,7 @@ impl Stop {
 #[derive(Debug, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 pub struct MemoryOptions {
-    pub mode: Option<String>,
+    pub mode: Option<Mode>,
     pub k: Option<u64>,
     pub window: Option<u32>,
 }
@@ -122,40 +123,10 @@ pub struct IngestBody {
     pub user: String,
     pub window: Option<u32>,
     #[serde(default)]
-    pub turns: Vec<UnitBody>,
+    pub turns: Vec<MemoryUnit>,
     /// Facts extracted from turns (`source_turn` names the turn).
     #[serde(default)]
-    pub facts: Vec<UnitBody>,
-}
-
-#[derive(Debug, Deserialize, Serialize, Clone)]
-pub struct UnitBody {
-    pub id: String,
-    #[serde(default)]
-    pub speaker: String,
-    pub text: String,
-    #[serde(default)]
-    pub time: String,
-    #[serde(default, skip_serializing_if = "String::is_empty")]
-    pub source_turn: String,
-}
-
-impl From<inferscale_proto::MemoryUnit> for UnitBody {
-    fn from(u: inferscale_proto::MemoryUnit) -> Self {
-        UnitBody { id: u.id, speaker: u.speaker, text: u.text, time: u.time, source_turn: u.source_turn }
-    }
-}
-
-impl From<UnitBody> for inferscale_proto::MemoryUnit {
-    fn from(u: UnitBody) -> Self {
-        inferscale_proto::MemoryUnit {
-            id: u.id,
-            speaker: u.speaker,
-            text: u.text,
-            time: u.time,
-            source_turn: u.source_turn,
-        }
-    }
+    pub facts: Vec<MemoryUnit>,
 }
 
 /// Longest user id, in bytes.
@@ -220,7 +191,7 @@ pub struct PromptDetails {
 
 #[derive(Debug, Serialize, Clone)]
 pub struct MemoryUsage {
-    pub mode: String,
+    pub mode: Mode,
     /// Facts placed in the prompt (0 when the user has no memory).
     pub facts: u32,
     /// Memory tokens injected as KV rather than prefilled.

@@ -14,8 +14,8 @@ use std::path::PathBuf;
 use inferscale_engine::bert::Bert;
 use inferscale_engine::{Backend, CpuBackend, Engine, EngineConfig, KvChunk};
 use inferscale_memory::{
-    Composer, Encoders, ImportReport, IngestReport, KvHeader, Memory, Prompts, Query, Retriever, ShardRecord,
-    ShardSpec, StagedShard, Turn,
+    Composer, Encoders, ImportReport, IngestReport, KvHeader, Memory, MemoryUnit, Prompts, Query, Retriever,
+    ShardRecord, ShardSpec, StagedShard,
 };
 use inferscale_model::{ModelFiles, RopeScaling, shapes};
 
@@ -162,13 +162,13 @@ impl<B: Backend> Core<B> {
     }
 
     /// Stores `turns` for `user` (durably, before returning) and encodes their KV.
-    pub fn ingest(&mut self, user: &str, turns: &[Turn]) -> Result<IngestReport> {
+    pub fn ingest(&mut self, user: &str, turns: &[MemoryUnit]) -> Result<IngestReport> {
         self.ingest_with(user, turns, false)
     }
 
     /// [`Core::ingest`], or with `defer_kv` the facts only (their KV is
     /// encoded when a request first retrieves them: a replica's copy).
-    pub fn ingest_with(&mut self, user: &str, turns: &[Turn], defer_kv: bool) -> Result<IngestReport> {
+    pub fn ingest_with(&mut self, user: &str, turns: &[MemoryUnit], defer_kv: bool) -> Result<IngestReport> {
         let mut enc = Encoders { engine: &mut self.engine, embedder: &self.embedder, composer: &self.composer };
         let report = match defer_kv {
             true => self.memory.ingest_deferred(user, turns, &mut enc)?,

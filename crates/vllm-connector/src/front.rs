@@ -19,14 +19,14 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
-use inferscale_memory::{ImportReport, IngestReport, KvHeader, ShardRecord, StagedShard, Turn};
+use inferscale_memory::{ImportReport, IngestReport, KvHeader, MemoryUnit, ShardRecord, StagedShard};
 use inferscale_model::ModelFiles;
+use inferscale_worker::Result as WResult;
 use inferscale_worker::metrics::WorkerMetrics;
 use inferscale_worker::{
     AdmitError, Events, GenerateJob, Holdings, Load, MemoryHost, ProtocolConfig, WorkerError, WorkerInfo,
     WorkerService, holdings,
 };
-use inferscale_worker::Result as WResult;
 use tokio::sync::oneshot;
 
 use crate::core::AnyCore;
@@ -208,11 +208,11 @@ impl MemoryHost for Host {
         Ok(())
     }
 
-    fn ingest(&mut self, user: &str, units: &[Turn], defer_kv: bool) -> WResult<IngestReport> {
+    fn ingest(&mut self, user: &str, units: &[MemoryUnit], defer_kv: bool) -> WResult<IngestReport> {
         self.write(|g| each!(g, c => c.ingest_with(user, units, defer_kv)))
     }
 
-    fn units(&self, user: &str) -> WResult<Vec<Turn>> {
+    fn units(&self, user: &str) -> WResult<Vec<MemoryUnit>> {
         self.read(|g| Ok(each!(g, c => c.memory().units(user))?))
     }
 
@@ -246,7 +246,13 @@ impl MemoryHost for Host {
         self.read(|g| Ok(each!(g, c => c.memory().export_begin(user))?))
     }
 
-    fn export(&self, user: &str, ids: &[String], with_kv: bool, max_bytes: usize) -> WResult<(Vec<ShardRecord>, usize)> {
+    fn export(
+        &self,
+        user: &str,
+        ids: &[String],
+        with_kv: bool,
+        max_bytes: usize,
+    ) -> WResult<(Vec<ShardRecord>, usize)> {
         self.read(|g| each!(g, c => c.export(user, ids, with_kv, max_bytes)))
     }
 

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
-use inferscale_memory::Turn;
+use inferscale_memory::MemoryUnit;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
@@ -134,7 +134,7 @@ impl PyCore {
             .enumerate()
             .map(|(i, mut t)| {
                 let mut take = |k: &str| t.remove(k).unwrap_or_default();
-                let turn = Turn {
+                let turn = MemoryUnit {
                     id: take("id"),
                     text: take("text"),
                     speaker: take("speaker"),
@@ -146,7 +146,7 @@ impl PyCore {
                 }
                 Ok(turn)
             })
-            .collect::<PyResult<Vec<Turn>>>()?;
+            .collect::<PyResult<Vec<MemoryUnit>>>()?;
         py.detach(|| Ok(each!(&mut *self.lock()?, c => c.ingest(user, &turns)).map_err(py_err)?.added))
     }
 

@@ -23,9 +23,10 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use inferscale_engine::FinishReason;
 use inferscale_memory::Mode;
+use inferscale_types::sse::{DONE, SseParser, error_message};
 use inferscale_worker::metrics::WorkerMetrics;
-use inferscale_worker::{Event, Finished, GenerateJob, Timings, Usage, WorkerError, finish_reason};
 use inferscale_worker::text::{Delta, TextStream};
+use inferscale_worker::{Event, Finished, GenerateJob, Timings, Usage, WorkerError, finish_reason};
 use serde_json::{Value, json};
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -238,14 +239,14 @@ impl Relay {
         let mut body = resp.into_body();
         if status != StatusCode::OK {
             let text = body.collect().await.map(|b| b.to_bytes()).unwrap_or_default();
-            let message = vllm_message(&text);
+            let message = error_message(&text);
             return Err(Stop::Failed(match status.is_client_error() {
                 true => WorkerError::Invalid(format!("vLLM refused the request ({status}): {message}")),
                 false => WorkerError::Upstream(format!("vLLM failed the request ({status}): {message}")),
             }));
         }
         let tok = self.shared.files.tokenizer.as_ref().ok_or_else(|| WorkerError::Internal("no tokenizer".into()))?;
-        let (mut sse, mut text) = (Sse::default(), TextStream::default());
+        let (mut sse, mut text) = (SseParser::default(), TextStream::default());
         let mut generated: Vec<u32> = Vec::new();
         let (mut first, mut cached, mut reason) = (None, 0usize, None::<FinishReason>);
         loop {
@@ -258,7 +259,7 @@ impl Relay {
             };
             let frame = frame.map_err(|e| upstream(format!("reading vLLM's stream: {e}")))?;
             let Ok(data) = frame.into_data() else { continue };
-            for event in sse.push(&data) {
+            for event in sse.push(&data).iter().map(|d| SseEvent::parse(d)) {
                 let v = match event {
                     SseEvent::Done => {
                         let reason =
@@ -325,53 +326,21 @@ impl Relay {
 }
 
 /// The message of an OpenAI-style error body, or the body itself.
-fn vllm_message(body: &[u8]) -> String {
-    let v: Option<Value> = serde_json::from_slice(body).ok();
-    let msg = v.as_ref().and_then(|v| v.pointer("/error/message").or_else(|| v.get("message"))).and_then(Value::as_str);
-    match msg {
-        Some(m) => m.to_string(),
-        None => String::from_utf8_lossy(&body[..body.len().min(512)]).into_owned(),
-    }
-}
-
 #[derive(Debug, PartialEq)]
 enum SseEvent {
     Data(Value),
     Done,
 }
 
-/// Server-sent events as vLLM writes them (`data: …` lines, events ended
-/// by a blank line), fed frame by frame: an event may span frames.
-#[derive(Default)]
-struct Sse {
-    buf: Vec<u8>,
-}
-
-impl Sse {
-    fn push(&mut self, bytes: &[u8]) -> Vec<SseEvent> {
-        self.buf.extend_from_slice(bytes);
-        let mut out = Vec::new();
-        while let Some(end) = find(&self.buf, b"\n\n") {
-            let event: Vec<u8> = self.buf.drain(..end + 2).collect();
-            for line in event.split(|&b| b == b'\n') {
-                let line = line.strip_suffix(b"\r").unwrap_or(line);
-                let Some(data) = line.strip_prefix(b"data:") else { continue };
-                let data = data.strip_prefix(b" ").unwrap_or(data);
-                if data == b"[DONE]" {
-                    out.push(SseEvent::Done);
-                } else if let Ok(v) = serde_json::from_slice(data) {
-                    out.push(SseEvent::Data(v));
-                } else {
-                    out.push(SseEvent::Data(json!({"error": {"message": "vLLM streamed an event that is not JSON"}})));
-                }
-            }
+impl SseEvent {
+    /// One `data` payload of vLLM's stream.
+    fn parse(data: &str) -> SseEvent {
+        if data == DONE {
+            return SseEvent::Done;
         }
-        out
+        let v = serde_json::from_str(data);
+        SseEvent::Data(v.unwrap_or_else(|_| json!({"error": {"message": "vLLM streamed an event that is not JSON"}})))
     }
-}
-
-fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    hay.windows(needle.len()).position(|w| w == needle)
 }
 
 #[cfg(test)]
@@ -379,18 +348,10 @@ mod tests {
     use super::*;
 
     #[test]
-    fn events_split_across_frames_are_joined() {
-        let mut s = Sse::default();
-        assert!(s.push(b"data: {\"a\"").is_empty());
-        assert_eq!(s.push(b": 1}\n\ndata: [DO"), vec![SseEvent::Data(json!({"a": 1}))]);
-        assert_eq!(s.push(b"NE]\n\n"), vec![SseEvent::Done]);
-        assert_eq!(s.push(b"data: nope\n\n").len(), 1);
-    }
-
-    #[test]
-    fn error_bodies_give_their_message() {
-        assert_eq!(vllm_message(br#"{"error": {"message": "too long", "code": 400}}"#), "too long");
-        assert_eq!(vllm_message(br#"{"message": "bad"}"#), "bad");
-        assert_eq!(vllm_message(b"plain"), "plain");
+    fn payloads_become_events() {
+        assert_eq!(SseEvent::parse(r#"{"a": 1}"#), SseEvent::Data(json!({"a": 1})));
+        assert_eq!(SseEvent::parse(DONE), SseEvent::Done);
+        let SseEvent::Data(bad) = SseEvent::parse("nope") else { panic!("not JSON is an error event") };
+        assert!(bad.pointer("/error/message").is_some(), "{bad}");
     }
 }

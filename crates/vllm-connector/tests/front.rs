@@ -125,6 +125,8 @@ async fn memory_calls_and_shard_moves_behave_as_a_native_workers() {
     // Frozen: A refuses the user's writes until released.
     let frozen = ca.ingest(ingest("ana", vec![unit("u6", "late")])).await.expect_err("frozen");
     assert_eq!(frozen.code(), Code::Unavailable, "{frozen:?}");
+    // Marked as a move, not as a worker that is down, for the router.
+    assert_eq!(pb::ErrorKind::of(&frozen), Some(pb::ErrorKind::Moving), "{frozen:?}");
     ca.release_shard(pb::ReleaseShardRequest { user: "ana".into(), drop: true }).await.expect("releases");
     let users = ca.list_users(pb::ListUsersRequest {}).await.expect("users").into_inner().users;
     assert!(users.is_empty(), "dropped at the source: {users:?}");
@@ -135,6 +137,8 @@ async fn memory_calls_and_shard_moves_behave_as_a_native_workers() {
         Ok(s) => s.into_inner().message().await.expect_err("refused"),
     };
     assert_eq!(moved.code(), Code::Unavailable, "{moved:?}");
+    // A streamed error keeps its kind too (it travels in the trailers).
+    assert_eq!(pb::ErrorKind::of(&moved), Some(pb::ErrorKind::Moving), "{moved:?}");
 }
 
 fn chat(user: &str, question: &str, mode: pb::MemoryMode) -> pb::GenerateRequest {

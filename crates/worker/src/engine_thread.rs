@@ -21,8 +21,8 @@ use inferscale_engine::kv_cache::BLOCK_SIZE;
 use inferscale_engine::sampling::{Rng, sample};
 use inferscale_engine::{Backend, Engine, FinishReason, NextToken, Sequence};
 use inferscale_memory::{
-    Composer, Encoders, ImportReport, IngestReport, KvHeader, Memory, Mode, Prompts, Query, ShardRecord, StagedShard,
-    Turn, prepare,
+    Composer, Encoders, ImportReport, IngestReport, KvHeader, Memory, MemoryUnit, Mode, Prompts, Query, ShardRecord,
+    StagedShard, prepare,
 };
 use inferscale_model::ModelFiles;
 use tracing::{Span, field::Empty, info_span};
@@ -262,7 +262,7 @@ impl<B: Backend> MemoryHost for Core<'_, '_, B> {
         self.admit(job, events)
     }
 
-    fn ingest(&mut self, user: &str, units: &[Turn], defer_kv: bool) -> Result<IngestReport> {
+    fn ingest(&mut self, user: &str, units: &[MemoryUnit], defer_kv: bool) -> Result<IngestReport> {
         let mut enc = Encoders { engine: &mut self.engine, embedder: &self.embedder, composer: self.composer };
         Ok(match defer_kv {
             true => self.memory.ingest_deferred(user, units, &mut enc)?,
@@ -270,7 +270,7 @@ impl<B: Backend> MemoryHost for Core<'_, '_, B> {
         })
     }
 
-    fn units(&self, user: &str) -> Result<Vec<Turn>> {
+    fn units(&self, user: &str) -> Result<Vec<MemoryUnit>> {
         Ok(self.memory.units(user)?)
     }
 

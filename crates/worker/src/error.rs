@@ -100,6 +100,12 @@ impl From<WorkerError> for tonic::Status {
             | WorkerError::Startup(_)
             | WorkerError::Internal(_) => Code::Internal,
         };
-        tonic::Status::new(code, e.to_string())
+        let status = tonic::Status::new(code, e.to_string());
+        match e {
+            // The code alone reads as "worker down"; the kind tells a router
+            // to retry without re-probing the worker's health.
+            WorkerError::Moving(_) => inferscale_proto::ErrorKind::Moving.mark(status),
+            _ => status,
+        }
     }
 }

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use inferscale_engine::sampling::SamplingParams;
 use inferscale_engine::{Backend, FinishReason};
 use inferscale_memory::{
-    Footprint, ImportReport, IngestReport, KvHeader, Memory, Mode, ShardRecord, StagedShard, Turn,
+    Footprint, ImportReport, IngestReport, KvHeader, Memory, MemoryUnit, Mode, ShardRecord, StagedShard,
 };
 use tokio::sync::{mpsc, oneshot};
 use tracing::Span;
@@ -155,14 +155,14 @@ pub(crate) enum Command {
     Ingest {
         user: String,
         window: Option<usize>,
-        units: Vec<Turn>,
+        units: Vec<MemoryUnit>,
         /// Store facts only; KV is encoded when first needed.
         defer_kv: bool,
         reply: oneshot::Sender<Result<IngestReport>>,
     },
     List {
         user: String,
-        reply: oneshot::Sender<Result<(Vec<Turn>, usize)>>,
+        reply: oneshot::Sender<Result<(Vec<MemoryUnit>, usize)>>,
     },
     Forget {
         user: String,
@@ -192,10 +192,10 @@ pub trait MemoryHost {
 
     /// Stores a few of `user`'s validated units and, unless `defer_kv`,
     /// encodes their KV (the protocol splits large ingests into batches).
-    fn ingest(&mut self, user: &str, units: &[Turn], defer_kv: bool) -> Result<IngestReport>;
+    fn ingest(&mut self, user: &str, units: &[MemoryUnit], defer_kv: bool) -> Result<IngestReport>;
 
     /// `user`'s stored units, in order.
-    fn units(&self, user: &str) -> Result<Vec<Turn>>;
+    fn units(&self, user: &str) -> Result<Vec<MemoryUnit>>;
 
     /// Forgets one unit of `user`, or all of them; requests that retrieved
     /// from the memory but have not used it yet fail as forgotten.
@@ -215,8 +215,7 @@ pub trait MemoryHost {
 
     /// Transfer records for a prefix of `ids` (about `max_bytes`), and how
     /// many ids they cover.
-    fn export(&self, user: &str, ids: &[String], with_kv: bool, max_bytes: usize)
-    -> Result<(Vec<ShardRecord>, usize)>;
+    fn export(&self, user: &str, ids: &[String], with_kv: bool, max_bytes: usize) -> Result<(Vec<ShardRecord>, usize)>;
 
     /// Where imports are staged, and the KV header a shard must match.
     fn import_target(&self) -> Result<(PathBuf, KvHeader)>;
@@ -243,7 +242,7 @@ pub struct ProtocolConfig {
 /// An ingest admitted and not yet stored in full.
 struct IngestJob {
     user: String,
-    units: Vec<Turn>,
+    units: Vec<MemoryUnit>,
     defer_kv: bool,
     next: usize,
     report: IngestReport,

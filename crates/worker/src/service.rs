@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use inferscale_engine::Backend;
 use inferscale_engine::sampling::SamplingParams;
-use inferscale_memory::{Mode, Turn};
+use inferscale_memory::{MemoryUnit, Mode};
 use inferscale_proto as pb;
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::{Stream, StreamExt, wrappers::UnboundedReceiverStream};
@@ -16,12 +16,10 @@ use tonic::{Request, Response, Status};
 use tracing::{Instrument, info_span};
 
 use crate::engine_thread::{WorkerConfig, WorkerParts, run};
-use crate::protocol::{
-    Command, Event, GenerateJob, MemoryHost, Protocol, ProtocolConfig, ShardCommand, finish_reason,
-};
 use crate::error::{Result, WorkerError};
 use crate::link::Links;
 use crate::metrics::WorkerMetrics;
+use crate::protocol::{Command, Event, GenerateJob, MemoryHost, Protocol, ProtocolConfig, ShardCommand, finish_reason};
 use inferscale_telemetry::propagate;
 
 /// Tokens generated when a request does not say.
@@ -95,7 +93,11 @@ where
 /// same API this way. Ingests run to completion between commands, a batch
 /// at a time. Returns once the host is made, or with `make`'s error; the
 /// thread ends when every clone of the service is gone.
-pub fn spawn_host<H, F>(make: F, cfg: ProtocolConfig, info: WorkerInfo) -> Result<(WorkerService, std::thread::JoinHandle<()>)>
+pub fn spawn_host<H, F>(
+    make: F,
+    cfg: ProtocolConfig,
+    info: WorkerInfo,
+) -> Result<(WorkerService, std::thread::JoinHandle<()>)>
 where
     H: MemoryHost,
     F: FnOnce(Arc<WorkerMetrics>) -> Result<H> + Send + 'static,
@@ -195,12 +197,9 @@ impl WorkerService {
 }
 
 fn mode(m: i32) -> std::result::Result<Mode, Status> {
-    match pb::MemoryMode::try_from(m) {
-        Ok(pb::MemoryMode::Kv) | Ok(pb::MemoryMode::Unspecified) => Ok(Mode::Kv),
-        Ok(pb::MemoryMode::Prompt) => Ok(Mode::Prompt),
-        Ok(pb::MemoryMode::None) => Ok(Mode::None),
-        Err(_) => Err(Status::invalid_argument(format!("unknown memory mode {m}"))),
-    }
+    pb::MemoryMode::try_from(m)
+        .map(pb::MemoryMode::to_mode)
+        .map_err(|_| Status::invalid_argument(format!("unknown memory mode {m}")))
 }
 
 fn sampling(s: Option<pb::Sampling>) -> SamplingParams {
@@ -256,11 +255,7 @@ impl pb::worker_server::Worker for WorkerService {
         let span = info_span!("ingest", otel.kind = "server", units = req.get_ref().units.len() as i64);
         propagate::continue_from_metadata(&span, req.metadata());
         let r = req.into_inner();
-        let units = r
-            .units
-            .into_iter()
-            .map(|u| Turn { id: u.id, speaker: u.speaker, text: u.text, time: u.time, source_turn: u.source_turn })
-            .collect();
+        let units = r.units.into_iter().map(MemoryUnit::from).collect();
         let window = r.window.map(|w| w as usize);
         let (user, defer_kv) = (r.user, r.defer_kv);
         let report =
@@ -319,16 +314,7 @@ impl pb::worker_server::Worker for WorkerService {
     ) -> std::result::Result<Response<pb::ListMemoriesResponse>, Status> {
         let user = req.into_inner().user;
         let (units, window) = self.call(|reply| Command::List { user, reply }).await??;
-        let units = units
-            .into_iter()
-            .map(|u| pb::MemoryUnit {
-                id: u.id,
-                speaker: u.speaker,
-                text: u.text,
-                time: u.time,
-                source_turn: u.source_turn,
-            })
-            .collect();
+        let units = units.into_iter().map(pb::MemoryUnit::from).collect();
         Ok(Response::new(pb::ListMemoriesResponse { units, window: window as u32 }))
     }
 

@@ -26,10 +26,10 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::Status;
 use tracing::Instrument;
 
-use crate::protocol::{Command, ShardCommand};
 use crate::error::WorkerError;
 use crate::frames::{self, FrameError, Manifest, ManifestEntry, Reassembler};
 use crate::link::{FrameLink, Links};
+use crate::protocol::{Command, ShardCommand};
 use crate::service::WorkerService;
 
 /// Bytes of records per chunk: large enough to amortise a round trip to

@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use inferscale_loadtest::synthetic::synthetic_facts;
+use inferscale_memory::Mode;
 use inferscale_proto as pb;
 use inferscale_proto::worker_client::WorkerClient;
 use serde::Serialize;
@@ -38,8 +39,8 @@ pub struct ServeBenchArgs {
     /// Closed-loop client counts to measure.
     #[arg(long, value_delimiter = ',', default_value = "1,10,50,100")]
     users: Vec<usize>,
-    #[arg(long, value_delimiter = ',', default_value = "kv,prompt", value_parser = ["kv", "prompt", "none"])]
-    modes: Vec<String>,
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "kv,prompt")]
+    modes: Vec<Mode>,
     /// Facts retrieved per request.
     #[arg(long, default_value_t = 50)]
     k: u32,
@@ -69,7 +70,7 @@ pub struct ServeBenchArgs {
 
 #[derive(Serialize, Debug)]
 struct Point {
-    mode: String,
+    mode: Mode,
     users: usize,
     requests: usize,
     errors: usize,
@@ -155,12 +156,8 @@ async fn one_request(
     Err(tonic::Status::internal("stream ended without finishing"))
 }
 
-async fn measure(a: &ServeBenchArgs, addr: &str, mode: &str, users: usize) -> Result<Point> {
-    let pmode = match mode {
-        "kv" => pb::MemoryMode::Kv,
-        "prompt" => pb::MemoryMode::Prompt,
-        _ => pb::MemoryMode::None,
-    };
+async fn measure(a: &ServeBenchArgs, addr: &str, mode: Mode, users: usize) -> Result<Point> {
+    let pmode = pb::MemoryMode::from(mode);
     let start = Instant::now();
     let from = start + Duration::from_secs_f64(a.warmup_s);
     let until = from + Duration::from_secs_f64(a.duration_s);
@@ -218,7 +215,7 @@ async fn measure(a: &ServeBenchArgs, addr: &str, mode: &str, users: usize) -> Re
     let n = s.ttft.len();
     let mean = |v: &[f64]| if v.is_empty() { 0.0 } else { v.iter().sum::<f64>() / v.len() as f64 };
     Ok(Point {
-        mode: mode.into(),
+        mode,
         users,
         requests: n,
         errors: s.errors,
@@ -282,7 +279,7 @@ pub fn run(mut a: ServeBenchArgs) -> Result<()> {
             t0.elapsed().as_secs_f64()
         );
         let mut results = Vec::new();
-        for mode in &a.modes {
+        for &mode in &a.modes {
             for &users in &a.users {
                 let p = measure(&a, &addr, mode, users).await?;
                 eprintln!(
@@ -306,7 +303,7 @@ pub fn run(mut a: ServeBenchArgs) -> Result<()> {
     for p in &report {
         println!(
             "{:>6} {:>6} {:>9.2} {:>10.1} {:>10.1} {:>10.1} {:>11.1} {:>11.1} {:>8.0} {:>7}",
-            p.mode,
+            p.mode.as_str(),
             p.users,
             p.requests_per_s,
             p.output_tokens_per_s,

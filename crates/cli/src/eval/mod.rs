@@ -25,8 +25,9 @@ use inferscale_engine::bert::Bert;
 use inferscale_engine::kv_cache::BLOCK_SIZE;
 use inferscale_engine::sampling::{SamplingParams, argmax};
 use inferscale_engine::{Backend, Engine, FinishReason, Sequence, generate_sequences};
-use inferscale_memory::score::{kl, locomo_f1, log_softmax, recall};
-use inferscale_memory::{Composer, Encoders, Memory, Mode, Query, Retriever, ShardSpec, locomo, prepare};
+use inferscale_eval::locomo;
+use inferscale_eval::score::{kl, locomo_f1, log_softmax, recall};
+use inferscale_memory::{Composer, Encoders, Memory, Mode, Query, Retriever, ShardSpec, prepare};
 
 use crate::memory_cmd::{PromptArgs, parse_retriever};
 use crate::runtime::{ModelArgs, load_on, on_backend};
@@ -52,8 +53,8 @@ pub struct LocomoArgs {
     /// Sample ids to use (default: all).
     #[arg(long, value_delimiter = ',')]
     samples: Vec<String>,
-    #[arg(long, value_delimiter = ',', default_value = "kv,prompt", value_parser = ["kv", "prompt", "none"])]
-    modes: Vec<String>,
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "kv,prompt")]
+    modes: Vec<Mode>,
     #[arg(long, value_delimiter = ',', default_value = "5,20,50")]
     k: Vec<usize>,
     #[arg(long, value_delimiter = ',', default_value = "0,20")]
@@ -177,17 +178,17 @@ fn locomo_eval<B: Backend>(a: &LocomoArgs, backend: B) -> Result<()> {
     let mut header = e.new_sequence(composer.header().to_vec())?;
     e.prefill(&mut header)?;
     let k_max = *a.k.iter().max().context("--k")?;
-    let want = |m: &str| a.modes.iter().any(|x| x == m);
+    let want = |m: Mode| a.modes.contains(&m);
     let mut variants = Vec::new();
-    if want("none") {
+    if want(Mode::None) {
         variants.push(Variant { mode: Mode::None, k: 0, memory: 0 });
     }
     for &k in &a.k {
         // Prompt mode first: kv answers of the same question and k compare with it.
-        if want("prompt") {
+        if want(Mode::Prompt) {
             variants.push(Variant { mode: Mode::Prompt, k, memory: 0 });
         }
-        if want("kv") {
+        if want(Mode::Kv) {
             variants.extend((0..memories.len()).map(|memory| Variant { mode: Mode::Kv, k, memory }));
         }
     }

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 
 use anyhow::{Context, Result};
-use inferscale_loadtest::plot;
+use inferscale_eval::plot;
 use serde::{Deserialize, Serialize};
 
 use crate::bench::median;

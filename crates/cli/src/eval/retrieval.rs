@@ -9,8 +9,9 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, bail};
 use inferscale_engine::Backend;
 use inferscale_engine::bert::Bert;
-use inferscale_memory::score::recall;
-use inferscale_memory::{Composer, Encoders, Memory, Prompts, Query, Retriever, ShardSpec, locomo};
+use inferscale_eval::locomo;
+use inferscale_eval::score::recall;
+use inferscale_memory::{Composer, Encoders, Memory, Prompts, Query, Retriever, ShardSpec};
 use serde::Serialize;
 
 use crate::memory_cmd::parse_retriever;

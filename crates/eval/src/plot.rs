@@ -11,7 +11,7 @@ use std::path::Path;
 use plotters::prelude::*;
 use plotters::style::{FontStyle, register_font};
 
-use crate::error::{Error, Result};
+use crate::error::{EvalError, Result};
 
 /// Where Debian's fonts-dejavu-core puts its sans-serif face.
 const FONT: &str = "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf";
@@ -73,7 +73,7 @@ pub fn line_charts(path: &Path, panels: &[Panel]) -> Result<()> {
 
 /// Draws the panels side by side into a PNG at `path`, as `layout` says.
 pub fn line_charts_with(path: &Path, panels: &[Panel], layout: &Layout) -> Result<()> {
-    draw(path, panels, layout).map_err(|reason| Error::Plot { path: path.to_path_buf(), reason })
+    draw(path, panels, layout).map_err(|reason| EvalError::Plot { path: path.to_path_buf(), reason })
 }
 
 fn draw(path: &Path, panels: &[Panel], layout: &Layout) -> std::result::Result<(), String> {

@@ -4,14 +4,15 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use crate::error::{MemoryError, Result};
-use crate::shard::Turn;
+use inferscale_types::MemoryUnit;
+
+use crate::error::{EvalError, Result, io};
 
 /// One LoCoMo sample: its turns in session order and its questions.
 #[derive(Debug, Clone)]
 pub struct Sample {
     pub id: String,
-    pub turns: Vec<Turn>,
+    pub turns: Vec<MemoryUnit>,
     pub qa: Vec<Qa>,
 }
 
@@ -26,8 +27,8 @@ pub struct Qa {
 
 /// Reads every sample of a LoCoMo file; errors name the file and the field.
 pub fn read(path: &Path) -> Result<Vec<Sample>> {
-    let bad = |reason: String| MemoryError::Locomo { path: path.to_path_buf(), reason };
-    let text = std::fs::read_to_string(path).map_err(crate::error::io(path))?;
+    let bad = |reason: String| EvalError::Locomo { path: path.to_path_buf(), reason };
+    let text = std::fs::read_to_string(path).map_err(io(path))?;
     let v: Value = serde_json::from_str(&text).map_err(|e| bad(format!("invalid JSON: {e}")))?;
     let samples = v.as_array().ok_or_else(|| bad("top level is not a list of samples".into()))?;
     samples.iter().enumerate().map(|(i, s)| sample(s).map_err(|r| bad(format!("sample {i}: {r}")))).collect()
@@ -54,7 +55,7 @@ fn sample(s: &Value) -> std::result::Result<Sample, String> {
                     .map(str::to_string)
                     .ok_or(format!("{id}: session_{n}[{j}]: missing `{f}`"))
             };
-            turns.push(Turn {
+            turns.push(MemoryUnit {
                 id: field("dia_id")?,
                 speaker: field("speaker")?,
                 text: field("text")?,
@@ -106,12 +107,9 @@ fn sample(s: &Value) -> std::result::Result<Sample, String> {
 /// `source_turn` (the turn the fact was extracted from) are required,
 /// `speaker` and `time` optional. Blank lines are skipped; errors name the
 /// file, the line and the field.
-pub fn read_facts(path: &Path) -> Result<Vec<Turn>> {
-    let text = std::fs::read_to_string(path).map_err(crate::error::io(path))?;
-    let bad = |line: usize, reason: String| MemoryError::Invalid {
-        what: "facts file",
-        reason: format!("{}:{line}: {reason}", path.display()),
-    };
+pub fn read_facts(path: &Path) -> Result<Vec<MemoryUnit>> {
+    let text = std::fs::read_to_string(path).map_err(io(path))?;
+    let bad = |line: usize, reason: String| EvalError::Facts { path: path.to_path_buf(), line, reason };
     let mut facts = Vec::new();
     for (n, line) in text.lines().enumerate().map(|(i, l)| (i + 1, l.trim())) {
         if line.is_empty() {
@@ -127,7 +125,7 @@ pub fn read_facts(path: &Path) -> Result<Vec<Turn>> {
                 None => Err(bad(n, format!("missing field `{name}`"))),
             }
         };
-        facts.push(Turn {
+        facts.push(MemoryUnit {
             id: field("id", true)?,
             text: field("text", true)?,
             source_turn: field("source_turn", true)?,
@@ -139,4 +137,42 @@ pub fn read_facts(path: &Path) -> Result<Vec<Turn>> {
         return Err(bad(0, "no facts".into()));
     }
     Ok(facts)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn facts_files_are_read_with_errors_naming_line_and_field() {
+        let dir = tempfile::tempdir().expect("ok");
+        let path = dir.path().join("facts.jsonl");
+        let read = |text: &str| {
+            std::fs::write(&path, text).expect("ok");
+            read_facts(&path)
+        };
+        let good = read(
+            "{\"id\": \"F1\", \"text\": \"Likes ramen.\", \"source_turn\": \"D1:3\", \"speaker\": \"Caroline\"}\n\n\
+             {\"id\": \"F2\", \"text\": \"Lives in Lisbon.\", \"source_turn\": \"D2:1\"}\n",
+        )
+        .expect("ok");
+        assert_eq!(good.len(), 2);
+        assert_eq!(
+            (good[0].speaker.as_str(), good[1].source_turn.as_str(), good[1].time.as_str()),
+            ("Caroline", "D2:1", "")
+        );
+        for (text, needle) in [
+            (
+                "{\"id\": \"F1\", \"text\": \"x\", \"source_turn\": \"D1\"}\n{\"id\": \"F2\"",
+                "facts.jsonl:2: invalid JSON",
+            ),
+            ("{\"id\": \"F1\", \"text\": \"x\"}", "facts.jsonl:1: missing field `source_turn`"),
+            ("{\"id\": \"F1\", \"text\": \" \", \"source_turn\": \"D1\"}", "facts.jsonl:1: field `text` is empty"),
+            ("{\"id\": 7, \"text\": \"x\", \"source_turn\": \"D1\"}", "facts.jsonl:1: field `id` is not a string"),
+            ("\n\n", "no facts"),
+        ] {
+            let err = read(text).expect_err("refused").to_string();
+            assert!(err.contains(needle), "{err:?} lacks {needle:?}");
+        }
+    }
 }

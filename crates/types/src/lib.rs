@@ -1,0 +1,112 @@
+//! The words every crate shares, defined once: the memory unit a caller
+//! stores ([`MemoryUnit`]), how a request uses memory ([`Mode`]), and how
+//! our HTTP clients read an OpenAI-compatible stream ([`sse`]).
+//!
+//! A leaf crate (serde only) so that the router, the load generator and
+//! the evaluation can speak them without the engine stack; the gRPC
+//! messages convert to and from them in `inferscale-proto`.
+
+use serde::{Deserialize, Serialize};
+
+pub mod sse;
+
+/// A memory unit to remember: a conversation turn, or a fact the caller
+/// extracted from one (then `source_turn` names that turn). The JSON shape
+/// is the HTTP API's (`/v1/memories`).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct MemoryUnit {
+    /// Unique within a user: a turn id such as LoCoMo's `D1:3`, or a fact id.
+    pub id: String,
+    #[serde(default)]
+    pub speaker: String,
+    pub text: String,
+    /// Session date/time as given (e.g. `1:56 pm on 8 May, 2023`).
+    #[serde(default)]
+    pub time: String,
+    /// For a caller-supplied fact: the id of the turn it came from. Its
+    /// context window is then the units stored before that turn (when the
+    /// turn is stored) instead of the units stored before the fact. Empty
+    /// for a conversation turn.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub source_turn: String,
+}
+
+/// How a request uses the user's memory: its facts injected as stored KV
+/// (`kv`), pasted into the prompt as text and prefilled (`prompt`), or not
+/// at all (`none`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    Kv,
+    Prompt,
+    None,
+}
+
+impl Mode {
+    pub const ALL: [Mode; 3] = [Mode::Kv, Mode::Prompt, Mode::None];
+
+    /// The name requests use (`kv`, `prompt`, `none`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Kv => "kv",
+            Mode::Prompt => "prompt",
+            Mode::None => "none",
+        }
+    }
+
+    /// Whether the request reads the user's memory at all.
+    pub fn uses_memory(self) -> bool {
+        self != Mode::None
+    }
+}
+
+impl std::fmt::Display for Mode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A memory mode name that is not one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnknownMode(pub String);
+
+impl std::fmt::Display for UnknownMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "memory mode {:?}: expected kv, prompt or none", self.0)
+    }
+}
+
+impl std::error::Error for UnknownMode {}
+
+impl std::str::FromStr for Mode {
+    type Err = UnknownMode;
+
+    fn from_str(s: &str) -> Result<Mode, UnknownMode> {
+        Mode::ALL.into_iter().find(|m| m.as_str() == s).ok_or_else(|| UnknownMode(s.to_string()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mode_names_round_trip_in_text_and_json() {
+        for m in Mode::ALL {
+            assert_eq!(m.as_str().parse::<Mode>(), Ok(m));
+            assert_eq!(serde_json::to_string(&m).ok(), Some(format!("\"{m}\"")));
+        }
+        assert_eq!("KV".parse::<Mode>(), Err(UnknownMode("KV".into())));
+        assert!(serde_json::from_str::<Mode>("\"both\"").is_err());
+    }
+
+    #[test]
+    fn a_unit_needs_only_id_and_text_and_omits_an_empty_source_turn() {
+        let u: MemoryUnit = serde_json::from_str(r#"{"id":"D1:3","text":"I moved to Porto."}"#).expect("parses");
+        assert_eq!(u, MemoryUnit { id: "D1:3".into(), text: "I moved to Porto.".into(), ..Default::default() });
+        let back = serde_json::to_value(&u).expect("serializes");
+        assert!(back.get("source_turn").is_none(), "{back}");
+        assert!(serde_json::from_str::<MemoryUnit>(r#"{"id":"x"}"#).is_err(), "text is required");
+    }
+}

@@ -52,7 +52,7 @@ pub fn run(a: Args) -> Result<()> {
     // Memory: each fact encoded once, after the same header serving uses.
     let t = Instant::now();
     // Each fact sees the header and the facts stored before it (the context
-    // window of design.md §2, here the whole short history).
+    // window of docs/design.md §2, here the whole short history).
     let mut context = header_tokens.clone();
     let mut chunks: Vec<KvChunk<_>> = Vec::with_capacity(facts.len());
     for f in &facts {

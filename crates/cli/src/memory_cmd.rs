@@ -2,6 +2,7 @@
 //! command line, stored under `--memory` (default `$INFERSCALE_HOME/memory`).
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
@@ -10,9 +11,7 @@ use inferscale_engine::bert::Bert;
 use inferscale_engine::sampling::SamplingParams;
 use inferscale_engine::{Backend, generate_sequences};
 use inferscale_eval::locomo;
-use inferscale_memory::{
-    ANSWER_INSTRUCTION, Composer, Encoders, Memory, Mode, Prompts, Query, Retriever, SYSTEM_PROMPT, ShardSpec, prepare,
-};
+use inferscale_memory::{ANSWER_INSTRUCTION, Memory, Mode, Prompts, Retriever, SYSTEM_PROMPT, Session, ShardSpec};
 use inferscale_model::fetch;
 
 use crate::runtime::{Loaded, ModelArgs, load_on, on_backend};
@@ -119,16 +118,10 @@ impl MemoryArgs {
 }
 
 /// Everything a memory command needs, loaded once.
-struct Session<B: Backend> {
-    loaded: Loaded<B>,
-    embedder: Bert<B>,
-    memory: Memory<B>,
-}
-
 fn open<B: Backend>(a: &MemoryArgs, backend: B) -> Result<Session<B>> {
     let loaded = load_on(&a.model, backend)?;
     let (embedder, memory) = open_memory(a, &loaded)?;
-    Ok(Session { loaded, embedder, memory })
+    Ok(Session::new(Arc::new(loaded.files), loaded.engine, embedder, memory, &a.prompts())?)
 }
 
 /// The embedder (on the engine's backend) and the memory directory `a`
@@ -171,13 +164,11 @@ fn ingest_on<B: Backend>(a: &IngestArgs, backend: B) -> Result<()> {
         (None, None) => bail!("give --locomo or --facts"),
     };
     let mut s = open(&a.mem, backend)?;
-    let composer = Composer::new(&s.loaded.files, &a.mem.prompts())?;
-    let mut enc = Encoders { engine: &mut s.loaded.engine, embedder: &s.embedder, composer: &composer };
     let t0 = Instant::now();
     let (mut added, mut skipped, mut tokens) = (0, 0, 0);
     let total = units.len();
     for (i, batch) in units.chunks(a.batch).enumerate() {
-        let r = s.memory.ingest(&a.user, batch, &mut enc)?;
+        let r = s.ingest(&a.user, batch, false)?;
         (added, skipped, tokens) = (added + r.added, skipped + r.skipped, tokens + r.encoded_tokens);
         let done = (i * a.batch + batch.len()).min(total);
         eprint!("\rinferscale ingest: {done}/{total} {label} ({added} new, {skipped} already stored)");
@@ -205,24 +196,16 @@ fn ask_on<B: Backend>(a: &AskArgs, backend: B) -> Result<()> {
         bail!("--k must be between 1 and 1000, got {}", a.k);
     }
     let mut s = open(&a.mem, backend)?;
-    let composer = Composer::new(&s.loaded.files, &a.mem.prompts())?;
-    {
-        let mut enc = Encoders { engine: &mut s.loaded.engine, embedder: &s.embedder, composer: &composer };
-        s.memory.ensure_kv(&a.user, &mut enc)?;
-    }
-    let eos = s.loaded.eos_ids();
-    let engine = &mut s.loaded.engine;
-    let mut header = engine.new_sequence(composer.header().to_vec())?;
-    engine.prefill(&mut header)?;
-    let question = composer.question(&a.question)?;
+    s.ensure_kv(&a.user)?;
+    let eos = s.files().eos_ids();
+    let question = s.question(&a.question)?;
 
     let start = Instant::now();
-    let query = s.embedder.embed(engine.backend(), &[a.question.as_str()])?.remove(0);
-    let top = s.memory.retrieve(engine.backend(), &a.user, Query { text: &a.question, embedding: &query }, a.k)?;
-    let p = prepare(engine, &s.memory, &a.user, &top, a.mode, &header, &question)?;
-    let tok = s.loaded.files.tokenizer.as_ref();
-    let out =
-        generate_sequences(engine, tok, &eos, vec![(p.seq, SamplingParams::greedy(a.max_tokens))], start)?.remove(0);
+    let top = s.retrieve(&a.user, &a.question, a.k)?;
+    let p = s.prepare(&a.user, &top, a.mode, &question)?;
+    let files = s.files().clone();
+    let work = vec![(p.seq, SamplingParams::greedy(a.max_tokens))];
+    let out = generate_sequences(s.engine_mut(), files.tokenizer.as_ref(), &eos, work, start)?.remove(0);
     println!("{}", out.text.trim());
     eprintln!("inferscale ask: facts (prompt order): {}", p.fact_ids.join(", "));
     eprintln!(

@@ -11,7 +11,7 @@
 //!   current and keeps serving the cached one when the store is away.
 
 pub mod embedded;
-pub mod error;
+mod error;
 pub mod etcd;
 pub mod membership;
 pub mod plan;

@@ -9,9 +9,9 @@
 //! machine without a driver. [`parity`] checks this backend against the CPU
 //! reference.
 
-pub mod backend;
-pub mod bench;
-pub mod error;
+mod backend;
+mod bench;
+mod error;
 pub mod external;
 mod fused;
 mod gemm;

@@ -1,5 +1,5 @@
 //! The CUDA backend checked against the CPU reference, and E1–E4
-//! (design.md §1) on the CUDA backend: `inferscale check cuda` runs it on a
+//! (docs/design.md §1) on the CUDA backend: `inferscale check cuda` runs it on a
 //! GPU node, and `tests/parity.rs` wherever a device is present.
 //!
 //! Tolerances are relative L2 errors (‖cuda − cpu‖ / ‖cpu‖) set by bf16:

@@ -270,7 +270,7 @@ impl<B: Backend> Engine<B> {
     /// returns, per sequence that finished its pending tokens, its next
     /// token's source: the argmax if `greedy[i]` (reduced on the device, so
     /// only one id per sequence crosses to the host), else the logits.
-    pub fn step_exact(
+    pub fn step_scheduled(
         &mut self,
         seqs: &mut [&mut Sequence],
         take: &[usize],

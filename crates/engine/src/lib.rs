@@ -3,19 +3,19 @@
 //! batched generation.
 //!
 //! Layering: [`kv_cache`] deals only in block ids; [`backend`] implementations
-//! own device memory and know nothing of models; [`llama`] is the model,
-//! written once over the trait; [`engine`] ties a model to a backend and a
+//! own device memory and know nothing of models; `llama` is the model,
+//! written once over the trait; `engine` ties a model to a backend and a
 //! block pool; [`generate`] runs sampling loops on top.
 
 pub mod backend;
 pub mod bert;
 pub mod cpu;
-pub mod engine;
-pub mod error;
-pub mod generate;
-pub mod inject;
+mod engine;
+mod error;
+mod generate;
+mod inject;
 pub mod kv_cache;
-pub mod llama;
+mod llama;
 pub mod retrieval;
 pub mod rope;
 pub mod sampling;

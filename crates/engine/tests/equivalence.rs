@@ -1,4 +1,4 @@
-//! E1–E4 (design.md §1): the exactness of KV injection, on four random-weight
+//! E1–E4 (docs/design.md §1): the exactness of KV injection, on four random-weight
 //! shapes (MHA; GQA + tied embeddings + llama3 RoPE scaling; Qwen2 QKV bias;
 //! explicit head_dim + linear scaling) and on SmolLM2, CPU backend.
 //!
@@ -7,7 +7,7 @@
 //!   very vector the forward computes, rotated by the same code, so it must be
 //!   bit-identical; deeper layers see keys computed at another absolute
 //!   position, where the f32 angles `p·θ` round differently (≤ ulp(p)/2), so
-//!   a relative bound of 1e-5 per layer (design.md §1). Measured: 1.9e-7
+//!   a relative bound of 1e-5 per layer (docs/design.md §1). Measured: 1.9e-7
 //!   (tiny), 7.0e-7 (SmolLM2).
 //! - E2 (injecting exactly-computed prefix KV = prompt injection): the same
 //!   operations on the same numbers except for GEMM blocking of different
@@ -37,7 +37,7 @@ use inferscale_engine::sampling::argmax;
 use inferscale_engine::{CpuBackend, Engine, KvChunk, Sequence};
 use inferscale_model::{Message, ModelFiles};
 
-/// A prompt laid out as in design.md §3.
+/// A prompt laid out as in docs/design.md §3.
 struct Layout {
     header: Vec<u32>,
     facts: Vec<Vec<u32>>,

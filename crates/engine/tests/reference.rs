@@ -72,7 +72,7 @@ fn tiny_models_prefill_chunks_and_greedy_match_transformers() {
 /// golden logits, and the device argmax of a greedy sequence is the golden
 /// argmax; asking more tokens than are pending is refused.
 #[test]
-fn tiny_models_step_exact_splits_match_transformers() {
+fn tiny_models_step_scheduled_splits_match_transformers() {
     use inferscale_engine::NextToken;
     for name in TINY_SHAPES {
         let (g, files, _dir) = open_tiny(name);
@@ -80,11 +80,11 @@ fn tiny_models_step_exact_splits_match_transformers() {
         let mut a = engine.new_sequence(g.input_ids.clone()).unwrap();
         let mut b = engine.new_sequence(g.input_ids.clone()).unwrap();
         let n = g.input_ids.len();
-        assert!(engine.step_exact(&mut [&mut a], &[n + 1], &[false]).is_err(), "{name}: over-asking must fail");
+        assert!(engine.step_scheduled(&mut [&mut a], &[n + 1], &[false]).is_err(), "{name}: over-asking must fail");
         let plan = [[3, 0], [n - 4, n - 2], [1, 2]];
         let mut last = [None, None];
         for take in plan {
-            let out = engine.step_exact(&mut [&mut a, &mut b], &take, &[false, true]).unwrap();
+            let out = engine.step_scheduled(&mut [&mut a, &mut b], &take, &[false, true]).unwrap();
             for (slot, o) in last.iter_mut().zip(out) {
                 if o.is_some() {
                     *slot = o;

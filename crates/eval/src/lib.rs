@@ -6,7 +6,7 @@
 //! It knows nothing of the engine: a load generator that only speaks HTTP
 //! depends on this crate, not on the model stack.
 
-pub mod error;
+mod error;
 pub mod locomo;
 pub mod plot;
 pub mod score;

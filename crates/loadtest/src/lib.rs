@@ -16,11 +16,11 @@
 
 pub mod charts;
 pub mod client;
-pub mod error;
-pub mod report;
-pub mod runner;
+mod error;
+mod report;
+mod runner;
 pub mod synthetic;
-pub mod users;
+mod users;
 
 use std::time::Duration;
 

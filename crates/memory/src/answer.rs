@@ -1,4 +1,4 @@
-//! Building the prompt of one request in any mode (design.md §3): the cached
+//! Building the prompt of one request in any mode (docs/design.md §3): the cached
 //! header, then the retrieved facts — injected as KV (`kv`) or as text
 //! (`prompt`), least relevant first — then the question.
 
@@ -47,7 +47,7 @@ pub fn prepare<B: Backend>(
                 .map(|&i| {
                     memory.kv(user, i)?.ok_or_else(|| MemoryError::Invalid {
                         what: "memory",
-                        reason: format!("fact {:?} of {user:?} has no KV yet", all[i].id),
+                        reason: format!("fact {:?} of {user:?} has no KV yet", all[i].unit.id),
                     })
                 })
                 .collect::<Result<Vec<&KvChunk<B>>>>()?;
@@ -76,5 +76,5 @@ pub fn prepare<B: Backend>(
         Mode::None => {}
     }
     seq.extend(question);
-    Ok(Prepared { seq, fact_ids: order.iter().map(|&i| all[i].id.clone()).collect(), memory_tokens })
+    Ok(Prepared { seq, fact_ids: order.iter().map(|&i| all[i].unit.id.clone()).collect(), memory_tokens })
 }

@@ -1,8 +1,8 @@
-//! The design.md §3 prompt layout, the same for every mode:
+//! The docs/design.md §3 prompt layout, the same for every mode:
 //!
 //! ```text
 //! [header]  chat template + system instructions + start of the user turn
-//! [fact_1 … fact_k]  one line each ("- …\n"), least relevant first
+//! [fact_1 … fact_k]  one line each ("…\n"), least relevant first
 //! [question + end of the user turn + assistant turn start]
 //! ```
 //!
@@ -55,15 +55,18 @@ impl Prompts {
     }
 }
 
-pub struct Composer<'a> {
-    tok: &'a Tokenizer,
+/// The §3 layout's token pieces for one model and one set of [`Prompts`]:
+/// the header, fact lines and questions. It keeps its own copy of the
+/// tokenizer, so it borrows nothing.
+pub struct Composer {
+    tok: Tokenizer,
     header: Vec<u32>,
     footer: String,
     instruction: String,
 }
 
-impl<'a> Composer<'a> {
-    pub fn new(files: &'a ModelFiles, prompts: &Prompts) -> Result<Self> {
+impl Composer {
+    pub fn new(files: &ModelFiles, prompts: &Prompts) -> Result<Self> {
         let system = prompts.system.as_str();
         let missing =
             |what: &str| MemoryError::Model(ModelError::ChatTemplate(format!("{}: {what}", files.path.display())));
@@ -73,11 +76,15 @@ impl<'a> Composer<'a> {
         let at = text.find(MARKER).ok_or_else(|| missing("the chat template dropped the user message"))?;
         let header = tok.encode(&text[..at], false)?;
         Ok(Composer {
-            tok,
+            tok: tok.clone(),
             header,
             footer: text[at + MARKER.len()..].to_string(),
             instruction: prompts.instruction.trim().to_string(),
         })
+    }
+
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tok
     }
 
     pub fn header(&self) -> &[u32] {

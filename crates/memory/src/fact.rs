@@ -1,8 +1,8 @@
 //! Facts and their on-disk records.
 //!
-//! A fact is the memory unit: one conversation turn (or a caller-supplied
-//! fact with its source turn), the exact tokens it occupies in a prompt, and
-//! its sentence embedding. Records are a small length-prefixed binary form;
+//! A fact is a stored memory unit (one conversation turn, or a
+//! caller-supplied fact with its source turn) with what storing it derived:
+//! the exact tokens it occupies in a prompt and its sentence embedding. Records are a small length-prefixed binary form;
 //! the log around them (log.rs) supplies framing and checksums, and the
 //! decoder still checks every length so a bad record is an error, not a panic.
 
@@ -14,30 +14,11 @@ use crate::error::{MemoryError, Result};
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Fact {
-    /// Unique within a user: a turn id such as LoCoMo's `D1:3`, or a fact id.
-    pub id: String,
-    pub speaker: String,
-    pub text: String,
-    /// Session date/time as given (e.g. `1:56 pm on 8 May, 2023`).
-    pub time: String,
-    /// The turn a caller-supplied fact came from (empty for turns).
-    pub source_turn: String,
+    /// What the caller stored, as it was given.
+    pub unit: MemoryUnit,
     /// The fact line's tokens, as injected or pasted into prompts.
     pub tokens: Vec<u32>,
     pub embedding: Vec<f32>,
-}
-
-impl Fact {
-    /// The memory unit this fact stores (what a caller ingested).
-    pub fn unit(&self) -> MemoryUnit {
-        MemoryUnit {
-            id: self.id.clone(),
-            speaker: self.speaker.clone(),
-            text: self.text.clone(),
-            time: self.time.clone(),
-            source_turn: self.source_turn.clone(),
-        }
-    }
 }
 
 /// One entry of a user's fact log.
@@ -57,7 +38,8 @@ impl Record {
         match self {
             Record::Put(f) => {
                 out.push(PUT);
-                for s in [&f.id, &f.speaker, &f.text, &f.time, &f.source_turn] {
+                let u = &f.unit;
+                for s in [&u.id, &u.speaker, &u.text, &u.time, &u.source_turn] {
                     put_bytes(&mut out, s.as_bytes());
                 }
                 out.extend_from_slice(&(f.tokens.len() as u32).to_le_bytes());
@@ -86,7 +68,8 @@ impl Record {
                 let tokens = (0..r.check(n, 4)?).map(|_| r.u32()).collect::<Result<_>>()?;
                 let n = r.u32()? as usize;
                 let embedding = (0..r.check(n, 4)?).map(|_| r.u32().map(f32::from_bits)).collect::<Result<_>>()?;
-                Ok(Record::Put(Fact { id, speaker, text, time, source_turn, tokens, embedding }))
+                let unit = MemoryUnit { id, speaker, text, time, source_turn };
+                Ok(Record::Put(Fact { unit, tokens, embedding }))
             }
             FORGET => Ok(Record::Forget(r.string()?)),
             t => Err(r.corrupt(format!("unknown record tag {t}"))),
@@ -149,11 +132,13 @@ mod tests {
     #[test]
     fn records_round_trip_and_truncations_are_errors() {
         let f = Fact {
-            id: "D1:3".into(),
-            speaker: "Caroline".into(),
-            text: "I went to a support group — it was powerful.".into(),
-            time: "1:56 pm on 8 May, 2023".into(),
-            source_turn: String::new(),
+            unit: MemoryUnit {
+                id: "D1:3".into(),
+                speaker: "Caroline".into(),
+                text: "I went to a support group — it was powerful.".into(),
+                time: "1:56 pm on 8 May, 2023".into(),
+                source_turn: String::new(),
+            },
             tokens: vec![1, 2, 49151],
             embedding: vec![0.5, -0.25, f32::MIN_POSITIVE],
         };

@@ -1,15 +1,16 @@
 //! The memory shard: per-user facts (the durable source of truth), their
 //! pre-RoPE KV encoded with a context window, retrieval and composition.
 
-pub mod answer;
-pub mod compose;
-pub mod error;
-pub mod fact;
-pub mod kvseg;
+mod answer;
+mod compose;
+mod error;
+mod fact;
+mod kvseg;
 pub mod log;
-pub mod retrieval;
-pub mod shard;
-pub mod transfer;
+mod retrieval;
+mod session;
+mod shard;
+mod transfer;
 
 pub use answer::{Prepared, prepare};
 pub use compose::{ANSWER_INSTRUCTION, Composer, Prompts, SYSTEM_PROMPT};
@@ -18,5 +19,6 @@ pub use fact::Fact;
 pub use inferscale_types::{MemoryUnit, Mode};
 pub use kvseg::KvHeader;
 pub use retrieval::{Query, Retriever};
+pub use session::Session;
 pub use shard::{Encoders, Footprint, IngestReport, Memory, ShardSpec, Tier, fingerprint, place, validate};
 pub use transfer::{ImportReport, ShardRecord, StagedShard, Staging};

@@ -86,11 +86,11 @@ pub const RRF_RANK_CONSTANT: f64 = 10.0;
 /// before and after it.
 pub(crate) fn lexical_document(facts: &[Fact], i: usize) -> String {
     let f = &facts[i];
-    let mut doc = Composer::turn_text(&f.speaker, &f.time, &f.text);
+    let mut doc = Composer::turn_text(&f.unit.speaker, &f.unit.time, &f.unit.text);
     for j in [i.checked_sub(1), Some(i + 1)].into_iter().flatten() {
         if let Some(n) = facts.get(j) {
             doc.push(' ');
-            doc.push_str(&n.text);
+            doc.push_str(&n.unit.text);
         }
     }
     doc
@@ -168,11 +168,13 @@ mod tests {
     #[test]
     fn a_lexical_document_holds_the_neighbours_texts() {
         let fact = |id: &str, text: &str| Fact {
-            id: id.into(),
-            speaker: "Mel".into(),
-            text: text.into(),
-            time: "8 May 2023".into(),
-            source_turn: String::new(),
+            unit: inferscale_types::MemoryUnit {
+                id: id.into(),
+                speaker: "Mel".into(),
+                text: text.into(),
+                time: "8 May 2023".into(),
+                source_turn: String::new(),
+            },
             tokens: Vec::new(),
             embedding: Vec::new(),
         };

@@ -49,10 +49,10 @@ impl ShardSpec {
 }
 
 /// The models and prompt pieces that turn text into facts and KV.
-pub struct Encoders<'e, 'c, B: Backend> {
+pub struct Encoders<'e, B: Backend> {
     pub engine: &'e mut Engine<B>,
     pub embedder: &'e Bert<B>,
-    pub composer: &'e Composer<'c>,
+    pub composer: &'e Composer,
 }
 
 /// Where a user's stored KV lives. A device backend keeps it in device
@@ -321,7 +321,7 @@ impl<B: Backend> Memory<B> {
 
     /// `user`'s facts as the units they were stored from, in order.
     pub fn units(&self, user: &str) -> Result<Vec<MemoryUnit>> {
-        Ok(self.facts(user)?.iter().map(Fact::unit).collect())
+        Ok(self.facts(user)?.iter().map(|f| f.unit.clone()).collect())
     }
 
     /// Facts stored here, over all users.
@@ -352,7 +352,7 @@ impl<B: Backend> Memory<B> {
     /// returns; then their KV is encoded with the shard's window and
     /// appended to the user's segment. Turns whose id is already stored are
     /// skipped. Invalid input stores nothing.
-    pub fn ingest(&mut self, user: &str, turns: &[MemoryUnit], enc: &mut Encoders<'_, '_, B>) -> Result<IngestReport> {
+    pub fn ingest(&mut self, user: &str, turns: &[MemoryUnit], enc: &mut Encoders<'_, B>) -> Result<IngestReport> {
         self.ingest_with(user, turns, enc, true)
     }
 
@@ -363,7 +363,7 @@ impl<B: Backend> Memory<B> {
         &mut self,
         user: &str,
         turns: &[MemoryUnit],
-        enc: &mut Encoders<'_, '_, B>,
+        enc: &mut Encoders<'_, B>,
     ) -> Result<IngestReport> {
         self.ingest_with(user, turns, enc, false)
     }
@@ -372,7 +372,7 @@ impl<B: Backend> Memory<B> {
         &mut self,
         user: &str,
         turns: &[MemoryUnit],
-        enc: &mut Encoders<'_, '_, B>,
+        enc: &mut Encoders<'_, B>,
         encode: bool,
     ) -> Result<IngestReport> {
         validate(user, turns)?;
@@ -396,20 +396,12 @@ impl<B: Backend> Memory<B> {
         let embeddings = enc.embedder.embed(enc.engine.backend(), &refs)?;
         let mut facts = Vec::with_capacity(new.len());
         for ((t, text), embedding) in new.iter().zip(&texts).zip(embeddings) {
-            facts.push(Fact {
-                id: t.id.clone(),
-                speaker: t.speaker.clone(),
-                text: t.text.clone(),
-                time: t.time.clone(),
-                source_turn: t.source_turn.clone(),
-                tokens: enc.composer.fact(text)?,
-                embedding,
-            });
+            facts.push(Fact { unit: (*t).clone(), tokens: enc.composer.fact(text)?, embedding });
         }
         let records: Vec<Vec<u8>> = facts.iter().map(|f| Record::Put(f.clone()).encode()).collect();
         shard.log.append(&records.iter().map(Vec::as_slice).collect::<Vec<_>>())?;
         for f in facts {
-            shard.by_id.insert(f.id.clone(), shard.facts.len());
+            shard.by_id.insert(f.unit.id.clone(), shard.facts.len());
             shard.facts.push(f);
             shard.kv.push(None);
         }
@@ -428,7 +420,7 @@ impl<B: Backend> Memory<B> {
 
     /// Encodes every fact of `user` whose KV is missing (e.g. after a
     /// corrupt segment was detected); returns the tokens encoded.
-    pub fn ensure_kv(&mut self, user: &str, enc: &mut Encoders<'_, '_, B>) -> Result<usize> {
+    pub fn ensure_kv(&mut self, user: &str, enc: &mut Encoders<'_, B>) -> Result<usize> {
         let (window, batch) = (self.spec.window, self.encode_batch);
         let shard = self.users.get_mut(user).ok_or_else(|| MemoryError::UnknownUser(user.to_string()))?;
         shard.encode_missing(window, batch, usize::MAX, enc)
@@ -438,7 +430,7 @@ impl<B: Backend> Memory<B> {
     /// some: background work for idle time, so that a replica that takes
     /// over a user (or a user whose KV was dropped) answers at full speed.
     /// Returns the facts encoded (0: nothing is pending).
-    pub fn encode_pending(&mut self, max_facts: usize, enc: &mut Encoders<'_, '_, B>) -> Result<usize> {
+    pub fn encode_pending(&mut self, max_facts: usize, enc: &mut Encoders<'_, B>) -> Result<usize> {
         let (window, batch) = (self.spec.window, self.encode_batch);
         while let Some(user) = self.pending.first().cloned() {
             let Some(shard) = self.users.get_mut(&user) else {
@@ -465,7 +457,7 @@ impl<B: Backend> Memory<B> {
     }
 
     /// The `k` facts that best answer `query`, best first, ranked by the
-    /// shard's [`Retriever`] (see [`crate::retrieval`]). Only `user`'s facts
+    /// shard's [`Retriever`] (see `retrieval.rs`). Only `user`'s facts
     /// are read. Dense search runs on `be` (`Backend::top_k`: one GEMV and a
     /// sort on a GPU) over the user's embeddings uploaded once after each
     /// change; the lexical index is likewise built once after each change.
@@ -537,7 +529,7 @@ impl<B: Backend> Memory<B> {
         shard.facts.remove(idx);
         shard.kv.remove(idx);
         shard.facts_changed();
-        shard.by_id = shard.facts.iter().enumerate().map(|(i, f)| (f.id.clone(), i)).collect();
+        shard.by_id = shard.facts.iter().enumerate().map(|(i, f)| (f.unit.id.clone(), i)).collect();
         let records: Vec<Vec<u8>> = shard.facts.iter().map(|f| Record::Put(f.clone()).encode()).collect();
         shard.log.rewrite(&records)?;
         shard.rewrite_kv_without(id)
@@ -551,7 +543,7 @@ impl<B: Backend> UserShard<B> {
         if let Some(f) = self.facts.iter().find(|f| f.embedding.len() != dim) {
             return Err(MemoryError::Invalid {
                 what: "embedding",
-                reason: format!("fact {:?} of {user:?} has {} values, the others {dim}", f.id, f.embedding.len()),
+                reason: format!("fact {:?} of {user:?} has {} values, the others {dim}", f.unit.id, f.embedding.len()),
             });
         }
         Ok(self.facts.iter().flat_map(|f| f.embedding.iter().copied()).collect())
@@ -607,13 +599,13 @@ impl<B: Backend> UserShard<B> {
         for bytes in &rec.records {
             match Record::decode(bytes, log.path())? {
                 Record::Put(f) => {
-                    facts.retain(|x| x.id != f.id);
+                    facts.retain(|x| x.unit.id != f.unit.id);
                     facts.push(f);
                 }
-                Record::Forget(id) => facts.retain(|x| x.id != id),
+                Record::Forget(id) => facts.retain(|x| x.unit.id != id),
             }
         }
-        let by_id = facts.iter().enumerate().map(|(i, f)| (f.id.clone(), i)).collect::<HashMap<_, _>>();
+        let by_id = facts.iter().enumerate().map(|(i, f)| (f.unit.id.clone(), i)).collect::<HashMap<_, _>>();
         let mut kv: Vec<Option<KvChunk<B>>> = (0..facts.len()).map(|_| None).collect();
         let kv_path = dir.join("kv.log");
         let (mut kv_log, krec) = RecordLog::open(&kv_path)?;
@@ -670,7 +662,7 @@ impl<B: Backend> UserShard<B> {
     /// Where fact `i`'s context window ends: its source turn when that turn
     /// is stored before it, else the fact itself.
     fn context_anchor(&self, i: usize) -> usize {
-        let source = &self.facts[i].source_turn;
+        let source = &self.facts[i].unit.source_turn;
         match self.by_id.get(source) {
             Some(&j) if !source.is_empty() && j < i => j,
             _ => i,
@@ -686,7 +678,7 @@ impl<B: Backend> UserShard<B> {
         window: usize,
         batch: usize,
         limit: usize,
-        enc: &mut Encoders<'_, '_, B>,
+        enc: &mut Encoders<'_, B>,
     ) -> Result<usize> {
         let missing: Vec<usize> = (0..self.facts.len()).filter(|&i| self.kv[i].is_none()).take(limit).collect();
         let mut tokens = 0;
@@ -718,7 +710,7 @@ impl<B: Backend> UserShard<B> {
                     Tier::Device => chunk,
                     Tier::Host => KvChunk::from_host_tier(be, chunk.tokens.clone(), &k, &v)?,
                 });
-                records.push(StoredKv { fact_id: fact.id.clone(), tokens: fact.tokens.clone(), k, v }.encode());
+                records.push(StoredKv { fact_id: fact.unit.id.clone(), tokens: fact.tokens.clone(), k, v }.encode());
                 tokens += context.len() + fact.tokens.len();
             }
             self.kv_log.append(&records.iter().map(Vec::as_slice).collect::<Vec<_>>())?;

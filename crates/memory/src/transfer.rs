@@ -80,7 +80,7 @@ impl<B: Backend> Memory<B> {
 
     /// `user`'s fact ids in order (empty for an unknown user).
     pub fn fact_ids(&self, user: &str) -> Vec<String> {
-        self.users.get(user).map_or_else(Vec::new, |s| s.facts.iter().map(|f| f.id.clone()).collect())
+        self.users.get(user).map_or_else(Vec::new, |s| s.facts.iter().map(|f| f.unit.id.clone()).collect())
     }
 
     /// The start of an export of `user`: this shard's KV header and the
@@ -107,7 +107,7 @@ impl<B: Backend> Memory<B> {
     ) -> Result<(Vec<ShardRecord>, usize)> {
         let Some(shard) = self.users.get(user) else { return Ok((Vec::new(), ids.len())) };
         let by_id: std::collections::HashMap<&str, usize> =
-            shard.facts.iter().enumerate().map(|(i, f)| (f.id.as_str(), i)).collect();
+            shard.facts.iter().enumerate().map(|(i, f)| (f.unit.id.as_str(), i)).collect();
         let mut out = Vec::new();
         let mut bytes = 0;
         let mut used = 0;
@@ -121,7 +121,7 @@ impl<B: Backend> Memory<B> {
             let kv = match (with_kv, self.kv(user, i)?) {
                 (true, Some(chunk)) => {
                     let (k, v) = chunk.to_host(be)?;
-                    StoredKv { fact_id: fact.id.clone(), tokens: fact.tokens.clone(), k, v }.encode()
+                    StoredKv { fact_id: fact.unit.id.clone(), tokens: fact.tokens.clone(), k, v }.encode()
                 }
                 _ => Vec::new(),
             };
@@ -142,7 +142,7 @@ impl<B: Backend> Memory<B> {
             let extra: Vec<Vec<u8>> = local
                 .facts
                 .iter()
-                .filter(|f| !staged.ids.contains(&f.id))
+                .filter(|f| !staged.ids.contains(&f.unit.id))
                 .map(|f| Record::Put(f.clone()).encode())
                 .collect();
             if !extra.is_empty() {
@@ -250,18 +250,18 @@ impl Staging {
                     return Err(MemoryError::Invalid { what: "shard record", reason: "a tombstone in a shard".into() });
                 }
             };
-            if !self.ids.insert(fact.id.clone()) {
+            if !self.ids.insert(fact.unit.id.clone()) {
                 return Err(MemoryError::Invalid {
                     what: "shard record",
-                    reason: format!("fact {:?} sent twice", fact.id),
+                    reason: format!("fact {:?} sent twice", fact.unit.id),
                 });
             }
             if !r.kv.is_empty() {
                 let (fact_id, tokens) = StoredKv::check(&r.kv, &self.header, &path)?;
-                if fact_id != fact.id || tokens != fact.tokens {
+                if fact_id != fact.unit.id || tokens != fact.tokens {
                     return Err(MemoryError::Invalid {
                         what: "shard record",
-                        reason: format!("the KV sent with fact {:?} is not that fact's", fact.id),
+                        reason: format!("the KV sent with fact {:?} is not that fact's", fact.unit.id),
                     });
                 }
                 kv.push(r.kv.as_slice());

@@ -112,11 +112,11 @@ fn sigkill_during_ingest_loses_no_acknowledged_turn() {
         let composer = Composer::new(&s.files, &Prompts::default()).unwrap();
         let (mut mem, _warnings) = Memory::open(dir.path(), spec(), &e).unwrap();
         let facts = mem.facts(USER).unwrap().to_vec();
-        let ids: Vec<&str> = facts.iter().map(|f| f.id.as_str()).collect();
+        let ids: Vec<&str> = facts.iter().map(|f| f.unit.id.as_str()).collect();
         assert!(ids.len() == acked.len() || ids.len() == acked.len() + 1, "round {round}: {ids:?} vs acked {acked:?}");
         assert_eq!(&ids[..acked.len()], acked.iter().map(String::as_str).collect::<Vec<_>>().as_slice());
         for (i, f) in facts.iter().enumerate() {
-            assert_eq!(f.text, turn(i).text, "round {round}: fact {i} intact");
+            assert_eq!(f.unit.text, turn(i).text, "round {round}: fact {i} intact");
         }
         // KV is either reloaded intact or re-encoded; both equal a clean encoding.
         let mut enc = Encoders { engine: &mut e, embedder: &s.embedder, composer: &composer };

@@ -146,7 +146,7 @@ fn users_are_isolated_and_forgetting_removes_data() {
     let question = composer.question("Where is Caroline moving?").unwrap();
     let top = mem.retrieve(&CpuBackend, "alice", query("Where is Caroline moving?", &q), 10).unwrap();
     assert_eq!(top.len(), 3, "alice has three facts; bob's are never candidates");
-    assert_eq!(mem.facts("alice").unwrap()[top[0]].id, "A2", "the Lisbon turn ranks first");
+    assert_eq!(mem.facts("alice").unwrap()[top[0]].unit.id, "A2", "the Lisbon turn ranks first");
     // Bob's request is in flight while alice's is prepared.
     let qb = m.embedder.embed(&CpuBackend, &["Where did Melanie go camping?"]).unwrap().remove(0);
     let bob_top = mem.retrieve(&CpuBackend, "bob", query("Where did Melanie go camping?", &qb), 10).unwrap();
@@ -172,7 +172,7 @@ fn users_are_isolated_and_forgetting_removes_data() {
         .fact_ids
         .iter()
         .map(|id| {
-            let i = mem.facts("alice").unwrap().iter().position(|f| &f.id == id).unwrap();
+            let i = mem.facts("alice").unwrap().iter().position(|f| &f.unit.id == id).unwrap();
             mem.kv("alice", i).unwrap().unwrap()
         })
         .collect();
@@ -187,7 +187,7 @@ fn users_are_isolated_and_forgetting_removes_data() {
     let alice = mem.facts("alice").unwrap();
     let mut want = composer.header().to_vec();
     for id in &p.fact_ids {
-        want.extend(&alice.iter().find(|f| &f.id == id).unwrap().tokens);
+        want.extend(&alice.iter().find(|f| &f.unit.id == id).unwrap().tokens);
     }
     want.extend(&question);
     assert_eq!(p.seq.tokens(), &want[..]);
@@ -205,10 +205,10 @@ fn users_are_isolated_and_forgetting_removes_data() {
     assert_eq!(mem.facts("bob").unwrap().len(), 3);
     let after = mem.retrieve(&CpuBackend, "bob", query("Where did Melanie go camping?", &qb), 10).unwrap();
     assert_eq!(after.len(), 3);
-    assert!(after.iter().all(|&i| mem.facts("bob").unwrap()[i].id != "B1"), "{after:?}");
+    assert!(after.iter().all(|&i| mem.facts("bob").unwrap()[i].unit.id != "B1"), "{after:?}");
     drop(mem);
     let (mut mem, _) = open(dir.path(), &e, 0);
-    assert!(mem.facts("bob").unwrap().iter().all(|f| f.id != "B1"));
+    assert!(mem.facts("bob").unwrap().iter().all(|f| f.unit.id != "B1"));
     let bob_dir = std::fs::read_dir(dir.path().join("users")).unwrap().count();
     mem.forget_user("bob").unwrap();
     assert_eq!(std::fs::read_dir(dir.path().join("users")).unwrap().count(), bob_dir - 1);
@@ -231,7 +231,7 @@ fn every_retriever_ranks_the_users_facts() {
     let ids = |mem: &Memory<CpuBackend>, text: &str, k: usize| -> Vec<String> {
         let q = m.embedder.embed(&CpuBackend, &[text]).unwrap().remove(0);
         let top = mem.retrieve(&CpuBackend, "u", query(text, &q), k).unwrap();
-        top.iter().map(|&i| mem.facts("u").unwrap()[i].id.clone()).collect()
+        top.iter().map(|&i| mem.facts("u").unwrap()[i].unit.id.clone()).collect()
     };
     for r in Retriever::ALL {
         mem.set_retriever(r);
@@ -307,7 +307,7 @@ fn supplied_facts_are_encoded_after_their_source_turns_context() {
     let facts = mem.facts("u").unwrap().to_vec();
     assert_eq!(facts.len(), 7);
     let stored = facts.last().unwrap();
-    assert_eq!((stored.id.as_str(), stored.source_turn.as_str()), ("F1", "T2"));
+    assert_eq!((stored.unit.id.as_str(), stored.unit.source_turn.as_str()), ("F1", "T2"));
 
     // The stored KV is the fact encoded after [header][T0][T1] (window 2
     // before T2), not after the two units stored just before the fact.
@@ -335,11 +335,11 @@ fn supplied_facts_are_encoded_after_their_source_turns_context() {
     // The source turn survives a restart.
     drop(mem);
     let (mem, _) = open(dir.path(), &e, 2);
-    assert_eq!(mem.facts("u").unwrap()[6].source_turn, "T2");
+    assert_eq!(mem.facts("u").unwrap()[6].unit.source_turn, "T2");
 }
 
 fn kv_of(m: &Memory<CpuBackend>, e: &Engine<CpuBackend>, user: &str, id: &str) -> Option<Vec<f32>> {
-    let i = m.facts(user).unwrap().iter().position(|f| f.id == id)?;
+    let i = m.facts(user).unwrap().iter().position(|f| f.unit.id == id)?;
     let (k, v) = m.kv(user, i).unwrap()?.to_host(e.backend()).unwrap();
     Some(k.iter().chain(&v).flat_map(|t| t.data.iter().copied()).collect())
 }

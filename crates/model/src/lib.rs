@@ -7,16 +7,16 @@
 //! the chat template. Nothing here knows about backends or tensors on devices.
 
 pub mod chat;
-pub mod config;
+mod config;
 pub mod encoder;
-pub mod error;
+mod error;
 pub mod export;
 pub mod fetch;
 pub mod gguf;
 pub mod quant;
 pub mod shapes;
-pub mod tokenizer;
-pub mod weights;
+mod tokenizer;
+mod weights;
 
 use std::path::{Path, PathBuf};
 

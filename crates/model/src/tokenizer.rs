@@ -16,6 +16,7 @@ use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
 
 /// A tokenizer plus the special-token facts generation needs.
+#[derive(Clone)]
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     pub bos: Option<(u32, String)>,

@@ -1,16 +1,16 @@
-//! The router (design.md §4): an OpenAI-compatible HTTP API in front of
+//! The router (docs/design.md §4): an OpenAI-compatible HTTP API in front of
 //! gRPC workers. Users are placed on workers by consistent hashing; each
 //! request is validated here (clear 4xx errors) before a worker sees it.
 //! In a cluster the router also watches membership and placement in the
-//! placement store, and the elected one rebalances ([`rebalance`]).
+//! placement store, and the elected one rebalances (`rebalance`).
 
-pub mod api;
-pub mod auth;
-pub mod error;
-pub mod metrics;
-pub mod openai;
-pub mod rebalance;
-pub mod workers;
+mod api;
+mod auth;
+mod error;
+mod metrics;
+mod openai;
+mod rebalance;
+mod workers;
 
 use std::sync::Arc;
 use std::time::Duration;

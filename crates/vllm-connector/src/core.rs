@@ -1,6 +1,6 @@
 //! The connector's core inside vLLM's worker process: the same memory shard
 //! as a native worker (facts, pre-RoPE KV, retrieval), the prompt layout of
-//! design.md §3, the plans it issued, and the loads into vLLM's cache.
+//! docs/design.md §3, the plans it issued, and the loads into vLLM's cache.
 //!
 //! Generic over our backend: on the CPU the stored KV is host memory,
 //! written into host caches by [`crate::inject`]; on CUDA (feature `cuda`)
@@ -10,12 +10,13 @@
 use std::collections::{HashMap, VecDeque};
 use std::io::Read;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use inferscale_engine::bert::Bert;
 use inferscale_engine::{Backend, CpuBackend, Engine, EngineConfig, KvChunk};
 use inferscale_memory::{
-    Composer, Encoders, ImportReport, IngestReport, KvHeader, Memory, MemoryUnit, Prompts, Query, Retriever,
-    ShardRecord, ShardSpec, StagedShard,
+    ImportReport, IngestReport, KvHeader, Memory, MemoryUnit, Prompts, Retriever, Session, ShardRecord, ShardSpec,
+    StagedShard,
 };
 use inferscale_model::{ModelFiles, RopeScaling, shapes};
 
@@ -65,14 +66,9 @@ pub struct Composed {
 }
 
 pub struct Core<B: Backend> {
-    /// A core lives as long as its process (one per vLLM worker, kept in
-    /// the shim's registry), so its model files are leaked: the composer
-    /// borrows them for good and is built once, not per request.
-    files: &'static ModelFiles,
-    composer: Composer<'static>,
-    engine: Engine<B>,
-    embedder: Bert<B>,
-    memory: Memory<B>,
+    /// Engine, embedder, memory shard and composer: the same session a
+    /// native worker answers with.
+    session: Session<B>,
     header_kv: KvChunk<B>,
     shape: ModelShape,
     fingerprint: String,
@@ -100,33 +96,29 @@ impl<B: Backend> Core<B> {
             }
             None => inferscale_model::open(&cfg.model)?,
         };
-        let files: &'static ModelFiles = Box::leak(Box::new(files));
         let engine_cfg = EngineConfig::with_kv_bytes(
-            files,
+            &files,
             cfg.kv_cache_mb << 20,
             cfg.max_batch_tokens,
             backend.kv_bytes_per_value(),
         );
-        let mut engine = Engine::new(backend, files, engine_cfg)?;
+        let engine = Engine::new(backend, &files, engine_cfg)?;
         let embedder = Bert::load(engine.backend(), inferscale_model::encoder::open(&cfg.embedder)?)?;
-        let spec = ShardSpec::new(files, cfg.window, &cfg.prompts)?;
+        let spec = ShardSpec::new(&files, cfg.window, &cfg.prompts)?;
         let (mut memory, warnings) = Memory::open(&cfg.memory_dir, spec, &engine)?;
         memory.set_retriever(cfg.retriever);
         for w in warnings {
             eprintln!("inferscale-vllm: warning: {w}");
         }
-        let composer = Composer::new(files, &cfg.prompts)?;
+        let shape = model_shape(&files);
+        let mut session = Session::new(Arc::new(files), engine, embedder, memory, &cfg.prompts)?;
         // The header at position 0 with nothing before it: its pre-RoPE KV is
         // exactly what a prefill of the prompt's first tokens computes (E2).
-        let header_kv = engine.encode(&[], composer.header(), 0)?;
-        let shape = model_shape(files);
+        let header = session.composer().header().to_vec();
+        let header_kv = session.engine_mut().encode(&[], &header, 0)?;
         let fingerprint = shape_fingerprint(&shape);
         Ok(Core {
-            files,
-            composer,
-            engine,
-            embedder,
-            memory,
+            session,
             header_kv,
             shape,
             fingerprint,
@@ -145,20 +137,20 @@ impl<B: Backend> Core<B> {
         &self.fingerprint
     }
 
-    /// The model files, for the life of the process (the gRPC front
-    /// detokenizes vLLM's output with its tokenizer, without the lock).
-    pub fn files(&self) -> &'static ModelFiles {
-        self.files
+    /// The model files (the gRPC front detokenizes vLLM's output with
+    /// their tokenizer, without the lock).
+    pub fn files(&self) -> &Arc<ModelFiles> {
+        self.session.files()
     }
 
     /// The memory shard (read-only: every write goes through the core, which
     /// keeps the salts' generations).
     pub fn memory(&self) -> &Memory<B> {
-        &self.memory
+        self.session.memory()
     }
 
     pub fn backend(&self) -> &B {
-        self.engine.backend()
+        self.session.engine().backend()
     }
 
     /// Stores `turns` for `user` (durably, before returning) and encodes their KV.
@@ -169,11 +161,7 @@ impl<B: Backend> Core<B> {
     /// [`Core::ingest`], or with `defer_kv` the facts only (their KV is
     /// encoded when a request first retrieves them: a replica's copy).
     pub fn ingest_with(&mut self, user: &str, turns: &[MemoryUnit], defer_kv: bool) -> Result<IngestReport> {
-        let mut enc = Encoders { engine: &mut self.engine, embedder: &self.embedder, composer: &self.composer };
-        let report = match defer_kv {
-            true => self.memory.ingest_deferred(user, turns, &mut enc)?,
-            false => self.memory.ingest(user, turns, &mut enc)?,
-        };
+        let report = self.session.ingest(user, turns, defer_kv)?;
         if report.added > 0 {
             self.bump(user);
         }
@@ -182,7 +170,7 @@ impl<B: Backend> Core<B> {
 
     /// Forgets one fact of `user`, or all of them.
     pub fn forget(&mut self, user: &str, fact: Option<&str>) -> Result<()> {
-        self.memory.forget(user, fact)?;
+        self.session.memory_mut().forget(user, fact)?;
         self.bump(user);
         Ok(())
     }
@@ -201,24 +189,24 @@ impl<B: Backend> Core<B> {
         with_kv: bool,
         max_bytes: usize,
     ) -> Result<(Vec<ShardRecord>, usize)> {
-        Ok(self.memory.export(self.engine.backend(), user, ids, with_kv, max_bytes)?)
+        Ok(self.memory().export(self.backend(), user, ids, with_kv, max_bytes)?)
     }
 
     /// Where imports are staged, and the KV header a shard must match.
     pub fn import_target(&self) -> (PathBuf, KvHeader) {
-        (self.memory.dir().to_path_buf(), self.memory.kv_header().clone())
+        (self.memory().dir().to_path_buf(), self.memory().kv_header().clone())
     }
 
     /// Commits a staged shard in place of `user`'s copy here.
     pub fn commit_import(&mut self, user: &str, staged: StagedShard) -> Result<ImportReport> {
-        let r = self.memory.commit_import(self.engine.backend(), user, staged)?;
+        let r = self.session.commit_import(user, staged)?;
         self.bump(user);
         Ok(r)
     }
 
     /// Facts `user` has.
     pub fn facts(&self, user: &str) -> usize {
-        if self.memory.has_user(user) { self.memory.facts(user).map_or(0, |f| f.len()) } else { 0 }
+        self.memory().facts(user).map_or(0, |f| f.len())
     }
 
     /// Retrieves `user`'s `k` best facts for `question`, lays out header,
@@ -226,29 +214,19 @@ impl<B: Backend> Core<B> {
     /// injects header and facts. The prompt-mode baseline is the same
     /// prompt with no plan: identical token ids at identical positions.
     pub fn compose(&mut self, user: &str, question: &str, k: usize) -> Result<Composed> {
-        let q_tokens = self.composer.question(question)?;
-        let best = if k > 0 && self.memory.has_user(user) {
-            let q = self.embedder.embed(self.engine.backend(), &[question])?;
-            let q =
-                q.first().ok_or_else(|| ConnectorError::Invalid { what: "question", reason: "no embedding".into() })?;
-            self.memory.retrieve(self.engine.backend(), user, Query { text: question, embedding: q }, k)?
-        } else {
-            Vec::new()
-        };
-        let mut prompt = self.composer.header().to_vec();
+        let q_tokens = self.session.question(question)?;
+        let best = if k > 0 { self.session.retrieve(user, question, k)? } else { Vec::new() };
+        let mut prompt = self.session.composer().header().to_vec();
         let mut chunks = vec![Chunk { fact: None, start: 0, len: prompt.len() }];
         let mut fact_ids = Vec::with_capacity(best.len());
         if !best.is_empty() {
-            self.memory.ensure_kv(
-                user,
-                &mut Encoders { engine: &mut self.engine, embedder: &self.embedder, composer: &self.composer },
-            )?;
-            let facts = self.memory.facts(user)?;
+            self.session.ensure_kv(user)?;
+            let facts = self.session.memory().facts(user)?;
             for &i in best.iter().rev() {
                 let f = &facts[i];
-                chunks.push(Chunk { fact: Some(f.id.clone()), start: prompt.len(), len: f.tokens.len() });
+                chunks.push(Chunk { fact: Some(f.unit.id.clone()), start: prompt.len(), len: f.tokens.len() });
                 prompt.extend_from_slice(&f.tokens);
-                fact_ids.push(f.id.clone());
+                fact_ids.push(f.unit.id.clone());
             }
         }
         let end = prompt.len();
@@ -328,10 +306,10 @@ impl<B: Backend> Core<B> {
             None => &self.header_kv,
             Some(id) => {
                 let i = self
-                    .memory
+                    .memory()
                     .fact_index(user, id)?
                     .ok_or_else(|| ConnectorError::Plan(format!("{user:?} has no fact {id:?} any more")))?;
-                self.memory
+                self.memory()
                     .kv(user, i)?
                     .ok_or_else(|| ConnectorError::Plan(format!("fact {id:?} of {user:?} has no KV yet")))?
             }
@@ -352,11 +330,12 @@ impl<B: Backend> Core<B> {
     /// rotated: the reference the connector's loads are checked against
     /// (a chunk encoded on its own is the block-diagonal mask's KV, E3).
     pub fn reference_kv(&mut self, tokens: &[u32], start: u32) -> Result<Vec<(Vec<f32>, Vec<f32>)>> {
-        let mut seq = self.engine.new_sequence_at(tokens.to_vec(), start)?;
-        self.engine.prefill(&mut seq)?;
+        let engine = self.session.engine_mut();
+        let mut seq = engine.new_sequence_at(tokens.to_vec(), start)?;
+        engine.prefill(&mut seq)?;
         (0..self.shape.num_layers)
             .map(|l| {
-                let (k, v) = self.engine.cached_kv(&seq, l)?;
+                let (k, v) = engine.cached_kv(&seq, l)?;
                 Ok((k.data, v.data))
             })
             .collect()
@@ -382,7 +361,7 @@ impl Core<CpuBackend> {
                 .zip(&plan.chunks)
                 .map(|(kv, c)| Rows { k: &kv.k[l].data, v: &kv.v[l].data, start: c.start })
                 .collect();
-            write_layer(cache, view, self.engine.model().rope(), &rows, block_ids, from)?;
+            write_layer(cache, view, self.session.engine().model().rope(), &rows, block_ids, from)?;
         }
         self.note_loaded(plan, from);
         Ok(())
@@ -460,8 +439,9 @@ impl Core<inferscale_cuda::CudaBackend> {
             s_head: s.head,
             s_kv: s.kv,
         };
+        let engine = self.session.engine();
         // SAFETY: forwarded from the caller.
-        unsafe { self.engine.backend().inject_external(&cache, &ext, self.engine.model().rope(), stream)? };
+        unsafe { engine.backend().inject_external(&cache, &ext, engine.model().rope(), stream)? };
         self.note_loaded(plan, from);
         Ok(())
     }

@@ -69,8 +69,8 @@ impl FrontConfig {
 pub(crate) struct Shared {
     pub(crate) core: Arc<Mutex<AnyCore>>,
     pub(crate) cfg: FrontConfig,
-    /// The model's files (the tokenizer), for the process's life.
-    pub(crate) files: &'static ModelFiles,
+    /// The model's files (the tokenizer), read without the core's lock.
+    pub(crate) files: Arc<ModelFiles>,
     /// The model's end-of-sequence ids.
     pub(crate) eos: Vec<u32>,
     /// The context window the shard's KV is encoded with (fixed per shard).
@@ -120,7 +120,7 @@ pub fn serve(core: Arc<Mutex<AnyCore>>, cfg: FrontConfig) -> Result<Front> {
     let addr = listener.local_addr().map_err(|e| io("reading the bound address", e))?;
     let (files, window, backend) = {
         let g = core.lock().map_err(|_| ConnectorError::Unsupported("the core was poisoned by a panic".into()))?;
-        (each!(&*g, c => c.files()), each!(&*g, c => c.memory().spec().window), g.backend_name())
+        (each!(&*g, c => c.files().clone()), each!(&*g, c => c.memory().spec().window), g.backend_name())
     };
     if files.tokenizer.is_none() {
         return Err(ConnectorError::Unsupported("the model has no tokenizer to render prompts and answers".into()));

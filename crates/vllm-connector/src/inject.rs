@@ -3,7 +3,7 @@
 //! any of the layouts of [`crate::layout`].
 //!
 //! The rotation is the engine's own ([`Rope`]), so KV written here is the
-//! KV our engine's injection writes (design.md §1, E1–E4); only the final
+//! KV our engine's injection writes (docs/design.md §1, E1–E4); only the final
 //! rounding to the cache's dtype is added (round to nearest even, as
 //! torch's `.to()` does).
 

@@ -2,7 +2,7 @@
 //! carried through vLLM in the request's `kv_transfer_params`, and the
 //! scheduler-side decisions made from it.
 //!
-//! The core composes a prompt (design.md §3: header, facts, question) and
+//! The core composes a prompt (docs/design.md §3: header, facts, question) and
 //! issues a plan naming it; vLLM hands the params to the scheduler-side
 //! connector (possibly another process), which decides how many tokens are
 //! "externally computed", and the worker-side connector, which looks the

@@ -335,7 +335,7 @@ def plan_and_load(core, model_dir, extra, kv):
 def reference(core, header, prompt, chunk, shift=0):
     """Per layer (K, V) `[len, kv_dim]` of `chunk` as a prompt prefill
     computes them. The header: the prompt's first tokens. A fact: the
-    memory encodes it right after the header (design.md §2), so the
+    memory encodes it right after the header (docs/design.md §2), so the
     reference is a prefill of header + fact placed to put the fact at its
     prompt positions (attention depends on relative positions only)."""
     start, n = chunk["start"], chunk["len"]

@@ -21,8 +21,7 @@ use inferscale_engine::kv_cache::BLOCK_SIZE;
 use inferscale_engine::sampling::{Rng, sample};
 use inferscale_engine::{Backend, Engine, FinishReason, NextToken, Sequence};
 use inferscale_memory::{
-    Composer, Encoders, ImportReport, IngestReport, KvHeader, Memory, MemoryUnit, Mode, Prompts, Query, ShardRecord,
-    StagedShard, prepare,
+    ImportReport, IngestReport, KvHeader, Memory, MemoryUnit, Mode, Prompts, Session, ShardRecord, StagedShard,
 };
 use inferscale_model::ModelFiles;
 use tracing::{Span, field::Empty, info_span};
@@ -156,13 +155,13 @@ pub(crate) fn run<B: Backend>(
     rx: Receiver<Command>,
     metrics: Arc<WorkerMetrics>,
 ) -> Result<()> {
-    let WorkerParts { files, mut engine, embedder, mut memory, eos } = parts;
-    let composer = Composer::new(&files, &cfg.prompts)?;
-    let tokenizer =
-        files.tokenizer.as_ref().ok_or_else(|| WorkerError::Startup("the model has no tokenizer".into()))?;
+    let WorkerParts { files, engine, embedder, mut memory, eos } = parts;
+    if files.tokenizer.is_none() {
+        return Err(WorkerError::Startup("the model has no tokenizer".into()));
+    }
     memory.set_encode_batch(cfg.ingest_batch);
-    let mut header = engine.new_sequence(composer.header().to_vec())?;
-    engine.prefill(&mut header)?;
+    let session = Session::new(Arc::new(files), engine, embedder, memory, &cfg.prompts)?;
+    let engine = session.engine();
     let reserve = (cfg.ingest_batch * cfg.ingest_tokens_per_unit).div_ceil(BLOCK_SIZE);
     let free = engine.pool().free_blocks();
     let total_blocks = free.checked_sub(reserve).filter(|&n| n > 0).ok_or_else(|| {
@@ -180,13 +179,8 @@ pub(crate) fn run<B: Backend>(
     let mut protocol =
         Protocol::new(ProtocolConfig { max_k: cfg.max_k, ingest_batch: cfg.ingest_batch }, metrics.clone());
     let mut core = Core {
-        engine,
-        embedder,
-        memory,
+        session,
         eos,
-        composer: &composer,
-        tokenizer,
-        header,
         cfg,
         sched,
         live: HashMap::new(),
@@ -235,14 +229,9 @@ pub(crate) fn run<B: Backend>(
     }
 }
 
-struct Core<'c, 'f, B: Backend> {
-    engine: Engine<B>,
-    embedder: Bert<B>,
-    memory: Memory<B>,
+struct Core<B: Backend> {
+    session: Session<B>,
     eos: Vec<u32>,
-    composer: &'c Composer<'f>,
-    tokenizer: &'f inferscale_model::Tokenizer,
-    header: Sequence,
     cfg: WorkerConfig,
     sched: Scheduler,
     live: HashMap<RequestId, Live>,
@@ -253,9 +242,9 @@ struct Core<'c, 'f, B: Backend> {
 
 /// The native engine's side of the protocol: the shard is this thread's,
 /// and generation is this thread's scheduler and engine.
-impl<B: Backend> MemoryHost for Core<'_, '_, B> {
+impl<B: Backend> MemoryHost for Core<B> {
     fn window(&self) -> usize {
-        self.memory.spec().window
+        self.session.memory().spec().window
     }
 
     fn generate(&mut self, job: GenerateJob, events: Events) -> Result<()> {
@@ -263,19 +252,15 @@ impl<B: Backend> MemoryHost for Core<'_, '_, B> {
     }
 
     fn ingest(&mut self, user: &str, units: &[MemoryUnit], defer_kv: bool) -> Result<IngestReport> {
-        let mut enc = Encoders { engine: &mut self.engine, embedder: &self.embedder, composer: self.composer };
-        Ok(match defer_kv {
-            true => self.memory.ingest_deferred(user, units, &mut enc)?,
-            false => self.memory.ingest(user, units, &mut enc)?,
-        })
+        Ok(self.session.ingest(user, units, defer_kv)?)
     }
 
     fn units(&self, user: &str) -> Result<Vec<MemoryUnit>> {
-        Ok(self.memory.units(user)?)
+        Ok(self.session.memory().units(user)?)
     }
 
     fn forget(&mut self, user: &str, unit: Option<&str>) -> Result<()> {
-        self.memory.forget(user, unit)?;
+        self.session.memory_mut().forget(user, unit)?;
         self.drop_unstarted(user, WorkerError::Forgotten);
         Ok(())
     }
@@ -284,84 +269,77 @@ impl<B: Backend> MemoryHost for Core<'_, '_, B> {
         Load {
             running: self.sched.running(),
             waiting: self.sched.waiting(),
-            kv_blocks_total: self.engine.pool().total_blocks(),
-            kv_blocks_free: self.engine.pool().free_blocks(),
+            kv_blocks_total: self.session.engine().pool().total_blocks(),
+            kv_blocks_free: self.session.engine().pool().free_blocks(),
             max_queue: self.cfg.max_queue,
         }
     }
 
     fn holdings(&self, footprint: bool) -> Holdings {
-        holdings(&self.memory, footprint)
+        holdings(self.session.memory(), footprint)
     }
 
     fn users(&self) -> Vec<String> {
-        self.memory.users().map(str::to_string).collect()
+        self.session.memory().users().map(str::to_string).collect()
     }
 
     fn fact_ids(&self, user: &str) -> Vec<String> {
-        self.memory.fact_ids(user)
+        self.session.memory().fact_ids(user)
     }
 
     fn export_begin(&self, user: &str) -> Result<(KvHeader, Vec<String>)> {
-        Ok(self.memory.export_begin(user)?)
+        Ok(self.session.memory().export_begin(user)?)
     }
 
     fn export(&self, user: &str, ids: &[String], with_kv: bool, max_bytes: usize) -> Result<(Vec<ShardRecord>, usize)> {
-        Ok(self.memory.export(self.engine.backend(), user, ids, with_kv, max_bytes)?)
+        let s = &self.session;
+        Ok(s.memory().export(s.engine().backend(), user, ids, with_kv, max_bytes)?)
     }
 
     fn import_target(&self) -> Result<(PathBuf, KvHeader)> {
-        Ok((self.memory.dir().to_path_buf(), self.memory.kv_header().clone()))
+        let m = self.session.memory();
+        Ok((m.dir().to_path_buf(), m.kv_header().clone()))
     }
 
     fn commit_import(&mut self, user: &str, staged: StagedShard) -> Result<ImportReport> {
         // Requests that retrieved from the old copy must not lay out from the new one.
         self.drop_unstarted(user, WorkerError::Moving);
-        Ok(self.memory.commit_import(self.engine.backend(), user, staged)?)
+        Ok(self.session.commit_import(user, staged)?)
     }
 
     fn drop_user(&mut self, user: &str) -> Result<()> {
         self.drop_unstarted(user, WorkerError::Moving);
-        if self.memory.has_user(user) {
-            self.memory.forget_user(user)?;
+        if self.session.memory().has_user(user) {
+            self.session.memory_mut().forget_user(user)?;
         }
         Ok(())
     }
 }
 
-impl<B: Backend> Core<'_, '_, B> {
+impl<B: Backend> Core<B> {
     /// Retrieves, sizes and queues a request the protocol admitted.
     fn admit(&mut self, job: GenerateJob, events: Events) -> Result<()> {
-        let question = self.composer.question(&job.question)?;
+        let question = self.session.question(&job.question)?;
         let t0 = Instant::now();
         let retrieve =
             info_span!(parent: &job.span, "retrieve", k = job.k as i64, candidates = Empty, retrieved = Empty);
         let entered = retrieve.enter();
         let mut facts = Vec::new();
-        if job.mode != Mode::None && self.memory.has_user(&job.user) {
-            let engine = &mut self.engine;
+        if job.mode != Mode::None && self.session.memory().has_user(&job.user) {
             if job.mode == Mode::Kv {
-                let mut enc = Encoders { engine, embedder: &self.embedder, composer: self.composer };
-                self.memory.ensure_kv(&job.user, &mut enc)?;
+                self.session.ensure_kv(&job.user)?;
             }
-            let query = self.embedder.embed(self.engine.backend(), &[job.question.as_str()])?;
-            let query = query.first().ok_or_else(|| WorkerError::Invalid("empty question embedding".into()))?;
-            facts = self.memory.retrieve(
-                self.engine.backend(),
-                &job.user,
-                Query { text: &job.question, embedding: query },
-                job.k,
-            )?;
-            retrieve.record("candidates", self.memory.facts(&job.user).map_or(0, <[_]>::len) as i64);
+            facts = self.session.retrieve(&job.user, &job.question, job.k)?;
+            retrieve.record("candidates", self.session.memory().facts(&job.user).map_or(0, <[_]>::len) as i64);
         }
         retrieve.record("retrieved", facts.len() as i64);
         drop(entered);
         drop(retrieve);
         let retrieve_ms = ms(t0.elapsed());
-        let all = if facts.is_empty() { &[][..] } else { self.memory.facts(&job.user)? };
+        let all = if facts.is_empty() { &[][..] } else { self.session.memory().facts(&job.user)? };
         let memory_tokens: usize = facts.iter().map(|&i| all[i].tokens.len()).sum();
-        let header = self.header.len();
-        let limit = self.engine.model().config().max_position_embeddings;
+        let header = self.session.header().len();
+        let limit = self.session.engine().model().config().max_position_embeddings;
         let prompt_len = header + memory_tokens + question.len();
         if prompt_len >= limit {
             return Err(WorkerError::Invalid(format!(
@@ -393,7 +371,7 @@ impl<B: Backend> Core<'_, '_, B> {
                 rng: Rng::new(job.params.seed),
                 job,
                 events,
-                fact_ids: facts.iter().map(|&i| all[i].id.clone()).collect(),
+                fact_ids: facts.iter().map(|&i| all[i].unit.id.clone()).collect(),
                 memory_tokens,
                 seq: None,
                 generated: Vec::new(),
@@ -453,8 +431,7 @@ impl<B: Backend> Core<'_, '_, B> {
     /// When idle: encodes a few facts still without KV (a replica's copy,
     /// an import without KV). Returns whether it did any.
     fn encode_pending(&mut self) -> bool {
-        let mut enc = Encoders { engine: &mut self.engine, embedder: &self.embedder, composer: self.composer };
-        match self.memory.encode_pending(self.cfg.ingest_batch, &mut enc) {
+        match self.session.encode_pending(self.cfg.ingest_batch) {
             Ok(n) => n > 0,
             Err(e) => {
                 eprintln!("inferscale worker: encoding stored facts in the background: {e}");
@@ -479,16 +456,17 @@ impl<B: Backend> Core<'_, '_, B> {
         let facts = match l.fact_ids.is_empty() {
             true => Vec::new(),
             false => {
-                let all = self.memory.facts(&l.job.user)?;
-                let by_id: HashMap<&str, usize> = all.iter().enumerate().map(|(i, f)| (f.id.as_str(), i)).collect();
+                let all = self.session.memory().facts(&l.job.user)?;
+                let by_id: HashMap<&str, usize> =
+                    all.iter().enumerate().map(|(i, f)| (f.unit.id.as_str(), i)).collect();
                 l.fact_ids
                     .iter()
                     .map(|f| by_id.get(f.as_str()).copied().ok_or_else(|| WorkerError::Forgotten(l.job.user.clone())))
                     .collect::<Result<Vec<usize>>>()?
             }
         };
-        let p = prepare(&mut self.engine, &self.memory, &l.job.user, &facts, l.job.mode, &self.header, &l.question)?;
-        self.engine.backend().synchronize()?;
+        let p = self.session.prepare(&l.job.user, &facts, l.job.mode, &l.question)?;
+        self.session.engine().backend().synchronize()?;
         l.timings.inject_ms = ms(now.elapsed());
         l.phase = info_span!(parent: &l.job.span, "prefill", tokens = p.seq.pending() as i64);
         l.fact_ids = p.fact_ids;
@@ -529,7 +507,11 @@ impl<B: Backend> Core<'_, '_, B> {
             }
         }
         let forward = Instant::now();
-        let logits = if seqs.is_empty() { Ok(Vec::new()) } else { self.engine.step_exact(&mut seqs, &takes, &greedy) };
+        let logits = if seqs.is_empty() {
+            Ok(Vec::new())
+        } else {
+            self.session.engine_mut().step_scheduled(&mut seqs, &takes, &greedy)
+        };
         if !seqs.is_empty() {
             self.metrics.stepped(seqs.len(), forward.elapsed().as_secs_f64());
         }
@@ -569,9 +551,9 @@ impl<B: Backend> Core<'_, '_, B> {
     }
 
     fn sample_one(&mut self, id: RequestId, next: NextToken) -> Result<()> {
-        let limit = self.engine.model().config().max_position_embeddings;
+        let limit = self.session.engine().model().config().max_position_embeddings;
         let eos = &self.eos;
-        let tokenizer = self.tokenizer;
+        let tokenizer = self.session.tokenizer();
         let Some(l) = self.live.get_mut(&id) else { return Ok(()) };
         let tok = match next {
             NextToken::Greedy(t) => t,
@@ -612,12 +594,12 @@ impl<B: Backend> Core<'_, '_, B> {
     fn finish(&mut self, id: RequestId) {
         let Some(mut l) = self.live.remove(&id) else { return };
         if l.finish != Some(FinishReason::Stop)
-            && let Ok(rest) = l.text.finish(self.tokenizer, &l.generated)
+            && let Ok(rest) = l.text.finish(self.session.tokenizer(), &l.generated)
             && !rest.is_empty()
         {
             let _ = l.events.send(Event::Token { id: l.generated.last().copied().unwrap_or(0), text: rest });
         }
-        let header = self.header.len();
+        let header = self.session.header().len();
         let question = l.seq.as_ref().map_or(0, |s| s.len() - l.generated.len());
         l.timings.total_ms = ms(l.job.arrived.elapsed());
         // The first token ends the prefill; the decode makes the others.

@@ -1,25 +1,25 @@
-//! The worker (design.md §4): one engine, one memory shard, continuous
+//! The worker (docs/design.md §4): one engine, one memory shard, continuous
 //! batching across users, behind the gRPC `Worker` service.
 //!
-//! Layers: [`scheduler`] is pure decision logic (request ids and token and
+//! Layers: `scheduler` is pure decision logic (request ids and token and
 //! block counts, no tensors, no I/O) so that it can be tested exhaustively;
-//! [`protocol`] is the worker protocol, one dispatcher for every engine
+//! `protocol` is the worker protocol, one dispatcher for every engine
 //! behind the [`MemoryHost`] trait; `engine_thread` is our engine's host,
 //! which carries out the scheduler's steps (vLLM's is the vLLM connector's
-//! front); [`service`] turns gRPC calls into protocol commands; [`transfer`] streams
-//! shards between workers for the cluster's rebalancer; [`frames`] cuts a
+//! front); `service` turns gRPC calls into protocol commands; [`transfer`] streams
+//! shards between workers for the cluster's rebalancer; `frames` cuts a
 //! shard into fixed-size frames for device-to-device (NCCL) transfer over
 //! a [`link`]; [`http`] serves [`metrics`] and the health probes.
 
 mod engine_thread;
-pub mod error;
-pub mod frames;
+mod error;
+mod frames;
 pub mod http;
 pub mod link;
 pub mod metrics;
-pub mod protocol;
-pub mod scheduler;
-pub mod service;
+mod protocol;
+mod scheduler;
+mod service;
 pub mod text;
 pub mod transfer;
 

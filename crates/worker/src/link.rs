@@ -11,7 +11,7 @@
 //! ([`Links::new_id`]) and joins as the sender, the receiving worker learns
 //! the id from the shard's first chunk and joins as the receiver. Frames
 //! then go across in the order and sizes the shard's manifest gives
-//! ([`crate::frames`]). Every call that waits on the peer has a deadline:
+//! (`crate::frames`). Every call that waits on the peer has a deadline:
 //! a peer that dies or never joins is an error, not a hung thread.
 
 use crate::error::Result;

@@ -1,6 +1,6 @@
 //! The worker protocol, one for every engine: what the gRPC service asks
 //! of a worker ([`Command`]), what a generate request streams back
-//! ([`Event`]), and the one dispatcher ([`Protocol`]) that carries the
+//! ([`Event`]), and the one dispatcher (`Protocol`) that carries the
 //! commands out.
 //!
 //! Two engines serve it: our own (the engine thread,
@@ -179,7 +179,7 @@ pub(crate) enum Command {
 }
 
 /// An engine with a memory shard: what differs between the kinds of
-/// worker. Called from the one thread that runs the [`Protocol`]; every
+/// worker. Called from the one thread that runs the `Protocol`; every
 /// input has passed the protocol's checks.
 pub trait MemoryHost {
     /// The context window (in turns) the shard's KV is encoded with.

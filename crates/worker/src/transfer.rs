@@ -6,11 +6,10 @@
 //! A send may put the KV — the bulk of a shard — on a device [`link`]
 //! (NCCL between two GPUs of one host) instead: the gRPC stream then
 //! carries each chunk's records with their KV lengths and checksums (the
-//! [`frames`] manifest), and the chunk's KV follows over the link in frames.
+//! `frames` manifest), and the chunk's KV follows over the link in frames.
 //! Both ends check every record's checksum either way.
 //!
 //! [`link`]: crate::link
-//! [`frames`]: crate::frames
 
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;

@@ -1,5 +1,5 @@
 //! `inferscale bench ttft`: time to first token with k memory facts in the
-//! design.md §3 layout, in both modes side by side:
+//! docs/design.md §3 layout, in both modes side by side:
 //!
 //! - `prompt`: the facts are rendered as text and prefilled with the question
 //!   after the cached header (the Mem0-style baseline);
@@ -151,11 +151,11 @@ fn first_token<B: Backend>(
 
 /// Prefills `seq`'s pending tokens (in chunks of the engine's batch limit)
 /// and returns its first token by greedy argmax, through the worker's path
-/// (`Engine::step_exact`): on a device backend only the id crosses to the host.
+/// (`Engine::step_scheduled`): on a device backend only the id crosses to the host.
 fn prefill_greedy<B: Backend>(e: &mut Engine<B>, seq: &mut Sequence) -> Result<u32> {
     loop {
         let take = seq.pending().min(e.max_batch_tokens());
-        let next = e.step_exact(&mut [&mut *seq], &[take], &[true])?;
+        let next = e.step_scheduled(&mut [&mut *seq], &[take], &[true])?;
         if seq.pending() == 0 {
             return match next.into_iter().next().flatten() {
                 Some(NextToken::Greedy(id)) => Ok(id),

@@ -17,6 +17,7 @@ mod retrieval;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
@@ -27,7 +28,7 @@ use inferscale_engine::sampling::{SamplingParams, argmax};
 use inferscale_engine::{Backend, Engine, FinishReason, Sequence, generate_sequences};
 use inferscale_eval::locomo;
 use inferscale_eval::score::{kl, locomo_f1, log_softmax, recall};
-use inferscale_memory::{Composer, Encoders, Memory, Mode, Query, Retriever, ShardSpec, prepare};
+use inferscale_memory::{Memory, Mode, Retriever, Session, ShardSpec};
 
 use crate::memory_cmd::{PromptArgs, parse_retriever};
 use crate::runtime::{ModelArgs, load_on, on_backend};
@@ -121,6 +122,9 @@ fn locomo_eval<B: Backend>(a: &LocomoArgs, backend: B) -> Result<()> {
     if a.k.contains(&0) || a.k.is_empty() {
         bail!("--k needs values of at least 1");
     }
+    if a.window.is_empty() {
+        bail!("--window needs at least one window");
+    }
     if a.batch == 0 {
         bail!("--batch must be at least 1");
     }
@@ -130,37 +134,43 @@ fn locomo_eval<B: Backend>(a: &LocomoArgs, backend: B) -> Result<()> {
         bail!("{}: none of the samples {:?}", data.display(), a.samples);
     }
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
-    let mut m = load_on(&a.model, backend)?;
+    let m = load_on(&a.model, backend)?;
     let eos = m.eos_ids();
     let embedder = Bert::load(m.engine.backend(), inferscale_model::encoder::open(&a.embedder)?)?;
     let prompts = a.prompts.prompts();
-    let composer = Composer::new(&m.files, &prompts)?;
-    let tok = m.files.tokenizer.as_ref().context("the model has no tokenizer")?;
-    let e = &mut m.engine;
+    let model = m.files.path.display().to_string();
 
-    // One memory per window, every sample a user of it.
+    // One memory per window, every sample a user of it: the session answers
+    // from the first; the others take its place in turn (`on_window`).
     let mut memories = Vec::new();
-    let mut ingest = Vec::new();
     for &w in &a.window {
         let dir = a.out.join(format!("memory-w{w}"));
-        let (mut mem, warnings) = Memory::open(&dir, ShardSpec::new(&m.files, w, &prompts)?, e)?;
+        let (mut mem, warnings) = Memory::open(&dir, ShardSpec::new(&m.files, w, &prompts)?, &m.engine)?;
         warnings.iter().for_each(|x| eprintln!("inferscale eval: warning: {x}"));
         mem.set_retriever(a.retriever);
-        let mut enc = Encoders { engine: e, embedder: &embedder, composer: &composer };
+        memories.push(mem);
+    }
+    let first = memories.remove(0);
+    let mut session = Session::new(Arc::new(m.files), m.engine, embedder, first, &prompts)?;
+    let mut ingest = Vec::new();
+    for (i, &w) in a.window.iter().enumerate() {
         let (t0, mut turns, mut tokens) = (Instant::now(), 0, 0);
-        for s in &samples {
-            for (i, batch) in s.turns.chunks(16).enumerate() {
-                let r = mem.ingest(&s.id, batch, &mut enc)?;
-                turns += r.added;
-                tokens += r.encoded_tokens;
-                eprint!(
-                    "\rinferscale eval: window {w}: ingest {} {}/{}   ",
-                    s.id,
-                    (i * 16 + batch.len()).min(s.turns.len()),
-                    s.turns.len()
-                );
+        on_window(&mut session, &mut memories, i, |s| -> Result<()> {
+            for sample in &samples {
+                for (j, batch) in sample.turns.chunks(16).enumerate() {
+                    let r = s.ingest(&sample.id, batch, false)?;
+                    turns += r.added;
+                    tokens += r.encoded_tokens;
+                    eprint!(
+                        "\rinferscale eval: window {w}: ingest {} {}/{}   ",
+                        sample.id,
+                        (j * 16 + batch.len()).min(sample.turns.len()),
+                        sample.turns.len()
+                    );
+                }
             }
-        }
+            Ok(())
+        })?;
         let secs = t0.elapsed().as_secs_f64();
         if turns > 0 {
             ingest.push(Ingest {
@@ -172,11 +182,8 @@ fn locomo_eval<B: Backend>(a: &LocomoArgs, backend: B) -> Result<()> {
             });
         }
         eprintln!();
-        memories.push((w, mem));
     }
 
-    let mut header = e.new_sequence(composer.header().to_vec())?;
-    e.prefill(&mut header)?;
     let k_max = *a.k.iter().max().context("--k")?;
     let want = |m: Mode| a.modes.contains(&m);
     let mut variants = Vec::new();
@@ -189,7 +196,7 @@ fn locomo_eval<B: Backend>(a: &LocomoArgs, backend: B) -> Result<()> {
             variants.push(Variant { mode: Mode::Prompt, k, memory: 0 });
         }
         if want(Mode::Kv) {
-            variants.extend((0..memories.len()).map(|memory| Variant { mode: Mode::Kv, k, memory }));
+            variants.extend((0..a.window.len()).map(|memory| Variant { mode: Mode::Kv, k, memory }));
         }
     }
 
@@ -203,21 +210,19 @@ fn locomo_eval<B: Backend>(a: &LocomoArgs, backend: B) -> Result<()> {
                 .take(if a.max_questions == 0 { usize::MAX } else { a.max_questions })
                 .collect();
         let texts: Vec<&str> = qas.iter().map(|(_, q)| q.question.as_str()).collect();
-        let embeddings = if texts.is_empty() { Vec::new() } else { embedder.embed(e.backend(), &texts)? };
-        let mem0 = &memories[0].1;
-        for ((index, qa), q) in qas.into_iter().zip(&embeddings) {
-            let top = mem0.retrieve(e.backend(), &s.id, Query { text: &qa.question, embedding: q }, k_max)?;
-            asked.push(Asked { sample: &s.id, index, qa, tokens: composer.question(&qa.question)?, top });
+        let tops = session.retrieve_many(&s.id, &texts, k_max)?;
+        for ((index, qa), top) in qas.into_iter().zip(tops) {
+            asked.push(Asked { sample: &s.id, index, qa, tokens: session.question(&qa.question)?, top });
         }
     }
 
     let mut answers = Vec::new();
-    let header_len = composer.header().len();
+    let header_len = session.header().len();
     let mut batch: Vec<&Asked<'_>> = Vec::new();
     let mut batch_blocks = 0;
-    let total_blocks = e.pool().free_blocks();
+    let total_blocks = session.engine().pool().free_blocks();
     for (n, q) in asked.iter().enumerate() {
-        let facts = memories[0].1.facts(q.sample)?;
+        let facts = session.memory().facts(q.sample)?;
         let blocks: usize = variants
             .iter()
             .map(|v| {
@@ -233,7 +238,15 @@ fn locomo_eval<B: Backend>(a: &LocomoArgs, backend: B) -> Result<()> {
             );
         }
         if !batch.is_empty() && (batch.len() == a.batch || batch_blocks + blocks > total_blocks) {
-            answers.extend(answer_questions(e, &memories, &header, &batch, &variants, tok, &eos, a.max_tokens)?);
+            answers.extend(answer_questions(
+                &mut session,
+                &mut memories,
+                &a.window,
+                &batch,
+                &variants,
+                &eos,
+                a.max_tokens,
+            )?);
             (batch, batch_blocks) = (Vec::new(), 0);
         }
         batch.push(q);
@@ -241,7 +254,15 @@ fn locomo_eval<B: Backend>(a: &LocomoArgs, backend: B) -> Result<()> {
         eprint!("\rinferscale eval: question {}/{}   ", n + 1, asked.len());
     }
     if !batch.is_empty() {
-        answers.extend(answer_questions(e, &memories, &header, &batch, &variants, tok, &eos, a.max_tokens)?);
+        answers.extend(answer_questions(
+            &mut session,
+            &mut memories,
+            &a.window,
+            &batch,
+            &variants,
+            &eos,
+            a.max_tokens,
+        )?);
     }
     eprintln!();
 
@@ -250,18 +271,17 @@ fn locomo_eval<B: Backend>(a: &LocomoArgs, backend: B) -> Result<()> {
     for s in &samples {
         for q in asked.iter().filter(|q| q.sample == s.id).take(a.ttft_questions) {
             for (vi, v) in variants.iter().enumerate() {
-                let mem = &memories[v.memory].1;
-                let start = Instant::now();
-                let top = match v.mode {
-                    Mode::None => Vec::new(),
-                    _ => {
-                        let emb = embedder.embed(e.backend(), &[q.qa.question.as_str()])?.remove(0);
-                        mem.retrieve(e.backend(), q.sample, Query { text: &q.qa.question, embedding: &emb }, v.k)?
-                    }
-                };
-                let mut p = prepare(e, mem, q.sample, &top, v.mode, &header, &q.tokens)?;
-                let _first = argmax(&e.prefill(&mut p.seq)?);
-                ttft.insert((q.sample, q.index, vi), start.elapsed().as_secs_f64() * 1e3);
+                let ms = on_window(&mut session, &mut memories, v.memory, |s| -> Result<f64> {
+                    let start = Instant::now();
+                    let top = match v.mode {
+                        Mode::None => Vec::new(),
+                        _ => s.retrieve(q.sample, &q.qa.question, v.k)?,
+                    };
+                    let mut p = s.prepare(q.sample, &top, v.mode, &q.tokens)?;
+                    let _first = argmax(&s.engine_mut().prefill(&mut p.seq)?);
+                    Ok(start.elapsed().as_secs_f64() * 1e3)
+                })?;
+                ttft.insert((q.sample, q.index, vi), ms);
             }
         }
     }
@@ -277,7 +297,7 @@ fn locomo_eval<B: Backend>(a: &LocomoArgs, backend: B) -> Result<()> {
     let report = Report {
         data: data.display().to_string(),
         samples: samples.iter().map(|s| s.id.clone()).collect(),
-        model: m.files.path.display().to_string(),
+        model,
         retriever: Some(a.retriever.to_string()),
         prompts: Some(prompts),
         ingest,
@@ -293,26 +313,24 @@ fn locomo_eval<B: Backend>(a: &LocomoArgs, backend: B) -> Result<()> {
 /// Answers every variant of `batch`'s questions in one batch of sequences
 /// and scores them; kv answers are compared with the prompt answer of the
 /// same question and k. Returns each answer with its variant's index.
-#[allow(clippy::too_many_arguments)]
 fn answer_questions<B: Backend>(
-    e: &mut Engine<B>,
-    memories: &[(usize, Memory<B>)],
-    header: &Sequence,
+    session: &mut Session<B>,
+    memories: &mut [Memory<B>],
+    windows: &[usize],
     batch: &[&Asked<'_>],
     variants: &[Variant],
-    tok: &inferscale_model::Tokenizer,
     eos: &[u32],
     max_tokens: usize,
 ) -> Result<Vec<(usize, Answer)>> {
     let mut seqs = Vec::with_capacity(batch.len() * variants.len());
     let mut rows = Vec::with_capacity(seqs.capacity());
     for q in batch {
-        let facts = memories[0].1.facts(q.sample)?;
+        let fact_ids: Vec<String> = session.memory().facts(q.sample)?.iter().map(|f| f.unit.id.clone()).collect();
         for (vi, v) in variants.iter().enumerate() {
-            let (window, mem) = &memories[v.memory];
+            let window = windows[v.memory];
             let ids = &q.top[..v.k.min(q.top.len())];
-            let names: Vec<&str> = ids.iter().map(|&i| facts[i].id.as_str()).collect();
-            let p = prepare(e, mem, q.sample, ids, v.mode, header, &q.tokens)?;
+            let names: Vec<&str> = ids.iter().map(|&i| fact_ids[i].as_str()).collect();
+            let p = on_window(session, memories, v.memory, |s| s.prepare(q.sample, ids, v.mode, &q.tokens))?;
             seqs.push(p.seq);
             rows.push((
                 vi,
@@ -321,7 +339,7 @@ fn answer_questions<B: Backend>(
                     question: q.index,
                     category: q.qa.category,
                     mode: v.mode.as_str().into(),
-                    window: (v.mode == Mode::Kv).then_some(*window),
+                    window: (v.mode == Mode::Kv).then_some(window),
                     k: v.k,
                     answer: String::new(),
                     f1: 0.0,
@@ -333,7 +351,9 @@ fn answer_questions<B: Backend>(
             ));
         }
     }
-    let outs = answer_batch(e, seqs, tok, eos, max_tokens)?;
+    let files = session.files().clone();
+    let tok = files.tokenizer.as_ref().context("the model has no tokenizer")?;
+    let outs = answer_batch(session.engine_mut(), seqs, tok, eos, max_tokens)?;
     let mut prompt_ref: HashMap<(String, usize, usize), (Vec<f64>, String)> = HashMap::new();
     let golds =
         batch.iter().flat_map(|q| std::iter::repeat_n(q.qa.answer.as_deref().unwrap_or_default(), variants.len()));
@@ -355,6 +375,20 @@ fn answer_questions<B: Backend>(
         r.answer = text;
     }
     Ok(rows)
+}
+
+/// Runs `f` on the session with the memory of window index `i` in place:
+/// the session's own for the first window, `rest[i - 1]` for the others.
+fn on_window<B: Backend, R>(
+    session: &mut Session<B>,
+    rest: &mut [Memory<B>],
+    i: usize,
+    f: impl FnOnce(&mut Session<B>) -> R,
+) -> R {
+    match i.checked_sub(1).and_then(|j| rest.get_mut(j)) {
+        Some(other) => session.with_memory(other, f),
+        None => f(session),
+    }
 }
 
 /// Prefills every sequence (together, in forward passes of the engine's

@@ -5,13 +5,14 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
 use inferscale_engine::Backend;
 use inferscale_engine::bert::Bert;
 use inferscale_eval::locomo;
 use inferscale_eval::score::recall;
-use inferscale_memory::{Composer, Encoders, Memory, Prompts, Query, Retriever, ShardSpec};
+use inferscale_memory::{Memory, Prompts, Retriever, Session, ShardSpec};
 use serde::Serialize;
 
 use crate::memory_cmd::parse_retriever;
@@ -65,29 +66,25 @@ fn run_on<B: Backend>(a: &Args, backend: B) -> Result<()> {
     if samples.is_empty() {
         bail!("{}: none of the samples {:?}", a.data.display(), a.samples);
     }
-    let mut m = load_on(&a.model, backend)?;
+    let m = load_on(&a.model, backend)?;
     let embedder = Bert::load(m.engine.backend(), inferscale_model::encoder::open(&a.embedder)?)?;
-    let composer = Composer::new(&m.files, &Prompts::default())?;
     let dir = tempfile::tempdir().context("a temporary memory directory")?;
     let spec = ShardSpec::new(&m.files, 0, &Prompts::default())?;
-    let e = &mut m.engine;
-    let (mut mem, _) = Memory::open(dir.path(), spec, e)?;
+    let (mem, _) = Memory::open(dir.path(), spec, &m.engine)?;
+    let mut session = Session::new(Arc::new(m.files), m.engine, embedder, mem, &Prompts::default())?;
     let k_max = *a.k.iter().max().context("--k")?;
     // (retriever, k) → category → recalls
     let mut got: BTreeMap<(usize, usize), BTreeMap<u8, Vec<f64>>> = BTreeMap::new();
     for s in &samples {
         eprint!("\rinferscale eval retrieval: {} ({} turns)   ", s.id, s.turns.len());
-        let mut enc = Encoders { engine: e, embedder: &embedder, composer: &composer };
-        mem.ingest_deferred(&s.id, &s.turns, &mut enc)?;
+        session.ingest(&s.id, &s.turns, true)?;
         let qas: Vec<&locomo::Qa> =
             s.qa.iter().filter(|q| a.categories.contains(&q.category) && !q.evidence.is_empty()).collect();
         let texts: Vec<&str> = qas.iter().map(|q| q.question.as_str()).collect();
-        let embeddings = if texts.is_empty() { Vec::new() } else { embedder.embed(e.backend(), &texts)? };
-        let ids: Vec<String> = mem.facts(&s.id)?.iter().map(|f| f.id.clone()).collect();
+        let ids: Vec<String> = session.memory().facts(&s.id)?.iter().map(|f| f.unit.id.clone()).collect();
         for (ri, &r) in a.retriever.iter().enumerate() {
-            mem.set_retriever(r);
-            for (qa, q) in qas.iter().zip(&embeddings) {
-                let top = mem.retrieve(e.backend(), &s.id, Query { text: &qa.question, embedding: q }, k_max)?;
+            session.memory_mut().set_retriever(r);
+            for (qa, top) in qas.iter().zip(session.retrieve_many(&s.id, &texts, k_max)?) {
                 for &k in &a.k {
                     let names: Vec<&str> = top[..k.min(top.len())].iter().map(|&i| ids[i].as_str()).collect();
                     if let Some(x) = recall(&names, &qa.evidence) {

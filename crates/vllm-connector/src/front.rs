@@ -29,7 +29,7 @@ use inferscale_worker::{
 };
 use tokio::sync::oneshot;
 
-use crate::core::AnyCore;
+use crate::memory_core::AnyCore;
 use crate::error::{ConnectorError, Result};
 use crate::relay::Relay;
 
@@ -253,11 +253,11 @@ impl MemoryHost for Host {
         with_kv: bool,
         max_bytes: usize,
     ) -> WResult<(Vec<ShardRecord>, usize)> {
-        self.read(|g| each!(g, c => c.export(user, ids, with_kv, max_bytes)))
+        self.read(|g| Ok(each!(g, c => c.memory().export(c.backend(), user, ids, with_kv, max_bytes))?))
     }
 
     fn import_target(&self) -> WResult<(PathBuf, KvHeader)> {
-        self.read(|g| Ok(each!(g, c => c.import_target())))
+        self.read(|g| Ok(each!(g, c => (c.memory().dir().to_path_buf(), c.memory().kv_header().clone()))))
     }
 
     fn commit_import(&mut self, user: &str, staged: StagedShard) -> WResult<ImportReport> {

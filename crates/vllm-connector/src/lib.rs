@@ -8,25 +8,25 @@
 //!   and the scheduler side's matched-token decision.
 //! - [`inject`]: the write of stored KV into one layer of a host cache
 //!   (device caches: `inferscale_cuda::external`, with feature `cuda`).
-//! - [`core`]: the memory shard, composition and loads, on either backend.
+//! - [`memory_core`]: the memory shard, composition and loads, on either backend.
 //! - [`front`]: the worker gRPC API served from the core's process, its
 //!   Generate relayed to the co-located vLLM server (`relay`).
 //! - `python` (feature `python`): the PyO3 module `inferscale_vllm._core`
 //!   behind the Python shim `inferscale_vllm.connector`.
 
-/// Runs `$e` with `$c` bound to the [`core::Core`] inside an
-/// [`core::AnyCore`], whichever backend it runs on.
+/// Runs `$e` with `$c` bound to the [`memory_core::Core`] inside an
+/// [`memory_core::AnyCore`], whichever backend it runs on.
 macro_rules! each {
     ($any:expr, $c:ident => $e:expr) => {
         match $any {
-            $crate::core::AnyCore::Cpu($c) => $e,
+            $crate::memory_core::AnyCore::Cpu($c) => $e,
             #[cfg(feature = "cuda")]
-            $crate::core::AnyCore::Cuda($c) => $e,
+            $crate::memory_core::AnyCore::Cuda($c) => $e,
         }
     };
 }
 
-pub mod core;
+pub mod memory_core;
 pub mod error;
 pub mod front;
 pub mod inject;

@@ -13,7 +13,7 @@ use pyo3::prelude::*;
 use inferscale_engine::CpuBackend;
 use inferscale_memory::{MemoryError, Prompts};
 
-use crate::core::{AnyCore, Core, CoreConfig};
+use crate::memory_core::{AnyCore, Core, CoreConfig};
 use crate::error::ConnectorError;
 use crate::inject::CacheMut;
 use crate::layout::{CacheView, DType, Geometry};

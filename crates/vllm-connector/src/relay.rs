@@ -30,7 +30,7 @@ use inferscale_worker::{Event, Finished, GenerateJob, Timings, Usage, WorkerErro
 use serde_json::{Value, json};
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::core::Composed;
+use crate::memory_core::Composed;
 use crate::error::{ConnectorError, Result};
 use crate::front::{Shared, worker_error};
 
@@ -114,7 +114,7 @@ impl Relay {
     /// Locks the core off the runtime's threads (an ingest batch may hold it).
     async fn with_core<T: Send + 'static>(
         &self,
-        f: impl FnOnce(&mut crate::core::AnyCore) -> std::result::Result<T, WorkerError> + Send + 'static,
+        f: impl FnOnce(&mut crate::memory_core::AnyCore) -> std::result::Result<T, WorkerError> + Send + 'static,
     ) -> std::result::Result<T, WorkerError> {
         let shared = self.shared.clone();
         tokio::task::spawn_blocking(move || f(&mut *shared.lock()?))

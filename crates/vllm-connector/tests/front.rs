@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use axum::Json;
 use axum::response::IntoResponse;
 use inferscale_proto as pb;
-use inferscale_vllm::core::{AnyCore, Core, CoreConfig};
+use inferscale_vllm::memory_core::{AnyCore, Core, CoreConfig};
 use inferscale_vllm::front::{Front, FrontConfig, serve};
 use pb::worker_client::WorkerClient;
 use serde_json::{Value, json};

@@ -1,5 +1,5 @@
 //! `inferscale eval locomo`: answer LoCoMo questions from memory in each
-//! mode, window and k, and score them (see inferscale_memory::score);
+//! mode, window and k, and score them (see inferscale_eval::score);
 //! `inferscale eval retrieval`: recall of the evidence turns per retriever.
 //!
 //! Retrieval and prompt mode do not depend on the encoding window (the same

@@ -181,22 +181,6 @@ impl<B: Backend> Core<B> {
         *self.generation.entry(user.to_string()).or_default() += 1;
     }
 
-    /// Transfer records of `user`'s facts `ids` (see [`Memory::export`]).
-    pub fn export(
-        &self,
-        user: &str,
-        ids: &[String],
-        with_kv: bool,
-        max_bytes: usize,
-    ) -> Result<(Vec<ShardRecord>, usize)> {
-        Ok(self.memory().export(self.backend(), user, ids, with_kv, max_bytes)?)
-    }
-
-    /// Where imports are staged, and the KV header a shard must match.
-    pub fn import_target(&self) -> (PathBuf, KvHeader) {
-        (self.memory().dir().to_path_buf(), self.memory().kv_header().clone())
-    }
-
     /// Commits a staged shard in place of `user`'s copy here.
     pub fn commit_import(&mut self, user: &str, staged: StagedShard) -> Result<ImportReport> {
         let r = self.session.commit_import(user, staged)?;

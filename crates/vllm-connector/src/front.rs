@@ -29,8 +29,8 @@ use inferscale_worker::{
 };
 use tokio::sync::oneshot;
 
-use crate::memory_core::AnyCore;
 use crate::error::{ConnectorError, Result};
+use crate::memory_core::AnyCore;
 use crate::relay::Relay;
 
 /// How the front serves.

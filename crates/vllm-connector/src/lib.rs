@@ -26,11 +26,11 @@ macro_rules! each {
     };
 }
 
-pub mod memory_core;
 pub mod error;
 pub mod front;
 pub mod inject;
 pub mod layout;
+pub mod memory_core;
 pub mod plan;
 #[cfg(feature = "python")]
 mod python;

@@ -13,10 +13,10 @@ use pyo3::prelude::*;
 use inferscale_engine::CpuBackend;
 use inferscale_memory::{MemoryError, Prompts};
 
-use crate::memory_core::{AnyCore, Core, CoreConfig};
 use crate::error::ConnectorError;
 use crate::inject::CacheMut;
 use crate::layout::{CacheView, DType, Geometry};
+use crate::memory_core::{AnyCore, Core, CoreConfig};
 use crate::plan::{self, ModelShape, Plan};
 
 fn py_err(e: ConnectorError) -> PyErr {

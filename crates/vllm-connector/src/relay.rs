@@ -30,9 +30,9 @@ use inferscale_worker::{Event, Finished, GenerateJob, Timings, Usage, WorkerErro
 use serde_json::{Value, json};
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::memory_core::Composed;
 use crate::error::{ConnectorError, Result};
 use crate::front::{Shared, worker_error};
+use crate::memory_core::Composed;
 
 /// The HTTP side of Generate; cheap to clone into each request's task.
 #[derive(Clone)]

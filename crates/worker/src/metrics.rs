@@ -132,15 +132,16 @@ impl WorkerMetrics {
             h.render(&mut out, name, "");
         }
         let n = |v: usize| v as f64;
+        let load = &stats.load;
         for (name, help, v) in [
-            ("inferscale_worker_queue_depth", "Requests waiting for admission.", n(stats.waiting)),
-            ("inferscale_worker_running", "Requests in the running batch.", n(stats.running)),
-            ("inferscale_worker_kv_blocks_total", "KV cache blocks.", n(stats.kv_blocks_total)),
-            ("inferscale_worker_kv_blocks_free", "Free KV cache blocks.", n(stats.kv_blocks_free)),
+            ("inferscale_worker_queue_depth", "Requests waiting for admission.", n(load.waiting)),
+            ("inferscale_worker_running", "Requests in the running batch.", n(load.running)),
+            ("inferscale_worker_kv_blocks_total", "KV cache blocks.", n(load.kv_blocks_total)),
+            ("inferscale_worker_kv_blocks_free", "Free KV cache blocks.", n(load.kv_blocks_free)),
             (
                 "inferscale_worker_kv_blocks_used",
                 "KV cache blocks in use.",
-                n(stats.kv_blocks_total.saturating_sub(stats.kv_blocks_free)),
+                n(load.kv_blocks_total.saturating_sub(load.kv_blocks_free)),
             ),
             ("inferscale_worker_users", "Users with memory here.", n(stats.users)),
             ("inferscale_worker_facts", "Memory units stored here.", n(stats.facts)),

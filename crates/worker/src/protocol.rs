@@ -98,17 +98,13 @@ pub fn finish_reason(r: FinishReason) -> &'static str {
 /// Counters and gauges of a worker.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Stats {
-    pub running: usize,
-    pub waiting: usize,
-    pub kv_blocks_total: usize,
-    pub kv_blocks_free: usize,
+    pub load: Load,
     pub users: usize,
     pub facts: usize,
     pub finished: u64,
     pub cancelled: u64,
     pub failed: u64,
     pub window: usize,
-    pub max_queue: usize,
     /// Pre-RoPE KV of the memory held in the backend's memory, and the
     /// memory's logs on disk (0 unless asked for).
     pub kv_resident_bytes: u64,
@@ -381,11 +377,7 @@ impl Protocol {
         let (finished, cancelled, failed) = self.metrics.outcomes();
         let footprint = held.footprint.unwrap_or_default();
         Stats {
-            running: load.running,
-            waiting: load.waiting,
-            kv_blocks_total: load.kv_blocks_total,
-            kv_blocks_free: load.kv_blocks_free,
-            max_queue: load.max_queue,
+            load,
             users: held.users,
             facts: held.facts,
             window: host.window(),

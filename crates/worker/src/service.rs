@@ -339,17 +339,17 @@ impl pb::worker_server::Worker for WorkerService {
     async fn stats(&self, _: Request<pb::StatsRequest>) -> std::result::Result<Response<pb::StatsResponse>, Status> {
         let s = self.call(|reply| Command::Stats { memory_bytes: false, reply }).await?;
         Ok(Response::new(pb::StatsResponse {
-            running: s.running as u32,
-            waiting: s.waiting as u32,
-            kv_blocks_total: s.kv_blocks_total as u32,
-            kv_blocks_free: s.kv_blocks_free as u32,
+            running: s.load.running as u32,
+            waiting: s.load.waiting as u32,
+            kv_blocks_total: s.load.kv_blocks_total as u32,
+            kv_blocks_free: s.load.kv_blocks_free as u32,
             users: s.users as u32,
             facts: s.facts as u64,
             requests_finished: s.finished,
             requests_cancelled: s.cancelled,
             requests_failed: s.failed,
             window: s.window as u32,
-            max_queue: s.max_queue as u32,
+            max_queue: s.load.max_queue as u32,
         }))
     }
 

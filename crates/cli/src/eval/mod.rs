@@ -216,6 +216,7 @@ fn locomo_eval<B: Backend>(a: &LocomoArgs, backend: B) -> Result<()> {
         }
     }
 
+    let plan = AnswerPlan { windows: &a.window, variants: &variants, eos: &eos, max_tokens: a.max_tokens };
     let mut answers = Vec::new();
     let header_len = session.header().len();
     let mut batch: Vec<&Asked<'_>> = Vec::new();
@@ -238,15 +239,7 @@ fn locomo_eval<B: Backend>(a: &LocomoArgs, backend: B) -> Result<()> {
             );
         }
         if !batch.is_empty() && (batch.len() == a.batch || batch_blocks + blocks > total_blocks) {
-            answers.extend(answer_questions(
-                &mut session,
-                &mut memories,
-                &a.window,
-                &batch,
-                &variants,
-                &eos,
-                a.max_tokens,
-            )?);
+            answers.extend(plan.answer(&mut session, &mut memories, &batch)?);
             (batch, batch_blocks) = (Vec::new(), 0);
         }
         batch.push(q);
@@ -254,15 +247,7 @@ fn locomo_eval<B: Backend>(a: &LocomoArgs, backend: B) -> Result<()> {
         eprint!("\rinferscale eval: question {}/{}   ", n + 1, asked.len());
     }
     if !batch.is_empty() {
-        answers.extend(answer_questions(
-            &mut session,
-            &mut memories,
-            &a.window,
-            &batch,
-            &variants,
-            &eos,
-            a.max_tokens,
-        )?);
+        answers.extend(plan.answer(&mut session, &mut memories, &batch)?);
     }
     eprintln!();
 
@@ -310,71 +295,81 @@ fn locomo_eval<B: Backend>(a: &LocomoArgs, backend: B) -> Result<()> {
     report::write_outputs(&a.out, &report)
 }
 
-/// Answers every variant of `batch`'s questions in one batch of sequences
-/// and scores them; kv answers are compared with the prompt answer of the
-/// same question and k. Returns each answer with its variant's index.
-fn answer_questions<B: Backend>(
-    session: &mut Session<B>,
-    memories: &mut [Memory<B>],
-    windows: &[usize],
-    batch: &[&Asked<'_>],
-    variants: &[Variant],
-    eos: &[u32],
+/// How every question is answered: in each variant, greedily, up to
+/// `max_tokens` or a newline.
+struct AnswerPlan<'a> {
+    /// The window of each memory (index 0: the session's own).
+    windows: &'a [usize],
+    variants: &'a [Variant],
+    eos: &'a [u32],
     max_tokens: usize,
-) -> Result<Vec<(usize, Answer)>> {
-    let mut seqs = Vec::with_capacity(batch.len() * variants.len());
-    let mut rows = Vec::with_capacity(seqs.capacity());
-    for q in batch {
-        let fact_ids: Vec<String> = session.memory().facts(q.sample)?.iter().map(|f| f.unit.id.clone()).collect();
-        for (vi, v) in variants.iter().enumerate() {
-            let window = windows[v.memory];
-            let ids = &q.top[..v.k.min(q.top.len())];
-            let names: Vec<&str> = ids.iter().map(|&i| fact_ids[i].as_str()).collect();
-            let p = on_window(session, memories, v.memory, |s| s.prepare(q.sample, ids, v.mode, &q.tokens))?;
-            seqs.push(p.seq);
-            rows.push((
-                vi,
-                Answer {
-                    sample: q.sample.to_string(),
-                    question: q.index,
-                    category: q.qa.category,
-                    mode: v.mode.as_str().into(),
-                    window: (v.mode == Mode::Kv).then_some(window),
-                    k: v.k,
-                    answer: String::new(),
-                    f1: 0.0,
-                    ttft_ms: None,
-                    recall: if v.mode == Mode::None { None } else { recall(&names, &q.qa.evidence) },
-                    kl_vs_prompt: None,
-                    same_as_prompt: None,
-                },
-            ));
-        }
-    }
-    let files = session.files().clone();
-    let tok = files.tokenizer.as_ref().context("the model has no tokenizer")?;
-    let outs = answer_batch(session.engine_mut(), seqs, tok, eos, max_tokens)?;
-    let mut prompt_ref: HashMap<(String, usize, usize), (Vec<f64>, String)> = HashMap::new();
-    let golds =
-        batch.iter().flat_map(|q| std::iter::repeat_n(q.qa.answer.as_deref().unwrap_or_default(), variants.len()));
-    for (((vi, r), (lp, text)), gold) in rows.iter_mut().zip(outs).zip(golds) {
-        r.f1 = locomo_f1(&text, gold, r.category);
-        let key = (r.sample.clone(), r.question, r.k);
-        match variants[*vi].mode {
-            Mode::Prompt => {
-                prompt_ref.insert(key, (lp, text.clone()));
+}
+
+impl AnswerPlan<'_> {
+    /// Answers every variant of `batch`'s questions in one batch of sequences
+    /// and scores them; kv answers are compared with the prompt answer of the
+    /// same question and k. Returns each answer with its variant's index.
+    fn answer<B: Backend>(
+        &self,
+        session: &mut Session<B>,
+        memories: &mut [Memory<B>],
+        batch: &[&Asked<'_>],
+    ) -> Result<Vec<(usize, Answer)>> {
+        let AnswerPlan { windows, variants, eos, max_tokens } = *self;
+        let mut seqs = Vec::with_capacity(batch.len() * variants.len());
+        let mut rows = Vec::with_capacity(seqs.capacity());
+        for q in batch {
+            let fact_ids: Vec<String> = session.memory().facts(q.sample)?.iter().map(|f| f.unit.id.clone()).collect();
+            for (vi, v) in variants.iter().enumerate() {
+                let window = windows[v.memory];
+                let ids = &q.top[..v.k.min(q.top.len())];
+                let names: Vec<&str> = ids.iter().map(|&i| fact_ids[i].as_str()).collect();
+                let p = on_window(session, memories, v.memory, |s| s.prepare(q.sample, ids, v.mode, &q.tokens))?;
+                seqs.push(p.seq);
+                rows.push((
+                    vi,
+                    Answer {
+                        sample: q.sample.to_string(),
+                        question: q.index,
+                        category: q.qa.category,
+                        mode: v.mode.as_str().into(),
+                        window: (v.mode == Mode::Kv).then_some(window),
+                        k: v.k,
+                        answer: String::new(),
+                        f1: 0.0,
+                        ttft_ms: None,
+                        recall: if v.mode == Mode::None { None } else { recall(&names, &q.qa.evidence) },
+                        kl_vs_prompt: None,
+                        same_as_prompt: None,
+                    },
+                ));
             }
-            Mode::Kv => {
-                if let Some((plp, ptext)) = prompt_ref.get(&key) {
-                    r.kl_vs_prompt = Some(kl(plp, &lp));
-                    r.same_as_prompt = Some(&text == ptext);
+        }
+        let files = session.files().clone();
+        let tok = files.tokenizer.as_ref().context("the model has no tokenizer")?;
+        let outs = answer_batch(session.engine_mut(), seqs, tok, eos, max_tokens)?;
+        let mut prompt_ref: HashMap<(String, usize, usize), (Vec<f64>, String)> = HashMap::new();
+        let golds =
+            batch.iter().flat_map(|q| std::iter::repeat_n(q.qa.answer.as_deref().unwrap_or_default(), variants.len()));
+        for (((vi, r), (lp, text)), gold) in rows.iter_mut().zip(outs).zip(golds) {
+            r.f1 = locomo_f1(&text, gold, r.category);
+            let key = (r.sample.clone(), r.question, r.k);
+            match variants[*vi].mode {
+                Mode::Prompt => {
+                    prompt_ref.insert(key, (lp, text.clone()));
                 }
+                Mode::Kv => {
+                    if let Some((plp, ptext)) = prompt_ref.get(&key) {
+                        r.kl_vs_prompt = Some(kl(plp, &lp));
+                        r.same_as_prompt = Some(&text == ptext);
+                    }
+                }
+                Mode::None => {}
             }
-            Mode::None => {}
+            r.answer = text;
         }
-        r.answer = text;
+        Ok(rows)
     }
-    Ok(rows)
 }
 
 /// Runs `f` on the session with the memory of window index `i` in place:

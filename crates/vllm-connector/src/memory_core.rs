@@ -15,8 +15,7 @@ use std::sync::Arc;
 use inferscale_engine::bert::Bert;
 use inferscale_engine::{Backend, CpuBackend, Engine, EngineConfig, KvChunk};
 use inferscale_memory::{
-    ImportReport, IngestReport, KvHeader, Memory, MemoryUnit, Prompts, Retriever, Session, ShardRecord, ShardSpec,
-    StagedShard,
+    ImportReport, IngestReport, Memory, MemoryUnit, Prompts, Retriever, Session, ShardSpec, StagedShard,
 };
 use inferscale_model::{ModelFiles, RopeScaling, shapes};
 

@@ -451,3 +451,217 @@ fn check_window(host: &impl MemoryHost, window: Option<usize>) -> Result<()> {
         _ => Ok(()),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The dispatcher's own decisions, against a host that keeps units in
+    //! a map: both real hosts run behind it in the CLI's and the vLLM
+    //! front's end-to-end tests; here each ordering rule is pinned alone.
+
+    use std::collections::HashMap;
+    use std::sync::Arc;
+
+    use inferscale_memory::MemoryError;
+
+    use super::*;
+
+    #[derive(Default)]
+    struct MapHost {
+        units: HashMap<String, Vec<MemoryUnit>>,
+        generated: Vec<String>,
+        dropped: Vec<String>,
+    }
+
+    impl MemoryHost for MapHost {
+        fn window(&self) -> usize {
+            2
+        }
+        fn generate(&mut self, job: GenerateJob, _events: Events) -> Result<()> {
+            self.generated.push(job.question);
+            Ok(())
+        }
+        fn ingest(&mut self, user: &str, units: &[MemoryUnit], _defer_kv: bool) -> Result<IngestReport> {
+            if units.iter().any(|u| u.text == "boom") {
+                let reason = "injected failure".into();
+                return Err(WorkerError::Memory(MemoryError::Corrupt { path: "kv.log".into(), offset: 0, reason }));
+            }
+            self.units.entry(user.into()).or_default().extend_from_slice(units);
+            Ok(IngestReport { added: units.len(), ..Default::default() })
+        }
+        fn units(&self, user: &str) -> Result<Vec<MemoryUnit>> {
+            self.units.get(user).cloned().ok_or_else(|| WorkerError::UnknownUser(user.into()))
+        }
+        fn forget(&mut self, user: &str, _unit: Option<&str>) -> Result<()> {
+            self.units.remove(user).map(drop).ok_or_else(|| WorkerError::UnknownUser(user.into()))
+        }
+        fn load(&self) -> Load {
+            Load { running: 1, max_queue: 8, ..Load::default() }
+        }
+        fn holdings(&self, _footprint: bool) -> Holdings {
+            Holdings { users: self.units.len(), facts: self.units.values().map(Vec::len).sum(), footprint: None }
+        }
+        fn users(&self) -> Vec<String> {
+            self.units.keys().cloned().collect()
+        }
+        fn fact_ids(&self, user: &str) -> Vec<String> {
+            self.units.get(user).map_or_else(Vec::new, |u| u.iter().map(|u| u.id.clone()).collect())
+        }
+        fn export_begin(&self, _user: &str) -> Result<(KvHeader, Vec<String>)> {
+            Err(WorkerError::Internal("not part of these tests".into()))
+        }
+        fn export(&self, _: &str, _: &[String], _: bool, _: usize) -> Result<(Vec<ShardRecord>, usize)> {
+            Err(WorkerError::Internal("not part of these tests".into()))
+        }
+        fn import_target(&self) -> Result<(PathBuf, KvHeader)> {
+            Err(WorkerError::Internal("not part of these tests".into()))
+        }
+        fn commit_import(&mut self, _: &str, _: StagedShard) -> Result<ImportReport> {
+            Err(WorkerError::Internal("not part of these tests".into()))
+        }
+        fn drop_user(&mut self, user: &str) -> Result<()> {
+            self.units.remove(user);
+            self.dropped.push(user.into());
+            Ok(())
+        }
+    }
+
+    fn protocol() -> (Protocol, Arc<WorkerMetrics>) {
+        let metrics = Arc::new(WorkerMetrics::default());
+        (Protocol::new(ProtocolConfig { max_k: 50, ingest_batch: 2 }, metrics.clone()), metrics)
+    }
+
+    fn units(ids: &[&str]) -> Vec<MemoryUnit> {
+        ids.iter().map(|&id| MemoryUnit { id: id.into(), text: format!("unit {id}"), ..Default::default() }).collect()
+    }
+
+    fn job(user: &str, question: &str, mode: Mode, k: usize) -> GenerateJob {
+        GenerateJob {
+            user: user.into(),
+            question: question.into(),
+            mode,
+            k,
+            window: None,
+            params: SamplingParams::greedy(8),
+            deadline: None,
+            arrived: Instant::now(),
+            span: Span::none(),
+        }
+    }
+
+    /// Sends `job`; returns the error it was refused with, if any.
+    fn generate(p: &mut Protocol, host: &mut MapHost, job: GenerateJob) -> Option<WorkerError> {
+        let (events, mut rx) = mpsc::unbounded_channel();
+        p.handle(host, Command::Generate { job, events });
+        match rx.try_recv() {
+            Ok(Event::Failed(e)) => Some(e),
+            _ => None,
+        }
+    }
+
+    fn ingest(
+        p: &mut Protocol,
+        host: &mut MapHost,
+        user: &str,
+        u: Vec<MemoryUnit>,
+    ) -> oneshot::Receiver<Result<IngestReport>> {
+        let (reply, rx) = oneshot::channel();
+        p.handle(host, Command::Ingest { user: user.into(), window: None, units: u, defer_kv: false, reply });
+        rx
+    }
+
+    #[test]
+    fn requests_are_checked_before_the_engine_sees_them() {
+        let (mut p, metrics) = protocol();
+        let mut host = MapHost::default();
+        let mut wrong_window = job("ana", "Where?", Mode::Kv, 5);
+        wrong_window.window = Some(3);
+        let mut no_tokens = job("ana", "Where?", Mode::Kv, 5);
+        no_tokens.params.max_tokens = 0;
+        for (bad, needle) in [
+            (wrong_window, "context window of 2 turns"),
+            (no_tokens, "max_tokens"),
+            (job("ana", "  ", Mode::Kv, 5), "question"),
+            (job("", "Where?", Mode::Prompt, 5), "a user is required"),
+            (job("ana", "Where?", Mode::Kv, 0), "k = 0 is outside 1..=50"),
+            (job("ana", "Where?", Mode::Kv, 51), "k = 51 is outside 1..=50"),
+        ] {
+            let e = generate(&mut p, &mut host, bad).expect("refused");
+            assert!(matches!(&e, WorkerError::Invalid(m) if m.contains(needle)), "{e} lacks {needle:?}");
+        }
+        assert!(host.generated.is_empty(), "the engine saw a refused request");
+        assert_eq!(metrics.outcomes(), (0, 0, 6));
+        // Without memory neither user nor k matters.
+        assert!(generate(&mut p, &mut host, job("", "Hello?", Mode::None, 0)).is_none());
+        assert_eq!(host.generated, ["Hello?"]);
+    }
+
+    #[test]
+    fn ingests_go_in_batches_and_a_failure_says_what_is_stored() {
+        let (mut p, _) = protocol();
+        let mut host = MapHost::default();
+        let mut rx = ingest(&mut p, &mut host, "ana", units(&["a", "b", "c", "d", "e"]));
+        assert!(p.ingest_some(&mut host), "two of five stored, more to go");
+        assert_eq!(host.fact_ids("ana"), ["a", "b"]);
+        assert!(rx.try_recv().is_err(), "answered before it was stored");
+        assert!(p.ingest_some(&mut host));
+        assert!(!p.ingest_some(&mut host), "the last batch of one ends it");
+        assert_eq!(rx.try_recv().expect("answered").expect("stored").added, 5);
+
+        let mut bad = units(&["f", "g", "h"]);
+        bad[2].text = "boom".into();
+        let mut rx = ingest(&mut p, &mut host, "ana", bad);
+        while p.ingest_some(&mut host) {}
+        let e = rx.try_recv().expect("answered").expect_err("failed");
+        assert!(e.to_string().contains("(the first 2 units of this request are stored)"), "{e}");
+        // Refused whole: nothing of a request that fails validation is stored.
+        let rx = ingest(&mut p, &mut host, "ana", units(&["x", "x"]));
+        assert!(matches!(rx.blocking_recv(), Ok(Err(WorkerError::Invalid(_)))));
+        assert!(!p.ingesting());
+    }
+
+    #[test]
+    fn a_freeze_sees_every_queued_unit_then_writes_wait_until_release() {
+        let (mut p, _) = protocol();
+        let mut host = MapHost::default();
+        let mut stored = ingest(&mut p, &mut host, "ana", units(&["a", "b", "c"]));
+        let (reply, mut frozen) = oneshot::channel();
+        p.handle(&mut host, Command::Shard(ShardCommand::Freeze { user: "ana".into(), reply }));
+        assert!(frozen.try_recv().is_err(), "answered while an ingest of the user was queued");
+        while p.ingest_some(&mut host) {}
+        assert!(stored.try_recv().is_ok_and(|r| r.is_ok()));
+        assert_eq!(frozen.try_recv().expect("answered"), ["a", "b", "c"]);
+
+        let late = ingest(&mut p, &mut host, "ana", units(&["d"]));
+        assert!(matches!(late.blocking_recv(), Ok(Err(WorkerError::Moving(_)))));
+        // Reads go on while frozen.
+        assert!(generate(&mut p, &mut host, job("ana", "Where?", Mode::Kv, 5)).is_none());
+
+        let (reply, released) = oneshot::channel();
+        p.handle(&mut host, Command::Shard(ShardCommand::Release { user: "ana".into(), drop: true, reply }));
+        assert!(released.blocking_recv().is_ok_and(|r| r.is_ok()));
+        assert_eq!(host.dropped, ["ana"]);
+        // Moved away: its requests are refused (retryably) rather than answered without memory.
+        let e = generate(&mut p, &mut host, job("ana", "Where?", Mode::Kv, 5)).expect("refused");
+        assert!(matches!(e, WorkerError::Moving(_)), "{e}");
+    }
+
+    #[test]
+    fn forgetting_a_user_fails_its_queued_ingests() {
+        let (mut p, _) = protocol();
+        let mut host = MapHost::default();
+        let first = ingest(&mut p, &mut host, "ana", units(&["a", "b", "c"]));
+        assert!(p.ingest_some(&mut host));
+        let (reply, forgot) = oneshot::channel();
+        p.handle(&mut host, Command::Forget { user: "ana".into(), unit: None, reply });
+        assert!(forgot.blocking_recv().is_ok_and(|r| r.is_ok()));
+        // The rest of the ingest would bring the user back after the delete.
+        assert!(matches!(first.blocking_recv(), Ok(Err(WorkerError::Forgotten(_)))));
+        assert!(!p.ingesting());
+        assert!(host.units.is_empty());
+
+        let (reply, stats) = oneshot::channel();
+        p.handle(&mut host, Command::Stats { memory_bytes: false, reply });
+        let s = stats.blocking_recv().expect("stats");
+        assert_eq!((s.load.running, s.load.max_queue, s.window, s.users), (1, 8, 2, 0));
+    }
+}

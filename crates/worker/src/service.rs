@@ -4,6 +4,8 @@
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::Receiver;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use inferscale_engine::Backend;
@@ -53,22 +55,64 @@ pub struct WorkerService {
 /// Starts the engine thread: `load` builds the engine, embedder and memory
 /// on that thread (so backends need not be `Send`). Returns once they are
 /// loaded, with the service to mount, or with the load error.
-pub fn spawn<B, F>(load: F, cfg: WorkerConfig, info: WorkerInfo) -> Result<(WorkerService, std::thread::JoinHandle<()>)>
+pub fn spawn<B, F>(load: F, cfg: WorkerConfig, info: WorkerInfo) -> Result<(WorkerService, JoinHandle<()>)>
 where
     B: Backend,
     F: FnOnce() -> Result<WorkerParts<B>> + Send + 'static,
 {
-    let (tx, rx) = std::sync::mpsc::channel();
+    start(
+        "inferscale-engine",
+        info,
+        move |_| load(),
+        move |parts, rx, metrics| {
+            if let Err(e) = run(parts, cfg, rx, metrics) {
+                eprintln!("inferscale worker: engine thread stopped: {e}");
+            }
+        },
+    )
+}
+
+/// Starts a thread that carries out the service's commands on a host of
+/// another engine, made on that thread by `make` (so it need not be
+/// `Send`): the vLLM-mode worker, whose generation is vLLM's, serves the
+/// same API this way. Ingests run to completion between commands, a batch
+/// at a time. Returns once the host is made, or with `make`'s error; the
+/// thread ends when every clone of the service is gone.
+pub fn spawn_host<H, F>(make: F, cfg: ProtocolConfig, info: WorkerInfo) -> Result<(WorkerService, JoinHandle<()>)>
+where
+    H: MemoryHost,
+    F: FnOnce(Arc<WorkerMetrics>) -> Result<H> + Send + 'static,
+{
+    start("inferscale-commands", info, make, move |mut host, rx, metrics| {
+        let mut protocol = Protocol::new(cfg, metrics);
+        while let Ok(c) = rx.recv() {
+            protocol.handle(&mut host, c);
+            while protocol.ingest_some(&mut host) {}
+        }
+    })
+}
+
+/// Starts the thread `name`: `build` makes what it serves there, then
+/// `serve` carries out the service's commands until every clone of the
+/// service is gone. The service is ready from the end of `build` until the
+/// thread ends (a panic included). Returns once built, or with `build`'s
+/// error.
+fn start<T, F, S>(name: &str, info: WorkerInfo, build: F, serve: S) -> Result<(WorkerService, JoinHandle<()>)>
+where
+    F: FnOnce(Arc<WorkerMetrics>) -> Result<T> + Send + 'static,
+    S: FnOnce(T, Receiver<Command>, Arc<WorkerMetrics>) + Send + 'static,
+{
+    let (tx, rx) = std::sync::mpsc::channel::<Command>();
     let (started_tx, started_rx) = std::sync::mpsc::channel::<Result<()>>();
     let ready = Arc::new(AtomicBool::new(false));
     let flag = ready.clone();
     let metrics = Arc::new(WorkerMetrics::default());
     let observed = metrics.clone();
     let thread = std::thread::Builder::new()
-        .name("inferscale-engine".into())
+        .name(name.into())
         .spawn(move || {
-            let parts = match load() {
-                Ok(p) => p,
+            let built = match build(observed.clone()) {
+                Ok(b) => b,
                 Err(e) => {
                     let _ = started_tx.send(Err(e));
                     return;
@@ -78,57 +122,10 @@ where
             // Not ready from the moment the thread ends, panics included.
             let _ready = NotReadyOnDrop(flag);
             let _ = started_tx.send(Ok(()));
-            if let Err(e) = run(parts, cfg, rx, observed) {
-                eprintln!("inferscale worker: engine thread stopped: {e}");
-            }
+            serve(built, rx, observed);
         })
-        .map_err(|e| WorkerError::Startup(format!("starting the engine thread: {e}")))?;
-    started_rx.recv().map_err(|_| WorkerError::Startup("the engine thread exited while loading".into()))??;
-    Ok((WorkerService { tx, info, ready, metrics, links: None }, thread))
-}
-
-/// Starts a thread that carries out the service's commands on a host of
-/// another engine, made on that thread by `make` (so it need not be
-/// `Send`): the vLLM-mode worker, whose generation is vLLM's, serves the
-/// same API this way. Ingests run to completion between commands, a batch
-/// at a time. Returns once the host is made, or with `make`'s error; the
-/// thread ends when every clone of the service is gone.
-pub fn spawn_host<H, F>(
-    make: F,
-    cfg: ProtocolConfig,
-    info: WorkerInfo,
-) -> Result<(WorkerService, std::thread::JoinHandle<()>)>
-where
-    H: MemoryHost,
-    F: FnOnce(Arc<WorkerMetrics>) -> Result<H> + Send + 'static,
-{
-    let (tx, rx) = std::sync::mpsc::channel::<Command>();
-    let (started_tx, started_rx) = std::sync::mpsc::channel::<Result<()>>();
-    let ready = Arc::new(AtomicBool::new(false));
-    let flag = ready.clone();
-    let metrics = Arc::new(WorkerMetrics::default());
-    let observed = metrics.clone();
-    let thread = std::thread::Builder::new()
-        .name("inferscale-commands".into())
-        .spawn(move || {
-            let mut host = match make(observed.clone()) {
-                Ok(h) => h,
-                Err(e) => {
-                    let _ = started_tx.send(Err(e));
-                    return;
-                }
-            };
-            flag.store(true, Ordering::SeqCst);
-            let _ready = NotReadyOnDrop(flag);
-            let _ = started_tx.send(Ok(()));
-            let mut protocol = Protocol::new(cfg, observed);
-            while let Ok(c) = rx.recv() {
-                protocol.handle(&mut host, c);
-                while protocol.ingest_some(&mut host) {}
-            }
-        })
-        .map_err(|e| WorkerError::Startup(format!("starting the command thread: {e}")))?;
-    started_rx.recv().map_err(|_| WorkerError::Startup("the command thread exited while starting".into()))??;
+        .map_err(|e| WorkerError::Startup(format!("starting thread {name}: {e}")))?;
+    started_rx.recv().map_err(|_| WorkerError::Startup(format!("thread {name} exited while starting")))??;
     Ok((WorkerService { tx, info, ready, metrics, links: None }, thread))
 }
 

@@ -110,6 +110,12 @@ impl<B: Backend> Session<B> {
         self.memory.commit_import(self.engine.backend(), user, staged)
     }
 
+    /// Checks that every one of `units` fits the model's context and a log
+    /// record once encoded, storing nothing (see [`Memory::check_fits`]).
+    pub fn check_fits(&self, units: &[MemoryUnit]) -> Result<()> {
+        self.memory.check_fits(units, &self.composer)
+    }
+
     /// Stores `units` for `user` (durably, before returning) and, unless
     /// `defer_kv`, encodes their KV; deferred KV is encoded when a request
     /// first needs it or by [`Session::encode_pending`].

@@ -23,7 +23,7 @@ use crate::compose::{Composer, Prompts};
 use crate::error::{MemoryError, Result, io};
 use crate::fact::{Fact, Record};
 use crate::kvseg::{KvHeader, StoredKv};
-use crate::log::{RecordLog, sync_dir};
+use crate::log::{MAX_RECORD_BYTES, RecordLog, sync_dir};
 use crate::retrieval::{self, LexicalIndex, Query, Retriever};
 
 /// Facts encoded per engine call by default (their forward passes are
@@ -114,17 +114,40 @@ pub fn validate(user: &str, turns: &[MemoryUnit]) -> Result<()> {
                 reason: format!("turn {:?} has an empty id or text", t.id),
             });
         }
+        if t.id.chars().chain(t.source_turn.chars()).any(char::is_control) {
+            return Err(MemoryError::Invalid {
+                what: "turn",
+                reason: format!("turn id {:?} (or its source turn) contains control characters", t.id),
+            });
+        }
+        if !seen.insert(t.id.as_str()) {
+            return Err(MemoryError::Invalid { what: "turn", reason: format!("turn id {:?} appears twice", t.id) });
+        }
         if t.source_turn == t.id {
             return Err(MemoryError::Invalid {
                 what: "fact",
                 reason: format!("fact {:?} names itself as its source turn", t.id),
             });
         }
-        if !seen.insert(t.id.as_str()) {
-            return Err(MemoryError::Invalid { what: "turn", reason: format!("turn id {:?} appears twice", t.id) });
-        }
     }
     Ok(())
+}
+
+/// Bytes of a KV record beyond its tokens' (fact id, framing): ids are
+/// short, this bounds them generously.
+const RECORD_RESERVE: usize = 64 << 10;
+
+fn check_length(u: &MemoryUnit, tokens: usize, max: usize) -> Result<()> {
+    match tokens <= max {
+        true => Ok(()),
+        false => Err(MemoryError::Invalid {
+            what: "unit",
+            reason: format!(
+                "unit {:?} is {tokens} tokens long; a unit may have at most {max} (split it, or store facts extracted from it)",
+                u.id
+            ),
+        }),
+    }
 }
 
 /// Where a shard's bytes are, for the stores-per-tier metrics.
@@ -152,6 +175,9 @@ pub struct Memory<B: Backend> {
     /// Device bytes for users' KV before new users go to the host tier.
     device_budget: Option<u64>,
     bytes_per_value: usize,
+    /// The model's context, in tokens: an encoding (header, window, fact)
+    /// must fit it.
+    context: usize,
     /// How [`Memory::retrieve`] ranks facts.
     retriever: Retriever,
     /// Exclusive lock on `dir/LOCK`, held while this value lives: a second
@@ -258,6 +284,7 @@ impl<B: Backend> Memory<B> {
                 encode_batch: ENCODE_BATCH,
                 device_budget,
                 bytes_per_value,
+                context: c.max_position_embeddings,
                 retriever: Retriever::default(),
                 _lock: lock,
             },
@@ -329,6 +356,31 @@ impl<B: Backend> Memory<B> {
         self.users.values().map(|s| s.facts.len()).sum()
     }
 
+    /// The longest fact line a unit may make, in tokens: its encoding
+    /// (after the header's `header_tokens`) must fit the model's context,
+    /// and its KV one log record (f32 on disk).
+    pub fn max_fact_tokens(&self, header_tokens: usize) -> usize {
+        let by_context = self.context.saturating_sub(header_tokens + 1);
+        // Per token: its id and its K and V in every layer. The record's
+        // fact id and framing take the rest of the reserve.
+        let per_token = 4 + 2 * self.header.layers * self.header.kv_dim * 4;
+        let by_record = (MAX_RECORD_BYTES - RECORD_RESERVE) / per_token.max(1);
+        by_context.min(by_record)
+    }
+
+    /// Checks that every one of `units` fits ([`Memory::max_fact_tokens`]),
+    /// storing nothing: a caller that ingests a request in several calls
+    /// checks the whole request first, so that a unit too long to encode
+    /// refuses the request before any of it is stored.
+    pub fn check_fits(&self, units: &[MemoryUnit], composer: &Composer) -> Result<()> {
+        let max = self.max_fact_tokens(composer.header().len());
+        for u in units {
+            let tokens = composer.fact(&Composer::turn_text(&u.speaker, &u.time, &u.text))?;
+            check_length(u, tokens.len(), max)?;
+        }
+        Ok(())
+    }
+
     /// Where fact `id` of `user` is among [`Memory::facts`], if it is stored.
     pub fn fact_index(&self, user: &str, id: &str) -> Result<Option<usize>> {
         Ok(self.user(user)?.by_id.get(id).copied())
@@ -376,6 +428,7 @@ impl<B: Backend> Memory<B> {
         encode: bool,
     ) -> Result<IngestReport> {
         validate(user, turns)?;
+        let max = self.max_fact_tokens(enc.composer.header().len());
         if !self.users.contains_key(user) {
             let dir = self.dir.join("users").join(user_dir_name(user));
             let mut warnings = Vec::new();
@@ -392,11 +445,18 @@ impl<B: Backend> Memory<B> {
         }
         // Facts first: tokens and embeddings, then one durable append.
         let texts: Vec<String> = new.iter().map(|t| Composer::turn_text(&t.speaker, &t.time, &t.text)).collect();
+        // Every unit must fit before anything of the call is stored.
+        let mut tokens = Vec::with_capacity(new.len());
+        for (t, text) in new.iter().zip(&texts) {
+            let ids = enc.composer.fact(text)?;
+            check_length(t, ids.len(), max)?;
+            tokens.push(ids);
+        }
         let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
         let embeddings = enc.embedder.embed(enc.engine.backend(), &refs)?;
         let mut facts = Vec::with_capacity(new.len());
-        for ((t, text), embedding) in new.iter().zip(&texts).zip(embeddings) {
-            facts.push(Fact { unit: (*t).clone(), tokens: enc.composer.fact(text)?, embedding });
+        for ((t, tokens), embedding) in new.iter().zip(tokens).zip(embeddings) {
+            facts.push(Fact { unit: (*t).clone(), tokens, embedding });
         }
         let records: Vec<Vec<u8>> = facts.iter().map(|f| Record::Put(f.clone()).encode()).collect();
         shard.log.append(&records.iter().map(Vec::as_slice).collect::<Vec<_>>())?;
@@ -409,7 +469,8 @@ impl<B: Backend> Memory<B> {
         report.added = new.len();
         match encode {
             true => {
-                report.encoded_tokens = shard.encode_missing(self.spec.window, self.encode_batch, usize::MAX, enc)?
+                let (window, batch, context) = (self.spec.window, self.encode_batch, self.context);
+                report.encoded_tokens = shard.encode_missing(window, batch, usize::MAX, context, enc)?
             }
             false => {
                 self.pending.insert(user.to_string());
@@ -421,9 +482,9 @@ impl<B: Backend> Memory<B> {
     /// Encodes every fact of `user` whose KV is missing (e.g. after a
     /// corrupt segment was detected); returns the tokens encoded.
     pub fn ensure_kv(&mut self, user: &str, enc: &mut Encoders<'_, B>) -> Result<usize> {
-        let (window, batch) = (self.spec.window, self.encode_batch);
+        let (window, batch, context) = (self.spec.window, self.encode_batch, self.context);
         let shard = self.users.get_mut(user).ok_or_else(|| MemoryError::UnknownUser(user.to_string()))?;
-        shard.encode_missing(window, batch, usize::MAX, enc)
+        shard.encode_missing(window, batch, usize::MAX, context, enc)
     }
 
     /// Encodes up to `max_facts` facts that lack KV, of one user that has
@@ -431,7 +492,7 @@ impl<B: Backend> Memory<B> {
     /// over a user (or a user whose KV was dropped) answers at full speed.
     /// Returns the facts encoded (0: nothing is pending).
     pub fn encode_pending(&mut self, max_facts: usize, enc: &mut Encoders<'_, B>) -> Result<usize> {
-        let (window, batch) = (self.spec.window, self.encode_batch);
+        let (window, batch, context) = (self.spec.window, self.encode_batch, self.context);
         while let Some(user) = self.pending.first().cloned() {
             let Some(shard) = self.users.get_mut(&user) else {
                 self.pending.remove(&user);
@@ -443,7 +504,7 @@ impl<B: Backend> Memory<B> {
                 continue;
             }
             let n = missing.min(max_facts.max(1));
-            if let Err(e) = shard.encode_missing(window, batch, n, enc) {
+            if let Err(e) = shard.encode_missing(window, batch, n, context, enc) {
                 // Not retried in the background; a request still encodes it.
                 self.pending.remove(&user);
                 return Err(e);
@@ -673,11 +734,16 @@ impl<B: Backend> UserShard<B> {
     /// the fact, or before its source turn][fact], `batch` facts
     /// per engine call so that short encodings share forward passes; each
     /// batch's KV is appended to the segment at once.
+    /// Encodes up to `limit` facts without KV, `batch` per engine call, each
+    /// after the header and the `window` units before its anchor — fewer when
+    /// those would not fit the model's `context` with the fact (the oldest
+    /// go first; units longer than the context allows are refused at ingest).
     fn encode_missing(
         &mut self,
         window: usize,
         batch: usize,
         limit: usize,
+        context: usize,
         enc: &mut Encoders<'_, B>,
     ) -> Result<usize> {
         let missing: Vec<usize> = (0..self.facts.len()).filter(|&i| self.kv[i].is_none()).take(limit).collect();
@@ -688,9 +754,10 @@ impl<B: Backend> UserShard<B> {
                 .map(|&i| {
                     let anchor = self.context_anchor(i);
                     let mut c = enc.composer.header().to_vec();
-                    self.facts[anchor.saturating_sub(window)..anchor]
-                        .iter()
-                        .for_each(|f| c.extend_from_slice(&f.tokens));
+                    let room = context.saturating_sub(c.len() + self.facts[i].tokens.len());
+                    let lens: Vec<usize> = self.facts[..anchor].iter().map(|f| f.tokens.len()).collect();
+                    let start = window_start(&lens, window, room);
+                    self.facts[start..anchor].iter().for_each(|f| c.extend_from_slice(&f.tokens));
                     c
                 })
                 .collect();
@@ -746,9 +813,34 @@ pub(crate) fn kv_estimate(user_dir: &Path, bytes_per_value: usize) -> u64 {
     on_disk / 4 * bytes_per_value as u64
 }
 
+/// Where a fact's context window starts among the units before it
+/// (`lens`: their lengths in tokens): at most `window` units, the oldest
+/// left out until the rest fit `room` tokens.
+fn window_start(lens: &[usize], window: usize, room: usize) -> usize {
+    let mut start = lens.len().saturating_sub(window);
+    let mut used: usize = lens[start..].iter().sum();
+    while used > room && start < lens.len() {
+        used -= lens[start];
+        start += 1;
+    }
+    start
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_window_drops_its_oldest_units_only_when_they_do_not_fit() {
+        let lens = [5, 40, 30, 20, 10];
+        assert_eq!(window_start(&lens, 3, 1_000), 2, "the last three units");
+        assert_eq!(window_start(&lens, 0, 1_000), 5, "no window");
+        assert_eq!(window_start(&lens, 10, 1_000), 0, "all five");
+        assert_eq!(window_start(&lens, 3, 35), 3, "30 + 20 + 10 > 35: the oldest goes");
+        assert_eq!(window_start(&lens, 3, 30), 3, "20 + 10 fit exactly");
+        assert_eq!(window_start(&lens, 3, 5), 5, "not even the newest fits");
+        assert_eq!(window_start(&[], 3, 0), 0);
+    }
 
     #[test]
     fn placement_keeps_the_device_within_budget_at_placement() {

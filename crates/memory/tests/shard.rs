@@ -270,6 +270,25 @@ fn bad_input_is_refused_and_stores_nothing() {
     let dup = vec![turns("X", 1)[0].clone(), turns("X", 1)[0].clone()];
     assert!(matches!(mem.ingest("carol", &dup, &mut enc), Err(MemoryError::Invalid { .. })));
     assert!(matches!(mem.ingest("", &turns("C", 1), &mut enc), Err(MemoryError::Invalid { .. })));
+    // A unit too long to encode (the context) or to store (a KV record) is
+    // refused before anything of its call is stored, naming it and the limit.
+    let max = mem.max_fact_tokens(composer.header().len());
+    assert!(max > 500 && max < 8192, "SmolLM2's limit is its KV record's: {max}");
+    let mut long = turns("L", 2);
+    long[1].text = "banana ".repeat(max + 10);
+    let e = mem.ingest("carol", &long, &mut enc).unwrap_err().to_string();
+    assert!(e.contains("\"L1\"") && e.contains(&format!("at most {max}")), "{e}");
+    assert!(mem.check_fits(&long, &composer).is_err());
+    mem.check_fits(&long[..1], &composer).unwrap();
+    // Ids are printable; a turn and a fact with one id are told apart.
+    let mut nul = turns("N", 1);
+    nul[0].id = "N\u{0}1".into();
+    let e = mem.ingest("carol", &nul, &mut enc).unwrap_err().to_string();
+    assert!(e.contains("control characters"), "{e}");
+    let mut pair = turns("P", 1);
+    pair.push(MemoryUnit { source_turn: pair[0].id.clone(), ..pair[0].clone() });
+    let e = mem.ingest("carol", &pair, &mut enc).unwrap_err().to_string();
+    assert!(e.contains("appears twice"), "{e}");
     assert_eq!(mem.facts("carol").unwrap().len(), 2, "nothing stored by refused calls");
     assert!(matches!(mem.retrieve(&CpuBackend, "carol", query("?", &[0.0; 384]), 0), Err(MemoryError::Invalid { .. })));
     assert!(matches!(

@@ -50,6 +50,8 @@ pub struct FrontConfig {
     pub max_in_flight: usize,
     /// Units encoded per hold of the core's lock during an ingest.
     pub ingest_batch: usize,
+    /// Most units one ingest request may carry.
+    pub max_ingest_units: usize,
 }
 
 impl FrontConfig {
@@ -61,6 +63,7 @@ impl FrontConfig {
             max_k: 200,
             max_in_flight: 256,
             ingest_batch: 4,
+            max_ingest_units: inferscale_worker::MAX_INGEST_UNITS,
         }
     }
 }
@@ -133,7 +136,8 @@ pub fn serve(core: Arc<Mutex<AnyCore>>, cfg: FrontConfig) -> Result<Front> {
         .map_err(|e| io("starting the front's async runtime", e))?;
     let info = WorkerInfo { model: cfg.served_model.clone(), backend: format!("vllm+{backend}") };
     let eos = files.eos_ids();
-    let protocol = ProtocolConfig { max_k: cfg.max_k, ingest_batch: cfg.ingest_batch };
+    let protocol =
+        ProtocolConfig { max_k: cfg.max_k, ingest_batch: cfg.ingest_batch, max_ingest_units: cfg.max_ingest_units };
     let shared = Arc::new(Shared { core, cfg, files, eos, window, in_flight: AtomicUsize::new(0) });
     let relay = Relay::new(shared.clone(), runtime.handle().clone())?;
     let (service, _commands) =
@@ -206,6 +210,10 @@ impl MemoryHost for Host {
         }
         self.relay.spawn(job, events, self.metrics.clone());
         Ok(())
+    }
+
+    fn check_fits(&self, units: &[MemoryUnit]) -> WResult<()> {
+        self.read(|g| each!(g, c => c.check_fits(units)))
     }
 
     fn ingest(&mut self, user: &str, units: &[MemoryUnit], defer_kv: bool) -> WResult<IngestReport> {

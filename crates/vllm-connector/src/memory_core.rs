@@ -167,6 +167,11 @@ impl<B: Backend> Core<B> {
         Ok(report)
     }
 
+    /// Checks that `units` can be encoded and stored, storing nothing.
+    pub fn check_fits(&self, units: &[MemoryUnit]) -> Result<()> {
+        Ok(self.session.check_fits(units)?)
+    }
+
     /// Forgets one fact of `user`, or all of them.
     pub fn forget(&mut self, user: &str, fact: Option<&str>) -> Result<()> {
         self.session.memory_mut().forget(user, fact)?;

@@ -29,8 +29,8 @@ use tracing::{Span, field::Empty, info_span};
 use crate::error::{Result, WorkerError};
 use crate::metrics::WorkerMetrics;
 use crate::protocol::{
-    Command, Event, Events, Finished, GenerateJob, Holdings, Load, MemoryHost, Protocol, ProtocolConfig, Timings,
-    Usage, finish_reason, holdings,
+    Command, Event, Events, Finished, GenerateJob, Holdings, Load, MAX_INGEST_UNITS, MemoryHost, Protocol,
+    ProtocolConfig, Timings, Usage, finish_reason, holdings,
 };
 use crate::scheduler::{RequestId, RequestSpec, Scheduler, SchedulerConfig};
 use crate::text::{Delta, TextStream};
@@ -60,6 +60,8 @@ pub struct WorkerConfig {
     /// The system prompt of the header and the instruction before each
     /// question (the memory's KV must have been made with this system prompt).
     pub prompts: Prompts,
+    /// Most units one ingest request may carry.
+    pub max_ingest_units: usize,
 }
 
 impl Default for WorkerConfig {
@@ -71,6 +73,7 @@ impl Default for WorkerConfig {
             ingest_batch: 4,
             ingest_tokens_per_unit: 2048,
             prompts: Prompts::default(),
+            max_ingest_units: MAX_INGEST_UNITS,
         }
     }
 }
@@ -176,8 +179,10 @@ pub(crate) fn run<B: Backend>(
         total_blocks,
         block_size: BLOCK_SIZE,
     });
-    let mut protocol =
-        Protocol::new(ProtocolConfig { max_k: cfg.max_k, ingest_batch: cfg.ingest_batch }, metrics.clone());
+    let mut protocol = Protocol::new(
+        ProtocolConfig { max_k: cfg.max_k, ingest_batch: cfg.ingest_batch, max_ingest_units: cfg.max_ingest_units },
+        metrics.clone(),
+    );
     let mut core = Core {
         session,
         eos,
@@ -249,6 +254,10 @@ impl<B: Backend> MemoryHost for Core<B> {
 
     fn generate(&mut self, job: GenerateJob, events: Events) -> Result<()> {
         self.admit(job, events)
+    }
+
+    fn check_fits(&self, units: &[MemoryUnit]) -> Result<()> {
+        Ok(self.session.check_fits(units)?)
     }
 
     fn ingest(&mut self, user: &str, units: &[MemoryUnit], defer_kv: bool) -> Result<IngestReport> {

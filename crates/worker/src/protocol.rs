@@ -186,6 +186,11 @@ pub trait MemoryHost {
     /// it (the protocol reports it and counts the failure).
     fn generate(&mut self, job: GenerateJob, events: Events) -> Result<()>;
 
+    /// Checks that every one of `units` can be encoded and stored (length
+    /// against the model's context and a log record), storing nothing: a
+    /// request is refused whole before any of it is stored.
+    fn check_fits(&self, units: &[MemoryUnit]) -> Result<()>;
+
     /// Stores a few of `user`'s validated units and, unless `defer_kv`,
     /// encodes their KV (the protocol splits large ingests into batches).
     fn ingest(&mut self, user: &str, units: &[MemoryUnit], defer_kv: bool) -> Result<IngestReport>;
@@ -233,7 +238,15 @@ pub struct ProtocolConfig {
     /// Units per [`MemoryHost::ingest`] call: an ingest holds its engine
     /// (or, in vLLM mode, the shard's lock) for this many units at most.
     pub ingest_batch: usize,
+    /// Most units one ingest request may carry: a request is answered
+    /// when all of it is stored, so this bounds the work (and the wait)
+    /// one request can queue.
+    pub max_ingest_units: usize,
 }
+
+/// Default [`ProtocolConfig::max_ingest_units`]: a long conversation (a
+/// LoCoMo one has about 600 turns) in one request.
+pub const MAX_INGEST_UNITS: usize = 2_000;
 
 /// An ingest admitted and not yet stored in full.
 struct IngestJob {
@@ -275,8 +288,10 @@ impl Protocol {
             }
             Command::Ingest { user, window, units, defer_kv, reply } => {
                 let check = check_window(host, window)
+                    .and_then(|()| self.check_size(units.len()))
                     .and_then(|()| Ok(inferscale_memory::validate(&user, &units)?))
-                    .and_then(|()| self.moves.check_write(&user));
+                    .and_then(|()| self.moves.check_write(&user))
+                    .and_then(|()| host.check_fits(&units));
                 match check {
                     Err(e) => {
                         let _ = reply.send(Err(e));
@@ -311,6 +326,16 @@ impl Protocol {
                 let _ = reply.send(self.stats(host, memory_bytes));
             }
             Command::Shard(c) => self.shard(host, c),
+        }
+    }
+
+    fn check_size(&self, units: usize) -> Result<()> {
+        let max = self.cfg.max_ingest_units;
+        match units <= max {
+            true => Ok(()),
+            false => Err(WorkerError::Invalid(format!(
+                "{units} units in one ingest request; the limit is {max}: send them in several requests"
+            ))),
         }
     }
 
@@ -480,6 +505,12 @@ mod tests {
             self.generated.push(job.question);
             Ok(())
         }
+        fn check_fits(&self, units: &[MemoryUnit]) -> Result<()> {
+            match units.iter().find(|u| u.text == "huge") {
+                Some(u) => Err(WorkerError::Invalid(format!("unit {:?} is too long", u.id))),
+                None => Ok(()),
+            }
+        }
         fn ingest(&mut self, user: &str, units: &[MemoryUnit], _defer_kv: bool) -> Result<IngestReport> {
             if units.iter().any(|u| u.text == "boom") {
                 let reason = "injected failure".into();
@@ -527,7 +558,8 @@ mod tests {
 
     fn protocol() -> (Protocol, Arc<WorkerMetrics>) {
         let metrics = Arc::new(WorkerMetrics::default());
-        (Protocol::new(ProtocolConfig { max_k: 50, ingest_batch: 2 }, metrics.clone()), metrics)
+        let cfg = ProtocolConfig { max_k: 50, ingest_batch: 2, max_ingest_units: 6 };
+        (Protocol::new(cfg, metrics.clone()), metrics)
     }
 
     fn units(ids: &[&str]) -> Vec<MemoryUnit> {
@@ -617,6 +649,21 @@ mod tests {
         let rx = ingest(&mut p, &mut host, "ana", units(&["x", "x"]));
         assert!(matches!(rx.blocking_recv(), Ok(Err(WorkerError::Invalid(_)))));
         assert!(!p.ingesting());
+    }
+
+    #[test]
+    fn a_request_is_refused_whole_when_one_unit_cannot_be_stored_or_it_is_too_large() {
+        let (mut p, _) = protocol();
+        let mut host = MapHost::default();
+        let mut sent = units(&["a", "b", "c"]);
+        sent[2].text = "huge".into();
+        let rx = ingest(&mut p, &mut host, "ana", sent);
+        assert!(matches!(rx.blocking_recv(), Ok(Err(WorkerError::Invalid(m))) if m.contains("\"c\" is too long")));
+        assert!(!p.ingesting() && host.units.is_empty(), "nothing of it queued or stored");
+        let rx = ingest(&mut p, &mut host, "ana", units(&["1", "2", "3", "4", "5", "6", "7"]));
+        let e = rx.blocking_recv().expect("answered").expect_err("too many units");
+        assert!(e.to_string().contains("7 units in one ingest request; the limit is 6"), "{e}");
+        assert!(host.units.is_empty());
     }
 
     #[test]

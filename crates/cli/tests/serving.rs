@@ -103,6 +103,15 @@ fn bad_http_input_gets_clear_errors_and_changes_nothing() {
     assert_error("ingest other window", post(a, m, other.to_string().as_bytes()), 400, "window");
     let no_source = json!({"user": "u1", "facts": [{"id": "F1", "text": "a fact"}]});
     assert_error("fact without source", post(a, m, no_source.to_string().as_bytes()), 400, "source_turn");
+    // A unit too long to encode and store: refused whole, naming it (it
+    // used to be stored and then break every kv chat of its user).
+    let long = json!({"user": "u1", "turns": [{"id": "D9:1", "text": "fine"}, {"id": "D9:2", "text": "banana ".repeat(9000)}]});
+    assert_error("oversized unit", post(a, m, long.to_string().as_bytes()), 400, "\"D9:2\" is");
+    let nul = json!({"user": "u1", "turns": [{"id": "D9:\u{0}1", "text": "a"}]});
+    assert_error("control character in an id", post(a, m, nul.to_string().as_bytes()), 400, "control characters");
+    let many: Vec<_> = (0..2001).map(|i| json!({"id": format!("M{i}"), "text": "a"})).collect();
+    let many = json!({"user": "u1", "turns": many});
+    assert_error("2,001 units", post(a, m, many.to_string().as_bytes()), 400, "the limit is 2000");
     let (s, _, b) = http(a, "GET", "/v1/memories/nobody", b"");
     assert_error("list unknown user", (s, b), 404, "nobody");
     let (s, _, b) = http(a, "DELETE", "/v1/memories/nobody", b"");

@@ -36,6 +36,10 @@ pub struct WorkerArgs {
     /// Largest `k` a request may ask for.
     #[arg(long, default_value_t = 200)]
     pub(crate) max_k: u32,
+    /// Most memory units one ingest request may carry (HTTP 400 beyond): an
+    /// ingest is answered once all of it is stored, so this bounds its work.
+    #[arg(long, env = "INFERSCALE_MAX_INGEST_UNITS", default_value_t = inferscale_worker::MAX_INGEST_UNITS)]
+    pub(crate) max_ingest_units: usize,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -181,6 +185,7 @@ where
         max_running: a.max_running,
         max_queue: a.max_queue,
         max_k: a.max_k as usize,
+        max_ingest_units: a.max_ingest_units,
         prompts: a.mem.prompts(),
         ..Default::default()
     };
@@ -213,8 +218,8 @@ pub(crate) fn start_worker(a: &WorkerArgs) -> Result<(WorkerService, std::thread
 }
 
 fn start_engine(a: &WorkerArgs) -> Result<(WorkerService, std::thread::JoinHandle<()>)> {
-    if a.max_running == 0 || a.max_queue == 0 || a.max_k == 0 {
-        bail!("--max-running, --max-queue and --max-k must be at least 1");
+    if a.max_running == 0 || a.max_queue == 0 || a.max_k == 0 || a.max_ingest_units == 0 {
+        bail!("--max-running, --max-queue, --max-k and --max-ingest-units must be at least 1");
     }
     match a.mem.model.backend.as_str() {
         "cpu" => start(a, || Ok(inferscale_engine::CpuBackend)),

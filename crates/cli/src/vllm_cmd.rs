@@ -61,6 +61,7 @@ fn extra_config(a: &WorkerCmd) -> Value {
         "vllm_url": format!("http://127.0.0.1:{}", a.vllm.vllm_port),
         "max_k": w.max_k,
         "max_in_flight": w.max_queue,
+        "max_ingest_units": w.max_ingest_units,
         "retriever": w.mem.retriever.as_str(),
     });
     // The connector's defaults are the native worker's: only a change travels.

@@ -234,7 +234,7 @@ impl PyCore {
     /// Serves the worker gRPC API on `listen` (`host:port`) from background
     /// threads, its Generate relayed to the vLLM server at `vllm_url`
     /// serving `served_model`. Returns the bound address. Once per core.
-    #[pyo3(signature = (listen, vllm_url, served_model, max_k = 200, max_in_flight = 256))]
+    #[pyo3(signature = (listen, vllm_url, served_model, max_k = 200, max_in_flight = 256, max_ingest_units = 2000))]
     fn serve(
         &self,
         listen: &str,
@@ -242,6 +242,7 @@ impl PyCore {
         served_model: &str,
         max_k: usize,
         max_in_flight: usize,
+        max_ingest_units: usize,
     ) -> PyResult<String> {
         let mut front = self.front.lock().map_err(|_| PyRuntimeError::new_err("front poisoned"))?;
         if let Some(f) = front.as_ref() {
@@ -249,12 +250,13 @@ impl PyCore {
         }
         let addr: std::net::SocketAddr =
             listen.parse().map_err(|e| PyValueError::new_err(format!("grpc_listen {listen:?}: {e}")))?;
-        if max_k == 0 || max_in_flight == 0 {
-            return Err(PyValueError::new_err("max_k and max_in_flight must be at least 1"));
+        if max_k == 0 || max_in_flight == 0 || max_ingest_units == 0 {
+            return Err(PyValueError::new_err("max_k, max_in_flight and max_ingest_units must be at least 1"));
         }
         let mut cfg = crate::front::FrontConfig::new(addr, vllm_url, served_model);
         cfg.max_k = max_k;
         cfg.max_in_flight = max_in_flight;
+        cfg.max_ingest_units = max_ingest_units;
         let f = crate::front::serve(self.core.clone(), cfg).map_err(py_err)?;
         let bound = f.addr().to_string();
         *front = Some(f);

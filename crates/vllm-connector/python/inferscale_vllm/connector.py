@@ -117,6 +117,7 @@ def serve_front(core: _core.Core, extra: dict[str, Any], vllm_config: VllmConfig
                 str(served or vllm_config.model_config.model),
                 int(extra.get("max_k", 200)),
                 int(extra.get("max_in_flight", 256)),
+                int(extra.get("max_ingest_units", 2000)),
             )
             _FRONTS[id(core)] = bound
             logger.info("inferscale: worker API on %s (Generate through %s)", bound, url)

@@ -120,6 +120,11 @@ fn bad_http_input_gets_clear_errors_and_changes_nothing() {
     assert_error("forget unknown unit", (s, b), 404, "D7:7");
     let (s, _, b) = http(a, "GET", "/v1/nothing-here", b"");
     assert_error("unknown endpoint", (s, b), 404, "endpoint");
+    // Every error has the JSON shape, the router's own rejections too.
+    let (s, _, b) = http(a, "PUT", "/v1/memories", b"");
+    assert_error("wrong method", (s, b), 405, "does not take PUT");
+    let (s, _, b) = http(a, "GET", "/v1/memories/%FF", b"");
+    assert_error("invalid UTF-8 in the path", (s, b), 400, "invalid path");
 
     assert_eq!(units(a, "u1"), before, "bad input changed stored memory");
 

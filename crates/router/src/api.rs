@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
+use axum::extract::rejection::{BytesRejection, PathRejection};
 use axum::extract::{MatchedPath, Path, Request, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::middleware::Next;
@@ -80,6 +80,9 @@ pub fn app(state: Shared) -> Router {
         .route("/readyz", routing::get(readyz))
         .route("/metrics", routing::get(metrics))
         .fallback(|| async { ApiError::NotFound("no such endpoint".into()) })
+        .method_not_allowed_fallback(|method: axum::http::Method| async move {
+            ApiError::MethodNotAllowed(format!("this endpoint does not take {method}"))
+        })
         .layer(axum::extract::DefaultBodyLimit::max(limit))
         .layer(axum::middleware::from_fn_with_state(state.clone(), count))
         .with_state(state)
@@ -563,11 +566,18 @@ async fn ingest(
                    "encoded_tokens": resp.encoded_tokens})))
 }
 
+/// A path's parameters, or the JSON 400 every other bad input gets (axum's
+/// own rejection is plain text).
+fn path<T>(p: std::result::Result<Path<T>, PathRejection>) -> Result<T> {
+    p.map(|Path(t)| t).map_err(|e| ApiError::BadRequest(format!("invalid path: {}", e.body_text())))
+}
+
 async fn list(
     State(s): State<Shared>,
     headers: HeaderMap,
-    Path(user): Path<String>,
+    user: std::result::Result<Path<String>, PathRejection>,
 ) -> Result<Json<serde_json::Value>> {
+    let user = path(user)?;
     let tenant = tenant(&s, &headers)?;
     openai::check_user(&user)?;
     let w = s.workers.reader(&scoped(&tenant, &user))?;
@@ -616,16 +626,17 @@ async fn forget(s: &AppState, headers: &HeaderMap, user: &str, unit: String) -> 
 async fn forget_user(
     State(s): State<Shared>,
     headers: HeaderMap,
-    Path(user): Path<String>,
+    user: std::result::Result<Path<String>, PathRejection>,
 ) -> Result<Json<serde_json::Value>> {
-    forget(&s, &headers, &user, String::new()).await
+    forget(&s, &headers, &path(user)?, String::new()).await
 }
 
 async fn forget_unit(
     State(s): State<Shared>,
     headers: HeaderMap,
-    Path((user, unit)): Path<(String, String)>,
+    p: std::result::Result<Path<(String, String)>, PathRejection>,
 ) -> Result<Json<serde_json::Value>> {
+    let (user, unit) = path(p)?;
     if unit.is_empty() {
         return Err(ApiError::BadRequest("empty unit id".into()));
     }

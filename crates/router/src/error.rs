@@ -14,6 +14,9 @@ pub enum ApiError {
     Unauthorized(String),
     #[error("{0}")]
     NotFound(String),
+    /// The path exists, not with this method (405).
+    #[error("{0}")]
+    MethodNotAllowed(String),
     #[error("request body is larger than the limit of {0} bytes")]
     TooLarge(usize),
     /// Every worker that could serve the request is busy (429).
@@ -36,6 +39,7 @@ impl ApiError {
             ApiError::BadRequest(_) => StatusCode::BAD_REQUEST,
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Busy(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
@@ -47,7 +51,7 @@ impl ApiError {
 
     fn kind(&self) -> &'static str {
         match self {
-            ApiError::BadRequest(_) | ApiError::TooLarge(_) => "invalid_request_error",
+            ApiError::BadRequest(_) | ApiError::TooLarge(_) | ApiError::MethodNotAllowed(_) => "invalid_request_error",
             ApiError::Unauthorized(_) => "authentication_error",
             ApiError::NotFound(_) => "not_found_error",
             ApiError::Busy(_) => "rate_limit_error",

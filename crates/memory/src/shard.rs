@@ -372,11 +372,19 @@ impl<B: Backend> Memory<B> {
     /// storing nothing: a caller that ingests a request in several calls
     /// checks the whole request first, so that a unit too long to encode
     /// refuses the request before any of it is stored.
+    ///
+    /// It runs on the engine's thread for a whole request, so only lines
+    /// that might not fit are tokenized: every token of a fact line covers
+    /// at least one of its bytes (its `\n` included), bar one prefix token
+    /// a SentencePiece tokenizer may add, so a line of `max - 2` bytes or
+    /// fewer fits.
     pub fn check_fits(&self, units: &[MemoryUnit], composer: &Composer) -> Result<()> {
         let max = self.max_fact_tokens(composer.header().len());
         for u in units {
-            let tokens = composer.fact(&Composer::turn_text(&u.speaker, &u.time, &u.text))?;
-            check_length(u, tokens.len(), max)?;
+            let line = Composer::turn_text(&u.speaker, &u.time, &u.text);
+            if line.len() + 2 > max {
+                check_length(u, composer.fact(&line)?.len(), max)?;
+            }
         }
         Ok(())
     }

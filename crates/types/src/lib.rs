@@ -54,11 +54,6 @@ impl Mode {
             Mode::None => "none",
         }
     }
-
-    /// Whether the request reads the user's memory at all.
-    pub fn uses_memory(self) -> bool {
-        self != Mode::None
-    }
 }
 
 impl std::fmt::Display for Mode {

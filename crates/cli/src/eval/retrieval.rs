@@ -12,7 +12,7 @@ use inferscale_engine::Backend;
 use inferscale_engine::bert::Bert;
 use inferscale_eval::locomo;
 use inferscale_eval::score::recall;
-use inferscale_memory::{Memory, Prompts, Retriever, Session, ShardSpec};
+use inferscale_memory::{Memory, Prompts, Query, Retriever, Session, ShardSpec};
 use serde::Serialize;
 
 use crate::memory_cmd::parse_retriever;
@@ -82,9 +82,14 @@ fn run_on<B: Backend>(a: &Args, backend: B) -> Result<()> {
             s.qa.iter().filter(|q| a.categories.contains(&q.category) && !q.evidence.is_empty()).collect();
         let texts: Vec<&str> = qas.iter().map(|q| q.question.as_str()).collect();
         let ids: Vec<String> = session.memory().facts(&s.id)?.iter().map(|f| f.unit.id.clone()).collect();
+        // The questions are embedded once; each retriever ranks with them.
+        let backend = session.engine().backend();
+        let embeddings = if texts.is_empty() { Vec::new() } else { session.embedder().embed(backend, &texts)? };
         for (ri, &r) in a.retriever.iter().enumerate() {
             session.memory_mut().set_retriever(r);
-            for (qa, top) in qas.iter().zip(session.retrieve_many(&s.id, &texts, k_max)?) {
+            for (qa, embedding) in qas.iter().zip(&embeddings) {
+                let query = Query { text: &qa.question, embedding };
+                let top = session.memory().retrieve(session.engine().backend(), &s.id, query, k_max)?;
                 for &k in &a.k {
                     let names: Vec<&str> = top[..k.min(top.len())].iter().map(|&i| ids[i].as_str()).collect();
                     if let Some(x) = recall(&names, &qa.evidence) {

@@ -155,10 +155,13 @@ __device__ __forceinline__ void attend_tile(float (&o)[D / 8][4], float (&m)[2],
 // `meta`: spans as (q_start, q_len, context_len, table offset) × S, then at
 // `works_off` (span, first packed row) per block, then the block tables at
 // `tables_off`. A span's new tokens take cache positions context_len − q_len
-// .. context_len and see every position up to their own.
+// .. context_len and see every position up to their own — unless `row_ends`
+// is set: then query row i sees cache entries 0 .. row_ends[i] (rows
+// recomputed in place among injected ones, ascending within a span).
 template <int D>
 __device__ void paged_attention(bf16* out, float* part_o, float* part_ml, const bf16* q, const bf16* kc,
-                                const bf16* vc, const u32* meta, u32 works_off, u32 tables_off, int heads,
+                                const bf16* vc, const u32* meta, const u32* row_ends, u32 works_off,
+                                u32 tables_off, int heads,
                                 int kv_heads, int block_size, float scale, u32 keys_per_split, u32 n_tokens,
                                 unsigned char* smem) {
     constexpr int LK = D + 8, V8 = D / 8, STAGE = 2 * BK * LK;
@@ -174,7 +177,7 @@ __device__ void paged_attention(bf16* out, float* part_o, float* part_ml, const 
     const size_t q_dim = (size_t)heads * D, kv_dim = (size_t)kv_heads * D;
     const u32 rows_total = q_len * G, past = ctx - q_len;
     const u32 r_last = min(r0 + BR, rows_total) - 1;
-    const u32 k_limit = past + r_last / G + 1;
+    const u32 k_limit = row_ends ? row_ends[q_start + r_last / G] : past + r_last / G + 1;
     const u32 k_begin = z * keys_per_split, k_end = min(k_limit, k_begin + keys_per_split);
 
     // Decode-like: every warp takes the block's first 16 rows and a quarter
@@ -188,7 +191,7 @@ __device__ void paged_attention(bf16* out, float* part_o, float* part_ml, const 
         R[h] = r0 + (split ? 0 : warp * 16) + r + 8 * h;
         valid[h] = R[h] < rows_total;
         u32 t = valid[h] ? R[h] / G : 0;
-        limit[h] = valid[h] ? past + t + 1 : 0;
+        limit[h] = valid[h] ? (row_ends ? row_ends[q_start + t] : past + t + 1) : 0;
         head[h] = g * G + (valid[h] ? R[h] % G : 0);
         qrow[h] = q_start + t;
     }
@@ -312,10 +315,10 @@ __device__ void paged_attention(bf16* out, float* part_o, float* part_ml, const 
 #define PAGED_ATTENTION(D)                                                                                        \
     extern "C" __global__ void __launch_bounds__(128) paged_attention_d##D(                                       \
         bf16* out, float* part_o, float* part_ml, const bf16* q, const bf16* kc, const bf16* vc, const u32* meta, \
-        u32 works_off, u32 tables_off, int heads, int kv_heads, int block_size, float scale, u32 keys_per_split,  \
-        u32 n_tokens) {                                                                                           \
+        const u32* row_ends, u32 works_off, u32 tables_off, int heads, int kv_heads, int block_size, float scale, \
+        u32 keys_per_split, u32 n_tokens) {                                                                       \
         extern __shared__ __align__(128) unsigned char paged_smem[];                                              \
-        paged_attention<D>(out, part_o, part_ml, q, kc, vc, meta, works_off, tables_off, heads, kv_heads,        \
+        paged_attention<D>(out, part_o, part_ml, q, kc, vc, meta, row_ends, works_off, tables_off, heads, kv_heads, \
                            block_size, scale, keys_per_split, n_tokens, paged_smem);                             \
     }
 

@@ -153,6 +153,20 @@ __device__ __forceinline__ void argmax_merge(float& best, int& idx, float ob, in
     }
 }
 
+// One block per row: out[row] = Σ (a − b)² over the row (kv+blend's
+// deviation of recomputed values from injected ones).
+extern "C" __global__ void row_sq_distance(float* out, const bf16* a, const bf16* b, int cols) {
+    __shared__ float scratch[32];
+    const size_t off = (size_t)blockIdx.x * cols;
+    float acc = 0.0f;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        float d = __bfloat162float(a[off + c]) - __bfloat162float(b[off + c]);
+        acc += d * d;
+    }
+    acc = block_sum(acc, scratch);
+    if (threadIdx.x == 0) out[blockIdx.x] = acc;
+}
+
 extern "C" __global__ void argmax_rows(u32* out, const bf16* x, int cols) {
     __shared__ float sbest[32];
     __shared__ int sidx[32];

@@ -674,6 +674,21 @@ impl Backend for CudaBackend {
         self.stream.clone_dtoh(&out).cu()
     }
 
+    fn row_sq_distance(&self, a: &CudaTensor, b: &CudaTensor) -> Result<Vec<f32>> {
+        let _span = self.span("row_sq_distance");
+        if (a.rows, a.cols) != (b.rows, b.cols) {
+            return Err(shape_err(format!("row_sq_distance: {}×{} and {}×{}", a.rows, a.cols, b.rows, b.cols)));
+        }
+        if a.rows == 0 {
+            return Ok(Vec::new());
+        }
+        // SAFETY: the kernel writes one sum per row (block), every row.
+        let out = unsafe { self.stream.alloc::<f32>(a.rows) }.cu()?;
+        let (o, ap, bp, c) = (self.ptr(&out), self.tp(a), self.tp(b), a.cols as i32);
+        self.launch(&self.k.row_sq_distance, Self::rows_cfg(a.rows, 256), &[&o, &ap, &bp, &c])?;
+        self.stream.clone_dtoh(&out).cu()
+    }
+
     fn new_kv_store(&self, spec: KvSpec) -> Result<CudaKvStore> {
         if spec.head_dim != 64 && spec.head_dim != 128 {
             return Err(CudaError::Unsupported(format!(
@@ -830,6 +845,19 @@ impl Backend for CudaBackend {
         let plan = plan_attention(spans, shape, q.rows, spec, 2 * self.sm_count)?;
         let out = self.tensor(q.rows, q.cols)?;
         let meta = self.meta(&plan.meta)?;
+        // Per query row, the cache entries it sees, only when some span's
+        // rows are scattered (kv+blend); the kernel derives them otherwise.
+        let row_ends = if spans.iter().any(|s| s.row_ends.is_some()) {
+            let mut ends = vec![0u32; q.rows];
+            for s in spans {
+                for r in 0..s.q_len {
+                    ends[s.q_start + r] = s.row_end(r) as u32;
+                }
+            }
+            Some(self.meta(&ends)?)
+        } else {
+            None
+        };
         let rows = q.rows * shape.num_heads;
         // Partial results only when keys are split across blocks.
         let (part_o, part_ml) = if plan.splits > 1 {
@@ -845,6 +873,7 @@ impl Backend for CudaBackend {
         };
         let (kc, vc) = self.layer_ptrs(store, layer)?;
         let (o, qp, mp) = (self.tp(&out), self.tp(q), self.ptr(&meta));
+        let ep = row_ends.as_ref().map_or(0, |e| self.ptr(e));
         let po = part_o.as_ref().map_or(0, |p| self.ptr(p));
         let pm = part_ml.as_ref().map_or(0, |p| self.ptr(p));
         let (wo, to) = (plan.works_off as u32, plan.tables_off as u32);
@@ -856,7 +885,11 @@ impl Backend for CudaBackend {
             shared_mem_bytes: attention_smem_bytes(d) as u32,
         };
         let f = if d == 64 { &self.k.paged_attention_d64 } else { &self.k.paged_attention_d128 };
-        self.launch(f, cfg, &[&o, &po, &pm, &qp, &kc, &vc, &mp, &wo, &to, &h, &kvh, &bs, &shape.scale, &kps, &nt])?;
+        self.launch(
+            f,
+            cfg,
+            &[&o, &po, &pm, &qp, &kc, &vc, &mp, &ep, &wo, &to, &h, &kvh, &bs, &shape.scale, &kps, &nt],
+        )?;
         if plan.splits > 1 {
             let (r, s, hd) = (rows as u32, plan.splits as i32, d as i32);
             let cfg = LaunchConfig { shared_mem_bytes: (4 * plan.splits) as u32, ..Self::rows_cfg(rows, d as u32) };
@@ -899,6 +932,7 @@ pub(crate) fn plan_attention(
     let mut tables = Vec::new();
     let mut max_ctx = 0;
     for (i, s) in spans.iter().enumerate() {
+        s.check()?;
         let blocks_needed = s.context_len.div_ceil(spec.block_size);
         if s.q_len == 0 || s.q_len > s.context_len || s.q_start + s.q_len > rows || s.block_table.len() < blocks_needed
         {

@@ -111,6 +111,7 @@ kernels!(
     embedding_gather,
     select_rows,
     argmax_rows,
+    row_sq_distance,
     rms_norm,
     rms_norm_v8,
     add_rms_norm_v8,

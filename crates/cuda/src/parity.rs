@@ -179,6 +179,9 @@ struct PagedCase {
     shape: AttentionShape,
     /// Per sequence: (context_len, q_len, block table).
     seqs: Vec<(usize, usize, Vec<u32>)>,
+    /// Per sequence, its rows' ends when they are scattered (see
+    /// `SeqSpan::row_ends`); sequences past the end have none.
+    row_ends: Vec<Option<Vec<u32>>>,
     seed: u64,
 }
 
@@ -252,7 +255,14 @@ impl<B: Backend> Ops for Dyn<'_, B> {
         let q = be.upload_rows(&host(c.seed + 99, &[q_rows, c.shape.num_heads * c.spec.head_dim], 1.0))?;
         let spans: Vec<SeqSpan<'_>> = spans
             .iter()
-            .map(|&(q_start, q_len, context_len, block_table)| SeqSpan { q_start, q_len, context_len, block_table })
+            .enumerate()
+            .map(|(i, &(q_start, q_len, context_len, block_table))| SeqSpan {
+                q_start,
+                q_len,
+                context_len,
+                block_table,
+                row_ends: c.row_ends.get(i).and_then(|e| e.as_deref()),
+            })
             .collect();
         Ok(be.to_host(&be.attention(&q, &store, 0, c.shape, &spans)?)?.data)
     }
@@ -380,6 +390,20 @@ pub fn ops<G: Backend>(gpu: &G) -> R<Report> {
         let want: Vec<u32> = (0..rows).map(|r| argmax(&h.data[r * vocab..(r + 1) * vocab])).collect();
         out.push(same_ids(format!("argmax_rows 7×{vocab} (rows differing)"), &got, &want));
     }
+    // kv+blend's ranking: per-row squared distances of the same (bf16)
+    // values summed on the device and on the host; relative error.
+    {
+        let (a, b) = (gpu.upload_rows(&host(13, &[300, 256], 1.0))?, gpu.upload_rows(&host(14, &[300, 256], 1.0))?);
+        let got = gpu.row_sq_distance(&a, &b)?;
+        let want = CpuBackend.row_sq_distance(
+            &CpuBackend.upload_rows(&gpu.to_host(&a)?)?,
+            &CpuBackend.upload_rows(&gpu.to_host(&b)?)?,
+        )?;
+        let error =
+            got.iter().zip(&want).map(|(g, w)| f64::from((g - w).abs() / w.abs().max(1e-6))).fold(0.0, f64::max);
+        let error = if got.len() == want.len() { error } else { f64::INFINITY };
+        out.push(Check { name: "row_sq_distance 300×256 (relative)".into(), error, tolerance: 1e-5, control: false });
+    }
     // Retrieval: the device's GEMV and sort return exactly the host
     // reference's ids — ties (duplicated rows) to the lower row — through
     // the shared-memory sort and, past TOP_K_SORT_ROWS, the host ranking.
@@ -451,6 +475,9 @@ pub fn ops<G: Backend>(gpu: &G) -> R<Report> {
                 vec![(700, 37, table(1, 44)), (90, 1, table(3, 6)), (1500 / 16 * 16, 1, table(5, 94))],
             ),
             ("question after 1,320 cached tokens", vec![(1340, 20, table(2, 84))]),
+            // kv+blend: 100 injected tokens recomputed in place among 1,320,
+            // then a 20-token question; and a decode beside it.
+            ("blend: 100 scattered rows + a question", vec![(1340, 120, table(4, 84)), (90, 1, table(3, 6))]),
             (
                 // A serving step: many sequences decoding, one prompt chunk.
                 "100 decodes + a prefill chunk",
@@ -463,8 +490,11 @@ pub fn ops<G: Backend>(gpu: &G) -> R<Report> {
                     .collect(),
             ),
         ];
+        // The blend case's rows: every 13th injected token, then the question.
+        let blend_ends: Vec<u32> = (0..100u32).map(|i| 1 + 13 * i + i % 3).chain(1321..=1340).collect();
         for (name, seqs) in cases {
-            let c = PagedCase { spec, shape, seqs, seed: 1000 };
+            let row_ends = if name.starts_with("blend") { vec![Some(blend_ends.clone())] } else { Vec::new() };
+            let c = PagedCase { spec, shape, seqs, row_ends, seed: 1000 };
             both(
                 &cpu,
                 gpu,
@@ -474,7 +504,13 @@ pub fn ops<G: Backend>(gpu: &G) -> R<Report> {
             )?;
         }
         let rope = rope_for(hd, RopeScaling::None);
-        let c = PagedCase { spec, shape, seqs: vec![(25, 0, table(9, 2)), (40, 0, table(11, 3))], seed: 77 };
+        let c = PagedCase {
+            spec,
+            shape,
+            seqs: vec![(25, 0, table(9, 2)), (40, 0, table(11, 3))],
+            row_ends: Vec::new(),
+            seed: 77,
+        };
         both(
             &cpu,
             gpu,

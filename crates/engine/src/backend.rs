@@ -96,6 +96,44 @@ pub struct SeqSpan<'a> {
     /// every cached position up to and including its own.
     pub context_len: usize,
     pub block_table: &'a [u32],
+    /// For rows that are not the cache's last `q_len` entries — tokens
+    /// recomputed in place among injected ones (`crate::blend`) — how many
+    /// cache entries each row sees: its own index + 1, ascending, at most
+    /// `context_len`. `None`: row `r` sees `context_len − q_len + r + 1`.
+    pub row_ends: Option<&'a [u32]>,
+}
+
+impl SeqSpan<'_> {
+    /// How many cache entries (from index 0) row `r` of the span attends to.
+    pub fn row_end(&self, r: usize) -> usize {
+        match self.row_ends {
+            Some(ends) => ends[r] as usize,
+            None => self.context_len - self.q_len + r + 1,
+        }
+    }
+
+    /// Checks the span's own consistency: `q_len` rows fit the context, and
+    /// `row_ends`, when set, has one entry per row, ascending, each in
+    /// `1..=context_len`. Backends check the rest (rows, blocks).
+    pub fn check(&self) -> Result<()> {
+        if self.q_len > self.context_len {
+            return Err(EngineError::Shape(format!("{} new rows in a context of {}", self.q_len, self.context_len)));
+        }
+        if let Some(ends) = self.row_ends {
+            let ordered = ends.windows(2).all(|w| w[0] < w[1]);
+            let inside =
+                ends.first().is_none_or(|&e| e >= 1) && ends.last().is_none_or(|&e| e as usize <= self.context_len);
+            if ends.len() != self.q_len || !ordered || !inside {
+                return Err(EngineError::Shape(format!(
+                    "row ends of a span of {} rows in a context of {}: {} ends, ascending {ordered}, inside {inside}",
+                    self.q_len,
+                    self.context_len,
+                    ends.len()
+                )));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Geometry of an attention call.
@@ -272,6 +310,23 @@ pub trait Backend: Send + Sync {
         let h = self.to_host(x)?;
         let (rows, cols) = self.dims(x);
         Ok((0..rows).map(|r| crate::sampling::argmax(&h.data[r * cols..(r + 1) * cols])).collect())
+    }
+
+    /// Per row, `Σ (a − b)²` over its columns (`a` and `b` of one shape):
+    /// how far recomputed KV moved from the injected KV it replaces, which
+    /// ranks the tokens kv+blend keeps recomputing. The default reads both
+    /// back; device backends reduce in place.
+    fn row_sq_distance(&self, a: &Self::Tensor, b: &Self::Tensor) -> Result<Vec<f32>> {
+        let (rows, cols) = self.dims(a);
+        if self.dims(b) != (rows, cols) {
+            return Err(EngineError::Shape(format!("row distance of {:?} and {:?}", (rows, cols), self.dims(b))));
+        }
+        let (a, b) = (self.to_host(a)?, self.to_host(b)?);
+        Ok(a.data
+            .chunks_exact(cols.max(1))
+            .zip(b.data.chunks_exact(cols.max(1)))
+            .map(|(x, y)| x.iter().zip(y).map(|(x, y)| (x - y) * (x - y)).sum())
+            .collect())
     }
 
     fn new_kv_store(&self, spec: KvSpec) -> Result<Self::KvStore>;

@@ -13,6 +13,7 @@ use std::ops::Range;
 use inferscale_model::ModelFiles;
 
 use crate::backend::{Backend, KvSpec, SeqSpan};
+use crate::blend::{BlendPlan, BlendRows, SELECT_LAYER};
 use crate::error::{EngineError, Result};
 use crate::kv_cache::{BLOCK_SIZE, BlockPool, BlockTable};
 use crate::llama::{ForwardBatch, LayerKv, Llama};
@@ -54,6 +55,10 @@ pub struct Sequence {
     /// Leading tokens whose K and V are in the cache.
     computed: usize,
     table: BlockTable,
+    /// Injected tokens the next steps recompute first (kv+blend).
+    pub(crate) blend: Option<BlendPlan>,
+    /// Injected tokens recomputed through every layer so far (kv+blend).
+    recomputed: usize,
 }
 
 impl Sequence {
@@ -77,8 +82,16 @@ impl Sequence {
         self.computed
     }
 
+    /// Rows the steps computing this sequence still have to run: injected
+    /// tokens to recompute (kv+blend), then the tokens not yet computed.
     pub fn pending(&self) -> usize {
-        self.tokens.len() - self.computed
+        self.tokens.len() - self.computed + self.blend.as_ref().map_or(0, BlendPlan::remaining)
+    }
+
+    /// Injected tokens recomputed through every layer (kv+blend); every
+    /// injected token of the blend also ran through the first layers.
+    pub fn recomputed(&self) -> usize {
+        self.recomputed
     }
 
     pub fn block_table(&self) -> &BlockTable {
@@ -200,6 +213,8 @@ impl<B: Backend> Engine<B> {
             positions: Vec::with_capacity(tokens.len()),
             computed: 0,
             table: BlockTable::new(&self.pool),
+            blend: None,
+            recomputed: 0,
         };
         seq.extend_at(&tokens, position);
         self.check_context(&seq)?;
@@ -236,7 +251,14 @@ impl<B: Backend> Engine<B> {
             let dst = table.blocks()[shared];
             self.backend.copy_blocks(&mut self.kv, &[(src, dst)])?;
         }
-        Ok(Sequence { tokens: seq.tokens.clone(), positions: seq.positions.clone(), computed: seq.computed, table })
+        Ok(Sequence {
+            tokens: seq.tokens.clone(),
+            positions: seq.positions.clone(),
+            computed: seq.computed,
+            table,
+            blend: None,
+            recomputed: 0,
+        })
     }
 
     /// Computes up to `max_batch_tokens` pending tokens of `seqs`, in order.
@@ -351,40 +373,78 @@ impl<B: Backend> Engine<B> {
         capture: &[Range<usize>],
         want_logits: bool,
     ) -> Result<((Option<B::Tensor>, Vec<usize>), Vec<Option<Vec<LayerKv<B>>>>)> {
-        for (s, &n) in seqs.iter_mut().zip(take) {
-            if n > 0 {
+        // Per sequence: the injected tokens it recomputes in this pass
+        // (kv+blend, always first) and the tokens it computes.
+        let split: Vec<(usize, usize)> = seqs
+            .iter()
+            .zip(take)
+            .map(|(s, &n)| {
+                let b = s.blend.as_ref().map_or(0, BlendPlan::remaining).min(n);
+                (b, n - b)
+            })
+            .collect();
+        for (s, &(_, t)) in seqs.iter_mut().zip(&split) {
+            if t > 0 {
                 self.check_context(s)?;
-                s.table.reserve(s.computed + n)?;
+                s.table.reserve(s.computed + t)?;
             }
         }
+        // Each sequence's rows as cache indices: recomputed injected tokens,
+        // then new ones.
+        let row_indices = |s: &Sequence, (b, t): (usize, usize)| {
+            let from = s.blend.as_ref().map_or(0, |p| p.next);
+            (from..from + b).chain(s.computed..s.computed + t)
+        };
+        // Recomputed rows are not the cache's last entries: their spans say
+        // where each row's keys end.
+        let ends: Vec<Option<Vec<u32>>> = seqs
+            .iter()
+            .zip(&split)
+            .map(|(s, &(b, t))| (b > 0).then(|| row_indices(s, (b, t)).map(|i| i as u32 + 1).collect()))
+            .collect();
         let mut batch = ForwardBatch::default();
+        let mut blend = BlendRows { layer: SELECT_LAYER, groups: Vec::new() };
         let mut finishing = Vec::new();
         // Per sequence, its rows' positions within the captured rows.
         let mut captured_rows: Vec<Vec<usize>> = vec![Vec::new(); seqs.len()];
         for (i, s) in seqs.iter().enumerate() {
-            let n = take[i];
-            if n == 0 {
+            let (b, t) = split[i];
+            if b + t == 0 {
                 continue;
             }
             let q_start = batch.tokens.len();
-            for p in s.computed..s.computed + n {
+            for p in row_indices(s, (b, t)) {
                 batch.tokens.push(s.tokens[p]);
                 batch.positions.push(s.positions[p]);
                 batch.slots.push(s.table.slot(p));
             }
+            if let Some(plan) = s.blend.as_ref().filter(|_| b > 0) {
+                blend.groups.push((q_start..q_start + b, plan.keep(b)));
+            }
             if let Some(range) = capture.get(i) {
-                let lo = range.start.clamp(s.computed, s.computed + n);
-                let hi = range.end.clamp(s.computed, s.computed + n);
+                let lo = range.start.clamp(s.computed, s.computed + t);
+                let hi = range.end.clamp(s.computed, s.computed + t);
                 for idx in lo..hi {
                     captured_rows[i].push(batch.capture.len());
-                    batch.capture.push(q_start + idx - s.computed);
+                    batch.capture.push(q_start + b + idx - s.computed);
                 }
             }
-            batch.spans.push(SeqSpan { q_start, q_len: n, context_len: s.computed + n, block_table: s.table.blocks() });
-            if want_logits && s.computed + n == s.tokens.len() {
-                batch.logit_rows.push(q_start + n - 1);
+            let last = row_indices(s, (b, t)).last().map_or(0, |i| i + 1);
+            batch.spans.push(SeqSpan {
+                q_start,
+                q_len: b + t,
+                context_len: last,
+                block_table: s.table.blocks(),
+                row_ends: ends[i].as_deref(),
+            });
+            if want_logits && t > 0 && s.computed + t == s.tokens.len() {
+                batch.logit_rows.push(q_start + b + t - 1);
                 finishing.push(i);
             }
+        }
+        let groups = blend.groups.clone();
+        if !blend.groups.is_empty() {
+            batch.blend = Some(blend);
         }
         let mut captured: Vec<Option<Vec<LayerKv<B>>>> = (0..seqs.len()).map(|_| None).collect();
         if batch.tokens.is_empty() {
@@ -409,8 +469,18 @@ impl<B: Backend> Engine<B> {
                 }
             }
         }
-        for (s, n) in seqs.iter_mut().zip(take) {
-            s.computed += n;
+        // Rows of each blend group that went through every layer.
+        let mut groups = groups.into_iter();
+        for (s, &(b, t)) in seqs.iter_mut().zip(&split) {
+            if let Some(plan) = s.blend.as_mut().filter(|_| b > 0) {
+                let rows = groups.next().map_or(0..0, |g| g.0);
+                s.recomputed += fwd.kept.as_ref().map_or(b, |k| k.iter().filter(|r| rows.contains(r)).count());
+                plan.next += b;
+                if plan.remaining() == 0 {
+                    s.blend = None;
+                }
+            }
+            s.computed += t;
         }
         Ok(((logits, finishing), captured))
     }

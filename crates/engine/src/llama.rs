@@ -8,7 +8,8 @@
 use inferscale_model::{HostTensor, ModelConfig, ModelFiles};
 
 use crate::backend::{AttentionShape, Backend, NewRows, SeqSpan};
-use crate::error::Result;
+use crate::blend::{BlendRows, Narrowed};
+use crate::error::{EngineError, Result};
 use crate::rope::Rope;
 
 /// What one forward pass computes: new tokens of several sequences,
@@ -24,6 +25,9 @@ pub struct ForwardBatch<'a> {
     pub logit_rows: Vec<usize>,
     /// Rows whose pre-RoPE K and V to return from every layer (in order).
     pub capture: Vec<usize>,
+    /// kv+blend: rows recomputing injected tokens, some of which stop after
+    /// a layer (`crate::blend`). Not combined with `capture`.
+    pub blend: Option<BlendRows>,
 }
 
 /// What a forward pass returns.
@@ -32,6 +36,8 @@ pub struct ForwardOutput<B: Backend> {
     pub logits: Option<B::Tensor>,
     /// Per layer, the captured rows' pre-RoPE K and V (`[rows, kv_heads·head_dim]`).
     pub captured: Option<Vec<(B::Tensor, B::Tensor)>>,
+    /// With a narrowing blend: the rows that went through every layer.
+    pub kept: Option<Vec<usize>>,
 }
 
 /// Per-layer view of the forward in progress.
@@ -254,14 +260,65 @@ impl<B: Backend> Llama<B> {
         let mut x = be.embedding(&self.embed_tokens, &batch.tokens)?;
         let mut captured = (!batch.capture.is_empty()).then(|| Vec::with_capacity(self.blocks.len()));
         let mut pending = None;
-        for (layer, block) in self.blocks.iter().enumerate() {
+        let Some(blend) = batch.blend.as_ref().filter(|b| b.narrows()) else {
+            let all = 0..self.blocks.len();
+            self.layers(be, batch, all, &mut x, &mut pending, &mut captured, kv)?;
+            return self.head(be, batch, x, pending, captured, None);
+        };
+        if captured.is_some() {
+            return Err(EngineError::Shape("a blend pass cannot capture KV".into()));
+        }
+        // Every candidate through the selection layer; its values' distance
+        // from the injected ones there picks the rows that go on.
+        let s = blend.layer.min(self.blocks.len() - 1);
+        self.layers(be, batch, 0..s, &mut x, &mut pending, &mut captured, kv)?;
+        let slots: Vec<u32> = blend.rows().iter().map(|&r| batch.slots[r]).collect();
+        let (_, injected) = be.gather_kv(kv, s, &slots)?;
+        self.layers(be, batch, s..s + 1, &mut x, &mut pending, &mut captured, kv)?;
+        let (_, fresh) = be.gather_kv(kv, s, &slots)?;
+        let kept = blend.kept(batch.tokens.len(), &be.row_sq_distance(&fresh, &injected)?)?;
+        let narrowed = Narrowed::new(batch, &kept)?;
+        let rest = narrowed.batch(batch);
+        let mut x = be.select_rows(&x, &kept)?;
+        let mut pending = pending.map(|p| be.select_rows(&p, &kept)).transpose()?;
+        self.layers(be, &rest, s + 1..self.blocks.len(), &mut x, &mut pending, &mut captured, kv)?;
+        self.head(be, &rest, x, pending, None, Some(kept))
+    }
+
+    /// Runs `batch` through `layers`, threading the residual stream `x` and
+    /// the last block's MLP output not yet added to it (`pending`).
+    #[allow(clippy::too_many_arguments)]
+    fn layers(
+        &self,
+        be: &B,
+        batch: &ForwardBatch<'_>,
+        layers: std::ops::Range<usize>,
+        x: &mut B::Tensor,
+        pending: &mut Option<B::Tensor>,
+        captured: &mut Option<Vec<LayerKv<B>>>,
+        kv: &mut B::KvStore,
+    ) -> Result<()> {
+        for layer in layers {
             let step = Step { batch, rope: &self.rope, layer };
-            let (mlp, layer_kv) = block.forward(be, &mut x, pending.take(), &step, kv)?;
-            pending = Some(mlp);
+            let (mlp, layer_kv) = self.blocks[layer].forward(be, x, pending.take(), &step, kv)?;
+            *pending = Some(mlp);
             if let (Some(all), Some(kv)) = (captured.as_mut(), layer_kv) {
                 all.push(kv);
             }
         }
+        Ok(())
+    }
+
+    /// The final norm and the output head over `batch.logit_rows`.
+    fn head(
+        &self,
+        be: &B,
+        batch: &ForwardBatch<'_>,
+        mut x: B::Tensor,
+        pending: Option<B::Tensor>,
+        captured: Option<Vec<LayerKv<B>>>,
+        kept: Option<Vec<usize>>,
+    ) -> Result<ForwardOutput<B>> {
         let logits = if batch.logit_rows.is_empty() {
             None
         } else {
@@ -272,6 +329,6 @@ impl<B: Backend> Llama<B> {
             let x = be.rms_norm(&x, &self.norm, self.config.rms_norm_eps)?;
             Some(be.linear(&x, self.lm_head.as_ref().unwrap_or(&self.embed_tokens), None)?)
         };
-        Ok(ForwardOutput { logits, captured })
+        Ok(ForwardOutput { logits, captured, kept })
     }
 }

@@ -59,10 +59,8 @@ pub fn paged_attention(
         )));
     }
     for (si, s) in spans.iter().enumerate() {
-        if s.q_len > s.context_len
-            || s.q_start + s.q_len > q.rows
-            || s.block_table.len() * spec.block_size < s.context_len
-        {
+        s.check()?;
+        if s.q_start + s.q_len > q.rows || s.block_table.len() * spec.block_size < s.context_len {
             return Err(EngineError::Shape(format!(
                 "attention span {si}: {} queries, context {}, {} blocks, {} rows",
                 s.q_len,
@@ -134,11 +132,10 @@ fn plan(spans: &[SeqSpan<'_>], num_kv_heads: usize) -> Vec<Task> {
     let splits = if row_tasks >= want { 1 } else { want.div_ceil(row_tasks.max(1)) };
     let mut tasks = Vec::new();
     for (si, s) in spans.iter().enumerate() {
-        let first_pos = s.context_len - s.q_len;
         for g in 0..num_kv_heads {
             for r0 in (0..s.q_len).step_by(ROWS_PER_TASK) {
                 let r1 = (r0 + ROWS_PER_TASK).min(s.q_len);
-                let n_keys = first_pos + r1;
+                let n_keys = s.row_end(r1 - 1);
                 let chunk = n_keys.div_ceil(splits).max(MIN_KEYS_PER_TASK);
                 for k0 in (0..n_keys).step_by(chunk) {
                     tasks.push(Task { span: si, kv_head: g, r0, r1, k0, k1: (k0 + chunk).min(n_keys) });
@@ -182,17 +179,18 @@ struct TaskCtx<'a> {
 
 fn run_task(t: &Task, s: &SeqSpan<'_>, ctx: &TaskCtx<'_>) -> Partial {
     let TaskCtx { q, store, layer, group, d, scale } = *ctx;
-    let first_pos = s.context_len - s.q_len;
     let rows = t.r1 - t.r0;
     let n_keys = t.k1 - t.k0;
     let stacked = group * rows;
     // One AVX-512 lane per stacked query row; the padding columns are zero
     // queries whose results are never read.
     let mp = stacked.next_multiple_of(16);
-    // Causal mask: key p is visible to query row r0 + r iff p ≤ first_pos +
-    // r0 + r. Keys before `all_see` are visible to every row of the task;
-    // the few from it on (at most a row chunk) are masked below.
-    let all_see = (first_pos + t.r0 + 1).clamp(t.k0, t.k1);
+    // Causal mask: key p is visible to query row r0 + r iff p < its row end
+    // (its own cache index + 1). Keys before `all_see` are visible to every
+    // row of the task; those from it on (at most a row chunk when the rows
+    // are consecutive, more when they are scattered) are masked below.
+    let ends: Vec<usize> = (t.r0..t.r1).map(|r| s.row_end(r)).collect();
+    let all_see = ends[0].clamp(t.k0, t.k1);
     // Each piece's keys and values, in place: (first key, keys, values).
     let runs: Vec<(usize, &[f32], &[f32])> = pieces(s.block_table, store.spec().block_size, t.k0, t.k1, all_see)
         .into_iter()
@@ -221,7 +219,7 @@ fn run_task(t: &Task, s: &SeqSpan<'_>, ctx: &TaskCtx<'_>) -> Partial {
         }
         for (i, row) in st[(all_see - t.k0) * mp..].chunks_exact_mut(mp).enumerate() {
             // Rows r0 + first_row.. of each head see key all_see + i.
-            let first_row = (all_see + i - (first_pos + t.r0)).min(rows);
+            let first_row = ends.partition_point(|&e| e <= all_see + i);
             for j in 0..group {
                 row[j * rows..j * rows + first_row].fill(f32::NEG_INFINITY);
             }
@@ -370,7 +368,7 @@ mod tests {
     fn keys_are_cut_when_rows_are_few() {
         let threads = rayon::current_num_threads();
         let table: Vec<u32> = (0..200).collect();
-        let span = |q_len, context_len| SeqSpan { q_start: 0, q_len, context_len, block_table: &table };
+        let span = |q_len, context_len| SeqSpan { q_start: 0, q_len, context_len, block_table: &table, row_ends: None };
         // A question of 19 rows after 1,240 cached keys, 3 KV heads: every
         // task holds all 19 rows; each head's keys are covered exactly once.
         let t = plan(&[span(19, 1259)], 3);
@@ -391,6 +389,9 @@ mod tests {
     /// Paged attention against a dense reference: GQA, several sequences
     /// (a prefill after cached keys, a decode step, a fresh prompt), block
     /// tables out of order, head sizes on the vector path and off it.
+    /// (q_len, context_len, block table, row ends).
+    type Case = (usize, usize, Vec<u32>, Option<Vec<u32>>);
+
     #[test]
     fn paged_attention_matches_a_dense_reference() {
         for (heads, kv_heads, d) in [(9, 3, 64), (4, 4, 16), (4, 2, 24)] {
@@ -402,11 +403,15 @@ mod tests {
                 head_dim: d,
             };
             let mut store = CpuKvStore::new(spec);
-            // (q_len, context_len, blocks): blocks scattered and reversed.
-            let seqs: [(usize, usize, Vec<u32>); 3] = [
-                (19, 300, (0..19).map(|b| if b < 3 { 40 + b } else { 22 - b }).collect()),
-                (1, 75, vec![60, 61, 30, 31, 63]),
-                (40, 40, vec![50, 51, 52]),
+            // (q_len, context_len, blocks, row ends): blocks scattered and
+            // reversed; the last two are rows recomputed in place among
+            // cached ones (scattered, and more than one task's rows).
+            let seqs: [Case; 5] = [
+                (19, 300, (0..19).map(|b| if b < 3 { 40 + b } else { 22 - b }).collect(), None),
+                (1, 75, vec![60, 61, 30, 31, 63], None),
+                (40, 40, vec![50, 51, 52], None),
+                (5, 120, (0..8).map(|b| 20 + 2 * b).collect(), Some(vec![3, 17, 18, 90, 120])),
+                (70, 230, (0..15).map(|b| 21 + 2 * b).collect(), Some((0..70).map(|i| 2 + 3 * i + i / 40).collect())),
             ];
             let val = |i: usize, salt: f32| ((i as f32) * 0.37 + salt).sin();
             for (k, buf) in store.k.iter_mut().enumerate() {
@@ -421,8 +426,14 @@ mod tests {
             let mut q_start = 0;
             let spans: Vec<SeqSpan<'_>> = seqs
                 .iter()
-                .map(|(q_len, context_len, table)| {
-                    let s = SeqSpan { q_start, q_len: *q_len, context_len: *context_len, block_table: table };
+                .map(|(q_len, context_len, table, ends)| {
+                    let s = SeqSpan {
+                        q_start,
+                        q_len: *q_len,
+                        context_len: *context_len,
+                        block_table: table,
+                        row_ends: ends.as_deref(),
+                    };
                     q_start += q_len;
                     s
                 })
@@ -431,7 +442,7 @@ mod tests {
             let got = paged_attention(&q, &store, 1, shape, &spans).unwrap();
             for s in &spans {
                 for r in 0..s.q_len {
-                    let pos = s.context_len - s.q_len + r;
+                    let pos = s.row_end(r) - 1;
                     for h in 0..heads {
                         let g = h / (heads / kv_heads);
                         let qrow = &q.data[(s.q_start + r) * q.cols + h * d..][..d];

@@ -110,60 +110,129 @@ impl Dense {
 
     /// Logits of every row, with `mask(i, j)` saying whether row i attends to row j.
     pub fn forward(&self, tokens: &[u32], positions: &[u32], mask: impl Fn(usize, usize) -> bool) -> Vec<Vec<f32>> {
+        let mut x = self.embed(tokens);
+        for l in &self.layers {
+            let (q, k, v) = self.qkv(l, &x, positions);
+            let att = self.attend(&q, &k, &v, &mask);
+            self.finish_layer(l, &mut x, &att);
+        }
+        self.logits(&x)
+    }
+
+    /// kv+blend's reference. Stream A is the prompt under `kv_mask` — what
+    /// the injected KV was computed with (E3). Stream B computes, at each
+    /// layer, the rows `recompute(layer, row)` names, attending causally
+    /// over B's keys and values for those rows and A's for the others (the
+    /// injected entries). Returns B's logits of every row and, per layer,
+    /// each row's `Σ (v_B − v_A)²` (the engine's ranking).
+    pub fn forward_blend(
+        &self,
+        tokens: &[u32],
+        positions: &[u32],
+        kv_mask: impl Fn(usize, usize) -> bool,
+        recompute: impl Fn(usize, usize) -> bool,
+    ) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+        let kd = self.files_cfg.kv_dim();
+        let (mut xa, mut xb) = (self.embed(tokens), self.embed(tokens));
+        let mut deviation = Vec::new();
+        for (li, l) in self.layers.iter().enumerate() {
+            let (qa, ka, va) = self.qkv(l, &xa, positions);
+            let att = self.attend(&qa, &ka, &va, &kv_mask);
+            self.finish_layer(l, &mut xa, &att);
+            let (qb, mut kb, mut vb) = self.qkv(l, &xb, positions);
+            let dev = (0..tokens.len())
+                .map(|j| {
+                    vb[j * kd..(j + 1) * kd].iter().zip(&va[j * kd..(j + 1) * kd]).map(|(b, a)| (b - a) * (b - a)).sum()
+                })
+                .collect();
+            deviation.push(dev);
+            for j in (0..tokens.len()).filter(|&j| !recompute(li, j)) {
+                kb[j * kd..(j + 1) * kd].copy_from_slice(&ka[j * kd..(j + 1) * kd]);
+                vb[j * kd..(j + 1) * kd].copy_from_slice(&va[j * kd..(j + 1) * kd]);
+            }
+            let att = self.attend(&qb, &kb, &vb, &|i: usize, j: usize| j <= i);
+            self.finish_layer(l, &mut xb, &att);
+        }
+        (self.logits(&xb), deviation)
+    }
+
+    fn embed(&self, tokens: &[u32]) -> Vec<f32> {
+        let h = self.files_cfg.hidden_size;
+        tokens.iter().flat_map(|&t| self.embed[t as usize * h..(t as usize + 1) * h].to_vec()).collect()
+    }
+
+    /// Q and K rotated to `positions`, and V.
+    fn qkv(&self, l: &Layer, x: &[f32], positions: &[u32]) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
         let c = &self.files_cfg;
-        let (n, h, d) = (tokens.len(), c.hidden_size, c.head_dim);
-        let (qd, kd, inter) = (c.q_dim(), c.kv_dim(), c.intermediate_size);
+        let (n, h, d) = (positions.len(), c.hidden_size, c.head_dim);
+        let hn = rms(x, &l.ln1, c.rms_norm_eps);
+        let mut q = linear(&hn, &l.q, l.bq.as_ref(), n, c.q_dim(), h);
+        let mut k = linear(&hn, &l.k, l.bk.as_ref(), n, c.kv_dim(), h);
+        let v = linear(&hn, &l.v, l.bv.as_ref(), n, c.kv_dim(), h);
+        rotate(&mut q, d, positions, &self.rope);
+        rotate(&mut k, d, positions, &self.rope);
+        (q, k, v)
+    }
+
+    /// Softmax attention of every row over the rows `mask` lets it see.
+    fn attend(&self, q: &[f32], k: &[f32], v: &[f32], mask: &impl Fn(usize, usize) -> bool) -> Vec<f32> {
+        let c = &self.files_cfg;
+        let (d, qd, kd) = (c.head_dim, c.q_dim(), c.kv_dim());
+        let n = q.len() / qd;
         let group = c.num_heads / c.num_kv_heads;
         let scale = 1.0 / (d as f32).sqrt();
-        let mut x: Vec<f32> =
-            tokens.iter().flat_map(|&t| self.embed[t as usize * h..(t as usize + 1) * h].to_vec()).collect();
-        for l in &self.layers {
-            let hn = rms(&x, &l.ln1, c.rms_norm_eps);
-            let mut q = linear(&hn, &l.q, l.bq.as_ref(), n, qd, h);
-            let mut k = linear(&hn, &l.k, l.bk.as_ref(), n, kd, h);
-            let v = linear(&hn, &l.v, l.bv.as_ref(), n, kd, h);
-            rotate(&mut q, d, positions, &self.rope);
-            rotate(&mut k, d, positions, &self.rope);
-            let mut att = vec![0f32; n * qd];
-            for head in 0..c.num_heads {
-                let kh = head / group;
-                for i in 0..n {
-                    let qi = &q[i * qd + head * d..i * qd + head * d + d];
-                    let mut w: Vec<(usize, f32)> = (0..n)
-                        .filter(|&j| mask(i, j))
-                        .map(|j| {
-                            let kj = &k[j * kd + kh * d..j * kd + kh * d + d];
-                            (j, qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale)
-                        })
-                        .collect();
-                    let max = w.iter().map(|x| x.1).fold(f32::NEG_INFINITY, f32::max);
-                    let sum: f32 = w
-                        .iter_mut()
-                        .map(|x| {
-                            x.1 = (x.1 - max).exp();
-                            x.1
-                        })
-                        .sum();
-                    let out = &mut att[i * qd + head * d..i * qd + head * d + d];
-                    for (j, p) in w {
-                        let vj = &v[j * kd + kh * d..j * kd + kh * d + d];
-                        for (o, vv) in out.iter_mut().zip(vj) {
-                            *o += p / sum * vv;
-                        }
+        let mut att = vec![0f32; n * qd];
+        for head in 0..c.num_heads {
+            let kh = head / group;
+            for i in 0..n {
+                let qi = &q[i * qd + head * d..i * qd + head * d + d];
+                let mut w: Vec<(usize, f32)> = (0..n)
+                    .filter(|&j| mask(i, j))
+                    .map(|j| {
+                        let kj = &k[j * kd + kh * d..j * kd + kh * d + d];
+                        (j, qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale)
+                    })
+                    .collect();
+                let max = w.iter().map(|x| x.1).fold(f32::NEG_INFINITY, f32::max);
+                let sum: f32 = w
+                    .iter_mut()
+                    .map(|x| {
+                        x.1 = (x.1 - max).exp();
+                        x.1
+                    })
+                    .sum();
+                let out = &mut att[i * qd + head * d..i * qd + head * d + d];
+                for (j, p) in w {
+                    let vj = &v[j * kd + kh * d..j * kd + kh * d + d];
+                    for (o, vv) in out.iter_mut().zip(vj) {
+                        *o += p / sum * vv;
                     }
                 }
             }
-            let o = linear(&att, &l.o, None, n, h, qd);
-            x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
-            let hn = rms(&x, &l.ln2, c.rms_norm_eps);
-            let g = linear(&hn, &l.gate, None, n, inter, h);
-            let u = linear(&hn, &l.up, None, n, inter, h);
-            let act: Vec<f32> = g.iter().zip(&u).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect();
-            let dn = linear(&act, &l.down, None, n, h, inter);
-            x.iter_mut().zip(&dn).for_each(|(a, b)| *a += b);
         }
-        let xn = rms(&x, &self.norm, c.rms_norm_eps);
-        let logits = linear(&xn, &self.lm_head, None, n, c.vocab_size, h);
+        att
+    }
+
+    /// The output projection and the MLP, each added to the residual `x`.
+    fn finish_layer(&self, l: &Layer, x: &mut [f32], att: &[f32]) {
+        let c = &self.files_cfg;
+        let (h, qd, inter) = (c.hidden_size, c.q_dim(), c.intermediate_size);
+        let n = x.len() / h;
+        let o = linear(att, &l.o, None, n, h, qd);
+        x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+        let hn = rms(x, &l.ln2, c.rms_norm_eps);
+        let g = linear(&hn, &l.gate, None, n, inter, h);
+        let u = linear(&hn, &l.up, None, n, inter, h);
+        let act: Vec<f32> = g.iter().zip(&u).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect();
+        let dn = linear(&act, &l.down, None, n, h, inter);
+        x.iter_mut().zip(&dn).for_each(|(a, b)| *a += b);
+    }
+
+    fn logits(&self, x: &[f32]) -> Vec<Vec<f32>> {
+        let c = &self.files_cfg;
+        let n = x.len() / c.hidden_size;
+        let xn = rms(x, &self.norm, c.rms_norm_eps);
+        let logits = linear(&xn, &self.lm_head, None, n, c.vocab_size, c.hidden_size);
         logits.chunks_exact(c.vocab_size).map(|r| r.to_vec()).collect()
     }
 }

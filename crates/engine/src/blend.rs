@@ -1,0 +1,266 @@
+//! kv+blend: selective recompute of injected tokens (docs/design.md §1.5).
+//!
+//! Injected facts were encoded without each other: a token of fact 7 never
+//! attended to facts 1–6. Blend recomputes, in the same forward pass as the
+//! question, the injected tokens whose KV a full prefill would change most.
+//! Every injected token runs through the first [`SELECT_LAYER`]` + 1`
+//! layers (2 of a real model's 24–32), where the distance of its freshly
+//! computed values from the injected ones ranks it; the top `ratio` share
+//! go on through the remaining layers. A recomputed token writes its K and
+//! V over the injected entries at its own cache index, layer by layer, and
+//! attends causally by position (`SeqSpan::row_ends`) over the header, the
+//! injected and the recomputed KV; the question's tokens come after it in
+//! the same pass and see the blended cache.
+//!
+//! Layer 0 cannot rank anything: a pre-RoPE key or value there depends only
+//! on its token, so the injected one is what a prefill computes. Layer 1 is
+//! the first where context shows.
+//!
+//! Exactness anchors (tests/blend.rs): ratio 0 plans nothing, so the
+//! sequence stays exactly as kv mode left it; ratio 1 recomputes every
+//! injected token at every layer, which is prompt mode's prefill of the
+//! facts. In between, the result equals a dense forward with the same rows
+//! recomputed at each layer (`tests/common/dense.rs`).
+//!
+//! Selection is per forward chunk: when a prefill is split into chunks of
+//! `max_batch_tokens`, each chunk of candidates keeps its own top share.
+//! What a chunk computes is exactly what one pass with that selection
+//! would: earlier chunks' entries are already final when later ones read
+//! them, as in a single pass at each layer.
+
+use std::ops::Range;
+
+use crate::backend::{Backend, SeqSpan};
+use crate::engine::{Engine, Sequence};
+use crate::error::{EngineError, Result};
+use crate::llama::ForwardBatch;
+
+/// The layer whose value deviation ranks the candidates (0-based).
+pub const SELECT_LAYER: usize = 1;
+
+/// Injected tokens of one sequence that its next steps recompute:
+/// `next..end` are still to go, each chunk keeping `ratio` of its share.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct BlendPlan {
+    pub next: usize,
+    pub end: usize,
+    pub ratio: f32,
+}
+
+impl BlendPlan {
+    pub fn remaining(&self) -> usize {
+        self.end - self.next
+    }
+
+    /// How many of `n` candidates go past the selection layer: `ratio · n`
+    /// rounded up (less a hair, so that 0.15 · 100 is 15 although 0.15 is
+    /// not exact in f32), at least one of a non-empty chunk, at most all.
+    pub fn keep(&self, n: usize) -> usize {
+        keep_count(self.ratio, n)
+    }
+}
+
+/// See [`BlendPlan::keep`].
+pub fn keep_count(ratio: f32, n: usize) -> usize {
+    ((ratio as f64 * n as f64 - 1e-6).ceil().max(0.0) as usize).clamp(n.min(1), n)
+}
+
+/// The blend part of one forward pass: per sequence, the rows that
+/// recompute injected tokens (consecutive in the batch) and how many of
+/// them go past `layer`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct BlendRows {
+    pub layer: usize,
+    pub groups: Vec<(Range<usize>, usize)>,
+}
+
+impl BlendRows {
+    /// Whether some rows stop after `layer` (else the pass is a plain one).
+    pub fn narrows(&self) -> bool {
+        self.groups.iter().any(|(r, keep)| *keep < r.len())
+    }
+
+    /// The candidate rows, group after group.
+    pub fn rows(&self) -> Vec<usize> {
+        self.groups.iter().flat_map(|(r, _)| r.clone()).collect()
+    }
+
+    /// The rows of a `total`-row batch that go on past `layer`, ascending:
+    /// every row outside the groups, and in each group the `keep` rows
+    /// whose `deviation` (one per candidate, in [`BlendRows::rows`] order)
+    /// is largest, ties to the lower row.
+    pub fn kept(&self, total: usize, deviation: &[f32]) -> Result<Vec<usize>> {
+        let candidates: usize = self.groups.iter().map(|(r, _)| r.len()).sum();
+        if deviation.len() != candidates {
+            return Err(EngineError::Shape(format!("{} deviations for {candidates} candidates", deviation.len())));
+        }
+        let mut keep = vec![true; total];
+        let mut at = 0;
+        for (rows, n) in &self.groups {
+            if rows.end > total {
+                return Err(EngineError::Shape(format!("blend rows {rows:?} of a {total}-row batch")));
+            }
+            let dev = &deviation[at..at + rows.len()];
+            at += rows.len();
+            // NaN (a broken value) ranks first: recomputing it is the cure.
+            let key = |i: usize| if dev[i].is_nan() { f32::INFINITY } else { dev[i] };
+            let mut order: Vec<usize> = (0..rows.len()).collect();
+            order.sort_by(|&a, &b| key(b).total_cmp(&key(a)).then(a.cmp(&b)));
+            for &i in &order[(*n).min(rows.len())..] {
+                keep[rows.start + i] = false;
+            }
+        }
+        Ok((0..total).filter(|&r| keep[r]).collect())
+    }
+}
+
+/// A forward batch after some rows stopped: the metadata of the rows that
+/// go on, with per-row ends for every span (its rows are no longer the
+/// cache's last entries). Owns what the narrowed [`ForwardBatch`] borrows.
+pub(crate) struct Narrowed {
+    positions: Vec<u32>,
+    slots: Vec<u32>,
+    logit_rows: Vec<usize>,
+    /// Per remaining span: (index in the original batch, first row, ends).
+    spans: Vec<(usize, usize, Vec<u32>)>,
+}
+
+impl Narrowed {
+    /// `kept`: ascending rows of `batch`, holding every logit row.
+    pub fn new(batch: &ForwardBatch<'_>, kept: &[usize]) -> Result<Self> {
+        let mut new_index = vec![usize::MAX; batch.tokens.len()];
+        for (i, &r) in kept.iter().enumerate() {
+            new_index[r] = i;
+        }
+        let logit_rows = batch
+            .logit_rows
+            .iter()
+            .map(|&r| match new_index[r] {
+                usize::MAX => Err(EngineError::Shape(format!("blend dropped logit row {r}"))),
+                i => Ok(i),
+            })
+            .collect::<Result<_>>()?;
+        let mut spans = Vec::new();
+        for (si, s) in batch.spans.iter().enumerate() {
+            let rows: Vec<usize> = (0..s.q_len).filter(|&r| new_index[s.q_start + r] != usize::MAX).collect();
+            if let Some(&first) = rows.first() {
+                let ends = rows.iter().map(|&r| s.row_end(r) as u32).collect();
+                spans.push((si, new_index[s.q_start + first], ends));
+            }
+        }
+        Ok(Narrowed {
+            positions: kept.iter().map(|&r| batch.positions[r]).collect(),
+            slots: kept.iter().map(|&r| batch.slots[r]).collect(),
+            logit_rows,
+            spans,
+        })
+    }
+
+    /// The narrowed batch (block tables and context lengths from `batch`).
+    pub fn batch<'a>(&'a self, batch: &ForwardBatch<'a>) -> ForwardBatch<'a> {
+        let spans = self
+            .spans
+            .iter()
+            .map(|(si, q_start, ends)| {
+                let s = &batch.spans[*si];
+                SeqSpan {
+                    q_start: *q_start,
+                    q_len: ends.len(),
+                    context_len: s.context_len,
+                    block_table: s.block_table,
+                    row_ends: Some(ends),
+                }
+            })
+            .collect();
+        ForwardBatch {
+            tokens: Vec::new(),
+            positions: self.positions.clone(),
+            slots: self.slots.clone(),
+            spans,
+            logit_rows: self.logit_rows.clone(),
+            capture: Vec::new(),
+            blend: None,
+        }
+    }
+}
+
+impl<B: Backend> Engine<B> {
+    /// kv+blend: the steps that compute `seq`'s pending tokens first
+    /// recompute its last `injected` computed tokens (just injected), keeping
+    /// `ratio` of them past [`SELECT_LAYER`]; see the module docs. Ratio 0
+    /// plans nothing (the sequence stays kv mode's); ratio 1 recomputes them
+    /// all (prompt mode's prefill). `seq` must have its question pending.
+    pub fn blend(&self, seq: &mut Sequence, injected: usize, ratio: f32) -> Result<()> {
+        if !(0.0..=1.0).contains(&ratio) {
+            return Err(EngineError::Shape(format!("blend ratio {ratio} outside 0..=1")));
+        }
+        let end = seq.computed();
+        if injected > end || seq.pending() == 0 || seq.blend.is_some() {
+            return Err(EngineError::Shape(format!(
+                "blend of {injected} tokens in a sequence of {end} computed, {} pending{}",
+                seq.pending(),
+                if seq.blend.is_some() { ", already blending" } else { "" }
+            )));
+        }
+        if ratio > 0.0 && injected > 0 {
+            seq.blend = Some(BlendPlan { next: end - injected, end, ratio });
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_group_keeps_its_most_deviating_rows_in_row_order() {
+        let b = BlendRows { layer: 1, groups: vec![(1..5, 2), (6..9, 1)] };
+        assert!(b.narrows());
+        assert_eq!(b.rows(), vec![1, 2, 3, 4, 6, 7, 8]);
+        // Group 1: rows 2 and 4 deviate most; group 2: a tie between 6 and 8 goes to 6.
+        let dev = [0.1, 5.0, 0.2, 3.0, 7.0, 1.0, 7.0];
+        assert_eq!(b.kept(10, &dev).unwrap(), vec![0, 2, 4, 5, 6, 9]);
+        // A NaN deviation is recomputed before any number.
+        let dev = [0.1, f32::NAN, 0.2, 3.0, 7.0, 1.0, 7.0];
+        assert_eq!(b.kept(10, &dev).unwrap(), vec![0, 2, 4, 5, 6, 9]);
+        assert!(b.kept(10, &dev[1..]).is_err());
+        assert!(b.kept(8, &dev).is_err());
+        let all = BlendRows { layer: 1, groups: vec![(0..3, 3)] };
+        assert!(!all.narrows());
+    }
+
+    #[test]
+    fn a_chunk_keeps_at_least_one_and_at_most_all() {
+        let p = |ratio| BlendPlan { next: 0, end: 10, ratio };
+        assert_eq!((p(0.15).keep(100), p(0.15).keep(3), p(0.15).keep(0)), (15, 1, 0));
+        assert_eq!((p(1.0).keep(7), p(0.001).keep(7), p(0.5).keep(7)), (7, 1, 4));
+    }
+
+    #[test]
+    fn narrowing_keeps_row_ends_and_remaps_logit_rows() {
+        let table = [0u32, 1, 2];
+        let batch = ForwardBatch {
+            tokens: (0..8).collect(),
+            positions: (10..18).collect(),
+            slots: (20..28).collect(),
+            // Sequence A: 3 injected tokens recomputed in place (cache
+            // 4..7) then a 2-token question (7..9); sequence B: one decode.
+            spans: vec![
+                SeqSpan { q_start: 0, q_len: 5, context_len: 9, block_table: &table, row_ends: Some(&[5, 6, 7, 8, 9]) },
+                SeqSpan { q_start: 5, q_len: 3, context_len: 30, block_table: &table, row_ends: None },
+            ],
+            logit_rows: vec![4, 7],
+            capture: Vec::new(),
+            blend: None,
+        };
+        let n = Narrowed::new(&batch, &[1, 3, 4, 5, 6, 7]).unwrap();
+        let b = n.batch(&batch);
+        assert_eq!(b.positions, vec![11, 13, 14, 15, 16, 17]);
+        assert_eq!(b.slots, vec![21, 23, 24, 25, 26, 27]);
+        assert_eq!(b.logit_rows, vec![2, 5]);
+        assert_eq!((b.spans[0].q_start, b.spans[0].q_len, b.spans[0].row_ends), (0, 3, Some(&[6, 8, 9][..])));
+        assert_eq!((b.spans[1].q_start, b.spans[1].q_len, b.spans[1].row_ends), (3, 3, Some(&[28, 29, 30][..])));
+        assert!(Narrowed::new(&batch, &[0, 1, 2, 3, 5, 6, 7]).is_err(), "a logit row was dropped");
+    }
+}

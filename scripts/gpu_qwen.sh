@@ -11,6 +11,10 @@
 #                                 waits for it and copies its report
 #   gpu_qwen.sh instruction OUT TEXT   kv and prompt at k = 20, w = 20 with another answer instruction
 #   gpu_qwen.sh bench OUT         bench ttft and bench serve (1 and 100 clients, k = 50)
+#   gpu_qwen.sh blend-eval        LoCoMo dev split for kv+blend: kv, blend at r 0.05/0.1/0.15/0.3 and
+#                                 prompt × k 20,50 × windows 0,20, started like `eval` (`collect` waits)
+#   gpu_qwen.sh blend-bench OUT   inferscale check (random shapes, blend path included), then bench ttft
+#                                 prompt/kv/blend at each r: the Llama-3.1-8B shape and Qwen
 set -euo pipefail
 cd "$(dirname "$0")/.."
 stage=/tmp/qwen-stage
@@ -67,6 +71,23 @@ instruction)
   "$bin" eval locomo "${eval_common[@]}" --modes kv,prompt --k 20 --window 20 --batch 32 --ttft-questions 0 \
     --instruction "$3" --out "$out" 2>&1 | tr '\r' '\n' | grep -v "question [0-9]*/" | tail -n 8
   cp "$out/locomo.md" "$2/instruction-$(basename "$out").md"
+  ;;
+blend-eval)
+  source scripts/gpu_env.sh
+  mkdir -p "$work/eval"
+  setsid nohup "$bin" eval locomo "${eval_common[@]}" --modes kv,blend,prompt --blend-ratio 0.05,0.1,0.15,0.3 \
+    --k 20,50 --window 0,20 --batch 32 --ttft-questions 10 --out "$work/eval" > "$work/eval.log" 2>&1 < /dev/null &
+  echo "eval started (pid $!)"
+  ;;
+blend-bench)
+  source scripts/gpu_env.sh
+  "$bin" check --json "$2/check.json" > "$2/check.txt" 2>&1 || { tail -20 "$2/check.txt"; exit 1; }
+  grep -i "blend" "$2/check.txt"; tail -1 "$2/check.txt"
+  ttft=(--modes prompt,kv,blend --blend-ratio 0.05,0.1,0.15,0.3 --kv-cache-mb 16384 --max-batch-tokens 8192)
+  "$bin" bench ttft --backend cuda --shape llama3.1-8b --random-weights --k 5,20,50,100,200 "${ttft[@]}" \
+    --json "$2/ttft-blend-llama3.1-8b.json" 2>&1 | grep -v "^inferscale bench ttft: \(k=\|round\)" | tee "$2/ttft-blend-8b.txt"
+  "$bin" bench ttft --backend cuda --model "$work/qwen.gguf" --k 5,20,50,100 "${ttft[@]}" \
+    --json "$2/ttft-blend-qwen.json" 2>&1 | grep -v "^inferscale bench ttft: \(k=\|round\)" | tee "$2/ttft-blend-qwen.txt"
   ;;
 bench)
   source scripts/gpu_env.sh

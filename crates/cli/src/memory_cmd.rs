@@ -14,7 +14,7 @@ use inferscale_eval::locomo;
 use inferscale_memory::{ANSWER_INSTRUCTION, Memory, Mode, Prompts, Retriever, SYSTEM_PROMPT, Session, ShardSpec};
 use inferscale_model::fetch;
 
-use crate::runtime::{Loaded, ModelArgs, load_on, on_backend};
+use crate::runtime::{Loaded, ModelArgs, blend_ratio, load_on, on_backend};
 
 #[derive(Args, Debug, Clone)]
 pub struct MemoryArgs {
@@ -69,13 +69,21 @@ pub struct IngestArgs {
 
 #[derive(Args, Debug)]
 pub struct AskArgs {
+    /// The user whose memory answers.
     #[arg(long)]
     user: String,
+    /// How the retrieved facts reach the model: injected as stored KV (kv),
+    /// injected with a share recomputed (blend), pasted as text (prompt), or
+    /// not at all (none).
     #[arg(long, value_enum, default_value_t = Mode::Kv)]
     mode: Mode,
+    /// With --mode blend: the share of injected tokens recomputed (0..=1).
+    #[arg(long, default_value_t = inferscale_types::DEFAULT_BLEND_RATIO, value_parser = blend_ratio)]
+    blend_ratio: f32,
     /// Facts to retrieve.
     #[arg(long, default_value_t = 20)]
     k: usize,
+    /// Most tokens to generate.
     #[arg(long, default_value_t = 64)]
     max_tokens: usize,
     /// The question.
@@ -202,7 +210,7 @@ fn ask_on<B: Backend>(a: &AskArgs, backend: B) -> Result<()> {
 
     let start = Instant::now();
     let top = s.retrieve(&a.user, &a.question, a.k)?;
-    let p = s.prepare(&a.user, &top, a.mode, &question)?;
+    let p = s.prepare(&a.user, &top, a.mode, a.blend_ratio, &question)?;
     let files = s.files().clone();
     let work = vec![(p.seq, SamplingParams::greedy(a.max_tokens))];
     let out = generate_sequences(s.engine_mut(), files.tokenizer.as_ref(), &eos, work, start)?.remove(0);

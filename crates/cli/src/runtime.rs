@@ -119,3 +119,9 @@ macro_rules! on_backend {
     };
 }
 pub(crate) use on_backend;
+
+/// Parses a `--blend-ratio`: a number in `0..=1`.
+pub(crate) fn blend_ratio(s: &str) -> std::result::Result<f32, String> {
+    let r: f32 = s.parse().map_err(|_| format!("{s:?} is not a number"))?;
+    inferscale_types::check_blend_ratio(r)
+}

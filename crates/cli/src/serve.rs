@@ -47,9 +47,14 @@ pub struct RouterArgs {
     /// File of API keys, one `tenant:key` per line. Also `INFERSCALE_API_KEYS=tenant:key,…`.
     #[arg(long, env = "INFERSCALE_API_KEYS_FILE")]
     api_keys: Option<PathBuf>,
-    /// Memory mode when a request does not say (kv, prompt, none).
+    /// Memory mode when a request does not say (kv, blend, prompt, none).
     #[arg(long, env = "INFERSCALE_DEFAULT_MODE", value_enum, default_value_t = Mode::Kv)]
     default_mode: Mode,
+    /// Blend ratio (share of injected tokens recomputed, 0..=1) when a
+    /// blend request does not say.
+    #[arg(long, env = "INFERSCALE_DEFAULT_BLEND_RATIO", default_value_t = inferscale_types::DEFAULT_BLEND_RATIO,
+          value_parser = crate::runtime::blend_ratio)]
+    default_blend_ratio: f32,
     /// Facts retrieved when a request does not say.
     #[arg(long, env = "INFERSCALE_DEFAULT_K", default_value_t = 20)]
     default_k: u32,
@@ -284,6 +289,7 @@ fn router_config(a: &RouterArgs, membership: Membership, listen: SocketAddr) -> 
         model: None,
         defaults: Defaults {
             mode: a.default_mode,
+            blend_ratio: a.default_blend_ratio,
             k: a.default_k,
             max_k: 200,
             max_tokens: a.default_max_tokens,

@@ -81,6 +81,10 @@ fn bad_http_input_gets_clear_errors_and_changes_nothing() {
     assert_error("other window", post(a, c, other_window.to_string().as_bytes()), 400, "window");
     let bad_mode = chat(Some("u1"), "Hi?", json!({"mode": "magic"}));
     assert_error("bad mode", post(a, c, bad_mode.to_string().as_bytes()), 400, "memory.mode");
+    let bad_ratio = chat(Some("u1"), "Hi?", json!({"mode": "blend", "blend_ratio": 1.5}));
+    assert_error("blend ratio 1.5", post(a, c, bad_ratio.to_string().as_bytes()), 400, "memory.blend_ratio = 1.5");
+    let stray_ratio = chat(Some("u1"), "Hi?", json!({"mode": "kv", "blend_ratio": 0.2}));
+    assert_error("blend ratio in kv mode", post(a, c, stray_ratio.to_string().as_bytes()), 400, "mode = \"blend\"");
     let mut utf8 = chat(Some("u1"), "Hi?", json!({})).to_string().into_bytes();
     let at = utf8.windows(3).position(|w| w == b"Hi?").unwrap();
     utf8[at] = 0xff;
@@ -143,6 +147,32 @@ fn bad_http_input_gets_clear_errors_and_changes_nothing() {
     assert!(injected > 20, "{v}");
     assert!(u["prompt_tokens"].as_u64().unwrap() > injected, "{v}");
     assert!(v["choices"][0]["message"]["content"].as_str().unwrap().contains("Miso"), "{v}");
+    // Blend: the same facts injected, a share recomputed, and usage says
+    // how many; all of them at ratio 1 (nothing is then taken from cache).
+    let (status, v) = json_call(
+        a,
+        "POST",
+        c,
+        &chat(Some("u1"), "What is the name of Caroline's cat?", json!({"k": 2, "mode": "blend", "blend_ratio": 0.25})),
+    );
+    assert_eq!(status, 200, "{v}");
+    let m = &v["usage"]["memory"];
+    assert_eq!((m["mode"].as_str(), m["injected_tokens"].as_u64()), (Some("blend"), Some(injected)), "{v}");
+    let recomputed = m["recomputed_tokens"].as_u64().unwrap();
+    assert!(recomputed >= injected / 4 && recomputed < injected / 2, "{v}");
+    let (status, v) = json_call(
+        a,
+        "POST",
+        c,
+        &chat(Some("u1"), "What is the name of Caroline's cat?", json!({"k": 2, "mode": "blend", "blend_ratio": 1.0})),
+    );
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["usage"]["memory"]["recomputed_tokens"].as_u64(), Some(injected), "{v}");
+    let uncached = v["usage"]["prompt_tokens"].as_u64().unwrap()
+        - v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+    assert!(uncached > injected, "recomputed tokens are not cached: {v}");
+    let metrics = String::from_utf8_lossy(&http(a, "GET", "/metrics", b"").2).to_string();
+    assert!(metrics.contains("inferscale_ttft_seconds_count{mode=\"blend\"} 2"), "{metrics}");
 
     // Forgetting one unit, then the user, is visible at once.
     let (s, _, _) = http(a, "DELETE", "/v1/memories/u1/D1:2", b"");

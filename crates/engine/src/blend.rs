@@ -1,4 +1,4 @@
-//! kv+blend: selective recompute of injected tokens (docs/design.md §1.5).
+//! kv+blend: selective recompute of injected tokens (docs/design.md §1.2).
 //!
 //! Injected facts were encoded without each other: a token of fact 7 never
 //! attended to facts 1–6. Blend recomputes, in the same forward pass as the

@@ -1,6 +1,6 @@
 //! Building the prompt of one request in any mode (docs/design.md §3): the cached
-//! header, then the retrieved facts — injected as KV (`kv`) or as text
-//! (`prompt`), least relevant first — then the question.
+//! header, then the retrieved facts — injected as KV (`kv`, `blend`) or as
+//! text (`prompt`), least relevant first — then the question.
 
 use inferscale_engine::{Backend, Engine, KvChunk, Sequence};
 
@@ -19,13 +19,17 @@ pub struct Prepared {
 }
 
 /// Forks `header` (a computed sequence of the composer's header) and lays
-/// out `facts` (indices into `user`'s facts, best first) and `question`.
+/// out `facts` (indices into `user`'s facts, best first) and `question`;
+/// in [`Mode::Blend`], plans the recompute of `blend_ratio` of the injected
+/// tokens (`Engine::blend`) for the question's prefill.
+#[allow(clippy::too_many_arguments)]
 pub fn prepare<B: Backend>(
     engine: &mut Engine<B>,
     memory: &Memory<B>,
     user: &str,
     facts: &[usize],
     mode: Mode,
+    blend_ratio: f32,
     header: &Sequence,
     question: &[u32],
 ) -> Result<Prepared> {
@@ -41,7 +45,7 @@ pub fn prepare<B: Backend>(
     let mut seq = engine.fork(header)?;
     let mut memory_tokens = 0;
     match mode {
-        Mode::Kv => {
+        Mode::Kv | Mode::Blend => {
             let chunks = order
                 .iter()
                 .map(|&i| {
@@ -76,5 +80,9 @@ pub fn prepare<B: Backend>(
         Mode::None => {}
     }
     seq.extend(question);
+    if mode == Mode::Blend {
+        // Ratio 0 plans nothing: the request is served exactly as kv mode.
+        engine.blend(&mut seq, memory_tokens, blend_ratio)?;
+    }
     Ok(Prepared { seq, fact_ids: order.iter().map(|&i| all[i].unit.id.clone()).collect(), memory_tokens })
 }

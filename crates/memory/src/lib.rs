@@ -16,7 +16,7 @@ pub use answer::{Prepared, prepare};
 pub use compose::{ANSWER_INSTRUCTION, Composer, Prompts, SYSTEM_PROMPT};
 pub use error::{MemoryError, Result};
 pub use fact::Fact;
-pub use inferscale_types::{MemoryUnit, Mode};
+pub use inferscale_types::{DEFAULT_BLEND_RATIO, MemoryUnit, Mode, check_blend_ratio};
 pub use kvseg::KvHeader;
 pub use retrieval::{Query, Retriever};
 pub use session::Session;

@@ -173,7 +173,14 @@ impl<B: Backend> Session<B> {
 
     /// Lays out a request of `user`: the header forked, `facts` (indices,
     /// best first) injected or pasted as `mode` says, `question` pending.
-    pub fn prepare(&mut self, user: &str, facts: &[usize], mode: Mode, question: &[u32]) -> Result<Prepared> {
-        prepare(&mut self.engine, &self.memory, user, facts, mode, &self.header, question)
+    pub fn prepare(
+        &mut self,
+        user: &str,
+        facts: &[usize],
+        mode: Mode,
+        blend_ratio: f32,
+        question: &[u32],
+    ) -> Result<Prepared> {
+        prepare(&mut self.engine, &self.memory, user, facts, mode, blend_ratio, &self.header, question)
     }
 }

@@ -45,6 +45,7 @@ impl From<inferscale_types::Mode> for MemoryMode {
     fn from(m: inferscale_types::Mode) -> Self {
         match m {
             inferscale_types::Mode::Kv => MemoryMode::Kv,
+            inferscale_types::Mode::Blend => MemoryMode::Blend,
             inferscale_types::Mode::Prompt => MemoryMode::Prompt,
             inferscale_types::Mode::None => MemoryMode::None,
         }
@@ -56,6 +57,7 @@ impl MemoryMode {
     pub fn to_mode(self) -> inferscale_types::Mode {
         match self {
             MemoryMode::Kv | MemoryMode::Unspecified => inferscale_types::Mode::Kv,
+            MemoryMode::Blend => inferscale_types::Mode::Blend,
             MemoryMode::Prompt => inferscale_types::Mode::Prompt,
             MemoryMode::None => inferscale_types::Mode::None,
         }

@@ -34,6 +34,8 @@ pub const WORKER_HEADER: &str = "x-inferscale-worker";
 #[derive(Debug, Clone)]
 pub struct Defaults {
     pub mode: Mode,
+    /// The share of injected tokens a blend request recomputes unless it says.
+    pub blend_ratio: f32,
     pub k: u32,
     pub max_k: u32,
     pub max_tokens: u32,
@@ -46,6 +48,7 @@ impl Default for Defaults {
     fn default() -> Self {
         Defaults {
             mode: Mode::Kv,
+            blend_ratio: inferscale_types::DEFAULT_BLEND_RATIO,
             k: 20,
             max_k: 200,
             max_tokens: 256,
@@ -168,6 +171,19 @@ fn validate(s: &AppState, tenant: &str, r: ChatRequest) -> Result<Chat> {
     let mem = r.memory.unwrap_or_default();
     let mode = mem.mode.unwrap_or(s.defaults.mode);
     let pmode = pb::MemoryMode::from(mode);
+    let blend_ratio = match (mode, mem.blend_ratio) {
+        (Mode::Blend, r) => Some(
+            inferscale_types::check_blend_ratio(r.unwrap_or(s.defaults.blend_ratio))
+                .map_err(|e| ApiError::BadRequest(format!("memory.{e}")))?,
+        ),
+        (_, None) => None,
+        (_, Some(_)) => {
+            return Err(ApiError::BadRequest(format!(
+                "memory.blend_ratio applies to memory.mode = \"blend\", not {mode:?}",
+                mode = mode.as_str()
+            )));
+        }
+    };
     let k = mem.k.unwrap_or(u64::from(s.defaults.k));
     if pmode != pb::MemoryMode::None && (k == 0 || k > u64::from(s.defaults.max_k)) {
         return Err(ApiError::BadRequest(format!("memory.k = {k}: must be between 1 and {}", s.defaults.max_k)));
@@ -218,6 +234,7 @@ fn validate(s: &AppState, tenant: &str, r: ChatRequest) -> Result<Chat> {
             ignore_eos: r.ignore_eos.unwrap_or(false),
         }),
         deadline_ms: s.defaults.deadline.as_millis().min(u128::from(u32::MAX)) as u32,
+        blend_ratio,
     };
     let include_usage = r.stream_options.is_some_and(|o| o.include_usage);
     Ok(Chat { req, mode, stream: r.stream, include_usage, user })
@@ -341,11 +358,15 @@ fn usage(mode: Mode, f: &pb::Finished) -> openai::Usage {
         prompt_tokens: u.prompt_tokens,
         completion_tokens: u.completion_tokens,
         total_tokens: u.prompt_tokens + u.completion_tokens,
-        prompt_tokens_details: openai::PromptDetails { cached_tokens: u.cached_tokens + u.injected_tokens },
+        // Recomputed memory tokens were computed, not taken from a cache.
+        prompt_tokens_details: openai::PromptDetails {
+            cached_tokens: (u.cached_tokens + u.injected_tokens).saturating_sub(u.recomputed_tokens),
+        },
         memory: openai::MemoryUsage {
             mode,
             facts: u.facts,
             injected_tokens: u.injected_tokens,
+            recomputed_tokens: (mode == Mode::Blend).then_some(u.recomputed_tokens),
             fact_ids: f.fact_ids.clone(),
         },
     }

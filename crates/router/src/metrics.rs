@@ -11,13 +11,13 @@ use inferscale_telemetry::prom::{self, Histogram};
 use inferscale_types::Mode;
 
 /// Memory modes, in the order of the per-mode histograms.
-const MODES: [Mode; 3] = Mode::ALL;
+const MODES: [Mode; 4] = Mode::ALL;
 
 #[derive(Default)]
 pub struct Metrics {
     /// Per mode: time to first token, and time per output token after it.
-    pub ttft: [Histogram; 3],
-    pub tpot: [Histogram; 3],
+    pub ttft: [Histogram; 4],
+    pub tpot: [Histogram; 4],
     /// Requests by (route, status code).
     requests: Mutex<std::collections::BTreeMap<(String, u16), u64>>,
     pub output_tokens: AtomicU64,
@@ -25,7 +25,7 @@ pub struct Metrics {
 }
 
 pub fn mode_index(mode: Mode) -> usize {
-    MODES.iter().position(|&m| m == mode).unwrap_or(2)
+    MODES.iter().position(|&m| m == mode).unwrap_or(0)
 }
 
 impl Metrics {

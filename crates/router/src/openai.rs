@@ -115,6 +115,8 @@ pub struct MemoryOptions {
     pub mode: Option<Mode>,
     pub k: Option<u64>,
     pub window: Option<u32>,
+    /// `mode = "blend"`: the share of injected tokens recomputed (0..=1).
+    pub blend_ratio: Option<f32>,
 }
 
 /// `POST /v1/memories`.
@@ -196,5 +198,8 @@ pub struct MemoryUsage {
     pub facts: u32,
     /// Memory tokens injected as KV rather than prefilled.
     pub injected_tokens: u32,
+    /// `blend`: of the injected tokens, those recomputed through every layer.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub recomputed_tokens: Option<u32>,
     pub fact_ids: Vec<String>,
 }

@@ -32,27 +32,50 @@ pub struct MemoryUnit {
 }
 
 /// How a request uses the user's memory: its facts injected as stored KV
-/// (`kv`), pasted into the prompt as text and prefilled (`prompt`), or not
-/// at all (`none`).
+/// (`kv`); injected, then a share of their tokens recomputed in the
+/// question's prefill so that they attend to each other (`blend`, kv+blend:
+/// docs/serving.md, "Memory modes"); pasted into the prompt as text and
+/// prefilled (`prompt`); or not at all (`none`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 #[serde(rename_all = "lowercase")]
 pub enum Mode {
     Kv,
+    Blend,
     Prompt,
     None,
 }
 
 impl Mode {
-    pub const ALL: [Mode; 3] = [Mode::Kv, Mode::Prompt, Mode::None];
+    pub const ALL: [Mode; 4] = [Mode::Kv, Mode::Blend, Mode::Prompt, Mode::None];
 
-    /// The name requests use (`kv`, `prompt`, `none`).
+    /// The name requests use (`kv`, `blend`, `prompt`, `none`).
     pub fn as_str(self) -> &'static str {
         match self {
             Mode::Kv => "kv",
+            Mode::Blend => "blend",
             Mode::Prompt => "prompt",
             Mode::None => "none",
         }
+    }
+
+    /// Whether the facts' stored KV is injected (`kv`, `blend`).
+    pub fn injects(self) -> bool {
+        matches!(self, Mode::Kv | Mode::Blend)
+    }
+}
+
+/// The share of injected tokens `blend` recomputes when a request does not
+/// say: chosen on the LoCoMo dev split with Qwen2.5-Coder-1.5B
+/// (docs/locomo.md, "kv+blend").
+pub const DEFAULT_BLEND_RATIO: f32 = 0.15;
+
+/// Checks a blend ratio: a number in `0..=1`. The message names the field.
+pub fn check_blend_ratio(ratio: f32) -> Result<f32, String> {
+    if (0.0..=1.0).contains(&ratio) {
+        Ok(ratio)
+    } else {
+        Err(format!("blend_ratio = {ratio}: must be between 0 and 1 (the share of injected tokens recomputed)"))
     }
 }
 
@@ -68,7 +91,7 @@ pub struct UnknownMode(pub String);
 
 impl std::fmt::Display for UnknownMode {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "memory mode {:?}: expected kv, prompt or none", self.0)
+        write!(f, "memory mode {:?}: expected kv, blend, prompt or none", self.0)
     }
 }
 

@@ -199,6 +199,12 @@ impl Host {
 }
 
 impl MemoryHost for Host {
+    /// vLLM computes the prompt in its own forward pass, which our blend
+    /// cannot reach into.
+    fn blends(&self) -> bool {
+        false
+    }
+
     fn window(&self) -> usize {
         self.shared.window
     }

@@ -176,6 +176,7 @@ impl Relay {
                 cached_tokens: cached.saturating_sub(injected),
                 completion_tokens: generated,
                 facts: composed.fact_ids.len(),
+                recomputed_tokens: 0,
             },
             timings,
             fact_ids: composed.fact_ids,

@@ -151,6 +151,7 @@ fn chat(user: &str, question: &str, mode: pb::MemoryMode) -> pb::GenerateRequest
         window: None,
         sampling: Some(pb::Sampling { max_tokens: 8, ..Default::default() }),
         deadline_ms: 30_000,
+        blend_ratio: None,
     }
 }
 
@@ -308,9 +309,15 @@ async fn generate_submits_the_composed_prompt_with_its_plan_and_relays_the_answe
     let e = generate(&mut c, req).await.expect_err("k too large");
     assert_eq!(e.code(), Code::InvalidArgument);
     assert_eq!(s.seen.lock().expect("lock").len(), before);
+    // Blend recomputes inside the engine's own forward pass: vLLM's is out of reach.
+    let e =
+        generate(&mut c, chat("ana", "Where does my sister live?", pb::MemoryMode::Blend)).await.expect_err("blend");
+    assert_eq!(e.code(), Code::InvalidArgument);
+    assert!(e.message().contains("needs the native engine"), "{}", e.message());
+    assert_eq!(s.seen.lock().expect("lock").len(), before);
 
     let st = c.stats(pb::StatsRequest {}).await.expect("stats").into_inner();
-    assert_eq!((st.requests_finished, st.requests_failed, st.running), (3, 3, 0), "{st:?}");
+    assert_eq!((st.requests_finished, st.requests_failed, st.running), (3, 4, 0), "{st:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

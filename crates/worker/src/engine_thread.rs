@@ -335,7 +335,7 @@ impl<B: Backend> Core<B> {
         let entered = retrieve.enter();
         let mut facts = Vec::new();
         if job.mode != Mode::None && self.session.memory().has_user(&job.user) {
-            if job.mode == Mode::Kv {
+            if job.mode.injects() {
                 self.session.ensure_kv(&job.user)?;
             }
             facts = self.session.retrieve(&job.user, &job.question, job.k)?;
@@ -357,9 +357,16 @@ impl<B: Backend> Core<B> {
         }
         let max_new = job.params.max_tokens.min(limit - prompt_len);
         let (computed, injected) = match job.mode {
-            Mode::Kv => (question.len(), memory_tokens),
+            Mode::Kv | Mode::Blend => (question.len(), memory_tokens),
             Mode::Prompt => (question.len() + memory_tokens, 0),
             Mode::None => (question.len(), 0),
+        };
+        // Blend runs every injected token through the first layers, so the
+        // scheduler budgets all of them like prompt tokens (an upper bound
+        // of the pass's cost; see memory::answer::prepare for ratio 0).
+        let recompute = match job.mode {
+            Mode::Blend if job.blend_ratio > 0.0 => memory_tokens,
+            _ => 0,
         };
         let id = self.next_id;
         self.next_id += 1;
@@ -369,6 +376,7 @@ impl<B: Backend> Core<B> {
             prompt_tokens: computed,
             // The fork copies the header's partial last block; the rest of it is shared.
             injected_tokens: injected + header % BLOCK_SIZE,
+            recompute_tokens: recompute,
             max_new_tokens: max_new,
         })?;
         let mut job = job;
@@ -474,7 +482,7 @@ impl<B: Backend> Core<B> {
                     .collect::<Result<Vec<usize>>>()?
             }
         };
-        let p = self.session.prepare(&l.job.user, &facts, l.job.mode, &l.question)?;
+        let p = self.session.prepare(&l.job.user, &facts, l.job.mode, l.job.blend_ratio, &l.question)?;
         self.session.engine().backend().synchronize()?;
         l.timings.inject_ms = ms(now.elapsed());
         l.phase = info_span!(parent: &l.job.span, "prefill", tokens = p.seq.pending() as i64);
@@ -619,11 +627,13 @@ impl<B: Backend> Core<B> {
         l.job.span.record("finish_reason", finish_reason(reason));
         let usage = Usage {
             prompt_tokens: question,
-            injected_tokens: if l.job.mode == Mode::Kv { l.memory_tokens } else { 0 },
+            injected_tokens: if l.job.mode.injects() { l.memory_tokens } else { 0 },
             cached_tokens: header,
             completion_tokens: l.generated.len(),
             facts: l.fact_ids.len(),
+            recomputed_tokens: l.seq.as_ref().map_or(0, Sequence::recomputed),
         };
+        self.metrics.recomputed(usage.recomputed_tokens);
         self.metrics.finished();
         let finished = Finished { reason, usage, timings: l.timings, fact_ids: l.fact_ids };
         let _ = l.events.send(Event::Finished(Box::new(finished)));

@@ -17,22 +17,20 @@ use crate::protocol::Stats;
 const ROW_BUCKETS: [f64; 11] = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0];
 
 /// Memory modes, in the order of the per-mode histograms.
-const MODES: [Mode; 3] = [Mode::Kv, Mode::Prompt, Mode::None];
+const MODES: [Mode; 4] = Mode::ALL;
 
 fn mode_index(mode: Mode) -> usize {
-    match mode {
-        Mode::Kv => 0,
-        Mode::Prompt => 1,
-        Mode::None => 2,
-    }
+    MODES.iter().position(|&m| m == mode).unwrap_or(0)
 }
 
 #[derive(Debug)]
 pub struct WorkerMetrics {
     /// Per mode: arrival at the worker to the first token, and the time per
     /// output token after it.
-    ttft: [Histogram; 3],
-    tpot: [Histogram; 3],
+    ttft: [Histogram; 4],
+    tpot: [Histogram; 4],
+    /// Injected tokens recomputed through every layer (blend).
+    recomputed_tokens: AtomicU64,
     /// Arrival to admission into the running batch (retrieval excluded).
     queue: Histogram,
     /// Sequences per forward step, and the step's duration.
@@ -53,6 +51,7 @@ impl Default for WorkerMetrics {
         WorkerMetrics {
             ttft: Default::default(),
             tpot: Default::default(),
+            recomputed_tokens: AtomicU64::new(0),
             queue: Histogram::default(),
             batch_rows: Histogram::new(&ROW_BUCKETS),
             step: Histogram::default(),
@@ -78,6 +77,11 @@ impl WorkerMetrics {
         if tokens > 0 {
             self.tpot[mode_index(mode)].observe(seconds / tokens as f64);
         }
+    }
+
+    /// Injected tokens a blend request recomputed through every layer.
+    pub fn recomputed(&self, tokens: usize) {
+        self.recomputed_tokens.fetch_add(tokens as u64, Ordering::Relaxed);
     }
 
     /// A request answered in full.
@@ -169,6 +173,11 @@ impl WorkerMetrics {
             ("inferscale_worker_shard_bytes_sent_total", "Bytes of shards sent.", &self.shard_bytes_sent),
             ("inferscale_worker_shards_received_total", "Shards received and committed.", &self.shards_received),
             ("inferscale_worker_shard_bytes_received_total", "Bytes of shards received.", &self.shard_bytes_received),
+            (
+                "inferscale_worker_recomputed_tokens_total",
+                "Injected memory tokens recomputed through every layer (memory mode blend).",
+                &self.recomputed_tokens,
+            ),
         ] {
             prom::single(&mut out, name, help, load(v));
         }

@@ -40,6 +40,8 @@ pub struct GenerateJob {
     pub k: usize,
     /// The context window the caller expects its memory encoded with.
     pub window: Option<usize>,
+    /// [`Mode::Blend`]: the share of injected tokens recomputed.
+    pub blend_ratio: f32,
     pub params: SamplingParams,
     pub deadline: Option<Duration>,
     pub arrived: Instant,
@@ -66,6 +68,8 @@ pub struct Usage {
     pub cached_tokens: usize,
     pub completion_tokens: usize,
     pub facts: usize,
+    /// Of the injected tokens, those recomputed through every layer (blend).
+    pub recomputed_tokens: usize,
 }
 
 #[derive(Debug, Clone)]
@@ -180,6 +184,12 @@ pub(crate) enum Command {
 pub trait MemoryHost {
     /// The context window (in turns) the shard's KV is encoded with.
     fn window(&self) -> usize;
+
+    /// Whether the engine can serve [`Mode::Blend`] (recompute part of the
+    /// injected KV inside its own forward pass).
+    fn blends(&self) -> bool {
+        true
+    }
 
     /// Starts answering an admitted request: its events (tokens, then
     /// finished or failed) go to `events`, now or later. An error refuses
@@ -352,6 +362,14 @@ impl Protocol {
         if job.mode == Mode::None {
             return Ok(());
         }
+        if job.mode == Mode::Blend {
+            inferscale_memory::check_blend_ratio(job.blend_ratio).map_err(WorkerError::Invalid)?;
+            if !host.blends() {
+                return Err(WorkerError::Invalid(
+                    "memory mode blend needs the native engine (this worker serves with vLLM): use kv or prompt".into(),
+                ));
+            }
+        }
         if job.user.is_empty() {
             return Err(WorkerError::Invalid("a user is required when memory is used".into()));
         }
@@ -495,11 +513,16 @@ mod tests {
         units: HashMap<String, Vec<MemoryUnit>>,
         generated: Vec<String>,
         dropped: Vec<String>,
+        /// An engine that cannot blend (vLLM's).
+        no_blend: bool,
     }
 
     impl MemoryHost for MapHost {
         fn window(&self) -> usize {
             2
+        }
+        fn blends(&self) -> bool {
+            !self.no_blend
         }
         fn generate(&mut self, job: GenerateJob, _events: Events) -> Result<()> {
             self.generated.push(job.question);
@@ -573,6 +596,7 @@ mod tests {
             mode,
             k,
             window: None,
+            blend_ratio: inferscale_memory::DEFAULT_BLEND_RATIO,
             params: SamplingParams::greedy(8),
             deadline: None,
             arrived: Instant::now(),
@@ -609,9 +633,15 @@ mod tests {
         wrong_window.window = Some(3);
         let mut no_tokens = job("ana", "Where?", Mode::Kv, 5);
         no_tokens.params.max_tokens = 0;
+        let mut over = job("ana", "Where?", Mode::Blend, 5);
+        over.blend_ratio = 1.5;
+        let mut nan = job("ana", "Where?", Mode::Blend, 5);
+        nan.blend_ratio = f32::NAN;
         for (bad, needle) in [
             (wrong_window, "context window of 2 turns"),
             (no_tokens, "max_tokens"),
+            (over, "blend_ratio = 1.5"),
+            (nan, "blend_ratio = NaN"),
             (job("ana", "  ", Mode::Kv, 5), "question"),
             (job("", "Where?", Mode::Prompt, 5), "a user is required"),
             (job("ana", "Where?", Mode::Kv, 0), "k = 0 is outside 1..=50"),
@@ -621,10 +651,16 @@ mod tests {
             assert!(matches!(&e, WorkerError::Invalid(m) if m.contains(needle)), "{e} lacks {needle:?}");
         }
         assert!(host.generated.is_empty(), "the engine saw a refused request");
-        assert_eq!(metrics.outcomes(), (0, 0, 6));
+        assert_eq!(metrics.outcomes(), (0, 0, 8));
         // Without memory neither user nor k matters.
         assert!(generate(&mut p, &mut host, job("", "Hello?", Mode::None, 0)).is_none());
         assert_eq!(host.generated, ["Hello?"]);
+        // Blend is for engines that can recompute inside their forward pass.
+        assert!(generate(&mut p, &mut host, job("ana", "Blend?", Mode::Blend, 5)).is_none());
+        host.no_blend = true;
+        let e = generate(&mut p, &mut host, job("ana", "Blend?", Mode::Blend, 5)).expect("refused");
+        assert!(e.to_string().contains("needs the native engine"), "{e}");
+        assert_eq!(host.generated, ["Hello?", "Blend?"]);
     }
 
     #[test]

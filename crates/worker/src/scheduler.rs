@@ -44,10 +44,19 @@ pub struct RequestSpec {
     pub prompt_tokens: usize,
     /// Tokens whose KV is injected rather than computed: they take blocks, not compute.
     pub injected_tokens: usize,
+    /// Of the injected tokens, those recomputed before the prompt (kv+blend):
+    /// compute like prompt tokens, but no blocks of their own.
+    pub recompute_tokens: usize,
     pub max_new_tokens: usize,
 }
 
 impl RequestSpec {
+    /// Rows the request's prefill computes: recomputed injected tokens,
+    /// then the prompt.
+    fn prefill(&self) -> usize {
+        self.recompute_tokens + self.prompt_tokens
+    }
+
     fn blocks(&self, block_size: usize) -> usize {
         (self.prompt_tokens + self.injected_tokens + self.max_new_tokens).div_ceil(block_size.max(1))
     }
@@ -224,7 +233,7 @@ impl Scheduler {
             if budget == 0 {
                 break;
             }
-            if r.prefilled == r.spec.prompt_tokens {
+            if r.prefilled == r.spec.prefill() {
                 items.push(StepItem { id: r.spec.id, tokens: 1, samples: true });
                 budget -= 1;
             }
@@ -233,7 +242,7 @@ impl Scheduler {
             if budget == 0 {
                 break;
             }
-            let left = r.spec.prompt_tokens - r.prefilled;
+            let left = r.spec.prefill() - r.prefilled;
             if left > 0 {
                 let n = left.min(budget);
                 items.push(StepItem { id: r.spec.id, tokens: n, samples: n == left });
@@ -250,8 +259,8 @@ impl Scheduler {
     pub fn complete(&mut self, step: &Step, finished: &[RequestId]) -> Vec<RequestId> {
         for item in &step.items {
             let Some(r) = self.running.iter_mut().find(|r| r.spec.id == item.id) else { continue };
-            if r.prefilled < r.spec.prompt_tokens {
-                r.prefilled += item.tokens.min(r.spec.prompt_tokens - r.prefilled);
+            if r.prefilled < r.spec.prefill() {
+                r.prefilled += item.tokens.min(r.spec.prefill() - r.prefilled);
                 if item.samples {
                     r.generated += 1; // the first token comes from the prompt's last logits
                 }
@@ -285,7 +294,14 @@ mod tests {
     }
 
     fn req(id: RequestId, user: &str, prompt: usize, new: usize) -> RequestSpec {
-        RequestSpec { id, user: user.into(), prompt_tokens: prompt, injected_tokens: 0, max_new_tokens: new }
+        RequestSpec {
+            id,
+            user: user.into(),
+            prompt_tokens: prompt,
+            injected_tokens: 0,
+            recompute_tokens: 0,
+            max_new_tokens: new,
+        }
     }
 
     /// Runs steps until nothing is left; returns the steps taken.
@@ -341,6 +357,25 @@ mod tests {
     }
 
     #[test]
+    fn recomputed_injected_tokens_take_compute_not_blocks() {
+        let mut s = Scheduler::new(cfg());
+        // 300 injected tokens of which 100 are recomputed, a 16-token
+        // question, 4 new: 20 blocks (as without blend), 116 rows of prefill.
+        let mut r = req(1, "a", 16, 4);
+        r.injected_tokens = 300;
+        r.recompute_tokens = 100;
+        s.submit(r).unwrap();
+        let step = s.schedule();
+        assert_eq!(s.free_blocks(), 20);
+        assert_eq!(step.items, vec![StepItem { id: 1, tokens: 64, samples: false }]);
+        s.complete(&step, &[]);
+        let step = s.schedule();
+        assert_eq!(step.items, vec![StepItem { id: 1, tokens: 52, samples: true }]);
+        s.complete(&step, &[]);
+        assert_eq!(s.schedule().items, vec![StepItem { id: 1, tokens: 1, samples: true }], "then it decodes");
+    }
+
+    #[test]
     fn users_are_admitted_in_turn() {
         let mut s = Scheduler::new(SchedulerConfig { max_running: 2, ..cfg() });
         for id in 0..10 {
@@ -393,7 +428,7 @@ mod tests {
             let mut s = Scheduler::new(c);
             let mut accepted = Vec::new();
             for (i, &(user, prompt, injected, new)) in reqs.iter().enumerate() {
-                let spec = RequestSpec { id: i as u64, user: format!("u{user}"), prompt_tokens: prompt, injected_tokens: injected, max_new_tokens: new };
+                let spec = RequestSpec { id: i as u64, user: format!("u{user}"), prompt_tokens: prompt, injected_tokens: injected, recompute_tokens: 0, max_new_tokens: new };
                 if s.submit(spec.clone()).is_ok() {
                     accepted.push(spec);
                 }

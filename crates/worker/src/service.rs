@@ -225,6 +225,7 @@ fn to_event(e: Event) -> std::result::Result<pb::GenerateEvent, Status> {
                 cached_tokens: f.usage.cached_tokens as u32,
                 completion_tokens: f.usage.completion_tokens as u32,
                 facts: f.usage.facts as u32,
+                recomputed_tokens: f.usage.recomputed_tokens as u32,
             }),
             timings: Some(pb::Timings {
                 queue_ms: f.timings.queue_ms,
@@ -294,6 +295,7 @@ impl pb::worker_server::Worker for WorkerService {
             mode: memory,
             k: r.k as usize,
             window: r.window.map(|w| w as usize),
+            blend_ratio: r.blend_ratio.unwrap_or(inferscale_memory::DEFAULT_BLEND_RATIO),
             params: sampling(r.sampling),
             deadline: (r.deadline_ms > 0).then(|| Duration::from_millis(r.deadline_ms.into())),
             arrived,

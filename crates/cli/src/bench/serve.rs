@@ -39,8 +39,12 @@ pub struct ServeBenchArgs {
     /// Closed-loop client counts to measure.
     #[arg(long, value_delimiter = ',', default_value = "1,10,50,100")]
     users: Vec<usize>,
+    /// Memory modes to measure (kv, blend, prompt, none).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "kv,prompt")]
     modes: Vec<Mode>,
+    /// Blend mode's share of injected tokens recomputed.
+    #[arg(long, default_value_t = inferscale_types::DEFAULT_BLEND_RATIO, value_parser = crate::runtime::blend_ratio)]
+    blend_ratio: f32,
     /// Facts retrieved per request.
     #[arg(long, default_value_t = 50)]
     k: u32,
@@ -175,6 +179,7 @@ async fn measure(a: &ServeBenchArgs, addr: &str, mode: Mode, users: usize) -> Re
             window: None,
             sampling: Some(pb::Sampling { max_tokens: a.max_tokens, ignore_eos: true, ..Default::default() }),
             deadline_ms: 600_000,
+            blend_ratio: (mode == Mode::Blend).then_some(a.blend_ratio),
         };
         tasks.push(tokio::spawn(async move {
             while Instant::now() < until {

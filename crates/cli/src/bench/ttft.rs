@@ -6,7 +6,9 @@
 //! - `kv`: the facts were encoded once beforehand (after the same header);
 //!   their pre-RoPE KV is injected and only the question is prefilled;
 //! - `kv-host`: `kv` with the stored KV in the backend's host tier (pinned
-//!   host memory on CUDA, read over the bus while the question prefills).
+//!   host memory on CUDA, read over the bus while the question prefills);
+//! - `blend`: `kv`, then a share of the injected tokens (`--blend-ratio`,
+//!   one cell per ratio) recomputed in the question's prefill (kv+blend).
 //!
 //! Each timed run forks the cached header, builds the prompt, prefills and
 //! picks the first token greedily as the worker does for a greedy request
@@ -47,8 +49,12 @@ pub struct TtftArgs {
     #[arg(long, value_delimiter = ',', default_value = "5,10,20,50,100")]
     k: Vec<usize>,
     /// Modes to measure.
-    #[arg(long, value_delimiter = ',', default_value = "prompt,kv", value_parser = ["prompt", "kv", "kv-host"])]
+    #[arg(long, value_delimiter = ',', default_value = "prompt,kv", value_parser = ["prompt", "kv", "kv-host", "blend"])]
     modes: Vec<String>,
+    /// Blend ratios measured when the modes include blend.
+    #[arg(long, value_delimiter = ',', default_values_t = [inferscale_types::DEFAULT_BLEND_RATIO],
+          value_parser = crate::runtime::blend_ratio)]
+    blend_ratio: Vec<f32>,
     /// Timed runs per (k, mode); the median is reported.
     #[arg(long, default_value_t = 20)]
     reps: usize,
@@ -87,10 +93,16 @@ struct Report {
 struct Row {
     k: usize,
     mode: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    blend_ratio: Option<f32>,
     ttft_ms_median: f64,
     ttft_ms_min: f64,
     prompt_tokens: usize,
     prefilled_tokens: usize,
+    /// blend: injected tokens recomputed through every layer (all of them
+    /// also ran through the first layers).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    recomputed_tokens: Option<usize>,
     /// kv mode: the injection call alone (median ms) and the bytes it moves
     /// (K and V of every layer, read once and written once).
     inject_ms_median: Option<f64>,
@@ -103,6 +115,7 @@ struct Cell<'a, B: Backend> {
     k: usize,
     mode: &'static str,
     chunks: Option<&'a [KvChunk<B>]>,
+    blend_ratio: Option<f32>,
 }
 
 /// The prompt pieces, as token ids.
@@ -129,24 +142,28 @@ fn layout(files: &ModelFiles, a: &TtftArgs, k_max: usize) -> Result<Layout> {
 }
 
 /// One timed run: fork the header, add the memory, prefill, pick a token.
-/// Returns the TTFT in ms.
+/// Returns the TTFT in ms and the tokens a blend recomputed.
 fn first_token<B: Backend>(
     e: &mut Engine<B>,
     header: &Sequence,
     facts: &[Vec<u32>],
-    chunks: Option<&[KvChunk<B>]>,
+    c: &Cell<'_, B>,
     question: &[u32],
-) -> Result<f64> {
+) -> Result<(f64, usize)> {
     e.backend().synchronize()?;
     let t = Instant::now();
     let mut seq = e.fork(header)?;
-    match chunks {
+    match c.chunks {
         Some(chunks) => e.inject(&mut seq, &chunks.iter().collect::<Vec<_>>())?,
         None => facts.iter().for_each(|f| seq.extend(f)),
     }
     seq.extend(question);
+    if let Some(r) = c.blend_ratio {
+        let injected = c.chunks.map_or(0, |cs| cs.iter().map(KvChunk::len).sum());
+        e.blend(&mut seq, injected, r)?;
+    }
     std::hint::black_box(prefill_greedy(e, &mut seq)?);
-    Ok(t.elapsed().as_secs_f64() * 1e3)
+    Ok((t.elapsed().as_secs_f64() * 1e3, seq.recomputed()))
 }
 
 /// Prefills `seq`'s pending tokens (in chunks of the engine's batch limit)
@@ -216,27 +233,32 @@ fn run_on<B: Backend>(a: TtftArgs, backend: B) -> Result<()> {
     e.prefill(&mut header)?;
 
     // The cells to measure, each with its stored KV (None: prompt mode).
-    let cells: Vec<Cell<'_, B>> =
-        a.k.iter()
-            .flat_map(|&k| {
-                let host_k = hosted.get(..k);
-                [("prompt", None), ("kv", Some(&chunks[..k])), ("kv-host", host_k)]
-                    .into_iter()
-                    .filter(|(mode, _)| a.modes.iter().any(|m| m == mode))
-                    .map(move |(mode, chunks)| Cell { k, mode, chunks })
-            })
-            .collect();
+    let blend = a.modes.iter().any(|m| m == "blend");
+    let mut cells: Vec<Cell<'_, B>> = Vec::new();
+    for &k in &a.k {
+        for (mode, stored) in [("prompt", None), ("kv", Some(&chunks[..k])), ("kv-host", hosted.get(..k))] {
+            if a.modes.iter().any(|m| m == mode) {
+                cells.push(Cell { k, mode, chunks: stored, blend_ratio: None });
+            }
+        }
+        for &r in a.blend_ratio.iter().filter(|_| blend) {
+            cells.push(Cell { k, mode: "blend", chunks: Some(&chunks[..k]), blend_ratio: Some(r) });
+        }
+    }
     let mut ttft: Vec<Vec<f64>> = vec![Vec::with_capacity(a.reps); cells.len()];
     let mut inject: Vec<Vec<f64>> = vec![Vec::with_capacity(a.reps); cells.len()];
+    let mut recomputed = vec![0; cells.len()];
     let warm_up = |e: &mut Engine<B>, c: &Cell<'_, B>| -> Result<()> {
         for _ in 0..2 {
-            first_token(e, &header, &l.facts[..c.k], c.chunks, &l.question)?;
+            first_token(e, &header, &l.facts[..c.k], c, &l.question)?;
         }
         Ok(())
     };
     let mut measure = |e: &mut Engine<B>, i: usize, c: &Cell<'_, B>| -> Result<()> {
-        ttft[i].push(first_token(e, &header, &l.facts[..c.k], c.chunks, &l.question)?);
-        if let Some(chunks) = c.chunks {
+        let (ms, n) = first_token(e, &header, &l.facts[..c.k], c, &l.question)?;
+        ttft[i].push(ms);
+        recomputed[i] = n;
+        if let Some(chunks) = c.chunks.filter(|_| c.blend_ratio.is_none()) {
             inject[i].push(inject_alone(e, &header, chunks)?);
         }
         Ok(())
@@ -271,17 +293,21 @@ fn run_on<B: Backend>(a: TtftArgs, backend: B) -> Result<()> {
         .iter()
         .zip(ttft)
         .zip(inject)
-        .map(|((c, ttft), inject)| {
+        .zip(recomputed)
+        .map(|(((c, ttft), inject), recomputed)| {
             let fact_tokens: usize = l.facts[..c.k].iter().map(Vec::len).sum();
+            let injection = c.chunks.filter(|_| c.blend_ratio.is_none());
             Row {
                 k: c.k,
                 mode: c.mode,
+                blend_ratio: c.blend_ratio,
                 ttft_ms_min: ttft.iter().copied().fold(f64::INFINITY, f64::min),
                 ttft_ms_median: median(ttft),
                 prompt_tokens: h + fact_tokens + l.question.len(),
                 prefilled_tokens: l.question.len() + if c.chunks.is_some() { 0 } else { fact_tokens },
-                inject_ms_median: c.chunks.map(|_| median(inject)),
-                inject_bytes: c.chunks.map(|_| 2 * fact_tokens * kv_bytes_per_token),
+                recomputed_tokens: c.blend_ratio.map(|_| recomputed),
+                inject_ms_median: injection.map(|_| median(inject)),
+                inject_bytes: injection.map(|_| 2 * fact_tokens * kv_bytes_per_token),
             }
         })
         .collect();
@@ -325,6 +351,15 @@ fn print_table(r: &Report) {
     if host_tier {
         print!(" {:>16} {:>14}", "kv-host TTFT ms", "host − kv ms");
     }
+    let mut ratios: Vec<f32> = Vec::new();
+    for r in r.results.iter().filter_map(|x| x.blend_ratio) {
+        if !ratios.contains(&r) {
+            ratios.push(r);
+        }
+    }
+    for b in &ratios {
+        print!(" {:>16} {:>11} {:>9}", format!("blend {b} ms"), "recomputed", "÷prompt");
+    }
     println!();
     let cell = |row: Option<&Row>| match row {
         Some(x) => (format!("{:.2}", x.ttft_ms_median), x.prefilled_tokens.to_string()),
@@ -358,6 +393,16 @@ fn print_table(r: &Report) {
                 _ => "-".into(),
             };
             print!(" {ht:>16} {extra:>14}");
+        }
+        for &b in &ratios {
+            match r.results.iter().find(|x| x.k == k && x.blend_ratio == Some(b)) {
+                Some(x) => {
+                    let share = p.map_or("-".into(), |p| format!("{:.3}", x.ttft_ms_median / p.ttft_ms_median));
+                    let n = x.recomputed_tokens.unwrap_or(0);
+                    print!(" {:>16.2} {n:>11} {share:>9}", x.ttft_ms_median);
+                }
+                None => print!(" {:>16} {:>11} {:>9}", "-", "-", "-"),
+            }
         }
         println!();
     }

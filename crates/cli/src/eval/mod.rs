@@ -4,13 +4,13 @@
 //!
 //! Retrieval and prompt mode do not depend on the encoding window (the same
 //! facts, embeddings and text), so they run once per question and k; kv mode
-//! runs once per window. Answers are generated in batches — every mode, k
+//! runs once per window, blend once per window and ratio. Answers are generated in batches — every mode, k
 //! and window of several questions prefilled and decoded together, as a
 //! serving engine would — so that a GPU is kept busy; time to first token is
 //! measured apart, one request at a time as a user sees it, on the first
 //! `--ttft-questions` questions of each sample. Every answer's first-token
-//! distribution is kept to compare kv with prompt mode (KL divergence) before
-//! it is dropped.
+//! distribution is kept to compare kv and blend with prompt mode (KL
+//! divergence) before it is dropped.
 
 mod report;
 mod retrieval;
@@ -31,7 +31,7 @@ use inferscale_eval::score::{kl, locomo_f1, log_softmax, recall};
 use inferscale_memory::{Memory, Mode, Retriever, Session, ShardSpec};
 
 use crate::memory_cmd::{PromptArgs, parse_retriever};
-use crate::runtime::{ModelArgs, load_on, on_backend};
+use crate::runtime::{ModelArgs, blend_ratio, load_on, on_backend};
 use report::{Answer, Ingest, Report};
 
 #[derive(Subcommand, Debug)]
@@ -54,8 +54,13 @@ pub struct LocomoArgs {
     /// Sample ids to use (default: all).
     #[arg(long, value_delimiter = ',')]
     samples: Vec<String>,
+    /// Memory modes to answer in (kv, blend, prompt, none).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "kv,prompt")]
     modes: Vec<Mode>,
+    /// Blend ratios to answer with when the modes include blend (each one
+    /// a variant, like a window).
+    #[arg(long, value_delimiter = ',', default_values_t = [inferscale_types::DEFAULT_BLEND_RATIO], value_parser = blend_ratio)]
+    blend_ratio: Vec<f32>,
     #[arg(long, value_delimiter = ',', default_value = "5,20,50")]
     k: Vec<usize>,
     #[arg(long, value_delimiter = ',', default_value = "0,20")]
@@ -103,8 +108,10 @@ pub fn run(c: Command) -> Result<()> {
 struct Variant {
     mode: Mode,
     k: usize,
-    /// Index into the memories (one per window) for kv mode.
+    /// Index into the memories (one per window) for kv and blend mode.
     memory: usize,
+    /// Blend: the share of injected tokens recomputed (else 0).
+    blend_ratio: f32,
 }
 
 /// A question with its retrieval done.
@@ -187,16 +194,27 @@ fn locomo_eval<B: Backend>(a: &LocomoArgs, backend: B) -> Result<()> {
     let k_max = *a.k.iter().max().context("--k")?;
     let want = |m: Mode| a.modes.contains(&m);
     let mut variants = Vec::new();
+    let plain = |mode, k, memory| Variant { mode, k, memory, blend_ratio: 0.0 };
     if want(Mode::None) {
-        variants.push(Variant { mode: Mode::None, k: 0, memory: 0 });
+        variants.push(plain(Mode::None, 0, 0));
     }
     for &k in &a.k {
-        // Prompt mode first: kv answers of the same question and k compare with it.
+        // Prompt mode first: kv and blend answers of the same question and k compare with it.
         if want(Mode::Prompt) {
-            variants.push(Variant { mode: Mode::Prompt, k, memory: 0 });
+            variants.push(plain(Mode::Prompt, k, 0));
         }
-        if want(Mode::Kv) {
-            variants.extend((0..a.window.len()).map(|memory| Variant { mode: Mode::Kv, k, memory }));
+        for memory in 0..a.window.len() {
+            if want(Mode::Kv) {
+                variants.push(plain(Mode::Kv, k, memory));
+            }
+            if want(Mode::Blend) {
+                variants.extend(a.blend_ratio.iter().map(|&blend_ratio| Variant {
+                    mode: Mode::Blend,
+                    k,
+                    memory,
+                    blend_ratio,
+                }));
+            }
         }
     }
 
@@ -262,7 +280,7 @@ fn locomo_eval<B: Backend>(a: &LocomoArgs, backend: B) -> Result<()> {
                         Mode::None => Vec::new(),
                         _ => s.retrieve(q.sample, &q.qa.question, v.k)?,
                     };
-                    let mut p = s.prepare(q.sample, &top, v.mode, &q.tokens)?;
+                    let mut p = s.prepare(q.sample, &top, v.mode, v.blend_ratio, &q.tokens)?;
                     let _first = argmax(&s.engine_mut().prefill(&mut p.seq)?);
                     Ok(start.elapsed().as_secs_f64() * 1e3)
                 })?;
@@ -324,7 +342,9 @@ impl AnswerPlan<'_> {
                 let window = windows[v.memory];
                 let ids = &q.top[..v.k.min(q.top.len())];
                 let names: Vec<&str> = ids.iter().map(|&i| fact_ids[i].as_str()).collect();
-                let p = on_window(session, memories, v.memory, |s| s.prepare(q.sample, ids, v.mode, &q.tokens))?;
+                let p = on_window(session, memories, v.memory, |s| {
+                    s.prepare(q.sample, ids, v.mode, v.blend_ratio, &q.tokens)
+                })?;
                 seqs.push(p.seq);
                 rows.push((
                     vi,
@@ -333,7 +353,8 @@ impl AnswerPlan<'_> {
                         question: q.index,
                         category: q.qa.category,
                         mode: v.mode.as_str().into(),
-                        window: (v.mode == Mode::Kv).then_some(window),
+                        blend_ratio: (v.mode == Mode::Blend).then_some(v.blend_ratio),
+                        window: v.mode.injects().then_some(window),
                         k: v.k,
                         answer: String::new(),
                         f1: 0.0,
@@ -358,7 +379,7 @@ impl AnswerPlan<'_> {
                 Mode::Prompt => {
                     prompt_ref.insert(key, (lp, text.clone()));
                 }
-                Mode::Kv => {
+                Mode::Kv | Mode::Blend => {
                     if let Some((plp, ptext)) = prompt_ref.get(&key) {
                         r.kl_vs_prompt = Some(kl(plp, &lp));
                         r.same_as_prompt = Some(&text == ptext);

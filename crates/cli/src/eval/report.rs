@@ -15,6 +15,9 @@ pub(super) struct Answer {
     pub(super) question: usize,
     pub(super) category: u8,
     pub(super) mode: String,
+    /// Blend rows: the share of injected tokens recomputed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) blend_ratio: Option<f32>,
     pub(super) window: Option<usize>,
     pub(super) k: usize,
     pub(super) answer: String,
@@ -22,8 +25,8 @@ pub(super) struct Answer {
     /// Set for the questions whose TTFT was measured (see `--ttft-questions`).
     pub(super) ttft_ms: Option<f64>,
     pub(super) recall: Option<f64>,
-    /// kv rows: KL(prompt ‖ kv) of the first-token distributions, and
-    /// whether the greedy answers are identical.
+    /// kv and blend rows: KL(prompt ‖ this) of the first-token
+    /// distributions, and whether the greedy answers are identical.
     pub(super) kl_vs_prompt: Option<f64>,
     pub(super) same_as_prompt: Option<bool>,
 }
@@ -40,6 +43,8 @@ pub(super) struct Ingest {
 #[derive(Serialize, Deserialize)]
 pub(super) struct Row {
     pub(super) mode: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) blend_ratio: Option<f32>,
     pub(super) window: Option<usize>,
     pub(super) k: usize,
     pub(super) n: usize,
@@ -50,6 +55,16 @@ pub(super) struct Row {
     pub(super) ttft_ms_median: f64,
     pub(super) agreement: Option<f64>,
     pub(super) kl_mean: Option<f64>,
+}
+
+impl Row {
+    /// The mode as tables and charts name it: `blend r=0.15` for blend.
+    fn mode_label(&self) -> String {
+        match self.blend_ratio {
+            Some(r) => format!("{} r={r}", self.mode),
+            None => self.mode.clone(),
+        }
+    }
 }
 
 #[derive(Serialize, Deserialize)]
@@ -85,8 +100,8 @@ fn panels(rows: &[Row]) -> Vec<plot::Panel> {
     let mut lines: BTreeMap<String, Vec<&Row>> = BTreeMap::new();
     for r in rows.iter().filter(|r| r.mode != "none") {
         let label = match r.window {
-            Some(w) => format!("{} w={w}", r.mode),
-            None => r.mode.clone(),
+            Some(w) => format!("{} w={w}", r.mode_label()),
+            None => r.mode_label(),
         };
         lines.entry(label).or_default().push(r);
     }
@@ -116,13 +131,15 @@ fn panels(rows: &[Row]) -> Vec<plot::Panel> {
 }
 
 pub(super) fn summarize(answers: &[Answer]) -> Vec<Row> {
-    let mut groups: BTreeMap<(String, Option<usize>, usize), Vec<&Answer>> = BTreeMap::new();
+    // (mode, blend ratio, window, k); ratios are keyed by their text (f32 has no order to sort by).
+    type Key = (String, Option<String>, Option<usize>, usize);
+    let mut groups: BTreeMap<Key, Vec<&Answer>> = BTreeMap::new();
     for x in answers {
-        groups.entry((x.mode.clone(), x.window, x.k)).or_default().push(x);
+        groups.entry((x.mode.clone(), x.blend_ratio.map(|r| r.to_string()), x.window, x.k)).or_default().push(x);
     }
     groups
         .into_iter()
-        .map(|((mode, window, k), xs)| {
+        .map(|((mode, _, window, k), xs)| {
             let mean = |v: Vec<f64>| if v.is_empty() { 0.0 } else { v.iter().sum::<f64>() / v.len() as f64 };
             let mut by_cat: BTreeMap<u8, Vec<f64>> = BTreeMap::new();
             xs.iter().for_each(|x| by_cat.entry(x.category).or_default().push(x.f1));
@@ -131,6 +148,7 @@ pub(super) fn summarize(answers: &[Answer]) -> Vec<Row> {
                 xs.iter().filter_map(|x| x.same_as_prompt.map(|b| if b { 1.0 } else { 0.0 })).collect();
             Row {
                 mode,
+                blend_ratio: xs[0].blend_ratio,
                 window,
                 k,
                 n: xs.len(),
@@ -166,7 +184,7 @@ fn markdown(r: &Report) -> String {
         let opt = |v: Option<f64>, p: usize| v.map_or("-".to_string(), |v| format!("{v:.p$}"));
         s += &format!(
             "| {} | {} | {} | {} | {:.3} | {} | {} | {} | {} | {} | {:.1} | {} | {} |\n",
-            x.mode,
+            x.mode_label(),
             x.window.map_or("-".into(), |w| w.to_string()),
             x.k,
             x.n,

@@ -23,6 +23,9 @@ use tokio::net::TcpListener;
 use crate::memory_cmd::{MemoryArgs, open_memory};
 use crate::runtime::load_on;
 
+/// Most facts a chat request may ask for (`memory.k`).
+const MAX_K: u32 = 200;
+
 #[derive(Args, Debug, Clone)]
 pub struct WorkerArgs {
     #[command(flatten)]
@@ -55,11 +58,12 @@ pub struct RouterArgs {
     #[arg(long, env = "INFERSCALE_DEFAULT_BLEND_RATIO", default_value_t = inferscale_types::DEFAULT_BLEND_RATIO,
           value_parser = crate::runtime::blend_ratio)]
     default_blend_ratio: f32,
-    /// Facts retrieved when a request does not say.
-    #[arg(long, env = "INFERSCALE_DEFAULT_K", default_value_t = 20)]
+    /// Facts retrieved when a request does not say (1–200, the API's range).
+    #[arg(long, env = "INFERSCALE_DEFAULT_K", default_value_t = 20,
+          value_parser = clap::value_parser!(u32).range(1..=MAX_K as i64))]
     default_k: u32,
-    /// Tokens generated when a request does not say.
-    #[arg(long, default_value_t = 256)]
+    /// Tokens generated when a request does not say (at least 1).
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
     default_max_tokens: u32,
     /// Deadline of every worker call, in seconds.
     #[arg(long, env = "INFERSCALE_DEADLINE_S", default_value_t = 120)]
@@ -291,7 +295,7 @@ fn router_config(a: &RouterArgs, membership: Membership, listen: SocketAddr) -> 
             mode: a.default_mode,
             blend_ratio: a.default_blend_ratio,
             k: a.default_k,
-            max_k: 200,
+            max_k: MAX_K,
             max_tokens: a.default_max_tokens,
             deadline: Duration::from_secs(a.deadline_s.max(1)),
             body_limit: a.body_limit,

@@ -58,6 +58,17 @@ fn bad_inputs_are_clear_errors() {
     let o = inferscale(&["generate", "--prompt", "hi", "--top-p", "0"]);
     assert!(!o.status.success());
     assert!(stderr(&o).contains("top_p"), "{}", stderr(&o));
+
+    // Server settings out of range are refused at start, naming the flag,
+    // not blamed on every client request later.
+    for (flag, value) in
+        [("--default-k", "0"), ("--default-k", "201"), ("--default-max-tokens", "0"), ("--default-blend-ratio", "1.5")]
+    {
+        let mem = dir.path().join("mem");
+        let o = inferscale(&["serve", flag, value, "--listen", "127.0.0.1:0", "--memory", mem.to_str().unwrap()]);
+        assert!(!o.status.success(), "{flag} {value} was accepted");
+        assert!(stderr(&o).contains(flag), "{flag} {value}: {}", stderr(&o));
+    }
 }
 
 #[test]

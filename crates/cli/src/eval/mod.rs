@@ -61,8 +61,11 @@ pub struct LocomoArgs {
     /// a variant, like a window).
     #[arg(long, value_delimiter = ',', default_values_t = [inferscale_types::DEFAULT_BLEND_RATIO], value_parser = blend_ratio)]
     blend_ratio: Vec<f32>,
+    /// Facts retrieved per question; each k is a variant.
     #[arg(long, value_delimiter = ',', default_value = "5,20,50")]
     k: Vec<usize>,
+    /// Context windows (turns before each fact in its encoding); a memory
+    /// is built per window, and kv and blend answer from each.
     #[arg(long, value_delimiter = ',', default_value = "0,20")]
     window: Vec<usize>,
     /// Question categories to score (5, adversarial, is excluded by default).

@@ -3,10 +3,11 @@
 //! Injected facts were encoded without each other: a token of fact 7 never
 //! attended to facts 1–6. Blend recomputes, in the same forward pass as the
 //! question, the injected tokens whose KV a full prefill would change most.
-//! Every injected token runs through the first [`SELECT_LAYER`]` + 1`
-//! layers (2 of a real model's 24–32), where the distance of its freshly
-//! computed values from the injected ones ranks it; the top `ratio` share
-//! go on through the remaining layers. A recomputed token writes its K and
+//! Every injected token runs through the layers before [`SELECT_LAYER`] and
+//! into that layer's K and V (a little more than 1 of a real model's 24–32
+//! layers), where the distance of its freshly computed values from the
+//! injected ones ranks it; the top `ratio` share go on through that layer's
+//! attention and MLP and the remaining layers. A recomputed token writes its K and
 //! V over the injected entries at its own cache index, layer by layer, and
 //! attends causally by position (`SeqSpan::row_ends`) over the header, the
 //! injected and the recomputed KV; the question's tokens come after it in

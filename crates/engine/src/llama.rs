@@ -125,13 +125,11 @@ impl<B: Backend> Attention<B> {
     ) -> Result<(B::Tensor, Option<LayerKv<B>>)> {
         let d = self.shape.head_dim;
         let (batch, rope, layer) = (step.batch, step.rope, step.layer);
-        let qkv = self.qkv_proj.forward(be, x)?;
         if batch.capture.is_empty() {
-            let rows = NewRows { positions: &batch.positions, slots: &batch.slots };
-            let q = be.qkv_rope_write(&qkv, self.shape, rope, rows, kv, layer)?;
-            let y = be.attention(&q, kv, layer, self.shape, &batch.spans)?;
-            return Ok((self.o_proj.forward(be, &y)?, None));
+            let q = self.write_kv(be, x, step, kv)?;
+            return Ok((self.attend(be, &q, &batch.spans, layer, kv)?, None));
         }
+        let qkv = self.qkv_proj.forward(be, x)?;
         let [mut q, mut k, v]: [B::Tensor; 3] = be
             .split_cols(&qkv, &self.widths)?
             .try_into()
@@ -142,6 +140,21 @@ impl<B: Backend> Attention<B> {
         be.write_kv(kv, layer, &k, &v, &batch.slots)?;
         let y = be.attention(&q, kv, layer, self.shape, &batch.spans)?;
         Ok((self.o_proj.forward(be, &y)?, captured))
+    }
+
+    /// Projects every row, writes its K and V (rotated) into the cache and
+    /// returns its Q (rotated): the first half of `forward`.
+    fn write_kv(&self, be: &B, x: &B::Tensor, step: &Step<'_, '_>, kv: &mut B::KvStore) -> Result<B::Tensor> {
+        let qkv = self.qkv_proj.forward(be, x)?;
+        let rows = NewRows { positions: &step.batch.positions, slots: &step.batch.slots };
+        be.qkv_rope_write(&qkv, self.shape, step.rope, rows, kv, step.layer)
+    }
+
+    /// Attention of `q` over the cache of `layer`, projected back: the
+    /// second half of `forward`.
+    fn attend(&self, be: &B, q: &B::Tensor, spans: &[SeqSpan<'_>], layer: usize, kv: &B::KvStore) -> Result<B::Tensor> {
+        let y = be.attention(q, kv, layer, self.shape, spans)?;
+        self.o_proj.forward(be, &y)
     }
 }
 
@@ -208,13 +221,23 @@ impl<B: Backend> Block<B> {
         step: &Step<'_, '_>,
         kv: &mut B::KvStore,
     ) -> Result<(B::Tensor, Option<LayerKv<B>>)> {
-        let h = match pending {
-            Some(p) => be.add_rms_norm(x, &p, &self.input_layernorm, self.eps)?,
-            None => be.rms_norm(x, &self.input_layernorm, self.eps)?,
-        };
+        let h = self.norm_in(be, x, pending)?;
         let (attn, captured) = self.attn.forward(be, &h, step, kv)?;
-        let h = be.add_rms_norm(x, &attn, &self.post_attention_layernorm, self.eps)?;
-        Ok((self.mlp.forward(be, &h)?, captured))
+        Ok((self.finish(be, x, &attn)?, captured))
+    }
+
+    /// `x += pending`, then the attention's input norm of `x`.
+    fn norm_in(&self, be: &B, x: &mut B::Tensor, pending: Option<B::Tensor>) -> Result<B::Tensor> {
+        match pending {
+            Some(p) => be.add_rms_norm(x, &p, &self.input_layernorm, self.eps),
+            None => be.rms_norm(x, &self.input_layernorm, self.eps),
+        }
+    }
+
+    /// `x += attn`, then the MLP of its norm (returned, for the next block to add).
+    fn finish(&self, be: &B, x: &mut B::Tensor, attn: &B::Tensor) -> Result<B::Tensor> {
+        let h = be.add_rms_norm(x, attn, &self.post_attention_layernorm, self.eps)?;
+        self.mlp.forward(be, &h)
     }
 }
 
@@ -268,19 +291,25 @@ impl<B: Backend> Llama<B> {
         if captured.is_some() {
             return Err(EngineError::Shape("a blend pass cannot capture KV".into()));
         }
-        // Every candidate through the selection layer; its values' distance
-        // from the injected ones there picks the rows that go on.
+        // Every candidate through the layers before the selection layer and
+        // into its K and V; the distance of its values there from the
+        // injected ones picks the rows that go on. Rows that stop need
+        // nothing more of that layer than their K and V: the selection
+        // layer's attention and MLP run on the kept rows only.
         let s = blend.layer.min(self.blocks.len() - 1);
         self.layers(be, batch, 0..s, &mut x, &mut pending, &mut captured, kv)?;
         let slots: Vec<u32> = blend.rows().iter().map(|&r| batch.slots[r]).collect();
         let (_, injected) = be.gather_kv(kv, s, &slots)?;
-        self.layers(be, batch, s..s + 1, &mut x, &mut pending, &mut captured, kv)?;
+        let block = &self.blocks[s];
+        let h = block.norm_in(be, &mut x, pending.take())?;
+        let q = block.attn.write_kv(be, &h, &Step { batch, rope: &self.rope, layer: s }, kv)?;
         let (_, fresh) = be.gather_kv(kv, s, &slots)?;
         let kept = blend.kept(batch.tokens.len(), &be.row_sq_distance(&fresh, &injected)?)?;
         let narrowed = Narrowed::new(batch, &kept)?;
         let rest = narrowed.batch(batch);
         let mut x = be.select_rows(&x, &kept)?;
-        let mut pending = pending.map(|p| be.select_rows(&p, &kept)).transpose()?;
+        let attn = block.attn.attend(be, &be.select_rows(&q, &kept)?, &rest.spans, s, kv)?;
+        let mut pending = Some(block.finish(be, &mut x, &attn)?);
         self.layers(be, &rest, s + 1..self.blocks.len(), &mut x, &mut pending, &mut captured, kv)?;
         self.head(be, &rest, x, pending, None, Some(kept))
     }

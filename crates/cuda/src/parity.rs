@@ -16,7 +16,7 @@ use inferscale_engine::backend::{AttentionShape, Backend, InjectChunk, KvSpec, N
 use inferscale_engine::retrieval::{HostEmbeddings, top_k_host};
 use inferscale_engine::rope::Rope;
 use inferscale_engine::sampling::argmax;
-use inferscale_engine::{CpuBackend, Engine, EngineConfig, KvChunk};
+use inferscale_engine::{CpuBackend, Engine, EngineConfig, KvChunk, Sequence};
 use inferscale_model::{Family, HostTensor, ModelConfig, ModelFiles, RopeConfig, RopeScaling};
 
 pub const OP_TOL: f64 = 1e-2;
@@ -694,8 +694,8 @@ fn model_files<G: Backend + Clone>(
     Ok(out)
 }
 
-/// Facts encoded after the header and injected after it, the question
-/// pending, blended at `ratio`: the logits and the tokens recomputed.
+/// [`injected`] with `facts.len()` facts' tokens blended at `ratio`: the
+/// logits and the tokens recomputed.
 fn blended<B: Backend>(
     e: &mut Engine<B>,
     header: &[u32],
@@ -703,12 +703,7 @@ fn blended<B: Backend>(
     question: &[u32],
     ratio: f32,
 ) -> R<(Vec<f32>, usize)> {
-    let h = header.len() as u32;
-    let chunks: Vec<KvChunk<B>> = facts.iter().map(|f| e.encode(header, f, h)).collect::<R<_>>()?;
-    let mut seq = e.new_sequence(header.to_vec())?;
-    e.prefill(&mut seq)?;
-    e.inject(&mut seq, &chunks.iter().collect::<Vec<_>>())?;
-    seq.extend(question);
+    let mut seq = injected(e, header, facts, question, KvSource::Kept)?;
     e.blend(&mut seq, facts.iter().map(Vec::len).sum(), ratio)?;
     Ok((e.prefill(&mut seq)?, seq.recomputed()))
 }
@@ -725,6 +720,19 @@ fn inject_independent<B: Backend>(
     q: &[u32],
     src: KvSource,
 ) -> R<Vec<f32>> {
+    let mut seq = injected(e, header, facts, q, src)?;
+    e.prefill(&mut seq)
+}
+
+/// Each fact encoded after the header (independently), its KV held as
+/// `src` says and injected after the prefilled header; `q` pending.
+fn injected<B: Backend>(
+    e: &mut Engine<B>,
+    header: &[u32],
+    facts: &[Vec<u32>],
+    q: &[u32],
+    src: KvSource,
+) -> R<Sequence> {
     let h = header.len() as u32;
     let mut chunks: Vec<KvChunk<B>> = facts.iter().map(|f| e.encode(header, f, h)).collect::<R<_>>()?;
     if src != KvSource::Kept {
@@ -744,7 +752,7 @@ fn inject_independent<B: Backend>(
     e.prefill(&mut seq)?;
     e.inject(&mut seq, &chunks.iter().collect::<Vec<_>>())?;
     seq.extend(q);
-    e.prefill(&mut seq)
+    Ok(seq)
 }
 
 /// Everything: op checks, then every model shape.

@@ -112,6 +112,15 @@ impl SeqSpan<'_> {
         }
     }
 
+    /// How many of rows `r0..r1` see no more than `key` cache entries —
+    /// those for which entry `key` lies in their future (rows' ends ascend).
+    pub fn rows_ending_by(&self, r0: usize, r1: usize, key: usize) -> usize {
+        match self.row_ends {
+            Some(ends) => ends[r0..r1].partition_point(|&e| e as usize <= key),
+            None => (key + 1).saturating_sub(self.context_len - self.q_len + r0 + 1).min(r1 - r0),
+        }
+    }
+
     /// Checks the span's own consistency: `q_len` rows fit the context, and
     /// `row_ends`, when set, has one entry per row, ascending, each in
     /// `1..=context_len`. Backends check the rest (rows, blocks).

@@ -66,17 +66,23 @@ pub fn keep_count(ratio: f32, n: usize) -> usize {
     ((ratio as f64 * n as f64 - 1e-6).ceil().max(0.0) as usize).clamp(n.min(1), n)
 }
 
+/// Rows a blend of `injected` tokens at `ratio` adds to the steps that
+/// compute the sequence: all of them (each runs up to [`SELECT_LAYER`]),
+/// or none at ratio 0. What a scheduler budgets, before the plan exists.
+pub fn blend_rows(injected: usize, ratio: f32) -> usize {
+    if ratio > 0.0 { injected } else { 0 }
+}
+
 /// The blend part of one forward pass: per sequence, the rows that
 /// recompute injected tokens (consecutive in the batch) and how many of
-/// them go past `layer`.
+/// them go past [`SELECT_LAYER`].
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct BlendRows {
-    pub layer: usize,
     pub groups: Vec<(Range<usize>, usize)>,
 }
 
 impl BlendRows {
-    /// Whether some rows stop after `layer` (else the pass is a plain one).
+    /// Whether some rows stop at the selection layer (else the pass is a plain one).
     pub fn narrows(&self) -> bool {
         self.groups.iter().any(|(r, keep)| *keep < r.len())
     }
@@ -86,7 +92,7 @@ impl BlendRows {
         self.groups.iter().flat_map(|(r, _)| r.clone()).collect()
     }
 
-    /// The rows of a `total`-row batch that go on past `layer`, ascending:
+    /// The rows of a `total`-row batch that go on past the selection layer, ascending:
     /// every row outside the groups, and in each group the `keep` rows
     /// whose `deviation` (one per candidate, in [`BlendRows::rows`] order)
     /// is largest, ties to the lower row.
@@ -203,7 +209,7 @@ impl<B: Backend> Engine<B> {
                 if seq.blend.is_some() { ", already blending" } else { "" }
             )));
         }
-        if ratio > 0.0 && injected > 0 {
+        if blend_rows(injected, ratio) > 0 {
             seq.blend = Some(BlendPlan { next: end - injected, end, ratio });
         }
         Ok(())
@@ -216,7 +222,7 @@ mod tests {
 
     #[test]
     fn each_group_keeps_its_most_deviating_rows_in_row_order() {
-        let b = BlendRows { layer: 1, groups: vec![(1..5, 2), (6..9, 1)] };
+        let b = BlendRows { groups: vec![(1..5, 2), (6..9, 1)] };
         assert!(b.narrows());
         assert_eq!(b.rows(), vec![1, 2, 3, 4, 6, 7, 8]);
         // Group 1: rows 2 and 4 deviate most; group 2: a tie between 6 and 8 goes to 6.
@@ -227,7 +233,7 @@ mod tests {
         assert_eq!(b.kept(10, &dev).unwrap(), vec![0, 2, 4, 5, 6, 9]);
         assert!(b.kept(10, &dev[1..]).is_err());
         assert!(b.kept(8, &dev).is_err());
-        let all = BlendRows { layer: 1, groups: vec![(0..3, 3)] };
+        let all = BlendRows { groups: vec![(0..3, 3)] };
         assert!(!all.narrows());
     }
 

@@ -13,7 +13,7 @@ use std::ops::Range;
 use inferscale_model::ModelFiles;
 
 use crate::backend::{Backend, KvSpec, SeqSpan};
-use crate::blend::{BlendPlan, BlendRows, SELECT_LAYER};
+use crate::blend::{BlendPlan, BlendRows};
 use crate::error::{EngineError, Result};
 use crate::kv_cache::{BLOCK_SIZE, BlockPool, BlockTable};
 use crate::llama::{ForwardBatch, LayerKv, Llama};
@@ -403,7 +403,7 @@ impl<B: Backend> Engine<B> {
             .map(|(s, &(b, t))| (b > 0).then(|| row_indices(s, (b, t)).map(|i| i as u32 + 1).collect()))
             .collect();
         let mut batch = ForwardBatch::default();
-        let mut blend = BlendRows { layer: SELECT_LAYER, groups: Vec::new() };
+        let mut blend = BlendRows::default();
         let mut finishing = Vec::new();
         // Per sequence, its rows' positions within the captured rows.
         let mut captured_rows: Vec<Vec<usize>> = vec![Vec::new(); seqs.len()];
@@ -429,11 +429,15 @@ impl<B: Backend> Engine<B> {
                     batch.capture.push(q_start + b + idx - s.computed);
                 }
             }
-            let last = row_indices(s, (b, t)).last().map_or(0, |i| i + 1);
+            // The cache entries up to the span's last row.
+            let context_len = match t {
+                0 => s.blend.as_ref().map_or(0, |p| p.next) + b,
+                _ => s.computed + t,
+            };
             batch.spans.push(SeqSpan {
                 q_start,
                 q_len: b + t,
-                context_len: last,
+                context_len,
                 block_table: s.table.blocks(),
                 row_ends: ends[i].as_deref(),
             });
@@ -442,7 +446,6 @@ impl<B: Backend> Engine<B> {
                 finishing.push(i);
             }
         }
-        let groups = blend.groups.clone();
         if !blend.groups.is_empty() {
             batch.blend = Some(blend);
         }
@@ -470,10 +473,10 @@ impl<B: Backend> Engine<B> {
             }
         }
         // Rows of each blend group that went through every layer.
-        let mut groups = groups.into_iter();
+        let mut groups = batch.blend.iter().flat_map(|b| b.groups.iter());
         for (s, &(b, t)) in seqs.iter_mut().zip(&split) {
             if let Some(plan) = s.blend.as_mut().filter(|_| b > 0) {
-                let rows = groups.next().map_or(0..0, |g| g.0);
+                let rows = groups.next().map_or(0..0, |g| g.0.clone());
                 s.recomputed += fwd.kept.as_ref().map_or(b, |k| k.iter().filter(|r| rows.contains(r)).count());
                 plan.next += b;
                 if plan.remaining() == 0 {

@@ -8,7 +8,7 @@
 use inferscale_model::{HostTensor, ModelConfig, ModelFiles};
 
 use crate::backend::{AttentionShape, Backend, NewRows, SeqSpan};
-use crate::blend::{BlendRows, Narrowed};
+use crate::blend::{BlendRows, Narrowed, SELECT_LAYER};
 use crate::error::{EngineError, Result};
 use crate::rope::Rope;
 
@@ -296,7 +296,7 @@ impl<B: Backend> Llama<B> {
         // injected ones picks the rows that go on. Rows that stop need
         // nothing more of that layer than their K and V: the selection
         // layer's attention and MLP run on the kept rows only.
-        let s = blend.layer.min(self.blocks.len() - 1);
+        let s = SELECT_LAYER.min(self.blocks.len() - 1);
         self.layers(be, batch, 0..s, &mut x, &mut pending, &mut captured, kv)?;
         let slots: Vec<u32> = blend.rows().iter().map(|&r| batch.slots[r]).collect();
         let (_, injected) = be.gather_kv(kv, s, &slots)?;

@@ -738,14 +738,13 @@ impl<B: Backend> UserShard<B> {
         }
     }
 
-    /// Encodes facts without KV: [header][the `window` units stored before
-    /// the fact, or before its source turn][fact], `batch` facts
-    /// per engine call so that short encodings share forward passes; each
-    /// batch's KV is appended to the segment at once.
-    /// Encodes up to `limit` facts without KV, `batch` per engine call, each
-    /// after the header and the `window` units before its anchor — fewer when
-    /// those would not fit the model's `context` with the fact (the oldest
-    /// go first; units longer than the context allows are refused at ingest).
+    /// Encodes up to `limit` facts without KV: [header][the `window` units
+    /// stored before the fact, or before its source turn][fact] — fewer
+    /// units when those would not fit the model's `context` with the fact
+    /// (the oldest go first; units longer than the context allows are
+    /// refused at ingest). `batch` facts per engine call, so that short
+    /// encodings share forward passes; each batch's KV is appended to the
+    /// segment at once.
     fn encode_missing(
         &mut self,
         window: usize,
@@ -763,8 +762,9 @@ impl<B: Backend> UserShard<B> {
                     let anchor = self.context_anchor(i);
                     let mut c = enc.composer.header().to_vec();
                     let room = context.saturating_sub(c.len() + self.facts[i].tokens.len());
-                    let lens: Vec<usize> = self.facts[..anchor].iter().map(|f| f.tokens.len()).collect();
-                    let start = window_start(&lens, window, room);
+                    let lo = anchor.saturating_sub(window);
+                    let lens: Vec<usize> = self.facts[lo..anchor].iter().map(|f| f.tokens.len()).collect();
+                    let start = lo + window_start(&lens, window, room);
                     self.facts[start..anchor].iter().for_each(|f| c.extend_from_slice(&f.tokens));
                     c
                 })

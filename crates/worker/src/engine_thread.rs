@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use inferscale_engine::bert::Bert;
 use inferscale_engine::kv_cache::BLOCK_SIZE;
 use inferscale_engine::sampling::{Rng, sample};
-use inferscale_engine::{Backend, Engine, FinishReason, NextToken, Sequence};
+use inferscale_engine::{Backend, Engine, FinishReason, NextToken, Sequence, blend_rows};
 use inferscale_memory::{
     ImportReport, IngestReport, KvHeader, Memory, MemoryUnit, Mode, Prompts, Session, ShardRecord, StagedShard,
 };
@@ -361,11 +361,11 @@ impl<B: Backend> Core<B> {
             Mode::Prompt => (question.len() + memory_tokens, 0),
             Mode::None => (question.len(), 0),
         };
-        // Blend runs every injected token through the first layers, so the
-        // scheduler budgets all of them like prompt tokens (an upper bound
-        // of the pass's cost; see memory::answer::prepare for ratio 0).
+        // Blend runs injected tokens through the first layers, so the
+        // scheduler budgets them like prompt tokens (an upper bound of the
+        // pass's cost): exactly the rows `prepare` will plan.
         let recompute = match job.mode {
-            Mode::Blend if job.blend_ratio > 0.0 => memory_tokens,
+            Mode::Blend => blend_rows(memory_tokens, job.blend_ratio),
             _ => 0,
         };
         let id = self.next_id;

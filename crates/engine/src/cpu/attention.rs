@@ -189,8 +189,7 @@ fn run_task(t: &Task, s: &SeqSpan<'_>, ctx: &TaskCtx<'_>) -> Partial {
     // (its own cache index + 1). Keys before `all_see` are visible to every
     // row of the task; those from it on (at most a row chunk when the rows
     // are consecutive, more when they are scattered) are masked below.
-    let ends: Vec<usize> = (t.r0..t.r1).map(|r| s.row_end(r)).collect();
-    let all_see = ends[0].clamp(t.k0, t.k1);
+    let all_see = s.row_end(t.r0).clamp(t.k0, t.k1);
     // Each piece's keys and values, in place: (first key, keys, values).
     let runs: Vec<(usize, &[f32], &[f32])> = pieces(s.block_table, store.spec().block_size, t.k0, t.k1, all_see)
         .into_iter()
@@ -219,7 +218,7 @@ fn run_task(t: &Task, s: &SeqSpan<'_>, ctx: &TaskCtx<'_>) -> Partial {
         }
         for (i, row) in st[(all_see - t.k0) * mp..].chunks_exact_mut(mp).enumerate() {
             // Rows r0 + first_row.. of each head see key all_see + i.
-            let first_row = ends.partition_point(|&e| e <= all_see + i);
+            let first_row = s.rows_ending_by(t.r0, t.r1, all_see + i);
             for j in 0..group {
                 row[j * rows..j * rows + first_row].fill(f32::NEG_INFINITY);
             }

@@ -201,6 +201,7 @@ where
     let info = WorkerInfo {
         model: a.mem.model.shape.clone().unwrap_or_else(|| model_name(&a.mem.model.model)),
         backend: a.mem.model.backend.clone(),
+        embedder: inferscale_model::fetch::served_names(&a.mem.embedder),
     };
     let args = a.clone();
     let load = move || {

@@ -93,6 +93,30 @@ fn bad_http_input_gets_clear_errors_and_changes_nothing() {
     assert_error("10 MB body", post(a, c, big.as_bytes()), 413, "limit");
     let assistant_last = json!({"model": "smollm2", "user": "u1", "messages": [{"role": "assistant", "content": "x"}]});
     assert_error("assistant last", post(a, c, assistant_last.to_string().as_bytes()), 400, "role `user`");
+    let mut tools = chat(Some("u1"), "Hi?", json!({}));
+    tools["tools"] = json!([{"type": "function", "function": {"name": "f"}}]);
+    let refused = post(a, c, tools.to_string().as_bytes());
+    assert_eq!(serde_json::from_slice::<Value>(&refused.1).unwrap()["error"]["param"], "tools");
+    assert_error("tools", refused, 400, "`tools` is not supported");
+    let tool_role =
+        json!({"model": "smollm2", "messages": [{"role": "tool", "content": "x"}, {"role": "user", "content": "Hi?"}]});
+    assert_error("tool message", post(a, c, tool_role.to_string().as_bytes()), 400, "messages[0].role");
+    let cmpl = "/v1/completions";
+    let empty = json!({"model": "smollm2", "prompt": "  "});
+    assert_error("empty prompt", post(a, cmpl, empty.to_string().as_bytes()), 400, "prompt");
+    let ids = json!({"model": "smollm2", "prompt": [1, 2, 3]});
+    assert_error("token-id prompt", post(a, cmpl, ids.to_string().as_bytes()), 400, "token ids");
+    let two = json!({"model": "smollm2", "prompt": ["a", "b"]});
+    assert_error("two prompts", post(a, cmpl, two.to_string().as_bytes()), 400, "one prompt");
+    let emb = "/v1/embeddings";
+    let none = json!({"model": "minilm", "input": []});
+    assert_error("no input", post(a, emb, none.to_string().as_bytes()), 400, "empty");
+    let blank = json!({"model": "minilm", "input": ["fine", ""]});
+    assert_error("blank input", post(a, emb, blank.to_string().as_bytes()), 400, "input[1]");
+    let dims = json!({"model": "minilm", "input": "x", "dimensions": 64});
+    assert_error("dimensions", post(a, emb, dims.to_string().as_bytes()), 400, "384 dimensions");
+    let format = json!({"model": "minilm", "input": "x", "encoding_format": "hex"});
+    assert_error("encoding format", post(a, emb, format.to_string().as_bytes()), 400, "encoding_format");
 
     // Memory endpoints.
     let m = "/v1/memories";
@@ -132,6 +156,9 @@ fn bad_http_input_gets_clear_errors_and_changes_nothing() {
 
     assert_eq!(units(a, "u1"), before, "bad input changed stored memory");
 
+    // A request without a user or a memory mode is answered without memory.
+    let (status, v) = json_call(a, "POST", c, &chat(None, "Hi?", Value::Null));
+    assert_eq!((status, v["usage"]["memory"]["mode"].as_str()), (200, Some("none")), "{v}");
     // A user without memory is answered with none injected, and usage says so.
     let (status, v) = json_call(a, "POST", c, &chat(Some("newcomer"), "What is my cat's name?", json!({"mode": "kv"})));
     assert_eq!(status, 200, "{v}");
@@ -222,11 +249,17 @@ fn openai_python_client_works_unchanged() {
         py.display()
     );
     let dir = tempfile::tempdir().unwrap();
-    let srv = serve(&dir.path().join("mem"), &["--window", "2"]);
+    let keys = dir.path().join("keys");
+    std::fs::write(&keys, "py:py-secret-key\n").unwrap();
+    let srv = serve(
+        &dir.path().join("mem"),
+        &["--window", "2", "--api-keys", keys.to_str().unwrap(), "--max-running", "1", "--max-queue", "1"],
+    );
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/openai_client.py");
     let out = Command::new("python3")
         .arg(&script)
         .arg(format!("http://{}/v1", srv.addr))
+        .arg("py-secret-key")
         .env("PYTHONPATH", &py)
         .output()
         .unwrap();

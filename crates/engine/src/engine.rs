@@ -202,6 +202,19 @@ impl<B: Backend> Engine<B> {
         self.new_sequence_at(tokens, 0)
     }
 
+    /// A sequence of no tokens yet, to be extended (a completion's prompt
+    /// on a model whose tokenizer starts texts with nothing).
+    pub fn empty_sequence(&self) -> Sequence {
+        Sequence {
+            tokens: Vec::new(),
+            positions: Vec::new(),
+            computed: 0,
+            table: BlockTable::new(&self.pool),
+            blend: None,
+            recomputed: 0,
+        }
+    }
+
     /// A sequence whose first token sits at `position`.
     pub fn new_sequence_at(&self, tokens: Vec<u32>, position: u32) -> Result<Sequence> {
         if tokens.is_empty() {

@@ -16,6 +16,11 @@ pub struct Prepared {
     pub fact_ids: Vec<String>,
     /// Memory tokens in the prompt (injected or pasted).
     pub memory_tokens: usize,
+    /// Tokens of the header the sequence starts with.
+    pub header_tokens: usize,
+    /// Whether the header's KV was already computed (cached) rather than
+    /// prefilled for this request.
+    pub header_cached: bool,
 }
 
 /// Forks `header` (a computed sequence of the composer's header) and lays
@@ -84,5 +89,11 @@ pub fn prepare<B: Backend>(
         // Ratio 0 plans nothing: the request is served exactly as kv mode.
         engine.blend(&mut seq, memory_tokens, blend_ratio)?;
     }
-    Ok(Prepared { seq, fact_ids: order.iter().map(|&i| all[i].unit.id.clone()).collect(), memory_tokens })
+    Ok(Prepared {
+        seq,
+        fact_ids: order.iter().map(|&i| all[i].unit.id.clone()).collect(),
+        memory_tokens,
+        header_tokens: header.len(),
+        header_cached: true,
+    })
 }

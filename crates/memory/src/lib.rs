@@ -13,7 +13,7 @@ mod shard;
 mod transfer;
 
 pub use answer::{Prepared, prepare};
-pub use compose::{ANSWER_INSTRUCTION, Composer, Prompts, SYSTEM_PROMPT};
+pub use compose::{ANSWER_INSTRUCTION, Chat, Composer, Prompts, SYSTEM_PROMPT};
 pub use error::{MemoryError, Result};
 pub use fact::Fact;
 pub use inferscale_types::{DEFAULT_BLEND_RATIO, MemoryUnit, Mode, check_blend_ratio};

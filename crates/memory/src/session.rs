@@ -12,12 +12,13 @@
 use std::sync::Arc;
 
 use inferscale_engine::bert::Bert;
+use inferscale_engine::kv_cache::BLOCK_SIZE;
 use inferscale_engine::{Backend, Engine, Sequence};
 use inferscale_model::{ModelFiles, Tokenizer};
 use inferscale_types::{MemoryUnit, Mode};
 
 use crate::answer::{Prepared, prepare};
-use crate::compose::{Composer, Prompts};
+use crate::compose::{Chat, Composer, Prompts};
 use crate::error::{MemoryError, Result};
 use crate::retrieval::Query;
 use crate::shard::{Encoders, IngestReport, Memory};
@@ -28,8 +29,58 @@ pub struct Session<B: Backend> {
     embedder: Bert<B>,
     memory: Memory<B>,
     composer: Composer,
-    /// The header, prefilled once; every request forks it.
+    /// The configured system prompt's header, prefilled once; every
+    /// request without a system prompt of its own forks it.
     header: Sequence,
+    /// Headers of requests' own system prompts.
+    headers: HeaderCache,
+}
+
+/// Prefilled headers other than the configured system prompt's — requests'
+/// own system prompts (keyed by the prompt) and completions' start tokens
+/// (keyed `None`) — the least recently used evicted past a budget of KV
+/// blocks: a client that sends one system prompt with every request (the
+/// common case) has its header computed once. A header is cached only if
+/// it fits the budget.
+#[derive(Default)]
+struct HeaderCache {
+    budget_blocks: usize,
+    /// Most recently used last.
+    entries: Vec<(Option<String>, Sequence)>,
+}
+
+impl HeaderCache {
+    fn blocks(seq: &Sequence) -> usize {
+        seq.len().div_ceil(BLOCK_SIZE)
+    }
+
+    fn find(&self, key: &Option<String>) -> Option<&Sequence> {
+        self.entries.iter().find(|(k, _)| k == key).map(|(_, h)| h)
+    }
+
+    fn get(&mut self, key: &Option<String>) -> Option<&Sequence> {
+        let i = self.entries.iter().position(|(k, _)| k == key)?;
+        let hit = self.entries.remove(i);
+        self.entries.push(hit);
+        self.entries.last().map(|(_, h)| h)
+    }
+
+    /// Whether `header` can be cached at all (alone, it fits the budget).
+    fn fits(&self, header: &Sequence) -> bool {
+        Self::blocks(header) <= self.budget_blocks
+    }
+
+    /// Keeps `header` (which [`HeaderCache::fits`]), evicting the least
+    /// recently used until it fits.
+    fn insert(&mut self, key: Option<String>, header: Sequence) -> &Sequence {
+        let need = Self::blocks(&header);
+        let mut used: usize = self.entries.iter().map(|(_, h)| Self::blocks(h)).sum();
+        while used + need > self.budget_blocks && !self.entries.is_empty() {
+            used -= Self::blocks(&self.entries.remove(0).1);
+        }
+        self.entries.push((key, header));
+        &self.entries[self.entries.len() - 1].1
+    }
 }
 
 impl<B: Backend> Session<B> {
@@ -46,7 +97,29 @@ impl<B: Backend> Session<B> {
         let composer = Composer::new(&files, prompts)?;
         let mut header = engine.new_sequence(composer.header().to_vec())?;
         engine.prefill(&mut header)?;
-        Ok(Session { files, engine, embedder, memory, composer, header })
+        Ok(Session { files, engine, embedder, memory, composer, header, headers: HeaderCache::default() })
+    }
+
+    /// Lets up to `blocks` KV blocks hold the headers of requests' own
+    /// system prompts (none by default: each such request prefills its
+    /// header). The caller accounts for those blocks in its KV budget.
+    pub fn set_header_cache(&mut self, blocks: usize) {
+        self.headers.budget_blocks = blocks;
+        while self.headers.entries.iter().map(|(_, h)| HeaderCache::blocks(h)).sum::<usize>() > blocks {
+            self.headers.entries.remove(0);
+        }
+    }
+
+    /// Tokens of the header `chat` is laid out under (see
+    /// [`Composer::header_of`]).
+    pub fn header_len(&self, chat: &Chat) -> Result<usize> {
+        if self.composer.is_default_header(chat) {
+            return Ok(self.header.len());
+        }
+        match self.headers.find(&header_key(chat)) {
+            Some(h) => Ok(h.len()),
+            None => Ok(self.composer.header_of(chat)?.len()),
+        }
     }
 
     pub fn files(&self) -> &Arc<ModelFiles> {
@@ -142,6 +215,21 @@ impl<B: Backend> Session<B> {
         memory.ensure_kv(user, &mut enc)
     }
 
+    /// Sentence embeddings of `texts` by the retrieval encoder, and the
+    /// tokens it read (each text cut to the encoder's length, as
+    /// sentence-transformers does). Encoded a batch at a time, so a large
+    /// request does not make one huge forward pass.
+    pub fn embed(&self, texts: &[String]) -> Result<(Vec<Vec<f32>>, usize)> {
+        const BATCH: usize = 32;
+        let ids = texts.iter().map(|t| self.embedder.tokenize(t)).collect::<std::result::Result<Vec<_>, _>>()?;
+        let tokens = ids.iter().map(Vec::len).sum();
+        let mut vectors = Vec::with_capacity(ids.len());
+        for batch in ids.chunks(BATCH) {
+            vectors.extend(self.embedder.embed_ids(self.engine.backend(), batch)?);
+        }
+        Ok((vectors, tokens))
+    }
+
     /// `user`'s `k` best facts for `question`, best first, as indices into
     /// [`Memory::facts`]; none for a user without memory.
     pub fn retrieve(&mut self, user: &str, question: &str, k: usize) -> Result<Vec<usize>> {
@@ -171,8 +259,15 @@ impl<B: Backend> Session<B> {
         self.composer.question(text)
     }
 
-    /// Lays out a request of `user`: the header forked, `facts` (indices,
-    /// best first) injected or pasted as `mode` says, `question` pending.
+    /// What follows the memory block for `chat`: its earlier turns, the
+    /// question, the assistant turn's start (see [`Composer::tail`]).
+    pub fn tail(&self, chat: &Chat) -> Result<Vec<u32>> {
+        self.composer.tail(chat)
+    }
+
+    /// Lays out a request of `user` under the configured system prompt:
+    /// the header forked, `facts` (indices, best first) injected or pasted
+    /// as `mode` says, `question` (a tail) pending.
     pub fn prepare(
         &mut self,
         user: &str,
@@ -182,5 +277,57 @@ impl<B: Backend> Session<B> {
         question: &[u32],
     ) -> Result<Prepared> {
         prepare(&mut self.engine, &self.memory, user, facts, mode, blend_ratio, &self.header, question)
+    }
+
+    /// [`Session::prepare`] under the header `chat` asks for: its own
+    /// system prompt's, a completion's start tokens, or the configured one.
+    /// A header not cached is prefilled here, then kept if the cache has
+    /// room ([`Session::set_header_cache`]); `Prepared::header_cached` says
+    /// which. Facts are injected after it as after any header: their KV was
+    /// made after the configured one (docs/design.md §3).
+    pub fn prepare_under(
+        &mut self,
+        chat: &Chat,
+        user: &str,
+        facts: &[usize],
+        mode: Mode,
+        blend_ratio: f32,
+        tail: &[u32],
+    ) -> Result<Prepared> {
+        if self.composer.is_default_header(chat) {
+            return self.prepare(user, facts, mode, blend_ratio, tail);
+        }
+        let key = header_key(chat);
+        let (engine, memory) = (&mut self.engine, &self.memory);
+        if let Some(header) = self.headers.get(&key) {
+            return prepare(engine, memory, user, facts, mode, blend_ratio, header, tail);
+        }
+        let tokens = self.composer.header_of(chat)?;
+        let fresh = match tokens.is_empty() {
+            true => engine.empty_sequence(),
+            false => {
+                let mut seq = engine.new_sequence(tokens)?;
+                engine.prefill(&mut seq)?;
+                seq
+            }
+        };
+        let mut p = match self.headers.fits(&fresh) {
+            true => {
+                let header = self.headers.insert(key, fresh);
+                prepare(engine, memory, user, facts, mode, blend_ratio, header, tail)?
+            }
+            false => prepare(engine, memory, user, facts, mode, blend_ratio, &fresh, tail)?,
+        };
+        p.header_cached = false;
+        Ok(p)
+    }
+}
+
+/// A header's key in the cache: the request's system prompt, or `None`
+/// for a completion's start tokens.
+fn header_key(chat: &Chat) -> Option<String> {
+    match chat.raw {
+        true => None,
+        false => chat.system.clone(),
     }
 }

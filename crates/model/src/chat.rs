@@ -48,7 +48,8 @@ pub mod builtin {
     }
 }
 
-/// A compiled chat template.
+/// A compiled chat template (cheap to clone: the compiled template is shared).
+#[derive(Clone)]
 pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: String,

@@ -90,6 +90,18 @@ pub const QWEN25_CODER_1_5B: PackagedModel = PackagedModel {
 
 pub const PACKAGED: &[PackagedModel] = &[SMOLLM2_135M, MINILM_L6, QWEN25_CODER_1_5B];
 
+/// The names clients may call a model by: a packaged model's names, its
+/// canonical (Hugging Face) name first; else the path's file stem.
+pub fn served_names(name_or_path: &str) -> Vec<String> {
+    match PACKAGED.iter().find(|m| m.names.iter().any(|n| n.eq_ignore_ascii_case(name_or_path))) {
+        Some(m) => m.names.iter().rev().map(|n| n.to_string()).collect(),
+        None => {
+            let path = std::path::Path::new(name_or_path);
+            vec![path.file_stem().map_or(name_or_path.to_string(), |s| s.to_string_lossy().into_owned())]
+        }
+    }
+}
+
 /// The default embedding model name.
 pub const DEFAULT_EMBEDDER: &str = "minilm";
 

@@ -69,12 +69,14 @@ pub struct AppState {
     pub rebalance: Arc<crate::rebalance::RebalanceStats>,
 }
 
-type Shared = Arc<AppState>;
+pub(crate) type Shared = Arc<AppState>;
 
 pub fn app(state: Shared) -> Router {
     let limit = state.defaults.body_limit;
     Router::new()
         .route("/v1/chat/completions", routing::post(chat))
+        .route("/v1/completions", routing::post(completions))
+        .route("/v1/embeddings", routing::post(crate::embeddings::embeddings))
         .route("/v1/memories", routing::post(ingest))
         .route("/v1/memories/{user}", routing::get(list).delete(forget_user))
         .route("/v1/memories/{user}/{unit}", routing::delete(forget_unit))
@@ -111,14 +113,14 @@ async fn count(State(s): State<Shared>, req: Request, next: Next) -> Response {
     resp
 }
 
-fn body(b: std::result::Result<Bytes, BytesRejection>, limit: usize) -> Result<Bytes> {
+pub(crate) fn body(b: std::result::Result<Bytes, BytesRejection>, limit: usize) -> Result<Bytes> {
     b.map_err(|e| match e.status() {
         StatusCode::PAYLOAD_TOO_LARGE => ApiError::TooLarge(limit),
         _ => ApiError::BadRequest(format!("cannot read the request body: {e}")),
     })
 }
 
-fn tenant(s: &AppState, headers: &HeaderMap) -> Result<String> {
+pub(crate) fn tenant(s: &AppState, headers: &HeaderMap) -> Result<String> {
     let auth = headers.get(header::AUTHORIZATION).map(|v| v.to_str().unwrap_or(""));
     s.keys.tenant(auth)
 }
@@ -136,16 +138,28 @@ fn now_secs() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
+/// Which OpenAI endpoint a generation answers: the response shapes differ.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// `/v1/chat/completions`: `chat.completion` objects, `message`/`delta`.
+    Chat,
+    /// `/v1/completions`: `text_completion` objects, `text`.
+    Text,
+}
+
 /// A validated chat request, ready for a worker.
 struct Chat {
     req: pb::GenerateRequest,
+    kind: Kind,
     mode: Mode,
     stream: bool,
     include_usage: bool,
     user: String,
 }
 
-fn validate(s: &AppState, tenant: &str, r: ChatRequest) -> Result<Chat> {
+/// Validates a chat request, or with `prompt` a completion (whose other
+/// parameters arrive as a chat request without messages).
+fn validate(s: &AppState, tenant: &str, r: ChatRequest, prompt: Option<String>) -> Result<Chat> {
     if r.model != s.model {
         return Err(ApiError::NotFound(format!(
             "model `{}` does not exist; this server serves `{}`",
@@ -155,7 +169,7 @@ fn validate(s: &AppState, tenant: &str, r: ChatRequest) -> Result<Chat> {
     if r.n.is_some_and(|n| n != 1) {
         return Err(ApiError::BadRequest("only n = 1 is supported".into()));
     }
-    if r.messages.is_empty() {
+    if r.messages.is_empty() && prompt.is_none() {
         return Err(ApiError::BadRequest("`messages` is empty".into()));
     }
     let mut messages = Vec::with_capacity(r.messages.len());
@@ -165,11 +179,17 @@ fn validate(s: &AppState, tenant: &str, r: ChatRequest) -> Result<Chat> {
         }
         messages.push(pb::ChatMessage { role: m.role.clone(), content: m.content.text()? });
     }
-    if messages.last().is_none_or(|m| m.role != "user") {
+    if prompt.is_none() && messages.last().is_none_or(|m| m.role != "user") {
         return Err(ApiError::BadRequest("the last message must have role `user` (the question)".into()));
     }
     let mem = r.memory.unwrap_or_default();
-    let mode = mem.mode.unwrap_or(s.defaults.mode);
+    // A request without a user has no memory to use: unless it asks for a
+    // memory mode explicitly, it is answered without one.
+    let mode = match (mem.mode, &r.user) {
+        (Some(m), _) => m,
+        (None, None) => Mode::None,
+        (None, Some(_)) => s.defaults.mode,
+    };
     let pmode = pb::MemoryMode::from(mode);
     let blend_ratio = match (mode, mem.blend_ratio) {
         (Mode::Blend, r) => Some(
@@ -196,7 +216,7 @@ fn validate(s: &AppState, tenant: &str, r: ChatRequest) -> Result<Chat> {
         (None, pb::MemoryMode::None) => String::new(),
         (None, _) => {
             return Err(ApiError::BadRequest(format!(
-                "`user` is required when memory is used (memory.mode = {mode}); send memory.mode = \"none\" to chat without memory"
+                "`user` is required when memory is used (memory.mode = {mode}); leave memory.mode out or send \"none\" to chat without memory"
             )));
         }
     };
@@ -235,9 +255,11 @@ fn validate(s: &AppState, tenant: &str, r: ChatRequest) -> Result<Chat> {
         }),
         deadline_ms: s.defaults.deadline.as_millis().min(u128::from(u32::MAX)) as u32,
         blend_ratio,
+        prompt,
     };
     let include_usage = r.stream_options.is_some_and(|o| o.include_usage);
-    Ok(Chat { req, mode, stream: r.stream, include_usage, user })
+    let kind = if req.prompt.is_some() { Kind::Text } else { Kind::Chat };
+    Ok(Chat { req, kind, mode, stream: r.stream, include_usage, user })
 }
 
 /// How long a request keeps retrying a user's memory while it moves
@@ -410,9 +432,39 @@ async fn chat(
 ) -> Result<Response> {
     let clock = Clock { start: Instant::now(), first: None, tokens: 0 };
     let tenant = tenant(&s, &headers)?;
-    let chat = validate(&s, &tenant, openai::parse(&body(b, s.defaults.body_limit)?)?)?;
-    let (guard, stream, first) = start(&s, &chat).await.map_err(|e| e.unscope(&tenant))?;
-    let id = format!("chatcmpl-{:016x}", unique());
+    let bytes = body(b, s.defaults.body_limit)?;
+    let parsed = openai::parse(&bytes)?;
+    openai::check_unsupported(&bytes)?;
+    let chat = validate(&s, &tenant, parsed, None)?;
+    generate(s, &tenant, chat, clock).await
+}
+
+async fn completions(
+    State(s): State<Shared>,
+    headers: HeaderMap,
+    b: std::result::Result<Bytes, BytesRejection>,
+) -> Result<Response> {
+    let clock = Clock { start: Instant::now(), first: None, tokens: 0 };
+    let tenant = tenant(&s, &headers)?;
+    let bytes = body(b, s.defaults.body_limit)?;
+    let parsed: openai::CompletionRequest = openai::parse(&bytes)?;
+    openai::check_unsupported(&bytes)?;
+    let (prompt, rest) = parsed.split()?;
+    if prompt.trim().is_empty() {
+        return Err(ApiError::Param { param: "prompt", message: "the prompt is empty".into() });
+    }
+    let chat = validate(&s, &tenant, rest, Some(prompt))?;
+    generate(s, &tenant, chat, clock).await
+}
+
+/// Runs a validated request on a worker and answers it, streamed or whole.
+async fn generate(s: Shared, tenant: &str, chat: Chat, clock: Clock) -> Result<Response> {
+    let (guard, stream, first) = start(&s, &chat).await.map_err(|e| e.unscope(tenant))?;
+    let prefix = match chat.kind {
+        Kind::Chat => "chatcmpl",
+        Kind::Text => "cmpl",
+    };
+    let id = format!("{prefix}-{:016x}", unique());
     let worker = guard.worker().name.clone();
     let mut resp = if chat.stream {
         let st = SseState {
@@ -447,7 +499,7 @@ async fn complete(
     mut stream: tonic::Streaming<pb::GenerateEvent>,
     mut next: Option<pb::GenerateEvent>,
     mut clock: Clock,
-) -> Result<Json<openai::ChatResponse>> {
+) -> Result<Json<serde_json::Value>> {
     use pb::generate_event::Event as E;
     let mut text = String::new();
     loop {
@@ -458,19 +510,29 @@ async fn complete(
             }
             Some(E::Finished(f)) => {
                 clock.record(&s.metrics, chat.mode);
-                return Ok(Json(openai::ChatResponse {
-                    id,
-                    object: "chat.completion",
-                    created: now_secs(),
-                    model: s.model.clone(),
-                    choices: vec![openai::Choice {
-                        index: 0,
-                        message: openai::AssistantMessage { role: "assistant", content: text },
-                        finish_reason: f.reason.clone(),
-                    }],
-                    usage: usage(chat.mode, &f),
-                    timings: timings(&f),
-                }));
+                let usage = usage(chat.mode, &f);
+                let body = match chat.kind {
+                    Kind::Chat => serde_json::to_value(openai::ChatResponse {
+                        id,
+                        object: "chat.completion",
+                        created: now_secs(),
+                        model: s.model.clone(),
+                        choices: vec![openai::Choice {
+                            index: 0,
+                            message: openai::AssistantMessage { role: "assistant", content: text },
+                            finish_reason: f.reason.clone(),
+                        }],
+                        usage,
+                        timings: timings(&f),
+                    })
+                    .map_err(|e| ApiError::Internal(format!("encoding the response: {e}")))?,
+                    Kind::Text => json!({
+                        "id": id, "object": "text_completion", "created": now_secs(), "model": s.model,
+                        "choices": [{"index": 0, "text": text, "finish_reason": f.reason, "logprobs": null}],
+                        "usage": usage, "timings": timings(&f),
+                    }),
+                };
+                return Ok(Json(body));
             }
             None => return Err(ApiError::Internal("the worker ended the stream without finishing".into())),
         }
@@ -494,9 +556,16 @@ struct SseState {
     _span: tracing::Span,
 }
 
+/// One streamed piece: a chat `delta` (for a completion, its `content`
+/// becomes the choice's `text`), or the finish.
 fn chunk(st: &SseState, delta: serde_json::Value, finish: Option<&str>) -> SseEvent {
-    let body = json!({"id": st.id, "object": "chat.completion.chunk", "created": st.created, "model": st.s.model,
-                      "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]});
+    let body = match st.chat.kind {
+        Kind::Chat => json!({"id": st.id, "object": "chat.completion.chunk", "created": st.created,
+                             "model": st.s.model, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}),
+        Kind::Text => json!({"id": st.id, "object": "text_completion", "created": st.created, "model": st.s.model,
+                             "choices": [{"index": 0, "text": delta.get("content").and_then(|c| c.as_str()).unwrap_or(""),
+                                          "finish_reason": finish, "logprobs": null}]}),
+    };
     SseEvent::default().data(body.to_string())
 }
 
@@ -527,7 +596,11 @@ fn sse(st: SseState) -> Sse<impl Stream<Item = std::result::Result<SseEvent, Inf
                 st.clock.record(&st.s.metrics, st.chat.mode);
                 out.push(chunk(&st, json!({}), Some(&f.reason)));
                 if st.chat.include_usage {
-                    let body = json!({"id": st.id, "object": "chat.completion.chunk", "created": st.created,
+                    let object = match st.chat.kind {
+                        Kind::Chat => "chat.completion.chunk",
+                        Kind::Text => "text_completion",
+                    };
+                    let body = json!({"id": st.id, "object": object, "created": st.created,
                                       "model": st.s.model, "choices": [], "usage": usage(st.chat.mode, &f),
                                       "timings": timings(&f)});
                     out.push(SseEvent::default().data(body.to_string()));

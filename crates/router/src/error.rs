@@ -31,12 +31,19 @@ pub enum ApiError {
     Conflict(String),
     #[error("{0}")]
     Internal(String),
+    /// A request parameter this server does not implement (400, `param`
+    /// names it).
+    #[error("`{0}` is not supported by this server")]
+    Unsupported(String),
+    /// An invalid value of a named request parameter (400).
+    #[error("`{param}`: {message}")]
+    Param { param: &'static str, message: String },
 }
 
 impl ApiError {
     pub fn status(&self) -> StatusCode {
         match self {
-            ApiError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            ApiError::BadRequest(_) | ApiError::Unsupported(_) | ApiError::Param { .. } => StatusCode::BAD_REQUEST,
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
@@ -51,7 +58,11 @@ impl ApiError {
 
     fn kind(&self) -> &'static str {
         match self {
-            ApiError::BadRequest(_) | ApiError::TooLarge(_) | ApiError::MethodNotAllowed(_) => "invalid_request_error",
+            ApiError::BadRequest(_)
+            | ApiError::TooLarge(_)
+            | ApiError::MethodNotAllowed(_)
+            | ApiError::Unsupported(_)
+            | ApiError::Param { .. } => "invalid_request_error",
             ApiError::Unauthorized(_) => "authentication_error",
             ApiError::NotFound(_) => "not_found_error",
             ApiError::Busy(_) => "rate_limit_error",
@@ -60,9 +71,34 @@ impl ApiError {
         }
     }
 
-    /// The JSON body OpenAI clients parse: `{"error": {message, type, code}}`.
+    /// The request field at fault, when one is (OpenAI's `param`).
+    fn param(&self) -> Option<&str> {
+        match self {
+            ApiError::Unsupported(p) => Some(p),
+            ApiError::Param { param, .. } => Some(param),
+            _ => None,
+        }
+    }
+
+    /// The JSON body OpenAI clients parse: `{"error": {message, type,
+    /// param, code}}`; `code` is the HTTP status.
     pub fn body(&self) -> serde_json::Value {
-        json!({"error": {"message": self.to_string(), "type": self.kind(), "code": self.status().as_u16()}})
+        json!({"error": {
+            "message": self.to_string(),
+            "type": self.kind(),
+            "param": self.param(),
+            "code": self.status().as_u16(),
+        }})
+    }
+
+    /// Seconds a client should wait before retrying (`Retry-After`), for
+    /// the statuses that invite a retry.
+    fn retry_after(&self) -> Option<u32> {
+        match self {
+            ApiError::Busy(_) => Some(1),
+            ApiError::Unavailable(_) => Some(2),
+            _ => None,
+        }
     }
 
     /// The error with `tenant`'s namespace taken out of user ids in its
@@ -87,7 +123,11 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status(), Json(self.body())).into_response()
+        let mut resp = (self.status(), Json(self.body())).into_response();
+        if let Some(secs) = self.retry_after() {
+            resp.headers_mut().insert(axum::http::header::RETRY_AFTER, secs.into());
+        }
+        resp
     }
 }
 
@@ -117,3 +157,26 @@ impl From<tonic::Status> for ApiError {
 }
 
 pub type Result<T> = std::result::Result<T, ApiError>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_have_openais_shape_and_retryable_ones_say_when() {
+        let e = ApiError::Unsupported("logprobs".into());
+        let b = e.body();
+        assert_eq!(b["error"]["param"], "logprobs");
+        assert_eq!(b["error"]["type"], "invalid_request_error");
+        assert_eq!(b["error"]["code"], 400);
+        assert!(b["error"]["message"].as_str().is_some_and(|m| m.contains("`logprobs`")), "{b}");
+        assert_eq!(ApiError::NotFound("x".into()).body()["error"]["param"], serde_json::Value::Null);
+        let busy = ApiError::Busy("queue full".into()).into_response();
+        assert_eq!(busy.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(busy.headers().get(axum::http::header::RETRY_AFTER).and_then(|v| v.to_str().ok()), Some("1"));
+        let down = ApiError::Unavailable("no worker".into()).into_response();
+        assert!(down.headers().contains_key(axum::http::header::RETRY_AFTER));
+        let bad = ApiError::BadRequest("no".into()).into_response();
+        assert!(!bad.headers().contains_key(axum::http::header::RETRY_AFTER));
+    }
+}

@@ -6,6 +6,7 @@
 
 mod api;
 mod auth;
+mod embeddings;
 mod error;
 mod metrics;
 mod openai;

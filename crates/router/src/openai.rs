@@ -49,6 +49,167 @@ pub struct ChatRequest {
     pub memory: Option<MemoryOptions>,
 }
 
+/// `POST /v1/completions`: a raw prompt (no chat template), with memory
+/// through the same `memory` extension as chat.
+#[derive(Debug, Deserialize)]
+pub struct CompletionRequest {
+    pub model: String,
+    pub prompt: PromptInput,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+    pub user: Option<String>,
+    pub max_tokens: Option<u32>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub seed: Option<u64>,
+    pub stop: Option<Stop>,
+    pub n: Option<u32>,
+    pub ignore_eos: Option<bool>,
+    pub memory: Option<MemoryOptions>,
+}
+
+/// OpenAI's default `max_tokens` of a completion.
+pub const COMPLETION_MAX_TOKENS: u32 = 16;
+
+/// A completion's `prompt` or an embeddings `input`: a string, a list of
+/// them, or anything else OpenAI allows there (token ids), which we refuse.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum PromptInput {
+    One(String),
+    Many(Vec<String>),
+    /// Token ids (or lists of them): refused with a message that says so.
+    Tokens(serde::de::IgnoredAny),
+}
+
+impl CompletionRequest {
+    /// The prompt, and a chat request carrying the other parameters and no
+    /// messages, so that both endpoints validate alike.
+    pub fn split(self) -> Result<(String, ChatRequest)> {
+        let prompt = self.prompt.text()?;
+        let chat = ChatRequest {
+            model: self.model,
+            messages: Vec::new(),
+            stream: self.stream,
+            stream_options: self.stream_options,
+            user: self.user,
+            max_tokens: Some(self.max_tokens.unwrap_or(COMPLETION_MAX_TOKENS)),
+            max_completion_tokens: None,
+            temperature: self.temperature,
+            top_p: self.top_p,
+            seed: self.seed,
+            stop: self.stop,
+            n: self.n,
+            ignore_eos: self.ignore_eos,
+            memory: self.memory,
+        };
+        Ok((prompt, chat))
+    }
+}
+
+impl PromptInput {
+    /// The one text prompt a request may carry.
+    pub fn text(self) -> Result<String> {
+        let bad = |m: &str| ApiError::Param { param: "prompt", message: m.to_string() };
+        match self {
+            PromptInput::One(p) => Ok(p),
+            PromptInput::Many(mut v) if v.len() == 1 => Ok(v.remove(0)),
+            PromptInput::Many(_) => Err(bad("one prompt per request is supported (send a string)")),
+            PromptInput::Tokens(_) => Err(bad("must be a string (token ids are not supported)")),
+        }
+    }
+}
+
+/// `POST /v1/embeddings`.
+#[derive(Debug, Deserialize)]
+pub struct EmbeddingsRequest {
+    pub model: String,
+    pub input: PromptInput,
+    pub encoding_format: Option<String>,
+    pub dimensions: Option<u32>,
+    pub user: Option<String>,
+}
+
+impl EmbeddingsRequest {
+    /// The texts to embed.
+    pub fn texts(&mut self) -> Result<Vec<String>> {
+        let bad = |m: &str| ApiError::Param { param: "input", message: m.to_string() };
+        match std::mem::replace(&mut self.input, PromptInput::Many(Vec::new())) {
+            PromptInput::One(t) => Ok(vec![t]),
+            PromptInput::Many(v) => Ok(v),
+            PromptInput::Tokens(_) => Err(bad("must be a string or a list of strings (token ids are not supported)")),
+        }
+    }
+}
+
+/// Standard base64 with padding: `encoding_format: "base64"` (what the
+/// official client asks for by default) carries each embedding as its
+/// little-endian f32 bytes.
+pub fn base64(bytes: &[u8]) -> String {
+    const ABC: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for chunk in bytes.chunks(3) {
+        let b = [chunk[0], chunk.get(1).copied().unwrap_or(0), chunk.get(2).copied().unwrap_or(0)];
+        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+        for i in 0..4 {
+            match i <= chunk.len() {
+                true => out.push(ABC[((n >> (18 - 6 * i)) & 63) as usize] as char),
+                false => out.push('='),
+            }
+        }
+    }
+    out
+}
+
+/// OpenAI chat parameters we do not implement. Unknown fields outside this
+/// list are ignored (clients send vendor extensions).
+const UNSUPPORTED: &[&str] = &[
+    "logprobs",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "functions",
+    "function_call",
+    "response_format",
+    "logit_bias",
+    "presence_penalty",
+    "frequency_penalty",
+    "audio",
+    "modalities",
+    "prediction",
+    "web_search_options",
+    "best_of",
+    "echo",
+    "suffix",
+];
+
+/// Refuses the first of [`UNSUPPORTED`] that a (parsed, so valid JSON)
+/// body sets to anything but its neutral value (null, false, 0, an empty
+/// list or object, `"auto"` or `"none"` tool choice, `{"type": "text"}`
+/// response format): a client that asks for what we do not do is told so,
+/// naming the parameter, rather than answered as if it had not asked.
+pub fn check_unsupported(body: &[u8]) -> Result<()> {
+    use serde_json::Value;
+    let Ok(other) = serde_json::from_slice::<serde_json::Map<String, Value>>(body) else { return Ok(()) };
+    for &name in UNSUPPORTED {
+        let Some(v) = other.get(name) else { continue };
+        let neutral = match v {
+            Value::Null | Value::Bool(false) => true,
+            Value::Number(n) => n.as_f64() == Some(0.0) || (name == "best_of" && n.as_f64() == Some(1.0)),
+            Value::Array(a) => a.is_empty(),
+            Value::Object(o) => o.is_empty() || (name == "response_format" && o.get("type") == Some(&"text".into())),
+            Value::String(s) => matches!((name, s.as_str()), ("tool_choice" | "function_call", "none" | "auto")),
+            Value::Bool(true) => false,
+        };
+        if !neutral {
+            return Err(ApiError::Unsupported(name.to_string()));
+        }
+    }
+    Ok(())
+}
+
 #[derive(Debug, Deserialize)]
 pub struct StreamOptions {
     #[serde(default)]
@@ -202,4 +363,41 @@ pub struct MemoryUsage {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub recomputed_tokens: Option<u32>,
     pub fact_ids: Vec<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refused(body: &str) -> Option<String> {
+        match check_unsupported(body.as_bytes()) {
+            Ok(()) => None,
+            Err(ApiError::Unsupported(p)) => Some(p),
+            Err(e) => panic!("unexpected error {e}"),
+        }
+    }
+
+    #[test]
+    fn parameters_we_do_not_implement_are_refused_by_name_unless_neutral() {
+        assert_eq!(refused(r#"{"logprobs": true}"#).as_deref(), Some("logprobs"));
+        assert_eq!(refused(r#"{"tools": [{"type": "function"}]}"#).as_deref(), Some("tools"));
+        assert_eq!(refused(r#"{"presence_penalty": 0.5}"#).as_deref(), Some("presence_penalty"));
+        assert_eq!(refused(r#"{"response_format": {"type": "json_object"}}"#).as_deref(), Some("response_format"));
+        assert_eq!(refused(r#"{"tool_choice": "required"}"#).as_deref(), Some("tool_choice"));
+        // What a client sends when it does not ask for the feature.
+        assert_eq!(refused(r#"{"logprobs": false, "tools": [], "presence_penalty": 0, "tool_choice": "none"}"#), None);
+        assert_eq!(refused(r#"{"response_format": {"type": "text"}, "logit_bias": {}, "top_logprobs": null}"#), None);
+        // Unknown fields are vendor extensions: ignored.
+        assert_eq!(refused(r#"{"my_extension": true}"#), None);
+    }
+
+    #[test]
+    fn base64_matches_the_standard_alphabet_and_padding() {
+        assert_eq!(base64(b""), "");
+        assert_eq!(base64(b"M"), "TQ==");
+        assert_eq!(base64(b"Ma"), "TWE=");
+        assert_eq!(base64(b"Man"), "TWFu");
+        assert_eq!(base64(&[0xfb, 0xff, 0xbf]), "+/+/");
+        assert_eq!(base64(&1.0f32.to_le_bytes()), "AACAPw==");
+    }
 }

@@ -24,7 +24,7 @@ use inferscale_model::ModelFiles;
 use inferscale_worker::Result as WResult;
 use inferscale_worker::metrics::WorkerMetrics;
 use inferscale_worker::{
-    AdmitError, Events, GenerateJob, Holdings, Load, MemoryHost, ProtocolConfig, WorkerError, WorkerInfo,
+    AdmitError, Embedded, Events, GenerateJob, Holdings, Load, MemoryHost, ProtocolConfig, WorkerError, WorkerInfo,
     WorkerService, holdings,
 };
 use tokio::sync::oneshot;
@@ -52,6 +52,9 @@ pub struct FrontConfig {
     pub ingest_batch: usize,
     /// Most units one ingest request may carry.
     pub max_ingest_units: usize,
+    /// Names `/v1/embeddings` may call the retrieval encoder by
+    /// (`inferscale_model::fetch::served_names`).
+    pub embedder: Vec<String>,
 }
 
 impl FrontConfig {
@@ -64,6 +67,7 @@ impl FrontConfig {
             max_in_flight: 256,
             ingest_batch: 4,
             max_ingest_units: inferscale_worker::MAX_INGEST_UNITS,
+            embedder: inferscale_model::fetch::served_names(inferscale_model::fetch::DEFAULT_EMBEDDER),
         }
     }
 }
@@ -134,7 +138,11 @@ pub fn serve(core: Arc<Mutex<AnyCore>>, cfg: FrontConfig) -> Result<Front> {
         .enable_all()
         .build()
         .map_err(|e| io("starting the front's async runtime", e))?;
-    let info = WorkerInfo { model: cfg.served_model.clone(), backend: format!("vllm+{backend}") };
+    let info = WorkerInfo {
+        model: cfg.served_model.clone(),
+        backend: format!("vllm+{backend}"),
+        embedder: cfg.embedder.clone(),
+    };
     let eos = files.eos_ids();
     let protocol =
         ProtocolConfig { max_k: cfg.max_k, ingest_batch: cfg.ingest_batch, max_ingest_units: cfg.max_ingest_units };
@@ -207,6 +215,11 @@ impl MemoryHost for Host {
 
     fn window(&self) -> usize {
         self.shared.window
+    }
+
+    fn embed(&mut self, texts: &[String]) -> WResult<Embedded> {
+        let (vectors, tokens) = self.read(|g| Ok(each!(g, c => c.embed(texts))?))?;
+        Ok(Embedded { vectors, tokens })
     }
 
     fn generate(&mut self, job: GenerateJob, events: Events) -> WResult<()> {

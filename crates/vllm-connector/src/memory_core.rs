@@ -15,7 +15,7 @@ use std::sync::Arc;
 use inferscale_engine::bert::Bert;
 use inferscale_engine::{Backend, CpuBackend, Engine, EngineConfig, KvChunk};
 use inferscale_memory::{
-    ImportReport, IngestReport, Memory, MemoryUnit, Prompts, Retriever, Session, ShardSpec, StagedShard,
+    Chat, ImportReport, IngestReport, Memory, MemoryUnit, Prompts, Retriever, Session, ShardSpec, StagedShard,
 };
 use inferscale_model::{ModelFiles, RopeScaling, shapes};
 
@@ -152,6 +152,11 @@ impl<B: Backend> Core<B> {
         self.session.engine().backend()
     }
 
+    /// Sentence embeddings by the retrieval encoder (`/v1/embeddings`).
+    pub fn embed(&self, texts: &[String]) -> Result<(Vec<Vec<f32>>, usize)> {
+        Ok(self.session.embed(texts)?)
+    }
+
     /// Stores `turns` for `user` (durably, before returning) and encodes their KV.
     pub fn ingest(&mut self, user: &str, turns: &[MemoryUnit]) -> Result<IngestReport> {
         self.ingest_with(user, turns, false)
@@ -197,13 +202,25 @@ impl<B: Backend> Core<B> {
         self.memory().facts(user).map_or(0, |f| f.len())
     }
 
-    /// Retrieves `user`'s `k` best facts for `question`, lays out header,
-    /// facts (least relevant first) and question, and issues the plan that
-    /// injects header and facts. The prompt-mode baseline is the same
-    /// prompt with no plan: identical token ids at identical positions.
-    pub fn compose(&mut self, user: &str, question: &str, k: usize) -> Result<Composed> {
-        let q_tokens = self.session.question(question)?;
-        let best = if k > 0 { self.session.retrieve(user, question, k)? } else { Vec::new() };
+    /// Retrieves `user`'s `k` best facts for the chat's question, lays out
+    /// header, facts (least relevant first) and the chat's tail (history,
+    /// question), and issues the plan that injects header and facts. The
+    /// prompt-mode baseline is the same prompt with no plan: identical token
+    /// ids at identical positions.
+    ///
+    /// The header is always the configured system prompt's: vLLM loads KV
+    /// for a prefix of the prompt only, and the header leads it, so a
+    /// request's own system prompt is refused rather than silently dropped.
+    pub fn compose(&mut self, user: &str, chat: &Chat, k: usize) -> Result<Composed> {
+        if !self.session.composer().is_default_header(chat) {
+            let what = if chat.raw { "a completion" } else { "a system message other than the server's system prompt" };
+            return Err(ConnectorError::Invalid {
+                what: "request",
+                reason: format!("{what} needs the native engine; this worker serves with vLLM"),
+            });
+        }
+        let q_tokens = self.session.tail(chat)?;
+        let best = if k > 0 { self.session.retrieve(user, &chat.question, k)? } else { Vec::new() };
         let mut prompt = self.session.composer().header().to_vec();
         let mut chunks = vec![Chunk { fact: None, start: 0, len: prompt.len() }];
         let mut fact_ids = Vec::with_capacity(best.len());
@@ -236,8 +253,8 @@ impl<B: Backend> Core<B> {
 
     /// [`Core::compose`], counting the memory tokens its loads write (for
     /// the request's usage): [`Core::take_loaded`] reads and drops the count.
-    pub fn compose_tracked(&mut self, user: &str, question: &str, k: usize) -> Result<Composed> {
-        let c = self.compose(user, question, k)?;
+    pub fn compose_tracked(&mut self, user: &str, chat: &Chat, k: usize) -> Result<Composed> {
+        let c = self.compose(user, chat, k)?;
         self.loaded.insert(c.plan.id.clone(), 0);
         Ok(c)
     }

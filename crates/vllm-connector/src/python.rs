@@ -11,7 +11,7 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
 use inferscale_engine::CpuBackend;
-use inferscale_memory::{MemoryError, Prompts};
+use inferscale_memory::{Chat, MemoryError, Prompts};
 
 use crate::error::ConnectorError;
 use crate::inject::CacheMut;
@@ -52,6 +52,8 @@ struct PyCore {
     core: Arc<Mutex<AnyCore>>,
     layers: Mutex<Vec<Layer>>,
     front: Mutex<Option<crate::front::Front>>,
+    /// Names `/v1/embeddings` may call the core's encoder by.
+    embedder: Vec<String>,
 }
 
 impl PyCore {
@@ -112,7 +114,12 @@ impl PyCore {
                 )));
             }
         };
-        Ok(PyCore { core: Arc::new(Mutex::new(inner)), layers: Mutex::new(Vec::new()), front: Mutex::new(None) })
+        Ok(PyCore {
+            core: Arc::new(Mutex::new(inner)),
+            layers: Mutex::new(Vec::new()),
+            front: Mutex::new(None),
+            embedder: inferscale_model::fetch::served_names(embedder),
+        })
     }
 
     /// The model shape's fingerprint (what a plan's `fingerprint` names).
@@ -169,7 +176,8 @@ impl PyCore {
         question: &str,
         k: usize,
     ) -> PyResult<(Vec<u32>, String, String, Vec<String>)> {
-        let c = py.detach(|| each!(&mut *self.lock()?, c => c.compose(user, question, k)).map_err(py_err))?;
+        let c = py
+            .detach(|| each!(&mut *self.lock()?, c => c.compose(user, &Chat::question(question), k)).map_err(py_err))?;
         Ok((c.prompt, c.plan.to_params().to_string(), c.plan.salt.clone(), c.fact_ids))
     }
 
@@ -257,6 +265,7 @@ impl PyCore {
         cfg.max_k = max_k;
         cfg.max_in_flight = max_in_flight;
         cfg.max_ingest_units = max_ingest_units;
+        cfg.embedder = self.embedder.clone();
         let f = crate::front::serve(self.core.clone(), cfg).map_err(py_err)?;
         let bound = f.addr().to_string();
         *front = Some(f);

@@ -151,7 +151,7 @@ fn chat(user: &str, question: &str, mode: pb::MemoryMode) -> pb::GenerateRequest
         window: None,
         sampling: Some(pb::Sampling { max_tokens: 8, ..Default::default() }),
         deadline_ms: 30_000,
-        blend_ratio: None,
+        ..Default::default()
     }
 }
 
@@ -314,10 +314,45 @@ async fn generate_submits_the_composed_prompt_with_its_plan_and_relays_the_answe
         generate(&mut c, chat("ana", "Where does my sister live?", pb::MemoryMode::Blend)).await.expect_err("blend");
     assert_eq!(e.code(), Code::InvalidArgument);
     assert!(e.message().contains("needs the native engine"), "{}", e.message());
+    // So does a header other than the configured one: a request's own
+    // system prompt, or a completion's (vLLM loads a prefix of the prompt,
+    // which the header leads).
+    let mut req = chat("ana", "Where does my sister live?", pb::MemoryMode::Kv);
+    req.messages.insert(0, pb::ChatMessage { role: "system".into(), content: "Be terse.".into() });
+    let e = generate(&mut c, req).await.expect_err("system prompt");
+    assert!(e.code() == Code::InvalidArgument && e.message().contains("system message"), "{e:?}");
+    let mut req = chat("ana", "", pb::MemoryMode::Kv);
+    (req.messages, req.prompt) = (Vec::new(), Some("My sister lives in".into()));
+    let e = generate(&mut c, req).await.expect_err("completion");
+    assert!(e.code() == Code::InvalidArgument && e.message().contains("a completion"), "{e:?}");
     assert_eq!(s.seen.lock().expect("lock").len(), before);
 
+    // History goes after the memory, before the question.
+    let mut req = chat("ana", "Where does my sister live?", pb::MemoryMode::Kv);
+    let earlier = [("user", "I am planning a trip."), ("assistant", "Where to?")];
+    for (i, (role, content)) in earlier.iter().enumerate() {
+        req.messages.insert(i, pb::ChatMessage { role: role.to_string(), content: content.to_string() });
+    }
+    generate(&mut c, req).await.expect("with history");
+    let body = s.seen.lock().expect("lock").last().cloned().expect("request");
+    let with_history: Vec<u32> = serde_json::from_value(body["prompt"].clone()).expect("ids");
+    let chunks = body["kv_transfer_params"]["inferscale"]["chunks"].as_array().cloned().expect("chunks");
+    let end = chunks.last().map(|c| c["start"].as_u64().unwrap_or(0) + c["len"].as_u64().unwrap_or(0)).unwrap_or(0);
+    let tail = &with_history[end as usize..];
+    let at = |text: &str| {
+        let ids: Vec<u32> = text.bytes().map(u32::from).collect();
+        tail.windows(ids.len()).position(|w| w == ids).unwrap_or_else(|| panic!("{text:?} is not after the memory"))
+    };
+    assert!(at("I am planning a trip.") < at("Where to?") && at("Where to?") < at("Where does my sister live?"));
+
+    // Embeddings come from the core's retrieval encoder.
+    let e = c.embed(pb::EmbedRequest { model: "minilm".into(), input: vec!["a".into(), "b c".into()] }).await;
+    let e = e.expect("embeds").into_inner();
+    assert_eq!(e.data.len(), 2);
+    assert!(!e.data[0].values.is_empty() && e.data[0].values.len() == e.data[1].values.len());
+
     let st = c.stats(pb::StatsRequest {}).await.expect("stats").into_inner();
-    assert_eq!((st.requests_finished, st.requests_failed, st.running), (3, 4, 0), "{st:?}");
+    assert_eq!((st.requests_finished, st.requests_failed, st.running), (4, 6, 0), "{st:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

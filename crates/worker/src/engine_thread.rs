@@ -29,7 +29,7 @@ use tracing::{Span, field::Empty, info_span};
 use crate::error::{Result, WorkerError};
 use crate::metrics::WorkerMetrics;
 use crate::protocol::{
-    Command, Event, Events, Finished, GenerateJob, Holdings, Load, MAX_INGEST_UNITS, MemoryHost, Protocol,
+    Command, Embedded, Event, Events, Finished, GenerateJob, Holdings, Load, MAX_INGEST_UNITS, MemoryHost, Protocol,
     ProtocolConfig, Timings, Usage, finish_reason, holdings,
 };
 use crate::scheduler::{RequestId, RequestSpec, Scheduler, SchedulerConfig};
@@ -62,7 +62,13 @@ pub struct WorkerConfig {
     pub prompts: Prompts,
     /// Most units one ingest request may carry.
     pub max_ingest_units: usize,
+    /// KV blocks kept for the headers of requests' own system prompts
+    /// (an LRU; taken from the scheduler's pool at start).
+    pub header_cache_blocks: usize,
 }
+
+/// Room for a few distinct system prompts' headers (16 tokens a block).
+pub const HEADER_CACHE_BLOCKS: usize = 64;
 
 impl Default for WorkerConfig {
     fn default() -> Self {
@@ -74,6 +80,7 @@ impl Default for WorkerConfig {
             ingest_tokens_per_unit: 2048,
             prompts: Prompts::default(),
             max_ingest_units: MAX_INGEST_UNITS,
+            header_cache_blocks: HEADER_CACHE_BLOCKS,
         }
     }
 }
@@ -81,7 +88,8 @@ impl Default for WorkerConfig {
 /// A request from arrival to its last token.
 struct Live {
     job: GenerateJob,
-    question: Vec<u32>,
+    /// Tokens after the memory block: history, question, assistant start.
+    tail: Vec<u32>,
     events: Events,
     /// Retrieved fact ids, best first.
     fact_ids: Vec<String>,
@@ -96,6 +104,10 @@ struct Live {
     /// The phase under way (queue, prefill, decode), ended when the next
     /// begins.
     phase: Span,
+    /// Tokens of the header the request was laid out under, and whether
+    /// they came from a cached prefill.
+    header_tokens: usize,
+    header_cached: bool,
 }
 
 /// Where the engine thread's time goes, printed every 10 s when
@@ -163,13 +175,16 @@ pub(crate) fn run<B: Backend>(
         return Err(WorkerError::Startup("the model has no tokenizer".into()));
     }
     memory.set_encode_batch(cfg.ingest_batch);
-    let session = Session::new(Arc::new(files), engine, embedder, memory, &cfg.prompts)?;
+    let mut session = Session::new(Arc::new(files), engine, embedder, memory, &cfg.prompts)?;
+    session.set_header_cache(cfg.header_cache_blocks);
     let engine = session.engine();
-    let reserve = (cfg.ingest_batch * cfg.ingest_tokens_per_unit).div_ceil(BLOCK_SIZE);
+    // Ingest's encodings and the cached headers hold blocks the scheduler
+    // never hands to requests.
+    let reserve = (cfg.ingest_batch * cfg.ingest_tokens_per_unit).div_ceil(BLOCK_SIZE) + cfg.header_cache_blocks;
     let free = engine.pool().free_blocks();
     let total_blocks = free.checked_sub(reserve).filter(|&n| n > 0).ok_or_else(|| {
         WorkerError::Startup(format!(
-            "the KV cache has {free} free blocks after the header; ingest needs {reserve}: give it more memory"
+            "the KV cache has {free} free blocks after the header; ingest and the header cache need {reserve}: give it more memory"
         ))
     })?;
     let sched = Scheduler::new(SchedulerConfig {
@@ -252,6 +267,11 @@ impl<B: Backend> MemoryHost for Core<B> {
         self.session.memory().spec().window
     }
 
+    fn embed(&mut self, texts: &[String]) -> Result<Embedded> {
+        let (vectors, tokens) = self.session.embed(texts)?;
+        Ok(Embedded { vectors, tokens })
+    }
+
     fn generate(&mut self, job: GenerateJob, events: Events) -> Result<()> {
         self.admit(job, events)
     }
@@ -328,7 +348,8 @@ impl<B: Backend> MemoryHost for Core<B> {
 impl<B: Backend> Core<B> {
     /// Retrieves, sizes and queues a request the protocol admitted.
     fn admit(&mut self, job: GenerateJob, events: Events) -> Result<()> {
-        let question = self.session.question(&job.question)?;
+        let tail = self.session.tail(&job.chat)?;
+        let header = self.session.header_len(&job.chat)?;
         let t0 = Instant::now();
         let retrieve =
             info_span!(parent: &job.span, "retrieve", k = job.k as i64, candidates = Empty, retrieved = Empty);
@@ -338,7 +359,7 @@ impl<B: Backend> Core<B> {
             if job.mode.injects() {
                 self.session.ensure_kv(&job.user)?;
             }
-            facts = self.session.retrieve(&job.user, &job.question, job.k)?;
+            facts = self.session.retrieve(&job.user, &job.chat.question, job.k)?;
             retrieve.record("candidates", self.session.memory().facts(&job.user).map_or(0, <[_]>::len) as i64);
         }
         retrieve.record("retrieved", facts.len() as i64);
@@ -347,9 +368,8 @@ impl<B: Backend> Core<B> {
         let retrieve_ms = ms(t0.elapsed());
         let all = if facts.is_empty() { &[][..] } else { self.session.memory().facts(&job.user)? };
         let memory_tokens: usize = facts.iter().map(|&i| all[i].tokens.len()).sum();
-        let header = self.session.header().len();
         let limit = self.session.engine().model().config().max_position_embeddings;
-        let prompt_len = header + memory_tokens + question.len();
+        let prompt_len = header + memory_tokens + tail.len();
         if prompt_len >= limit {
             return Err(WorkerError::Invalid(format!(
                 "the prompt is {prompt_len} tokens with its memory; the model's context is {limit}: lower k"
@@ -357,9 +377,19 @@ impl<B: Backend> Core<B> {
         }
         let max_new = job.params.max_tokens.min(limit - prompt_len);
         let (computed, injected) = match job.mode {
-            Mode::Kv | Mode::Blend => (question.len(), memory_tokens),
-            Mode::Prompt => (question.len() + memory_tokens, 0),
-            Mode::None => (question.len(), 0),
+            Mode::Kv | Mode::Blend => (tail.len(), memory_tokens),
+            Mode::Prompt => (tail.len() + memory_tokens, 0),
+            Mode::None => (tail.len(), 0),
+        };
+        // The configured header's full blocks are shared (the fork copies
+        // its partial last block). A request's own system prompt may be
+        // prefilled at layout (and its header evicted from the cache while
+        // the request runs), so such a request holds blocks for all of it,
+        // plus the fork's copy of its last block. The prefill runs outside
+        // the scheduler's steps (`layout`), so it is not budgeted as compute.
+        let header_blocks = match self.session.composer().is_default_header(&job.chat) {
+            true => header % BLOCK_SIZE,
+            false => header + BLOCK_SIZE,
         };
         // Blend runs injected tokens through the first layers, so the
         // scheduler budgets them like prompt tokens (an upper bound of the
@@ -374,8 +404,7 @@ impl<B: Backend> Core<B> {
             id,
             user: job.user.clone(),
             prompt_tokens: computed,
-            // The fork copies the header's partial last block; the rest of it is shared.
-            injected_tokens: injected + header % BLOCK_SIZE,
+            injected_tokens: injected + header_blocks,
             recompute_tokens: recompute,
             max_new_tokens: max_new,
         })?;
@@ -397,7 +426,9 @@ impl<B: Backend> Core<B> {
                 timings: Timings { retrieve_ms, ..Default::default() },
                 admitted: None,
                 phase,
-                question,
+                tail,
+                header_tokens: header,
+                header_cached: true,
             },
         );
         Ok(())
@@ -482,7 +513,9 @@ impl<B: Backend> Core<B> {
                     .collect::<Result<Vec<usize>>>()?
             }
         };
-        let p = self.session.prepare(&l.job.user, &facts, l.job.mode, l.job.blend_ratio, &l.question)?;
+        let p = self.session.prepare_under(&l.job.chat, &l.job.user, &facts, l.job.mode, l.job.blend_ratio, &l.tail)?;
+        l.header_cached = p.header_cached;
+        l.header_tokens = p.header_tokens;
         self.session.engine().backend().synchronize()?;
         l.timings.inject_ms = ms(now.elapsed());
         l.phase = info_span!(parent: &l.job.span, "prefill", tokens = p.seq.pending() as i64);
@@ -616,8 +649,7 @@ impl<B: Backend> Core<B> {
         {
             let _ = l.events.send(Event::Token { id: l.generated.last().copied().unwrap_or(0), text: rest });
         }
-        let header = self.session.header().len();
-        let question = l.seq.as_ref().map_or(0, |s| s.len() - l.generated.len());
+        let prompt = l.seq.as_ref().map_or(0, |s| s.len() - l.generated.len());
         l.timings.total_ms = ms(l.job.arrived.elapsed());
         // The first token ends the prefill; the decode makes the others.
         let decoded = l.generated.len().saturating_sub(1);
@@ -626,9 +658,9 @@ impl<B: Backend> Core<B> {
         let reason = l.finish.unwrap_or(FinishReason::Length);
         l.job.span.record("finish_reason", finish_reason(reason));
         let usage = Usage {
-            prompt_tokens: question,
+            prompt_tokens: prompt,
             injected_tokens: if l.job.mode.injects() { l.memory_tokens } else { 0 },
-            cached_tokens: header,
+            cached_tokens: if l.header_cached { l.header_tokens } else { 0 },
             completion_tokens: l.generated.len(),
             facts: l.fact_ids.len(),
             recomputed_tokens: l.seq.as_ref().map_or(0, Sequence::recomputed),

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use inferscale_engine::sampling::SamplingParams;
 use inferscale_engine::{Backend, FinishReason};
 use inferscale_memory::{
-    Footprint, ImportReport, IngestReport, KvHeader, Memory, MemoryUnit, Mode, ShardRecord, StagedShard,
+    Chat, Footprint, ImportReport, IngestReport, KvHeader, Memory, MemoryUnit, Mode, ShardRecord, StagedShard,
 };
 use tokio::sync::{mpsc, oneshot};
 use tracing::Span;
@@ -35,7 +35,8 @@ pub(crate) use moves::{Moves, ShardCommand};
 #[derive(Debug, Clone)]
 pub struct GenerateJob {
     pub user: String,
-    pub question: String,
+    /// System prompt, earlier turns and the question.
+    pub chat: Chat,
     pub mode: Mode,
     pub k: usize,
     /// The context window the caller expects its memory encoded with.
@@ -175,8 +176,23 @@ pub(crate) enum Command {
         memory_bytes: bool,
         reply: oneshot::Sender<Stats>,
     },
+    Embed {
+        texts: Vec<String>,
+        reply: oneshot::Sender<Result<Embedded>>,
+    },
     Shard(ShardCommand),
 }
+
+/// Sentence embeddings of a request's texts, in order, and the tokens the
+/// encoder read.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Embedded {
+    pub vectors: Vec<Vec<f32>>,
+    pub tokens: usize,
+}
+
+/// Most texts one embeddings request may carry (OpenAI's limit).
+pub const MAX_EMBED_INPUTS: usize = 2048;
 
 /// An engine with a memory shard: what differs between the kinds of
 /// worker. Called from the one thread that runs the `Protocol`; every
@@ -190,6 +206,10 @@ pub trait MemoryHost {
     fn blends(&self) -> bool {
         true
     }
+
+    /// Sentence embeddings of `texts` (each non-empty) by the retrieval
+    /// encoder.
+    fn embed(&mut self, texts: &[String]) -> Result<Embedded>;
 
     /// Starts answering an admitted request: its events (tokens, then
     /// finished or failed) go to `events`, now or later. An error refuses
@@ -276,6 +296,23 @@ pub(crate) struct Protocol {
     metrics: std::sync::Arc<WorkerMetrics>,
 }
 
+/// An embeddings request's texts: 1 to [`MAX_EMBED_INPUTS`], none empty.
+fn check_embed(texts: &[String]) -> Result<()> {
+    if texts.is_empty() {
+        return Err(WorkerError::Invalid("`input` is empty".into()));
+    }
+    if texts.len() > MAX_EMBED_INPUTS {
+        return Err(WorkerError::Invalid(format!(
+            "{} inputs in one request; the limit is {MAX_EMBED_INPUTS}",
+            texts.len()
+        )));
+    }
+    match texts.iter().position(|t| t.trim().is_empty()) {
+        Some(i) => Err(WorkerError::Invalid(format!("input[{i}] is empty"))),
+        None => Ok(()),
+    }
+}
+
 impl Protocol {
     pub(crate) fn new(cfg: ProtocolConfig, metrics: std::sync::Arc<WorkerMetrics>) -> Protocol {
         Protocol { cfg, moves: Moves::default(), ingests: VecDeque::new(), metrics }
@@ -335,6 +372,9 @@ impl Protocol {
             Command::Stats { memory_bytes, reply } => {
                 let _ = reply.send(self.stats(host, memory_bytes));
             }
+            Command::Embed { texts, reply } => {
+                let _ = reply.send(check_embed(&texts).and_then(|()| host.embed(&texts)));
+            }
             Command::Shard(c) => self.shard(host, c),
         }
     }
@@ -356,7 +396,7 @@ impl Protocol {
         if job.params.max_tokens == 0 {
             return Err(WorkerError::Invalid("max_tokens must be at least 1".into()));
         }
-        if job.question.trim().is_empty() {
+        if job.chat.question.trim().is_empty() {
             return Err(WorkerError::Invalid("the question (last user message) is empty".into()));
         }
         if job.mode == Mode::None {
@@ -524,8 +564,12 @@ mod tests {
         fn blends(&self) -> bool {
             !self.no_blend
         }
+        fn embed(&mut self, texts: &[String]) -> Result<Embedded> {
+            let vectors = texts.iter().map(|t| vec![t.len() as f32]).collect();
+            Ok(Embedded { vectors, tokens: texts.iter().map(String::len).sum() })
+        }
         fn generate(&mut self, job: GenerateJob, _events: Events) -> Result<()> {
-            self.generated.push(job.question);
+            self.generated.push(job.chat.question);
             Ok(())
         }
         fn check_fits(&self, units: &[MemoryUnit]) -> Result<()> {
@@ -592,7 +636,7 @@ mod tests {
     fn job(user: &str, question: &str, mode: Mode, k: usize) -> GenerateJob {
         GenerateJob {
             user: user.into(),
-            question: question.into(),
+            chat: Chat::question(question),
             mode,
             k,
             window: None,
@@ -623,6 +667,25 @@ mod tests {
         let (reply, rx) = oneshot::channel();
         p.handle(host, Command::Ingest { user: user.into(), window: None, units: u, defer_kv: false, reply });
         rx
+    }
+
+    #[test]
+    fn embeddings_requests_are_checked_then_answered_in_order() {
+        let (mut p, _) = protocol();
+        let mut host = MapHost::default();
+        let mut embed = |texts: Vec<String>| {
+            let (reply, mut rx) = oneshot::channel();
+            p.handle(&mut host, Command::Embed { texts, reply });
+            rx.try_recv().expect("answered at once")
+        };
+        let too_many = vec!["x".to_string(); MAX_EMBED_INPUTS + 1];
+        for (bad, needle) in [(vec![], "empty"), (vec!["a".into(), " ".into()], "input[1]"), (too_many, "limit")] {
+            let e = embed(bad).expect_err("refused");
+            assert!(matches!(&e, WorkerError::Invalid(m) if m.contains(needle)), "{e} lacks {needle:?}");
+        }
+        let out = embed(vec!["ab".into(), "abc".into()]).expect("embedded");
+        assert_eq!(out.vectors, [vec![2.0], vec![3.0]]);
+        assert_eq!(out.tokens, 5);
     }
 
     #[test]

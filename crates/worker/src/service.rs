@@ -10,7 +10,8 @@ use std::time::{Duration, Instant};
 
 use inferscale_engine::Backend;
 use inferscale_engine::sampling::SamplingParams;
-use inferscale_memory::{MemoryUnit, Mode};
+use inferscale_memory::{Chat, MemoryUnit, Mode};
+use inferscale_model::Message;
 use inferscale_proto as pb;
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::{Stream, StreamExt, wrappers::UnboundedReceiverStream};
@@ -32,6 +33,9 @@ pub const DEFAULT_MAX_TOKENS: usize = 256;
 pub struct WorkerInfo {
     pub model: String,
     pub backend: String,
+    /// Names of the retrieval encoder `/v1/embeddings` may ask for, the
+    /// one it reports first.
+    pub embedder: Vec<String>,
 }
 
 struct NotReadyOnDrop(Arc<AtomicBool>);
@@ -199,6 +203,33 @@ fn mode(m: i32) -> std::result::Result<Mode, Status> {
         .map_err(|_| Status::invalid_argument(format!("unknown memory mode {m}")))
 }
 
+/// The layout's view of a chat's messages (docs/design.md §3): system and
+/// developer messages, wherever they stand, form the header's system prompt
+/// (joined by blank lines); the last message is the question and must be
+/// the user's; the others are the history, `user` and `assistant` turns.
+fn chat(messages: Vec<pb::ChatMessage>) -> std::result::Result<Chat, Status> {
+    let mut system: Vec<String> = Vec::new();
+    let mut turns = Vec::with_capacity(messages.len());
+    for (i, m) in messages.into_iter().enumerate() {
+        match m.role.as_str() {
+            "system" | "developer" => system.push(m.content),
+            "user" | "assistant" => turns.push(Message { role: m.role, content: m.content }),
+            other => {
+                return Err(Status::invalid_argument(format!("messages[{i}].role {other:?} is not supported")));
+            }
+        }
+    }
+    let question = match turns.pop() {
+        Some(m) if m.role == "user" => m.content,
+        Some(m) => {
+            return Err(Status::invalid_argument(format!("the last message must be the user's, not {:?}", m.role)));
+        }
+        None => return Err(Status::invalid_argument("messages holds no user message")),
+    };
+    let system = (!system.is_empty()).then(|| system.join("\n\n"));
+    Ok(Chat { system, history: turns, question, raw: false })
+}
+
 fn sampling(s: Option<pb::Sampling>) -> SamplingParams {
     let s = s.unwrap_or_default();
     SamplingParams {
@@ -282,16 +313,14 @@ impl pb::worker_server::Worker for WorkerService {
         );
         propagate::continue_from_metadata(&span, req.metadata());
         let r = req.into_inner();
-        let question = match r.messages.last() {
-            Some(m) if m.role == "user" => m.content.clone(),
-            Some(m) => {
-                return Err(Status::invalid_argument(format!("the last message must be the user's, not {:?}", m.role)));
-            }
-            None => return Err(Status::invalid_argument("messages is empty")),
+        let chat = match r.prompt {
+            Some(prompt) if r.messages.is_empty() => Chat { question: prompt, raw: true, ..Chat::default() },
+            Some(_) => return Err(Status::invalid_argument("a request has either a prompt or messages, not both")),
+            None => chat(r.messages)?,
         };
         let job = GenerateJob {
             user: r.user,
-            question,
+            chat,
             mode: memory,
             k: r.k as usize,
             window: r.window.map(|w| w as usize),
@@ -325,6 +354,25 @@ impl pb::worker_server::Worker for WorkerService {
         let unit = (!r.unit_id.is_empty()).then_some(r.unit_id);
         self.call(|reply| Command::Forget { user: r.user, unit, reply }).await??;
         Ok(Response::new(pb::ForgetResponse {}))
+    }
+
+    async fn embed(&self, req: Request<pb::EmbedRequest>) -> std::result::Result<Response<pb::EmbedResponse>, Status> {
+        let r = req.into_inner();
+        let names = &self.info.embedder;
+        if !names.iter().any(|n| n.eq_ignore_ascii_case(&r.model)) {
+            let have = names.first().map_or("none", String::as_str);
+            return Err(Status::not_found(format!(
+                "model `{}` does not exist for embeddings; this server embeds with `{have}`",
+                r.model
+            )));
+        }
+        let texts = r.input;
+        let out = self.call(|reply| Command::Embed { texts, reply }).await??;
+        Ok(Response::new(pb::EmbedResponse {
+            data: out.vectors.into_iter().map(|values| pb::Embedding { values }).collect(),
+            prompt_tokens: out.tokens as u32,
+            model: names.first().cloned().unwrap_or_default(),
+        }))
     }
 
     async fn health(&self, _: Request<pb::HealthRequest>) -> std::result::Result<Response<pb::HealthResponse>, Status> {

@@ -164,7 +164,8 @@ async fn a_shard_moves_between_workers_and_answers_the_same() {
     assert_eq!(b.list_users(pb::ListUsersRequest {}).await.unwrap().into_inner().users, vec![user.to_string()]);
     let after = ask(&mut b, user, question).await.unwrap();
     assert_eq!(after, before, "greedy answer and retrieved facts after the move");
-    let listed = b.list_memories(pb::ListMemoriesRequest { user: user.into() }).await.unwrap().into_inner();
+    let listed =
+        b.list_memories(pb::ListMemoriesRequest { user: user.into(), ids: Vec::new() }).await.unwrap().into_inner();
     let ids: Vec<String> = listed.units.iter().map(|u| u.id.clone()).collect();
     assert_eq!(ids, units().iter().map(|u| u.id.clone()).collect::<Vec<_>>());
     // The destination takes the user's writes.

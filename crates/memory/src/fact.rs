@@ -31,14 +31,18 @@ pub enum Record {
 
 const PUT: u8 = 1;
 const FORGET: u8 = 2;
+/// A put whose unit has metadata: [`PUT`]'s fields, then the metadata as
+/// JSON text. A unit without metadata is still written as [`PUT`], so logs
+/// without metadata read as they always did.
+const PUT_META: u8 = 3;
 
 impl Record {
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::new();
         match self {
             Record::Put(f) => {
-                out.push(PUT);
                 let u = &f.unit;
+                out.push(if u.metadata.is_empty() { PUT } else { PUT_META });
                 for s in [&u.id, &u.speaker, &u.text, &u.time, &u.source_turn] {
                     put_bytes(&mut out, s.as_bytes());
                 }
@@ -46,6 +50,10 @@ impl Record {
                 f.tokens.iter().for_each(|t| out.extend_from_slice(&t.to_le_bytes()));
                 out.extend_from_slice(&(f.embedding.len() as u32).to_le_bytes());
                 f.embedding.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes()));
+                if !u.metadata.is_empty() {
+                    let json = serde_json::Value::Object(u.metadata.clone()).to_string();
+                    put_bytes(&mut out, json.as_bytes());
+                }
             }
             Record::Forget(id) => {
                 out.push(FORGET);
@@ -58,7 +66,7 @@ impl Record {
     pub fn decode(bytes: &[u8], path: &Path) -> Result<Record> {
         let mut r = Cursor { bytes, pos: 0, path };
         match r.u8()? {
-            PUT => {
+            tag @ (PUT | PUT_META) => {
                 let id = r.string()?;
                 let speaker = r.string()?;
                 let text = r.string()?;
@@ -68,7 +76,15 @@ impl Record {
                 let tokens = (0..r.check(n, 4)?).map(|_| r.u32()).collect::<Result<_>>()?;
                 let n = r.u32()? as usize;
                 let embedding = (0..r.check(n, 4)?).map(|_| r.u32().map(f32::from_bits)).collect::<Result<_>>()?;
-                let unit = MemoryUnit { id, speaker, text, time, source_turn };
+                let metadata = match tag {
+                    PUT_META => {
+                        let json = r.string()?;
+                        serde_json::from_str(&json)
+                            .map_err(|e| r.corrupt(format!("metadata is not a JSON object: {e}")))?
+                    }
+                    _ => serde_json::Map::new(),
+                };
+                let unit = MemoryUnit { id, speaker, text, time, source_turn, metadata };
                 Ok(Record::Put(Fact { unit, tokens, embedding }))
             }
             FORGET => Ok(Record::Forget(r.string()?)),
@@ -138,11 +154,18 @@ mod tests {
                 text: "I went to a support group — it was powerful.".into(),
                 time: "1:56 pm on 8 May, 2023".into(),
                 source_turn: String::new(),
+                metadata: Default::default(),
             },
             tokens: vec![1, 2, 49151],
             embedding: vec![0.5, -0.25, f32::MIN_POSITIVE],
         };
-        for rec in [Record::Put(f), Record::Forget("D1:3".into())] {
+        let mut with_meta = f.clone();
+        with_meta.unit.metadata.insert("topic".into(), "health".into());
+        with_meta.unit.metadata.insert("n".into(), 3.into());
+        // A unit without metadata keeps the original record form.
+        assert_eq!(Record::Put(f.clone()).encode()[0], PUT);
+        assert_eq!(Record::Put(with_meta.clone()).encode()[0], PUT_META);
+        for rec in [Record::Put(f), Record::Put(with_meta), Record::Forget("D1:3".into())] {
             let b = rec.encode();
             assert_eq!(Record::decode(&b, Path::new("x")).unwrap(), rec);
             for cut in 0..b.len() {

@@ -23,6 +23,14 @@ use crate::error::{MemoryError, Result};
 use crate::retrieval::Query;
 use crate::shard::{Encoders, IngestReport, Memory};
 
+/// One search result: a fact (an index into [`Memory::facts`]) and its
+/// score, the cosine similarity of its embedding and the query's.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Hit {
+    pub index: usize,
+    pub score: f32,
+}
+
 pub struct Session<B: Backend> {
     files: Arc<ModelFiles>,
     engine: Engine<B>,
@@ -228,6 +236,46 @@ impl<B: Backend> Session<B> {
             vectors.extend(self.embedder.embed_ids(self.engine.backend(), batch)?);
         }
         Ok((vectors, tokens))
+    }
+
+    /// `user`'s facts for `query` in the retriever's order (the one chat
+    /// requests use), those whose metadata passes `filters`
+    /// ([`crate::filter_matches`]) and whose score reaches `threshold`, at
+    /// most `top_k`. The score is the cosine similarity of the query's and
+    /// the fact's embeddings (`search.rs`). A user without memory has no
+    /// results; a malformed filter is an error either way.
+    pub fn search(
+        &self,
+        user: &str,
+        query: &str,
+        top_k: usize,
+        threshold: Option<f32>,
+        filters: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<Vec<Hit>> {
+        crate::search::matches(&serde_json::Map::new(), filters)?;
+        let facts = match self.memory.has_user(user) {
+            true => self.memory.facts(user)?,
+            false => return Ok(Vec::new()),
+        };
+        if facts.is_empty() || top_k == 0 {
+            return Ok(Vec::new());
+        }
+        let backend = self.engine.backend();
+        let embedding = self.embedder.embed(backend, &[query])?.pop().unwrap_or_default();
+        let order = self.memory.retrieve(backend, user, Query { text: query, embedding: &embedding }, facts.len())?;
+        let mut hits = Vec::new();
+        for index in order {
+            let f = &facts[index];
+            let score = crate::search::score(&embedding, &f.embedding);
+            if threshold.is_some_and(|t| score < t) || !crate::search::matches(&f.unit.metadata, filters)? {
+                continue;
+            }
+            hits.push(Hit { index, score });
+            if hits.len() == top_k {
+                break;
+            }
+        }
+        Ok(hits)
     }
 
     /// `user`'s `k` best facts for `question`, best first, as indices into

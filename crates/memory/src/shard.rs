@@ -129,6 +129,17 @@ pub fn validate(user: &str, turns: &[MemoryUnit]) -> Result<()> {
                 reason: format!("fact {:?} names itself as its source turn", t.id),
             });
         }
+        let meta = serde_json::Value::Object(t.metadata.clone()).to_string().len();
+        if meta > inferscale_types::MAX_METADATA_BYTES {
+            return Err(MemoryError::Invalid {
+                what: "unit",
+                reason: format!(
+                    "unit {:?} has {meta} bytes of metadata; the limit is {}",
+                    t.id,
+                    inferscale_types::MAX_METADATA_BYTES
+                ),
+            });
+        }
     }
     Ok(())
 }

@@ -25,19 +25,32 @@ pub fn uri(addr: &str) -> String {
 
 impl From<inferscale_types::MemoryUnit> for MemoryUnit {
     fn from(u: inferscale_types::MemoryUnit) -> Self {
-        MemoryUnit { id: u.id, speaker: u.speaker, text: u.text, time: u.time, source_turn: u.source_turn }
+        let metadata = match u.metadata.is_empty() {
+            true => String::new(),
+            false => serde_json::Value::Object(u.metadata).to_string(),
+        };
+        MemoryUnit { id: u.id, speaker: u.speaker, text: u.text, time: u.time, source_turn: u.source_turn, metadata }
     }
 }
 
-impl From<MemoryUnit> for inferscale_types::MemoryUnit {
-    fn from(u: MemoryUnit) -> Self {
-        inferscale_types::MemoryUnit {
+impl TryFrom<MemoryUnit> for inferscale_types::MemoryUnit {
+    /// Why `metadata` is not a JSON object.
+    type Error = String;
+
+    fn try_from(u: MemoryUnit) -> Result<Self, String> {
+        let metadata = match u.metadata.is_empty() {
+            true => serde_json::Map::new(),
+            false => serde_json::from_str(&u.metadata)
+                .map_err(|e| format!("unit {:?}: metadata is not a JSON object: {e}", u.id))?,
+        };
+        Ok(inferscale_types::MemoryUnit {
             id: u.id,
             speaker: u.speaker,
             text: u.text,
             time: u.time,
             source_turn: u.source_turn,
-        }
+            metadata,
+        })
     }
 }
 

@@ -7,8 +7,8 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
-use axum::extract::rejection::{BytesRejection, PathRejection};
-use axum::extract::{MatchedPath, Path, Request, State};
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{MatchedPath, Request, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
@@ -22,10 +22,11 @@ use tracing::{Instrument, info_span};
 
 use crate::auth::{Keys, scoped};
 use crate::error::{ApiError, Result};
+use crate::memories;
 use crate::metrics::{Metrics, mode_index};
-use crate::openai::{self, ChatRequest, IngestBody};
+use crate::openai::{self, ChatRequest};
 use crate::workers::{InFlight, Workers, request};
-use inferscale_types::{MemoryUnit, Mode};
+use inferscale_types::Mode;
 
 /// Response header naming the worker that served a chat request.
 pub const WORKER_HEADER: &str = "x-inferscale-worker";
@@ -77,9 +78,10 @@ pub fn app(state: Shared) -> Router {
         .route("/v1/chat/completions", routing::post(chat))
         .route("/v1/completions", routing::post(completions))
         .route("/v1/embeddings", routing::post(crate::embeddings::embeddings))
-        .route("/v1/memories", routing::post(ingest))
-        .route("/v1/memories/{user}", routing::get(list).delete(forget_user))
-        .route("/v1/memories/{user}/{unit}", routing::delete(forget_unit))
+        .route("/v1/memories", routing::post(memories::ingest))
+        .route("/v1/memories/search", routing::post(memories::search))
+        .route("/v1/memories/{user}", routing::get(memories::list).delete(memories::forget_user))
+        .route("/v1/memories/{user}/{unit}", routing::get(memories::get).delete(memories::forget_unit))
         .route("/v1/models", routing::get(models))
         .route("/healthz", routing::get(|| async { "ok\n" }))
         .route("/readyz", routing::get(readyz))
@@ -264,8 +266,8 @@ fn validate(s: &AppState, tenant: &str, r: ChatRequest, prompt: Option<String>) 
 
 /// How long a request keeps retrying a user's memory while it moves
 /// between workers or its home fails over to its replica.
-const RETRY_FOR: Duration = Duration::from_secs(15);
-const RETRY_PAUSE: Duration = Duration::from_millis(150);
+pub(crate) const RETRY_FOR: Duration = Duration::from_secs(15);
+pub(crate) const RETRY_PAUSE: Duration = Duration::from_millis(150);
 
 /// Whether a failed call means the worker itself is unreachable (rather
 /// than a refusal it answered with): its health is then re-probed before
@@ -336,7 +338,12 @@ async fn start(
 /// idempotent (ingest skips units it has), so a retry stores nothing twice.
 /// `tolerate` lets a non-home writer's error count as success (a replica
 /// that does not have what is being deleted).
-async fn write_all<T, F, Fut>(s: &AppState, user: &str, tolerate: fn(&tonic::Status) -> bool, call: F) -> Result<T>
+pub(crate) async fn write_all<T, F, Fut>(
+    s: &AppState,
+    user: &str,
+    tolerate: fn(&tonic::Status) -> bool,
+    call: F,
+) -> Result<T>
 where
     F: Fn(WorkerClient, bool) -> Fut,
     Fut: std::future::Future<Output = std::result::Result<tonic::Response<T>, tonic::Status>>,
@@ -372,7 +379,7 @@ where
     }
 }
 
-type WorkerClient = inferscale_proto::worker_client::WorkerClient<tonic::transport::Channel>;
+pub(crate) type WorkerClient = inferscale_proto::worker_client::WorkerClient<tonic::transport::Channel>;
 
 fn usage(mode: Mode, f: &pb::Finished) -> openai::Usage {
     let u = f.usage.unwrap_or_default();
@@ -622,119 +629,6 @@ fn sse(st: SseState) -> Sse<impl Stream<Item = std::result::Result<SseEvent, Inf
     })
     .flatten();
     Sse::new(events).keep_alive(KeepAlive::default())
-}
-
-async fn ingest(
-    State(s): State<Shared>,
-    headers: HeaderMap,
-    b: std::result::Result<Bytes, BytesRejection>,
-) -> Result<Json<serde_json::Value>> {
-    let tenant = tenant(&s, &headers)?;
-    let r: IngestBody = openai::parse(&body(b, s.defaults.body_limit)?)?;
-    openai::check_user(&r.user)?;
-    if r.turns.is_empty() && r.facts.is_empty() {
-        return Err(ApiError::BadRequest("nothing to ingest: `turns` and `facts` are empty".into()));
-    }
-    if let Some((i, _)) = r.facts.iter().enumerate().find(|(_, f)| f.source_turn.is_empty()) {
-        return Err(ApiError::BadRequest(format!("facts[{i}] has no `source_turn`")));
-    }
-    let units: Vec<pb::MemoryUnit> = r.turns.into_iter().chain(r.facts).map(pb::MemoryUnit::from).collect();
-    let user = scoped(&tenant, &r.user);
-    let req = pb::IngestRequest { user: user.clone(), window: r.window, units, defer_kv: false };
-    let deadline = s.defaults.deadline;
-    // Copies other than the home's store facts only; their KV is encoded
-    // if they ever serve.
-    let resp = write_all(
-        &s,
-        &user,
-        |_| false,
-        |mut c, home| {
-            let req = request(pb::IngestRequest { defer_kv: !home, ..req.clone() }, deadline);
-            async move { c.ingest(req).await }
-        },
-    )
-    .await
-    .map_err(|e| e.unscope(&tenant))?;
-    s.metrics.ingested_units.fetch_add(u64::from(resp.added), Ordering::Relaxed);
-    Ok(Json(json!({"user": r.user, "added": resp.added, "skipped": resp.skipped,
-                   "encoded_tokens": resp.encoded_tokens})))
-}
-
-/// A path's parameters, or the JSON 400 every other bad input gets (axum's
-/// own rejection is plain text).
-fn path<T>(p: std::result::Result<Path<T>, PathRejection>) -> Result<T> {
-    p.map(|Path(t)| t).map_err(|e| ApiError::BadRequest(format!("invalid path: {}", e.body_text())))
-}
-
-async fn list(
-    State(s): State<Shared>,
-    headers: HeaderMap,
-    user: std::result::Result<Path<String>, PathRejection>,
-) -> Result<Json<serde_json::Value>> {
-    let user = path(user)?;
-    let tenant = tenant(&s, &headers)?;
-    openai::check_user(&user)?;
-    let w = s.workers.reader(&scoped(&tenant, &user))?;
-    let req = pb::ListMemoriesRequest { user: scoped(&tenant, &user) };
-    let r = w
-        .worker()
-        .client()
-        .list_memories(request(req, s.defaults.deadline))
-        .await
-        .map_err(|e| ApiError::from(e).unscope(&tenant))?
-        .into_inner();
-    let units: Vec<MemoryUnit> = r.units.into_iter().map(MemoryUnit::from).collect();
-    Ok(Json(json!({"user": user, "window": r.window, "count": units.len(), "units": units})))
-}
-
-async fn forget(s: &AppState, headers: &HeaderMap, user: &str, unit: String) -> Result<Json<serde_json::Value>> {
-    let tenant = tenant(s, headers)?;
-    openai::check_user(user)?;
-    let scoped_user = scoped(&tenant, user);
-    // A delete waits for a move to settle: sent to both ends of a copy in
-    // flight, it could be undone by the copy.
-    let until = Instant::now() + RETRY_FOR;
-    while s.workers.moving(&scoped_user) {
-        if Instant::now() > until {
-            return Err(ApiError::Unavailable("this user's memory is being moved between workers; retry".into()));
-        }
-        tokio::time::sleep(RETRY_PAUSE).await;
-    }
-    let req = pb::ForgetRequest { user: scoped_user.clone(), unit_id: unit.clone() };
-    let deadline = s.defaults.deadline;
-    // A replica may not have (all of) the user yet; its "not found" is fine.
-    let tolerate = |e: &tonic::Status| e.code() == tonic::Code::NotFound;
-    write_all(s, &scoped_user, tolerate, |mut c, _| {
-        let req = request(req.clone(), deadline);
-        async move { c.forget(req).await }
-    })
-    .await
-    .map_err(|e| e.unscope(&tenant))?;
-    Ok(Json(if unit.is_empty() {
-        json!({"user": user, "deleted": true})
-    } else {
-        json!({"user": user, "id": unit, "deleted": true})
-    }))
-}
-
-async fn forget_user(
-    State(s): State<Shared>,
-    headers: HeaderMap,
-    user: std::result::Result<Path<String>, PathRejection>,
-) -> Result<Json<serde_json::Value>> {
-    forget(&s, &headers, &path(user)?, String::new()).await
-}
-
-async fn forget_unit(
-    State(s): State<Shared>,
-    headers: HeaderMap,
-    p: std::result::Result<Path<(String, String)>, PathRejection>,
-) -> Result<Json<serde_json::Value>> {
-    let (user, unit) = path(p)?;
-    if unit.is_empty() {
-        return Err(ApiError::BadRequest("empty unit id".into()));
-    }
-    forget(&s, &headers, &user, unit).await
 }
 
 async fn models(State(s): State<Shared>, headers: HeaderMap) -> Result<Json<serde_json::Value>> {

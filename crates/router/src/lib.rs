@@ -8,6 +8,7 @@ mod api;
 mod auth;
 mod embeddings;
 mod error;
+mod memories;
 mod metrics;
 mod openai;
 mod rebalance;

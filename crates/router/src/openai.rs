@@ -220,6 +220,8 @@ pub struct StreamOptions {
 pub struct Message {
     pub role: String,
     pub content: Content,
+    /// The participant's name (a speaker, when messages become memories).
+    pub name: Option<String>,
 }
 
 /// A message's content: a string, or text parts.
@@ -290,6 +292,15 @@ pub struct IngestBody {
     /// Facts extracted from turns (`source_turn` names the turn).
     #[serde(default)]
     pub facts: Vec<MemoryUnit>,
+    /// A chat (OpenAI messages), stored as turns (Mem0's `add(messages)`).
+    #[serde(default)]
+    pub messages: Vec<Message>,
+    /// Metadata for every unit of the request that has none of its own.
+    #[serde(default)]
+    pub metadata: serde_json::Map<String, serde_json::Value>,
+    /// Mem0's scoping: refused until memories are scoped by agent and run.
+    pub agent_id: Option<serde_json::Value>,
+    pub run_id: Option<serde_json::Value>,
 }
 
 /// Longest user id, in bytes.

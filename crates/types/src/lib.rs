@@ -29,7 +29,15 @@ pub struct MemoryUnit {
     /// for a conversation turn.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub source_turn: String,
+    /// The caller's own fields (Mem0's `metadata`): stored with the unit,
+    /// returned with it, and matched by search filters; never part of what
+    /// the model reads.
+    #[serde(default, skip_serializing_if = "serde_json::Map::is_empty")]
+    pub metadata: serde_json::Map<String, serde_json::Value>,
 }
+
+/// Largest `metadata` of one unit, as JSON text.
+pub const MAX_METADATA_BYTES: usize = 16 << 10;
 
 /// How a request uses the user's memory: its facts injected as stored KV
 /// (`kv`); injected, then a share of their tokens recomputed in the

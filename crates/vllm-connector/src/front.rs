@@ -24,8 +24,8 @@ use inferscale_model::ModelFiles;
 use inferscale_worker::Result as WResult;
 use inferscale_worker::metrics::WorkerMetrics;
 use inferscale_worker::{
-    AdmitError, Embedded, Events, GenerateJob, Holdings, Load, MemoryHost, ProtocolConfig, WorkerError, WorkerInfo,
-    WorkerService, holdings,
+    AdmitError, Embedded, Events, GenerateJob, Holdings, Load, MemoryHost, ProtocolConfig, SearchQuery, WorkerError,
+    WorkerInfo, WorkerService, holdings, search_results,
 };
 use tokio::sync::oneshot;
 
@@ -215,6 +215,15 @@ impl MemoryHost for Host {
 
     fn window(&self) -> usize {
         self.shared.window
+    }
+
+    fn search(&mut self, q: &SearchQuery) -> WResult<Vec<(MemoryUnit, f32)>> {
+        self.read(|g| {
+            Ok(each!(g, c => {
+                let hits = c.search(&q.user, &q.query, q.top_k, q.threshold, &q.filters)?;
+                search_results(c.memory(), &q.user, &hits)
+            }))
+        })
     }
 
     fn embed(&mut self, texts: &[String]) -> WResult<Embedded> {

@@ -152,6 +152,18 @@ impl<B: Backend> Core<B> {
         self.session.engine().backend()
     }
 
+    /// A memory search (`/v1/memories/search`): see `Session::search`.
+    pub fn search(
+        &self,
+        user: &str,
+        query: &str,
+        top_k: usize,
+        threshold: Option<f32>,
+        filters: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<Vec<inferscale_memory::Hit>> {
+        Ok(self.session.search(user, query, top_k, threshold, filters)?)
+    }
+
     /// Sentence embeddings by the retrieval encoder (`/v1/embeddings`).
     pub fn embed(&self, texts: &[String]) -> Result<(Vec<Vec<f32>>, usize)> {
         Ok(self.session.embed(texts)?)

@@ -147,6 +147,7 @@ impl PyCore {
                     speaker: take("speaker"),
                     time: take("time"),
                     source_turn: take("source_turn"),
+                    metadata: Default::default(),
                 };
                 if turn.id.is_empty() || turn.text.is_empty() {
                     return Err(PyValueError::new_err(format!("turn {i}: `id` and `text` are required")));

@@ -56,7 +56,7 @@ fn ingest(user: &str, units: Vec<pb::MemoryUnit>) -> pb::IngestRequest {
 }
 
 async fn units(c: &mut WorkerClient<Channel>, user: &str) -> Vec<String> {
-    let r = c.list_memories(pb::ListMemoriesRequest { user: user.into() }).await.expect("lists");
+    let r = c.list_memories(pb::ListMemoriesRequest { user: user.into(), ids: Vec::new() }).await.expect("lists");
     r.into_inner().units.into_iter().map(|u| u.id).collect()
 }
 
@@ -97,7 +97,8 @@ async fn memory_calls_and_shard_moves_behave_as_a_native_workers() {
     ca.forget(pb::ForgetRequest { user: "ana".into(), unit_id: "u2".into() }).await.expect("forgets");
     let gone = ca.forget(pb::ForgetRequest { user: "ana".into(), unit_id: "u2".into() }).await.expect_err("twice");
     assert_eq!(gone.code(), Code::NotFound, "{gone:?}");
-    let unknown = ca.list_memories(pb::ListMemoriesRequest { user: "bob".into() }).await.expect_err("no bob");
+    let unknown =
+        ca.list_memories(pb::ListMemoriesRequest { user: "bob".into(), ids: Vec::new() }).await.expect_err("no bob");
     assert_eq!(unknown.code(), Code::NotFound);
 
     let s = ca.stats(pb::StatsRequest {}).await.expect("stats").into_inner();

@@ -30,7 +30,7 @@ use crate::error::{Result, WorkerError};
 use crate::metrics::WorkerMetrics;
 use crate::protocol::{
     Command, Embedded, Event, Events, Finished, GenerateJob, Holdings, Load, MAX_INGEST_UNITS, MemoryHost, Protocol,
-    ProtocolConfig, Timings, Usage, finish_reason, holdings,
+    ProtocolConfig, SearchQuery, Timings, Usage, finish_reason, holdings, search_results,
 };
 use crate::scheduler::{RequestId, RequestSpec, Scheduler, SchedulerConfig};
 use crate::text::{Delta, TextStream};
@@ -270,6 +270,11 @@ impl<B: Backend> MemoryHost for Core<B> {
     fn embed(&mut self, texts: &[String]) -> Result<Embedded> {
         let (vectors, tokens) = self.session.embed(texts)?;
         Ok(Embedded { vectors, tokens })
+    }
+
+    fn search(&mut self, q: &SearchQuery) -> Result<Vec<(MemoryUnit, f32)>> {
+        let hits = self.session.search(&q.user, &q.query, q.top_k, q.threshold, &q.filters)?;
+        Ok(search_results(self.session.memory(), &q.user, &hits))
     }
 
     fn generate(&mut self, job: GenerateJob, events: Events) -> Result<()> {

@@ -26,8 +26,9 @@ pub mod transfer;
 pub use engine_thread::{WorkerConfig, WorkerParts};
 pub use error::{Result, WorkerError};
 pub use protocol::{
-    Embedded, Event, Events, Finished, GenerateJob, Holdings, Load, MAX_EMBED_INPUTS, MAX_INGEST_UNITS, MemoryHost,
-    ProtocolConfig, Stats, Timings, Usage, finish_reason, holdings,
+    Embedded, Event, Events, Finished, GenerateJob, Holdings, Load, MAX_EMBED_INPUTS, MAX_INGEST_UNITS,
+    MAX_SEARCH_TOP_K, MemoryHost, ProtocolConfig, SearchQuery, Stats, Timings, Usage, finish_reason, holdings,
+    search_results,
 };
 pub use scheduler::{AdmitError, RequestSpec, Scheduler, SchedulerConfig, Step, StepItem};
 pub use service::{WorkerInfo, WorkerService, spawn, spawn_host};

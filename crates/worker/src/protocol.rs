@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use inferscale_engine::sampling::SamplingParams;
 use inferscale_engine::{Backend, FinishReason};
 use inferscale_memory::{
-    Chat, Footprint, ImportReport, IngestReport, KvHeader, Memory, MemoryUnit, Mode, ShardRecord, StagedShard,
+    Chat, Footprint, Hit, ImportReport, IngestReport, KvHeader, Memory, MemoryUnit, Mode, ShardRecord, StagedShard,
 };
 use tokio::sync::{mpsc, oneshot};
 use tracing::Span;
@@ -138,6 +138,13 @@ pub struct Holdings {
     pub footprint: Option<Footprint>,
 }
 
+/// The units of search `hits` over `user`'s facts in `memory`, with their
+/// scores (what both hosts answer a search with).
+pub fn search_results<B: Backend>(memory: &Memory<B>, user: &str, hits: &[Hit]) -> Vec<(MemoryUnit, f32)> {
+    let facts = memory.facts(user).unwrap_or_default();
+    hits.iter().filter_map(|h| facts.get(h.index).map(|f| (f.unit.clone(), h.score))).collect()
+}
+
 /// What `memory` holds (with its bytes per tier when `footprint`).
 pub fn holdings<B: Backend>(memory: &Memory<B>, footprint: bool) -> Holdings {
     Holdings {
@@ -180,6 +187,10 @@ pub(crate) enum Command {
         texts: Vec<String>,
         reply: oneshot::Sender<Result<Embedded>>,
     },
+    Search {
+        query: SearchQuery,
+        reply: oneshot::Sender<Result<Vec<(MemoryUnit, f32)>>>,
+    },
     Shard(ShardCommand),
 }
 
@@ -190,6 +201,21 @@ pub struct Embedded {
     pub vectors: Vec<Vec<f32>>,
     pub tokens: usize,
 }
+
+/// A memory search (`/v1/memories/search`): `user`'s units for `query`.
+#[derive(Debug, Clone, Default)]
+pub struct SearchQuery {
+    pub user: String,
+    pub query: String,
+    pub top_k: usize,
+    /// Results score at least this (cosine similarity).
+    pub threshold: Option<f32>,
+    /// Metadata filters (`inferscale_memory::filter_matches`).
+    pub filters: serde_json::Map<String, serde_json::Value>,
+}
+
+/// Most results one search may ask for.
+pub const MAX_SEARCH_TOP_K: usize = 1000;
 
 /// Most texts one embeddings request may carry (OpenAI's limit).
 pub const MAX_EMBED_INPUTS: usize = 2048;
@@ -210,6 +236,10 @@ pub trait MemoryHost {
     /// Sentence embeddings of `texts` (each non-empty) by the retrieval
     /// encoder.
     fn embed(&mut self, texts: &[String]) -> Result<Embedded>;
+
+    /// A user's units for a search, each with its score, best first
+    /// (`inferscale_memory::Session::search`).
+    fn search(&mut self, q: &SearchQuery) -> Result<Vec<(MemoryUnit, f32)>>;
 
     /// Starts answering an admitted request: its events (tokens, then
     /// finished or failed) go to `events`, now or later. An error refuses
@@ -296,6 +326,20 @@ pub(crate) struct Protocol {
     metrics: std::sync::Arc<WorkerMetrics>,
 }
 
+/// A search's query (not blank) and `top_k` (1 to [`MAX_SEARCH_TOP_K`]).
+fn check_search(q: &SearchQuery) -> Result<()> {
+    if q.query.trim().is_empty() {
+        return Err(WorkerError::Invalid("`query` is empty".into()));
+    }
+    if q.top_k == 0 || q.top_k > MAX_SEARCH_TOP_K {
+        return Err(WorkerError::Invalid(format!("top_k = {} is outside 1..={MAX_SEARCH_TOP_K}", q.top_k)));
+    }
+    if let Some(t) = q.threshold.filter(|t| !(-1.0..=1.0).contains(t)) {
+        return Err(WorkerError::Invalid(format!("threshold = {t} is outside -1..=1 (a cosine similarity)")));
+    }
+    Ok(())
+}
+
 /// An embeddings request's texts: 1 to [`MAX_EMBED_INPUTS`], none empty.
 fn check_embed(texts: &[String]) -> Result<()> {
     if texts.is_empty() {
@@ -374,6 +418,10 @@ impl Protocol {
             }
             Command::Embed { texts, reply } => {
                 let _ = reply.send(check_embed(&texts).and_then(|()| host.embed(&texts)));
+            }
+            Command::Search { query, reply } => {
+                let r = check_search(&query).and_then(|()| self.moves.check_read(&query.user));
+                let _ = reply.send(r.and_then(|()| host.search(&query)));
             }
             Command::Shard(c) => self.shard(host, c),
         }
@@ -567,6 +615,9 @@ mod tests {
         fn embed(&mut self, texts: &[String]) -> Result<Embedded> {
             let vectors = texts.iter().map(|t| vec![t.len() as f32]).collect();
             Ok(Embedded { vectors, tokens: texts.iter().map(String::len).sum() })
+        }
+        fn search(&mut self, q: &SearchQuery) -> Result<Vec<(MemoryUnit, f32)>> {
+            Ok(self.units(&q.user)?.into_iter().take(q.top_k).map(|u| (u, 1.0)).collect())
         }
         fn generate(&mut self, job: GenerateJob, _events: Events) -> Result<()> {
             self.generated.push(job.chat.question);

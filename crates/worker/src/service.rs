@@ -22,7 +22,9 @@ use crate::engine_thread::{WorkerConfig, WorkerParts, run};
 use crate::error::{Result, WorkerError};
 use crate::link::Links;
 use crate::metrics::WorkerMetrics;
-use crate::protocol::{Command, Event, GenerateJob, MemoryHost, Protocol, ProtocolConfig, ShardCommand, finish_reason};
+use crate::protocol::{
+    Command, Event, GenerateJob, MemoryHost, Protocol, ProtocolConfig, SearchQuery, ShardCommand, finish_reason,
+};
 use inferscale_telemetry::propagate;
 
 /// Tokens generated when a request does not say.
@@ -284,7 +286,12 @@ impl pb::worker_server::Worker for WorkerService {
         let span = info_span!("ingest", otel.kind = "server", units = req.get_ref().units.len() as i64);
         propagate::continue_from_metadata(&span, req.metadata());
         let r = req.into_inner();
-        let units = r.units.into_iter().map(MemoryUnit::from).collect();
+        let units = r
+            .units
+            .into_iter()
+            .map(MemoryUnit::try_from)
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(Status::invalid_argument)?;
         let window = r.window.map(|w| w as usize);
         let (user, defer_kv) = (r.user, r.defer_kv);
         let report =
@@ -340,10 +347,43 @@ impl pb::worker_server::Worker for WorkerService {
         &self,
         req: Request<pb::ListMemoriesRequest>,
     ) -> std::result::Result<Response<pb::ListMemoriesResponse>, Status> {
-        let user = req.into_inner().user;
+        let r = req.into_inner();
+        let user = r.user.clone();
         let (units, window) = self.call(|reply| Command::List { user, reply }).await??;
+        let units = match r.ids.is_empty() {
+            true => units,
+            false => {
+                let mut by_id: std::collections::HashMap<String, MemoryUnit> =
+                    units.into_iter().map(|u| (u.id.clone(), u)).collect();
+                r.ids
+                    .iter()
+                    .map(|id| {
+                        by_id
+                            .remove(id)
+                            .ok_or_else(|| WorkerError::UnknownUnit { user: r.user.clone(), id: id.clone() })
+                    })
+                    .collect::<Result<Vec<_>>>()?
+            }
+        };
         let units = units.into_iter().map(pb::MemoryUnit::from).collect();
         Ok(Response::new(pb::ListMemoriesResponse { units, window: window as u32 }))
+    }
+
+    async fn search_memories(
+        &self,
+        req: Request<pb::SearchMemoriesRequest>,
+    ) -> std::result::Result<Response<pb::SearchMemoriesResponse>, Status> {
+        let r = req.into_inner();
+        let filters = match r.filters.is_empty() {
+            true => serde_json::Map::new(),
+            false => serde_json::from_str(&r.filters)
+                .map_err(|e| Status::invalid_argument(format!("`filters` is not a JSON object: {e}")))?,
+        };
+        let query =
+            SearchQuery { user: r.user, query: r.query, top_k: r.top_k as usize, threshold: r.threshold, filters };
+        let hits = self.call(|reply| Command::Search { query, reply }).await??;
+        let hits = hits.into_iter().map(|(u, score)| pb::SearchHit { unit: Some(u.into()), score }).collect();
+        Ok(Response::new(pb::SearchMemoriesResponse { hits }))
     }
 
     async fn forget(

@@ -1,0 +1,138 @@
+//! The memory API (docs/serving.md, "Memory API") over real loopback HTTP
+//! against `inferscale serve` on SmolLM2 + MiniLM: chat messages stored as
+//! turns, metadata stored, returned, filtered and kept across a restart,
+//! one unit fetched, search with scores, thresholds and filters, and what
+//! is refused rather than silently dropped.
+
+#![allow(clippy::unwrap_used)] // tests fail loudly on unexpected errors
+
+mod common;
+
+use std::path::Path;
+
+use common::{Proc, json_call, spawn};
+use serde_json::{Value, json};
+
+fn serve(mem: &Path) -> Proc {
+    spawn(&["serve", "--listen", "127.0.0.1:0", "--memory", mem.to_str().unwrap(), "--window", "2"], "API on ")
+}
+
+fn call(a: &str, method: &str, path: &str, body: Value) -> Value {
+    let (status, v) = json_call(a, method, path, &body);
+    assert_eq!(status, 200, "{method} {path}: {v}");
+    v
+}
+
+fn refused(a: &str, method: &str, path: &str, body: Value, want: u16, needle: &str) -> Value {
+    let (status, v) = json_call(a, method, path, &body);
+    let msg = v["error"]["message"].as_str().unwrap_or_default().to_string();
+    assert_eq!(status, want, "{method} {path}: {v}");
+    assert!(msg.contains(needle), "{method} {path}: {msg:?} lacks {needle:?}");
+    v
+}
+
+fn search(a: &str, body: Value) -> Vec<Value> {
+    call(a, "POST", "/v1/memories/search", body)["results"].as_array().cloned().unwrap()
+}
+
+fn ids(results: &[Value]) -> Vec<&str> {
+    results.iter().map(|r| r["id"].as_str().unwrap()).collect()
+}
+
+#[test]
+fn messages_metadata_get_and_search() {
+    let dir = tempfile::tempdir().unwrap();
+    let mem = dir.path().join("mem");
+    let srv = serve(&mem);
+    let a = srv.addr.as_str();
+
+    // A chat stored as turns; the system message is an instruction, not a memory.
+    let chat = json!({"user": "m1", "metadata": {"topic": "pets"}, "messages": [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "I adopted a grey cat named Miso last spring."},
+        {"role": "assistant", "content": "Miso is a lovely name for a cat!"}]});
+    let v = call(a, "POST", "/v1/memories", chat.clone());
+    assert_eq!(v["added"], 2, "{v}");
+    let msg_ids: Vec<String> = serde_json::from_value(v["ids"].clone()).unwrap();
+    assert_eq!(msg_ids.len(), 2);
+    // Re-sending the same chat stores nothing twice.
+    let again = call(a, "POST", "/v1/memories", chat);
+    assert_eq!(
+        (again["added"].clone(), again["skipped"].clone(), again["ids"].clone()),
+        (json!(0), json!(2), v["ids"].clone())
+    );
+    let turns = json!({"user": "m1", "turns": [
+        {"id": "r1", "speaker": "Ana", "text": "I ran a half marathon in Lisbon in October.",
+         "metadata": {"topic": "sport", "km": 21}},
+        {"id": "r2", "speaker": "Ana", "text": "My sister Eva lives in Porto and teaches maths."}],
+        "metadata": {"topic": "family"}});
+    assert_eq!(call(a, "POST", "/v1/memories", turns)["added"], 2);
+
+    // Listing and getting one return the metadata; the speaker of a message is its role.
+    let listed = call(a, "GET", "/v1/memories/m1", Value::Null);
+    assert_eq!(listed["count"], 4, "{listed}");
+    let cat = call(a, "GET", &format!("/v1/memories/m1/{}", msg_ids[0]), Value::Null);
+    assert_eq!((cat["speaker"].as_str(), cat["metadata"]["topic"].as_str()), (Some("User"), Some("pets")), "{cat}");
+    assert_eq!(cat["memory"], "I adopted a grey cat named Miso last spring.");
+    let r1 = call(a, "GET", "/v1/memories/m1/r1", Value::Null);
+    assert_eq!(r1["metadata"], json!({"topic": "sport", "km": 21}), "a unit's own metadata wins: {r1}");
+    refused(a, "GET", "/v1/memories/m1/nope", Value::Null, 404, "nope");
+    refused(a, "GET", "/v1/memories/nobody/r1", Value::Null, 404, "nobody");
+
+    // Search: the retriever's order, each result with its score.
+    let hits = search(a, json!({"user": "m1", "query": "What is the name of my cat?", "top_k": 2}));
+    assert_eq!(hits.len(), 2);
+    assert_eq!(hits[0]["id"].as_str(), Some(msg_ids[0].as_str()), "{hits:?}");
+    let score = hits[0]["score"].as_f64().unwrap();
+    assert!(score > 0.3 && score <= 1.0 + 1e-6, "{hits:?}");
+    assert_eq!(hits[0]["metadata"]["topic"], "pets");
+    // Filters narrow by metadata: equality, operators, combinations.
+    let sport = search(a, json!({"user": "m1", "query": "What is the name of my cat?", "filters": {"topic": "sport"}}));
+    assert_eq!(ids(&sport), ["r1"]);
+    let far = search(a, json!({"user_id": "m1", "query": "running", "filters": {"km": {"gte": 20}}}));
+    assert_eq!(ids(&far), ["r1"]);
+    let either = search(
+        a,
+        json!({"user": "m1", "query": "family", "filters": {"OR": [{"topic": "family"}, {"topic": "sport"}]}}),
+    );
+    let mut got = ids(&either);
+    got.sort();
+    assert_eq!(got, ["r1", "r2"]);
+    // A threshold drops weak matches: nothing is that close to this query.
+    let strict = search(a, json!({"user": "m1", "query": "quantum chromodynamics", "threshold": 0.9}));
+    assert!(strict.is_empty(), "{strict:?}");
+    let loose = search(a, json!({"user": "m1", "query": "quantum chromodynamics", "threshold": -1.0, "top_k": 10}));
+    assert_eq!(loose.len(), 4);
+    // A user without memory has no results (not an error).
+    assert!(search(a, json!({"user": "nobody", "query": "cats"})).is_empty());
+
+    // What is refused, not dropped.
+    let p = "/v1/memories/search";
+    refused(a, "POST", p, json!({"user": "m1", "query": "x", "filters": {"km": {"near": 1}}}), 400, "unknown operator");
+    refused(a, "POST", p, json!({"user": "m1", "query": "x", "top_k": 0}), 400, "top_k");
+    refused(a, "POST", p, json!({"user": "m1", "query": "  "}), 400, "query");
+    refused(a, "POST", p, json!({"user": "m1", "query": "x", "threshold": 2.0}), 400, "threshold");
+    let v = refused(a, "POST", p, json!({"user": "m1", "query": "x", "agent_id": "a1"}), 400, "agent_id");
+    assert_eq!(v["error"]["param"], "agent_id");
+    let scoped = json!({"user": "m1", "run_id": "r9", "messages": [{"role": "user", "content": "x"}]});
+    refused(a, "POST", "/v1/memories", scoped, 400, "run_id");
+    let tool = json!({"user": "m1", "messages": [{"role": "tool", "content": "x"}]});
+    refused(a, "POST", "/v1/memories", tool, 400, "messages[0].role");
+    let only_system = json!({"user": "m1", "messages": [{"role": "system", "content": "x"}]});
+    refused(a, "POST", "/v1/memories", only_system, 400, "nothing to ingest");
+    let big = json!({"user": "m1", "turns": [{"id": "b1", "text": "x", "metadata": {"pad": "y".repeat(20_000)}}]});
+    refused(a, "POST", "/v1/memories", big, 400, "metadata");
+    assert_eq!(call(a, "GET", "/v1/memories/m1", Value::Null)["count"], 4, "refusals stored nothing");
+
+    // Chat retrieves the message turns like any other.
+    let q = json!({"model": "smollm2", "user": "m1", "max_tokens": 8, "temperature": 0,
+                   "messages": [{"role": "user", "content": "What is the name of my cat?"}], "memory": {"k": 1}});
+    let v = call(a, "POST", "/v1/chat/completions", q);
+    assert_eq!(v["usage"]["memory"]["fact_ids"], json!([msg_ids[0]]), "{v}");
+
+    // Metadata is durable: it is there after a restart.
+    drop(srv);
+    let srv = serve(&mem);
+    let r1 = call(&srv.addr, "GET", "/v1/memories/m1/r1", Value::Null);
+    assert_eq!(r1["metadata"], json!({"topic": "sport", "km": 21}), "{r1}");
+}

@@ -1,0 +1,324 @@
+//! The memory API under `/v1/memories` (docs/serving.md, "Memory API"):
+//! ingest (turns, facts, or Mem0-style chat messages), list, get one,
+//! search with scores and metadata filters, forget one unit or a user.
+//! Writes go to every writer of the user (`api::write_all`); reads to the
+//! worker that answers the user's reads.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::rejection::{BytesRejection, PathRejection};
+use axum::extract::{Path, State};
+use axum::http::HeaderMap;
+use inferscale_proto as pb;
+use inferscale_types::MemoryUnit;
+use serde::Deserialize;
+use serde_json::json;
+
+use crate::api::{AppState, RETRY_FOR, RETRY_PAUSE, Shared, body, tenant, write_all};
+use crate::auth::scoped;
+use crate::error::{ApiError, Result};
+use crate::openai::{self, IngestBody};
+use crate::workers::request;
+
+/// `POST /v1/memories`: turns, facts and (Mem0-style) chat messages;
+/// acknowledged once every writer of the user has stored them.
+pub(crate) async fn ingest(
+    State(s): State<Shared>,
+    headers: HeaderMap,
+    b: std::result::Result<Bytes, BytesRejection>,
+) -> Result<Json<serde_json::Value>> {
+    let tenant = tenant(&s, &headers)?;
+    let r: IngestBody = openai::parse(&body(b, s.defaults.body_limit)?)?;
+    openai::check_user(&r.user)?;
+    unscoped_fields(r.agent_id.as_ref(), r.run_id.as_ref())?;
+    let from_messages = units_from_messages(&r.messages)?;
+    if r.turns.is_empty() && r.facts.is_empty() && from_messages.is_empty() {
+        return Err(ApiError::BadRequest(
+            "nothing to ingest: `turns`, `facts` and `messages` (user and assistant ones) are empty".into(),
+        ));
+    }
+    if let Some((i, _)) = r.facts.iter().enumerate().find(|(_, f)| f.source_turn.is_empty()) {
+        return Err(ApiError::BadRequest(format!("facts[{i}] has no `source_turn`")));
+    }
+    let ids: Vec<String> = from_messages.iter().map(|u| u.id.clone()).collect();
+    let mut units: Vec<MemoryUnit> = r.turns.into_iter().chain(from_messages).chain(r.facts).collect();
+    // The request's metadata goes on every unit that has none of its own.
+    for u in units.iter_mut().filter(|u| u.metadata.is_empty()) {
+        u.metadata.clone_from(&r.metadata);
+    }
+    let units: Vec<pb::MemoryUnit> = units.into_iter().map(pb::MemoryUnit::from).collect();
+    let user = scoped(&tenant, &r.user);
+    let req = pb::IngestRequest { user: user.clone(), window: r.window, units, defer_kv: false };
+    let deadline = s.defaults.deadline;
+    // Copies other than the home's store facts only; their KV is encoded
+    // if they ever serve.
+    let resp = write_all(
+        &s,
+        &user,
+        |_| false,
+        |mut c, home| {
+            let req = request(pb::IngestRequest { defer_kv: !home, ..req.clone() }, deadline);
+            async move { c.ingest(req).await }
+        },
+    )
+    .await
+    .map_err(|e| e.unscope(&tenant))?;
+    s.metrics.ingested_units.fetch_add(u64::from(resp.added), Ordering::Relaxed);
+    let mut out = json!({"user": r.user, "added": resp.added, "skipped": resp.skipped,
+                         "encoded_tokens": resp.encoded_tokens});
+    if !ids.is_empty() {
+        out["ids"] = json!(ids);
+    }
+    Ok(Json(out))
+}
+
+/// Scoping by agent or run is not implemented: a request that names one is
+/// refused rather than stored in (or searched over) the user's whole memory.
+fn unscoped_fields(agent_id: Option<&serde_json::Value>, run_id: Option<&serde_json::Value>) -> Result<()> {
+    match (agent_id.filter(|v| !v.is_null()), run_id.filter(|v| !v.is_null())) {
+        (Some(_), _) => Err(ApiError::Unsupported("agent_id".into())),
+        (_, Some(_)) => Err(ApiError::Unsupported("run_id".into())),
+        _ => Ok(()),
+    }
+}
+
+/// Memory units from an OpenAI message list (Mem0's `add(messages)`): each
+/// user or assistant message is a turn, its speaker the message's `name`
+/// or its role; system and developer messages are instructions, not
+/// memories, and are skipped. A message's id is derived from its role,
+/// name, text and how many identical messages precede it in the list, so
+/// re-sending a list stores nothing twice.
+fn units_from_messages(messages: &[openai::Message]) -> Result<Vec<MemoryUnit>> {
+    let mut seen: HashMap<u64, u32> = HashMap::new();
+    let mut units = Vec::new();
+    for (i, m) in messages.iter().enumerate() {
+        let speaker = match m.role.as_str() {
+            "system" | "developer" => continue,
+            "user" => "User",
+            "assistant" => "Assistant",
+            other => return Err(ApiError::BadRequest(format!("messages[{i}].role {other:?} is not supported"))),
+        };
+        let speaker = m.name.clone().unwrap_or_else(|| speaker.to_string());
+        let text = m.content.text()?;
+        let key = [m.role.as_bytes(), b"\0", speaker.as_bytes(), b"\0", text.as_bytes()].concat();
+        let base = inferscale_cluster::ring::hash64(&key);
+        let n = seen.entry(base).or_default();
+        let occurrence = [base.to_le_bytes(), u64::from(*n).to_le_bytes()].concat();
+        let id = format!("msg-{:016x}", inferscale_cluster::ring::hash64(&occurrence));
+        *n += 1;
+        units.push(MemoryUnit { id, speaker, text, ..Default::default() });
+    }
+    Ok(units)
+}
+
+/// A path's parameters, or the JSON 400 every other bad input gets (axum's
+/// own rejection is plain text).
+fn path<T>(p: std::result::Result<Path<T>, PathRejection>) -> Result<T> {
+    p.map(|Path(t)| t).map_err(|e| ApiError::BadRequest(format!("invalid path: {}", e.body_text())))
+}
+
+pub(crate) async fn list(
+    State(s): State<Shared>,
+    headers: HeaderMap,
+    user: std::result::Result<Path<String>, PathRejection>,
+) -> Result<Json<serde_json::Value>> {
+    let user = path(user)?;
+    let tenant = tenant(&s, &headers)?;
+    openai::check_user(&user)?;
+    let w = s.workers.reader(&scoped(&tenant, &user))?;
+    let req = pb::ListMemoriesRequest { user: scoped(&tenant, &user), ids: Vec::new() };
+    let r = w
+        .worker()
+        .client()
+        .list_memories(request(req, s.defaults.deadline))
+        .await
+        .map_err(|e| ApiError::from(e).unscope(&tenant))?
+        .into_inner();
+    let units = r
+        .units
+        .into_iter()
+        .map(MemoryUnit::try_from)
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(ApiError::Internal)?;
+    Ok(Json(json!({"user": user, "window": r.window, "count": units.len(), "units": units})))
+}
+
+async fn forget(s: &AppState, headers: &HeaderMap, user: &str, unit: String) -> Result<Json<serde_json::Value>> {
+    let tenant = tenant(s, headers)?;
+    openai::check_user(user)?;
+    let scoped_user = scoped(&tenant, user);
+    // A delete waits for a move to settle: sent to both ends of a copy in
+    // flight, it could be undone by the copy.
+    let until = Instant::now() + RETRY_FOR;
+    while s.workers.moving(&scoped_user) {
+        if Instant::now() > until {
+            return Err(ApiError::Unavailable("this user's memory is being moved between workers; retry".into()));
+        }
+        tokio::time::sleep(RETRY_PAUSE).await;
+    }
+    let req = pb::ForgetRequest { user: scoped_user.clone(), unit_id: unit.clone() };
+    let deadline = s.defaults.deadline;
+    // A replica may not have (all of) the user yet; its "not found" is fine.
+    let tolerate = |e: &tonic::Status| e.code() == tonic::Code::NotFound;
+    write_all(s, &scoped_user, tolerate, |mut c, _| {
+        let req = request(req.clone(), deadline);
+        async move { c.forget(req).await }
+    })
+    .await
+    .map_err(|e| e.unscope(&tenant))?;
+    Ok(Json(if unit.is_empty() {
+        json!({"user": user, "deleted": true})
+    } else {
+        json!({"user": user, "id": unit, "deleted": true})
+    }))
+}
+
+pub(crate) async fn forget_user(
+    State(s): State<Shared>,
+    headers: HeaderMap,
+    user: std::result::Result<Path<String>, PathRejection>,
+) -> Result<Json<serde_json::Value>> {
+    forget(&s, &headers, &path(user)?, String::new()).await
+}
+
+pub(crate) async fn forget_unit(
+    State(s): State<Shared>,
+    headers: HeaderMap,
+    p: std::result::Result<Path<(String, String)>, PathRejection>,
+) -> Result<Json<serde_json::Value>> {
+    let (user, unit) = path(p)?;
+    if unit.is_empty() {
+        return Err(ApiError::BadRequest("empty unit id".into()));
+    }
+    forget(&s, &headers, &user, unit).await
+}
+
+/// `GET /v1/memories/{user}/{id}`: one unit.
+pub(crate) async fn get(
+    State(s): State<Shared>,
+    headers: HeaderMap,
+    p: std::result::Result<Path<(String, String)>, PathRejection>,
+) -> Result<Json<serde_json::Value>> {
+    let (user, id) = path(p)?;
+    let tenant = tenant(&s, &headers)?;
+    openai::check_user(&user)?;
+    let scoped_user = scoped(&tenant, &user);
+    let w = s.workers.reader(&scoped_user)?;
+    let req = pb::ListMemoriesRequest { user: scoped_user, ids: vec![id] };
+    let r = w
+        .worker()
+        .client()
+        .list_memories(request(req, s.defaults.deadline))
+        .await
+        .map_err(|e| ApiError::from(e).unscope(&tenant))?
+        .into_inner();
+    let unit = r.units.into_iter().next().ok_or_else(|| ApiError::Internal("the worker sent no unit".into()))?;
+    Ok(Json(unit_json(&user, MemoryUnit::try_from(unit).map_err(ApiError::Internal)?, None)))
+}
+
+/// `POST /v1/memories/search`.
+#[derive(Debug, Deserialize)]
+pub(crate) struct SearchBody {
+    #[serde(alias = "user_id")]
+    user: String,
+    query: String,
+    #[serde(alias = "limit")]
+    top_k: Option<u32>,
+    threshold: Option<f32>,
+    #[serde(default)]
+    filters: serde_json::Map<String, serde_json::Value>,
+    agent_id: Option<serde_json::Value>,
+    run_id: Option<serde_json::Value>,
+}
+
+/// Results of a search when the request does not say.
+pub const SEARCH_TOP_K: u32 = 10;
+
+/// `POST /v1/memories/search`: the user's units ranked for `query`, with
+/// scores (cosine similarity), at least `threshold`, matching `filters`.
+pub(crate) async fn search(
+    State(s): State<Shared>,
+    headers: HeaderMap,
+    b: std::result::Result<Bytes, BytesRejection>,
+) -> Result<Json<serde_json::Value>> {
+    let tenant = tenant(&s, &headers)?;
+    let r: SearchBody = openai::parse(&body(b, s.defaults.body_limit)?)?;
+    openai::check_user(&r.user)?;
+    unscoped_fields(r.agent_id.as_ref(), r.run_id.as_ref())?;
+    let scoped_user = scoped(&tenant, &r.user);
+    let w = s.workers.reader(&scoped_user)?;
+    let filters = match r.filters.is_empty() {
+        true => String::new(),
+        false => serde_json::Value::Object(r.filters).to_string(),
+    };
+    let req = pb::SearchMemoriesRequest {
+        user: scoped_user,
+        query: r.query,
+        top_k: r.top_k.unwrap_or(SEARCH_TOP_K),
+        threshold: r.threshold,
+        filters,
+    };
+    let hits = w
+        .worker()
+        .client()
+        .search_memories(request(req, s.defaults.deadline))
+        .await
+        .map_err(|e| ApiError::from(e).unscope(&tenant))?
+        .into_inner()
+        .hits;
+    let results = hits
+        .into_iter()
+        .map(|h| {
+            let unit = h.unit.ok_or_else(|| ApiError::Internal("a search hit without its unit".into()))?;
+            Ok(unit_json(&r.user, MemoryUnit::try_from(unit).map_err(ApiError::Internal)?, Some(h.score)))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Json(json!({"results": results})))
+}
+
+/// A unit as the memory API shows it: its fields, with Mem0's names
+/// (`memory` for the text, `user_id`) beside ours.
+fn unit_json(user: &str, u: MemoryUnit, score: Option<f32>) -> serde_json::Value {
+    let mut v = json!({"id": u.id, "memory": u.text, "text": u.text, "speaker": u.speaker, "time": u.time,
+                       "metadata": u.metadata, "user_id": user});
+    if !u.source_turn.is_empty() {
+        v["source_turn"] = json!(u.source_turn);
+    }
+    if let Some(score) = score {
+        v["score"] = json!(score);
+    }
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn messages(v: serde_json::Value) -> Vec<openai::Message> {
+        serde_json::from_value(v).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    #[test]
+    fn messages_become_turns_with_stable_ids() {
+        let list = messages(json!([
+            {"role": "system", "content": "You are helpful."},
+            {"role": "user", "content": "I love hiking."},
+            {"role": "assistant", "name": "Coach", "content": "Great!"},
+            {"role": "user", "content": "I love hiking."},
+        ]));
+        let units = units_from_messages(&list).unwrap_or_else(|e| panic!("{e}"));
+        let speakers: Vec<&str> = units.iter().map(|u| u.speaker.as_str()).collect();
+        assert_eq!(speakers, ["User", "Coach", "User"]);
+        assert_eq!(units[2].text, "I love hiking.");
+        // Identical messages get distinct ids; the same list the same ids.
+        assert_ne!(units[0].id, units[2].id);
+        let again = units_from_messages(&list).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(units.iter().map(|u| &u.id).collect::<Vec<_>>(), again.iter().map(|u| &u.id).collect::<Vec<_>>());
+        let tool = messages(json!([{"role": "tool", "content": "x"}]));
+        assert!(units_from_messages(&tool).is_err());
+    }
+}

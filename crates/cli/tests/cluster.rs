@@ -331,7 +331,7 @@ fn assert_kept(router: &str, acked: &[(usize, String)], what: &str) {
     let mut stored: BTreeMap<usize, BTreeSet<String>> = BTreeMap::new();
     for (i, id) in acked {
         let units = stored.entry(*i).or_insert_with(|| {
-            let (s, _, b) = http(router, "GET", &format!("/v1/memories/{}", user(*i)), b"");
+            let (s, _, b) = http(router, "GET", &format!("/v1/memories/{}?limit=1000", user(*i)), b"");
             assert_eq!(s, 200, "{what}: {}", String::from_utf8_lossy(&b));
             let v: Value = serde_json::from_slice(&b).unwrap();
             v["units"].as_array().unwrap().iter().map(|u| u["id"].as_str().unwrap().to_string()).collect()

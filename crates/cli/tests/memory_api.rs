@@ -130,9 +130,72 @@ fn messages_metadata_get_and_search() {
     let v = call(a, "POST", "/v1/chat/completions", q);
     assert_eq!(v["usage"]["memory"]["fact_ids"], json!([msg_ids[0]]), "{v}");
 
-    // Metadata is durable: it is there after a restart.
+    // Update: a new text is what retrieval and injection use from then on.
+    let ask = |mode: &str| {
+        let q = json!({"model": "smollm2", "user": "m1", "max_tokens": 8, "temperature": 0,
+                       "messages": [{"role": "user", "content": "Which city does my sister live in?"}],
+                       "memory": {"k": 1, "mode": mode}});
+        call(a, "POST", "/v1/chat/completions", q)
+    };
+    let before = ask("kv");
+    assert_eq!(before["usage"]["memory"]["fact_ids"], json!(["r2"]), "{before}");
+    let moved = json!({"text": "My sister Eva moved to Berlin last year and now teaches physics there."});
+    let v = call(a, "PUT", "/v1/memories/m1/r2", moved.clone());
+    assert_eq!(v["updated"], true, "{v}");
+    assert!(v["encoded_tokens"].as_u64().unwrap() > 0, "a new text is re-encoded: {v}");
+    let hits = search(a, json!({"user": "m1", "query": "Which city does my sister live in?", "top_k": 1}));
+    assert_eq!((ids(&hits), hits[0]["memory"].as_str()), (vec!["r2"], moved["text"].as_str()), "{hits:?}");
+    // kv and prompt mode hold the same tokens: the injected KV is the new text's.
+    let (kv, prompt) = (ask("kv"), ask("prompt"));
+    assert_eq!(kv["usage"]["prompt_tokens"], prompt["usage"]["prompt_tokens"], "{kv} {prompt}");
+    assert_ne!(kv["usage"]["prompt_tokens"], before["usage"]["prompt_tokens"], "the old text's tokens are gone");
+    // The same update again changes nothing; metadata alone re-encodes nothing.
+    assert_eq!(call(a, "PUT", "/v1/memories/m1/r2", moved)["updated"], false);
+    let v = call(a, "PUT", "/v1/memories/m1/r2", json!({"metadata": {"topic": "family", "city": "Berlin"}}));
+    assert_eq!((v["updated"].clone(), v["encoded_tokens"].clone()), (json!(true), json!(0)), "{v}");
+    let h = call(a, "GET", "/v1/memories/m1/r2/history", Value::Null)["history"].as_array().cloned().unwrap();
+    let events: Vec<&str> = h.iter().map(|e| e["event"].as_str().unwrap()).collect();
+    assert_eq!(events, ["ADD", "UPDATE", "UPDATE"], "{h:?}");
+    assert_eq!(h[1]["old_memory"], "My sister Eva lives in Porto and teaches maths.");
+    assert_eq!(
+        h[1]["new_memory"].as_str(),
+        Some("My sister Eva moved to Berlin last year and now teaches physics there.")
+    );
+    assert_eq!(h[2]["new_metadata"], json!({"topic": "family", "city": "Berlin"}));
+    assert!(h[0]["created_at"].as_str().unwrap().ends_with('Z'), "{h:?}");
+    refused(a, "PUT", "/v1/memories/m1/nope", json!({"text": "x"}), 404, "nope");
+    refused(a, "PUT", "/v1/memories/m1/r2", json!({}), 400, "nothing to update");
+    refused(a, "PUT", "/v1/memories/m1/r2", json!({"text": "  "}), 400, "empty");
+    refused(a, "PUT", "/v1/memories/m1/r2", json!({"txt": "typo"}), 400, "txt");
+    refused(a, "GET", "/v1/memories/m1/nope/history", Value::Null, 404, "nope");
+
+    // Pages of the list: `limit`, then `next_cursor` until the end.
+    let mut seen = Vec::new();
+    let mut url = "/v1/memories/m1?limit=3".to_string();
+    loop {
+        let page = call(a, "GET", &url, Value::Null);
+        assert_eq!(page["total"], 4);
+        seen.extend(page["units"].as_array().unwrap().iter().map(|u| u["id"].as_str().unwrap().to_string()));
+        match page["next_cursor"].as_str() {
+            Some(c) => url = format!("/v1/memories/m1?limit=3&cursor={c}"),
+            None => break,
+        }
+    }
+    assert_eq!(seen.len(), 4);
+    assert_eq!(&seen[2..], ["r1", "r2"]);
+    refused(a, "GET", "/v1/memories/m1?limit=0", Value::Null, 400, "limit");
+    refused(a, "GET", "/v1/memories/m1?cursor=gone", Value::Null, 400, "cursor");
+
+    // Metadata and updates are durable: there after a restart, history too.
     drop(srv);
     let srv = serve(&mem);
     let r1 = call(&srv.addr, "GET", "/v1/memories/m1/r1", Value::Null);
     assert_eq!(r1["metadata"], json!({"topic": "sport", "km": 21}), "{r1}");
+    let r2 = call(&srv.addr, "GET", "/v1/memories/m1/r2", Value::Null);
+    assert_eq!(r2["memory"].as_str(), Some("My sister Eva moved to Berlin last year and now teaches physics there."));
+    let h = call(&srv.addr, "GET", "/v1/memories/m1/r2/history", Value::Null);
+    assert_eq!(h["history"].as_array().map(Vec::len), Some(3), "{h}");
+    // Forgetting a unit forgets its history with it.
+    call(&srv.addr, "DELETE", "/v1/memories/m1/r2", Value::Null);
+    refused(&srv.addr, "GET", "/v1/memories/m1/r2/history", Value::Null, 404, "r2");
 }

@@ -14,11 +14,77 @@ use crate::error::{MemoryError, Result};
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Fact {
-    /// What the caller stored, as it was given.
+    /// What the caller stored, as it was given (or last updated to).
     pub unit: MemoryUnit,
     /// The fact line's tokens, as injected or pasted into prompts.
     pub tokens: Vec<u32>,
     pub embedding: Vec<f32>,
+    /// What happened to the unit, oldest first (empty for units stored
+    /// before history was kept). It lives in the fact's record, so it moves
+    /// with the fact between workers and is forgotten with it.
+    pub history: Vec<Event>,
+}
+
+/// One change to a unit: its text and metadata before and after.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Event {
+    pub kind: EventKind,
+    /// Milliseconds since the Unix epoch, by the storing worker's clock.
+    pub at_ms: u64,
+    /// The text before the change (`None` for an add).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub old_text: Option<String>,
+    pub new_text: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub old_metadata: Option<serde_json::Map<String, serde_json::Value>>,
+    #[serde(default)]
+    pub new_metadata: serde_json::Map<String, serde_json::Value>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "UPPERCASE")]
+pub enum EventKind {
+    Add,
+    Update,
+}
+
+impl Event {
+    /// The unit `u` stored now.
+    pub fn added(u: &MemoryUnit) -> Event {
+        Event {
+            kind: EventKind::Add,
+            at_ms: now_ms(),
+            old_text: None,
+            new_text: u.text.clone(),
+            old_metadata: None,
+            new_metadata: u.metadata.clone(),
+        }
+    }
+
+    /// `old` changed into `new` now.
+    pub fn updated(old: &MemoryUnit, new: &MemoryUnit) -> Event {
+        Event {
+            kind: EventKind::Update,
+            at_ms: now_ms(),
+            old_text: Some(old.text.clone()),
+            new_text: new.text.clone(),
+            old_metadata: Some(old.metadata.clone()),
+            new_metadata: new.metadata.clone(),
+        }
+    }
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+/// What a record keeps beyond the original fields, as JSON.
+#[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
+struct Extension {
+    #[serde(default, skip_serializing_if = "serde_json::Map::is_empty")]
+    metadata: serde_json::Map<String, serde_json::Value>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    history: Vec<Event>,
 }
 
 /// One entry of a user's fact log.
@@ -31,10 +97,10 @@ pub enum Record {
 
 const PUT: u8 = 1;
 const FORGET: u8 = 2;
-/// A put whose unit has metadata: [`PUT`]'s fields, then the metadata as
-/// JSON text. A unit without metadata is still written as [`PUT`], so logs
-/// without metadata read as they always did.
-const PUT_META: u8 = 3;
+/// A put with what the original form lacks (metadata, history): [`PUT`]'s
+/// fields, then an [`Extension`] as JSON text. A fact with neither is still
+/// written as [`PUT`], so older logs read as they always did.
+const PUT_EXT: u8 = 3;
 
 impl Record {
     pub fn encode(&self) -> Vec<u8> {
@@ -42,7 +108,8 @@ impl Record {
         match self {
             Record::Put(f) => {
                 let u = &f.unit;
-                out.push(if u.metadata.is_empty() { PUT } else { PUT_META });
+                let plain = u.metadata.is_empty() && f.history.is_empty();
+                out.push(if plain { PUT } else { PUT_EXT });
                 for s in [&u.id, &u.speaker, &u.text, &u.time, &u.source_turn] {
                     put_bytes(&mut out, s.as_bytes());
                 }
@@ -50,8 +117,9 @@ impl Record {
                 f.tokens.iter().for_each(|t| out.extend_from_slice(&t.to_le_bytes()));
                 out.extend_from_slice(&(f.embedding.len() as u32).to_le_bytes());
                 f.embedding.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes()));
-                if !u.metadata.is_empty() {
-                    let json = serde_json::Value::Object(u.metadata.clone()).to_string();
+                if !plain {
+                    let ext = Extension { metadata: u.metadata.clone(), history: f.history.clone() };
+                    let json = serde_json::to_string(&ext).unwrap_or_default();
                     put_bytes(&mut out, json.as_bytes());
                 }
             }
@@ -66,7 +134,7 @@ impl Record {
     pub fn decode(bytes: &[u8], path: &Path) -> Result<Record> {
         let mut r = Cursor { bytes, pos: 0, path };
         match r.u8()? {
-            tag @ (PUT | PUT_META) => {
+            tag @ (PUT | PUT_EXT) => {
                 let id = r.string()?;
                 let speaker = r.string()?;
                 let text = r.string()?;
@@ -76,16 +144,15 @@ impl Record {
                 let tokens = (0..r.check(n, 4)?).map(|_| r.u32()).collect::<Result<_>>()?;
                 let n = r.u32()? as usize;
                 let embedding = (0..r.check(n, 4)?).map(|_| r.u32().map(f32::from_bits)).collect::<Result<_>>()?;
-                let metadata = match tag {
-                    PUT_META => {
+                let ext: Extension = match tag {
+                    PUT_EXT => {
                         let json = r.string()?;
-                        serde_json::from_str(&json)
-                            .map_err(|e| r.corrupt(format!("metadata is not a JSON object: {e}")))?
+                        serde_json::from_str(&json).map_err(|e| r.corrupt(format!("record extension: {e}")))?
                     }
-                    _ => serde_json::Map::new(),
+                    _ => Extension::default(),
                 };
-                let unit = MemoryUnit { id, speaker, text, time, source_turn, metadata };
-                Ok(Record::Put(Fact { unit, tokens, embedding }))
+                let unit = MemoryUnit { id, speaker, text, time, source_turn, metadata: ext.metadata };
+                Ok(Record::Put(Fact { unit, tokens, embedding, history: ext.history }))
             }
             FORGET => Ok(Record::Forget(r.string()?)),
             t => Err(r.corrupt(format!("unknown record tag {t}"))),
@@ -158,14 +225,19 @@ mod tests {
             },
             tokens: vec![1, 2, 49151],
             embedding: vec![0.5, -0.25, f32::MIN_POSITIVE],
+            history: Vec::new(),
         };
         let mut with_meta = f.clone();
         with_meta.unit.metadata.insert("topic".into(), "health".into());
         with_meta.unit.metadata.insert("n".into(), 3.into());
-        // A unit without metadata keeps the original record form.
+        let mut with_history = with_meta.clone();
+        let mut before = f.unit.clone();
+        before.text = "I went to a support group.".into();
+        with_history.history = vec![Event::added(&before), Event::updated(&before, &with_meta.unit)];
+        // A fact without metadata or history keeps the original record form.
         assert_eq!(Record::Put(f.clone()).encode()[0], PUT);
-        assert_eq!(Record::Put(with_meta.clone()).encode()[0], PUT_META);
-        for rec in [Record::Put(f), Record::Put(with_meta), Record::Forget("D1:3".into())] {
+        assert_eq!(Record::Put(with_meta.clone()).encode()[0], PUT_EXT);
+        for rec in [Record::Put(f), Record::Put(with_meta), Record::Put(with_history), Record::Forget("D1:3".into())] {
             let b = rec.encode();
             assert_eq!(Record::decode(&b, Path::new("x")).unwrap(), rec);
             for cut in 0..b.len() {

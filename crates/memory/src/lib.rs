@@ -16,11 +16,13 @@ mod transfer;
 pub use answer::{Prepared, prepare};
 pub use compose::{ANSWER_INSTRUCTION, Chat, Composer, Prompts, SYSTEM_PROMPT};
 pub use error::{MemoryError, Result};
-pub use fact::Fact;
+pub use fact::{Event, EventKind, Fact};
 pub use inferscale_types::{DEFAULT_BLEND_RATIO, MemoryUnit, Mode, check_blend_ratio};
 pub use kvseg::KvHeader;
 pub use retrieval::{Query, Retriever};
 pub use search::matches as filter_matches;
 pub use session::{Hit, Session};
-pub use shard::{Encoders, Footprint, IngestReport, Memory, ShardSpec, Tier, fingerprint, place, validate};
+pub use shard::{
+    Encoders, Footprint, IngestReport, Memory, ShardSpec, Tier, UnitUpdate, UpdateReport, fingerprint, place, validate,
+};
 pub use transfer::{ImportReport, ShardRecord, StagedShard, Staging};

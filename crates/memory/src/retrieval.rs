@@ -178,6 +178,7 @@ mod tests {
             },
             tokens: Vec::new(),
             embedding: Vec::new(),
+            history: Vec::new(),
         };
         let facts = [fact("a", "What did you paint?"), fact("b", "A sunrise."), fact("c", "Lovely!")];
         assert_eq!(lexical_document(&facts, 0), "Mel (8 May 2023): What did you paint? A sunrise.");

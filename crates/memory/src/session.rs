@@ -21,7 +21,7 @@ use crate::answer::{Prepared, prepare};
 use crate::compose::{Chat, Composer, Prompts};
 use crate::error::{MemoryError, Result};
 use crate::retrieval::Query;
-use crate::shard::{Encoders, IngestReport, Memory};
+use crate::shard::{Encoders, IngestReport, Memory, UnitUpdate, UpdateReport};
 
 /// One search result: a fact (an index into [`Memory::facts`]) and its
 /// score, the cosine similarity of its embedding and the query's.
@@ -206,6 +206,14 @@ impl<B: Backend> Session<B> {
             true => memory.ingest_deferred(user, units, &mut enc),
             false => memory.ingest(user, units, &mut enc),
         }
+    }
+
+    /// Changes one unit of `user` (see [`Memory::update`]); with
+    /// `defer_kv` (a replica's copy) a new text's KV is encoded when first
+    /// needed.
+    pub fn update(&mut self, user: &str, id: &str, change: &UnitUpdate, defer_kv: bool) -> Result<UpdateReport> {
+        let (memory, mut enc) = self.encoders();
+        memory.update(user, id, change, &mut enc, !defer_kv)
     }
 
     /// Encodes up to `max` stored facts that have no KV yet (background

@@ -21,7 +21,7 @@ use inferscale_types::MemoryUnit;
 
 use crate::compose::{Composer, Prompts};
 use crate::error::{MemoryError, Result, io};
-use crate::fact::{Fact, Record};
+use crate::fact::{Event, Fact, Record};
 use crate::kvseg::{KvHeader, StoredKv};
 use crate::log::{MAX_RECORD_BYTES, RecordLog, sync_dir};
 use crate::retrieval::{self, LexicalIndex, Query, Retriever};
@@ -97,6 +97,20 @@ pub struct IngestReport {
     pub added: usize,
     /// Turns whose id the user already had (ingest is idempotent).
     pub skipped: usize,
+    pub encoded_tokens: usize,
+}
+
+/// A change to one stored unit: a new text, new metadata, or both.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct UnitUpdate {
+    pub text: Option<String>,
+    pub metadata: Option<serde_json::Map<String, serde_json::Value>>,
+}
+
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct UpdateReport {
+    /// False when the unit already was as asked (a retried update).
+    pub changed: bool,
     pub encoded_tokens: usize,
 }
 
@@ -475,7 +489,7 @@ impl<B: Backend> Memory<B> {
         let embeddings = enc.embedder.embed(enc.engine.backend(), &refs)?;
         let mut facts = Vec::with_capacity(new.len());
         for ((t, tokens), embedding) in new.iter().zip(tokens).zip(embeddings) {
-            facts.push(Fact { unit: (*t).clone(), tokens, embedding });
+            facts.push(Fact { unit: (*t).clone(), tokens, embedding, history: vec![Event::added(t)] });
         }
         let records: Vec<Vec<u8>> = facts.iter().map(|f| Record::Put(f.clone()).encode()).collect();
         shard.log.append(&records.iter().map(Vec::as_slice).collect::<Vec<_>>())?;
@@ -596,6 +610,83 @@ impl<B: Backend> Memory<B> {
         drop(shard);
         std::fs::remove_dir_all(&dir).map_err(io(&dir))?;
         sync_dir(&self.dir.join("users"))
+    }
+
+    /// Changes one unit of `user` in place: a new text gets new tokens, a
+    /// new embedding and new KV, encoded in the unit's place (the same
+    /// context window; with `encode` false, when first needed), new
+    /// metadata replaces the old; the change is added to the unit's history.
+    /// The fact log is rewritten (durable) before the old KV is dropped, and
+    /// KV is only ever loaded for the tokens it was made from, so a crash
+    /// between leaves the unit updated with its KV re-encoded when needed.
+    /// An update that changes nothing does nothing (retries are safe). The
+    /// KV of later units whose window held the old text is not re-encoded.
+    pub fn update(
+        &mut self,
+        user: &str,
+        id: &str,
+        change: &UnitUpdate,
+        enc: &mut Encoders<'_, B>,
+        encode: bool,
+    ) -> Result<UpdateReport> {
+        let max = self.max_fact_tokens(enc.composer.header().len());
+        let shard = self.users.get_mut(user).ok_or_else(|| MemoryError::UnknownUser(user.to_string()))?;
+        let unknown = || MemoryError::UnknownFact { user: user.to_string(), id: id.to_string() };
+        let idx = *shard.by_id.get(id).ok_or_else(unknown)?;
+        let old = &shard.facts[idx];
+        let mut unit = old.unit.clone();
+        if let Some(text) = &change.text {
+            unit.text.clone_from(text);
+        }
+        if let Some(metadata) = &change.metadata {
+            unit.metadata.clone_from(metadata);
+        }
+        if unit == old.unit {
+            return Ok(UpdateReport::default());
+        }
+        validate(user, std::slice::from_ref(&unit))?;
+        let retext = unit.text != old.unit.text;
+        let (tokens, embedding) = match retext {
+            false => (old.tokens.clone(), old.embedding.clone()),
+            true => {
+                let line = Composer::turn_text(&unit.speaker, &unit.time, &unit.text);
+                let tokens = enc.composer.fact(&line)?;
+                check_length(&unit, tokens.len(), max)?;
+                let embedding = enc.embedder.embed(enc.engine.backend(), &[line.as_str()])?.pop().unwrap_or_default();
+                (tokens, embedding)
+            }
+        };
+        let mut history = old.history.clone();
+        history.push(Event::updated(&old.unit, &unit));
+        shard.facts[idx] = Fact { unit, tokens, embedding, history };
+        shard.facts_changed();
+        let records: Vec<Vec<u8>> = shard.facts.iter().map(|f| Record::Put(f.clone()).encode()).collect();
+        shard.log.rewrite(&records)?;
+        let mut report = UpdateReport { changed: true, encoded_tokens: 0 };
+        if retext {
+            shard.rewrite_kv_without(id)?;
+            shard.kv[idx] = None;
+            match encode {
+                true => {
+                    let (window, batch, context) = (self.spec.window, self.encode_batch, self.context);
+                    report.encoded_tokens = shard.encode_missing(window, batch, usize::MAX, context, enc)?;
+                }
+                false => {
+                    self.pending.insert(user.to_string());
+                }
+            }
+        }
+        Ok(report)
+    }
+
+    /// What happened to one unit of `user`, oldest first.
+    pub fn history(&self, user: &str, id: &str) -> Result<&[Event]> {
+        let shard = self.user(user)?;
+        let idx = shard
+            .by_id
+            .get(id)
+            .ok_or_else(|| MemoryError::UnknownFact { user: user.to_string(), id: id.to_string() })?;
+        Ok(&shard.facts[*idx].history)
     }
 
     /// Removes one fact of `user` from memory and from disk (both logs are

@@ -81,7 +81,11 @@ pub fn app(state: Shared) -> Router {
         .route("/v1/memories", routing::post(memories::ingest))
         .route("/v1/memories/search", routing::post(memories::search))
         .route("/v1/memories/{user}", routing::get(memories::list).delete(memories::forget_user))
-        .route("/v1/memories/{user}/{unit}", routing::get(memories::get).delete(memories::forget_unit))
+        .route(
+            "/v1/memories/{user}/{unit}",
+            routing::get(memories::get).put(memories::update).delete(memories::forget_unit),
+        )
+        .route("/v1/memories/{user}/{unit}/history", routing::get(memories::history))
         .route("/v1/models", routing::get(models))
         .route("/healthz", routing::get(|| async { "ok\n" }))
         .route("/readyz", routing::get(readyz))

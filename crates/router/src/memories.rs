@@ -11,7 +11,7 @@ use std::time::Instant;
 use axum::Json;
 use axum::body::Bytes;
 use axum::extract::rejection::{BytesRejection, PathRejection};
-use axum::extract::{Path, State};
+use axum::extract::{Path, RawQuery, State};
 use axum::http::HeaderMap;
 use inferscale_proto as pb;
 use inferscale_types::MemoryUnit;
@@ -121,14 +121,22 @@ fn path<T>(p: std::result::Result<Path<T>, PathRejection>) -> Result<T> {
     p.map(|Path(t)| t).map_err(|e| ApiError::BadRequest(format!("invalid path: {}", e.body_text())))
 }
 
+/// Units of a list page when the request does not say.
+pub const LIST_LIMIT: usize = 100;
+
+/// `GET /v1/memories/{user}?limit=N&cursor=ID`: the user's units in stored
+/// order, a page at a time: `limit` (1–1,000, default 100) units after the
+/// unit `cursor` names; `next_cursor` is set when more follow.
 pub(crate) async fn list(
     State(s): State<Shared>,
     headers: HeaderMap,
     user: std::result::Result<Path<String>, PathRejection>,
+    query: RawQuery,
 ) -> Result<Json<serde_json::Value>> {
     let user = path(user)?;
     let tenant = tenant(&s, &headers)?;
     openai::check_user(&user)?;
+    let (limit, cursor) = page(query.0.as_deref())?;
     let w = s.workers.reader(&scoped(&tenant, &user))?;
     let req = pb::ListMemoriesRequest { user: scoped(&tenant, &user), ids: Vec::new() };
     let r = w
@@ -138,13 +146,74 @@ pub(crate) async fn list(
         .await
         .map_err(|e| ApiError::from(e).unscope(&tenant))?
         .into_inner();
-    let units = r
-        .units
-        .into_iter()
+    let all = r.units;
+    let total = all.len();
+    let start = match &cursor {
+        None => 0,
+        Some(c) => all.iter().position(|u| &u.id == c).map(|i| i + 1).ok_or_else(|| ApiError::Param {
+            param: "cursor",
+            message: format!("{c:?} is not a unit of this user (deleted since the last page?)"),
+        })?,
+    };
+    let end = (start + limit).min(total);
+    let units = all[start..end]
+        .iter()
+        .cloned()
         .map(MemoryUnit::try_from)
         .collect::<std::result::Result<Vec<_>, _>>()
         .map_err(ApiError::Internal)?;
-    Ok(Json(json!({"user": user, "window": r.window, "count": units.len(), "units": units})))
+    let next = (end < total).then(|| units.last().map(|u| u.id.clone())).flatten();
+    Ok(Json(json!({"user": user, "window": r.window, "total": total, "count": units.len(), "units": units,
+                   "next_cursor": next})))
+}
+
+/// `limit` and `cursor` of a list's query string.
+fn page(query: Option<&str>) -> Result<(usize, Option<String>)> {
+    let (mut limit, mut cursor) = (LIST_LIMIT, None);
+    for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
+        let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+        let value = percent_decode(value).ok_or_else(|| {
+            ApiError::BadRequest(format!("query parameter `{key}` is not valid percent-encoded UTF-8"))
+        })?;
+        match key {
+            "limit" => {
+                limit = value.parse().ok().filter(|n| (1..=1000).contains(n)).ok_or_else(|| ApiError::Param {
+                    param: "limit",
+                    message: format!("{value:?} is not a number in 1..=1000"),
+                })?
+            }
+            "cursor" if !value.is_empty() => cursor = Some(value),
+            "cursor" => {}
+            other => return Err(ApiError::Unsupported(other.to_string())),
+        }
+    }
+    Ok((limit, cursor))
+}
+
+/// `%XX` escapes and `+` (a space) decoded; `None` for a bad escape or
+/// bytes that are not UTF-8.
+fn percent_decode(s: &str) -> Option<String> {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'%' => {
+                let hex = std::str::from_utf8(b.get(i + 1..i + 3)?).ok()?;
+                out.push(u8::from_str_radix(hex, 16).ok()?);
+                i += 3;
+            }
+            b'+' => {
+                out.push(b' ');
+                i += 1;
+            }
+            c => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8(out).ok()
 }
 
 async fn forget(s: &AppState, headers: &HeaderMap, user: &str, unit: String) -> Result<Json<serde_json::Value>> {
@@ -280,6 +349,102 @@ pub(crate) async fn search(
     Ok(Json(json!({"results": results})))
 }
 
+/// `PUT /v1/memories/{user}/{id}`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct UpdateBody {
+    #[serde(alias = "memory", alias = "data")]
+    text: Option<String>,
+    metadata: Option<serde_json::Map<String, serde_json::Value>>,
+}
+
+/// `PUT /v1/memories/{user}/{id}`: a new text (its KV re-encoded in the
+/// unit's place) and/or new metadata, on every writer of the user.
+pub(crate) async fn update(
+    State(s): State<Shared>,
+    headers: HeaderMap,
+    p: std::result::Result<Path<(String, String)>, PathRejection>,
+    b: std::result::Result<Bytes, BytesRejection>,
+) -> Result<Json<serde_json::Value>> {
+    let (user, id) = path(p)?;
+    let tenant = tenant(&s, &headers)?;
+    openai::check_user(&user)?;
+    let r: UpdateBody = openai::parse(&body(b, s.defaults.body_limit)?)?;
+    if r.text.is_none() && r.metadata.is_none() {
+        return Err(ApiError::BadRequest("nothing to update: send `text` and/or `metadata`".into()));
+    }
+    let scoped_user = scoped(&tenant, &user);
+    let req = pb::UpdateMemoryRequest {
+        user: scoped_user.clone(),
+        id: id.clone(),
+        text: r.text,
+        metadata: r.metadata.map(|m| serde_json::Value::Object(m).to_string()),
+        defer_kv: false,
+    };
+    let deadline = s.defaults.deadline;
+    // A replica that does not have the unit yet takes it with the update's
+    // ingest's retry, or from the home on a move; its "not found" is fine.
+    let tolerate = |e: &tonic::Status| e.code() == tonic::Code::NotFound;
+    let resp = write_all(&s, &scoped_user, tolerate, |mut c, home| {
+        let req = request(pb::UpdateMemoryRequest { defer_kv: !home, ..req.clone() }, deadline);
+        async move { c.update_memory(req).await }
+    })
+    .await
+    .map_err(|e| e.unscope(&tenant))?;
+    Ok(Json(json!({"id": id, "user": user, "updated": resp.changed, "encoded_tokens": resp.encoded_tokens})))
+}
+
+/// `GET /v1/memories/{user}/{id}/history`: the unit's adds and updates,
+/// oldest first (Mem0's history; a deleted unit's history is deleted with
+/// it).
+pub(crate) async fn history(
+    State(s): State<Shared>,
+    headers: HeaderMap,
+    p: std::result::Result<Path<(String, String)>, PathRejection>,
+) -> Result<Json<serde_json::Value>> {
+    let (user, id) = path(p)?;
+    let tenant = tenant(&s, &headers)?;
+    openai::check_user(&user)?;
+    let scoped_user = scoped(&tenant, &user);
+    let w = s.workers.reader(&scoped_user)?;
+    let req = pb::UnitHistoryRequest { user: scoped_user, id: id.clone() };
+    let events = w
+        .worker()
+        .client()
+        .unit_history(request(req, s.defaults.deadline))
+        .await
+        .map_err(|e| ApiError::from(e).unscope(&tenant))?
+        .into_inner()
+        .events;
+    let meta = |m: &str| serde_json::from_str::<serde_json::Value>(m).unwrap_or(serde_json::Value::Null);
+    let history: Vec<serde_json::Value> = events
+        .iter()
+        .map(|e| {
+            json!({"event": e.event, "created_at": rfc3339(e.at_ms), "at_ms": e.at_ms,
+                   "old_memory": e.old_text, "new_memory": e.new_text,
+                   "old_metadata": e.old_metadata.as_deref().map(meta), "new_metadata": meta(&e.new_metadata)})
+        })
+        .collect();
+    Ok(Json(json!({"id": id, "user": user, "history": history})))
+}
+
+/// Milliseconds since the Unix epoch as RFC 3339 UTC (`…T…Z`, milliseconds).
+fn rfc3339(ms: u64) -> String {
+    let (days, rest) = ((ms / 86_400_000) as i64, ms % 86_400_000);
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    let (h, m, sec, milli) = (rest / 3_600_000, rest / 60_000 % 60, rest / 1000 % 60, rest % 1000);
+    format!("{year:04}-{month:02}-{day:02}T{h:02}:{m:02}:{sec:02}.{milli:03}Z")
+}
+
 /// A unit as the memory API shows it: its fields, with Mem0's names
 /// (`memory` for the text, `user_id`) beside ours.
 fn unit_json(user: &str, u: MemoryUnit, score: Option<f32>) -> serde_json::Value {
@@ -320,5 +485,22 @@ mod tests {
         assert_eq!(units.iter().map(|u| &u.id).collect::<Vec<_>>(), again.iter().map(|u| &u.id).collect::<Vec<_>>());
         let tool = messages(json!([{"role": "tool", "content": "x"}]));
         assert!(units_from_messages(&tool).is_err());
+    }
+
+    #[test]
+    fn times_are_rfc3339_utc() {
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(rfc3339(951_782_400_000), "2000-02-29T00:00:00.000Z");
+        assert_eq!(rfc3339(1_796_281_818_123), "2026-12-03T07:10:18.123Z");
+    }
+
+    #[test]
+    fn list_pages_parse_limit_and_cursor() {
+        assert_eq!(page(None).ok(), Some((LIST_LIMIT, None)));
+        assert_eq!(page(Some("limit=5&cursor=D1%3A3")).ok(), Some((5, Some("D1:3".into()))));
+        assert_eq!(page(Some("cursor=a+b")).ok(), Some((LIST_LIMIT, Some("a b".into()))));
+        for bad in ["limit=0", "limit=1001", "limit=x", "cursor=%zz", "cursor=%ff", "page=2"] {
+            assert!(page(Some(bad)).is_err(), "{bad}");
+        }
     }
 }

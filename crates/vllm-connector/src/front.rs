@@ -19,7 +19,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
-use inferscale_memory::{ImportReport, IngestReport, KvHeader, MemoryUnit, ShardRecord, StagedShard};
+use inferscale_memory::{
+    Event, ImportReport, IngestReport, KvHeader, MemoryUnit, ShardRecord, StagedShard, UnitUpdate, UpdateReport,
+};
 use inferscale_model::ModelFiles;
 use inferscale_worker::Result as WResult;
 use inferscale_worker::metrics::WorkerMetrics;
@@ -215,6 +217,14 @@ impl MemoryHost for Host {
 
     fn window(&self) -> usize {
         self.shared.window
+    }
+
+    fn update(&mut self, user: &str, id: &str, change: &UnitUpdate, defer_kv: bool) -> WResult<UpdateReport> {
+        self.write(|g| each!(g, c => c.update(user, id, change, defer_kv)))
+    }
+
+    fn history(&self, user: &str, id: &str) -> WResult<Vec<Event>> {
+        self.read(|g| Ok(each!(g, c => c.memory().history(user, id))?.to_vec()))
     }
 
     fn search(&mut self, q: &SearchQuery) -> WResult<Vec<(MemoryUnit, f32)>> {

@@ -196,6 +196,22 @@ impl<B: Backend> Core<B> {
         Ok(())
     }
 
+    /// Changes one unit of `user` (`Memory::update`); a change starts a new
+    /// generation, so vLLM never reuses blocks cached from the old text.
+    pub fn update(
+        &mut self,
+        user: &str,
+        id: &str,
+        change: &inferscale_memory::UnitUpdate,
+        defer_kv: bool,
+    ) -> Result<inferscale_memory::UpdateReport> {
+        let report = self.session.update(user, id, change, defer_kv)?;
+        if report.changed {
+            self.bump(user);
+        }
+        Ok(report)
+    }
+
     /// A new memory generation for `user`: plans of the old one no longer
     /// match the salt, so vLLM's cached blocks of it are never hit again.
     fn bump(&mut self, user: &str) {

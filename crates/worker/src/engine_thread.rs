@@ -21,7 +21,8 @@ use inferscale_engine::kv_cache::BLOCK_SIZE;
 use inferscale_engine::sampling::{Rng, sample};
 use inferscale_engine::{Backend, Engine, FinishReason, NextToken, Sequence, blend_rows};
 use inferscale_memory::{
-    ImportReport, IngestReport, KvHeader, Memory, MemoryUnit, Mode, Prompts, Session, ShardRecord, StagedShard,
+    Event as UnitEvent, ImportReport, IngestReport, KvHeader, Memory, MemoryUnit, Mode, Prompts, Session, ShardRecord,
+    StagedShard, UnitUpdate, UpdateReport,
 };
 use inferscale_model::ModelFiles;
 use tracing::{Span, field::Empty, info_span};
@@ -270,6 +271,14 @@ impl<B: Backend> MemoryHost for Core<B> {
     fn embed(&mut self, texts: &[String]) -> Result<Embedded> {
         let (vectors, tokens) = self.session.embed(texts)?;
         Ok(Embedded { vectors, tokens })
+    }
+
+    fn update(&mut self, user: &str, id: &str, change: &UnitUpdate, defer_kv: bool) -> Result<UpdateReport> {
+        Ok(self.session.update(user, id, change, defer_kv)?)
+    }
+
+    fn history(&self, user: &str, id: &str) -> Result<Vec<UnitEvent>> {
+        Ok(self.session.memory().history(user, id)?.to_vec())
     }
 
     fn search(&mut self, q: &SearchQuery) -> Result<Vec<(MemoryUnit, f32)>> {

@@ -19,7 +19,8 @@ use std::time::{Duration, Instant};
 use inferscale_engine::sampling::SamplingParams;
 use inferscale_engine::{Backend, FinishReason};
 use inferscale_memory::{
-    Chat, Footprint, Hit, ImportReport, IngestReport, KvHeader, Memory, MemoryUnit, Mode, ShardRecord, StagedShard,
+    Chat, Event as UnitEvent, Footprint, Hit, ImportReport, IngestReport, KvHeader, Memory, MemoryUnit, Mode,
+    ShardRecord, StagedShard, UnitUpdate, UpdateReport,
 };
 use tokio::sync::{mpsc, oneshot};
 use tracing::Span;
@@ -191,6 +192,19 @@ pub(crate) enum Command {
         query: SearchQuery,
         reply: oneshot::Sender<Result<Vec<(MemoryUnit, f32)>>>,
     },
+    Update {
+        user: String,
+        id: String,
+        change: UnitUpdate,
+        /// A replica's copy: a new text's KV is encoded when first needed.
+        defer_kv: bool,
+        reply: oneshot::Sender<Result<UpdateReport>>,
+    },
+    History {
+        user: String,
+        id: String,
+        reply: oneshot::Sender<Result<Vec<UnitEvent>>>,
+    },
     Shard(ShardCommand),
 }
 
@@ -240,6 +254,13 @@ pub trait MemoryHost {
     /// A user's units for a search, each with its score, best first
     /// (`inferscale_memory::Session::search`).
     fn search(&mut self, q: &SearchQuery) -> Result<Vec<(MemoryUnit, f32)>>;
+
+    /// Changes one unit of `user` (`inferscale_memory::Memory::update`);
+    /// requests that retrieved it and are laid out later use the new one.
+    fn update(&mut self, user: &str, id: &str, change: &UnitUpdate, defer_kv: bool) -> Result<UpdateReport>;
+
+    /// One unit's history, oldest first.
+    fn history(&self, user: &str, id: &str) -> Result<Vec<UnitEvent>>;
 
     /// Starts answering an admitted request: its events (tokens, then
     /// finished or failed) go to `events`, now or later. An error refuses
@@ -418,6 +439,13 @@ impl Protocol {
             }
             Command::Embed { texts, reply } => {
                 let _ = reply.send(check_embed(&texts).and_then(|()| host.embed(&texts)));
+            }
+            Command::Update { user, id, change, defer_kv, reply } => {
+                let r = self.moves.check_write(&user).and_then(|()| host.update(&user, &id, &change, defer_kv));
+                let _ = reply.send(r);
+            }
+            Command::History { user, id, reply } => {
+                let _ = reply.send(host.history(&user, &id));
             }
             Command::Search { query, reply } => {
                 let r = check_search(&query).and_then(|()| self.moves.check_read(&query.user));
@@ -618,6 +646,12 @@ mod tests {
         }
         fn search(&mut self, q: &SearchQuery) -> Result<Vec<(MemoryUnit, f32)>> {
             Ok(self.units(&q.user)?.into_iter().take(q.top_k).map(|u| (u, 1.0)).collect())
+        }
+        fn update(&mut self, _: &str, _: &str, change: &UnitUpdate, _: bool) -> Result<UpdateReport> {
+            Ok(UpdateReport { changed: change.text.is_some(), encoded_tokens: 0 })
+        }
+        fn history(&self, _: &str, _: &str) -> Result<Vec<UnitEvent>> {
+            Ok(Vec::new())
         }
         fn generate(&mut self, job: GenerateJob, _events: Events) -> Result<()> {
             self.generated.push(job.chat.question);

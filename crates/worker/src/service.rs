@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use inferscale_engine::Backend;
 use inferscale_engine::sampling::SamplingParams;
-use inferscale_memory::{Chat, MemoryUnit, Mode};
+use inferscale_memory::{Chat, EventKind, MemoryUnit, Mode, UnitUpdate};
 use inferscale_model::Message;
 use inferscale_proto as pb;
 use tokio::sync::{mpsc, oneshot};
@@ -367,6 +367,52 @@ impl pb::worker_server::Worker for WorkerService {
         };
         let units = units.into_iter().map(pb::MemoryUnit::from).collect();
         Ok(Response::new(pb::ListMemoriesResponse { units, window: window as u32 }))
+    }
+
+    async fn update_memory(
+        &self,
+        req: Request<pb::UpdateMemoryRequest>,
+    ) -> std::result::Result<Response<pb::UpdateMemoryResponse>, Status> {
+        let r = req.into_inner();
+        let metadata = match r.metadata {
+            None => None,
+            Some(m) => Some(
+                serde_json::from_str(&m)
+                    .map_err(|e| Status::invalid_argument(format!("`metadata` is not a JSON object: {e}")))?,
+            ),
+        };
+        let change = UnitUpdate { text: r.text, metadata };
+        let (user, id, defer_kv) = (r.user, r.id, r.defer_kv);
+        let report = self.call(|reply| Command::Update { user, id, change, defer_kv, reply }).await??;
+        Ok(Response::new(pb::UpdateMemoryResponse {
+            changed: report.changed,
+            encoded_tokens: report.encoded_tokens as u64,
+        }))
+    }
+
+    async fn unit_history(
+        &self,
+        req: Request<pb::UnitHistoryRequest>,
+    ) -> std::result::Result<Response<pb::UnitHistoryResponse>, Status> {
+        let r = req.into_inner();
+        let (user, id) = (r.user, r.id);
+        let events = self.call(|reply| Command::History { user, id, reply }).await??;
+        let json = |m: serde_json::Map<String, serde_json::Value>| serde_json::Value::Object(m).to_string();
+        let events = events
+            .into_iter()
+            .map(|e| pb::HistoryEvent {
+                event: match e.kind {
+                    EventKind::Add => "ADD".into(),
+                    EventKind::Update => "UPDATE".into(),
+                },
+                at_ms: e.at_ms,
+                old_text: e.old_text,
+                new_text: e.new_text,
+                old_metadata: e.old_metadata.map(json),
+                new_metadata: json(e.new_metadata),
+            })
+            .collect();
+        Ok(Response::new(pb::UnitHistoryResponse { events }))
     }
 
     async fn search_memories(

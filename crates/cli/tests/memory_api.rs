@@ -112,10 +112,8 @@ fn messages_metadata_get_and_search() {
     refused(a, "POST", p, json!({"user": "m1", "query": "x", "top_k": 0}), 400, "top_k");
     refused(a, "POST", p, json!({"user": "m1", "query": "  "}), 400, "query");
     refused(a, "POST", p, json!({"user": "m1", "query": "x", "threshold": 2.0}), 400, "threshold");
-    let v = refused(a, "POST", p, json!({"user": "m1", "query": "x", "agent_id": "a1"}), 400, "agent_id");
-    assert_eq!(v["error"]["param"], "agent_id");
-    let scoped = json!({"user": "m1", "run_id": "r9", "messages": [{"role": "user", "content": "x"}]});
-    refused(a, "POST", "/v1/memories", scoped, 400, "run_id");
+    let bad_agent = json!({"user": "m1", "agent_id": "a\u{0}b", "messages": [{"role": "user", "content": "x"}]});
+    refused(a, "POST", "/v1/memories", bad_agent, 400, "agent_id");
     let tool = json!({"user": "m1", "messages": [{"role": "tool", "content": "x"}]});
     refused(a, "POST", "/v1/memories", tool, 400, "messages[0].role");
     let only_system = json!({"user": "m1", "messages": [{"role": "system", "content": "x"}]});
@@ -198,4 +196,34 @@ fn messages_metadata_get_and_search() {
     // Forgetting a unit forgets its history with it.
     call(&srv.addr, "DELETE", "/v1/memories/m1/r2", Value::Null);
     refused(&srv.addr, "GET", "/v1/memories/m1/r2/history", Value::Null, 404, "r2");
+
+    // Scoping: units of an agent (or run) are the user's, and a request
+    // scoped to another agent never sees them.
+    let a = srv.addr.as_str();
+    let coach = json!({"user": "m1", "agent_id": "coach", "run_id": "s1",
+                       "messages": [{"role": "user", "content": "My left knee hurts when I run downhill."}]});
+    let coach_id = call(a, "POST", "/v1/memories", coach)["ids"][0].as_str().unwrap().to_string();
+    let chef = json!({"user": "m1", "agent_id": "chef",
+                      "messages": [{"role": "user", "content": "I am allergic to peanuts and cashews."}]});
+    let chef_id = call(a, "POST", "/v1/memories", chef)["ids"][0].as_str().unwrap().to_string();
+    let q = "What am I allergic to?";
+    let everyone = search(a, json!({"user": "m1", "query": q, "top_k": 1}));
+    assert_eq!(ids(&everyone), [chef_id.as_str()], "the user's own search sees every agent's units");
+    assert_eq!(everyone[0]["agent_id"], "chef");
+    let coached = search(a, json!({"user": "m1", "query": q, "agent_id": "coach", "top_k": 10}));
+    assert_eq!(ids(&coached), [coach_id.as_str()], "{coached:?}");
+    let run = search(a, json!({"user": "m1", "query": q, "run_id": "s1"}));
+    assert_eq!(ids(&run), [coach_id.as_str()]);
+    assert!(search(a, json!({"user": "m1", "query": q, "agent_id": "chef", "run_id": "s1"})).is_empty());
+    let chat = |agent: &str| {
+        let q = json!({"model": "smollm2", "user": "m1", "max_tokens": 4, "temperature": 0,
+                       "messages": [{"role": "user", "content": q}], "memory": {"k": 20, "agent_id": agent}});
+        call(a, "POST", "/v1/chat/completions", q)["usage"]["memory"]["fact_ids"].clone()
+    };
+    assert_eq!(chat("coach"), json!([coach_id]));
+    assert_eq!(chat("chef"), json!([chef_id]));
+    assert_eq!(chat("nobody"), json!([]));
+    let listed = call(a, "GET", "/v1/memories/m1?agent_id=chef", Value::Null);
+    assert_eq!((listed["total"].clone(), listed["units"][0]["id"].clone()), (json!(1), json!(chef_id)));
+    assert_eq!(call(a, "GET", "/v1/memories/m1", Value::Null)["total"], 5);
 }

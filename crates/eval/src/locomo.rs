@@ -61,7 +61,7 @@ fn sample(s: &Value) -> std::result::Result<Sample, String> {
                 text: field("text")?,
                 time: time.clone(),
                 source_turn: String::new(),
-                metadata: Default::default(),
+                ..Default::default()
             });
         }
     }
@@ -132,7 +132,7 @@ pub fn read_facts(path: &Path) -> Result<Vec<MemoryUnit>> {
             source_turn: field("source_turn", true)?,
             speaker: field("speaker", false)?,
             time: field("time", false)?,
-            metadata: Default::default(),
+            ..Default::default()
         });
     }
     if facts.is_empty() {

@@ -90,7 +90,7 @@ fn synthetic_users(facts: usize, memories: Option<usize>, n: usize, prefix: &str
                         text: f.text,
                         time: "8 May 2023".into(),
                         source_turn: String::new(),
-                        metadata: Default::default(),
+                        ..Default::default()
                     })
                     .collect(),
             }

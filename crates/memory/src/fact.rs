@@ -85,12 +85,16 @@ struct Extension {
     metadata: serde_json::Map<String, serde_json::Value>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     history: Vec<Event>,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    agent_id: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    run_id: String,
 }
 
 /// One entry of a user's fact log.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Record {
-    Put(Fact),
+    Put(Box<Fact>),
     /// Tombstone; the log is rewritten without the fact right after.
     Forget(String),
 }
@@ -103,30 +107,42 @@ const FORGET: u8 = 2;
 const PUT_EXT: u8 = 3;
 
 impl Record {
+    /// Any record's bytes (the store writes puts only, [`Record::encode_put`];
+    /// tombstones are read from older logs).
+    #[cfg(test)]
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::new();
         match self {
-            Record::Put(f) => {
-                let u = &f.unit;
-                let plain = u.metadata.is_empty() && f.history.is_empty();
-                out.push(if plain { PUT } else { PUT_EXT });
-                for s in [&u.id, &u.speaker, &u.text, &u.time, &u.source_turn] {
-                    put_bytes(&mut out, s.as_bytes());
-                }
-                out.extend_from_slice(&(f.tokens.len() as u32).to_le_bytes());
-                f.tokens.iter().for_each(|t| out.extend_from_slice(&t.to_le_bytes()));
-                out.extend_from_slice(&(f.embedding.len() as u32).to_le_bytes());
-                f.embedding.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes()));
-                if !plain {
-                    let ext = Extension { metadata: u.metadata.clone(), history: f.history.clone() };
-                    let json = serde_json::to_string(&ext).unwrap_or_default();
-                    put_bytes(&mut out, json.as_bytes());
-                }
-            }
+            Record::Put(f) => Record::encode_put(f),
             Record::Forget(id) => {
-                out.push(FORGET);
+                let mut out = vec![FORGET];
                 put_bytes(&mut out, id.as_bytes());
+                out
             }
+        }
+    }
+
+    /// The put record of `f` (without copying the fact into a `Record`).
+    pub fn encode_put(f: &Fact) -> Vec<u8> {
+        let mut out = Vec::new();
+        let u = &f.unit;
+        let plain = u.metadata.is_empty() && f.history.is_empty() && u.agent_id.is_empty() && u.run_id.is_empty();
+        out.push(if plain { PUT } else { PUT_EXT });
+        for s in [&u.id, &u.speaker, &u.text, &u.time, &u.source_turn] {
+            put_bytes(&mut out, s.as_bytes());
+        }
+        out.extend_from_slice(&(f.tokens.len() as u32).to_le_bytes());
+        f.tokens.iter().for_each(|t| out.extend_from_slice(&t.to_le_bytes()));
+        out.extend_from_slice(&(f.embedding.len() as u32).to_le_bytes());
+        f.embedding.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes()));
+        if !plain {
+            let ext = Extension {
+                metadata: u.metadata.clone(),
+                history: f.history.clone(),
+                agent_id: u.agent_id.clone(),
+                run_id: u.run_id.clone(),
+            };
+            let json = serde_json::to_string(&ext).unwrap_or_default();
+            put_bytes(&mut out, json.as_bytes());
         }
         out
     }
@@ -151,8 +167,17 @@ impl Record {
                     }
                     _ => Extension::default(),
                 };
-                let unit = MemoryUnit { id, speaker, text, time, source_turn, metadata: ext.metadata };
-                Ok(Record::Put(Fact { unit, tokens, embedding, history: ext.history }))
+                let unit = MemoryUnit {
+                    id,
+                    speaker,
+                    text,
+                    time,
+                    source_turn,
+                    metadata: ext.metadata,
+                    agent_id: ext.agent_id,
+                    run_id: ext.run_id,
+                };
+                Ok(Record::Put(Box::new(Fact { unit, tokens, embedding, history: ext.history })))
             }
             FORGET => Ok(Record::Forget(r.string()?)),
             t => Err(r.corrupt(format!("unknown record tag {t}"))),
@@ -221,7 +246,7 @@ mod tests {
                 text: "I went to a support group — it was powerful.".into(),
                 time: "1:56 pm on 8 May, 2023".into(),
                 source_turn: String::new(),
-                metadata: Default::default(),
+                ..Default::default()
             },
             tokens: vec![1, 2, 49151],
             embedding: vec![0.5, -0.25, f32::MIN_POSITIVE],
@@ -230,14 +255,16 @@ mod tests {
         let mut with_meta = f.clone();
         with_meta.unit.metadata.insert("topic".into(), "health".into());
         with_meta.unit.metadata.insert("n".into(), 3.into());
+        with_meta.unit.agent_id = "coach".into();
         let mut with_history = with_meta.clone();
         let mut before = f.unit.clone();
         before.text = "I went to a support group.".into();
         with_history.history = vec![Event::added(&before), Event::updated(&before, &with_meta.unit)];
         // A fact without metadata or history keeps the original record form.
-        assert_eq!(Record::Put(f.clone()).encode()[0], PUT);
-        assert_eq!(Record::Put(with_meta.clone()).encode()[0], PUT_EXT);
-        for rec in [Record::Put(f), Record::Put(with_meta), Record::Put(with_history), Record::Forget("D1:3".into())] {
+        assert_eq!(Record::encode_put(&f)[0], PUT);
+        assert_eq!(Record::encode_put(&with_meta)[0], PUT_EXT);
+        let puts = [f, with_meta, with_history].map(|f| Record::Put(Box::new(f)));
+        for rec in puts.into_iter().chain([Record::Forget("D1:3".into())]) {
             let b = rec.encode();
             assert_eq!(Record::decode(&b, Path::new("x")).unwrap(), rec);
             for cut in 0..b.len() {

@@ -17,7 +17,7 @@ pub use answer::{Prepared, prepare};
 pub use compose::{ANSWER_INSTRUCTION, Chat, Composer, Prompts, SYSTEM_PROMPT};
 pub use error::{MemoryError, Result};
 pub use fact::{Event, EventKind, Fact};
-pub use inferscale_types::{DEFAULT_BLEND_RATIO, MemoryUnit, Mode, check_blend_ratio};
+pub use inferscale_types::{DEFAULT_BLEND_RATIO, MemoryUnit, Mode, Scope, check_blend_ratio};
 pub use kvseg::KvHeader;
 pub use retrieval::{Query, Retriever};
 pub use search::matches as filter_matches;

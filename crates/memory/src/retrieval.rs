@@ -174,7 +174,7 @@ mod tests {
                 text: text.into(),
                 time: "8 May 2023".into(),
                 source_turn: String::new(),
-                metadata: Default::default(),
+                ..Default::default()
             },
             tokens: Vec::new(),
             embedding: Vec::new(),

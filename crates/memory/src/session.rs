@@ -15,7 +15,7 @@ use inferscale_engine::bert::Bert;
 use inferscale_engine::kv_cache::BLOCK_SIZE;
 use inferscale_engine::{Backend, Engine, Sequence};
 use inferscale_model::{ModelFiles, Tokenizer};
-use inferscale_types::{MemoryUnit, Mode};
+use inferscale_types::{MemoryUnit, Mode, Scope};
 
 use crate::answer::{Prepared, prepare};
 use crate::compose::{Chat, Composer, Prompts};
@@ -247,7 +247,7 @@ impl<B: Backend> Session<B> {
     }
 
     /// `user`'s facts for `query` in the retriever's order (the one chat
-    /// requests use), those whose metadata passes `filters`
+    /// requests use), those in `scope` whose metadata passes `filters`
     /// ([`crate::filter_matches`]) and whose score reaches `threshold`, at
     /// most `top_k`. The score is the cosine similarity of the query's and
     /// the fact's embeddings (`search.rs`). A user without memory has no
@@ -259,6 +259,7 @@ impl<B: Backend> Session<B> {
         top_k: usize,
         threshold: Option<f32>,
         filters: &serde_json::Map<String, serde_json::Value>,
+        scope: &Scope,
     ) -> Result<Vec<Hit>> {
         crate::search::matches(&serde_json::Map::new(), filters)?;
         let facts = match self.memory.has_user(user) {
@@ -275,7 +276,8 @@ impl<B: Backend> Session<B> {
         for index in order {
             let f = &facts[index];
             let score = crate::search::score(&embedding, &f.embedding);
-            if threshold.is_some_and(|t| score < t) || !crate::search::matches(&f.unit.metadata, filters)? {
+            let outside = threshold.is_some_and(|t| score < t) || !scope.contains(&f.unit);
+            if outside || !crate::search::matches(&f.unit.metadata, filters)? {
                 continue;
             }
             hits.push(Hit { index, score });
@@ -290,6 +292,22 @@ impl<B: Backend> Session<B> {
     /// [`Memory::facts`]; none for a user without memory.
     pub fn retrieve(&mut self, user: &str, question: &str, k: usize) -> Result<Vec<usize>> {
         Ok(self.retrieve_many(user, &[question], k)?.pop().unwrap_or_default())
+    }
+
+    /// [`Session::retrieve`] among the units of `scope` only (one agent's,
+    /// one run's): the retriever ranks all of the user's facts, the first
+    /// `k` in scope are kept.
+    pub fn retrieve_in(&mut self, user: &str, question: &str, k: usize, scope: &Scope) -> Result<Vec<usize>> {
+        if scope.is_all() {
+            return self.retrieve(user, question, k);
+        }
+        let n = self.memory.facts(user).map_or(0, <[_]>::len);
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let order = self.retrieve(user, question, n)?;
+        let facts = self.memory.facts(user)?;
+        Ok(order.into_iter().filter(|&i| scope.contains(&facts[i].unit)).take(k).collect())
     }
 
     /// [`Session::retrieve`] for several questions of one user, their

@@ -143,6 +143,14 @@ pub fn validate(user: &str, turns: &[MemoryUnit]) -> Result<()> {
                 reason: format!("fact {:?} names itself as its source turn", t.id),
             });
         }
+        for (name, v) in [("agent_id", &t.agent_id), ("run_id", &t.run_id)] {
+            if v.len() > 256 || v.chars().any(char::is_control) {
+                return Err(MemoryError::Invalid {
+                    what: "unit",
+                    reason: format!("unit {:?}: {name} must be at most 256 bytes without control characters", t.id),
+                });
+            }
+        }
         let meta = serde_json::Value::Object(t.metadata.clone()).to_string().len();
         if meta > inferscale_types::MAX_METADATA_BYTES {
             return Err(MemoryError::Invalid {
@@ -491,7 +499,7 @@ impl<B: Backend> Memory<B> {
         for ((t, tokens), embedding) in new.iter().zip(tokens).zip(embeddings) {
             facts.push(Fact { unit: (*t).clone(), tokens, embedding, history: vec![Event::added(t)] });
         }
-        let records: Vec<Vec<u8>> = facts.iter().map(|f| Record::Put(f.clone()).encode()).collect();
+        let records: Vec<Vec<u8>> = facts.iter().map(Record::encode_put).collect();
         shard.log.append(&records.iter().map(Vec::as_slice).collect::<Vec<_>>())?;
         for f in facts {
             shard.by_id.insert(f.unit.id.clone(), shard.facts.len());
@@ -660,7 +668,7 @@ impl<B: Backend> Memory<B> {
         history.push(Event::updated(&old.unit, &unit));
         shard.facts[idx] = Fact { unit, tokens, embedding, history };
         shard.facts_changed();
-        let records: Vec<Vec<u8>> = shard.facts.iter().map(|f| Record::Put(f.clone()).encode()).collect();
+        let records: Vec<Vec<u8>> = shard.facts.iter().map(Record::encode_put).collect();
         shard.log.rewrite(&records)?;
         let mut report = UpdateReport { changed: true, encoded_tokens: 0 };
         if retext {
@@ -701,7 +709,7 @@ impl<B: Backend> Memory<B> {
         shard.kv.remove(idx);
         shard.facts_changed();
         shard.by_id = shard.facts.iter().enumerate().map(|(i, f)| (f.unit.id.clone(), i)).collect();
-        let records: Vec<Vec<u8>> = shard.facts.iter().map(|f| Record::Put(f.clone()).encode()).collect();
+        let records: Vec<Vec<u8>> = shard.facts.iter().map(Record::encode_put).collect();
         shard.log.rewrite(&records)?;
         shard.rewrite_kv_without(id)
     }
@@ -771,7 +779,7 @@ impl<B: Backend> UserShard<B> {
             match Record::decode(bytes, log.path())? {
                 Record::Put(f) => {
                     facts.retain(|x| x.unit.id != f.unit.id);
-                    facts.push(f);
+                    facts.push(*f);
                 }
                 Record::Forget(id) => facts.retain(|x| x.unit.id != id),
             }

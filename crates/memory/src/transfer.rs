@@ -125,7 +125,7 @@ impl<B: Backend> Memory<B> {
                 }
                 _ => Vec::new(),
             };
-            let r = ShardRecord { fact: Record::Put(fact.clone()).encode(), kv };
+            let r = ShardRecord { fact: Record::encode_put(fact), kv };
             bytes += r.len();
             out.push(r);
         }
@@ -139,12 +139,8 @@ impl<B: Backend> Memory<B> {
         let mut report =
             ImportReport { facts: staged.ids.len(), with_kv: staged.with_kv, kept: 0, bytes: staged.bytes };
         if let Some(local) = self.users.get(user) {
-            let extra: Vec<Vec<u8>> = local
-                .facts
-                .iter()
-                .filter(|f| !staged.ids.contains(&f.unit.id))
-                .map(|f| Record::Put(f.clone()).encode())
-                .collect();
+            let extra: Vec<Vec<u8>> =
+                local.facts.iter().filter(|f| !staged.ids.contains(&f.unit.id)).map(Record::encode_put).collect();
             if !extra.is_empty() {
                 let (mut log, _) = RecordLog::open(&staged.dir.join("facts.log"))?;
                 log.append(&extra.iter().map(Vec::as_slice).collect::<Vec<_>>())?;
@@ -245,7 +241,7 @@ impl Staging {
         let mut kv = Vec::new();
         for r in records {
             let fact: Fact = match Record::decode(&r.fact, &path)? {
-                Record::Put(f) => f,
+                Record::Put(f) => *f,
                 Record::Forget(_) => {
                     return Err(MemoryError::Invalid { what: "shard record", reason: "a tombstone in a shard".into() });
                 }

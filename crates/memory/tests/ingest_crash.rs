@@ -25,7 +25,7 @@ fn turn(i: usize) -> MemoryUnit {
         text: format!("Turn number {i}: I visited place {} and met friend {}.", i * 7 % 13, i * 5 % 11),
         time: "1:56 pm on 8 May, 2023".into(),
         source_turn: String::new(),
-        metadata: Default::default(),
+        ..Default::default()
     }
 }
 

@@ -47,7 +47,7 @@ fn turns(prefix: &str, n: usize) -> Vec<MemoryUnit> {
                 text: text.into(),
                 time: "1:56 pm on 8 May, 2023".into(),
                 source_turn: String::new(),
-                metadata: Default::default(),
+                ..Default::default()
             }
         })
         .collect()
@@ -311,7 +311,7 @@ fn supplied_facts_are_encoded_after_their_source_turns_context() {
         text: "Caroline is moving to Lisbon in September.".into(),
         time: "1:56 pm on 8 May, 2023".into(),
         source_turn: "T2".into(),
-        metadata: Default::default(),
+        ..Default::default()
     };
     {
         let mut enc = Encoders { engine: &mut e, embedder: &m.embedder, composer: &composer };

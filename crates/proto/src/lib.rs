@@ -29,7 +29,16 @@ impl From<inferscale_types::MemoryUnit> for MemoryUnit {
             true => String::new(),
             false => serde_json::Value::Object(u.metadata).to_string(),
         };
-        MemoryUnit { id: u.id, speaker: u.speaker, text: u.text, time: u.time, source_turn: u.source_turn, metadata }
+        MemoryUnit {
+            id: u.id,
+            speaker: u.speaker,
+            text: u.text,
+            time: u.time,
+            source_turn: u.source_turn,
+            metadata,
+            agent_id: u.agent_id,
+            run_id: u.run_id,
+        }
     }
 }
 
@@ -50,6 +59,8 @@ impl TryFrom<MemoryUnit> for inferscale_types::MemoryUnit {
             time: u.time,
             source_turn: u.source_turn,
             metadata,
+            agent_id: u.agent_id,
+            run_id: u.run_id,
         })
     }
 }
@@ -109,4 +120,10 @@ impl ErrorKind {
             _ => None,
         }
     }
+}
+
+/// A request's scope from its proto fields (empty: not scoped).
+pub fn scope(agent_id: &str, run_id: &str) -> inferscale_types::Scope {
+    let some = |s: &str| (!s.is_empty()).then(|| s.to_string());
+    inferscale_types::Scope { agent_id: some(agent_id), run_id: some(run_id) }
 }

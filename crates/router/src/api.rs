@@ -262,6 +262,8 @@ fn validate(s: &AppState, tenant: &str, r: ChatRequest, prompt: Option<String>) 
         deadline_ms: s.defaults.deadline.as_millis().min(u128::from(u32::MAX)) as u32,
         blend_ratio,
         prompt,
+        agent_id: mem.agent_id.clone().unwrap_or_default(),
+        run_id: mem.run_id.clone().unwrap_or_default(),
     };
     let include_usage = r.stream_options.is_some_and(|o| o.include_usage);
     let kind = if req.prompt.is_some() { Kind::Text } else { Kind::Chat };

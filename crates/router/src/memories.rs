@@ -14,7 +14,7 @@ use axum::extract::rejection::{BytesRejection, PathRejection};
 use axum::extract::{Path, RawQuery, State};
 use axum::http::HeaderMap;
 use inferscale_proto as pb;
-use inferscale_types::MemoryUnit;
+use inferscale_types::{MemoryUnit, Scope};
 use serde::Deserialize;
 use serde_json::json;
 
@@ -34,7 +34,6 @@ pub(crate) async fn ingest(
     let tenant = tenant(&s, &headers)?;
     let r: IngestBody = openai::parse(&body(b, s.defaults.body_limit)?)?;
     openai::check_user(&r.user)?;
-    unscoped_fields(r.agent_id.as_ref(), r.run_id.as_ref())?;
     let from_messages = units_from_messages(&r.messages)?;
     if r.turns.is_empty() && r.facts.is_empty() && from_messages.is_empty() {
         return Err(ApiError::BadRequest(
@@ -46,9 +45,18 @@ pub(crate) async fn ingest(
     }
     let ids: Vec<String> = from_messages.iter().map(|u| u.id.clone()).collect();
     let mut units: Vec<MemoryUnit> = r.turns.into_iter().chain(from_messages).chain(r.facts).collect();
-    // The request's metadata goes on every unit that has none of its own.
-    for u in units.iter_mut().filter(|u| u.metadata.is_empty()) {
-        u.metadata.clone_from(&r.metadata);
+    // The request's metadata, agent and run go on every unit that has none
+    // of its own.
+    for u in &mut units {
+        if u.metadata.is_empty() {
+            u.metadata.clone_from(&r.metadata);
+        }
+        if u.agent_id.is_empty() {
+            u.agent_id = r.agent_id.clone().unwrap_or_default();
+        }
+        if u.run_id.is_empty() {
+            u.run_id = r.run_id.clone().unwrap_or_default();
+        }
     }
     let units: Vec<pb::MemoryUnit> = units.into_iter().map(pb::MemoryUnit::from).collect();
     let user = scoped(&tenant, &r.user);
@@ -74,16 +82,6 @@ pub(crate) async fn ingest(
         out["ids"] = json!(ids);
     }
     Ok(Json(out))
-}
-
-/// Scoping by agent or run is not implemented: a request that names one is
-/// refused rather than stored in (or searched over) the user's whole memory.
-fn unscoped_fields(agent_id: Option<&serde_json::Value>, run_id: Option<&serde_json::Value>) -> Result<()> {
-    match (agent_id.filter(|v| !v.is_null()), run_id.filter(|v| !v.is_null())) {
-        (Some(_), _) => Err(ApiError::Unsupported("agent_id".into())),
-        (_, Some(_)) => Err(ApiError::Unsupported("run_id".into())),
-        _ => Ok(()),
-    }
 }
 
 /// Memory units from an OpenAI message list (Mem0's `add(messages)`): each
@@ -136,7 +134,7 @@ pub(crate) async fn list(
     let user = path(user)?;
     let tenant = tenant(&s, &headers)?;
     openai::check_user(&user)?;
-    let (limit, cursor) = page(query.0.as_deref())?;
+    let (limit, cursor, scope) = page(query.0.as_deref())?;
     let w = s.workers.reader(&scoped(&tenant, &user))?;
     let req = pb::ListMemoriesRequest { user: scoped(&tenant, &user), ids: Vec::new() };
     let r = w
@@ -146,7 +144,13 @@ pub(crate) async fn list(
         .await
         .map_err(|e| ApiError::from(e).unscope(&tenant))?
         .into_inner();
-    let all = r.units;
+    let all = r
+        .units
+        .into_iter()
+        .map(MemoryUnit::try_from)
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(ApiError::Internal)?;
+    let all: Vec<MemoryUnit> = all.into_iter().filter(|u| scope.contains(u)).collect();
     let total = all.len();
     let start = match &cursor {
         None => 0,
@@ -156,20 +160,16 @@ pub(crate) async fn list(
         })?,
     };
     let end = (start + limit).min(total);
-    let units = all[start..end]
-        .iter()
-        .cloned()
-        .map(MemoryUnit::try_from)
-        .collect::<std::result::Result<Vec<_>, _>>()
-        .map_err(ApiError::Internal)?;
+    let units = &all[start..end];
     let next = (end < total).then(|| units.last().map(|u| u.id.clone())).flatten();
     Ok(Json(json!({"user": user, "window": r.window, "total": total, "count": units.len(), "units": units,
                    "next_cursor": next})))
 }
 
-/// `limit` and `cursor` of a list's query string.
-fn page(query: Option<&str>) -> Result<(usize, Option<String>)> {
-    let (mut limit, mut cursor) = (LIST_LIMIT, None);
+/// `limit`, `cursor` and the scope (`agent_id`, `run_id`) of a list's
+/// query string.
+fn page(query: Option<&str>) -> Result<(usize, Option<String>, Scope)> {
+    let (mut limit, mut cursor, mut scope) = (LIST_LIMIT, None, Scope::default());
     for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
         let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
         let value = percent_decode(value).ok_or_else(|| {
@@ -183,11 +183,13 @@ fn page(query: Option<&str>) -> Result<(usize, Option<String>)> {
                 })?
             }
             "cursor" if !value.is_empty() => cursor = Some(value),
-            "cursor" => {}
+            "agent_id" if !value.is_empty() => scope.agent_id = Some(value),
+            "run_id" if !value.is_empty() => scope.run_id = Some(value),
+            "cursor" | "agent_id" | "run_id" => {}
             other => return Err(ApiError::Unsupported(other.to_string())),
         }
     }
-    Ok((limit, cursor))
+    Ok((limit, cursor, scope))
 }
 
 /// `%XX` escapes and `+` (a space) decoded; `None` for a bad escape or
@@ -300,8 +302,8 @@ pub(crate) struct SearchBody {
     threshold: Option<f32>,
     #[serde(default)]
     filters: serde_json::Map<String, serde_json::Value>,
-    agent_id: Option<serde_json::Value>,
-    run_id: Option<serde_json::Value>,
+    agent_id: Option<String>,
+    run_id: Option<String>,
 }
 
 /// Results of a search when the request does not say.
@@ -317,7 +319,6 @@ pub(crate) async fn search(
     let tenant = tenant(&s, &headers)?;
     let r: SearchBody = openai::parse(&body(b, s.defaults.body_limit)?)?;
     openai::check_user(&r.user)?;
-    unscoped_fields(r.agent_id.as_ref(), r.run_id.as_ref())?;
     let scoped_user = scoped(&tenant, &r.user);
     let w = s.workers.reader(&scoped_user)?;
     let filters = match r.filters.is_empty() {
@@ -330,6 +331,8 @@ pub(crate) async fn search(
         top_k: r.top_k.unwrap_or(SEARCH_TOP_K),
         threshold: r.threshold,
         filters,
+        agent_id: r.agent_id.unwrap_or_default(),
+        run_id: r.run_id.unwrap_or_default(),
     };
     let hits = w
         .worker()
@@ -450,6 +453,11 @@ fn rfc3339(ms: u64) -> String {
 fn unit_json(user: &str, u: MemoryUnit, score: Option<f32>) -> serde_json::Value {
     let mut v = json!({"id": u.id, "memory": u.text, "text": u.text, "speaker": u.speaker, "time": u.time,
                        "metadata": u.metadata, "user_id": user});
+    for (k, s) in [("agent_id", &u.agent_id), ("run_id", &u.run_id)] {
+        if !s.is_empty() {
+            v[k] = json!(s);
+        }
+    }
     if !u.source_turn.is_empty() {
         v["source_turn"] = json!(u.source_turn);
     }
@@ -496,9 +504,12 @@ mod tests {
 
     #[test]
     fn list_pages_parse_limit_and_cursor() {
-        assert_eq!(page(None).ok(), Some((LIST_LIMIT, None)));
-        assert_eq!(page(Some("limit=5&cursor=D1%3A3")).ok(), Some((5, Some("D1:3".into()))));
-        assert_eq!(page(Some("cursor=a+b")).ok(), Some((LIST_LIMIT, Some("a b".into()))));
+        let all = Scope::default();
+        assert_eq!(page(None).ok(), Some((LIST_LIMIT, None, all.clone())));
+        assert_eq!(page(Some("limit=5&cursor=D1%3A3")).ok(), Some((5, Some("D1:3".into()), all.clone())));
+        assert_eq!(page(Some("cursor=a+b")).ok(), Some((LIST_LIMIT, Some("a b".into()), all)));
+        let agent = Scope { agent_id: Some("coach".into()), run_id: None };
+        assert_eq!(page(Some("agent_id=coach")).ok(), Some((LIST_LIMIT, None, agent)));
         for bad in ["limit=0", "limit=1001", "limit=x", "cursor=%zz", "cursor=%ff", "page=2"] {
             assert!(page(Some(bad)).is_err(), "{bad}");
         }

@@ -280,6 +280,9 @@ pub struct MemoryOptions {
     pub window: Option<u32>,
     /// `mode = "blend"`: the share of injected tokens recomputed (0..=1).
     pub blend_ratio: Option<f32>,
+    /// Retrieve only the units of this agent / run (Mem0's scoping).
+    pub agent_id: Option<String>,
+    pub run_id: Option<String>,
 }
 
 /// `POST /v1/memories`.
@@ -298,9 +301,10 @@ pub struct IngestBody {
     /// Metadata for every unit of the request that has none of its own.
     #[serde(default)]
     pub metadata: serde_json::Map<String, serde_json::Value>,
-    /// Mem0's scoping: refused until memories are scoped by agent and run.
-    pub agent_id: Option<serde_json::Value>,
-    pub run_id: Option<serde_json::Value>,
+    /// Mem0's scoping: the agent and/or run every unit of the request
+    /// belongs to (a unit's own `agent_id`/`run_id` wins).
+    pub agent_id: Option<String>,
+    pub run_id: Option<String>,
 }
 
 /// Longest user id, in bytes.

@@ -34,6 +34,33 @@ pub struct MemoryUnit {
     /// the model reads.
     #[serde(default, skip_serializing_if = "serde_json::Map::is_empty")]
     pub metadata: serde_json::Map<String, serde_json::Value>,
+    /// The agent this unit belongs to (Mem0's `agent_id`), empty for none:
+    /// a request scoped to an agent retrieves only that agent's units.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub agent_id: String,
+    /// The run (session) this unit belongs to (Mem0's `run_id`), likewise.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub run_id: String,
+}
+
+/// Which of a user's units a request may use: all of them, or those of one
+/// agent and/or one run (Mem0's scoping). Units of a user are one memory
+/// placed together; a scope narrows what is retrieved, searched and listed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Scope {
+    pub agent_id: Option<String>,
+    pub run_id: Option<String>,
+}
+
+impl Scope {
+    pub fn is_all(&self) -> bool {
+        self.agent_id.is_none() && self.run_id.is_none()
+    }
+
+    /// Whether `u` is in this scope.
+    pub fn contains(&self, u: &MemoryUnit) -> bool {
+        self.agent_id.as_ref().is_none_or(|a| *a == u.agent_id) && self.run_id.as_ref().is_none_or(|r| *r == u.run_id)
+    }
 }
 
 /// Largest `metadata` of one unit, as JSON text.

@@ -230,7 +230,7 @@ impl MemoryHost for Host {
     fn search(&mut self, q: &SearchQuery) -> WResult<Vec<(MemoryUnit, f32)>> {
         self.read(|g| {
             Ok(each!(g, c => {
-                let hits = c.search(&q.user, &q.query, q.top_k, q.threshold, &q.filters)?;
+                let hits = c.search(&q.user, &q.query, q.top_k, q.threshold, &q.filters, &q.scope)?;
                 search_results(c.memory(), &q.user, &hits)
             }))
         })

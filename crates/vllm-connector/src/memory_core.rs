@@ -15,7 +15,7 @@ use std::sync::Arc;
 use inferscale_engine::bert::Bert;
 use inferscale_engine::{Backend, CpuBackend, Engine, EngineConfig, KvChunk};
 use inferscale_memory::{
-    Chat, ImportReport, IngestReport, Memory, MemoryUnit, Prompts, Retriever, Session, ShardSpec, StagedShard,
+    Chat, ImportReport, IngestReport, Memory, MemoryUnit, Prompts, Retriever, Scope, Session, ShardSpec, StagedShard,
 };
 use inferscale_model::{ModelFiles, RopeScaling, shapes};
 
@@ -160,8 +160,9 @@ impl<B: Backend> Core<B> {
         top_k: usize,
         threshold: Option<f32>,
         filters: &serde_json::Map<String, serde_json::Value>,
+        scope: &Scope,
     ) -> Result<Vec<inferscale_memory::Hit>> {
-        Ok(self.session.search(user, query, top_k, threshold, filters)?)
+        Ok(self.session.search(user, query, top_k, threshold, filters, scope)?)
     }
 
     /// Sentence embeddings by the retrieval encoder (`/v1/embeddings`).
@@ -239,7 +240,7 @@ impl<B: Backend> Core<B> {
     /// The header is always the configured system prompt's: vLLM loads KV
     /// for a prefix of the prompt only, and the header leads it, so a
     /// request's own system prompt is refused rather than silently dropped.
-    pub fn compose(&mut self, user: &str, chat: &Chat, k: usize) -> Result<Composed> {
+    pub fn compose(&mut self, user: &str, chat: &Chat, scope: &Scope, k: usize) -> Result<Composed> {
         if !self.session.composer().is_default_header(chat) {
             let what = if chat.raw { "a completion" } else { "a system message other than the server's system prompt" };
             return Err(ConnectorError::Invalid {
@@ -248,7 +249,7 @@ impl<B: Backend> Core<B> {
             });
         }
         let q_tokens = self.session.tail(chat)?;
-        let best = if k > 0 { self.session.retrieve(user, &chat.question, k)? } else { Vec::new() };
+        let best = if k > 0 { self.session.retrieve_in(user, &chat.question, k, scope)? } else { Vec::new() };
         let mut prompt = self.session.composer().header().to_vec();
         let mut chunks = vec![Chunk { fact: None, start: 0, len: prompt.len() }];
         let mut fact_ids = Vec::with_capacity(best.len());
@@ -281,8 +282,8 @@ impl<B: Backend> Core<B> {
 
     /// [`Core::compose`], counting the memory tokens its loads write (for
     /// the request's usage): [`Core::take_loaded`] reads and drops the count.
-    pub fn compose_tracked(&mut self, user: &str, chat: &Chat, k: usize) -> Result<Composed> {
-        let c = self.compose(user, chat, k)?;
+    pub fn compose_tracked(&mut self, user: &str, chat: &Chat, scope: &Scope, k: usize) -> Result<Composed> {
+        let c = self.compose(user, chat, scope, k)?;
         self.loaded.insert(c.plan.id.clone(), 0);
         Ok(c)
     }

@@ -11,7 +11,7 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
 use inferscale_engine::CpuBackend;
-use inferscale_memory::{Chat, MemoryError, Prompts};
+use inferscale_memory::{Chat, MemoryError, Prompts, Scope};
 
 use crate::error::ConnectorError;
 use crate::inject::CacheMut;
@@ -147,7 +147,7 @@ impl PyCore {
                     speaker: take("speaker"),
                     time: take("time"),
                     source_turn: take("source_turn"),
-                    metadata: Default::default(),
+                    ..Default::default()
                 };
                 if turn.id.is_empty() || turn.text.is_empty() {
                     return Err(PyValueError::new_err(format!("turn {i}: `id` and `text` are required")));
@@ -177,8 +177,10 @@ impl PyCore {
         question: &str,
         k: usize,
     ) -> PyResult<(Vec<u32>, String, String, Vec<String>)> {
-        let c = py
-            .detach(|| each!(&mut *self.lock()?, c => c.compose(user, &Chat::question(question), k)).map_err(py_err))?;
+        let c = py.detach(|| {
+            each!(&mut *self.lock()?, c => c.compose(user, &Chat::question(question), &Scope::default(), k))
+                .map_err(py_err)
+        })?;
         Ok((c.prompt, c.plan.to_params().to_string(), c.plan.salt.clone(), c.fact_ids))
     }
 

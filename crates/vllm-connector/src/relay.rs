@@ -129,9 +129,10 @@ impl Relay {
         metrics: &WorkerMetrics,
     ) -> std::result::Result<Finished, Stop> {
         let k = if job.mode == Mode::None { 0 } else { job.k };
-        let (user, chat) = (job.user.clone(), job.chat.clone());
-        let composed: Composed =
-            self.with_core(move |g| each!(g, c => c.compose_tracked(&user, &chat, k)).map_err(worker_error)).await?;
+        let (user, chat, scope) = (job.user.clone(), job.chat.clone(), job.scope.clone());
+        let composed: Composed = self
+            .with_core(move |g| each!(g, c => c.compose_tracked(&user, &chat, &scope, k)).map_err(worker_error))
+            .await?;
         let composed_at = Instant::now();
         let plan_id = composed.plan.id.clone();
         let r = self.stream(&job, &composed, events, metrics).await;

@@ -282,7 +282,7 @@ impl<B: Backend> MemoryHost for Core<B> {
     }
 
     fn search(&mut self, q: &SearchQuery) -> Result<Vec<(MemoryUnit, f32)>> {
-        let hits = self.session.search(&q.user, &q.query, q.top_k, q.threshold, &q.filters)?;
+        let hits = self.session.search(&q.user, &q.query, q.top_k, q.threshold, &q.filters, &q.scope)?;
         Ok(search_results(self.session.memory(), &q.user, &hits))
     }
 
@@ -373,7 +373,7 @@ impl<B: Backend> Core<B> {
             if job.mode.injects() {
                 self.session.ensure_kv(&job.user)?;
             }
-            facts = self.session.retrieve(&job.user, &job.chat.question, job.k)?;
+            facts = self.session.retrieve_in(&job.user, &job.chat.question, job.k, &job.scope)?;
             retrieve.record("candidates", self.session.memory().facts(&job.user).map_or(0, <[_]>::len) as i64);
         }
         retrieve.record("retrieved", facts.len() as i64);

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use inferscale_engine::sampling::SamplingParams;
 use inferscale_engine::{Backend, FinishReason};
 use inferscale_memory::{
-    Chat, Event as UnitEvent, Footprint, Hit, ImportReport, IngestReport, KvHeader, Memory, MemoryUnit, Mode,
+    Chat, Event as UnitEvent, Footprint, Hit, ImportReport, IngestReport, KvHeader, Memory, MemoryUnit, Mode, Scope,
     ShardRecord, StagedShard, UnitUpdate, UpdateReport,
 };
 use tokio::sync::{mpsc, oneshot};
@@ -38,6 +38,8 @@ pub struct GenerateJob {
     pub user: String,
     /// System prompt, earlier turns and the question.
     pub chat: Chat,
+    /// Which of the user's units may be retrieved (an agent's, a run's).
+    pub scope: Scope,
     pub mode: Mode,
     pub k: usize,
     /// The context window the caller expects its memory encoded with.
@@ -226,6 +228,8 @@ pub struct SearchQuery {
     pub threshold: Option<f32>,
     /// Metadata filters (`inferscale_memory::filter_matches`).
     pub filters: serde_json::Map<String, serde_json::Value>,
+    /// Only units of this agent / run.
+    pub scope: Scope,
 }
 
 /// Most results one search may ask for.
@@ -722,6 +726,7 @@ mod tests {
         GenerateJob {
             user: user.into(),
             chat: Chat::question(question),
+            scope: Scope::default(),
             mode,
             k,
             window: None,

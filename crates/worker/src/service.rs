@@ -326,6 +326,7 @@ impl pb::worker_server::Worker for WorkerService {
             None => chat(r.messages)?,
         };
         let job = GenerateJob {
+            scope: pb::scope(&r.agent_id, &r.run_id),
             user: r.user,
             chat,
             mode: memory,
@@ -425,8 +426,14 @@ impl pb::worker_server::Worker for WorkerService {
             false => serde_json::from_str(&r.filters)
                 .map_err(|e| Status::invalid_argument(format!("`filters` is not a JSON object: {e}")))?,
         };
-        let query =
-            SearchQuery { user: r.user, query: r.query, top_k: r.top_k as usize, threshold: r.threshold, filters };
+        let query = SearchQuery {
+            scope: pb::scope(&r.agent_id, &r.run_id),
+            user: r.user,
+            query: r.query,
+            top_k: r.top_k as usize,
+            threshold: r.threshold,
+            filters,
+        };
         let hits = self.call(|reply| Command::Search { query, reply }).await??;
         let hits = hits.into_iter().map(|(u, score)| pb::SearchHit { unit: Some(u.into()), score }).collect();
         Ok(Response::new(pb::SearchMemoriesResponse { hits }))

@@ -180,7 +180,7 @@ async fn measure(a: &ServeBenchArgs, addr: &str, mode: Mode, users: usize) -> Re
             sampling: Some(pb::Sampling { max_tokens: a.max_tokens, ignore_eos: true, ..Default::default() }),
             deadline_ms: 600_000,
             blend_ratio: (mode == Mode::Blend).then_some(a.blend_ratio),
-            prompt: None,
+            ..Default::default()
         };
         tasks.push(tokio::spawn(async move {
             while Instant::now() < until {

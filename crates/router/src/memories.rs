@@ -18,11 +18,36 @@ use inferscale_types::{MemoryUnit, Scope};
 use serde::Deserialize;
 use serde_json::json;
 
-use crate::api::{AppState, RETRY_FOR, RETRY_PAUSE, Shared, body, tenant, write_all};
+use crate::api::{AppState, RETRY_FOR, RETRY_PAUSE, Shared, WorkerClient, body, tenant, write_all};
 use crate::auth::scoped;
 use crate::error::{ApiError, Result};
 use crate::openai::{self, IngestBody};
-use crate::workers::request;
+use crate::workers::{InFlight, request};
+
+/// A read of one user's memory: the key's tenant (to take its namespace out
+/// of error messages), the scoped user id, and a client of the worker that
+/// answers the user's reads, counted in flight while the read lasts.
+struct Read {
+    tenant: String,
+    user: String,
+    client: WorkerClient,
+    _in_flight: InFlight,
+}
+
+impl Read {
+    fn new(s: &AppState, headers: &HeaderMap, user: &str) -> Result<Read> {
+        let tenant = tenant(s, headers)?;
+        openai::check_user(user)?;
+        let scoped_user = scoped(&tenant, user);
+        let w = s.workers.reader(&scoped_user)?;
+        Ok(Read { client: w.worker().client(), tenant, user: scoped_user, _in_flight: w })
+    }
+
+    /// A worker's refusal as the client should see it.
+    fn error(&self, e: tonic::Status) -> ApiError {
+        ApiError::from(e).unscope(&self.tenant)
+    }
+}
 
 /// `POST /v1/memories`: turns, facts and (Mem0-style) chat messages;
 /// acknowledged once every writer of the user has stored them.
@@ -132,18 +157,10 @@ pub(crate) async fn list(
     query: RawQuery,
 ) -> Result<Json<serde_json::Value>> {
     let user = path(user)?;
-    let tenant = tenant(&s, &headers)?;
-    openai::check_user(&user)?;
+    let mut read = Read::new(&s, &headers, &user)?;
     let (limit, cursor, scope) = page(query.0.as_deref())?;
-    let w = s.workers.reader(&scoped(&tenant, &user))?;
-    let req = pb::ListMemoriesRequest { user: scoped(&tenant, &user), ids: Vec::new() };
-    let r = w
-        .worker()
-        .client()
-        .list_memories(request(req, s.defaults.deadline))
-        .await
-        .map_err(|e| ApiError::from(e).unscope(&tenant))?
-        .into_inner();
+    let req = pb::ListMemoriesRequest { user: read.user.clone(), ids: Vec::new() };
+    let r = read.client.list_memories(request(req, s.defaults.deadline)).await.map_err(|e| read.error(e))?.into_inner();
     let all = r
         .units
         .into_iter()
@@ -275,18 +292,9 @@ pub(crate) async fn get(
     p: std::result::Result<Path<(String, String)>, PathRejection>,
 ) -> Result<Json<serde_json::Value>> {
     let (user, id) = path(p)?;
-    let tenant = tenant(&s, &headers)?;
-    openai::check_user(&user)?;
-    let scoped_user = scoped(&tenant, &user);
-    let w = s.workers.reader(&scoped_user)?;
-    let req = pb::ListMemoriesRequest { user: scoped_user, ids: vec![id] };
-    let r = w
-        .worker()
-        .client()
-        .list_memories(request(req, s.defaults.deadline))
-        .await
-        .map_err(|e| ApiError::from(e).unscope(&tenant))?
-        .into_inner();
+    let mut read = Read::new(&s, &headers, &user)?;
+    let req = pb::ListMemoriesRequest { user: read.user.clone(), ids: vec![id] };
+    let r = read.client.list_memories(request(req, s.defaults.deadline)).await.map_err(|e| read.error(e))?.into_inner();
     let unit = r.units.into_iter().next().ok_or_else(|| ApiError::Internal("the worker sent no unit".into()))?;
     Ok(Json(unit_json(&user, MemoryUnit::try_from(unit).map_err(ApiError::Internal)?, None)))
 }
@@ -316,17 +324,15 @@ pub(crate) async fn search(
     headers: HeaderMap,
     b: std::result::Result<Bytes, BytesRejection>,
 ) -> Result<Json<serde_json::Value>> {
-    let tenant = tenant(&s, &headers)?;
+    tenant(&s, &headers)?;
     let r: SearchBody = openai::parse(&body(b, s.defaults.body_limit)?)?;
-    openai::check_user(&r.user)?;
-    let scoped_user = scoped(&tenant, &r.user);
-    let w = s.workers.reader(&scoped_user)?;
+    let mut read = Read::new(&s, &headers, &r.user)?;
     let filters = match r.filters.is_empty() {
         true => String::new(),
         false => serde_json::Value::Object(r.filters).to_string(),
     };
     let req = pb::SearchMemoriesRequest {
-        user: scoped_user,
+        user: read.user.clone(),
         query: r.query,
         top_k: r.top_k.unwrap_or(SEARCH_TOP_K),
         threshold: r.threshold,
@@ -334,14 +340,8 @@ pub(crate) async fn search(
         agent_id: r.agent_id.unwrap_or_default(),
         run_id: r.run_id.unwrap_or_default(),
     };
-    let hits = w
-        .worker()
-        .client()
-        .search_memories(request(req, s.defaults.deadline))
-        .await
-        .map_err(|e| ApiError::from(e).unscope(&tenant))?
-        .into_inner()
-        .hits;
+    let hits = read.client.search_memories(request(req, s.defaults.deadline)).await.map_err(|e| read.error(e))?;
+    let hits = hits.into_inner().hits;
     let results = hits
         .into_iter()
         .map(|h| {
@@ -406,19 +406,10 @@ pub(crate) async fn history(
     p: std::result::Result<Path<(String, String)>, PathRejection>,
 ) -> Result<Json<serde_json::Value>> {
     let (user, id) = path(p)?;
-    let tenant = tenant(&s, &headers)?;
-    openai::check_user(&user)?;
-    let scoped_user = scoped(&tenant, &user);
-    let w = s.workers.reader(&scoped_user)?;
-    let req = pb::UnitHistoryRequest { user: scoped_user, id: id.clone() };
-    let events = w
-        .worker()
-        .client()
-        .unit_history(request(req, s.defaults.deadline))
-        .await
-        .map_err(|e| ApiError::from(e).unscope(&tenant))?
-        .into_inner()
-        .events;
+    let mut read = Read::new(&s, &headers, &user)?;
+    let req = pb::UnitHistoryRequest { user: read.user.clone(), id: id.clone() };
+    let events = read.client.unit_history(request(req, s.defaults.deadline)).await.map_err(|e| read.error(e))?;
+    let events = events.into_inner().events;
     let meta = |m: &str| serde_json::from_str::<serde_json::Value>(m).unwrap_or(serde_json::Value::Null);
     let history: Vec<serde_json::Value> = events
         .iter()

@@ -78,14 +78,18 @@ impl HeaderCache {
         Self::blocks(header) <= self.budget_blocks
     }
 
+    /// Evicts the least recently used until at most `blocks` are held.
+    fn shrink_to(&mut self, blocks: usize) {
+        let mut used: usize = self.entries.iter().map(|(_, h)| Self::blocks(h)).sum();
+        while used > blocks && !self.entries.is_empty() {
+            used -= Self::blocks(&self.entries.remove(0).1);
+        }
+    }
+
     /// Keeps `header` (which [`HeaderCache::fits`]), evicting the least
     /// recently used until it fits.
     fn insert(&mut self, key: Option<String>, header: Sequence) -> &Sequence {
-        let need = Self::blocks(&header);
-        let mut used: usize = self.entries.iter().map(|(_, h)| Self::blocks(h)).sum();
-        while used + need > self.budget_blocks && !self.entries.is_empty() {
-            used -= Self::blocks(&self.entries.remove(0).1);
-        }
+        self.shrink_to(self.budget_blocks - Self::blocks(&header));
         self.entries.push((key, header));
         &self.entries[self.entries.len() - 1].1
     }
@@ -113,9 +117,7 @@ impl<B: Backend> Session<B> {
     /// header). The caller accounts for those blocks in its KV budget.
     pub fn set_header_cache(&mut self, blocks: usize) {
         self.headers.budget_blocks = blocks;
-        while self.headers.entries.iter().map(|(_, h)| HeaderCache::blocks(h)).sum::<usize>() > blocks {
-            self.headers.entries.remove(0);
-        }
+        self.headers.shrink_to(blocks);
     }
 
     /// Tokens of the header `chat` is laid out under (see

@@ -444,12 +444,23 @@ async fn chat(
     b: std::result::Result<Bytes, BytesRejection>,
 ) -> Result<Response> {
     let clock = Clock { start: Instant::now(), first: None, tokens: 0 };
-    let tenant = tenant(&s, &headers)?;
+    let (tenant, parsed) = openai_request(&s, &headers, b)?;
+    let chat = validate(&s, &tenant, parsed, None)?;
+    generate(s, &tenant, chat, clock).await
+}
+
+/// The tenant and the parsed body of an OpenAI generation request, with
+/// the parameters we do not implement refused by name.
+fn openai_request<T: serde::de::DeserializeOwned>(
+    s: &AppState,
+    headers: &HeaderMap,
+    b: std::result::Result<Bytes, BytesRejection>,
+) -> Result<(String, T)> {
+    let tenant = tenant(s, headers)?;
     let bytes = body(b, s.defaults.body_limit)?;
     let parsed = openai::parse(&bytes)?;
     openai::check_unsupported(&bytes)?;
-    let chat = validate(&s, &tenant, parsed, None)?;
-    generate(s, &tenant, chat, clock).await
+    Ok((tenant, parsed))
 }
 
 async fn completions(
@@ -458,10 +469,7 @@ async fn completions(
     b: std::result::Result<Bytes, BytesRejection>,
 ) -> Result<Response> {
     let clock = Clock { start: Instant::now(), first: None, tokens: 0 };
-    let tenant = tenant(&s, &headers)?;
-    let bytes = body(b, s.defaults.body_limit)?;
-    let parsed: openai::CompletionRequest = openai::parse(&bytes)?;
-    openai::check_unsupported(&bytes)?;
+    let (tenant, parsed): (String, openai::CompletionRequest) = openai_request(&s, &headers, b)?;
     let (prompt, rest) = parsed.split()?;
     if prompt.trim().is_empty() {
         return Err(ApiError::Param { param: "prompt", message: "the prompt is empty".into() });

@@ -35,8 +35,7 @@ struct Read {
 }
 
 impl Read {
-    fn new(s: &AppState, headers: &HeaderMap, user: &str) -> Result<Read> {
-        let tenant = tenant(s, headers)?;
+    fn new(s: &AppState, tenant: String, user: &str) -> Result<Read> {
         openai::check_user(user)?;
         let scoped_user = scoped(&tenant, user);
         let w = s.workers.reader(&scoped_user)?;
@@ -157,7 +156,7 @@ pub(crate) async fn list(
     query: RawQuery,
 ) -> Result<Json<serde_json::Value>> {
     let user = path(user)?;
-    let mut read = Read::new(&s, &headers, &user)?;
+    let mut read = Read::new(&s, tenant(&s, &headers)?, &user)?;
     let (limit, cursor, scope) = page(query.0.as_deref())?;
     let req = pb::ListMemoriesRequest { user: read.user.clone(), ids: Vec::new() };
     let r = read.client.list_memories(request(req, s.defaults.deadline)).await.map_err(|e| read.error(e))?.into_inner();
@@ -292,7 +291,7 @@ pub(crate) async fn get(
     p: std::result::Result<Path<(String, String)>, PathRejection>,
 ) -> Result<Json<serde_json::Value>> {
     let (user, id) = path(p)?;
-    let mut read = Read::new(&s, &headers, &user)?;
+    let mut read = Read::new(&s, tenant(&s, &headers)?, &user)?;
     let req = pb::ListMemoriesRequest { user: read.user.clone(), ids: vec![id] };
     let r = read.client.list_memories(request(req, s.defaults.deadline)).await.map_err(|e| read.error(e))?.into_inner();
     let unit = r.units.into_iter().next().ok_or_else(|| ApiError::Internal("the worker sent no unit".into()))?;
@@ -324,9 +323,9 @@ pub(crate) async fn search(
     headers: HeaderMap,
     b: std::result::Result<Bytes, BytesRejection>,
 ) -> Result<Json<serde_json::Value>> {
-    tenant(&s, &headers)?;
+    let tenant = tenant(&s, &headers)?;
     let r: SearchBody = openai::parse(&body(b, s.defaults.body_limit)?)?;
-    let mut read = Read::new(&s, &headers, &r.user)?;
+    let mut read = Read::new(&s, tenant, &r.user)?;
     let filters = match r.filters.is_empty() {
         true => String::new(),
         false => serde_json::Value::Object(r.filters).to_string(),
@@ -406,7 +405,7 @@ pub(crate) async fn history(
     p: std::result::Result<Path<(String, String)>, PathRejection>,
 ) -> Result<Json<serde_json::Value>> {
     let (user, id) = path(p)?;
-    let mut read = Read::new(&s, &headers, &user)?;
+    let mut read = Read::new(&s, tenant(&s, &headers)?, &user)?;
     let req = pb::UnitHistoryRequest { user: read.user.clone(), id: id.clone() };
     let events = read.client.unit_history(request(req, s.defaults.deadline)).await.map_err(|e| read.error(e))?;
     let events = events.into_inner().events;

@@ -10,9 +10,9 @@
 #                                 in its own session (it outlives the call); `gpu_qwen.sh collect OUT`
 #                                 waits for it and copies its report
 #   gpu_qwen.sh instruction OUT TEXT   kv and prompt at k = 20, w = 20 with another answer instruction
-#   gpu_qwen.sh leak OUT TEXT…    kv and prompt at k = 20, w = 20 with the default answer instruction,
-#                                 then with each TEXT (one ingest shared); reports with every answer
-#                                 (to count answers that copy the facts' "Speaker (date):" labels)
+#   gpu_qwen.sh leak OUT VARIANT… kv and prompt at k = 20, w = 20 for each VARIANT (extra eval flags,
+#                                 e.g. "--memory-turn user"; "" = defaults), an ingest each; reports
+#                                 with every answer and the share copying the facts' labels
 #   gpu_qwen.sh bench OUT         bench ttft and bench serve (1 and 100 clients, k = 50)
 #   gpu_qwen.sh blend-eval        LoCoMo dev split for kv+blend: kv, blend at r 0.05/0.1/0.15/0.3 and
 #                                 prompt × k 20,50 × windows 0,20, started like `eval` (`collect` waits)
@@ -67,22 +67,19 @@ collect)
   tr '\r' '\n' < "$work/eval.log" | grep -v "question [0-9]*/" > "$2/eval.log"
   ;;
 leak)
+  # Each VARIANT is extra `eval locomo` flags (one string, shell-quoted),
+  # with an ingest of its own: the memory turn and system prompt change
+  # the KV. "" is the defaults.
   source scripts/gpu_env.sh
   out=$2; shift 2
-  run() {
-    "$bin" eval locomo "${eval_common[@]}" --modes kv,prompt --k 20 --window 20 --batch 32 --ttft-questions 0 \
-      "$@" 2>&1 | tr '\r' '\n' | grep -v "question [0-9]*/\|ingest conv" | tail -n 4
-  }
-  mkdir -p "$work/leak-0"
-  run --out "$work/leak-0"
-  cp "$work/leak-0/locomo.json" "$out/leak-0.json"
   i=0
-  for text in "$@"; do
-    i=$((i + 1))
+  for variant in "$@"; do
     mkdir -p "$work/leak-$i"
-    ln -sfn "$work/leak-0/memory-w20" "$work/leak-$i/memory-w20"
-    run --instruction "$text" --out "$work/leak-$i"
+    echo "== variant $i: ${variant:-defaults}"
+    eval "\"\$bin\" eval locomo \"\${eval_common[@]}\" --modes kv,prompt --k 20 --window 20 --batch 32 \
+      --ttft-questions 0 --out \"\$work/leak-\$i\" $variant" 2>&1 | tr '\r' '\n' | grep -v "question [0-9]*/\|ingest conv" | tail -n 6
     cp "$work/leak-$i/locomo.json" "$out/leak-$i.json"
+    i=$((i + 1))
   done
   ;;
 instruction)

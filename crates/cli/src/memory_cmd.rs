@@ -11,7 +11,7 @@ use inferscale_engine::bert::Bert;
 use inferscale_engine::sampling::SamplingParams;
 use inferscale_engine::{Backend, generate_sequences};
 use inferscale_eval::locomo;
-use inferscale_memory::{ANSWER_INSTRUCTION, Memory, Mode, Prompts, Retriever, SYSTEM_PROMPT, Session, ShardSpec};
+use inferscale_memory::{ANSWER_INSTRUCTION, Memory, MemoryTurn, Mode, Prompts, Retriever, Session, ShardSpec};
 use inferscale_model::fetch;
 
 use crate::runtime::{Loaded, ModelArgs, blend_ratio, load_on, on_backend};
@@ -95,10 +95,17 @@ pub struct AskArgs {
 /// The words around the facts (see [`Prompts`]).
 #[derive(Args, Debug, Clone)]
 pub struct PromptArgs {
-    /// The system prompt. Every fact is encoded after it, so a memory's KV
-    /// is made for one system prompt; another is refused (the facts stay).
-    #[arg(long, env = "INFERSCALE_SYSTEM_PROMPT", default_value = SYSTEM_PROMPT)]
-    pub(crate) system_prompt: String,
+    /// Where the facts go: at the end of the system turn, or at the start
+    /// of the first user turn (for chat templates without a system role,
+    /// and memories made before this choice existed). Part of what a
+    /// memory's KV is made with; another is refused (the facts stay).
+    #[arg(long, env = "INFERSCALE_MEMORY_TURN", default_value = MemoryTurn::DEFAULT.as_str(), value_parser = parse_memory_turn)]
+    pub(crate) memory_turn: MemoryTurn,
+    /// The system prompt (default: the memory turn's own). Every fact is
+    /// encoded after it, so a memory's KV is made for one system prompt;
+    /// another is refused (the facts stay).
+    #[arg(long, env = "INFERSCALE_SYSTEM_PROMPT")]
+    pub(crate) system_prompt: Option<String>,
     /// The instruction before each question (free to change).
     #[arg(long, env = "INFERSCALE_INSTRUCTION", default_value = ANSWER_INSTRUCTION)]
     pub(crate) instruction: String,
@@ -106,8 +113,12 @@ pub struct PromptArgs {
 
 impl PromptArgs {
     pub(crate) fn prompts(&self) -> Prompts {
-        Prompts { system: self.system_prompt.clone(), instruction: self.instruction.clone() }
+        Prompts::new(self.memory_turn, self.system_prompt.clone(), Some(self.instruction.clone()))
     }
+}
+
+fn parse_memory_turn(s: &str) -> Result<MemoryTurn, String> {
+    s.parse().map_err(|e: inferscale_memory::MemoryError| e.to_string())
 }
 
 pub(crate) fn parse_retriever(s: &str) -> Result<Retriever, String> {

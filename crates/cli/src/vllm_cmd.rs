@@ -66,7 +66,10 @@ fn extra_config(a: &WorkerCmd) -> Value {
     });
     // The connector's defaults are the native worker's: only a change travels.
     let (prompts, defaults) = (w.mem.prompts(), inferscale_memory::Prompts::default());
-    if prompts.system != defaults.system {
+    if prompts.turn != defaults.turn {
+        extra["memory_turn"] = json!(prompts.turn.as_str());
+    }
+    if prompts.system != prompts.turn.default_system_prompt() {
         extra["system_prompt"] = json!(prompts.system);
     }
     if prompts.instruction != defaults.instruction {

@@ -195,7 +195,8 @@ fn eval_locomo_answers_every_variant_in_batches() {
         assert!(!answer.contains('\n'), "answers are cut at the first newline: {a}");
     }
     assert_eq!(one["retriever"], "hybrid");
-    assert_eq!(one["prompts"]["instruction"], "Answer in a few words, not a full sentence:");
+    assert_eq!(one["prompts"]["instruction"], inferscale_memory::ANSWER_INSTRUCTION);
+    assert_eq!(one["prompts"]["turn"], "system");
 
     // The table and chart are redrawn from the JSON alone.
     std::fs::remove_file(dir.path().join("one/locomo.md")).unwrap();

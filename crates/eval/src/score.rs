@@ -56,6 +56,25 @@ pub fn locomo_f1(prediction: &str, gold: &str, category: u8) -> f64 {
     }
 }
 
+/// Whether an answer copies the label a stored turn carries in the memory
+/// block, `Speaker (date):` — a name (one or two capitalised words), a
+/// parenthesis holding a digit, a colon. It does not know the speakers, so
+/// it also counts "Paris (1998): …"-shaped text, which LoCoMo answers do
+/// not contain.
+pub fn copies_label(answer: &str) -> bool {
+    answer.match_indices(" (").any(|(at, _)| {
+        let before = &answer[..at];
+        let name = before.rsplit(|c: char| !(c.is_alphanumeric() || c == '\'' || c == '-' || c == '.')).next();
+        let Some(inner_end) = answer[at + 2..].find(')') else { return false };
+        let inner = &answer[at + 2..at + 2 + inner_end];
+        let after = &answer[at + 2 + inner_end + 1..];
+        name.is_some_and(|n| n.chars().next().is_some_and(char::is_uppercase))
+            && !inner.contains('(')
+            && inner.chars().any(|c| c.is_ascii_digit())
+            && after.starts_with(':')
+    })
+}
+
 /// Share of `evidence` ids found among `retrieved`; `None` without evidence.
 pub fn recall(retrieved: &[&str], evidence: &[String]) -> Option<f64> {
     if evidence.is_empty() {
@@ -79,6 +98,19 @@ pub fn kl(log_p: &[f64], log_q: &[f64]) -> f64 {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn labels_are_recognised() {
+        use super::copies_label;
+        assert!(copies_label("Caroline (1:56 pm on 8 May, 2023): I went to the group"));
+        assert!(copies_label("She said Melanie (2023): hi"));
+        assert!(copies_label("Jean-Luc (7 May 2023):"));
+        assert!(!copies_label("Caroline went to the LGBTQ support group on 8 May, 2023."));
+        assert!(!copies_label("a painting (2023) of a sunset: lovely"));
+        assert!(!copies_label("the group (on 8 May): yes"));
+        assert!(!copies_label("Melanie (her friend): a painter"));
+        assert!(!copies_label("Caroline (8 May"));
+    }
+
     use super::*;
 
     #[test]

@@ -1,11 +1,15 @@
 //! The docs/design.md §3 prompt layout, the same for every mode:
 //!
 //! ```text
-//! [header]  chat template + system prompt + start of the user turn
+//! [header]  chat template + system prompt (+ end of the system turn and
+//!           start of the user turn, in the user-turn layout)
 //! [fact_1 … fact_k]  one line each ("…\n"), least relevant first
-//! [tail]  earlier turns of the chat (if any), the question, end of the
-//!         user turn, assistant turn start
+//! [tail]  end of the memory's turn, earlier turns of the chat (if any),
+//!         the question in a user turn, assistant turn start
 //! ```
+//!
+//! Where the memory block goes is [`MemoryTurn`]: at the end of the system
+//! turn (the default), or at the start of the first user turn.
 //!
 //! Header and tail come from the model's own chat template, rendered around
 //! markers and split there, so the layout works for any template. Every
@@ -21,41 +25,119 @@ const MARKER: &str = "\u{1}INFERSCALE-USER-TURN\u{1}";
 /// Where the question goes in a chat with history: its own user turn.
 const QUESTION: &str = "\u{1}INFERSCALE-QUESTION\u{1}";
 
-pub const SYSTEM_PROMPT: &str = "You are a helpful assistant with a long-term memory of the user. Each line the \
-user sends before the question is a fact from an earlier conversation; use the facts to answer.";
+/// The default system prompt of the system-turn layout (the memory block
+/// follows it in the system turn).
+pub const SYSTEM_PROMPT: &str = "You are a helpful assistant with a long-term memory of the user. Below are \
+facts from earlier conversations, one per line: who said what, and when. Use them to answer the user's question.";
+
+/// The default system prompt of the user-turn layout, and the system prompt
+/// of every memory made before the layout could be chosen.
+pub const USER_TURN_SYSTEM_PROMPT: &str = "You are a helpful assistant with a long-term memory of the user. Each \
+line the user sends before the question is a fact from an earlier conversation; use the facts to answer.";
 
 /// What precedes the question in the user turn. Chosen on the LoCoMo dev
-/// split with Qwen2.5-Coder-1.5B (docs/locomo.md, "Answer instruction"):
-/// short answers score F1 0.35–0.37 where "Answer in one short sentence:"
-/// scored 0.23.
-pub const ANSWER_INSTRUCTION: &str = "Answer in a few words, not a full sentence:";
+/// split with Qwen2.5-Coder-1.5B (docs/locomo.md, "Answer instruction" and
+/// "Where the facts go"): short answers score far above "Answer in one
+/// short sentence:" (F1 0.35–0.37 against 0.23), and naming the facts'
+/// labels keeps answers from copying them while F1 rises again (0.384
+/// against 0.376, kv at k = 20, window 20).
+pub const ANSWER_INSTRUCTION: &str =
+    "Answer in a few words, not a full sentence, without any speaker name or date label:";
 
-/// The words around the facts: the system prompt, part of the header that
-/// every fact is encoded after (so part of what a memory's KV is made with),
-/// and the instruction before the question (prefilled with it, free to
-/// change per request).
+/// The chat-template turn the memory block is laid out in.
+///
+/// In the user turn the facts read as something the user just said, in the
+/// same "Speaker (date): text" form as a transcript, and small models answer
+/// by continuing it (docs/locomo.md, "Where the facts go"); in the system
+/// turn they are context and the question is the user's whole turn. The
+/// user turn remains for chat templates without a system role and for
+/// memories made before the choice existed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MemoryTurn {
+    System,
+    User,
+}
+
+impl MemoryTurn {
+    pub const DEFAULT: MemoryTurn = MemoryTurn::System;
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MemoryTurn::System => "system",
+            MemoryTurn::User => "user",
+        }
+    }
+
+    /// The default system prompt of this layout.
+    pub fn default_system_prompt(self) -> &'static str {
+        match self {
+            MemoryTurn::System => SYSTEM_PROMPT,
+            MemoryTurn::User => USER_TURN_SYSTEM_PROMPT,
+        }
+    }
+
+    /// Reports written before the layout could be chosen used the user turn.
+    fn legacy() -> MemoryTurn {
+        MemoryTurn::User
+    }
+}
+
+impl std::str::FromStr for MemoryTurn {
+    type Err = MemoryError;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "system" => Ok(MemoryTurn::System),
+            "user" => Ok(MemoryTurn::User),
+            other => Err(MemoryError::Invalid {
+                what: "memory turn",
+                reason: format!("`{other}` is not one of system, user"),
+            }),
+        }
+    }
+}
+
+/// The words around the facts and where they go: the system prompt and the
+/// memory turn (part of the header every fact is encoded after, so part of
+/// what a memory's KV is made with), and the instruction before the
+/// question (prefilled with it, free to change per request).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Prompts {
     pub system: String,
     pub instruction: String,
+    #[serde(default = "MemoryTurn::legacy")]
+    pub turn: MemoryTurn,
 }
 
 impl Default for Prompts {
     fn default() -> Self {
-        Prompts { system: SYSTEM_PROMPT.into(), instruction: ANSWER_INSTRUCTION.into() }
+        Prompts::new(MemoryTurn::DEFAULT, None, None)
     }
 }
 
 impl Prompts {
-    /// What a memory's KV depends on beyond the model and the window: empty
-    /// for the default system prompt (memories made before the prompt was
-    /// configurable stay valid), else a checksum of the system prompt, so
-    /// that a memory is never served with a header its KV was not made after.
+    /// The prompts of layout `turn`, each unset one its default.
+    pub fn new(turn: MemoryTurn, system: Option<String>, instruction: Option<String>) -> Prompts {
+        Prompts {
+            system: system.unwrap_or_else(|| turn.default_system_prompt().into()),
+            instruction: instruction.unwrap_or_else(|| ANSWER_INSTRUCTION.into()),
+            turn,
+        }
+    }
+
+    /// What a memory's KV depends on beyond the model and the window. The
+    /// user-turn layout keeps the tags of memories made before the layout
+    /// could be chosen: empty for its default system prompt, else a
+    /// checksum of the prompt; the system-turn layout always carries its
+    /// own. A memory is so never served with a header its KV was not made
+    /// after.
     pub(crate) fn kv_tag(&self) -> String {
-        if self.system == SYSTEM_PROMPT {
-            String::new()
-        } else {
-            format!("-sys{:08x}", crc32fast::hash(self.system.as_bytes()))
+        let crc = crc32fast::hash(self.system.as_bytes());
+        match self.turn {
+            MemoryTurn::User if self.system == USER_TURN_SYSTEM_PROMPT => String::new(),
+            MemoryTurn::User => format!("-sys{crc:08x}"),
+            MemoryTurn::System => format!("-memsys{crc:08x}"),
         }
     }
 }
@@ -86,6 +168,16 @@ impl Chat {
     }
 }
 
+/// The chat template rendered around a memory block for one system prompt
+/// and no earlier turns, split into the text before the facts, between
+/// the facts and the question, and after the question.
+#[derive(Debug, Clone)]
+struct Frame {
+    header: String,
+    between: String,
+    footer: String,
+}
+
 /// The §3 layout's token pieces for one model and one set of [`Prompts`]:
 /// headers, fact lines and tails. It keeps its own copies of the tokenizer
 /// and the chat template, so it borrows nothing.
@@ -93,8 +185,10 @@ pub struct Composer {
     tok: Tokenizer,
     template: ChatTemplate,
     system: String,
+    turn: MemoryTurn,
     header: Vec<u32>,
-    footer: String,
+    /// The configured system prompt's frame (its header tokenized above).
+    frame: Frame,
     instruction: String,
 }
 
@@ -108,13 +202,19 @@ impl Composer {
             tok: tok.clone(),
             template: template.clone(),
             system: prompts.system.clone(),
+            turn: prompts.turn,
             header: Vec::new(),
-            footer: String::new(),
+            frame: Frame { header: String::new(), between: String::new(), footer: String::new() },
             instruction: prompts.instruction.trim().to_string(),
         };
-        let (head, footer) = c.split_header(&prompts.system)?;
-        c.header = c.tok.encode(&head, false)?;
-        c.footer = footer;
+        c.frame = c.frame_for(&prompts.system).map_err(|e| match (e, prompts.turn) {
+            (MemoryError::Model(ModelError::ChatTemplate(m)), MemoryTurn::System) => missing(&format!(
+                "the chat template cannot lay the memory out in the system turn ({m}); use the user turn \
+                 (--memory-turn user)"
+            )),
+            (e, _) => e,
+        })?;
+        c.header = c.tok.encode(&c.frame.header, false)?;
         Ok(c)
     }
 
@@ -147,22 +247,68 @@ impl Composer {
         }
     }
 
-    /// The header of `system`: the chat template up to the first user
-    /// turn's content.
+    /// The header of `system`: the chat template up to where the facts go.
     pub fn header_for(&self, system: &str) -> Result<Vec<u32>> {
         if system == self.system {
             return Ok(self.header.clone());
         }
-        Ok(self.tok.encode(&self.split_header(system)?.0, false)?)
+        Ok(self.tok.encode(&self.frame_for(system)?.header, false)?)
     }
 
-    /// The template rendered with `system` and one user turn, split there:
-    /// the header's text and the footer (end of the user turn, assistant
-    /// turn start).
-    fn split_header(&self, system: &str) -> Result<(String, String)> {
-        let text = self.template.render(&[Message::new("system", system), Message::new("user", MARKER)], true)?;
-        let at = text.find(MARKER).ok_or_else(|| template_error("the chat template dropped the user message"))?;
-        Ok((text[..at].to_string(), text[at + MARKER.len()..].to_string()))
+    /// The messages the template renders for `system` and `history`, with
+    /// markers where the facts and the question go. The facts end the
+    /// system turn, or lead the first user turn: then the first earlier
+    /// user message shares it (so strict user/assistant alternation holds).
+    fn messages(&self, system: &str, history: &[Message]) -> Vec<Message> {
+        let mut history = history.iter().peekable();
+        let mut messages = Vec::with_capacity(history.len() + 3);
+        match self.turn {
+            MemoryTurn::System => messages.push(Message::new("system", &format!("{system}\n{MARKER}"))),
+            MemoryTurn::User => {
+                messages.push(Message::new("system", system));
+                match history.next_if(|m| m.role == "user") {
+                    Some(m) => messages.push(Message::new("user", &format!("{MARKER}\n{}", m.content))),
+                    None => messages.push(Message::new("user", MARKER)),
+                }
+            }
+        }
+        messages.extend(history.cloned());
+        messages.push(Message::new("user", QUESTION));
+        messages
+    }
+
+    /// The template rendered for `system` and `history`, split at the
+    /// markers.
+    fn render(&self, system: &str, history: &[Message]) -> Result<Frame> {
+        let text = self.template.render(&self.messages(system, history), true)?;
+        let dropped = || template_error("the chat template dropped a message");
+        let at = text.find(MARKER).ok_or_else(dropped)?;
+        let from = at + MARKER.len();
+        let q = text[from..].find(QUESTION).ok_or_else(dropped)? + from;
+        Ok(Frame {
+            header: text[..at].to_string(),
+            between: text[from..q].to_string(),
+            footer: text[q + QUESTION.len()..].to_string(),
+        })
+    }
+
+    /// The frame of `system` with no earlier turns. In the user-turn layout
+    /// the question shares the memory's user turn, after a blank line.
+    fn frame_for(&self, system: &str) -> Result<Frame> {
+        match self.turn {
+            MemoryTurn::System => self.render(system, &[]),
+            MemoryTurn::User => {
+                let text =
+                    self.template.render(&[Message::new("system", system), Message::new("user", MARKER)], true)?;
+                let at =
+                    text.find(MARKER).ok_or_else(|| template_error("the chat template dropped the user message"))?;
+                Ok(Frame {
+                    header: text[..at].to_string(),
+                    between: "\n".into(),
+                    footer: text[at + MARKER.len()..].to_string(),
+                })
+            }
+        }
     }
 
     /// Tokens of one fact line.
@@ -180,45 +326,21 @@ impl Composer {
         self.tail(&Chat::question(text))
     }
 
-    /// What follows the memory block: the chat's earlier turns in the
-    /// template, then the instruction and the question in a user turn and
-    /// the assistant turn's start.
-    ///
-    /// Without history the question shares the memory's user turn (after
-    /// a blank line). With history, the first earlier user message shares
-    /// it instead (the memory block leads that turn, so strict
-    /// user/assistant alternation holds) and the question gets a turn of its
-    /// own.
+    /// What follows the memory block: the end of its turn, the chat's
+    /// earlier turns in the template, then the instruction and the question
+    /// and the assistant turn's start.
     pub fn tail(&self, chat: &Chat) -> Result<Vec<u32>> {
         if chat.raw {
             return Ok(self.tok.encode(&chat.question, false)?);
         }
-        let lead = if self.instruction.is_empty() { String::new() } else { format!("{} ", self.instruction) };
-        if chat.history.is_empty() {
-            let footer = match chat.system.as_deref() {
-                Some(s) if s != self.system => self.split_header(s)?.1,
-                _ => self.footer.clone(),
-            };
-            return Ok(self.tok.encode(&format!("\n{lead}{}{footer}", chat.question), false)?);
-        }
         let system = chat.system.as_deref().unwrap_or(&self.system);
-        let mut messages = vec![Message::new("system", system)];
-        let mut history = chat.history.iter();
-        match chat.history.first() {
-            Some(m) if m.role == "user" => {
-                history.next();
-                messages.push(Message::new("user", &format!("{MARKER}\n{}", m.content)));
-            }
-            _ => messages.push(Message::new("user", MARKER)),
-        }
-        messages.extend(history.cloned());
-        messages.push(Message::new("user", QUESTION));
-        let text = self.template.render(&messages, true)?;
-        let dropped = || template_error("the chat template dropped a user message");
-        let from = text.find(MARKER).ok_or_else(dropped)? + MARKER.len();
-        let at = text[from..].find(QUESTION).ok_or_else(dropped)? + from;
-        let (between, footer) = (&text[from..at], &text[at + QUESTION.len()..]);
-        Ok(self.tok.encode(&format!("{between}{lead}{}{footer}", chat.question), false)?)
+        let frame = match (chat.history.is_empty(), system == self.system) {
+            (true, true) => std::borrow::Cow::Borrowed(&self.frame),
+            (true, false) => std::borrow::Cow::Owned(self.frame_for(system)?),
+            (false, _) => std::borrow::Cow::Owned(self.render(system, &chat.history)?),
+        };
+        let lead = if self.instruction.is_empty() { String::new() } else { format!("{} ", self.instruction) };
+        Ok(self.tok.encode(&format!("{}{lead}{}{}", frame.between, chat.question, frame.footer), false)?)
     }
 }
 

@@ -32,9 +32,10 @@ pub enum MemoryError {
     #[error("invalid {what}: {reason}")]
     Invalid { what: &'static str, reason: String },
 
-    /// KV made by another model, window or dtype: refused, never injected.
-    #[error("KV segment {path}: made for {found}, this shard needs {expected}")]
-    KvMismatch { path: PathBuf, found: String, expected: String },
+    /// KV made by another model, window, dtype or prompt layout: refused,
+    /// never injected. `hint` says what to do when only the layout differs.
+    #[error("KV segment {path}: made for {found}, this shard needs {expected}{hint}")]
+    KvMismatch { path: PathBuf, found: String, expected: String, hint: &'static str },
 
     #[error(transparent)]
     Engine(#[from] EngineError),

@@ -38,6 +38,25 @@ impl KvHeader {
         })
     }
 
+    /// What to do about a segment made with this header where `expected`
+    /// is needed, when the two differ only in the prompt tag (system prompt
+    /// or memory turn, see `Prompts::kv_tag`): the KV is sound, made for
+    /// another layout. Empty otherwise.
+    pub fn mismatch_hint(&self, expected: &KvHeader) -> &'static str {
+        fn model(fingerprint: &str) -> &str {
+            fingerprint.find("-memsys").or_else(|| fingerprint.find("-sys")).map_or(fingerprint, |i| &fingerprint[..i])
+        }
+        let same_shape = (self.window, &self.dtype, self.layers, self.kv_dim)
+            == (expected.window, &expected.dtype, expected.layers, expected.kv_dim);
+        if same_shape && model(&self.fingerprint) == model(&expected.fingerprint) {
+            "; it was made under another system prompt or memory turn: serve it with the --system-prompt and \
+             --memory-turn it was made with (memories made before the memory turn could be chosen: --memory-turn \
+             user), or remove the users' kv.log files to have their KV re-encoded when next needed (the facts stay)"
+        } else {
+            ""
+        }
+    }
+
     pub fn describe(&self) -> String {
         format!(
             "model {} · window {} · {} · {}×{}",

@@ -14,7 +14,7 @@ mod shard;
 mod transfer;
 
 pub use answer::{Prepared, prepare};
-pub use compose::{ANSWER_INSTRUCTION, Chat, Composer, Prompts, SYSTEM_PROMPT};
+pub use compose::{ANSWER_INSTRUCTION, Chat, Composer, MemoryTurn, Prompts, SYSTEM_PROMPT, USER_TURN_SYSTEM_PROMPT};
 pub use error::{MemoryError, Result};
 pub use fact::{Event, EventKind, Fact};
 pub use inferscale_types::{DEFAULT_BLEND_RATIO, MemoryUnit, Mode, Scope, check_blend_ratio};

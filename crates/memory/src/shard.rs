@@ -624,11 +624,12 @@ impl<B: Backend> Memory<B> {
     /// new embedding and new KV, encoded in the unit's place (the same
     /// context window; with `encode` false, when first needed), new
     /// metadata replaces the old; the change is added to the unit's history.
-    /// The fact log is rewritten (durable) before the old KV is dropped, and
-    /// KV is only ever loaded for the tokens it was made from, so a crash
-    /// between leaves the unit updated with its KV re-encoded when needed.
+    /// The old KV is dropped (the KV log rewritten) before the fact log is
+    /// rewritten, so a crash between leaves the unit as it was with its KV
+    /// re-encoded when needed, and no KV made from the old text behind.
     /// An update that changes nothing does nothing (retries are safe). The
-    /// KV of later units whose window held the old text is not re-encoded.
+    /// KV of later units whose window held the old text is re-encoded with
+    /// the new one, as the unit's own is.
     pub fn update(
         &mut self,
         user: &str,
@@ -666,14 +667,20 @@ impl<B: Backend> Memory<B> {
         };
         let mut history = old.history.clone();
         history.push(Event::updated(&old.unit, &unit));
+        if retext {
+            // The unit's own KV, and that of every fact whose window held
+            // the old text, goes first (a crash then leaves the old text
+            // with its KV re-encoded), to be made again from the new.
+            let mut stale = shard.derived_from(idx, self.spec.window);
+            stale.push(id.to_string());
+            shard.drop_kv(&stale)?;
+        }
         shard.facts[idx] = Fact { unit, tokens, embedding, history };
         shard.facts_changed();
         let records: Vec<Vec<u8>> = shard.facts.iter().map(Record::encode_put).collect();
         shard.log.rewrite(&records)?;
         let mut report = UpdateReport { changed: true, encoded_tokens: 0 };
         if retext {
-            shard.rewrite_kv_without(id)?;
-            shard.kv[idx] = None;
             match encode {
                 true => {
                     let (window, batch, context) = (self.spec.window, self.encode_batch, self.context);
@@ -698,20 +705,36 @@ impl<B: Backend> Memory<B> {
     }
 
     /// Removes one fact of `user` from memory and from disk (both logs are
-    /// rewritten without it).
+    /// rewritten without it), and with it every stored tensor derived from
+    /// its text: the KV of the facts whose context window held it (and of
+    /// those it was the source turn of) is dropped too and re-encoded from
+    /// the remaining units when next needed, or in idle time
+    /// ([`Memory::encode_pending`]) — the KV an ingest of the remaining
+    /// units would have made. The KV log is rewritten first: a crash before
+    /// the fact log is leaves the fact stored (the forget was not
+    /// acknowledged) with that KV re-encoded when needed, never KV derived
+    /// from a forgotten unit.
     pub fn forget_fact(&mut self, user: &str, id: &str) -> Result<()> {
+        let window = self.spec.window;
         let shard = self.users.get_mut(user).ok_or_else(|| MemoryError::UnknownUser(user.to_string()))?;
         let idx = *shard
             .by_id
             .get(id)
             .ok_or_else(|| MemoryError::UnknownFact { user: user.to_string(), id: id.to_string() })?;
+        let mut stale = shard.derived_from(idx, window);
+        let cascades = !stale.is_empty();
+        stale.push(id.to_string());
+        shard.drop_kv(&stale)?;
         shard.facts.remove(idx);
         shard.kv.remove(idx);
         shard.facts_changed();
         shard.by_id = shard.facts.iter().enumerate().map(|(i, f)| (f.unit.id.clone(), i)).collect();
         let records: Vec<Vec<u8>> = shard.facts.iter().map(Record::encode_put).collect();
         shard.log.rewrite(&records)?;
-        shard.rewrite_kv_without(id)
+        if cascades {
+            self.pending.insert(user.to_string());
+        }
+        Ok(())
     }
 }
 
@@ -804,6 +827,7 @@ impl<B: Backend> UserShard<B> {
                         path: kv_path,
                         found: found.describe(),
                         expected: header.describe(),
+                        hint: found.mismatch_hint(header),
                     });
                 }
                 for bytes in rest {
@@ -906,15 +930,46 @@ impl<B: Backend> UserShard<B> {
         Ok(tokens)
     }
 
-    fn rewrite_kv_without(&mut self, id: &str) -> Result<()> {
+    /// The ids of the facts whose stored KV was made with fact `idx`'s text
+    /// before it: those whose context window (the `window` units before
+    /// their anchor, [`UserShard::context_anchor`]) holds it, and those it
+    /// is the source turn of (forgetting it moves their anchor). A window
+    /// trimmed to fit the context may not have held it; re-encoding such a
+    /// fact makes the KV it had.
+    fn derived_from(&self, idx: usize, window: usize) -> Vec<String> {
+        let id = &self.facts[idx].unit.id;
+        (0..self.facts.len())
+            .filter(|&j| j != idx)
+            .filter(|&j| {
+                let anchor = self.context_anchor(j);
+                (anchor.saturating_sub(window) <= idx && idx < anchor) || self.facts[j].unit.source_turn == *id
+            })
+            .map(|j| self.facts[j].unit.id.clone())
+            .collect()
+    }
+
+    /// Drops the KV of the facts `ids`, from the segment on disk (durably)
+    /// and from memory.
+    fn drop_kv(&mut self, ids: &[String]) -> Result<()> {
+        self.rewrite_kv_without(ids)?;
+        for id in ids {
+            if let Some(&i) = self.by_id.get(id) {
+                self.kv[i] = None;
+            }
+        }
+        Ok(())
+    }
+
+    fn rewrite_kv_without(&mut self, ids: &[String]) -> Result<()> {
         let path = self.kv_log.path().to_path_buf();
         let (_, rec) = RecordLog::open(&path)?;
         let mut keep = Vec::with_capacity(rec.records.len());
         for (i, bytes) in rec.records.into_iter().enumerate() {
-            // The header stays; fact records are kept unless they are `id`.
+            // The header stays; fact records are kept unless they are one of `ids`.
             let drop_it = i > 0 && {
                 let mut r = crate::fact::Cursor { bytes: &bytes, pos: 0, path: &path };
-                r.string()? == id
+                let id = r.string()?;
+                ids.contains(&id)
             };
             if !drop_it {
                 keep.push(bytes);

@@ -224,7 +224,8 @@ impl Staging {
         let n = STAGING_SEQ.fetch_add(1, Ordering::Relaxed);
         let dir = memory_dir.join("staging").join(format!("{}-{}-{n}", user_dir_name(user), std::process::id()));
         if theirs != ours {
-            return Err(MemoryError::KvMismatch { path: dir, found: theirs.describe(), expected: ours.describe() });
+            let (found, expected) = (theirs.describe(), ours.describe());
+            return Err(MemoryError::KvMismatch { path: dir, found, expected, hint: "" });
         }
         if dir.exists() {
             std::fs::remove_dir_all(&dir).map_err(io(&dir))?;

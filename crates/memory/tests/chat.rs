@@ -1,6 +1,6 @@
-//! The §3 layout of a whole chat (docs/design.md): a request's own system
-//! prompt in the header, earlier turns after the memory block, the
-//! question last — checked against the chat template rendered
+//! The §3 layout of a whole chat (docs/design.md): the memory block in the
+//! system or the first user turn, a request's own system prompt in the
+//! header, earlier turns after the memory block, the question last — checked against the chat template rendered
 //! independently, identical in kv and prompt mode, and the cached header of
 //! a system prompt equal to its fresh prefill (SmolLM2 + MiniLM, CPU).
 
@@ -10,16 +10,22 @@ use std::sync::Arc;
 
 use inferscale_engine::bert::Bert;
 use inferscale_engine::{CpuBackend, Engine, EngineConfig};
-use inferscale_memory::{ANSWER_INSTRUCTION, Chat, Composer, Memory, MemoryUnit, Mode, Prompts, Session, ShardSpec};
+use inferscale_memory::{
+    ANSWER_INSTRUCTION, Chat, Composer, Memory, MemoryTurn, MemoryUnit, Mode, Prompts, Session, ShardSpec,
+};
 use inferscale_model::Message;
 
 fn session(dir: &std::path::Path) -> Session<CpuBackend> {
+    session_in(dir, MemoryTurn::DEFAULT)
+}
+
+fn session_in(dir: &std::path::Path, turn: MemoryTurn) -> Session<CpuBackend> {
     let files = inferscale_model::open("smollm2").unwrap();
     let embedder = Bert::load(&CpuBackend, inferscale_model::encoder::open("minilm").unwrap()).unwrap();
     let engine = Engine::new(CpuBackend, &files, EngineConfig { kv_blocks: 512, max_batch_tokens: 512 }).unwrap();
     let spec = ShardSpec { window: 0, fingerprint: "smollm2-chat-test".into() };
     let (memory, _) = Memory::open(dir, spec, &engine).unwrap();
-    Session::new(Arc::new(files), engine, embedder, memory, &Prompts::default()).unwrap()
+    Session::new(Arc::new(files), engine, embedder, memory, &Prompts::new(turn, None, None)).unwrap()
 }
 
 fn units() -> Vec<MemoryUnit> {
@@ -45,66 +51,65 @@ fn chat(system: Option<&str>, history: &[(&str, &str)], question: &str) -> Chat 
 
 const SYSTEM: &str = "Always answer in French.";
 
+/// What the model's chat template renders for a conversation with the
+/// memory block `lines` where `turn` puts it: ending the system turn, or
+/// leading the first user turn (shared with the first earlier user message).
+fn rendered(s: &Session<CpuBackend>, turn: MemoryTurn, system: &str, lines: &str, c: &Chat) -> String {
+    let mut messages = Vec::new();
+    let mut history = c.history.iter().peekable();
+    match turn {
+        MemoryTurn::System => messages.push(Message::new("system", &format!("{system}\n{lines}"))),
+        MemoryTurn::User => {
+            messages.push(Message::new("system", system));
+            match history.next_if(|m| m.role == "user") {
+                Some(m) => messages.push(Message::new("user", &format!("{lines}\n{}", m.content))),
+                None if c.history.is_empty() => {
+                    let question = format!("{lines}\n{ANSWER_INSTRUCTION} {}", c.question);
+                    messages.push(Message::new("user", &question));
+                    return s.files().chat_template.as_ref().unwrap().render(&messages, true).unwrap();
+                }
+                None => messages.push(Message::new("user", lines)),
+            }
+        }
+    }
+    messages.extend(history.cloned());
+    messages.push(Message::new("user", &format!("{ANSWER_INSTRUCTION} {}", c.question)));
+    s.files().chat_template.as_ref().unwrap().render(&messages, true).unwrap()
+}
+
 /// Header, facts and tail decode to exactly what the model's chat template
-/// renders for the conversation with the facts leading the first user turn.
+/// renders for the conversation, in both memory turns, with and without
+/// earlier turns (opening with the user or the assistant), under the
+/// configured system prompt and a request's own.
 #[test]
 fn a_chat_is_laid_out_as_the_template_renders_it() {
-    let dir = tempfile::tempdir().unwrap();
-    let mut s = session(dir.path());
-    s.ingest("ana", &units(), false).unwrap();
-    let c = chat(
-        Some(SYSTEM),
-        &[("user", "My name is Ana."), ("assistant", "Nice to meet you, Ana!")],
-        "Where am I moving?",
-    );
-    let tail = s.tail(&c).unwrap();
-    let facts: Vec<usize> = vec![1, 0];
-    let p = s.prepare_under(&c, "ana", &facts, Mode::Prompt, 0.0, &tail).unwrap();
-    let text = s.tokenizer().decode(p.seq.tokens(), false).unwrap();
-    let stored = s.memory().facts("ana").unwrap();
-    let lines: String = facts
-        .iter()
-        .rev()
-        .map(|&i| format!("{}\n", Composer::turn_text(&stored[i].unit.speaker, "", &stored[i].unit.text)))
-        .collect();
-    let want = s
-        .files()
-        .chat_template
-        .as_ref()
-        .unwrap()
-        .render(
-            &[
-                Message::new("system", SYSTEM),
-                Message::new("user", &format!("{lines}\nMy name is Ana.")),
-                Message::new("assistant", "Nice to meet you, Ana!"),
-                Message::new("user", &format!("{ANSWER_INSTRUCTION} Where am I moving?")),
-            ],
-            true,
-        )
-        .unwrap();
-    assert_eq!(text, want);
-
-    // A history that opens with the assistant: the memory has a user turn of its own.
-    let c = chat(None, &[("assistant", "Hello! How can I help?")], "Where am I moving?");
-    let tail = s.tail(&c).unwrap();
-    let p = s.prepare_under(&c, "ana", &facts, Mode::Prompt, 0.0, &tail).unwrap();
-    let text = s.tokenizer().decode(p.seq.tokens(), false).unwrap();
-    let want = s
-        .files()
-        .chat_template
-        .as_ref()
-        .unwrap()
-        .render(
-            &[
-                Message::new("system", inferscale_memory::SYSTEM_PROMPT),
-                Message::new("user", &lines),
-                Message::new("assistant", "Hello! How can I help?"),
-                Message::new("user", &format!("{ANSWER_INSTRUCTION} Where am I moving?")),
-            ],
-            true,
-        )
-        .unwrap();
-    assert_eq!(text, want);
+    for turn in [MemoryTurn::System, MemoryTurn::User] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = session_in(dir.path(), turn);
+        s.ingest("ana", &units(), false).unwrap();
+        let facts: Vec<usize> = vec![1, 0];
+        let stored = s.memory().facts("ana").unwrap();
+        let lines: String = facts
+            .iter()
+            .rev()
+            .map(|&i| format!("{}\n", Composer::turn_text(&stored[i].unit.speaker, "", &stored[i].unit.text)))
+            .collect();
+        let histories: [&[(&str, &str)]; 3] = [
+            &[],
+            &[("user", "My name is Ana."), ("assistant", "Nice to meet you, Ana!")],
+            &[("assistant", "Hello! How can I help?")],
+        ];
+        for system in [None, Some(SYSTEM)] {
+            for history in histories {
+                let c = chat(system, history, "Where am I moving?");
+                let tail = s.tail(&c).unwrap();
+                let p = s.prepare_under(&c, "ana", &facts, Mode::Prompt, 0.0, &tail).unwrap();
+                let text = s.tokenizer().decode(p.seq.tokens(), false).unwrap();
+                let want = rendered(&s, turn, system.unwrap_or(turn.default_system_prompt()), &lines, &c);
+                assert_eq!(text, want, "{turn:?}, system {system:?}, history {history:?}");
+            }
+        }
+    }
 }
 
 /// kv and prompt mode hold the same tokens at the same positions under a

@@ -10,7 +10,8 @@ use std::path::Path;
 use inferscale_engine::bert::Bert;
 use inferscale_engine::{CpuBackend, Engine, EngineConfig};
 use inferscale_memory::{
-    Composer, Encoders, Memory, MemoryError, MemoryUnit, Mode, Prompts, Query, Retriever, ShardSpec, prepare,
+    Composer, Encoders, Memory, MemoryError, MemoryTurn, MemoryUnit, Mode, Prompts, Query, Retriever, ShardSpec,
+    UnitUpdate, prepare,
 };
 use inferscale_model::ModelFiles;
 
@@ -127,6 +128,39 @@ fn corrupt_kv_is_reported_and_reencoded_and_other_settings_are_refused() {
     let err = Memory::open(dir.path(), spec(0), &e).err().unwrap();
     assert!(matches!(err, MemoryError::KvMismatch { .. }), "{err}");
     assert!(err.to_string().contains("window 1"), "{err}");
+    assert!(!err.to_string().contains("memory turn"), "no layout hint for another window: {err}");
+
+    // KV made under another prompt layout is refused too, with what to do.
+    let other_layout = ShardSpec { window: 1, fingerprint: "smollm2-test-memsys0badcafe".into() };
+    let err = Memory::open(dir.path(), other_layout, &e).err().unwrap();
+    assert!(matches!(err, MemoryError::KvMismatch { .. }), "{err}");
+    assert!(err.to_string().contains("--memory-turn") && err.to_string().contains("kv.log"), "{err}");
+}
+
+/// The memory turn and the system prompt are part of what a memory's KV is
+/// made with; the user turn under its default prompt keeps the tag of
+/// memories made before the turn could be chosen (none).
+#[test]
+fn the_prompt_layout_tags_the_kv() {
+    let m = models();
+    let base = inferscale_memory::fingerprint(&m.files).unwrap();
+    let tag = |turn, system: Option<&str>| {
+        ShardSpec::new(&m.files, 0, &Prompts::new(turn, system.map(str::to_string), None)).unwrap().fingerprint
+    };
+    assert_eq!(tag(MemoryTurn::User, None), base);
+    let all = [
+        tag(MemoryTurn::User, None),
+        tag(MemoryTurn::User, Some("Be brief.")),
+        tag(MemoryTurn::System, None),
+        tag(MemoryTurn::System, Some("Be brief.")),
+    ];
+    for (i, a) in all.iter().enumerate() {
+        assert!(a.starts_with(&base), "{a}");
+        assert!(all[i + 1..].iter().all(|b| b != a), "{all:?}");
+    }
+    // The instruction is prefilled with the question: free to change.
+    let other = Prompts::new(MemoryTurn::System, None, Some("Reply tersely:".into()));
+    assert_eq!(ShardSpec::new(&m.files, 0, &other).unwrap().fingerprint, tag(MemoryTurn::System, None));
 }
 
 #[test]
@@ -497,4 +531,92 @@ fn users_past_the_device_budget_are_placed_in_the_host_tier() {
     let (mem, _) = open(dir.path(), &e, 1);
     assert!(["alice", "bob", "carol"].iter().all(|u| mem.tier(u).unwrap() == Tier::Device));
     assert_eq!(kv_of(&mem, &e, "carol", "carol0").unwrap(), carol_kv);
+}
+
+/// Every fact's KV of `user`, by id, as host tensors.
+fn kv_by_id(mem: &Memory<CpuBackend>, user: &str) -> Vec<(String, Vec<inferscale_model::HostTensor>)> {
+    let facts = mem.facts(user).unwrap();
+    (0..facts.len())
+        .map(|i| {
+            let (k, v) = mem.kv(user, i).unwrap().expect("KV encoded").to_host(&CpuBackend).unwrap();
+            (facts[i].unit.id.clone(), k.into_iter().chain(v).collect())
+        })
+        .collect()
+}
+
+/// Forgetting a unit drops the KV of every fact whose context window held
+/// it (and of the fact it was the source turn of); what is re-encoded is
+/// bit for bit what an ingest of the remaining units makes, and the
+/// forgotten text is in no file. The same for an update's old text.
+#[test]
+fn forget_and_update_leave_no_kv_derived_from_the_old_text() {
+    let m = models();
+    let mut e = engine(&m);
+    let composer = Composer::new(&m.files, &Prompts::default()).unwrap();
+    let window = 2;
+    let mut units = turns("G", 6);
+    // An extracted fact whose source turn is the unit forgotten below.
+    units.push(MemoryUnit {
+        id: "F1".into(),
+        speaker: "Caroline".into(),
+        text: "Caroline is moving to Lisbon.".into(),
+        source_turn: "G2".into(),
+        ..Default::default()
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let (mut mem, _) = open(dir.path(), &e, window);
+    let mut enc = Encoders { engine: &mut e, embedder: &m.embedder, composer: &composer };
+    mem.ingest("ana", &units, &mut enc).unwrap();
+    let before = kv_by_id(&mem, "ana");
+
+    mem.forget("ana", Some("G2")).unwrap();
+    let facts = mem.facts("ana").unwrap().to_vec();
+    let dropped: Vec<&str> =
+        (0..facts.len()).filter(|&i| mem.kv("ana", i).unwrap().is_none()).map(|i| facts[i].unit.id.as_str()).collect();
+    assert_eq!(dropped, ["G3", "G4", "F1"], "the window of G3 and G4 held G2; F1's source turn was G2");
+    // The segment on disk holds none of them either: a restart does not bring them back.
+    drop(mem);
+    let (mut mem, _) = open(dir.path(), &e, window);
+    let facts = mem.facts("ana").unwrap().to_vec();
+    let missing = (0..facts.len()).filter(|&i| mem.kv("ana", i).unwrap().is_none()).count();
+    assert_eq!(missing, 3);
+    let mut enc = Encoders { engine: &mut e, embedder: &m.embedder, composer: &composer };
+    assert!(mem.ensure_kv("ana", &mut enc).unwrap() > 0);
+    let after = kv_by_id(&mem, "ana");
+    for (id, kv) in &after {
+        let old = &before.iter().find(|(i, _)| i == id).unwrap().1;
+        assert_eq!(kv == old, !["G3", "G4", "F1"].contains(&id.as_str()), "{id}: re-encoded exactly the dependents");
+    }
+    // A fresh memory of the remaining units makes the same KV, bit for bit.
+    let remaining: Vec<MemoryUnit> = units.iter().filter(|u| u.id != "G2").cloned().collect();
+    let fresh_dir = tempfile::tempdir().unwrap();
+    let (mut fresh, _) = open(fresh_dir.path(), &e, window);
+    let mut enc = Encoders { engine: &mut e, embedder: &m.embedder, composer: &composer };
+    fresh.ingest("ana", &remaining, &mut enc).unwrap();
+    assert!(kv_by_id(&fresh, "ana") == after, "KV after forget = KV of an ingest without the unit");
+    let forgotten = units[2].text.as_bytes();
+    for entry in walk(dir.path()) {
+        let bytes = std::fs::read(&entry).unwrap();
+        assert!(!bytes.windows(forgotten.len()).any(|w| w == forgotten), "{} holds the text", entry.display());
+    }
+
+    // Updating G3's text re-encodes G4 and G5 (their windows held it) with the new text.
+    let change = UnitUpdate { text: Some("I'm moving to Porto instead, in October.".into()), metadata: None };
+    mem.update("ana", "G3", &change, &mut enc, true).unwrap();
+    fresh.update("ana", "G3", &change, &mut enc, true).unwrap();
+    let updated: Vec<MemoryUnit> = mem.facts("ana").unwrap().iter().map(|f| f.unit.clone()).collect();
+    let again_dir = tempfile::tempdir().unwrap();
+    let (mut again, _) = open(again_dir.path(), &e, window);
+    let mut enc = Encoders { engine: &mut e, embedder: &m.embedder, composer: &composer };
+    again.ingest("ana", &updated, &mut enc).unwrap();
+    assert!(kv_by_id(&mem, "ana") == kv_by_id(&again, "ana"), "KV after update = KV of an ingest of the new text");
+}
+
+fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() { out.extend(walk(&path)) } else { out.push(path) }
+    }
+    out
 }

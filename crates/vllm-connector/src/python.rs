@@ -11,7 +11,7 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
 use inferscale_engine::CpuBackend;
-use inferscale_memory::{Chat, MemoryError, Prompts, Scope};
+use inferscale_memory::{Chat, MemoryError, MemoryTurn, Prompts, Scope};
 
 use crate::error::ConnectorError;
 use crate::inject::CacheMut;
@@ -67,7 +67,7 @@ impl PyCore {
     #[new]
     #[pyo3(signature = (model, memory_dir, embedder = "minilm", window = 20, kv_cache_mb = 256, max_batch_tokens = 512,
                         backend = "cpu", device = 0, random_shape = None, retriever = "hybrid",
-                        system_prompt = None, instruction = None))]
+                        system_prompt = None, instruction = None, memory_turn = None))]
     #[allow(clippy::too_many_arguments)] // keyword arguments from the connector's config
     fn new(
         model: &str,
@@ -82,8 +82,12 @@ impl PyCore {
         retriever: &str,
         system_prompt: Option<String>,
         instruction: Option<String>,
+        memory_turn: Option<String>,
     ) -> PyResult<Self> {
-        let defaults = Prompts::default();
+        let turn = match memory_turn {
+            Some(t) => t.parse().map_err(|e: MemoryError| PyValueError::new_err(e.to_string()))?,
+            None => MemoryTurn::DEFAULT,
+        };
         let cfg = CoreConfig {
             model: model.into(),
             random_shape,
@@ -93,10 +97,7 @@ impl PyCore {
             kv_cache_mb,
             max_batch_tokens,
             retriever: retriever.parse().map_err(|e: MemoryError| PyValueError::new_err(e.to_string()))?,
-            prompts: Prompts {
-                system: system_prompt.unwrap_or(defaults.system),
-                instruction: instruction.unwrap_or(defaults.instruction),
-            },
+            prompts: Prompts::new(turn, system_prompt, instruction),
         };
         let inner = match backend {
             "cpu" => AnyCore::Cpu(Box::new(Core::open(&cfg, CpuBackend).map_err(py_err)?)),

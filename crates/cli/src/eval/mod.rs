@@ -27,7 +27,7 @@ use inferscale_engine::kv_cache::BLOCK_SIZE;
 use inferscale_engine::sampling::{SamplingParams, argmax};
 use inferscale_engine::{Backend, Engine, FinishReason, Sequence, generate_sequences};
 use inferscale_eval::locomo;
-use inferscale_eval::score::{kl, locomo_f1, log_softmax, recall};
+use inferscale_eval::score::{copies_label, kl, locomo_f1, log_softmax, recall};
 use inferscale_memory::{Memory, Mode, Retriever, Session, ShardSpec};
 
 use crate::memory_cmd::{PromptArgs, parse_retriever};
@@ -365,6 +365,7 @@ impl AnswerPlan<'_> {
                         recall: if v.mode == Mode::None { None } else { recall(&names, &q.qa.evidence) },
                         kl_vs_prompt: None,
                         same_as_prompt: None,
+                        copies_label: None,
                     },
                 ));
             }
@@ -377,6 +378,7 @@ impl AnswerPlan<'_> {
             batch.iter().flat_map(|q| std::iter::repeat_n(q.qa.answer.as_deref().unwrap_or_default(), variants.len()));
         for (((vi, r), (lp, text)), gold) in rows.iter_mut().zip(outs).zip(golds) {
             r.f1 = locomo_f1(&text, gold, r.category);
+            r.copies_label = Some(copies_label(&text));
             let key = (r.sample.clone(), r.question, r.k);
             match variants[*vi].mode {
                 Mode::Prompt => {

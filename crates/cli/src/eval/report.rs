@@ -29,6 +29,10 @@ pub(super) struct Answer {
     /// distributions, and whether the greedy answers are identical.
     pub(super) kl_vs_prompt: Option<f64>,
     pub(super) same_as_prompt: Option<bool>,
+    /// Whether the answer copies a fact's `Speaker (date):` label (absent
+    /// in reports written before this was counted).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) copies_label: Option<bool>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -55,6 +59,9 @@ pub(super) struct Row {
     pub(super) ttft_ms_median: f64,
     pub(super) agreement: Option<f64>,
     pub(super) kl_mean: Option<f64>,
+    /// Share of answers that copy a fact's label.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) labels: Option<f64>,
 }
 
 impl Row {
@@ -144,8 +151,10 @@ pub(super) fn summarize(answers: &[Answer]) -> Vec<Row> {
             let mut by_cat: BTreeMap<u8, Vec<f64>> = BTreeMap::new();
             xs.iter().for_each(|x| by_cat.entry(x.category).or_default().push(x.f1));
             let kls: Vec<f64> = xs.iter().filter_map(|x| x.kl_vs_prompt).collect();
-            let same: Vec<f64> =
-                xs.iter().filter_map(|x| x.same_as_prompt.map(|b| if b { 1.0 } else { 0.0 })).collect();
+            let share = |f: fn(&Answer) -> Option<bool>| {
+                let v: Vec<f64> = xs.iter().filter_map(|x| f(x).map(|b| if b { 1.0 } else { 0.0 })).collect();
+                (!v.is_empty()).then(|| mean(v))
+            };
             Row {
                 mode,
                 blend_ratio: xs[0].blend_ratio,
@@ -159,8 +168,9 @@ pub(super) fn summarize(answers: &[Answer]) -> Vec<Row> {
                     (!r.is_empty()).then(|| mean(r))
                 },
                 ttft_ms_median: median(xs.iter().filter_map(|x| x.ttft_ms).collect()),
-                agreement: (!same.is_empty()).then(|| mean(same)),
+                agreement: share(|x| x.same_as_prompt),
                 kl_mean: (!kls.is_empty()).then(|| mean(kls)),
+                labels: share(|x| x.copies_label),
             }
         })
         .collect()
@@ -175,15 +185,15 @@ fn markdown(r: &Report) -> String {
         r.retriever.as_deref().unwrap_or("dense")
     );
     if let Some(p) = &r.prompts {
-        s += &format!("Answer instruction: {:?}\n\n", p.instruction);
+        s += &format!("Memory turn: {}; answer instruction: {:?}\n\n", p.turn.as_str(), p.instruction);
     }
-    s += "| mode | window | k | n | F1 | F1 cat 1 | cat 2 | cat 3 | cat 4 | recall@k | TTFT ms (median) | agreement | KL |\n";
-    s += "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+    s += "| mode | window | k | n | F1 | F1 cat 1 | cat 2 | cat 3 | cat 4 | recall@k | TTFT ms (median) | agreement | KL | labels |\n";
+    s += "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
     for x in &r.summary {
         let cat = |c: u8| x.f1_by_category.get(&c).map_or("-".to_string(), |v| format!("{v:.3}"));
         let opt = |v: Option<f64>, p: usize| v.map_or("-".to_string(), |v| format!("{v:.p$}"));
         s += &format!(
-            "| {} | {} | {} | {} | {:.3} | {} | {} | {} | {} | {} | {:.1} | {} | {} |\n",
+            "| {} | {} | {} | {} | {:.3} | {} | {} | {} | {} | {} | {:.1} | {} | {} | {} |\n",
             x.mode_label(),
             x.window.map_or("-".into(), |w| w.to_string()),
             x.k,
@@ -196,7 +206,8 @@ fn markdown(r: &Report) -> String {
             opt(x.recall, 3),
             x.ttft_ms_median,
             opt(x.agreement, 3),
-            opt(x.kl_mean, 4)
+            opt(x.kl_mean, 4),
+            opt(x.labels, 3)
         );
     }
     if !r.ingest.is_empty() {

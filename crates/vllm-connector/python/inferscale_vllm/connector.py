@@ -83,6 +83,7 @@ def core_for(extra: dict[str, Any], device_type: str = "cpu") -> _core.Core:
         str(extra.get("retriever", "hybrid")),
         extra.get("system_prompt"),
         extra.get("instruction"),
+        extra.get("memory_turn"),
     )
     with _CORES_LOCK:
         core = _CORES.get(key)

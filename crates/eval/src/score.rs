@@ -98,9 +98,10 @@ pub fn kl(log_p: &[f64], log_q: &[f64]) -> f64 {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     #[test]
     fn labels_are_recognised() {
-        use super::copies_label;
         assert!(copies_label("Caroline (1:56 pm on 8 May, 2023): I went to the group"));
         assert!(copies_label("She said Melanie (2023): hi"));
         assert!(copies_label("Jean-Luc (7 May 2023):"));
@@ -110,8 +111,6 @@ mod tests {
         assert!(!copies_label("Melanie (her friend): a painter"));
         assert!(!copies_label("Caroline (8 May"));
     }
-
-    use super::*;
 
     #[test]
     fn f1_follows_locomo_normalisation() {

@@ -136,11 +136,23 @@ impl Prompts {
         let crc = crc32fast::hash(self.system.as_bytes());
         match self.turn {
             MemoryTurn::User if self.system == USER_TURN_SYSTEM_PROMPT => String::new(),
-            MemoryTurn::User => format!("-sys{crc:08x}"),
-            MemoryTurn::System => format!("-memsys{crc:08x}"),
+            MemoryTurn::User => format!("{USER_TURN_TAG}{crc:08x}"),
+            MemoryTurn::System => format!("{SYSTEM_TURN_TAG}{crc:08x}"),
         }
     }
+
+    /// A fingerprint without the tag [`Prompts::kv_tag`] appended: what
+    /// identifies the model alone.
+    pub(crate) fn untagged(fingerprint: &str) -> &str {
+        let at = fingerprint.find(SYSTEM_TURN_TAG).or_else(|| fingerprint.find(USER_TURN_TAG));
+        at.map_or(fingerprint, |i| &fingerprint[..i])
+    }
 }
+
+/// The starts of [`Prompts::kv_tag`]'s tags (a model fingerprint's own
+/// characters are a family name, digits and hex, never these).
+const USER_TURN_TAG: &str = "-sys";
+const SYSTEM_TURN_TAG: &str = "-memsys";
 
 /// One chat request as the layout sees it (docs/design.md §3): the system
 /// prompt, the earlier turns and the question.
@@ -169,8 +181,8 @@ impl Chat {
 }
 
 /// The chat template rendered around a memory block for one system prompt
-/// and no earlier turns, split into the text before the facts, between
-/// the facts and the question, and after the question.
+/// and history, split into the text before the facts, between the facts
+/// and the question, and after the question.
 #[derive(Debug, Clone)]
 struct Frame {
     header: String,
@@ -207,7 +219,7 @@ impl Composer {
             frame: Frame { header: String::new(), between: String::new(), footer: String::new() },
             instruction: prompts.instruction.trim().to_string(),
         };
-        c.frame = c.frame_for(&prompts.system).map_err(|e| match (e, prompts.turn) {
+        c.frame = c.render(&prompts.system, &[]).map_err(|e| match (e, prompts.turn) {
             (MemoryError::Model(ModelError::ChatTemplate(m)), MemoryTurn::System) => missing(&format!(
                 "the chat template cannot lay the memory out in the system turn ({m}); use the user turn \
                  (--memory-turn user)"
@@ -252,13 +264,14 @@ impl Composer {
         if system == self.system {
             return Ok(self.header.clone());
         }
-        Ok(self.tok.encode(&self.frame_for(system)?.header, false)?)
+        Ok(self.tok.encode(&self.render(system, &[])?.header, false)?)
     }
 
     /// The messages the template renders for `system` and `history`, with
     /// markers where the facts and the question go. The facts end the
     /// system turn, or lead the first user turn: then the first earlier
-    /// user message shares it (so strict user/assistant alternation holds).
+    /// user message shares it (so strict user/assistant alternation holds),
+    /// or, without earlier turns, the question does.
     fn messages(&self, system: &str, history: &[Message]) -> Vec<Message> {
         let mut history = history.iter().peekable();
         let mut messages = Vec::with_capacity(history.len() + 3);
@@ -266,6 +279,12 @@ impl Composer {
             MemoryTurn::System => messages.push(Message::new("system", &format!("{system}\n{MARKER}"))),
             MemoryTurn::User => {
                 messages.push(Message::new("system", system));
+                if history.peek().is_none() {
+                    // No earlier turns: the question shares the memory's
+                    // user turn, after a blank line.
+                    messages.push(Message::new("user", &format!("{MARKER}\n{QUESTION}")));
+                    return messages;
+                }
                 match history.next_if(|m| m.role == "user") {
                     Some(m) => messages.push(Message::new("user", &format!("{MARKER}\n{}", m.content))),
                     None => messages.push(Message::new("user", MARKER)),
@@ -292,25 +311,6 @@ impl Composer {
         })
     }
 
-    /// The frame of `system` with no earlier turns. In the user-turn layout
-    /// the question shares the memory's user turn, after a blank line.
-    fn frame_for(&self, system: &str) -> Result<Frame> {
-        match self.turn {
-            MemoryTurn::System => self.render(system, &[]),
-            MemoryTurn::User => {
-                let text =
-                    self.template.render(&[Message::new("system", system), Message::new("user", MARKER)], true)?;
-                let at =
-                    text.find(MARKER).ok_or_else(|| template_error("the chat template dropped the user message"))?;
-                Ok(Frame {
-                    header: text[..at].to_string(),
-                    between: "\n".into(),
-                    footer: text[at + MARKER.len()..].to_string(),
-                })
-            }
-        }
-    }
-
     /// Tokens of one fact line.
     pub fn fact(&self, text: &str) -> Result<Vec<u32>> {
         Ok(self.tok.encode(&format!("{text}\n"), false)?)
@@ -334,10 +334,9 @@ impl Composer {
             return Ok(self.tok.encode(&chat.question, false)?);
         }
         let system = chat.system.as_deref().unwrap_or(&self.system);
-        let frame = match (chat.history.is_empty(), system == self.system) {
-            (true, true) => std::borrow::Cow::Borrowed(&self.frame),
-            (true, false) => std::borrow::Cow::Owned(self.frame_for(system)?),
-            (false, _) => std::borrow::Cow::Owned(self.render(system, &chat.history)?),
+        let frame = match chat.history.is_empty() && system == self.system {
+            true => std::borrow::Cow::Borrowed(&self.frame),
+            false => std::borrow::Cow::Owned(self.render(system, &chat.history)?),
         };
         let lead = if self.instruction.is_empty() { String::new() } else { format!("{} ", self.instruction) };
         Ok(self.tok.encode(&format!("{}{lead}{}{}", frame.between, chat.question, frame.footer), false)?)

@@ -43,9 +43,7 @@ impl KvHeader {
     /// or memory turn, see `Prompts::kv_tag`): the KV is sound, made for
     /// another layout. Empty otherwise.
     pub fn mismatch_hint(&self, expected: &KvHeader) -> &'static str {
-        fn model(fingerprint: &str) -> &str {
-            fingerprint.find("-memsys").or_else(|| fingerprint.find("-sys")).map_or(fingerprint, |i| &fingerprint[..i])
-        }
+        let model = crate::compose::Prompts::untagged;
         let same_shape = (self.window, &self.dtype, self.layers, self.kv_dim)
             == (expected.window, &expected.dtype, expected.layers, expected.kv_dim);
         if same_shape && model(&self.fingerprint) == model(&expected.fingerprint) {

@@ -668,12 +668,10 @@ impl<B: Backend> Memory<B> {
         let mut history = old.history.clone();
         history.push(Event::updated(&old.unit, &unit));
         if retext {
-            // The unit's own KV, and that of every fact whose window held
-            // the old text, goes first (a crash then leaves the old text
-            // with its KV re-encoded), to be made again from the new.
-            let mut stale = shard.derived_from(idx, self.spec.window);
-            stale.push(id.to_string());
-            shard.drop_kv(&stale)?;
+            // The KV made from the old text goes first (a crash then leaves
+            // the old text with its KV re-encoded), to be made again from
+            // the new.
+            shard.drop_kv_from(idx, self.spec.window)?;
         }
         shard.facts[idx] = Fact { unit, tokens, embedding, history };
         shard.facts_changed();
@@ -721,10 +719,7 @@ impl<B: Backend> Memory<B> {
             .by_id
             .get(id)
             .ok_or_else(|| MemoryError::UnknownFact { user: user.to_string(), id: id.to_string() })?;
-        let mut stale = shard.derived_from(idx, window);
-        let cascades = !stale.is_empty();
-        stale.push(id.to_string());
-        shard.drop_kv(&stale)?;
+        let cascades = shard.drop_kv_from(idx, window)?;
         shard.facts.remove(idx);
         shard.kv.remove(idx);
         shard.facts_changed();
@@ -948,16 +943,20 @@ impl<B: Backend> UserShard<B> {
             .collect()
     }
 
-    /// Drops the KV of the facts `ids`, from the segment on disk (durably)
-    /// and from memory.
-    fn drop_kv(&mut self, ids: &[String]) -> Result<()> {
-        self.rewrite_kv_without(ids)?;
-        for id in ids {
+    /// Drops the KV made from fact `idx`'s text — its own and that of the
+    /// facts [`UserShard::derived_from`] it — from the segment on disk
+    /// (durably) and from memory. True when other facts lost theirs.
+    fn drop_kv_from(&mut self, idx: usize, window: usize) -> Result<bool> {
+        let mut ids = self.derived_from(idx, window);
+        let cascades = !ids.is_empty();
+        ids.push(self.facts[idx].unit.id.clone());
+        self.rewrite_kv_without(&ids)?;
+        for id in &ids {
             if let Some(&i) = self.by_id.get(id) {
                 self.kv[i] = None;
             }
         }
-        Ok(())
+        Ok(cascades)
     }
 
     fn rewrite_kv_without(&mut self, ids: &[String]) -> Result<()> {

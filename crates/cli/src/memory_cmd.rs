@@ -11,7 +11,10 @@ use inferscale_engine::bert::Bert;
 use inferscale_engine::sampling::SamplingParams;
 use inferscale_engine::{Backend, generate_sequences};
 use inferscale_eval::locomo;
-use inferscale_memory::{ANSWER_INSTRUCTION, Memory, MemoryTurn, Mode, Prompts, Retriever, Session, ShardSpec};
+use inferscale_memory::{
+    ANSWER_INSTRUCTION, Budgets, KvFormat, Memory, MemoryTurn, Mode, Prompts, Retriever, Session, ShardSpec,
+    StoreOptions,
+};
 use inferscale_model::fetch;
 
 use crate::runtime::{Loaded, ModelArgs, blend_ratio, load_on, on_backend};
@@ -34,12 +37,23 @@ pub struct MemoryArgs {
     pub(crate) retriever: Retriever,
     #[command(flatten)]
     pub(crate) prompts: PromptArgs,
-    /// MiB of device memory for users' stored KV; users placed past it keep
-    /// theirs in the host tier (pinned host memory, read over the bus while
-    /// the question is prefilled). Default: no limit. Only the CUDA backend
-    /// has a separate host tier.
+    /// MiB of device memory that may cache facts' KV (least recently used
+    /// facts move to the host tier past it). Default: no limit. On the CPU
+    /// backend host memory is the device: this bounds it.
     #[arg(long, env = "INFERSCALE_KV_DEVICE_MB")]
     pub(crate) kv_device_mb: Option<u64>,
+    /// MiB of pinned host memory that may cache facts' KV (the host tier,
+    /// read over the bus while the question is prefilled; least recently
+    /// used facts are dropped past it — the disk has them). Default: no
+    /// limit. Only the CUDA backend has a host tier.
+    #[arg(long, env = "INFERSCALE_KV_HOST_MB")]
+    pub(crate) kv_host_mb: Option<u64>,
+    /// How new KV segments store values: f32, bf16 or fp8 (e4m3 with a
+    /// scale per fact, layer and KV head). Default: the backend's own
+    /// (bf16 on CUDA, f32 on the CPU: lossless). Segments already written
+    /// keep their format and are read as they are.
+    #[arg(long, env = "INFERSCALE_KV_FORMAT")]
+    pub(crate) kv_format: Option<KvFormat>,
     #[command(flatten)]
     pub(crate) model: ModelArgs,
 }
@@ -152,7 +166,11 @@ pub(crate) fn open_memory<B: Backend>(a: &MemoryArgs, loaded: &Loaded<B>) -> Res
         Bert::load(loaded.engine.backend(), files).with_context(|| format!("loading the embedder {:?}", a.embedder))?;
     let dir = a.dir();
     let spec = ShardSpec::new(&loaded.files, a.window, &a.prompts())?;
-    let (mut memory, warnings) = Memory::open_tiered(&dir, spec, &loaded.engine, a.kv_device_mb.map(|mb| mb << 20))
+    let options = StoreOptions {
+        format: a.kv_format,
+        budgets: Budgets { device: a.kv_device_mb.map(|mb| mb << 20), host: a.kv_host_mb.map(|mb| mb << 20) },
+    };
+    let (mut memory, warnings) = Memory::open_with(&dir, spec, &loaded.engine, options)
         .with_context(|| format!("opening memory {}", dir.display()))?;
     memory.set_retriever(a.retriever);
     warnings.iter().for_each(|w| eprintln!("inferscale: warning: {w}"));

@@ -4,8 +4,14 @@
 //! encoding is the expensive part of ingest, so it is kept on disk to make a
 //! restart cheap. The segment is a record log (checksummed per record) whose
 //! first record names what made the KV: model fingerprint, context window,
-//! dtype and shape. KV made under other settings is refused, never injected;
-//! a corrupt or missing record only costs re-encoding that fact.
+//! storage format and shape. KV made under other settings is refused, never
+//! injected; a corrupt or missing record only costs re-encoding that fact.
+//!
+//! A record holds one fact: its id, its tokens, then every layer's K and V
+//! in the segment's [`KvFormat`]. The head (id and tokens) comes first and
+//! is short, so a segment is indexed by reading record heads only
+//! (`RecordLog::open_frames`) and a fact's tensors are read by offset when
+//! first needed.
 
 use std::path::Path;
 
@@ -15,14 +21,104 @@ use serde::{Deserialize, Serialize};
 use crate::error::{MemoryError, Result};
 use crate::fact::{Cursor, put_bytes};
 
-/// What a segment's KV was made with; must equal the shard's to be used.
+/// How a segment stores K and V values.
+///
+/// `f32` is what the CPU backend computes (E1–E4 stay exact through a
+/// restart); `bf16` is what the CUDA backend computes and serves (exact for
+/// it, half the bytes); `fp8-e4m3` halves that again: each fact's K and V
+/// are scaled per layer and KV head to the e4m3 range (largest magnitude →
+/// 448) and rounded to nearest, so a value keeps 3 mantissa bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum KvFormat {
+    F32,
+    Bf16,
+    Fp8,
+}
+
+impl KvFormat {
+    pub const ALL: [KvFormat; 3] = [KvFormat::F32, KvFormat::Bf16, KvFormat::Fp8];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            KvFormat::F32 => "f32",
+            KvFormat::Bf16 => "bf16",
+            KvFormat::Fp8 => "fp8-e4m3",
+        }
+    }
+
+    /// The format matching a backend that keeps `bytes_per_value` bytes per
+    /// K or V element: what it computes, stored without loss.
+    pub fn for_backend(bytes_per_value: usize) -> KvFormat {
+        match bytes_per_value {
+            2 => KvFormat::Bf16,
+            _ => KvFormat::F32,
+        }
+    }
+
+    /// Bytes per stored value (fp8's per-head scales excluded).
+    pub fn bytes_per_value(self) -> usize {
+        match self {
+            KvFormat::F32 => 4,
+            KvFormat::Bf16 => 2,
+            KvFormat::Fp8 => 1,
+        }
+    }
+}
+
+impl std::fmt::Display for KvFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for KvFormat {
+    type Err = MemoryError;
+    fn from_str(s: &str) -> Result<KvFormat> {
+        match s {
+            "f32" => Ok(KvFormat::F32),
+            "bf16" => Ok(KvFormat::Bf16),
+            "fp8" | "fp8-e4m3" => Ok(KvFormat::Fp8),
+            other => Err(MemoryError::Invalid {
+                what: "KV format",
+                reason: format!("unknown KV format {other:?}; choose f32, bf16 or fp8"),
+            }),
+        }
+    }
+}
+
+impl TryFrom<String> for KvFormat {
+    type Error = MemoryError;
+    fn try_from(s: String) -> Result<KvFormat> {
+        s.parse()
+    }
+}
+
+impl From<KvFormat> for String {
+    fn from(f: KvFormat) -> String {
+        f.name().to_string()
+    }
+}
+
+/// What a segment's KV was made with. Model, window and shape must equal
+/// the shard's for the KV to be used ([`KvHeader::same_kv`]); the storage
+/// format is the segment's own (a shard reads every format, so segments
+/// written before a format change are read as they are).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KvHeader {
     pub fingerprint: String,
     pub window: usize,
-    pub dtype: String,
+    pub dtype: KvFormat,
     pub layers: usize,
     pub kv_dim: usize,
+    /// Width of one KV head, for fp8's per-head scales (0 in segments
+    /// written before it was recorded; those are never fp8).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub head_dim: usize,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 impl KvHeader {
@@ -31,11 +127,31 @@ impl KvHeader {
     }
 
     pub fn decode(bytes: &[u8], path: &Path) -> Result<KvHeader> {
-        serde_json::from_slice(bytes).map_err(|e| MemoryError::Corrupt {
+        let h: KvHeader = serde_json::from_slice(bytes).map_err(|e| MemoryError::Corrupt {
             path: path.to_path_buf(),
             offset: 0,
             reason: format!("segment header: {e}"),
-        })
+        })?;
+        if h.dtype == KvFormat::Fp8 && (h.head_dim == 0 || !h.kv_dim.is_multiple_of(h.head_dim)) {
+            return Err(MemoryError::Corrupt {
+                path: path.to_path_buf(),
+                offset: 0,
+                reason: format!("segment header: fp8 with head width {} for a KV width of {}", h.head_dim, h.kv_dim),
+            });
+        }
+        Ok(h)
+    }
+
+    /// Whether KV stored under `self` is the KV `expected` needs: the same
+    /// model, prompt tag, window and shape, whatever the storage format.
+    pub fn same_kv(&self, expected: &KvHeader) -> bool {
+        (&self.fingerprint, self.window, self.layers, self.kv_dim)
+            == (&expected.fingerprint, expected.window, expected.layers, expected.kv_dim)
+    }
+
+    /// This header with records stored as `format`.
+    pub fn with_format(&self, format: KvFormat) -> KvHeader {
+        KvHeader { dtype: format, ..self.clone() }
     }
 
     /// What to do about a segment made with this header where `expected`
@@ -44,8 +160,7 @@ impl KvHeader {
     /// another layout. Empty otherwise.
     pub fn mismatch_hint(&self, expected: &KvHeader) -> &'static str {
         let model = crate::compose::Prompts::untagged;
-        let same_shape = (self.window, &self.dtype, self.layers, self.kv_dim)
-            == (expected.window, &expected.dtype, expected.layers, expected.kv_dim);
+        let same_shape = (self.window, self.layers, self.kv_dim) == (expected.window, expected.layers, expected.kv_dim);
         if same_shape && model(&self.fingerprint) == model(&expected.fingerprint) {
             "; it was made under another system prompt or memory turn: serve it with the --system-prompt and \
              --memory-turn it was made with (memories made before the memory turn could be chosen: --memory-turn \
@@ -61,9 +176,22 @@ impl KvHeader {
             self.fingerprint, self.window, self.dtype, self.layers, self.kv_dim
         )
     }
+
+    /// Bytes of a record's tensors for `tokens` tokens.
+    pub fn tensor_bytes(&self, tokens: usize) -> usize {
+        let values = 2 * self.layers * tokens * self.kv_dim;
+        match self.dtype {
+            KvFormat::Fp8 => values + 2 * self.layers * self.kv_heads() * 4,
+            f => values * f.bytes_per_value(),
+        }
+    }
+
+    fn kv_heads(&self) -> usize {
+        self.kv_dim / self.head_dim.max(1)
+    }
 }
 
-/// One fact's KV as stored: per layer `[tokens, kv_dim]` K and V in f32.
+/// One fact's KV: per layer `[tokens, kv_dim]` K and V, as f32 in memory.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StoredKv {
     pub fact_id: String,
@@ -73,29 +201,65 @@ pub struct StoredKv {
 }
 
 impl StoredKv {
-    pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::new();
+    /// The record of this KV in `header`'s format.
+    pub fn encode(&self, header: &KvHeader) -> Vec<u8> {
+        let mut out = Vec::with_capacity(64 + 4 * self.tokens.len() + header.tensor_bytes(self.tokens.len()));
         put_bytes(&mut out, self.fact_id.as_bytes());
         out.extend_from_slice(&(self.tokens.len() as u32).to_le_bytes());
         self.tokens.iter().for_each(|t| out.extend_from_slice(&t.to_le_bytes()));
         out.extend_from_slice(&(self.k.len() as u32).to_le_bytes());
-        for t in self.k.iter().chain(&self.v) {
-            t.data.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes()));
+        let tensors = || self.k.iter().chain(&self.v);
+        match header.dtype {
+            KvFormat::F32 => {
+                tensors().for_each(|t| t.data.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes())))
+            }
+            KvFormat::Bf16 => tensors()
+                .for_each(|t| t.data.iter().for_each(|&x| out.extend_from_slice(&f32_to_bf16(x).to_le_bytes()))),
+            KvFormat::Fp8 => {
+                let hd = header.head_dim.max(1);
+                let scales: Vec<Vec<f32>> = tensors().map(|t| head_scales(&t.data, header.kv_dim, hd)).collect();
+                scales.iter().flatten().for_each(|s| out.extend_from_slice(&s.to_le_bytes()));
+                for (t, s) in tensors().zip(&scales) {
+                    for (i, &x) in t.data.iter().enumerate() {
+                        out.push(f32_to_e4m3(x / s[(i % header.kv_dim) / hd]));
+                    }
+                }
+            }
         }
         out
     }
 
     /// Decodes a record written under `header`.
     pub fn decode(bytes: &[u8], header: &KvHeader, path: &Path) -> Result<StoredKv> {
-        let (fact_id, tokens, at) = Self::head(bytes, header, path)?;
-        let per = tokens.len() * header.kv_dim;
-        let mut tensors = bytes[at..]
-            .chunks_exact(per * 4)
-            .map(|b| HostTensor {
-                shape: vec![tokens.len(), header.kv_dim],
-                data: b.chunks_exact(4).map(|x| f32::from_le_bytes([x[0], x[1], x[2], x[3]])).collect(),
-            })
-            .collect::<Vec<_>>();
+        let (fact_id, tokens, at) = Self::head(bytes, bytes.len(), header, path)?;
+        let (n, dim) = (tokens.len(), header.kv_dim);
+        let per = n * dim;
+        let body = &bytes[at..];
+        let tensor = |data: Vec<f32>| HostTensor { shape: vec![n, dim], data };
+        let mut tensors: Vec<HostTensor> = match header.dtype {
+            KvFormat::F32 => body
+                .chunks_exact(per * 4)
+                .map(|b| tensor(b.chunks_exact(4).map(|x| f32::from_le_bytes([x[0], x[1], x[2], x[3]])).collect()))
+                .collect(),
+            KvFormat::Bf16 => body
+                .chunks_exact(per * 2)
+                .map(|b| tensor(b.chunks_exact(2).map(|x| bf16_to_f32(u16::from_le_bytes([x[0], x[1]]))).collect()))
+                .collect(),
+            KvFormat::Fp8 => {
+                let (hd, heads) = (header.head_dim, header.kv_heads());
+                let lut = e4m3_table();
+                let (scales, codes) = body.split_at(2 * header.layers * heads * 4);
+                let scales: Vec<f32> =
+                    scales.chunks_exact(4).map(|x| f32::from_le_bytes([x[0], x[1], x[2], x[3]])).collect();
+                codes
+                    .chunks_exact(per)
+                    .zip(scales.chunks_exact(heads))
+                    .map(|(c, s)| {
+                        tensor(c.iter().enumerate().map(|(i, &c)| lut[c as usize] * s[(i % dim) / hd]).collect())
+                    })
+                    .collect()
+            }
+        };
         let v = tensors.split_off(header.layers);
         Ok(StoredKv { fact_id, tokens, k: tensors, v })
     }
@@ -104,13 +268,32 @@ impl StoredKv {
     /// length — without materialising its tensors; returns its fact id and
     /// tokens. What a receiver of a shard runs on every record it stages.
     pub fn check(bytes: &[u8], header: &KvHeader, path: &Path) -> Result<(String, Vec<u32>)> {
-        let (fact_id, tokens, _) = Self::head(bytes, header, path)?;
+        let (fact_id, tokens, _) = Self::head(bytes, bytes.len(), header, path)?;
         Ok((fact_id, tokens))
     }
 
-    /// Parses everything before the tensors and checks that exactly
-    /// `2 · layers · tokens · kv_dim` f32 follow; returns where they start.
-    fn head(bytes: &[u8], header: &KvHeader, path: &Path) -> Result<(String, Vec<u32>, usize)> {
+    /// How many bytes of a record's start hold its head (fact id, tokens,
+    /// layer count), from the first bytes of it; `None` when `prefix` is
+    /// too short to tell.
+    pub fn head_len(prefix: &[u8]) -> Option<usize> {
+        let word = |at: usize| prefix.get(at..at + 4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize);
+        let id = word(0)?;
+        let n = word(4 + id)?;
+        Some((8 + id).saturating_add(n.saturating_mul(4)).saturating_add(4))
+    }
+
+    /// The fact id and tokens of a record of `len` bytes written under
+    /// `header`, from its head (at least [`StoredKv::head_len`] bytes),
+    /// checking that the rest has exactly the length its tensors need.
+    pub fn identify(head: &[u8], len: usize, header: &KvHeader, path: &Path) -> Result<(String, Vec<u32>)> {
+        let (fact_id, tokens, _) = Self::head(head, len, header, path)?;
+        Ok((fact_id, tokens))
+    }
+
+    /// Parses the head from `bytes` (a prefix of a record of `len` bytes)
+    /// and checks that exactly the tensors `header` implies follow; returns
+    /// where they start.
+    fn head(bytes: &[u8], len: usize, header: &KvHeader, path: &Path) -> Result<(String, Vec<u32>, usize)> {
         let mut r = Cursor { bytes, pos: 0, path };
         let fact_id = r.string()?;
         let n = r.u32()? as usize;
@@ -122,40 +305,188 @@ impl StoredKv {
         if n == 0 {
             return Err(r.corrupt("a KV record of no tokens".into()));
         }
-        let floats = 2 * layers * n * header.kv_dim;
-        r.check(floats, 4)?;
-        if bytes.len() - r.pos != floats * 4 {
-            return Err(r.corrupt(format!("{} bytes past the tensors", bytes.len() - r.pos - floats * 4)));
+        let want = header.tensor_bytes(n);
+        if len.checked_sub(r.pos) != Some(want) {
+            return Err(r.corrupt(format!("{} bytes of tensors, {want} expected", len as i64 - r.pos as i64)));
         }
         Ok((fact_id, tokens, r.pos))
     }
+}
+
+/// The fp8 scale of each KV head of a `[rows, dim]` tensor: its largest
+/// magnitude over 448 (e4m3's largest finite value), 1 for a head of zeros.
+fn head_scales(data: &[f32], dim: usize, head_dim: usize) -> Vec<f32> {
+    let mut amax = vec![0f32; dim / head_dim];
+    for row in data.chunks_exact(dim) {
+        for (i, x) in row.iter().enumerate() {
+            let m = &mut amax[i / head_dim];
+            *m = m.max(x.abs());
+        }
+    }
+    amax.into_iter().map(|a| if a > 0.0 && a.is_finite() { a / E4M3_MAX } else { 1.0 }).collect()
+}
+
+const E4M3_MAX: f32 = 448.0;
+
+/// bf16 by rounding to nearest, ties to even (NaN stays NaN).
+pub(crate) fn f32_to_bf16(x: f32) -> u16 {
+    let b = x.to_bits();
+    if x.is_nan() {
+        return ((b >> 16) | 0x40) as u16;
+    }
+    ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
+}
+
+pub(crate) fn bf16_to_f32(h: u16) -> f32 {
+    f32::from_bits((h as u32) << 16)
+}
+
+/// OCP e4m3 ("fn": no infinities, 0x7f/0xff are NaN), rounding to nearest,
+/// ties to even, saturating at ±448.
+pub(crate) fn f32_to_e4m3(x: f32) -> u8 {
+    if x.is_nan() {
+        return 0x7f;
+    }
+    let sign = if x.is_sign_negative() { 0x80 } else { 0 };
+    let a = x.abs();
+    if a >= E4M3_MAX {
+        return sign | 0x7e;
+    }
+    // Below 2⁻⁶ the format is subnormal: multiples of 2⁻⁹ (code = multiple).
+    if a < 2f32.powi(-6) {
+        return sign | (a * 512.0).round_ties_even() as u8;
+    }
+    let e = ((a.to_bits() >> 23) & 0xff) as i32 - 127;
+    // a / 2^(e-3) is in [8, 16): the implicit one and three mantissa bits.
+    let mut m = (a / 2f32.powi(e - 3)).round_ties_even() as u32;
+    let mut e = e;
+    if m == 16 {
+        m = 8;
+        e += 1;
+    }
+    let code = (((e + 7) as u32) << 3) | (m - 8);
+    sign | code.min(0x7e) as u8
+}
+
+/// Every e4m3 code's value: decoding a record is a lookup per value.
+fn e4m3_table() -> &'static [f32; 256] {
+    static TABLE: std::sync::OnceLock<[f32; 256]> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| std::array::from_fn(|c| e4m3_to_f32(c as u8)))
+}
+
+pub(crate) fn e4m3_to_f32(c: u8) -> f32 {
+    let (exp, m) = (((c >> 3) & 0xf) as i32, (c & 7) as f32);
+    let a = match (exp, c & 0x7f) {
+        (_, 0x7f) => f32::NAN,
+        (0, _) => m * 2f32.powi(-9),
+        _ => (1.0 + m / 8.0) * 2f32.powi(exp - 7),
+    };
+    if c & 0x80 != 0 { -a } else { a }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn header(dtype: KvFormat) -> KvHeader {
+        KvHeader { fingerprint: "m".into(), window: 0, dtype, layers: 2, kv_dim: 4, head_dim: 2 }
+    }
+
+    fn sample() -> StoredKv {
+        let t = |x: f32| HostTensor { shape: vec![2, 4], data: (0..8).map(|i| (x + i as f32) * 0.37 - 1.0).collect() };
+        StoredKv { fact_id: "D1:1".into(), tokens: vec![7, 8], k: vec![t(0.0), t(10.0)], v: vec![t(20.0), t(-3.0)] }
+    }
+
     #[test]
-    fn check_and_decode_agree_and_refuse_any_other_length() {
-        let header = KvHeader { fingerprint: "m".into(), window: 0, dtype: "f32".into(), layers: 2, kv_dim: 3 };
-        let t = |x: f32| HostTensor { shape: vec![2, 3], data: (0..6).map(|i| x + i as f32).collect() };
-        let kv = StoredKv {
-            fact_id: "D1:1".into(),
-            tokens: vec![7, 8],
-            k: vec![t(0.0), t(10.0)],
-            v: vec![t(20.0), t(30.0)],
-        };
-        let bytes = kv.encode();
+    fn every_format_round_trips_within_its_precision_and_refuses_any_other_length() {
+        let kv = sample();
         let p = Path::new("x");
-        assert_eq!(StoredKv::decode(&bytes, &header, p).unwrap(), kv);
-        assert_eq!(StoredKv::check(&bytes, &header, p).unwrap(), ("D1:1".to_string(), vec![7, 8]));
-        let mut longer = bytes.clone();
-        longer.push(0);
-        for bad in [&bytes[..bytes.len() - 1], &longer[..]] {
-            assert!(StoredKv::check(bad, &header, p).is_err());
-            assert!(StoredKv::decode(bad, &header, p).is_err());
+        for (format, rel) in [(KvFormat::F32, 0.0), (KvFormat::Bf16, 1.0 / 256.0), (KvFormat::Fp8, 1.0 / 16.0)] {
+            let h = header(format);
+            let bytes = kv.encode(&h);
+            assert_eq!(bytes.len(), 4 + 4 + 4 + 8 + 4 + h.tensor_bytes(2), "{format}");
+            let back = StoredKv::decode(&bytes, &h, p).unwrap();
+            assert_eq!((&back.fact_id, &back.tokens), (&kv.fact_id, &kv.tokens));
+            for (a, b) in kv.k.iter().chain(&kv.v).zip(back.k.iter().chain(&back.v)) {
+                // fp8: relative to the head's largest value (its scale).
+                let amax = a.data.iter().fold(0f32, |m, x| m.max(x.abs()));
+                for (x, y) in a.data.iter().zip(&b.data) {
+                    let bound = if format == KvFormat::Fp8 { rel * amax } else { rel * x.abs() };
+                    assert!((x - y).abs() <= bound, "{format}: {x} came back as {y}");
+                }
+            }
+            assert_eq!(StoredKv::check(&bytes, &h, p).unwrap(), ("D1:1".to_string(), vec![7, 8]));
+            let head = StoredKv::head_len(&bytes[..12]).unwrap();
+            assert_eq!(head, 4 + 4 + 4 + 8 + 4);
+            assert!(StoredKv::head_len(&bytes[..7]).is_none());
+            assert_eq!(StoredKv::identify(&bytes[..head], bytes.len(), &h, p).unwrap().1, vec![7, 8]);
+            let mut longer = bytes.clone();
+            longer.push(0);
+            for bad in [&bytes[..bytes.len() - 1], &longer[..]] {
+                assert!(StoredKv::check(bad, &h, p).is_err(), "{format}");
+                assert!(StoredKv::decode(bad, &h, p).is_err(), "{format}");
+            }
+            assert!(StoredKv::check(&bytes, &KvHeader { layers: 3, ..h }, p).is_err());
         }
-        let other = KvHeader { layers: 3, ..header };
-        assert!(StoredKv::check(&bytes, &other, p).is_err());
+        // f32 is exact, and the f32 record layout is the one segments had
+        // before formats existed (old segments are read as they are).
+        let h = header(KvFormat::F32);
+        assert_eq!(StoredKv::decode(&kv.encode(&h), &h, p).unwrap(), kv);
+    }
+
+    #[test]
+    fn bf16_rounds_to_nearest_even_and_is_exact_on_bf16_values() {
+        for x in [0.0f32, -0.0, 1.0, -2.5, 3.140625, 1e-30, 6.0e4, f32::MAX / 2.0] {
+            let y = bf16_to_f32(f32_to_bf16(x));
+            assert_eq!(bf16_to_f32(f32_to_bf16(y)), y, "idempotent on {x}");
+            assert!((x - y).abs() <= x.abs() / 256.0, "{x} → {y}");
+        }
+        // 1 + 2⁻⁸ is halfway between 1 and 1 + 2⁻⁷: ties go to the even (1).
+        assert_eq!(bf16_to_f32(f32_to_bf16(1.0 + 2f32.powi(-8))), 1.0);
+        assert_eq!(bf16_to_f32(f32_to_bf16(1.0 + 3.0 * 2f32.powi(-8))), 1.0 + 2f32.powi(-6));
+        assert!(bf16_to_f32(f32_to_bf16(f32::NAN)).is_nan());
+    }
+
+    #[test]
+    fn e4m3_codes_decode_to_themselves_and_round_to_nearest() {
+        // Every finite code is its own encoding (both zeros included).
+        for c in 0u8..=255 {
+            if c & 0x7f == 0x7f {
+                assert!(e4m3_to_f32(c).is_nan());
+                continue;
+            }
+            let x = e4m3_to_f32(c);
+            let back = f32_to_e4m3(x);
+            assert_eq!(e4m3_to_f32(back), x, "code {c:#04x} = {x}");
+        }
+        assert_eq!(e4m3_to_f32(0x7e), 448.0);
+        assert_eq!(e4m3_to_f32(0x01), 2f32.powi(-9), "smallest subnormal");
+        assert_eq!(e4m3_to_f32(0x08), 2f32.powi(-6), "smallest normal");
+        assert_eq!(f32_to_e4m3(1e9), 0x7e, "saturates");
+        assert_eq!(f32_to_e4m3(-1e9), 0xfe);
+        // Between 1 (0x38) and 1.125 (0x39): 1.0625 is a tie, to even (1).
+        assert_eq!(f32_to_e4m3(1.0625), 0x38);
+        assert_eq!(f32_to_e4m3(1.07), 0x39);
+        assert_eq!(f32_to_e4m3(15.5), 0x58, "a tie between 15 and 16 rounds up into the next binade");
+        assert_eq!(f32_to_e4m3(2f32.powi(-10)), 0x00, "a tie below the smallest subnormal goes to zero");
+    }
+
+    #[test]
+    fn headers_decode_old_segments_and_compare_the_kv_not_the_format() {
+        let old = br#"{"fingerprint":"m","window":0,"dtype":"f32","layers":2,"kv_dim":4}"#;
+        let h = KvHeader::decode(old, Path::new("x")).unwrap();
+        assert_eq!((h.dtype, h.head_dim), (KvFormat::F32, 0));
+        assert!(h.same_kv(&header(KvFormat::Bf16)));
+        assert!(!h.same_kv(&KvHeader { window: 1, ..header(KvFormat::F32) }));
+        let back = KvHeader::decode(&header(KvFormat::Fp8).encode(), Path::new("x")).unwrap();
+        assert_eq!(back, header(KvFormat::Fp8));
+        assert!(
+            KvHeader::decode(br#"{"fingerprint":"m","window":0,"dtype":"f16","layers":2,"kv_dim":4}"#, Path::new("x"))
+                .is_err()
+        );
+        let fp8_no_heads = br#"{"fingerprint":"m","window":0,"dtype":"fp8-e4m3","layers":2,"kv_dim":4}"#;
+        assert!(KvHeader::decode(fp8_no_heads, Path::new("x")).is_err());
+        assert_eq!("fp8".parse::<KvFormat>().unwrap(), KvFormat::Fp8);
+        assert!("int4".parse::<KvFormat>().unwrap_err().to_string().contains("f32, bf16 or fp8"));
     }
 }

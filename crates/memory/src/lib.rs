@@ -2,6 +2,7 @@
 //! pre-RoPE KV encoded with a context window, retrieval and composition.
 
 mod answer;
+mod cache;
 mod compose;
 mod error;
 mod fact;
@@ -12,17 +13,20 @@ mod search;
 mod session;
 mod shard;
 mod transfer;
+mod user;
 
 pub use answer::{Prepared, prepare};
+pub use cache::{Budgets, CacheStats, Tier};
 pub use compose::{ANSWER_INSTRUCTION, Chat, Composer, MemoryTurn, Prompts, SYSTEM_PROMPT, USER_TURN_SYSTEM_PROMPT};
 pub use error::{MemoryError, Result};
 pub use fact::{Event, EventKind, Fact};
 pub use inferscale_types::{DEFAULT_BLEND_RATIO, MemoryUnit, Mode, Scope, check_blend_ratio};
-pub use kvseg::KvHeader;
+pub use kvseg::{KvFormat, KvHeader};
 pub use retrieval::{Query, Retriever};
 pub use search::matches as filter_matches;
 pub use session::{Hit, Session};
 pub use shard::{
-    Encoders, Footprint, IngestReport, Memory, ShardSpec, Tier, UnitUpdate, UpdateReport, fingerprint, place, validate,
+    Encoders, FetchReport, Fetched, Footprint, IngestReport, Memory, Pinned, ShardSpec, StoreOptions, UnitUpdate,
+    UpdateReport, fingerprint, validate,
 };
 pub use transfer::{ImportReport, ShardRecord, StagedShard, Staging};

@@ -20,6 +20,7 @@
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{ErrorKind, Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use crate::error::{self, MemoryError, Result};
@@ -39,6 +40,23 @@ pub struct Recovery {
     /// Bytes dropped from the end (a torn or corrupt tail), 0 when clean.
     pub truncated_bytes: u64,
     /// Why the tail was dropped, for the caller to report.
+    pub reason: Option<String>,
+}
+
+/// Where one record's payload sits in its log, for reading it by offset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Frame {
+    /// Byte offset of the payload (after the frame's length and CRC).
+    pub offset: u64,
+    pub len: u32,
+}
+
+/// What [`RecordLog::open_frames`] found: each intact frame with the first
+/// bytes of its payload (all of it when it is at most the `peek` asked for).
+#[derive(Debug)]
+pub struct FrameIndex {
+    pub frames: Vec<(Frame, Vec<u8>)>,
+    pub truncated_bytes: u64,
     pub reason: Option<String>,
 }
 
@@ -95,6 +113,110 @@ impl RecordLog {
         Ok((log, Recovery { records, truncated_bytes, reason }))
     }
 
+    /// Opens `path` like [`RecordLog::open`] without reading the payloads
+    /// whole: for a log of large records (a KV segment) read by offset
+    /// later ([`RecordLog::read`]), so that opening costs a read of each
+    /// frame's head, not of the log. Each frame comes with the first `peek`
+    /// bytes of its payload.
+    ///
+    /// What a crash can tear is the tail, so the tail is checked as
+    /// [`RecordLog::open`] checks it: a short frame or impossible length
+    /// ends the index, and the last frame's CRC (and that of every frame
+    /// whose payload fits in `peek`: a zero-filled tail is many empty
+    /// frames) is verified; a failure truncates the log there. The CRC of
+    /// any other record is verified when it is read.
+    pub fn open_frames(path: &Path, peek: usize) -> Result<(RecordLog, FrameIndex)> {
+        if fs::metadata(path).map_or(0, |m| m.len()) <= HEADER.len() as u64 {
+            // Missing, empty or header only: nothing to index (`open` creates
+            // the log, or refuses a short foreign file).
+            let (log, rec) = RecordLog::open(path)?;
+            return Ok((
+                log,
+                FrameIndex { frames: Vec::new(), truncated_bytes: rec.truncated_bytes, reason: rec.reason },
+            ));
+        }
+        let file = OpenOptions::new().read(true).append(true).open(path).map_err(error::io(path))?;
+        let size = file.metadata().map_err(error::io(path))?.len();
+        let mut head = [0u8; 8];
+        file.read_exact_at(&mut head, 0).map_err(error::io(path))?;
+        check_header(path, &head)?;
+        let mut frames = Vec::new();
+        let mut at = HEADER.len() as u64;
+        let mut reason = None;
+        let mut buf = vec![0u8; FRAME_BYTES + peek];
+        while at < size {
+            let want = (FRAME_BYTES + peek).min((size - at) as usize);
+            file.read_exact_at(&mut buf[..want], at).map_err(error::io(path))?;
+            let got = &buf[..want];
+            let Some((len_bytes, crc)) = got.first_chunk::<4>().zip(got.get(4..8)) else {
+                reason = Some(format!(
+                    "record {} at byte {at}: torn frame header ({want} of {FRAME_BYTES} bytes)",
+                    frames.len()
+                ));
+                break;
+            };
+            let len = u32::from_le_bytes(*len_bytes) as usize;
+            let crc = u32::from_le_bytes([crc[0], crc[1], crc[2], crc[3]]);
+            let end = at + (FRAME_BYTES + len) as u64;
+            if len > MAX_RECORD_BYTES || end > size {
+                let why = match len > MAX_RECORD_BYTES {
+                    true => format!("impossible length {len} (limit {MAX_RECORD_BYTES})"),
+                    false => format!("torn payload ({} of {len} bytes)", size - at - FRAME_BYTES as u64),
+                };
+                reason = Some(format!("record {} at byte {at}: {why}", frames.len()));
+                break;
+            }
+            let frame = Frame { offset: at + FRAME_BYTES as u64, len: len as u32 };
+            let whole = len <= peek;
+            let verified = match (whole, end == size) {
+                (true, _) => checksum(*len_bytes, &got[FRAME_BYTES..FRAME_BYTES + len]) == crc,
+                (false, true) => {
+                    let mut payload = vec![0u8; len];
+                    file.read_exact_at(&mut payload, frame.offset).map_err(error::io(path))?;
+                    checksum(*len_bytes, &payload) == crc
+                }
+                (false, false) => true,
+            };
+            if !verified {
+                reason = Some(format!("record {} at byte {at}: CRC mismatch", frames.len()));
+                break;
+            }
+            frames.push((frame, got[FRAME_BYTES..FRAME_BYTES + len.min(peek)].to_vec()));
+            at = end;
+        }
+        let truncated_bytes = size - at;
+        if truncated_bytes > 0 {
+            file.set_len(at).and_then(|()| file.sync_all()).map_err(error::io(path))?;
+        }
+        let log = RecordLog { path: path.to_path_buf(), file, len: at, broken: false };
+        Ok((log, FrameIndex { frames, truncated_bytes, reason }))
+    }
+
+    /// The payload of `frame`, checked against its CRC (an error names the
+    /// record's offset when it does not match).
+    pub fn read(&self, frame: Frame) -> Result<Vec<u8>> {
+        let mut buf = vec![0u8; FRAME_BYTES + frame.len as usize];
+        let at = frame.offset - FRAME_BYTES as u64;
+        self.file.read_exact_at(&mut buf, at).map_err(error::io(&self.path))?;
+        match frame_payload(&buf) {
+            Ok(payload) if payload.len() == frame.len as usize => Ok(payload.to_vec()),
+            Ok(_) => Err(self.corrupt(at, "the frame's length changed".into())),
+            Err(why) => Err(self.corrupt(at, why)),
+        }
+    }
+
+    /// The first `n` bytes of `frame`'s payload, unchecked (the CRC covers
+    /// the whole payload): for reading a record's head.
+    pub fn read_head(&self, frame: Frame, n: usize) -> Result<Vec<u8>> {
+        let mut buf = vec![0u8; n.min(frame.len as usize)];
+        self.file.read_exact_at(&mut buf, frame.offset).map_err(error::io(&self.path))?;
+        Ok(buf)
+    }
+
+    fn corrupt(&self, offset: u64, reason: String) -> MemoryError {
+        MemoryError::Corrupt { path: self.path.clone(), offset, reason }
+    }
+
     /// Appends records and makes them durable (write_all + sync_data) before returning.
     ///
     /// All records go out in one write, so a crash keeps a prefix of them. On
@@ -105,13 +227,18 @@ impl RecordLog {
     ///
     /// [`open`]: RecordLog::open
     pub fn append(&mut self, records: &[&[u8]]) -> Result<()> {
+        self.append_frames(records).map(drop)
+    }
+
+    /// [`RecordLog::append`], returning where each record landed.
+    pub fn append_frames(&mut self, records: &[&[u8]]) -> Result<Vec<Frame>> {
         if self.broken {
             let why = "an earlier append failed and could not be rolled back; reopen the log";
             return Err(error::io(&self.path)(std::io::Error::other(why)));
         }
         let buf = encode(records, Vec::new())?;
         if buf.is_empty() {
-            return Ok(());
+            return Ok(Vec::new());
         }
         if let Err(e) = (&self.file).write_all(&buf).and_then(|()| self.file.sync_data()) {
             // Without this, later appends would land behind a torn frame, where
@@ -119,8 +246,17 @@ impl RecordLog {
             self.broken = self.file.set_len(self.len).and_then(|()| self.file.sync_all()).is_err();
             return Err(error::io(&self.path)(e));
         }
+        let mut at = self.len;
+        let frames = records
+            .iter()
+            .map(|r| {
+                let f = Frame { offset: at + FRAME_BYTES as u64, len: r.len() as u32 };
+                at += (FRAME_BYTES + r.len()) as u64;
+                f
+            })
+            .collect();
         self.len += buf.len() as u64;
-        Ok(())
+        Ok(frames)
     }
 
     /// Atomically replaces the whole log with `records` (write a temp file beside it, sync, rename over,
@@ -130,12 +266,26 @@ impl RecordLog {
     /// temp file (`<path>.tmp`) holds only the new contents and the next
     /// rewrite replaces it.
     pub fn rewrite(&mut self, records: &[Vec<u8>]) -> Result<()> {
+        self.rewrite_frames(records).map(drop)
+    }
+
+    /// [`RecordLog::rewrite`], returning where each record landed.
+    pub fn rewrite_frames(&mut self, records: &[Vec<u8>]) -> Result<Vec<Frame>> {
         let refs: Vec<&[u8]> = records.iter().map(Vec::as_slice).collect();
         let bytes = encode(&refs, HEADER.to_vec())?;
         self.file = replace(&self.path, &bytes)?;
         self.len = bytes.len() as u64;
         self.broken = false;
-        sync_dir(parent_dir(&self.path))
+        sync_dir(parent_dir(&self.path))?;
+        let mut at = HEADER.len() as u64;
+        Ok(records
+            .iter()
+            .map(|r| {
+                let f = Frame { offset: at + FRAME_BYTES as u64, len: r.len() as u32 };
+                at += (FRAME_BYTES + r.len()) as u64;
+                f
+            })
+            .collect())
     }
 
     /// Bytes of intact records on disk.
@@ -237,7 +387,7 @@ fn replay(bytes: &[u8]) -> (Vec<Vec<u8>>, usize, Option<String>) {
     let mut records = Vec::new();
     let mut at = HEADER.len();
     while at < bytes.len() {
-        match frame(&bytes[at..]) {
+        match frame_payload(&bytes[at..]) {
             Ok(payload) => {
                 records.push(payload.to_vec());
                 at += FRAME_BYTES + payload.len();
@@ -252,7 +402,7 @@ fn replay(bytes: &[u8]) -> (Vec<Vec<u8>>, usize, Option<String>) {
 }
 
 /// The payload of the frame at the start of `rest`, or why it is not intact.
-fn frame(rest: &[u8]) -> std::result::Result<&[u8], String> {
+fn frame_payload(rest: &[u8]) -> std::result::Result<&[u8], String> {
     let Some(([l0, l1, l2, l3, c0, c1, c2, c3], body)) = rest.split_first_chunk::<FRAME_BYTES>() else {
         return Err(format!("torn frame header ({} of {FRAME_BYTES} bytes)", rest.len()));
     };

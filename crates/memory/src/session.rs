@@ -21,7 +21,7 @@ use crate::answer::{Prepared, prepare};
 use crate::compose::{Chat, Composer, Prompts};
 use crate::error::{MemoryError, Result};
 use crate::retrieval::Query;
-use crate::shard::{Encoders, IngestReport, Memory, UnitUpdate, UpdateReport};
+use crate::shard::{Encoders, FetchReport, IngestReport, Memory, Pinned, UnitUpdate, UpdateReport};
 
 /// One search result: a fact (an index into [`Memory::facts`]) and its
 /// score, the cosine similarity of its embedding and the query's.
@@ -190,7 +190,7 @@ impl<B: Backend> Session<B> {
     /// Commits a staged shard in place of `user`'s copy here (see
     /// [`Memory::commit_import`]).
     pub fn commit_import(&mut self, user: &str, staged: crate::StagedShard) -> Result<crate::ImportReport> {
-        self.memory.commit_import(self.engine.backend(), user, staged)
+        self.memory.commit_import(user, staged)
     }
 
     /// Checks that every one of `units` fits the model's context and a log
@@ -223,6 +223,38 @@ impl<B: Backend> Session<B> {
     pub fn encode_pending(&mut self, max: usize) -> Result<usize> {
         let (memory, mut enc) = self.encoders();
         memory.encode_pending(max, &mut enc)
+    }
+
+    /// Makes the KV of `user`'s facts `idxs` resident and pins it while
+    /// the returned [`Pinned`] lives ([`Memory::fetch`]), encoding first
+    /// what has none (never encoded, or a record that failed its check).
+    pub fn fetch(&mut self, user: &str, idxs: &[usize]) -> Result<(Pinned<B>, FetchReport)> {
+        let mut got = self.memory.fetch(self.engine.backend(), user, idxs)?;
+        if got.missing.is_empty() {
+            return Ok((got.pinned, got.report));
+        }
+        self.ensure_kv(user)?;
+        let again = self.memory.fetch(self.engine.backend(), user, &got.missing)?;
+        if let Some(&i) = again.missing.first() {
+            let id = self.memory.facts(user)?.get(i).map(|f| f.unit.id.clone()).unwrap_or_default();
+            return Err(MemoryError::Invalid { what: "memory", reason: format!("fact {id:?} of {user:?} has no KV") });
+        }
+        got.pinned.extend(again.pinned);
+        let (r, a) = (&mut got.report, again.report);
+        (r.device_hits, r.host_hits, r.loaded) =
+            (r.device_hits + a.device_hits, r.host_hits + a.host_hits, r.loaded + a.loaded);
+        (r.loaded_bytes, r.load_seconds) = (r.loaded_bytes + a.loaded_bytes, r.load_seconds + a.load_seconds);
+        Ok((got.pinned, got.report))
+    }
+
+    /// [`Session::fetch`] for a request being laid out in `mode`, when its
+    /// facts are not all resident already (a caller that fetched them at
+    /// admission holds them).
+    fn fetch_for(&mut self, user: &str, facts: &[usize], mode: Mode) -> Result<Option<Pinned<B>>> {
+        if !mode.injects() || facts.is_empty() || self.memory.resident(user, facts)? {
+            return Ok(None);
+        }
+        Ok(Some(self.fetch(user, facts)?.0))
     }
 
     /// Encodes whatever KV of `user`'s facts is missing (a replica's copy,
@@ -352,6 +384,7 @@ impl<B: Backend> Session<B> {
         blend_ratio: f32,
         question: &[u32],
     ) -> Result<Prepared> {
+        let _held = self.fetch_for(user, facts, mode)?;
         prepare(&mut self.engine, &self.memory, user, facts, mode, blend_ratio, &self.header, question)
     }
 
@@ -373,6 +406,7 @@ impl<B: Backend> Session<B> {
         if self.composer.is_default_header(chat) {
             return self.prepare(user, facts, mode, blend_ratio, tail);
         }
+        let _held = self.fetch_for(user, facts, mode)?;
         let key = header_key(chat);
         let (engine, memory) = (&mut self.engine, &self.memory);
         if let Some(header) = self.headers.get(&key) {

@@ -26,7 +26,8 @@ use crate::error::{MemoryError, Result, io};
 use crate::fact::{Fact, Record};
 use crate::kvseg::{KvHeader, StoredKv};
 use crate::log::{RecordLog, sync_dir};
-use crate::shard::{Memory, UserShard, user_dir_name};
+use crate::shard::{Memory, user_dir_name};
+use crate::user::UserShard;
 
 /// One fact in transfer form: its fact-log record and, when the source had
 /// its KV, its segment record (else empty: the destination encodes it).
@@ -83,23 +84,24 @@ impl<B: Backend> Memory<B> {
         self.users.get(user).map_or_else(Vec::new, |s| s.facts.iter().map(|f| f.unit.id.clone()).collect())
     }
 
-    /// The start of an export of `user`: this shard's KV header and the
-    /// user's fact ids, in order.
+    /// The start of an export of `user`: the header of the user's KV
+    /// segment (the records travel in its format) and the user's fact ids,
+    /// in order.
     pub fn export_begin(&self, user: &str) -> Result<(KvHeader, Vec<String>)> {
-        match self.has_user(user) {
-            true => Ok((self.header.clone(), self.fact_ids(user))),
-            false => Err(MemoryError::UnknownUser(user.to_string())),
+        match self.users.get(user) {
+            Some(shard) => Ok((shard.seg.clone(), self.fact_ids(user))),
+            None => Err(MemoryError::UnknownUser(user.to_string())),
         }
     }
 
     /// Transfer records of `user`'s facts named in `ids`, in that order,
-    /// with their KV when `with_kv` (read back from the device), stopping
+    /// with their KV records as stored when `with_kv` (a record that fails
+    /// its check travels without: the destination encodes it), stopping
     /// once `max_bytes` are gathered (at least one record). Ids no longer
     /// stored (forgotten meanwhile) are skipped. Returns the records and
     /// how many of `ids` were consumed.
     pub fn export(
         &self,
-        be: &B,
         user: &str,
         ids: &[String],
         with_kv: bool,
@@ -118,12 +120,9 @@ impl<B: Backend> Memory<B> {
             used += 1;
             let Some(&i) = by_id.get(id.as_str()) else { continue };
             let fact = &shard.facts[i];
-            let kv = match (with_kv, self.kv(user, i)?) {
-                (true, Some(chunk)) => {
-                    let (k, v) = chunk.to_host(be)?;
-                    StoredKv { fact_id: fact.unit.id.clone(), tokens: fact.tokens.clone(), k, v }.encode()
-                }
-                _ => Vec::new(),
+            let kv = match with_kv {
+                true => shard.kv_record(i).ok().flatten().unwrap_or_default(),
+                false => Vec::new(),
             };
             let r = ShardRecord { fact: Record::encode_put(fact), kv };
             bytes += r.len();
@@ -135,7 +134,7 @@ impl<B: Backend> Memory<B> {
     /// Replaces `user`'s copy here with `staged`, keeping (after the
     /// shard's units) the units this memory has for `user` that the shard
     /// lacks. On failure the previous copy is back in place.
-    pub fn commit_import(&mut self, be: &B, user: &str, mut staged: StagedShard) -> Result<ImportReport> {
+    pub fn commit_import(&mut self, user: &str, mut staged: StagedShard) -> Result<ImportReport> {
         let mut report =
             ImportReport { facts: staged.ids.len(), with_kv: staged.with_kv, kept: 0, bytes: staged.bytes };
         if let Some(local) = self.users.get(user) {
@@ -157,7 +156,9 @@ impl<B: Backend> Memory<B> {
             std::fs::remove_dir_all(&trash).map_err(io(&trash))?;
         }
         // Close the old copy's files before its directory moves.
-        drop(self.users.remove(user));
+        if let Some(old) = self.users.remove(user) {
+            old.kv.iter().for_each(|k| self.cache.remove(k.key));
+        }
         if live.exists() {
             std::fs::rename(&live, &trash).map_err(io(&live))?;
         }
@@ -165,8 +166,7 @@ impl<B: Backend> Memory<B> {
         staged.committed = true;
         sync_dir(&users_dir)?;
         let mut warnings = Vec::new();
-        let tier = self.place_new(crate::shard::kv_estimate(&live, be.kv_bytes_per_value()));
-        match UserShard::open(&live, be, &self.header, tier, &mut warnings) {
+        match UserShard::open(&live, &self.header, &mut warnings) {
             Ok(shard) => {
                 self.users.insert(user.to_string(), shard);
                 self.pending.insert(user.to_string());
@@ -181,7 +181,7 @@ impl<B: Backend> Memory<B> {
                 if trash.exists() {
                     std::fs::rename(&trash, &live).map_err(io(&trash))?;
                     sync_dir(&users_dir)?;
-                    let shard = UserShard::open(&live, be, &self.header, tier, &mut warnings)?;
+                    let shard = UserShard::open(&live, &self.header, &mut warnings)?;
                     self.users.insert(user.to_string(), shard);
                 }
                 Err(e)
@@ -218,12 +218,14 @@ static STAGING_SEQ: AtomicU64 = AtomicU64::new(0);
 
 impl Staging {
     /// Starts staging a shard of `user` in `memory_dir`, whose KV is made
-    /// as `ours`. `theirs` is the source's header: KV made any other way
-    /// (another model, window or dtype) is refused before a byte is staged.
+    /// as `ours`. `theirs` is the source's segment header: KV made any
+    /// other way (another model, prompt, window or shape) is refused before
+    /// a byte is staged; KV in another storage format is staged as it is
+    /// (a memory reads every format).
     pub fn create(memory_dir: &Path, user: &str, ours: &KvHeader, theirs: &KvHeader) -> Result<Staging> {
         let n = STAGING_SEQ.fetch_add(1, Ordering::Relaxed);
         let dir = memory_dir.join("staging").join(format!("{}-{}-{n}", user_dir_name(user), std::process::id()));
-        if theirs != ours {
+        if !theirs.same_kv(ours) {
             let (found, expected) = (theirs.describe(), ours.describe());
             return Err(MemoryError::KvMismatch { path: dir, found, expected, hint: "" });
         }
@@ -232,8 +234,8 @@ impl Staging {
         }
         let (facts, _) = RecordLog::open(&dir.join("facts.log"))?;
         let (mut kv, _) = RecordLog::open(&dir.join("kv.log"))?;
-        kv.append(&[&ours.encode()])?;
-        Ok(Staging { dir, header: ours.clone(), facts, kv, ids: HashSet::new(), with_kv: 0, bytes: 0, done: false })
+        kv.append(&[&theirs.encode()])?;
+        Ok(Staging { dir, header: theirs.clone(), facts, kv, ids: HashSet::new(), with_kv: 0, bytes: 0, done: false })
     }
 
     /// Checks and appends `records` (durably).

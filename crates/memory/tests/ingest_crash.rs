@@ -126,6 +126,7 @@ fn sigkill_during_ingest_loses_no_acknowledged_turn() {
         let mut context = composer.header().to_vec();
         context.extend(&facts[last - 1].tokens);
         let clean = e.encode(&context, &facts[last].tokens, context.len() as u32).unwrap();
+        assert!(mem.fetch(&CpuBackend, USER, &[last]).unwrap().missing.is_empty());
         assert_eq!(
             mem.kv(USER, last).unwrap().unwrap().to_host(&CpuBackend).unwrap(),
             clean.to_host(&CpuBackend).unwrap(),

@@ -13,7 +13,7 @@ use inferscale_memory::{
     Composer, Encoders, Memory, MemoryError, MemoryTurn, MemoryUnit, Mode, Prompts, Query, Retriever, ShardSpec,
     UnitUpdate, prepare,
 };
-use inferscale_model::ModelFiles;
+use inferscale_model::{HostTensor, ModelFiles};
 
 struct Models {
     files: ModelFiles,
@@ -66,6 +66,19 @@ fn open(dir: &Path, e: &Engine<CpuBackend>, window: usize) -> (Memory<CpuBackend
     Memory::open(dir, spec(window), e).unwrap()
 }
 
+type HostKv = (Vec<HostTensor>, Vec<HostTensor>);
+
+/// Fact `i` of `user`'s KV as host tensors, from the cache or read from its
+/// segment (`None`: it has none).
+fn stored_kv(mem: &mut Memory<CpuBackend>, user: &str, i: usize) -> Option<HostKv> {
+    if !mem.has_kv(user, i).unwrap() {
+        return None;
+    }
+    let got = mem.fetch(&CpuBackend, user, &[i]).unwrap();
+    assert!(got.missing.is_empty(), "fact {i} of {user} failed its read");
+    Some(mem.kv(user, i).unwrap().unwrap().to_host(&CpuBackend).unwrap())
+}
+
 #[test]
 fn ingest_is_durable_idempotent_and_reloads_without_reencoding() {
     let m = models();
@@ -84,13 +97,14 @@ fn ingest_is_durable_idempotent_and_reloads_without_reencoding() {
     }
     let stored: Vec<_> = mem.facts("alice").unwrap().to_vec();
     assert_eq!(stored.len(), 5);
-    let kv0 = mem.kv("alice", 3).unwrap().unwrap().to_host(&CpuBackend).unwrap();
+    let kv0 = stored_kv(&mut mem, "alice", 3).unwrap();
     drop(mem);
 
     let (mut mem, warnings) = open(dir.path(), &e, 2);
     assert!(warnings.is_empty(), "{warnings:?}");
     assert_eq!(mem.facts("alice").unwrap(), &stored[..]);
-    assert_eq!(mem.kv("alice", 3).unwrap().unwrap().to_host(&CpuBackend).unwrap(), kv0, "KV reloaded bit for bit");
+    assert!(mem.kv("alice", 3).unwrap().is_none(), "opening reads no KV");
+    assert_eq!(stored_kv(&mut mem, "alice", 3).unwrap(), kv0, "KV reloaded bit for bit");
     let mut enc = Encoders { engine: &mut e, embedder: &m.embedder, composer: &composer };
     assert_eq!(mem.ensure_kv("alice", &mut enc).unwrap(), 0, "nothing re-encoded after a clean restart");
 }
@@ -104,7 +118,7 @@ fn corrupt_kv_is_reported_and_reencoded_and_other_settings_are_refused() {
     let (mut mem, _) = open(dir.path(), &e, 1);
     let mut enc = Encoders { engine: &mut e, embedder: &m.embedder, composer: &composer };
     mem.ingest("bob", &turns("T", 3), &mut enc).unwrap();
-    let want = mem.kv("bob", 2).unwrap().unwrap().to_host(&CpuBackend).unwrap();
+    let want = stored_kv(&mut mem, "bob", 2).unwrap();
     drop(mem);
 
     // Flip a byte inside the last KV record.
@@ -117,11 +131,11 @@ fn corrupt_kv_is_reported_and_reencoded_and_other_settings_are_refused() {
 
     let (mut mem, warnings) = open(dir.path(), &e, 1);
     assert!(warnings.iter().any(|w| w.contains("kv.log")), "{warnings:?}");
-    assert!(mem.kv("bob", 2).unwrap().is_none(), "corrupt KV must not be loaded");
+    assert!(!mem.has_kv("bob", 2).unwrap(), "corrupt KV must not be loaded");
     assert_eq!(mem.facts("bob").unwrap().len(), 3, "facts are untouched");
     let mut enc = Encoders { engine: &mut e, embedder: &m.embedder, composer: &composer };
     assert!(mem.ensure_kv("bob", &mut enc).unwrap() > 0);
-    assert_eq!(mem.kv("bob", 2).unwrap().unwrap().to_host(&CpuBackend).unwrap(), want, "re-encoded KV is identical");
+    assert_eq!(stored_kv(&mut mem, "bob", 2).unwrap(), want, "re-encoded KV is identical");
     drop(mem);
 
     // KV made with window 1 is refused by a shard configured for window 0.
@@ -393,9 +407,9 @@ fn supplied_facts_are_encoded_after_their_source_turns_context() {
     assert_eq!(mem.facts("u").unwrap()[6].unit.source_turn, "T2");
 }
 
-fn kv_of(m: &Memory<CpuBackend>, e: &Engine<CpuBackend>, user: &str, id: &str) -> Option<Vec<f32>> {
+fn kv_of(m: &mut Memory<CpuBackend>, user: &str, id: &str) -> Option<Vec<f32>> {
     let i = m.facts(user).unwrap().iter().position(|f| f.unit.id == id)?;
-    let (k, v) = m.kv(user, i).unwrap()?.to_host(e.backend()).unwrap();
+    let (k, v) = stored_kv(m, user, i)?;
     Some(k.iter().chain(&v).flat_map(|t| t.data.iter().copied()).collect())
 }
 
@@ -419,35 +433,35 @@ fn a_shard_moves_between_memories_with_its_kv_and_keeps_units_sent_meanwhile() {
     let mut staging = Staging::create(b.dir(), "u", b.kv_header(), a.kv_header()).unwrap();
     let mut at = 0;
     while at < ids.len() {
-        let (records, used) = a.export(e.backend(), "u", &ids[at..], true, 1).unwrap();
+        let (records, used) = a.export("u", &ids[at..], true, 1).unwrap();
         assert_eq!((records.len(), used), (1, 1));
         staging.append(&records).unwrap();
         at += used;
     }
     let staged = staging.finish().unwrap();
-    let report = b.commit_import(e.backend(), "u", staged).unwrap();
+    let report = b.commit_import("u", staged).unwrap();
     assert_eq!((report.facts, report.with_kv, report.kept), (6, 5, 1));
     let mut want = ids.clone();
     want.push("late0".into());
     assert_eq!(b.fact_ids("u"), want, "the shard's units, then the ones kept");
     for id in &ids {
-        assert_eq!(kv_of(&b, &e, "u", id), kv_of(&a, &e, "u", id), "{id}: KV moved bit for bit");
+        assert_eq!(kv_of(&mut b, "u", id), kv_of(&mut a, "u", id), "{id}: KV moved bit for bit");
     }
-    assert!(kv_of(&b, &e, "u", "late0").is_none(), "a kept unit's context changed: its KV is re-encoded");
+    assert!(kv_of(&mut b, "u", "late0").is_none(), "a kept unit's context changed: its KV is re-encoded");
     let mut enc = Encoders { engine: &mut e, embedder: &m.embedder, composer: &composer };
     assert!(b.ensure_kv("u", &mut enc).unwrap() > 0);
     // The source, given the same unit last, encodes it the same way.
     a.ingest("u", &late, &mut enc).unwrap();
-    let (x, y) = (kv_of(&a, &e, "u", "late0").unwrap(), kv_of(&b, &e, "u", "late0").unwrap());
+    let (x, y) = (kv_of(&mut a, "u", "late0").unwrap(), kv_of(&mut b, "u", "late0").unwrap());
     let diff = x.iter().zip(&y).map(|(p, q)| (p - q).abs()).fold(0f32, f32::max);
     assert!(diff <= 1e-5, "re-encoded KV differs by {diff}");
 
     // The import is durable: a restart loads it with its KV.
     drop(b);
-    let (b, warnings) = open(db.path(), &e, 2);
+    let (mut b, warnings) = open(db.path(), &e, 2);
     assert!(warnings.is_empty(), "{warnings:?}");
     assert_eq!(b.fact_ids("u"), want);
-    assert_eq!(kv_of(&b, &e, "u", &ids[0]), kv_of(&a, &e, "u", &ids[0]));
+    assert_eq!(kv_of(&mut b, "u", &ids[0]), kv_of(&mut a, "u", &ids[0]));
 
     // KV made with another window is refused before anything is staged.
     let dc = tempfile::tempdir().unwrap();
@@ -456,7 +470,7 @@ fn a_shard_moves_between_memories_with_its_kv_and_keeps_units_sent_meanwhile() {
     assert!(matches!(err, MemoryError::KvMismatch { .. }), "{err}");
     // A record whose KV is another fact's is refused, and the staging is removed.
     let mut staging = Staging::create(b.dir(), "v", b.kv_header(), a.kv_header()).unwrap();
-    let (mut records, _) = a.export(e.backend(), "u", &ids[..2], true, usize::MAX).unwrap();
+    let (mut records, _) = a.export("u", &ids[..2], true, usize::MAX).unwrap();
     records[0].kv = std::mem::take(&mut records[1].kv);
     let bad = ShardRecord { fact: records[0].fact.clone(), kv: records[0].kv.clone() };
     assert!(staging.append(&[bad]).is_err(), "mismatched KV must be refused");
@@ -487,59 +501,13 @@ fn an_import_interrupted_between_its_renames_is_undone_on_open() {
     assert!(!d.path().join("staging").exists());
 }
 
-#[test]
-fn users_past_the_device_budget_are_placed_in_the_host_tier() {
-    use inferscale_memory::Tier;
-    let m = models();
-    let mut e = engine(&m);
-    let composer = Composer::new(&m.files, &Prompts::default()).unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let ingest = |mem: &mut Memory<CpuBackend>, e: &mut Engine<CpuBackend>, user: &str| {
-        let mut enc = Encoders { engine: e, embedder: &m.embedder, composer: &composer };
-        mem.ingest(user, &turns(user, 3), &mut enc).unwrap();
-    };
-    let (mut mem, _) = open(dir.path(), &e, 1);
-    ingest(&mut mem, &mut e, "alice");
-    let one_user = mem.footprint().kv_resident_bytes;
-    assert!(one_user > 0);
-    let alice_kv = kv_of(&mem, &e, "alice", "alice0").unwrap();
-    drop(mem);
-
-    // Room for about one and a half users: alice (reloaded) and the next
-    // new user fit, the one after does not.
-    let budget = Some(one_user * 3 / 2);
-    let (mut mem, _) = Memory::open_tiered(dir.path(), spec(1), &e, budget).unwrap();
-    assert_eq!(mem.tier("alice").unwrap(), Tier::Device);
-    ingest(&mut mem, &mut e, "bob");
-    ingest(&mut mem, &mut e, "carol");
-    assert_eq!(mem.tier("bob").unwrap(), Tier::Device);
-    assert_eq!(mem.tier("carol").unwrap(), Tier::Host);
-    let f = mem.footprint();
-    assert_eq!((f.kv_resident_bytes, f.kv_host_tier_bytes), (2 * one_user, one_user));
-    let carol_kv = kv_of(&mem, &e, "carol", "carol0").unwrap();
-    drop(mem);
-
-    // Placement is made again on every open, from the segments' sizes; the
-    // KV is the same wherever it lives.
-    let (mem, warnings) = Memory::open_tiered(dir.path(), spec(1), &e, Some(0)).unwrap();
-    assert!(warnings.is_empty(), "{warnings:?}");
-    assert!(["alice", "bob", "carol"].iter().all(|u| mem.tier(u).unwrap() == Tier::Host));
-    assert_eq!(mem.footprint().kv_resident_bytes, 0);
-    assert_eq!(mem.footprint().kv_host_tier_bytes, 3 * one_user);
-    assert_eq!(kv_of(&mem, &e, "alice", "alice0").unwrap(), alice_kv);
-    drop(mem);
-    let (mem, _) = open(dir.path(), &e, 1);
-    assert!(["alice", "bob", "carol"].iter().all(|u| mem.tier(u).unwrap() == Tier::Device));
-    assert_eq!(kv_of(&mem, &e, "carol", "carol0").unwrap(), carol_kv);
-}
-
 /// Every fact's KV of `user`, by id, as host tensors.
-fn kv_by_id(mem: &Memory<CpuBackend>, user: &str) -> Vec<(String, Vec<inferscale_model::HostTensor>)> {
-    let facts = mem.facts(user).unwrap();
-    (0..facts.len())
+fn kv_by_id(mem: &mut Memory<CpuBackend>, user: &str) -> Vec<(String, Vec<HostTensor>)> {
+    let ids: Vec<String> = mem.facts(user).unwrap().iter().map(|f| f.unit.id.clone()).collect();
+    (0..ids.len())
         .map(|i| {
-            let (k, v) = mem.kv(user, i).unwrap().expect("KV encoded").to_host(&CpuBackend).unwrap();
-            (facts[i].unit.id.clone(), k.into_iter().chain(v).collect())
+            let (k, v) = stored_kv(mem, user, i).expect("KV encoded");
+            (ids[i].clone(), k.into_iter().chain(v).collect())
         })
         .collect()
 }
@@ -567,22 +535,22 @@ fn forget_and_update_leave_no_kv_derived_from_the_old_text() {
     let (mut mem, _) = open(dir.path(), &e, window);
     let mut enc = Encoders { engine: &mut e, embedder: &m.embedder, composer: &composer };
     mem.ingest("ana", &units, &mut enc).unwrap();
-    let before = kv_by_id(&mem, "ana");
+    let before = kv_by_id(&mut mem, "ana");
 
     mem.forget("ana", Some("G2")).unwrap();
     let facts = mem.facts("ana").unwrap().to_vec();
     let dropped: Vec<&str> =
-        (0..facts.len()).filter(|&i| mem.kv("ana", i).unwrap().is_none()).map(|i| facts[i].unit.id.as_str()).collect();
+        (0..facts.len()).filter(|&i| !mem.has_kv("ana", i).unwrap()).map(|i| facts[i].unit.id.as_str()).collect();
     assert_eq!(dropped, ["G3", "G4", "F1"], "the window of G3 and G4 held G2; F1's source turn was G2");
     // The segment on disk holds none of them either: a restart does not bring them back.
     drop(mem);
     let (mut mem, _) = open(dir.path(), &e, window);
     let facts = mem.facts("ana").unwrap().to_vec();
-    let missing = (0..facts.len()).filter(|&i| mem.kv("ana", i).unwrap().is_none()).count();
+    let missing = (0..facts.len()).filter(|&i| !mem.has_kv("ana", i).unwrap()).count();
     assert_eq!(missing, 3);
     let mut enc = Encoders { engine: &mut e, embedder: &m.embedder, composer: &composer };
     assert!(mem.ensure_kv("ana", &mut enc).unwrap() > 0);
-    let after = kv_by_id(&mem, "ana");
+    let after = kv_by_id(&mut mem, "ana");
     for (id, kv) in &after {
         let old = &before.iter().find(|(i, _)| i == id).unwrap().1;
         assert_eq!(kv == old, !["G3", "G4", "F1"].contains(&id.as_str()), "{id}: re-encoded exactly the dependents");
@@ -593,7 +561,7 @@ fn forget_and_update_leave_no_kv_derived_from_the_old_text() {
     let (mut fresh, _) = open(fresh_dir.path(), &e, window);
     let mut enc = Encoders { engine: &mut e, embedder: &m.embedder, composer: &composer };
     fresh.ingest("ana", &remaining, &mut enc).unwrap();
-    assert!(kv_by_id(&fresh, "ana") == after, "KV after forget = KV of an ingest without the unit");
+    assert!(kv_by_id(&mut fresh, "ana") == after, "KV after forget = KV of an ingest without the unit");
     let forgotten = units[2].text.as_bytes();
     for entry in walk(dir.path()) {
         let bytes = std::fs::read(&entry).unwrap();
@@ -609,7 +577,10 @@ fn forget_and_update_leave_no_kv_derived_from_the_old_text() {
     let (mut again, _) = open(again_dir.path(), &e, window);
     let mut enc = Encoders { engine: &mut e, embedder: &m.embedder, composer: &composer };
     again.ingest("ana", &updated, &mut enc).unwrap();
-    assert!(kv_by_id(&mem, "ana") == kv_by_id(&again, "ana"), "KV after update = KV of an ingest of the new text");
+    assert!(
+        kv_by_id(&mut mem, "ana") == kv_by_id(&mut again, "ana"),
+        "KV after update = KV of an ingest of the new text"
+    );
 }
 
 fn walk(dir: &Path) -> Vec<std::path::PathBuf> {

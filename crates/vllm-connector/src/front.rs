@@ -299,7 +299,7 @@ impl MemoryHost for Host {
         with_kv: bool,
         max_bytes: usize,
     ) -> WResult<(Vec<ShardRecord>, usize)> {
-        self.read(|g| Ok(each!(g, c => c.memory().export(c.backend(), user, ids, with_kv, max_bytes))?))
+        self.read(|g| Ok(each!(g, c => c.memory().export(user, ids, with_kv, max_bytes))?))
     }
 
     fn import_target(&self) -> WResult<(PathBuf, KvHeader)> {

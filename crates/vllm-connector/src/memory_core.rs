@@ -15,7 +15,8 @@ use std::sync::Arc;
 use inferscale_engine::bert::Bert;
 use inferscale_engine::{Backend, CpuBackend, Engine, EngineConfig, KvChunk};
 use inferscale_memory::{
-    Chat, ImportReport, IngestReport, Memory, MemoryUnit, Prompts, Retriever, Scope, Session, ShardSpec, StagedShard,
+    Chat, ImportReport, IngestReport, Memory, MemoryUnit, Pinned, Prompts, Retriever, Scope, Session, ShardSpec,
+    StagedShard,
 };
 use inferscale_model::{ModelFiles, RopeScaling, shapes};
 
@@ -74,7 +75,9 @@ pub struct Core<B: Backend> {
     /// Bumped by every ingest and forget of a user: part of the salt, so
     /// vLLM's cached blocks of the old memory are never hit again.
     generation: HashMap<String, u64>,
-    plans: HashMap<String, Plan>,
+    /// Plans issued and not finished, each with its facts' KV pinned in
+    /// the memory's cache until then.
+    plans: HashMap<String, (Plan, Option<Pinned<B>>)>,
     /// Plan ids in issue order, for the [`MAX_PLANS`] bound; ids of plans
     /// already finished stay until they reach the front.
     order: VecDeque<String>,
@@ -253,8 +256,9 @@ impl<B: Backend> Core<B> {
         let mut prompt = self.session.composer().header().to_vec();
         let mut chunks = vec![Chunk { fact: None, start: 0, len: prompt.len() }];
         let mut fact_ids = Vec::with_capacity(best.len());
+        let mut pinned = None;
         if !best.is_empty() {
-            self.session.ensure_kv(user)?;
+            pinned = Some(self.session.fetch(user, &best)?.0);
             let facts = self.session.memory().facts(user)?;
             for &i in best.iter().rev() {
                 let f = &facts[i];
@@ -275,7 +279,7 @@ impl<B: Backend> Core<B> {
             digest: token_digest(&prompt[..end]),
             chunks,
         };
-        self.remember(plan.clone());
+        self.remember(plan.clone(), pinned);
         let prompt_salt = prompt_salt(user, generation, &self.fingerprint);
         Ok(Composed { prompt, plan, prompt_salt, fact_ids })
     }
@@ -300,7 +304,7 @@ impl<B: Backend> Core<B> {
         }
     }
 
-    fn remember(&mut self, plan: Plan) {
+    fn remember(&mut self, plan: Plan, pinned: Option<Pinned<B>>) {
         // Finished plans' ids are dropped here, not in `finish` (which would
         // scan the queue at every request's end).
         while self.order.front().is_some_and(|id| !self.plans.contains_key(id)) {
@@ -312,7 +316,7 @@ impl<B: Backend> Core<B> {
             self.plans.remove(&old);
         }
         self.order.push_back(plan.id.clone());
-        self.plans.insert(plan.id.clone(), plan);
+        self.plans.insert(plan.id.clone(), (plan, pinned));
     }
 
     /// Forgets an issued plan (its request finished).
@@ -324,7 +328,7 @@ impl<B: Backend> Core<B> {
     /// one this core issued, unchanged, for a cache of `layers` layers.
     fn plan_kv(&self, plan: &Plan, layers: usize) -> Result<Vec<&KvChunk<B>>> {
         match self.plans.get(&plan.id) {
-            Some(issued) if issued == plan => {}
+            Some((issued, _)) if issued == plan => {}
             Some(_) => return Err(ConnectorError::Plan(format!("plan {} differs from the one issued", plan.id))),
             None => return Err(ConnectorError::Plan(format!("plan {} was not issued by this worker", plan.id))),
         }

@@ -21,8 +21,8 @@ use inferscale_engine::kv_cache::BLOCK_SIZE;
 use inferscale_engine::sampling::{Rng, sample};
 use inferscale_engine::{Backend, Engine, FinishReason, NextToken, Sequence, blend_rows};
 use inferscale_memory::{
-    Event as UnitEvent, ImportReport, IngestReport, KvHeader, Memory, MemoryUnit, Mode, Prompts, Session, ShardRecord,
-    StagedShard, UnitUpdate, UpdateReport,
+    Event as UnitEvent, ImportReport, IngestReport, KvHeader, Memory, MemoryUnit, Mode, Pinned, Prompts, Session,
+    ShardRecord, StagedShard, UnitUpdate, UpdateReport,
 };
 use inferscale_model::ModelFiles;
 use tracing::{Span, field::Empty, info_span};
@@ -87,7 +87,7 @@ impl Default for WorkerConfig {
 }
 
 /// A request from arrival to its last token.
-struct Live {
+struct Live<B: Backend> {
     job: GenerateJob,
     /// Tokens after the memory block: history, question, assistant start.
     tail: Vec<u32>,
@@ -109,6 +109,10 @@ struct Live {
     /// they came from a cached prefill.
     header_tokens: usize,
     header_cached: bool,
+    /// The retrieved facts' KV (kv and blend modes), made resident at
+    /// arrival and held until layout injects it, so that the cache does
+    /// not evict it while the request waits.
+    pinned: Option<Pinned<B>>,
 }
 
 /// Where the engine thread's time goes, printed every 10 s when
@@ -255,7 +259,7 @@ struct Core<B: Backend> {
     eos: Vec<u32>,
     cfg: WorkerConfig,
     sched: Scheduler,
-    live: HashMap<RequestId, Live>,
+    live: HashMap<RequestId, Live<B>>,
     next_id: RequestId,
     metrics: Arc<WorkerMetrics>,
     profile: Profile,
@@ -336,7 +340,7 @@ impl<B: Backend> MemoryHost for Core<B> {
 
     fn export(&self, user: &str, ids: &[String], with_kv: bool, max_bytes: usize) -> Result<(Vec<ShardRecord>, usize)> {
         let s = &self.session;
-        Ok(s.memory().export(s.engine().backend(), user, ids, with_kv, max_bytes)?)
+        Ok(s.memory().export(user, ids, with_kv, max_bytes)?)
     }
 
     fn import_target(&self) -> Result<(PathBuf, KvHeader)> {
@@ -365,8 +369,7 @@ impl<B: Backend> Core<B> {
         let tail = self.session.tail(&job.chat)?;
         let header = self.session.header_len(&job.chat)?;
         let t0 = Instant::now();
-        let retrieve =
-            info_span!(parent: &job.span, "retrieve", k = job.k as i64, candidates = Empty, retrieved = Empty);
+        let retrieve = info_span!(parent: &job.span, "retrieve", k = job.k as i64, candidates = Empty, retrieved = Empty, loaded = Empty);
         let entered = retrieve.enter();
         let mut facts = Vec::new();
         if job.mode != Mode::None && self.session.memory().has_user(&job.user) {
@@ -377,6 +380,17 @@ impl<B: Backend> Core<B> {
             retrieve.record("candidates", self.session.memory().facts(&job.user).map_or(0, <[_]>::len) as i64);
         }
         retrieve.record("retrieved", facts.len() as i64);
+        // Facts not cached are read from disk now, while the request waits
+        // for admission, not when it is laid out.
+        let mut pinned = None;
+        if job.mode.injects() && !facts.is_empty() {
+            let (p, report) = self.session.fetch(&job.user, &facts)?;
+            if report.loaded > 0 {
+                self.metrics.kv_loaded(report.load_seconds);
+            }
+            retrieve.record("loaded", report.loaded as i64);
+            pinned = Some(p);
+        }
         drop(entered);
         drop(retrieve);
         let retrieve_ms = ms(t0.elapsed());
@@ -443,6 +457,7 @@ impl<B: Backend> Core<B> {
                 tail,
                 header_tokens: header,
                 header_cached: true,
+                pinned,
             },
         );
         Ok(())
@@ -535,6 +550,8 @@ impl<B: Backend> Core<B> {
         l.phase = info_span!(parent: &l.job.span, "prefill", tokens = p.seq.pending() as i64);
         l.fact_ids = p.fact_ids;
         l.seq = Some(p.seq);
+        // Injected: the cache may move or evict those facts now.
+        l.pinned = None;
         Ok(())
     }
 
@@ -559,7 +576,7 @@ impl<B: Backend> Core<B> {
         let mut takes = Vec::with_capacity(items.len());
         let mut greedy = Vec::with_capacity(items.len());
         let mut seqs: Vec<&mut Sequence> = Vec::with_capacity(items.len());
-        let mut by_id: HashMap<RequestId, &mut Live> = self.live.iter_mut().map(|(&id, l)| (id, l)).collect();
+        let mut by_id: HashMap<RequestId, &mut Live<B>> = self.live.iter_mut().map(|(&id, l)| (id, l)).collect();
         for item in &items {
             if let Some(l) = by_id.remove(&item.id)
                 && let Some(seq) = l.seq.as_mut()

@@ -33,6 +33,9 @@ pub struct WorkerMetrics {
     recomputed_tokens: AtomicU64,
     /// Arrival to admission into the running batch (retrieval excluded).
     queue: Histogram,
+    /// A request's reads of facts' KV from disk (read, check, decode,
+    /// cache), for requests that read any.
+    kv_load: Histogram,
     /// Sequences per forward step, and the step's duration.
     batch_rows: Histogram,
     step: Histogram,
@@ -53,6 +56,7 @@ impl Default for WorkerMetrics {
             tpot: Default::default(),
             recomputed_tokens: AtomicU64::new(0),
             queue: Histogram::default(),
+            kv_load: Histogram::default(),
             batch_rows: Histogram::new(&ROW_BUCKETS),
             step: Histogram::default(),
             finished: AtomicU64::new(0),
@@ -105,6 +109,11 @@ impl WorkerMetrics {
         (n(&self.finished), n(&self.cancelled), n(&self.failed))
     }
 
+    /// A request read facts' KV from disk for `seconds`.
+    pub(crate) fn kv_loaded(&self, seconds: f64) {
+        self.kv_load.observe(seconds);
+    }
+
     pub(crate) fn admitted(&self, waited_seconds: f64) {
         self.queue.observe(waited_seconds);
     }
@@ -129,6 +138,11 @@ impl WorkerMetrics {
         }
         for (name, help, h) in [
             ("inferscale_worker_queue_seconds", "Wait for admission into the running batch.", &self.queue),
+            (
+                "inferscale_worker_kv_load_seconds",
+                "A request's reads of facts' KV from disk into the cache (requests that read any).",
+                &self.kv_load,
+            ),
             ("inferscale_worker_batch_rows", "Sequences per forward step.", &self.batch_rows),
             ("inferscale_worker_step_seconds", "Duration of a forward step.", &self.step),
         ] {
@@ -162,6 +176,39 @@ impl WorkerMetrics {
         out.push_str(&format!("{name}{{tier=\"{}\"}} {}\n", prom::label(resident_tier), stats.kv_resident_bytes));
         out.push_str(&format!("{name}{{tier=\"pinned_host\"}} {}\n", stats.kv_host_tier_bytes));
         out.push_str(&format!("{name}{{tier=\"disk\"}} {}\n", stats.disk_bytes));
+        let c = &stats.kv_cache;
+        let tiers = [prom::label(resident_tier), "pinned_host".to_string()];
+        for (name, help, v) in [
+            ("inferscale_worker_kv_cache_hits_total", "Facts a request found in the KV cache, by tier.", c.hits),
+            ("inferscale_worker_kv_cache_evictions_total", "Facts evicted from a KV cache tier.", c.evictions),
+        ] {
+            prom::header(&mut out, name, "counter", help);
+            for (tier, v) in tiers.iter().zip(v) {
+                out.push_str(&format!("{name}{{tier=\"{tier}\"}} {v}\n"));
+            }
+        }
+        for (name, help, v) in [
+            ("inferscale_worker_kv_cache_misses_total", "Facts a request read from disk.", c.misses),
+            ("inferscale_worker_kv_cache_loaded_bytes_total", "KV record bytes read from disk.", c.loaded_bytes),
+            (
+                "inferscale_worker_kv_cache_promotions_total",
+                "Facts moved from the host tier to the device.",
+                c.promotions,
+            ),
+            (
+                "inferscale_worker_kv_cache_over_budget_total",
+                "Facts cached past a tier's budget because pinned facts filled it.",
+                c.over_budget,
+            ),
+            (
+                "inferscale_worker_kv_corrupt_records_total",
+                "Stored KV records that failed their check when read (re-encoded).",
+                c.corrupt,
+            ),
+        ] {
+            prom::header(&mut out, name, "counter", help);
+            out.push_str(&format!("{name} {v}\n"));
+        }
         let name = "inferscale_worker_requests_total";
         prom::header(&mut out, name, "counter", "Requests that left the worker, by how.");
         for (status, v) in [("finished", stats.finished), ("cancelled", stats.cancelled), ("failed", stats.failed)] {

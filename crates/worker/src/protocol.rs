@@ -19,8 +19,8 @@ use std::time::{Duration, Instant};
 use inferscale_engine::sampling::SamplingParams;
 use inferscale_engine::{Backend, FinishReason};
 use inferscale_memory::{
-    Chat, Event as UnitEvent, Footprint, Hit, ImportReport, IngestReport, KvHeader, Memory, MemoryUnit, Mode, Scope,
-    ShardRecord, StagedShard, UnitUpdate, UpdateReport,
+    CacheStats, Chat, Event as UnitEvent, Footprint, Hit, ImportReport, IngestReport, KvHeader, Memory, MemoryUnit,
+    Mode, Scope, ShardRecord, StagedShard, UnitUpdate, UpdateReport,
 };
 use tokio::sync::{mpsc, oneshot};
 use tracing::Span;
@@ -116,9 +116,11 @@ pub struct Stats {
     /// Pre-RoPE KV of the memory held in the backend's memory, and the
     /// memory's logs on disk (0 unless asked for).
     pub kv_resident_bytes: u64,
-    /// Pre-RoPE KV of users placed in the backend's host tier.
+    /// Pre-RoPE KV cached in the backend's host tier.
     pub kv_host_tier_bytes: u64,
     pub disk_bytes: u64,
+    /// The memory's KV cache counters (0 unless asked for).
+    pub kv_cache: CacheStats,
 }
 
 /// What an engine reports of its running batch, for [`Stats`].
@@ -550,6 +552,7 @@ impl Protocol {
             kv_resident_bytes: footprint.kv_resident_bytes,
             kv_host_tier_bytes: footprint.kv_host_tier_bytes,
             disk_bytes: footprint.disk_bytes,
+            kv_cache: footprint.cache,
         }
     }
 

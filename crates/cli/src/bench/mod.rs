@@ -6,6 +6,7 @@ mod inject;
 mod migrate;
 mod nccl;
 mod serve;
+mod store;
 mod ttft;
 
 use anyhow::Result;
@@ -26,6 +27,9 @@ pub enum Command {
     Migrate(migrate::MigrateBenchArgs),
     /// NCCL send/recv on one GPU (to itself), checked, next to a device copy.
     Nccl(nccl::NcclBenchArgs),
+    /// The tiered KV store per segment format: bytes on disk, open time,
+    /// a request's facts read from disk, and cached.
+    Store(store::StoreBenchArgs),
 }
 
 pub fn run(c: Command) -> Result<()> {
@@ -36,6 +40,7 @@ pub fn run(c: Command) -> Result<()> {
         Command::Serve(a) => serve::run(a),
         Command::Migrate(a) => migrate::run(a),
         Command::Nccl(a) => nccl::run(a),
+        Command::Store(a) => store::run(a),
     }
 }
 

@@ -1,0 +1,171 @@
+//! `inferscale bench store`: the tiered KV store. Per segment format, a
+//! memory of `--users` users × `--facts` facts is ingested, closed and
+//! reopened (open time, against the KV bytes on disk), then each user
+//! answers requests of `--k` facts: the first reads them from disk (a
+//! miss), the same again finds them cached (a hit). Side by side per
+//! format: bytes on disk, open time, a request's disk read, a hit.
+//!
+//! The disk reads go through the page cache, which holds the segments just
+//! written unless the machine drops it: the miss column is a read of
+//! records from memory plus their checks, decode and upload, a lower bound
+//! on a cold NVMe read.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Result, bail};
+use clap::Args;
+use inferscale_engine::Backend;
+use inferscale_engine::bert::Bert;
+use inferscale_loadtest::synthetic::synthetic_facts;
+use inferscale_memory::{Budgets, Composer, Encoders, KvFormat, Memory, MemoryUnit, Prompts, ShardSpec, StoreOptions};
+use serde::Serialize;
+
+use super::median;
+use crate::runtime::{ModelArgs, load_on, on_backend};
+
+#[derive(Args, Debug)]
+pub struct StoreBenchArgs {
+    /// Users in the memory.
+    #[arg(long, default_value_t = 8)]
+    users: usize,
+    /// Facts per user.
+    #[arg(long, default_value_t = 200)]
+    facts: usize,
+    /// Facts per request.
+    #[arg(long, default_value_t = 20)]
+    k: usize,
+    /// Segment formats compared.
+    #[arg(long, value_delimiter = ',', default_value = "f32,bf16,fp8")]
+    formats: Vec<KvFormat>,
+    /// Context window the facts are encoded with.
+    #[arg(long, default_value_t = 0)]
+    window: usize,
+    /// Directory for the memories (default: a temporary one, removed).
+    #[arg(long)]
+    dir: Option<PathBuf>,
+    /// Write the results as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    #[command(flatten)]
+    model: ModelArgs,
+}
+
+#[derive(Serialize, Debug)]
+struct Row {
+    format: String,
+    facts: usize,
+    kv_disk_mb: f64,
+    ingest_s: f64,
+    open_ms: f64,
+    miss_ms_median: f64,
+    miss_mb_per_s: f64,
+    hit_ms_median: f64,
+}
+
+pub fn run(a: StoreBenchArgs) -> Result<()> {
+    on_backend!(a.model, run_on(&a))
+}
+
+fn run_on<B: Backend>(a: &StoreBenchArgs, backend: B) -> Result<()> {
+    if a.users == 0 || a.facts == 0 || a.k == 0 || a.k > a.facts || a.formats.is_empty() {
+        bail!("--users, --facts, --k (at most --facts) and --formats must be positive");
+    }
+    let tmp = tempfile::tempdir()?;
+    let root = a.dir.clone().unwrap_or_else(|| tmp.path().to_path_buf());
+    let loaded = load_on(&a.model, backend)?;
+    let mut e = loaded.engine;
+    let embedder = Bert::load(e.backend(), inferscale_model::encoder::open("random")?)?;
+    let prompts = Prompts::default();
+    let composer = Composer::new(&loaded.files, &prompts)?;
+    let spec = ShardSpec::new(&loaded.files, a.window, &prompts)?;
+    let texts = synthetic_facts(a.facts);
+    let mut rows = Vec::new();
+    println!(
+        "{} on {} · {} users × {} facts · k = {} · window {}",
+        a.model.shape.as_deref().unwrap_or(&a.model.model),
+        e.backend().name(),
+        a.users,
+        a.facts,
+        a.k,
+        a.window
+    );
+    println!("| format | KV on disk MB | ingest s | open ms | miss: k facts from disk, ms | MB/s | hit ms |");
+    println!("|---|---|---|---|---|---|---|");
+    for &format in &a.formats {
+        let dir = root.join(format.name());
+        let options = StoreOptions { format: Some(format), budgets: Budgets::default() };
+        let (mut memory, _) = Memory::open_with(&dir, spec.clone(), &e, options)?;
+        let t0 = Instant::now();
+        for u in 0..a.users {
+            let units: Vec<MemoryUnit> = texts
+                .iter()
+                .enumerate()
+                .map(|(i, t)| MemoryUnit { id: format!("f{i}"), text: t.clone(), ..Default::default() })
+                .collect();
+            let mut enc = Encoders { engine: &mut e, embedder: &embedder, composer: &composer };
+            for batch in units.chunks(64) {
+                memory.ingest(&format!("user{u}"), batch, &mut enc)?;
+            }
+        }
+        e.backend().synchronize()?;
+        let ingest_s = t0.elapsed().as_secs_f64();
+        let disk = memory.footprint().disk_bytes;
+        drop(memory);
+
+        let t0 = Instant::now();
+        let (mut memory, warnings) = Memory::open_with(&dir, spec.clone(), &e, options)?;
+        let open_ms = t0.elapsed().as_secs_f64() * 1e3;
+        if !warnings.is_empty() {
+            bail!("reopening {}: {warnings:?}", dir.display());
+        }
+        let (mut misses, mut hits, mut loaded_bytes, mut miss_s) = (Vec::new(), Vec::new(), 0u64, 0.0);
+        let step = a.facts / a.k;
+        for u in 0..a.users {
+            let user = format!("user{u}");
+            let idxs: Vec<usize> = (0..a.k).map(|j| (j * step + u) % a.facts).collect();
+            let t0 = Instant::now();
+            let got = memory.fetch(e.backend(), &user, &idxs)?;
+            e.backend().synchronize()?;
+            let t = t0.elapsed().as_secs_f64();
+            if !got.missing.is_empty() || got.report.loaded != a.k {
+                bail!("{user}: {} of {} facts read from disk", got.report.loaded, a.k);
+            }
+            misses.push(t * 1e3);
+            miss_s += t;
+            loaded_bytes += got.report.loaded_bytes;
+            drop(got);
+            let t0 = Instant::now();
+            let got = memory.fetch(e.backend(), &user, &idxs)?;
+            hits.push(t0.elapsed().as_secs_f64() * 1e3);
+            if got.report.device_hits != a.k {
+                bail!("{user}: {} of {} facts found cached", got.report.device_hits, a.k);
+            }
+        }
+        let row = Row {
+            format: format.name().to_string(),
+            facts: a.users * a.facts,
+            kv_disk_mb: disk as f64 / 1e6,
+            ingest_s,
+            open_ms,
+            miss_ms_median: median(misses),
+            miss_mb_per_s: loaded_bytes as f64 / 1e6 / miss_s,
+            hit_ms_median: median(hits),
+        };
+        println!(
+            "| {} | {:.0} | {:.1} | {:.1} | {:.2} | {:.0} | {:.3} |",
+            row.format,
+            row.kv_disk_mb,
+            row.ingest_s,
+            row.open_ms,
+            row.miss_ms_median,
+            row.miss_mb_per_s,
+            row.hit_ms_median
+        );
+        rows.push(row);
+    }
+    if let Some(path) = &a.json {
+        std::fs::write(path, serde_json::to_vec_pretty(&rows)?)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,381 @@
+//! Which facts' KV is resident, in which tier, and what leaves when a tier
+//! is full (docs/design.md §8).
+//!
+//! Three tiers: the device (KV the injection kernel reads from device
+//! memory), the host tier (pinned host memory the kernel reads over the
+//! bus) and the disk (every fact's segment record, always). The cache holds
+//! a fact's KV in at most one of the first two; each has a byte budget.
+//! The unit is one fact's KV: a request injects the k facts retrieval
+//! picked out of hundreds, so caching whole users would move and hold
+//! ~30× the bytes a request reads (k = 20 of a LoCoMo user's ~600 turns).
+//!
+//! Policy: least recently used, exclusive between the tiers. A fact loaded
+//! from disk goes to the device; the device's least recently used facts
+//! make room by moving to the host tier (whose own least recently used
+//! facts are dropped: the disk has them). A host-tier hit is promoted to
+//! the device the same way. KV a request holds (an [`Arc`] clone: a pin,
+//! from admission to layout) is never evicted; when pins leave no room,
+//! the fact is placed past the budget rather than refused, and counted.
+//! Freshly encoded KV is kept only where it fits without evicting: an
+//! ingest does not push out the users being served.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use inferscale_engine::{Backend, KvChunk};
+use inferscale_model::HostTensor;
+
+use crate::error::Result;
+
+/// Where a cached fact's KV lives. A device backend keeps it in device
+/// memory or in its host tier (pinned host memory that injection reads over
+/// the bus, overlapped with the prefill); a backend without a host tier
+/// (the CPU one) has only the first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tier {
+    Device,
+    Host,
+}
+
+impl Tier {
+    fn at(self) -> usize {
+        self as usize
+    }
+}
+
+/// Byte budgets of the two memory tiers (`None`: no limit).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Budgets {
+    pub device: Option<u64>,
+    pub host: Option<u64>,
+}
+
+/// Counters since the memory opened, for the worker's metrics.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct CacheStats {
+    /// Facts a request found resident, per tier.
+    pub hits: [u64; 2],
+    /// Facts a request had to read from disk.
+    pub misses: u64,
+    pub loaded_bytes: u64,
+    /// Facts moved host → device on a hit.
+    pub promotions: u64,
+    /// Facts that left a tier to make room, per tier (a device eviction
+    /// moves the fact to the host tier when it has room).
+    pub evictions: [u64; 2],
+    /// Facts placed past a budget because pinned facts filled it.
+    pub over_budget: u64,
+    /// Records that failed their checksum when read (re-encoded).
+    pub corrupt: u64,
+}
+
+struct Entry<B: Backend> {
+    chunk: Arc<KvChunk<B>>,
+    tier: Tier,
+    stamp: u64,
+    bytes: u64,
+}
+
+impl<B: Backend> Entry<B> {
+    /// Held by a request (pinned) besides the cache.
+    fn pinned(&self) -> bool {
+        Arc::strong_count(&self.chunk) > 1
+    }
+}
+
+/// KV to cache: already where it was computed (a device chunk), or host
+/// tensors read from a segment.
+pub(crate) enum Source<B: Backend> {
+    Chunk(KvChunk<B>),
+    Host { tokens: Vec<u32>, k: Vec<HostTensor>, v: Vec<HostTensor> },
+}
+
+/// How hard an insertion may push.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Admit {
+    /// Evict least recently used facts to make room (a request needs it).
+    Demand,
+    /// Only where it fits as things are; else not cached (freshly encoded).
+    Fill,
+}
+
+pub(crate) struct KvCache<B: Backend> {
+    entries: HashMap<u64, Entry<B>>,
+    /// Per tier, stamp → key, oldest first.
+    lru: [BTreeMap<u64, u64>; 2],
+    bytes: [u64; 2],
+    budgets: Budgets,
+    /// Whether the backend has a host tier apart from its device memory.
+    host_tier: bool,
+    clock: u64,
+    /// Bytes per stored K or V element on the backend.
+    bytes_per_value: u64,
+    /// Per token: 2 (K, V) × layers × kv_dim values.
+    values_per_token: u64,
+    pub(crate) stats: CacheStats,
+}
+
+impl<B: Backend> KvCache<B> {
+    /// A cache for `be`'s KV of a model of `layers` × `kv_dim`.
+    pub(crate) fn new(be: &B, budgets: Budgets, layers: usize, kv_dim: usize) -> Self {
+        Self::with_tiers(budgets, be.has_host_tier(), be.kv_bytes_per_value(), layers, kv_dim)
+    }
+
+    fn with_tiers(budgets: Budgets, host_tier: bool, bytes_per_value: usize, layers: usize, kv_dim: usize) -> Self {
+        KvCache {
+            entries: HashMap::new(),
+            lru: Default::default(),
+            bytes: [0; 2],
+            budgets,
+            host_tier,
+            clock: 0,
+            bytes_per_value: bytes_per_value as u64,
+            values_per_token: (2 * layers * kv_dim) as u64,
+            stats: CacheStats::default(),
+        }
+    }
+
+    pub(crate) fn budgets(&self) -> Budgets {
+        self.budgets
+    }
+
+    /// Bytes resident per tier.
+    pub(crate) fn bytes(&self, tier: Tier) -> u64 {
+        self.bytes[tier.at()]
+    }
+
+    pub(crate) fn get(&self, key: u64) -> Option<&Arc<KvChunk<B>>> {
+        self.entries.get(&key).map(|e| &e.chunk)
+    }
+
+    pub(crate) fn tier(&self, key: u64) -> Option<Tier> {
+        self.entries.get(&key).map(|e| e.tier)
+    }
+
+    /// Marks `key` used now; a host-tier fact moves to the device when
+    /// room can be made there. Returns the tier it was found in.
+    pub(crate) fn hit(&mut self, be: &B, key: u64) -> Result<Option<Tier>> {
+        let Some(tier) = self.tier(key) else { return Ok(None) };
+        self.stats.hits[tier.at()] += 1;
+        self.touch(key);
+        if tier == Tier::Host {
+            let bytes = self.entries[&key].bytes;
+            // Held (pinned) so that the device's evictions, moving to the
+            // host tier, cannot evict it from there.
+            let held = self.entries[&key].chunk.clone();
+            if self.make_room(be, Tier::Device, bytes)? {
+                drop(held);
+                let e = self.take(key).expect("a pinned entry stays");
+                let (k, v) = e.chunk.to_host(be)?;
+                let chunk = KvChunk::from_host(be, e.chunk.tokens.clone(), &k, &v)?;
+                self.put(key, chunk, Tier::Device, bytes);
+                self.stats.promotions += 1;
+            }
+        }
+        Ok(Some(tier))
+    }
+
+    /// Caches `source` under `key` (replacing what it held); returns the
+    /// tier it went to, or `None` when [`Admit::Fill`] found no room.
+    pub(crate) fn insert(&mut self, be: &B, key: u64, source: Source<B>, admit: Admit) -> Result<Option<Tier>> {
+        self.remove(key);
+        let tokens = match &source {
+            Source::Chunk(c) => c.len(),
+            Source::Host { tokens, .. } => tokens.len(),
+        };
+        let bytes = tokens as u64 * self.values_per_token * self.bytes_per_value;
+        let host_tier = self.host_tier;
+        let tier = match admit {
+            Admit::Fill if self.fits(Tier::Device, bytes) => Tier::Device,
+            Admit::Fill if host_tier && self.fits(Tier::Host, bytes) => Tier::Host,
+            Admit::Fill => return Ok(None),
+            Admit::Demand if self.make_room(be, Tier::Device, bytes)? => Tier::Device,
+            Admit::Demand if host_tier && self.make_room(be, Tier::Host, bytes)? => Tier::Host,
+            Admit::Demand => {
+                self.stats.over_budget += 1;
+                if host_tier { Tier::Host } else { Tier::Device }
+            }
+        };
+        let chunk = match (source, tier) {
+            (Source::Chunk(c), Tier::Device) => c,
+            (Source::Chunk(c), Tier::Host) => {
+                let (k, v) = c.to_host(be)?;
+                KvChunk::from_host_tier(be, c.tokens, &k, &v)?
+            }
+            (Source::Host { tokens, k, v }, Tier::Device) => KvChunk::from_host(be, tokens, &k, &v)?,
+            (Source::Host { tokens, k, v }, Tier::Host) => KvChunk::from_host_tier(be, tokens, &k, &v)?,
+        };
+        self.put(key, chunk, tier, bytes);
+        Ok(Some(tier))
+    }
+
+    /// Brings each tier back within its budget where pins had pushed it
+    /// past (its least recently used unpinned facts leave, as on an
+    /// insertion): pins are released without the cache seeing it.
+    pub(crate) fn trim(&mut self, be: &B) -> Result<()> {
+        for tier in [Tier::Device, Tier::Host] {
+            if !self.fits(tier, 0) {
+                self.make_room(be, tier, 0)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Drops `key`'s KV (its fact changed or is gone). A request holding
+    /// it keeps its copy until it is done with it.
+    pub(crate) fn remove(&mut self, key: u64) {
+        self.take(key);
+    }
+
+    fn take(&mut self, key: u64) -> Option<Entry<B>> {
+        let e = self.entries.remove(&key)?;
+        self.lru[e.tier.at()].remove(&e.stamp);
+        self.bytes[e.tier.at()] -= e.bytes;
+        Some(e)
+    }
+
+    fn put(&mut self, key: u64, chunk: KvChunk<B>, tier: Tier, bytes: u64) {
+        self.clock += 1;
+        self.lru[tier.at()].insert(self.clock, key);
+        self.bytes[tier.at()] += bytes;
+        self.entries.insert(key, Entry { chunk: Arc::new(chunk), tier, stamp: self.clock, bytes });
+    }
+
+    fn touch(&mut self, key: u64) {
+        self.clock += 1;
+        if let Some(e) = self.entries.get_mut(&key) {
+            self.lru[e.tier.at()].remove(&e.stamp);
+            e.stamp = self.clock;
+            self.lru[e.tier.at()].insert(self.clock, key);
+        }
+    }
+
+    fn budget(&self, tier: Tier) -> Option<u64> {
+        match tier {
+            Tier::Device => self.budgets.device,
+            Tier::Host => self.budgets.host,
+        }
+    }
+
+    fn fits(&self, tier: Tier, bytes: u64) -> bool {
+        self.budget(tier).is_none_or(|b| self.bytes[tier.at()].saturating_add(bytes) <= b)
+    }
+
+    /// Evicts `tier`'s least recently used unpinned facts until `bytes` more fit its budget; evicts nothing when they cannot
+    /// be made to fit. Device evictions move to the host tier when it can
+    /// make room for them. Returns whether `bytes` fit now.
+    fn make_room(&mut self, be: &B, tier: Tier, bytes: u64) -> Result<bool> {
+        let Some(budget) = self.budget(tier) else { return Ok(true) };
+        if bytes > budget {
+            return Ok(false);
+        }
+        // Past the budget already (pins placed facts beyond it): back under.
+        let excess = (self.bytes[tier.at()] + bytes).saturating_sub(budget);
+        let mut freed = 0;
+        let mut victims = Vec::new();
+        for (_, &key) in self.lru[tier.at()].iter() {
+            if freed >= excess {
+                break;
+            }
+            let e = &self.entries[&key];
+            if !e.pinned() {
+                freed += e.bytes;
+                victims.push(key);
+            }
+        }
+        if freed < excess {
+            return Ok(false);
+        }
+        for key in victims {
+            let e = self.take(key).expect("an LRU entry is present");
+            self.stats.evictions[tier.at()] += 1;
+            // A device victim is more recent than anything in the host tier.
+            if tier == Tier::Device && self.host_tier && self.make_room(be, Tier::Host, e.bytes)? {
+                let (k, v) = e.chunk.to_host(be)?;
+                let chunk = KvChunk::from_host_tier(be, e.chunk.tokens.clone(), &k, &v)?;
+                self.put(key, chunk, Tier::Host, e.bytes);
+            }
+        }
+        Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use inferscale_engine::CpuBackend;
+
+    use super::*;
+
+    /// A fact of `n` tokens whose values are `x`: one layer, 2 values per token.
+    fn fact(n: usize, x: f32) -> Source<CpuBackend> {
+        let t = HostTensor { shape: vec![n, 2], data: vec![x; 2 * n] };
+        Source::Host { tokens: vec![1; n], k: vec![t.clone()], v: vec![t] }
+    }
+
+    /// Device room for 3 one-token facts, host room for 2 (16 bytes each:
+    /// K and V, 2 values of 4 bytes).
+    fn cache() -> KvCache<CpuBackend> {
+        KvCache::with_tiers(Budgets { device: Some(48), host: Some(32) }, true, 4, 1, 2)
+    }
+
+    fn tiers(c: &KvCache<CpuBackend>, keys: std::ops::Range<u64>) -> Vec<Option<Tier>> {
+        keys.map(|k| c.tier(k)).collect()
+    }
+
+    #[test]
+    fn the_least_recently_used_move_down_a_tier_and_hits_move_up() {
+        let be = CpuBackend;
+        let mut c = cache();
+        for key in 0..3 {
+            assert_eq!(c.insert(&be, key, fact(1, key as f32), Admit::Demand).unwrap(), Some(Tier::Device));
+        }
+        assert_eq!(c.hit(&be, 0).unwrap(), Some(Tier::Device));
+        // 1 is now the least recently used: it moves to the host tier.
+        c.insert(&be, 3, fact(1, 3.0), Admit::Demand).unwrap();
+        use Tier::*;
+        assert_eq!(tiers(&c, 0..4), [Some(Device), Some(Host), Some(Device), Some(Device)]);
+        c.insert(&be, 4, fact(1, 4.0), Admit::Demand).unwrap();
+        c.insert(&be, 5, fact(1, 5.0), Admit::Demand).unwrap();
+        // 2 and 0 followed 1 down; the host tier holds two: 1 was dropped.
+        assert_eq!(tiers(&c, 0..6), [Some(Host), None, Some(Host), Some(Device), Some(Device), Some(Device)]);
+        assert_eq!((c.bytes(Device), c.bytes(Host)), (48, 32));
+        assert_eq!(c.stats.evictions, [3, 1]);
+        // A host hit is promoted, the device's oldest (3) taking its place.
+        assert_eq!(c.hit(&be, 0).unwrap(), Some(Host));
+        assert_eq!(tiers(&c, 0..6), [Some(Device), None, None, Some(Host), Some(Device), Some(Device)]);
+        assert_eq!((c.stats.promotions, c.stats.hits), (1, [1, 1]));
+        // The KV is the same wherever it moved.
+        let (k, _) = c.get(0).unwrap().to_host(&be).unwrap();
+        assert_eq!(k[0].data, [0.0, 0.0]);
+        let (k, _) = c.get(3).unwrap().to_host(&be).unwrap();
+        assert_eq!(k[0].data, [3.0, 3.0]);
+        c.remove(0);
+        assert_eq!((c.bytes(Device), c.tier(0)), (32, None));
+    }
+
+    #[test]
+    fn pinned_facts_stay_and_a_fact_that_cannot_fit_goes_past_the_budget() {
+        let be = CpuBackend;
+        let mut c = KvCache::with_tiers(Budgets { device: Some(32), host: None }, false, 4, 1, 2);
+        c.insert(&be, 0, fact(1, 0.0), Admit::Demand).unwrap();
+        c.insert(&be, 1, fact(1, 1.0), Admit::Demand).unwrap();
+        let pin = c.get(0).unwrap().clone();
+        // 0 is older but pinned: 1 goes.
+        c.insert(&be, 2, fact(1, 2.0), Admit::Demand).unwrap();
+        assert_eq!(tiers(&c, 0..3), [Some(Tier::Device), None, Some(Tier::Device)]);
+        let pin2 = c.get(2).unwrap().clone();
+        // Both pinned: the new fact is placed past the budget, not refused.
+        assert_eq!(c.insert(&be, 3, fact(1, 3.0), Admit::Demand).unwrap(), Some(Tier::Device));
+        assert_eq!((c.bytes(Tier::Device), c.stats.over_budget), (48, 1));
+        // Fill never evicts: nothing fits now.
+        assert_eq!(c.insert(&be, 4, fact(1, 4.0), Admit::Fill).unwrap(), None);
+        drop((pin, pin2));
+        // Unpinned, they go in LRU order until the budget holds again.
+        c.insert(&be, 5, fact(1, 5.0), Admit::Demand).unwrap();
+        assert_eq!(tiers(&c, 0..6), [None, None, None, Some(Tier::Device), None, Some(Tier::Device)]);
+        assert_eq!(c.bytes(Tier::Device), 32);
+        // No host tier: a fact larger than the device budget still serves.
+        assert_eq!(c.insert(&be, 6, fact(4, 6.0), Admit::Demand).unwrap(), Some(Tier::Device));
+        assert_eq!(c.stats.over_budget, 2);
+    }
+}

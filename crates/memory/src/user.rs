@@ -1,0 +1,406 @@
+//! One user's shard: facts in memory (the durable source of truth is
+//! `facts.log`), the index of their KV records in `kv.log`, and the search
+//! indexes over them. The KV itself lives in the memory's cache
+//! (`cache.rs`), under each fact's key, loaded from the segment when first
+//! needed: opening a user reads its facts and the heads of its KV records,
+//! never the tensors.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use inferscale_engine::{Backend, EncodeItem};
+
+use crate::cache::{Admit, KvCache, Source};
+use crate::error::{MemoryError, Result, io};
+use crate::fact::{Fact, Record};
+use crate::kvseg::{KvHeader, StoredKv};
+use crate::log::{Frame, RecordLog};
+use crate::retrieval::{self, LexicalIndex};
+use crate::shard::Encoders;
+
+/// Bytes of each KV record's start read when a segment is opened: enough
+/// for the head (fact id and tokens) of a typical fact; longer heads take a
+/// second read.
+const HEAD_PEEK: usize = 1024;
+
+/// A fact's KV: its key in the memory's cache, and where its record is in
+/// the user's segment (`None`: not encoded, or dropped — to encode).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct FactKv {
+    pub key: u64,
+    pub at: Option<Frame>,
+}
+
+impl FactKv {
+    fn new(at: Option<Frame>) -> Self {
+        // Keys are unique in the process, so a user's shard can be
+        // replaced (an import) without its old keys meeting the new ones.
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        FactKv { key: NEXT.fetch_add(1, Ordering::Relaxed), at }
+    }
+}
+
+pub(crate) struct UserShard<B: Backend> {
+    pub(crate) dir: PathBuf,
+    pub(crate) facts: Vec<Fact>,
+    pub(crate) by_id: HashMap<String, usize>,
+    /// Per fact (same order), its KV's key and record.
+    pub(crate) kv: Vec<FactKv>,
+    pub(crate) log: RecordLog,
+    pub(crate) kv_log: RecordLog,
+    /// The segment's header: the memory's model, window and shape, in the
+    /// segment's own storage format (a segment written before the format
+    /// changed keeps its own).
+    pub(crate) seg: KvHeader,
+    /// The facts' embeddings where the backend searches them (device memory
+    /// on a GPU), made by the first retrieval after the facts change and
+    /// dropped (`None`) whenever they do.
+    index: std::sync::Mutex<Option<B::Embeddings>>,
+    /// BM25 over the fact lines, made and dropped likewise.
+    lexical: std::sync::Mutex<Option<LexicalIndex>>,
+}
+
+impl<B: Backend> UserShard<B> {
+    /// Opens (or creates) the user directory `dir`: replays its facts and
+    /// indexes its KV segment, which must hold KV made as `header` says
+    /// (any storage format; a new segment gets `header`'s).
+    pub(crate) fn open(dir: &Path, header: &KvHeader, warnings: &mut Vec<String>) -> Result<Self> {
+        std::fs::create_dir_all(dir).map_err(io(dir))?;
+        let (log, rec) = RecordLog::open(&dir.join("facts.log"))?;
+        if let Some(r) = &rec.reason {
+            warnings.push(format!(
+                "{}: dropped a torn tail of {} bytes ({r})",
+                log.path().display(),
+                rec.truncated_bytes
+            ));
+        }
+        let mut facts: Vec<Fact> = Vec::new();
+        for bytes in &rec.records {
+            match Record::decode(bytes, log.path())? {
+                Record::Put(f) => {
+                    facts.retain(|x| x.unit.id != f.unit.id);
+                    facts.push(*f);
+                }
+                Record::Forget(id) => facts.retain(|x| x.unit.id != id),
+            }
+        }
+        let by_id = facts.iter().enumerate().map(|(i, f)| (f.unit.id.clone(), i)).collect::<HashMap<_, _>>();
+        let mut kv: Vec<FactKv> = (0..facts.len()).map(|_| FactKv::new(None)).collect();
+        let kv_path = dir.join("kv.log");
+        let (mut kv_log, index) = RecordLog::open_frames(&kv_path, HEAD_PEEK)?;
+        if let Some(r) = &index.reason {
+            warnings.push(format!(
+                "{}: dropped a corrupt tail of {} bytes ({r}); those facts are re-encoded",
+                kv_path.display(),
+                index.truncated_bytes
+            ));
+        }
+        let seg = match index.frames.split_first() {
+            None => {
+                kv_log.append(&[&header.encode()])?;
+                header.clone()
+            }
+            Some(((first, bytes), rest)) => {
+                let whole;
+                let bytes = match bytes.len() < first.len as usize {
+                    true => {
+                        whole = kv_log.read(*first)?;
+                        &whole
+                    }
+                    false => bytes,
+                };
+                let found = KvHeader::decode(bytes, &kv_path)?;
+                if !found.same_kv(header) {
+                    return Err(MemoryError::KvMismatch {
+                        path: kv_path,
+                        found: found.describe(),
+                        expected: header.describe(),
+                        hint: found.mismatch_hint(header),
+                    });
+                }
+                for (frame, prefix) in rest {
+                    let head = match StoredKv::head_len(prefix) {
+                        Some(n) if n > prefix.len() && n <= frame.len as usize => kv_log.read_head(*frame, n)?,
+                        _ => prefix.clone(),
+                    };
+                    match StoredKv::identify(&head, frame.len as usize, &found, &kv_path) {
+                        Ok((id, tokens)) => {
+                            if let Some(&i) = by_id.get(&id)
+                                && facts[i].tokens == tokens
+                            {
+                                kv[i].at = Some(*frame);
+                            }
+                        }
+                        Err(e) => warnings.push(format!("{e}; that fact's KV is re-encoded")),
+                    }
+                }
+                found
+            }
+        };
+        Ok(UserShard {
+            dir: dir.to_path_buf(),
+            facts,
+            by_id,
+            kv,
+            log,
+            kv_log,
+            seg,
+            index: Default::default(),
+            lexical: Default::default(),
+        })
+    }
+
+    /// Reads fact `i`'s KV record (checked against its CRC and its fact).
+    pub(crate) fn read_kv(&self, i: usize) -> Result<Option<StoredKv>> {
+        let Some(frame) = self.kv[i].at else { return Ok(None) };
+        let bytes = self.kv_log.read(frame)?;
+        let stored = StoredKv::decode(&bytes, &self.seg, self.kv_log.path())?;
+        if stored.fact_id != self.facts[i].unit.id || stored.tokens != self.facts[i].tokens {
+            return Err(MemoryError::Corrupt {
+                path: self.kv_log.path().to_path_buf(),
+                offset: frame.offset,
+                reason: format!("the record indexed for fact {:?} is another's", self.facts[i].unit.id),
+            });
+        }
+        Ok(Some(stored))
+    }
+
+    /// Fact `i`'s KV record as stored, for a transfer.
+    pub(crate) fn kv_record(&self, i: usize) -> Result<Option<Vec<u8>>> {
+        self.kv[i].at.map(|f| self.kv_log.read(f)).transpose()
+    }
+
+    /// Every fact's embedding, `[facts, dim]` row-major; an error naming the
+    /// first fact of another width.
+    fn embedding_rows(&self, user: &str, dim: usize) -> Result<Vec<f32>> {
+        if let Some(f) = self.facts.iter().find(|f| f.embedding.len() != dim) {
+            return Err(MemoryError::Invalid {
+                what: "embedding",
+                reason: format!("fact {:?} of {user:?} has {} values, the others {dim}", f.unit.id, f.embedding.len()),
+            });
+        }
+        Ok(self.facts.iter().flat_map(|f| f.embedding.iter().copied()).collect())
+    }
+
+    /// Drops the search indexes: the facts they were made of have changed.
+    pub(crate) fn facts_changed(&mut self) {
+        *self.index.get_mut().unwrap_or_else(|p| p.into_inner()) = None;
+        *self.lexical.get_mut().unwrap_or_else(|p| p.into_inner()) = None;
+    }
+
+    /// Appends new facts (their records already durable) without KV.
+    pub(crate) fn push_facts(&mut self, facts: Vec<Fact>) {
+        for f in facts {
+            self.by_id.insert(f.unit.id.clone(), self.facts.len());
+            self.facts.push(f);
+            self.kv.push(FactKv::new(None));
+        }
+        self.facts_changed();
+    }
+
+    /// Removes fact `idx` (its KV dropped from `cache`; the logs are the
+    /// caller's to rewrite).
+    pub(crate) fn remove_fact(&mut self, idx: usize, cache: &mut KvCache<B>) {
+        cache.remove(self.kv[idx].key);
+        self.facts.remove(idx);
+        self.kv.remove(idx);
+        self.facts_changed();
+        self.by_id = self.facts.iter().enumerate().map(|(i, f)| (f.unit.id.clone(), i)).collect();
+    }
+
+    /// The `k` facts of highest cosine similarity to `query`, best first;
+    /// ties go to the earlier fact.
+    pub(crate) fn dense_rank(&self, be: &B, user: &str, query: &[f32], k: usize) -> Result<Vec<usize>> {
+        let Some(dim) = self.facts.first().map(|f| f.embedding.len()) else { return Ok(Vec::new()) };
+        if query.len() != dim {
+            return Err(MemoryError::Invalid {
+                what: "query",
+                reason: format!("an embedding of {} values for facts embedded in {dim}", query.len()),
+            });
+        }
+        let mut index = self.index.lock().unwrap_or_else(|p| p.into_inner());
+        let index = match &mut *index {
+            Some(e) => e,
+            slot => slot.insert(be.upload_embeddings(&self.embedding_rows(user, dim)?, dim)?),
+        };
+        Ok(be.top_k(index, query, k)?.into_iter().map(|i| i as usize).collect())
+    }
+
+    /// Facts whose lexical document shares a term with `text`, best BM25
+    /// score first.
+    pub(crate) fn lexical_rank(&self, text: &str) -> Vec<usize> {
+        let mut index = self.lexical.lock().unwrap_or_else(|p| p.into_inner());
+        let index = index.get_or_insert_with(|| {
+            let docs: Vec<String> =
+                (0..self.facts.len()).map(|i| retrieval::lexical_document(&self.facts, i)).collect();
+            LexicalIndex::new(&docs.iter().map(String::as_str).collect::<Vec<_>>())
+        });
+        index.rank(text)
+    }
+
+    /// Where fact `i`'s context window ends: its source turn when that turn
+    /// is stored before it, else the fact itself.
+    fn context_anchor(&self, i: usize) -> usize {
+        let source = &self.facts[i].unit.source_turn;
+        match self.by_id.get(source) {
+            Some(&j) if !source.is_empty() && j < i => j,
+            _ => i,
+        }
+    }
+
+    /// Encodes up to `limit` facts without KV: [header][the `window` units
+    /// stored before the fact, or before its source turn][fact] — fewer
+    /// units when those would not fit the model's `context` with the fact
+    /// (the oldest go first; units longer than the context allows are
+    /// refused at ingest). `batch` facts per engine call, so that short
+    /// encodings share forward passes; each batch's KV is appended to the
+    /// segment at once, and kept in `cache` where it fits
+    /// ([`Admit::Fill`]). When the segment's format is coarser than the
+    /// backend's values, what is cached is the stored KV read back, so a
+    /// fact's KV is the same whether it was just encoded or loaded.
+    pub(crate) fn encode_missing(
+        &mut self,
+        window: usize,
+        batch: usize,
+        limit: usize,
+        context: usize,
+        enc: &mut Encoders<'_, B>,
+        cache: &mut KvCache<B>,
+    ) -> Result<usize> {
+        let missing: Vec<usize> = (0..self.facts.len()).filter(|&i| self.kv[i].at.is_none()).take(limit).collect();
+        let lossy = self.seg.dtype.bytes_per_value() < enc.engine.backend().kv_bytes_per_value();
+        let mut tokens = 0;
+        for group in missing.chunks(batch) {
+            let contexts: Vec<Vec<u32>> = group
+                .iter()
+                .map(|&i| {
+                    let anchor = self.context_anchor(i);
+                    let mut c = enc.composer.header().to_vec();
+                    let room = context.saturating_sub(c.len() + self.facts[i].tokens.len());
+                    let lo = anchor.saturating_sub(window);
+                    let lens: Vec<usize> = self.facts[lo..anchor].iter().map(|f| f.tokens.len()).collect();
+                    let start = lo + window_start(&lens, window, room);
+                    self.facts[start..anchor].iter().for_each(|f| c.extend_from_slice(&f.tokens));
+                    c
+                })
+                .collect();
+            let items: Vec<EncodeItem<'_>> = group
+                .iter()
+                .zip(&contexts)
+                .map(|(&i, c)| EncodeItem { context: c, fact: &self.facts[i].tokens, fact_position: c.len() as u32 })
+                .collect();
+            let chunks = enc.engine.encode_batch(&items)?;
+            let mut records = Vec::with_capacity(group.len());
+            let be = enc.engine.backend();
+            for ((&i, chunk), context) in group.iter().zip(&chunks).zip(&contexts) {
+                let (k, v) = chunk.to_host(be)?;
+                let fact = &self.facts[i];
+                records.push(
+                    StoredKv { fact_id: fact.unit.id.clone(), tokens: fact.tokens.clone(), k, v }.encode(&self.seg),
+                );
+                tokens += context.len() + fact.tokens.len();
+            }
+            let frames = self.kv_log.append_frames(&records.iter().map(Vec::as_slice).collect::<Vec<_>>())?;
+            for (((&i, chunk), frame), record) in group.iter().zip(chunks).zip(frames).zip(&records) {
+                self.kv[i].at = Some(frame);
+                let source = match lossy {
+                    false => Source::Chunk(chunk),
+                    true => {
+                        let s = StoredKv::decode(record, &self.seg, self.kv_log.path())?;
+                        Source::Host { tokens: s.tokens, k: s.k, v: s.v }
+                    }
+                };
+                cache.insert(be, self.kv[i].key, source, Admit::Fill)?;
+            }
+        }
+        Ok(tokens)
+    }
+
+    /// The ids of the facts whose stored KV was made with fact `idx`'s text
+    /// before it: those whose context window (the `window` units before
+    /// their anchor, [`UserShard::context_anchor`]) holds it, and those it
+    /// is the source turn of (forgetting it moves their anchor). A window
+    /// trimmed to fit the context may not have held it; re-encoding such a
+    /// fact makes the KV it had.
+    fn derived_from(&self, idx: usize, window: usize) -> Vec<String> {
+        let id = &self.facts[idx].unit.id;
+        (0..self.facts.len())
+            .filter(|&j| j != idx)
+            .filter(|&j| {
+                let anchor = self.context_anchor(j);
+                (anchor.saturating_sub(window) <= idx && idx < anchor) || self.facts[j].unit.source_turn == *id
+            })
+            .map(|j| self.facts[j].unit.id.clone())
+            .collect()
+    }
+
+    /// Drops the KV made from fact `idx`'s text — its own and that of the
+    /// facts [`UserShard::derived_from`] it — from the segment on disk
+    /// (durably) and from `cache`. True when other facts lost theirs.
+    pub(crate) fn drop_kv_from(&mut self, idx: usize, window: usize, cache: &mut KvCache<B>) -> Result<bool> {
+        let mut ids = self.derived_from(idx, window);
+        let cascades = !ids.is_empty();
+        ids.push(self.facts[idx].unit.id.clone());
+        let drop: Vec<usize> = ids.iter().filter_map(|id| self.by_id.get(id).copied()).collect();
+        self.rewrite_kv_without(&drop)?;
+        for i in drop {
+            cache.remove(self.kv[i].key);
+        }
+        Ok(cascades)
+    }
+
+    /// Rewrites the segment without the records of facts `drop` (and
+    /// without any record that no longer reads back: its fact is
+    /// re-encoded), re-indexing the rest.
+    fn rewrite_kv_without(&mut self, drop: &[usize]) -> Result<()> {
+        let mut keep = vec![self.seg.encode()];
+        let mut owners = Vec::new();
+        for i in 0..self.facts.len() {
+            let Some(frame) = self.kv[i].at else { continue };
+            self.kv[i].at = None;
+            if drop.contains(&i) {
+                continue;
+            }
+            if let Ok(bytes) = self.kv_log.read(frame) {
+                keep.push(bytes);
+                owners.push(i);
+            }
+        }
+        let frames = self.kv_log.rewrite_frames(&keep)?;
+        for (i, frame) in owners.into_iter().zip(frames.into_iter().skip(1)) {
+            self.kv[i].at = Some(frame);
+        }
+        Ok(())
+    }
+}
+
+/// Where a fact's context window starts among the units before it
+/// (`lens`: their lengths in tokens): at most `window` units, the oldest
+/// left out until the rest fit `room` tokens.
+fn window_start(lens: &[usize], window: usize, room: usize) -> usize {
+    let mut start = lens.len().saturating_sub(window);
+    let mut used: usize = lens[start..].iter().sum();
+    while used > room && start < lens.len() {
+        used -= lens[start];
+        start += 1;
+    }
+    start
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_window_drops_its_oldest_units_only_when_they_do_not_fit() {
+        let lens = [5, 40, 30, 20, 10];
+        assert_eq!(window_start(&lens, 3, 1_000), 2, "the last three units");
+        assert_eq!(window_start(&lens, 0, 1_000), 5, "no window");
+        assert_eq!(window_start(&lens, 10, 1_000), 0, "all five");
+        assert_eq!(window_start(&lens, 3, 35), 3, "30 + 20 + 10 > 35: the oldest goes");
+        assert_eq!(window_start(&lens, 3, 30), 3, "20 + 10 fit exactly");
+        assert_eq!(window_start(&lens, 3, 5), 5, "not even the newest fits");
+        assert_eq!(window_start(&[], 3, 0), 0);
+    }
+}

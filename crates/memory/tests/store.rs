@@ -1,0 +1,180 @@
+//! The tiered KV store with the real models (SmolLM2 + MiniLM, CPU): a
+//! memory opens without reading KV, loads a fact's KV from its segment when
+//! a request needs it (bit for bit in f32, within the format's precision in
+//! bf16 and fp8), evicts the least recently used past its budget but never
+//! a pinned fact, finds a corrupt record when it reads it (and re-encodes
+//! that fact), and reads segments of every format whatever format it writes.
+
+#![allow(clippy::unwrap_used)] // tests fail loudly on unexpected errors
+
+use std::path::Path;
+
+use inferscale_engine::bert::Bert;
+use inferscale_engine::{CpuBackend, Engine, EngineConfig};
+use inferscale_memory::{
+    Budgets, Composer, Encoders, KvFormat, Memory, MemoryUnit, Prompts, ShardSpec, StoreOptions, Tier,
+};
+use inferscale_model::{HostTensor, ModelFiles};
+
+struct Models {
+    files: ModelFiles,
+    embedder: Bert<CpuBackend>,
+    composer: Composer,
+}
+
+fn models() -> Models {
+    let files = inferscale_model::open("smollm2").unwrap();
+    let embedder = Bert::load(&CpuBackend, inferscale_model::encoder::open("minilm").unwrap()).unwrap();
+    let composer = Composer::new(&files, &Prompts::default()).unwrap();
+    Models { files, embedder, composer }
+}
+
+fn engine(m: &Models) -> Engine<CpuBackend> {
+    Engine::new(CpuBackend, &m.files, EngineConfig { kv_blocks: 512, max_batch_tokens: 512 }).unwrap()
+}
+
+fn turns(prefix: &str, n: usize) -> Vec<MemoryUnit> {
+    (0..n)
+        .map(|i| MemoryUnit {
+            id: format!("{prefix}{i}"),
+            speaker: "Caroline".into(),
+            text: format!("On day {i} I walked my grey cat Miso along the river."),
+            time: "1:56 pm on 8 May, 2023".into(),
+            ..Default::default()
+        })
+        .collect()
+}
+
+fn open(dir: &Path, e: &Engine<CpuBackend>, options: StoreOptions) -> (Memory<CpuBackend>, Vec<String>) {
+    Memory::open_with(dir, ShardSpec { window: 1, fingerprint: "smollm2-store".into() }, e, options).unwrap()
+}
+
+fn ingest(mem: &mut Memory<CpuBackend>, e: &mut Engine<CpuBackend>, m: &Models, user: &str, n: usize) {
+    let mut enc = Encoders { engine: e, embedder: &m.embedder, composer: &m.composer };
+    mem.ingest(user, &turns(user, n), &mut enc).unwrap();
+}
+
+type HostKv = (Vec<HostTensor>, Vec<HostTensor>);
+
+/// Fact `i`'s KV, fetched (and so cached) if it is not.
+fn kv(mem: &mut Memory<CpuBackend>, user: &str, i: usize) -> HostKv {
+    let got = mem.fetch(&CpuBackend, user, &[i]).unwrap();
+    assert!(got.missing.is_empty(), "fact {i} of {user} has no KV");
+    mem.kv(user, i).unwrap().unwrap().to_host(&CpuBackend).unwrap()
+}
+
+fn max_abs_diff(a: &HostKv, b: &HostKv) -> (f32, f32) {
+    let all = |x: &HostKv| x.0.iter().chain(&x.1).flat_map(|t| t.data.clone()).collect::<Vec<f32>>();
+    let (a, b) = (all(a), all(b));
+    let diff = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+    (diff, a.iter().map(|x| x.abs()).fold(0f32, f32::max))
+}
+
+#[test]
+fn a_memory_opens_without_its_kv_and_loads_a_fact_when_needed() {
+    let m = models();
+    let mut e = engine(&m);
+    let dir = tempfile::tempdir().unwrap();
+    let (mut mem, _) = open(dir.path(), &e, StoreOptions::default());
+    ingest(&mut mem, &mut e, &m, "alice", 6);
+    let encoded: Vec<HostKv> = (0..6).map(|i| kv(&mut mem, "alice", i)).collect();
+    let per_fact = mem.footprint().kv_resident_bytes / 6;
+    drop(mem);
+
+    // Damage the tensors of a record in the middle of the segment. Only the
+    // tail's checksum is read at open: the damage is found when read.
+    let user_dir = std::fs::read_dir(dir.path().join("users")).unwrap().next().unwrap().unwrap().path();
+    let kv_path = user_dir.join("kv.log");
+    let mut bytes = std::fs::read(&kv_path).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0x10;
+    std::fs::write(&kv_path, &bytes).unwrap();
+
+    // A device budget of a bit more than two facts.
+    let budgets = Budgets { device: Some(per_fact * 5 / 2), host: None };
+    let (mut mem, warnings) = open(dir.path(), &e, StoreOptions { format: None, budgets });
+    assert!(warnings.is_empty(), "{warnings:?}");
+    assert_eq!(mem.footprint().kv_resident_bytes, 0, "no KV is read at open");
+    assert!((0..6).all(|i| mem.has_kv("alice", i).unwrap()), "every record is indexed");
+
+    // The damaged record fails its check on the first read: that fact comes
+    // back as missing, is counted, and is re-encoded to the same KV.
+    let got = mem.fetch(&CpuBackend, "alice", &[0, 1, 2, 3, 4, 5]).unwrap();
+    assert_eq!(got.missing.len(), 1, "one record was damaged");
+    let damaged = got.missing[0];
+    assert_eq!(mem.cache_stats().corrupt, 1);
+    assert!(!mem.has_kv("alice", damaged).unwrap());
+    // Six facts pinned at once: the budget is exceeded rather than a pinned
+    // fact evicted.
+    assert!(mem.footprint().kv_resident_bytes > per_fact * 5 / 2);
+    assert!(mem.cache_stats().over_budget > 0);
+    drop(got);
+    let mut enc = Encoders { engine: &mut e, embedder: &m.embedder, composer: &m.composer };
+    assert!(mem.ensure_kv("alice", &mut enc).unwrap() > 0);
+
+    // Loads are bit for bit what was encoded (f32 segments on the CPU), and
+    // with nothing pinned the device holds at most the budget, the most
+    // recently used facts.
+    for (i, want) in encoded.iter().enumerate() {
+        assert_eq!(&kv(&mut mem, "alice", i), want, "fact {i}");
+        assert!(mem.footprint().kv_resident_bytes <= per_fact * 5 / 2);
+    }
+    assert_eq!(mem.tier("alice", 5).unwrap(), Some(Tier::Device));
+    assert_eq!(mem.tier("alice", 4).unwrap(), Some(Tier::Device));
+    assert_eq!(mem.tier("alice", 0).unwrap(), None, "the least recently used left");
+    let stats = mem.cache_stats();
+    assert!(stats.evictions[0] >= 3 && stats.misses >= 5, "{stats:?}");
+    // A hit loads nothing.
+    let got = mem.fetch(&CpuBackend, "alice", &[5]).unwrap();
+    assert_eq!((got.report.device_hits, got.report.loaded), (1, 0));
+}
+
+#[test]
+fn every_format_is_read_whatever_format_new_segments_get() {
+    let m = models();
+    let mut e = engine(&m);
+    let dir = tempfile::tempdir().unwrap();
+    let with = |format| StoreOptions { format: Some(format), budgets: Budgets::default() };
+
+    // f32, the CPU's own values: the reference.
+    let (mut mem, _) = open(dir.path(), &e, with(KvFormat::F32));
+    ingest(&mut mem, &mut e, &m, "f32", 3);
+    let exact: Vec<HostKv> = (0..3).map(|i| kv(&mut mem, "f32", i)).collect();
+    drop(mem);
+
+    // bf16 and fp8 segments beside it, in one memory directory.
+    for (format, user) in [(KvFormat::Bf16, "bf16"), (KvFormat::Fp8, "fp8")] {
+        let (mut mem, _) = open(dir.path(), &e, with(format));
+        ingest(&mut mem, &mut e, &m, user, 3);
+        assert_eq!(mem.kv_format(user).unwrap(), format);
+        assert_eq!(mem.kv_format("f32").unwrap(), KvFormat::F32, "a segment keeps its format");
+        // What is cached right after encoding is what a load reads back.
+        let fresh: Vec<HostKv> =
+            (0..3).map(|i| mem.kv(user, i).unwrap().unwrap().to_host(&CpuBackend).unwrap()).collect();
+        drop(mem);
+        let (mut mem, warnings) = open(dir.path(), &e, with(KvFormat::F32));
+        assert!(warnings.is_empty(), "{warnings:?}");
+        for i in 0..3 {
+            let loaded = kv(&mut mem, user, i);
+            assert_eq!(loaded, fresh[i], "{format} fact {i}: cached = loaded");
+            // Same text, same window: the same KV as the f32 user's, within
+            // the format's rounding (bf16: 2⁻⁸ relative; fp8: 2⁻⁴ of the
+            // head's largest value, bounded here by the tensor's).
+            let (diff, scale) = max_abs_diff(&loaded, &exact[i]);
+            let bound = match format {
+                KvFormat::Bf16 => scale / 256.0,
+                _ => scale / 16.0,
+            };
+            assert!(diff > 0.0 && diff <= bound, "{format} fact {i}: max diff {diff}, bound {bound}");
+        }
+        assert_eq!(kv(&mut mem, "f32", 0), exact[0]);
+    }
+    // Segment sizes follow the format.
+    let size = |user: &str| {
+        let d = dir.path().join("users").join(user.bytes().map(|b| format!("{b:02x}")).collect::<String>());
+        std::fs::metadata(d.join("kv.log")).unwrap().len() as f64
+    };
+    let (f32_bytes, bf16_bytes, fp8_bytes) = (size("f32"), size("bf16"), size("fp8"));
+    assert!((bf16_bytes / f32_bytes - 0.5).abs() < 0.02, "{bf16_bytes} vs {f32_bytes}");
+    assert!((fp8_bytes / f32_bytes - 0.25).abs() < 0.02, "{fp8_bytes} vs {f32_bytes}");
+}

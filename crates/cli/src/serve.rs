@@ -17,7 +17,7 @@ use inferscale_cluster::view::{GpuId, Member, MemberState};
 use inferscale_engine::Backend;
 use inferscale_memory::Mode;
 use inferscale_router::{Defaults, Keys, Membership, RebalanceConfig, RouterConfig};
-use inferscale_worker::{WorkerConfig, WorkerError, WorkerInfo, WorkerParts, WorkerService};
+use inferscale_worker::{ColdKv, WorkerConfig, WorkerError, WorkerInfo, WorkerParts, WorkerService};
 use tokio::net::TcpListener;
 
 use crate::memory_cmd::{MemoryArgs, open_memory};
@@ -43,6 +43,12 @@ pub struct WorkerArgs {
     /// ingest is answered once all of it is stored, so this bounds its work.
     #[arg(long, env = "INFERSCALE_MAX_INGEST_UNITS", default_value_t = inferscale_worker::MAX_INGEST_UNITS)]
     pub(crate) max_ingest_units: usize,
+    /// What a kv-mode request does with retrieved facts whose KV is on disk
+    /// only (not cached in the device or host tier): `prefill` them as text
+    /// with the question while their KV is read for the next request (never
+    /// a wait for the disk), or `read` them before the request runs.
+    #[arg(long, env = "INFERSCALE_COLD_KV", default_value = "prefill", value_parser = parse_cold_kv)]
+    pub(crate) cold_kv: ColdKv,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -196,6 +202,7 @@ where
         max_k: a.max_k as usize,
         max_ingest_units: a.max_ingest_units,
         prompts: a.mem.prompts(),
+        cold_kv: a.cold_kv,
         ..Default::default()
     };
     let info = WorkerInfo {
@@ -209,6 +216,14 @@ where
         parts(&args, be)
     };
     Ok(inferscale_worker::spawn(load, cfg, info)?)
+}
+
+fn parse_cold_kv(s: &str) -> std::result::Result<ColdKv, String> {
+    match s {
+        "prefill" => Ok(ColdKv::Prefill),
+        "read" => Ok(ColdKv::Read),
+        other => Err(format!("{other:?}: choose prefill or read")),
+    }
 }
 
 /// The name clients use for a model: its packaged name, or the file stem.

@@ -267,6 +267,52 @@ fn openai_python_client_works_unchanged() {
     assert!(out.status.success(), "openai client script failed:\n{}", String::from_utf8_lossy(&out.stderr));
 }
 
+/// A worker opens its memory without reading any KV: after a restart, the
+/// first kv request pastes the facts it retrieved (their KV is on disk only)
+/// and is prefilled like prompt mode, while their KV is read in the
+/// background; a later request injects them. Usage says which path served
+/// each. With `--cold-kv read` the first request reads them and injects.
+#[test]
+fn cold_facts_are_prefilled_while_their_kv_is_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let mem = dir.path().join("mem");
+    let c = "/v1/chat/completions";
+    let question = chat(Some("u1"), "What is the name of Caroline's cat?", json!({"k": 2}));
+    let injected = {
+        let s = serve(&mem, &[]);
+        let (status, v) = json_call(&s.addr, "POST", "/v1/memories", &serde_json::from_str(TURNS).unwrap());
+        assert_eq!(status, 200, "{v}");
+        let (status, v) = json_call(&s.addr, "POST", c, &question);
+        assert_eq!(status, 200, "{v}");
+        v["usage"]["memory"]["injected_tokens"].as_u64().unwrap()
+    };
+    assert!(injected > 20, "freshly encoded KV is cached and injected");
+
+    let s = serve(&mem, &[]);
+    let (status, v) = json_call(&s.addr, "POST", c, &question);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["usage"]["memory"]["facts"], json!(2), "{v}");
+    assert_eq!(v["usage"]["memory"]["injected_tokens"], json!(0), "cold facts are pasted: {v}");
+    let prompt = v["usage"]["prompt_tokens"].clone();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let (status, v) = json_call(&s.addr, "POST", c, &question);
+        assert_eq!(status, 200, "{v}");
+        if v["usage"]["memory"]["injected_tokens"].as_u64() == Some(injected) {
+            assert_eq!(v["usage"]["prompt_tokens"], prompt, "the same prompt, its facts injected: {v}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "the facts' KV was never cached: {v}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    drop(s);
+
+    let s = serve(&mem, &["--cold-kv", "read"]);
+    let (status, v) = json_call(&s.addr, "POST", c, &question);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["usage"]["memory"]["injected_tokens"].as_u64(), Some(injected), "read at arrival: {v}");
+}
+
 fn locomo() -> Vec<Value> {
     let path = std::env::var_os("INFERSCALE_LOCOMO")
         .map(PathBuf::from)

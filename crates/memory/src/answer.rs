@@ -16,6 +16,9 @@ pub struct Prepared {
     pub fact_ids: Vec<String>,
     /// Memory tokens in the prompt (injected or pasted).
     pub memory_tokens: usize,
+    /// Of those, tokens of facts pasted as text in an injecting mode
+    /// (their KV was cold: see `paste` in [`prepare`]).
+    pub pasted_tokens: usize,
     /// Tokens of the header the sequence starts with.
     pub header_tokens: usize,
     /// Whether the header's KV was already computed (cached) rather than
@@ -27,6 +30,12 @@ pub struct Prepared {
 /// out `facts` (indices into `user`'s facts, best first) and `question`;
 /// in [`Mode::Blend`], plans the recompute of `blend_ratio` of the injected
 /// tokens (`Engine::blend`) for the question's prefill.
+///
+/// In [`Mode::Kv`], the facts in `paste` (a subset of `facts`: those whose
+/// KV was on disk only when the request arrived) are pasted as text after
+/// the injected ones, each group least relevant first, and prefilled with
+/// the question: the request costs what prompt mode costs for them, never
+/// a wait for the disk.
 #[allow(clippy::too_many_arguments)]
 pub fn prepare<B: Backend>(
     engine: &mut Engine<B>,
@@ -37,9 +46,16 @@ pub fn prepare<B: Backend>(
     blend_ratio: f32,
     header: &Sequence,
     question: &[u32],
+    paste: &[usize],
 ) -> Result<Prepared> {
     if question.is_empty() {
         return Err(MemoryError::Invalid { what: "question", reason: "empty question".into() });
+    }
+    if !paste.is_empty() && mode != Mode::Kv {
+        return Err(MemoryError::Invalid {
+            what: "layout",
+            reason: format!("facts are pasted beside injected ones in kv mode only, not {}", mode.as_str()),
+        });
     }
     // A user with no memory (or none retrieved) is answered without any.
     let all = if facts.is_empty() { &[][..] } else { memory.facts(user)? };
@@ -47,11 +63,13 @@ pub fn prepare<B: Backend>(
         Mode::None => Vec::new(),
         _ => facts.iter().rev().copied().collect(),
     };
+    let (inject, pasted): (Vec<usize>, Vec<usize>) = order.iter().partition(|i| !paste.contains(i));
     let mut seq = engine.fork(header)?;
     let mut memory_tokens = 0;
+    let mut pasted_tokens = 0;
     match mode {
         Mode::Kv | Mode::Blend => {
-            let chunks = order
+            let chunks = inject
                 .iter()
                 .map(|&i| {
                     memory.kv(user, i)?.ok_or_else(|| MemoryError::Invalid {
@@ -75,6 +93,11 @@ pub fn prepare<B: Backend>(
                 // Device work is asynchronous: the span should cover it.
                 engine.backend().synchronize()?;
             }
+            for &i in &pasted {
+                seq.extend(&all[i].tokens);
+                pasted_tokens += all[i].tokens.len();
+            }
+            memory_tokens += pasted_tokens;
         }
         Mode::Prompt => {
             for &i in &order {
@@ -91,8 +114,9 @@ pub fn prepare<B: Backend>(
     }
     Ok(Prepared {
         seq,
-        fact_ids: order.iter().map(|&i| all[i].unit.id.clone()).collect(),
+        fact_ids: inject.iter().chain(&pasted).map(|&i| all[i].unit.id.clone()).collect(),
         memory_tokens,
+        pasted_tokens,
         header_tokens: header.len(),
         header_cached: true,
     })

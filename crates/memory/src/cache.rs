@@ -9,15 +9,24 @@
 //! picked out of hundreds, so caching whole users would move and hold
 //! ~30× the bytes a request reads (k = 20 of a LoCoMo user's ~600 turns).
 //!
-//! Policy: least recently used, exclusive between the tiers. A fact loaded
-//! from disk goes to the device; the device's least recently used facts
-//! make room by moving to the host tier (whose own least recently used
-//! facts are dropped: the disk has them). A host-tier hit is promoted to
-//! the device the same way. KV a request holds (an [`Arc`] clone: a pin,
-//! from admission to layout) is never evicted; when pins leave no room,
-//! the fact is placed past the budget rather than refused, and counted.
-//! Freshly encoded KV is kept only where it fits without evicting: an
-//! ingest does not push out the users being served.
+//! Policy: least recently used within each tier, a fact in one tier at a
+//! time, and no copies between the tiers on a request's path. KV read from
+//! disk is decoded on the host, so it goes to the host tier when the
+//! backend has one (a copy into pinned memory, no device work; injection
+//! reads it over the bus, overlapped with the prefill: +2.1 ms at k = 50
+//! for the 8B shape, docs/design.md §8), else to the device; the tier's
+//! least recently used facts are dropped to make room (the disk has them).
+//! KV computed on the device (an ingest's encoding) stays there where it
+//! fits without evicting, else goes to the host tier where it fits, else
+//! only to disk: an ingest does not push out the users being served. A hit
+//! is served from the tier it is in. Moving facts between the tiers (a
+//! host-tier hit promoted, a device victim demoted) was measured on the
+//! H200 at 30–45 ms per fact of the 8B shape through the backend's
+//! per-layer copies (`bench store`, 2026-12-03), far more than the bus
+//! reads it saves, so the cache does not move facts. KV a request holds
+//! (an [`Arc`] clone: a pin, from admission to layout) is never evicted;
+//! when pins leave no room, the fact is placed past the budget rather than
+//! refused, and counted.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -58,10 +67,7 @@ pub struct CacheStats {
     /// Facts a request had to read from disk.
     pub misses: u64,
     pub loaded_bytes: u64,
-    /// Facts moved host → device on a hit.
-    pub promotions: u64,
-    /// Facts that left a tier to make room, per tier (a device eviction
-    /// moves the fact to the host tier when it has room).
+    /// Facts dropped from a tier to make room, per tier.
     pub evictions: [u64; 2],
     /// Facts placed past a budget because pinned facts filled it.
     pub over_budget: u64,
@@ -152,27 +158,12 @@ impl<B: Backend> KvCache<B> {
         self.entries.get(&key).map(|e| e.tier)
     }
 
-    /// Marks `key` used now; a host-tier fact moves to the device when
-    /// room can be made there. Returns the tier it was found in.
-    pub(crate) fn hit(&mut self, be: &B, key: u64) -> Result<Option<Tier>> {
-        let Some(tier) = self.tier(key) else { return Ok(None) };
+    /// Marks `key` used now; returns the tier it is in.
+    pub(crate) fn hit(&mut self, key: u64) -> Option<Tier> {
+        let tier = self.tier(key)?;
         self.stats.hits[tier.at()] += 1;
         self.touch(key);
-        if tier == Tier::Host {
-            let bytes = self.entries[&key].bytes;
-            // Held (pinned) so that the device's evictions, moving to the
-            // host tier, cannot evict it from there.
-            let held = self.entries[&key].chunk.clone();
-            if self.make_room(be, Tier::Device, bytes)? {
-                drop(held);
-                let e = self.take(key).expect("a pinned entry stays");
-                let (k, v) = e.chunk.to_host(be)?;
-                let chunk = KvChunk::from_host(be, e.chunk.tokens.clone(), &k, &v)?;
-                self.put(key, chunk, Tier::Device, bytes);
-                self.stats.promotions += 1;
-            }
-        }
-        Ok(Some(tier))
+        Some(tier)
     }
 
     /// Caches `source` under `key` (replacing what it held); returns the
@@ -185,15 +176,17 @@ impl<B: Backend> KvCache<B> {
         };
         let bytes = tokens as u64 * self.values_per_token * self.bytes_per_value;
         let host_tier = self.host_tier;
+        // Where KV read from disk (host tensors) goes.
+        let home = if host_tier { Tier::Host } else { Tier::Device };
         let tier = match admit {
             Admit::Fill if self.fits(Tier::Device, bytes) => Tier::Device,
             Admit::Fill if host_tier && self.fits(Tier::Host, bytes) => Tier::Host,
             Admit::Fill => return Ok(None),
-            Admit::Demand if self.make_room(be, Tier::Device, bytes)? => Tier::Device,
-            Admit::Demand if host_tier && self.make_room(be, Tier::Host, bytes)? => Tier::Host,
             Admit::Demand => {
-                self.stats.over_budget += 1;
-                if host_tier { Tier::Host } else { Tier::Device }
+                if !self.make_room(home, bytes) {
+                    self.stats.over_budget += 1;
+                }
+                home
             }
         };
         let chunk = match (source, tier) {
@@ -212,13 +205,12 @@ impl<B: Backend> KvCache<B> {
     /// Brings each tier back within its budget where pins had pushed it
     /// past (its least recently used unpinned facts leave, as on an
     /// insertion): pins are released without the cache seeing it.
-    pub(crate) fn trim(&mut self, be: &B) -> Result<()> {
+    pub(crate) fn trim(&mut self) {
         for tier in [Tier::Device, Tier::Host] {
             if !self.fits(tier, 0) {
-                self.make_room(be, tier, 0)?;
+                self.make_room(tier, 0);
             }
         }
-        Ok(())
     }
 
     /// Drops `key`'s KV (its fact changed or is gone). A request holding
@@ -261,13 +253,13 @@ impl<B: Backend> KvCache<B> {
         self.budget(tier).is_none_or(|b| self.bytes[tier.at()].saturating_add(bytes) <= b)
     }
 
-    /// Evicts `tier`'s least recently used unpinned facts until `bytes` more fit its budget; evicts nothing when they cannot
-    /// be made to fit. Device evictions move to the host tier when it can
-    /// make room for them. Returns whether `bytes` fit now.
-    fn make_room(&mut self, be: &B, tier: Tier, bytes: u64) -> Result<bool> {
-        let Some(budget) = self.budget(tier) else { return Ok(true) };
+    /// Drops `tier`'s least recently used unpinned facts until `bytes`
+    /// more fit its budget; drops nothing when they cannot be made to fit.
+    /// Returns whether `bytes` fit now.
+    fn make_room(&mut self, tier: Tier, bytes: u64) -> bool {
+        let Some(budget) = self.budget(tier) else { return true };
         if bytes > budget {
-            return Ok(false);
+            return false;
         }
         // Past the budget already (pins placed facts beyond it): back under.
         let excess = (self.bytes[tier.at()] + bytes).saturating_sub(budget);
@@ -284,19 +276,13 @@ impl<B: Backend> KvCache<B> {
             }
         }
         if freed < excess {
-            return Ok(false);
+            return false;
         }
         for key in victims {
-            let e = self.take(key).expect("an LRU entry is present");
+            self.take(key);
             self.stats.evictions[tier.at()] += 1;
-            // A device victim is more recent than anything in the host tier.
-            if tier == Tier::Device && self.host_tier && self.make_room(be, Tier::Host, e.bytes)? {
-                let (k, v) = e.chunk.to_host(be)?;
-                let chunk = KvChunk::from_host_tier(be, e.chunk.tokens.clone(), &k, &v)?;
-                self.put(key, chunk, Tier::Host, e.bytes);
-            }
         }
-        Ok(true)
+        true
     }
 }
 
@@ -323,34 +309,37 @@ mod tests {
     }
 
     #[test]
-    fn the_least_recently_used_move_down_a_tier_and_hits_move_up() {
+    fn reads_go_to_the_host_tier_encodings_to_the_device_and_each_tier_drops_its_oldest() {
         let be = CpuBackend;
         let mut c = cache();
-        for key in 0..3 {
-            assert_eq!(c.insert(&be, key, fact(1, key as f32), Admit::Demand).unwrap(), Some(Tier::Device));
-        }
-        assert_eq!(c.hit(&be, 0).unwrap(), Some(Tier::Device));
-        // 1 is now the least recently used: it moves to the host tier.
-        c.insert(&be, 3, fact(1, 3.0), Admit::Demand).unwrap();
         use Tier::*;
-        assert_eq!(tiers(&c, 0..4), [Some(Device), Some(Host), Some(Device), Some(Device)]);
-        c.insert(&be, 4, fact(1, 4.0), Admit::Demand).unwrap();
-        c.insert(&be, 5, fact(1, 5.0), Admit::Demand).unwrap();
-        // 2 and 0 followed 1 down; the host tier holds two: 1 was dropped.
-        assert_eq!(tiers(&c, 0..6), [Some(Host), None, Some(Host), Some(Device), Some(Device), Some(Device)]);
+        // KV read from disk goes to the host tier, which drops its least
+        // recently used to make room; a hit is served where it is.
+        for key in 0..2 {
+            assert_eq!(c.insert(&be, key, fact(1, key as f32), Admit::Demand).unwrap(), Some(Host));
+        }
+        assert_eq!(c.hit(0), Some(Host));
+        c.insert(&be, 2, fact(1, 2.0), Admit::Demand).unwrap();
+        assert_eq!(tiers(&c, 0..3), [Some(Host), None, Some(Host)]);
+        assert_eq!((c.stats.evictions, c.stats.hits), ([0, 1], [0, 1]));
+        // Encoded KV stays on the device while it fits, then goes to the
+        // host tier where it fits without evicting, else is not cached.
+        let chunk = |x: f32| match fact(1, x) {
+            Source::Host { tokens, k, v } => Source::Chunk(KvChunk::from_host(&be, tokens, &k, &v).unwrap()),
+            s => s,
+        };
+        for key in 10..13 {
+            assert_eq!(c.insert(&be, key, chunk(key as f32), Admit::Fill).unwrap(), Some(Device));
+        }
+        assert_eq!(c.insert(&be, 13, chunk(13.0), Admit::Fill).unwrap(), None, "both tiers full");
         assert_eq!((c.bytes(Device), c.bytes(Host)), (48, 32));
-        assert_eq!(c.stats.evictions, [3, 1]);
-        // A host hit is promoted, the device's oldest (3) taking its place.
-        assert_eq!(c.hit(&be, 0).unwrap(), Some(Host));
-        assert_eq!(tiers(&c, 0..6), [Some(Device), None, None, Some(Host), Some(Device), Some(Device)]);
-        assert_eq!((c.stats.promotions, c.stats.hits), (1, [1, 1]));
-        // The KV is the same wherever it moved.
-        let (k, _) = c.get(0).unwrap().to_host(&be).unwrap();
-        assert_eq!(k[0].data, [0.0, 0.0]);
-        let (k, _) = c.get(3).unwrap().to_host(&be).unwrap();
-        assert_eq!(k[0].data, [3.0, 3.0]);
+        // The KV is the same wherever it went.
+        let (k, _) = c.get(2).unwrap().to_host(&be).unwrap();
+        assert_eq!(k[0].data, [2.0, 2.0]);
+        let (k, _) = c.get(11).unwrap().to_host(&be).unwrap();
+        assert_eq!(k[0].data, [11.0, 11.0]);
         c.remove(0);
-        assert_eq!((c.bytes(Device), c.tier(0)), (32, None));
+        assert_eq!((c.bytes(Host), c.tier(0)), (16, None));
     }
 
     #[test]

@@ -353,13 +353,14 @@ pub(crate) fn f32_to_e4m3(x: f32) -> u8 {
         return sign | 0x7e;
     }
     // Below 2⁻⁶ the format is subnormal: multiples of 2⁻⁹ (code = multiple).
-    if a < 2f32.powi(-6) {
+    if a < 1.0 / 64.0 {
         return sign | (a * 512.0).round_ties_even() as u8;
     }
-    let e = ((a.to_bits() >> 23) & 0xff) as i32 - 127;
-    // a / 2^(e-3) is in [8, 16): the implicit one and three mantissa bits.
-    let mut m = (a / 2f32.powi(e - 3)).round_ties_even() as u32;
-    let mut e = e;
+    let mut e = ((a.to_bits() >> 23) & 0xff) as i32 - 127;
+    // a · 2^(3-e) is in [8, 16): the implicit one and three mantissa bits
+    // (the power of two built from its bits: exact, and no `powi` per value).
+    let scale = f32::from_bits(((127 + 3 - e) as u32) << 23);
+    let mut m = (a * scale).round_ties_even() as u32;
     if m == 16 {
         m = 8;
         e += 1;

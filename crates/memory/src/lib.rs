@@ -6,6 +6,7 @@ mod cache;
 mod compose;
 mod error;
 mod fact;
+mod fetch;
 mod kvseg;
 pub mod log;
 mod retrieval;
@@ -20,13 +21,13 @@ pub use cache::{Budgets, CacheStats, Tier};
 pub use compose::{ANSWER_INSTRUCTION, Chat, Composer, MemoryTurn, Prompts, SYSTEM_PROMPT, USER_TURN_SYSTEM_PROMPT};
 pub use error::{MemoryError, Result};
 pub use fact::{Event, EventKind, Fact};
+pub use fetch::{FetchReport, Fetched, Pinned, ReadDone, ReadJob};
 pub use inferscale_types::{DEFAULT_BLEND_RATIO, MemoryUnit, Mode, Scope, check_blend_ratio};
 pub use kvseg::{KvFormat, KvHeader};
 pub use retrieval::{Query, Retriever};
 pub use search::matches as filter_matches;
 pub use session::{Hit, Session};
 pub use shard::{
-    Encoders, FetchReport, Fetched, Footprint, IngestReport, Memory, Pinned, ShardSpec, StoreOptions, UnitUpdate,
-    UpdateReport, fingerprint, validate,
+    Encoders, Footprint, IngestReport, Memory, ShardSpec, StoreOptions, UnitUpdate, UpdateReport, fingerprint, validate,
 };
 pub use transfer::{ImportReport, ShardRecord, StagedShard, Staging};

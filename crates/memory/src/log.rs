@@ -195,14 +195,7 @@ impl RecordLog {
     /// The payload of `frame`, checked against its CRC (an error names the
     /// record's offset when it does not match).
     pub fn read(&self, frame: Frame) -> Result<Vec<u8>> {
-        let mut buf = vec![0u8; FRAME_BYTES + frame.len as usize];
-        let at = frame.offset - FRAME_BYTES as u64;
-        self.file.read_exact_at(&mut buf, at).map_err(error::io(&self.path))?;
-        match frame_payload(&buf) {
-            Ok(payload) if payload.len() == frame.len as usize => Ok(payload.to_vec()),
-            Ok(_) => Err(self.corrupt(at, "the frame's length changed".into())),
-            Err(why) => Err(self.corrupt(at, why)),
-        }
+        read_frame(&self.file, &self.path, frame)
     }
 
     /// The first `n` bytes of `frame`'s payload, unchecked (the CRC covers
@@ -211,10 +204,6 @@ impl RecordLog {
         let mut buf = vec![0u8; n.min(frame.len as usize)];
         self.file.read_exact_at(&mut buf, frame.offset).map_err(error::io(&self.path))?;
         Ok(buf)
-    }
-
-    fn corrupt(&self, offset: u64, reason: String) -> MemoryError {
-        MemoryError::Corrupt { path: self.path.clone(), offset, reason }
     }
 
     /// Appends records and makes them durable (write_all + sync_data) before returning.
@@ -304,6 +293,27 @@ impl RecordLog {
     /// Bytes in the file.
     pub fn len_bytes(&self) -> u64 {
         self.len
+    }
+}
+
+/// The payload of `frame` in the log at `path`, read through a handle of
+/// its own (for reads off the thread that owns the log), checked against
+/// its CRC. A log rewritten since `frame` was taken fails the check or
+/// holds another record: the caller checks what it read.
+pub fn read_frame_at(path: &Path, frame: Frame) -> Result<Vec<u8>> {
+    let file = File::open(path).map_err(error::io(path))?;
+    read_frame(&file, path, frame)
+}
+
+fn read_frame(file: &File, path: &Path, frame: Frame) -> Result<Vec<u8>> {
+    let mut buf = vec![0u8; FRAME_BYTES + frame.len as usize];
+    let at = frame.offset.saturating_sub(FRAME_BYTES as u64);
+    let corrupt = |reason: String| MemoryError::Corrupt { path: path.to_path_buf(), offset: at, reason };
+    file.read_exact_at(&mut buf, at).map_err(error::io(path))?;
+    match frame_payload(&buf) {
+        Ok(payload) if payload.len() == frame.len as usize => Ok(payload.to_vec()),
+        Ok(_) => Err(corrupt("the frame's length changed".into())),
+        Err(why) => Err(corrupt(why)),
     }
 }
 

@@ -20,8 +20,9 @@ use inferscale_types::{MemoryUnit, Mode, Scope};
 use crate::answer::{Prepared, prepare};
 use crate::compose::{Chat, Composer, Prompts};
 use crate::error::{MemoryError, Result};
+use crate::fetch::{FetchReport, Fetched, Pinned, ReadDone};
 use crate::retrieval::Query;
-use crate::shard::{Encoders, FetchReport, IngestReport, Memory, Pinned, UnitUpdate, UpdateReport};
+use crate::shard::{Encoders, IngestReport, Memory, UnitUpdate, UpdateReport};
 
 /// One search result: a fact (an index into [`Memory::facts`]) and its
 /// score, the cosine similarity of its embedding and the query's.
@@ -226,25 +227,47 @@ impl<B: Backend> Session<B> {
     }
 
     /// Makes the KV of `user`'s facts `idxs` resident and pins it while
-    /// the returned [`Pinned`] lives ([`Memory::fetch`]), encoding first
-    /// what has none (never encoded, or a record that failed its check).
+    /// the returned [`Pinned`] lives ([`Memory::fetch`]: facts on disk are
+    /// read now), encoding first what has none (never encoded, or a record
+    /// that failed its check).
     pub fn fetch(&mut self, user: &str, idxs: &[usize]) -> Result<(Pinned<B>, FetchReport)> {
-        let mut got = self.memory.fetch(self.engine.backend(), user, idxs)?;
+        let got = self.fetch_with(user, idxs, true)?;
+        Ok((got.pinned, got.report))
+    }
+
+    /// [`Session::fetch`], reading facts whose KV is on disk only when
+    /// `read`; otherwise they come back in `cold` (see
+    /// [`Memory::fetch_cached`]). Facts with no KV at all are encoded.
+    pub fn fetch_with(&mut self, user: &str, idxs: &[usize], read: bool) -> Result<Fetched<B>> {
+        let mut got = self.fetch_once(user, idxs, read)?;
         if got.missing.is_empty() {
-            return Ok((got.pinned, got.report));
+            return Ok(got);
         }
+        let missing = std::mem::take(&mut got.missing);
         self.ensure_kv(user)?;
-        let again = self.memory.fetch(self.engine.backend(), user, &got.missing)?;
+        let again = self.fetch_once(user, &missing, read)?;
         if let Some(&i) = again.missing.first() {
             let id = self.memory.facts(user)?.get(i).map(|f| f.unit.id.clone()).unwrap_or_default();
             return Err(MemoryError::Invalid { what: "memory", reason: format!("fact {id:?} of {user:?} has no KV") });
         }
         got.pinned.extend(again.pinned);
-        let (r, a) = (&mut got.report, again.report);
-        (r.device_hits, r.host_hits, r.loaded) =
-            (r.device_hits + a.device_hits, r.host_hits + a.host_hits, r.loaded + a.loaded);
-        (r.loaded_bytes, r.load_seconds) = (r.loaded_bytes + a.loaded_bytes, r.load_seconds + a.load_seconds);
-        Ok((got.pinned, got.report))
+        got.report.add(again.report);
+        got.cold.extend(again.cold);
+        Ok(got)
+    }
+
+    fn fetch_once(&mut self, user: &str, idxs: &[usize], read: bool) -> Result<Fetched<B>> {
+        let be = self.engine.backend();
+        match read {
+            true => self.memory.fetch(be, user, idxs),
+            false => self.memory.fetch_cached(user, idxs),
+        }
+    }
+
+    /// Caches what a background read of a fact's KV read
+    /// ([`Memory::complete_read`]).
+    pub fn complete_read(&mut self, done: ReadDone) -> Result<bool> {
+        self.memory.complete_read(self.engine.backend(), done)
     }
 
     /// [`Session::fetch`] for a request being laid out in `mode`, when its
@@ -385,7 +408,7 @@ impl<B: Backend> Session<B> {
         question: &[u32],
     ) -> Result<Prepared> {
         let _held = self.fetch_for(user, facts, mode)?;
-        prepare(&mut self.engine, &self.memory, user, facts, mode, blend_ratio, &self.header, question)
+        prepare(&mut self.engine, &self.memory, user, facts, mode, blend_ratio, &self.header, question, &[])
     }
 
     /// [`Session::prepare`] under the header `chat` asks for: its own
@@ -403,14 +426,33 @@ impl<B: Backend> Session<B> {
         blend_ratio: f32,
         tail: &[u32],
     ) -> Result<Prepared> {
-        if self.composer.is_default_header(chat) {
-            return self.prepare(user, facts, mode, blend_ratio, tail);
-        }
-        let _held = self.fetch_for(user, facts, mode)?;
-        let key = header_key(chat);
+        self.prepare_pasting(chat, user, facts, &[], mode, blend_ratio, tail)
+    }
+
+    /// [`Session::prepare_under`] with the facts in `paste` pasted as text
+    /// after the injected ones (kv mode; see `answer::prepare`): a worker
+    /// serves a request whose facts' KV was on disk this way while it reads
+    /// that KV for the next request.
+    #[allow(clippy::too_many_arguments)]
+    pub fn prepare_pasting(
+        &mut self,
+        chat: &Chat,
+        user: &str,
+        facts: &[usize],
+        paste: &[usize],
+        mode: Mode,
+        blend_ratio: f32,
+        tail: &[u32],
+    ) -> Result<Prepared> {
+        let inject: Vec<usize> = facts.iter().copied().filter(|i| !paste.contains(i)).collect();
+        let _held = self.fetch_for(user, &inject, mode)?;
         let (engine, memory) = (&mut self.engine, &self.memory);
+        if self.composer.is_default_header(chat) {
+            return prepare(engine, memory, user, facts, mode, blend_ratio, &self.header, tail, paste);
+        }
+        let key = header_key(chat);
         if let Some(header) = self.headers.get(&key) {
-            return prepare(engine, memory, user, facts, mode, blend_ratio, header, tail);
+            return prepare(engine, memory, user, facts, mode, blend_ratio, header, tail, paste);
         }
         let tokens = self.composer.header_of(chat)?;
         let fresh = match tokens.is_empty() {
@@ -424,9 +466,9 @@ impl<B: Backend> Session<B> {
         let mut p = match self.headers.fits(&fresh) {
             true => {
                 let header = self.headers.insert(key, fresh);
-                prepare(engine, memory, user, facts, mode, blend_ratio, header, tail)?
+                prepare(engine, memory, user, facts, mode, blend_ratio, header, tail, paste)?
             }
-            false => prepare(engine, memory, user, facts, mode, blend_ratio, &fresh, tail)?,
+            false => prepare(engine, memory, user, facts, mode, blend_ratio, &fresh, tail, paste)?,
         };
         p.header_cached = false;
         Ok(p)

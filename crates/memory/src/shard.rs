@@ -19,11 +19,11 @@ use inferscale_engine::bert::Bert;
 use inferscale_engine::{Backend, Engine, KvChunk};
 use inferscale_types::MemoryUnit;
 
-use crate::cache::{Admit, Budgets, CacheStats, KvCache, Source, Tier};
+use crate::cache::{Budgets, CacheStats, KvCache, Tier};
 use crate::compose::{Composer, Prompts};
 use crate::error::{MemoryError, Result, io};
 use crate::fact::{Event, Fact, Record};
-use crate::kvseg::{KvFormat, KvHeader, StoredKv};
+use crate::kvseg::{KvFormat, KvHeader};
 use crate::log::{MAX_RECORD_BYTES, sync_dir};
 use crate::retrieval::{self, Query, Retriever};
 use crate::user::UserShard;
@@ -175,6 +175,8 @@ pub struct Memory<B: Backend> {
     encode_batch: usize,
     /// The facts' KV held in memory, by tier (`cache.rs`).
     pub(crate) cache: KvCache<B>,
+    /// Cache keys of facts being read off the engine thread (`fetch.rs`).
+    pub(crate) reading: std::collections::HashSet<u64>,
     /// The model's context, in tokens: an encoding (header, window, fact)
     /// must fit it.
     context: usize,
@@ -288,6 +290,7 @@ impl<B: Backend> Memory<B> {
                 users,
                 encode_batch: ENCODE_BATCH,
                 cache: KvCache::new(be, options.budgets, c.num_layers, c.kv_dim()),
+                reading: Default::default(),
                 context: c.max_position_embeddings,
                 retriever: Retriever::default(),
                 _lock: lock,
@@ -416,77 +419,6 @@ impl<B: Backend> Memory<B> {
     pub fn resident(&self, user: &str, idxs: &[usize]) -> Result<bool> {
         let shard = self.user(user)?;
         Ok(idxs.iter().all(|&i| shard.kv.get(i).is_some_and(|k| self.cache.get(k.key).is_some())))
-    }
-
-    /// Makes the KV of `user`'s facts `idxs` resident and pins it for as
-    /// long as the returned [`Pinned`] lives (a request holds it from
-    /// admission to layout). Cached facts count as hits (a host-tier one
-    /// is promoted to the device when room can be made); the others are
-    /// read from the segment — in parallel, each checked against its CRC
-    /// and decoded from the segment's format — and cached, evicting the
-    /// least recently used (`cache.rs`). Facts without KV (never encoded,
-    /// or a record that failed its check, now dropped) are returned in
-    /// `missing` for [`Memory::ensure_kv`].
-    pub fn fetch(&mut self, be: &B, user: &str, idxs: &[usize]) -> Result<Fetched<B>> {
-        let shard = self.users.get(user).ok_or_else(|| MemoryError::UnknownUser(user.to_string()))?;
-        if let Some(&i) = idxs.iter().find(|&&i| i >= shard.facts.len()) {
-            return Err(MemoryError::Invalid {
-                what: "fact",
-                reason: format!("{user:?} has {} facts, not {}", shard.facts.len(), i + 1),
-            });
-        }
-        self.cache.trim(be)?;
-        let mut out =
-            Fetched { pinned: Pinned { chunks: Vec::new() }, report: FetchReport::default(), missing: Vec::new() };
-        let mut cold = Vec::new();
-        for &i in idxs {
-            let key = shard.kv[i].key;
-            match self.cache.hit(be, key)? {
-                Some(Tier::Device) => out.report.device_hits += 1,
-                Some(Tier::Host) => out.report.host_hits += 1,
-                None if shard.kv[i].at.is_some() => cold.push(i),
-                None => out.missing.push(i),
-            }
-            // Pinned at once, so that the loads below cannot evict it.
-            if let Some(c) = self.cache.get(key) {
-                out.pinned.chunks.push(c.clone());
-            }
-        }
-        if cold.is_empty() {
-            return Ok(out);
-        }
-        let t0 = std::time::Instant::now();
-        let reads = read_parallel(shard, &cold);
-        let mut dropped = Vec::new();
-        for (&i, read) in cold.iter().zip(reads) {
-            let (key, at) = (shard.kv[i].key, shard.kv[i].at);
-            match read {
-                Ok(Some(s)) => {
-                    out.report.loaded += 1;
-                    out.report.loaded_bytes += at.map_or(0, |f| f.len as u64);
-                    self.cache.insert(be, key, Source::Host { tokens: s.tokens, k: s.k, v: s.v }, Admit::Demand)?;
-                    if let Some(c) = self.cache.get(key) {
-                        out.pinned.chunks.push(c.clone());
-                    }
-                }
-                Ok(None) => out.missing.push(i),
-                Err(e) => {
-                    tracing::warn!(user, error = %e, "a stored KV record failed its check; the fact is re-encoded");
-                    self.cache.stats.corrupt += 1;
-                    dropped.push(i);
-                    out.missing.push(i);
-                }
-            }
-        }
-        out.report.load_seconds = t0.elapsed().as_secs_f64();
-        self.cache.stats.misses += out.report.loaded as u64;
-        self.cache.stats.loaded_bytes += out.report.loaded_bytes;
-        if !dropped.is_empty() {
-            let shard = self.users.get_mut(user).ok_or_else(|| MemoryError::UnknownUser(user.to_string()))?;
-            dropped.iter().for_each(|&i| shard.kv[i].at = None);
-            self.pending.insert(user.to_string());
-        }
-        Ok(out)
     }
 
     /// Whether `user` has any memory.
@@ -778,70 +710,4 @@ impl<B: Backend> Memory<B> {
         }
         Ok(())
     }
-}
-
-/// KV a request holds: while this lives, the cache does not evict it.
-pub struct Pinned<B: Backend> {
-    chunks: Vec<std::sync::Arc<KvChunk<B>>>,
-}
-
-impl<B: Backend> Pinned<B> {
-    /// Facts held.
-    pub fn len(&self) -> usize {
-        self.chunks.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.chunks.is_empty()
-    }
-
-    /// Holds `other`'s facts too.
-    pub fn extend(&mut self, other: Pinned<B>) {
-        self.chunks.extend(other.chunks);
-    }
-}
-
-/// What a [`Memory::fetch`] found and did.
-#[derive(Debug, Default, Clone, Copy, PartialEq)]
-pub struct FetchReport {
-    /// Facts found cached, per tier.
-    pub device_hits: usize,
-    pub host_hits: usize,
-    /// Facts read from disk, their record bytes, and the time the loads
-    /// took (read, check, decode, cache).
-    pub loaded: usize,
-    pub loaded_bytes: u64,
-    pub load_seconds: f64,
-}
-
-pub struct Fetched<B: Backend> {
-    pub pinned: Pinned<B>,
-    pub report: FetchReport,
-    /// Facts without KV: to encode ([`Memory::ensure_kv`]).
-    pub missing: Vec<usize>,
-}
-
-/// Reads the KV records of `idxs` of `shard`, several at once: a device
-/// queue (NVMe) reaches its bandwidth only with many reads in flight, and
-/// decoding a compact format is work for more than one core.
-fn read_parallel<B: Backend>(shard: &UserShard<B>, idxs: &[usize]) -> Vec<Result<Option<StoredKv>>> {
-    const READERS: usize = 8;
-    if idxs.len() < 2 {
-        return idxs.iter().map(|&i| shard.read_kv(i)).collect();
-    }
-    let per = idxs.len().div_ceil(READERS);
-    std::thread::scope(|s| {
-        let handles: Vec<_> = idxs
-            .chunks(per)
-            .map(|part| s.spawn(move || part.iter().map(|&i| shard.read_kv(i)).collect::<Vec<_>>()))
-            .collect();
-        handles
-            .into_iter()
-            .flat_map(|h| {
-                h.join().unwrap_or_else(|_| {
-                    vec![Err(MemoryError::Invalid { what: "KV read", reason: "a reader thread panicked".into() })]
-                })
-            })
-            .collect()
-    })
 }

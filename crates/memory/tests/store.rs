@@ -178,3 +178,57 @@ fn every_format_is_read_whatever_format_new_segments_get() {
     assert!((bf16_bytes / f32_bytes - 0.5).abs() < 0.02, "{bf16_bytes} vs {f32_bytes}");
     assert!((fp8_bytes / f32_bytes - 0.25).abs() < 0.02, "{fp8_bytes} vs {f32_bytes}");
 }
+
+#[test]
+fn cold_facts_are_read_off_the_engine_thread_and_pasted_meanwhile() {
+    use inferscale_memory::{Mode, prepare};
+    let m = models();
+    let mut e = engine(&m);
+    let dir = tempfile::tempdir().unwrap();
+    let (mut mem, _) = open(dir.path(), &e, StoreOptions::default());
+    ingest(&mut mem, &mut e, &m, "ana", 4);
+    let encoded: Vec<HostKv> = (0..4).map(|i| kv(&mut mem, "ana", i)).collect();
+    drop(mem);
+
+    let (mut mem, _) = open(dir.path(), &e, StoreOptions::default());
+    let got = mem.fetch_cached("ana", &[3, 1]).unwrap();
+    assert_eq!((got.cold.as_slice(), got.report.loaded), (&[3, 1][..], 0), "nothing read");
+    let jobs = mem.read_jobs("ana", &got.cold).unwrap();
+    assert_eq!(jobs.len(), 2);
+    assert!(mem.read_jobs("ana", &[3]).unwrap().is_empty(), "a fact being read is not read twice");
+
+    // Meanwhile the request is laid out with those facts pasted: with all
+    // of them pasted, kv mode is prompt mode token for token.
+    let header = {
+        let mut h = e.new_sequence(m.composer.header().to_vec()).unwrap();
+        e.prefill(&mut h).unwrap();
+        h
+    };
+    let question = m.composer.question("What is the cat called?").unwrap();
+    let pasted = prepare(&mut e, &mem, "ana", &[3, 1], Mode::Kv, 0.0, &header, &question, &[3, 1]).unwrap();
+    let prompt = prepare(&mut e, &mem, "ana", &[3, 1], Mode::Prompt, 0.0, &header, &question, &[]).unwrap();
+    assert_eq!(pasted.seq.tokens(), prompt.seq.tokens());
+    assert_eq!((pasted.fact_ids, pasted.pasted_tokens), (prompt.fact_ids, prompt.memory_tokens));
+    assert!(prepare(&mut e, &mem, "ana", &[3], Mode::Blend, 0.5, &header, &question, &[3]).is_err());
+
+    // The reads run anywhere; what they read is cached bit for bit.
+    let done: Vec<_> = std::thread::spawn(move || jobs.into_iter().map(|j| j.run()).collect()).join().unwrap();
+    for d in done {
+        assert!(mem.complete_read(&CpuBackend, d).unwrap());
+    }
+    assert_eq!(mem.tier("ana", 3).unwrap(), Some(Tier::Device));
+    assert_eq!(kv(&mut mem, "ana", 1), encoded[1]);
+
+    // A read whose fact's KV was dropped meanwhile (ana1 forgotten: ana2's
+    // window held it) is dropped, never cached.
+    let got = mem.fetch_cached("ana", &[0, 2]).unwrap();
+    assert!(got.pinned.is_empty() && got.cold == [0, 2]);
+    let done: Vec<_> = mem.read_jobs("ana", &got.cold).unwrap().into_iter().map(|j| j.run()).collect();
+    drop(got);
+    mem.forget("ana", Some("ana1")).unwrap();
+    let cached: Vec<bool> = done.into_iter().map(|d| mem.complete_read(&CpuBackend, d).unwrap()).collect();
+    assert!(!cached[1], "ana2's KV was made with the forgotten text");
+    let ana2 = mem.fact_index("ana", "ana2").unwrap().unwrap();
+    assert!(mem.tier("ana", ana2).unwrap().is_none() && !mem.has_kv("ana", ana2).unwrap());
+    assert_eq!(mem.cache_stats().corrupt, 0);
+}

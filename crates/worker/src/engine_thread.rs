@@ -28,6 +28,7 @@ use inferscale_model::ModelFiles;
 use tracing::{Span, field::Empty, info_span};
 
 use crate::error::{Result, WorkerError};
+use crate::kv_reader::KvReader;
 use crate::metrics::WorkerMetrics;
 use crate::protocol::{
     Command, Embedded, Event, Events, Finished, GenerateJob, Holdings, Load, MAX_INGEST_UNITS, MemoryHost, Protocol,
@@ -66,6 +67,23 @@ pub struct WorkerConfig {
     /// KV blocks kept for the headers of requests' own system prompts
     /// (an LRU; taken from the scheduler's pool at start).
     pub header_cache_blocks: usize,
+    /// What a kv-mode request does with retrieved facts whose KV is on disk
+    /// only.
+    pub cold_kv: ColdKv,
+}
+
+/// What a kv-mode request does with retrieved facts whose KV is on disk
+/// only (not in the device or host tier).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum ColdKv {
+    /// Prefill them as text with the question (what prompt mode costs for
+    /// them, never a wait for the disk) while reader threads read their KV
+    /// into the cache for the next request.
+    #[default]
+    Prefill,
+    /// Read them on the engine thread at the request's arrival (every
+    /// retrieved fact injected; the engine waits for the disk).
+    Read,
 }
 
 /// Room for a few distinct system prompts' headers (16 tokens a block).
@@ -82,6 +100,7 @@ impl Default for WorkerConfig {
             prompts: Prompts::default(),
             max_ingest_units: MAX_INGEST_UNITS,
             header_cache_blocks: HEADER_CACHE_BLOCKS,
+            cold_kv: ColdKv::default(),
         }
     }
 }
@@ -113,6 +132,10 @@ struct Live<B: Backend> {
     /// arrival and held until layout injects it, so that the cache does
     /// not evict it while the request waits.
     pinned: Option<Pinned<B>>,
+    /// Retrieved facts pasted as text (kv mode, their KV cold on arrival),
+    /// and their tokens.
+    paste: Vec<String>,
+    pasted_tokens: usize,
 }
 
 /// Where the engine thread's time goes, printed every 10 s when
@@ -212,8 +235,10 @@ pub(crate) fn run<B: Backend>(
         next_id: 0,
         metrics,
         profile: Profile { on: std::env::var_os("INFERSCALE_WORKER_PROFILE").is_some(), ..Default::default() },
+        reader: KvReader::start().map_err(|e| WorkerError::Startup(format!("starting the KV reader threads: {e}")))?,
     };
     loop {
+        core.complete_reads();
         let idle = core.live.is_empty() && !protocol.ingesting();
         if idle && core.encode_pending() {
             // Background work done; look for commands before more of it.
@@ -263,6 +288,7 @@ struct Core<B: Backend> {
     next_id: RequestId,
     metrics: Arc<WorkerMetrics>,
     profile: Profile,
+    reader: KvReader,
 }
 
 /// The native engine's side of the protocol: the shard is this thread's,
@@ -380,16 +406,25 @@ impl<B: Backend> Core<B> {
             retrieve.record("candidates", self.session.memory().facts(&job.user).map_or(0, <[_]>::len) as i64);
         }
         retrieve.record("retrieved", facts.len() as i64);
-        // Facts not cached are read from disk now, while the request waits
-        // for admission, not when it is laid out.
-        let mut pinned = None;
+        // The facts' KV is pinned in the cache until layout. Facts whose
+        // KV is on disk only are prefilled this time (kv mode, by default)
+        // and read for the next request by the reader threads; otherwise
+        // read now, while the request waits for admission.
+        let (mut pinned, mut paste) = (None, Vec::new());
         if job.mode.injects() && !facts.is_empty() {
-            let (p, report) = self.session.fetch(&job.user, &facts)?;
-            if report.loaded > 0 {
-                self.metrics.kv_loaded(report.load_seconds);
+            self.complete_reads();
+            let read_now = job.mode != Mode::Kv || self.cfg.cold_kv == ColdKv::Read;
+            let got = self.session.fetch_with(&job.user, &facts, read_now)?;
+            if got.report.loaded > 0 {
+                self.metrics.kv_loaded(got.report.load_seconds);
             }
-            retrieve.record("loaded", report.loaded as i64);
-            pinned = Some(p);
+            retrieve.record("loaded", got.report.loaded as i64);
+            if !got.cold.is_empty() {
+                let jobs = self.session.memory_mut().read_jobs(&job.user, &got.cold)?;
+                self.reader.read(jobs);
+                paste = got.cold;
+            }
+            pinned = Some(got.pinned);
         }
         drop(entered);
         drop(retrieve);
@@ -404,8 +439,9 @@ impl<B: Backend> Core<B> {
             )));
         }
         let max_new = job.params.max_tokens.min(limit - prompt_len);
+        let pasted_tokens: usize = paste.iter().map(|&i| all[i].tokens.len()).sum();
         let (computed, injected) = match job.mode {
-            Mode::Kv | Mode::Blend => (tail.len(), memory_tokens),
+            Mode::Kv | Mode::Blend => (tail.len() + pasted_tokens, memory_tokens - pasted_tokens),
             Mode::Prompt => (tail.len() + memory_tokens, 0),
             Mode::None => (tail.len(), 0),
         };
@@ -458,6 +494,8 @@ impl<B: Backend> Core<B> {
                 header_tokens: header,
                 header_cached: true,
                 pinned,
+                paste: paste.iter().map(|&i| all[i].unit.id.clone()).collect(),
+                pasted_tokens,
             },
         );
         Ok(())
@@ -505,6 +543,16 @@ impl<B: Backend> Core<B> {
         }
     }
 
+    /// Caches the KV the reader threads have read since the last call.
+    fn complete_reads(&mut self) {
+        for done in self.reader.finished() {
+            self.metrics.kv_loaded(done.seconds);
+            if let Err(e) = self.session.complete_read(done) {
+                eprintln!("inferscale worker: caching KV read from disk: {e}");
+            }
+        }
+    }
+
     /// When idle: encodes a few facts still without KV (a replica's copy,
     /// an import without KV). Returns whether it did any.
     fn encode_pending(&mut self) -> bool {
@@ -542,7 +590,18 @@ impl<B: Backend> Core<B> {
                     .collect::<Result<Vec<usize>>>()?
             }
         };
-        let p = self.session.prepare_under(&l.job.chat, &l.job.user, &facts, l.job.mode, l.job.blend_ratio, &l.tail)?;
+        let paste: Vec<usize> =
+            l.fact_ids.iter().zip(&facts).filter(|(id, _)| l.paste.contains(id)).map(|(_, &i)| i).collect();
+        let p = self.session.prepare_pasting(
+            &l.job.chat,
+            &l.job.user,
+            &facts,
+            &paste,
+            l.job.mode,
+            l.job.blend_ratio,
+            &l.tail,
+        )?;
+        self.metrics.memory_tokens(p.memory_tokens - p.pasted_tokens, p.pasted_tokens);
         l.header_cached = p.header_cached;
         l.header_tokens = p.header_tokens;
         self.session.engine().backend().synchronize()?;
@@ -690,7 +749,7 @@ impl<B: Backend> Core<B> {
         l.job.span.record("finish_reason", finish_reason(reason));
         let usage = Usage {
             prompt_tokens: prompt,
-            injected_tokens: if l.job.mode.injects() { l.memory_tokens } else { 0 },
+            injected_tokens: if l.job.mode.injects() { l.memory_tokens - l.pasted_tokens } else { 0 },
             cached_tokens: if l.header_cached { l.header_tokens } else { 0 },
             completion_tokens: l.generated.len(),
             facts: l.fact_ids.len(),

@@ -15,6 +15,7 @@ mod engine_thread;
 mod error;
 mod frames;
 pub mod http;
+mod kv_reader;
 pub mod link;
 pub mod metrics;
 mod protocol;
@@ -23,7 +24,7 @@ mod service;
 pub mod text;
 pub mod transfer;
 
-pub use engine_thread::{WorkerConfig, WorkerParts};
+pub use engine_thread::{ColdKv, WorkerConfig, WorkerParts};
 pub use error::{Result, WorkerError};
 pub use protocol::{
     Embedded, Event, Events, Finished, GenerateJob, Holdings, Load, MAX_EMBED_INPUTS, MAX_INGEST_UNITS,

@@ -31,6 +31,10 @@ pub struct WorkerMetrics {
     tpot: [Histogram; 4],
     /// Injected tokens recomputed through every layer (blend).
     recomputed_tokens: AtomicU64,
+    /// Memory tokens of injecting requests by how they reached the model:
+    /// injected as stored KV, or pasted and prefilled (their KV was cold).
+    injected_tokens: AtomicU64,
+    pasted_tokens: AtomicU64,
     /// Arrival to admission into the running batch (retrieval excluded).
     queue: Histogram,
     /// A request's reads of facts' KV from disk (read, check, decode,
@@ -55,6 +59,8 @@ impl Default for WorkerMetrics {
             ttft: Default::default(),
             tpot: Default::default(),
             recomputed_tokens: AtomicU64::new(0),
+            injected_tokens: AtomicU64::new(0),
+            pasted_tokens: AtomicU64::new(0),
             queue: Histogram::default(),
             kv_load: Histogram::default(),
             batch_rows: Histogram::new(&ROW_BUCKETS),
@@ -109,9 +115,16 @@ impl WorkerMetrics {
         (n(&self.finished), n(&self.cancelled), n(&self.failed))
     }
 
-    /// A request read facts' KV from disk for `seconds`.
+    /// A read of facts' KV from disk took `seconds`.
     pub(crate) fn kv_loaded(&self, seconds: f64) {
         self.kv_load.observe(seconds);
+    }
+
+    /// An injecting request's memory tokens: `injected` as stored KV,
+    /// `pasted` as text (cold KV).
+    pub(crate) fn memory_tokens(&self, injected: usize, pasted: usize) {
+        self.injected_tokens.fetch_add(injected as u64, Ordering::Relaxed);
+        self.pasted_tokens.fetch_add(pasted as u64, Ordering::Relaxed);
     }
 
     pub(crate) fn admitted(&self, waited_seconds: f64) {
@@ -140,7 +153,7 @@ impl WorkerMetrics {
             ("inferscale_worker_queue_seconds", "Wait for admission into the running batch.", &self.queue),
             (
                 "inferscale_worker_kv_load_seconds",
-                "A request's reads of facts' KV from disk into the cache (requests that read any).",
+                "Reads of facts' KV from disk into the cache: a request's, read at its arrival, or one fact's, read in the background.",
                 &self.kv_load,
             ),
             ("inferscale_worker_batch_rows", "Sequences per forward step.", &self.batch_rows),
@@ -191,11 +204,6 @@ impl WorkerMetrics {
             ("inferscale_worker_kv_cache_misses_total", "Facts a request read from disk.", c.misses),
             ("inferscale_worker_kv_cache_loaded_bytes_total", "KV record bytes read from disk.", c.loaded_bytes),
             (
-                "inferscale_worker_kv_cache_promotions_total",
-                "Facts moved from the host tier to the device.",
-                c.promotions,
-            ),
-            (
                 "inferscale_worker_kv_cache_over_budget_total",
                 "Facts cached past a tier's budget because pinned facts filled it.",
                 c.over_budget,
@@ -228,6 +236,15 @@ impl WorkerMetrics {
         ] {
             prom::single(&mut out, name, help, load(v));
         }
+        let name = "inferscale_worker_memory_tokens_total";
+        prom::header(
+            &mut out,
+            name,
+            "counter",
+            "Memory tokens of kv and blend requests: injected as stored KV, or pasted and prefilled because their KV was on disk only.",
+        );
+        out.push_str(&format!("{name}{{path=\"injected\"}} {}\n", load(&self.injected_tokens)));
+        out.push_str(&format!("{name}{{path=\"prefilled\"}} {}\n", load(&self.pasted_tokens)));
         out
     }
 }

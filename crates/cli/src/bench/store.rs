@@ -1,24 +1,32 @@
 //! `inferscale bench store`: the tiered KV store. Per segment format, a
 //! memory of `--users` users × `--facts` facts is ingested, closed and
 //! reopened (open time, against the KV bytes on disk), then each user
-//! answers requests of `--k` facts: the first reads them from disk (a
-//! miss), the same again finds them cached (a hit). Side by side per
-//! format: bytes on disk, open time, a request's disk read, a hit.
+//! makes a request of `--k` facts: the first reads them from disk (a miss),
+//! the same again finds them cached (a hit). Side by side per format:
+//! bytes on disk, open time, a request's disk read, a hit.
 //!
 //! The disk reads go through the page cache, which holds the segments just
-//! written unless the machine drops it: the miss column is a read of
-//! records from memory plus their checks, decode and upload, a lower bound
-//! on a cold NVMe read.
+//! written: the miss column is then a read of records from memory plus
+//! their checks, decode and caching, a lower bound on a cold NVMe read.
+//! `--drop-caches` (root) empties the page cache before the memory is
+//! reopened, so that the misses read the disk.
+//!
+//! KV read from disk goes to the host tier on a backend that has one (the
+//! device otherwise; `cache.rs`), shown in the `cached in` column. In a
+//! lossless format (the backend's own values or wider) the KV read back
+//! must equal, bit for bit, the KV its encoding left cached: the bench
+//! checks that for each user's first requested fact.
 
 use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Result, bail};
 use clap::Args;
-use inferscale_engine::Backend;
 use inferscale_engine::bert::Bert;
+use inferscale_engine::{Backend, Engine};
 use inferscale_loadtest::synthetic::synthetic_facts;
 use inferscale_memory::{Budgets, Composer, Encoders, KvFormat, Memory, MemoryUnit, Prompts, ShardSpec, StoreOptions};
+use inferscale_model::HostTensor;
 use serde::Serialize;
 
 use super::median;
@@ -41,6 +49,10 @@ pub struct StoreBenchArgs {
     /// Context window the facts are encoded with.
     #[arg(long, default_value_t = 0)]
     window: usize,
+    /// Empty the page cache (writes /proc/sys/vm/drop_caches; needs root)
+    /// before reopening, so that misses read the disk.
+    #[arg(long)]
+    drop_caches: bool,
     /// Directory for the memories (default: a temporary one, removed).
     #[arg(long)]
     dir: Option<PathBuf>,
@@ -61,10 +73,21 @@ struct Row {
     miss_ms_median: f64,
     miss_mb_per_s: f64,
     hit_ms_median: f64,
+    /// Where the facts read from disk were cached.
+    cached_in: String,
+    /// Whether read-back KV was checked bit for bit against the encoding's.
+    checked_exact: bool,
 }
 
 pub fn run(a: StoreBenchArgs) -> Result<()> {
     on_backend!(a.model, run_on(&a))
+}
+
+/// The k facts user `u` asks for, spread over its facts, starting at fact
+/// `u` (another set per user).
+fn request(a: &StoreBenchArgs, u: usize) -> Vec<usize> {
+    let step = a.facts / a.k;
+    (0..a.k).map(|j| (j * step + u) % a.facts).collect()
 }
 
 fn run_on<B: Backend>(a: &StoreBenchArgs, backend: B) -> Result<()> {
@@ -79,30 +102,32 @@ fn run_on<B: Backend>(a: &StoreBenchArgs, backend: B) -> Result<()> {
     let prompts = Prompts::default();
     let composer = Composer::new(&loaded.files, &prompts)?;
     let spec = ShardSpec::new(&loaded.files, a.window, &prompts)?;
-    let texts = synthetic_facts(a.facts);
+    let units: Vec<MemoryUnit> = synthetic_facts(a.facts)
+        .into_iter()
+        .enumerate()
+        .map(|(i, text)| MemoryUnit { id: format!("f{i}"), text, ..Default::default() })
+        .collect();
     let mut rows = Vec::new();
     println!(
-        "{} on {} · {} users × {} facts · k = {} · window {}",
+        "{} on {} · {} users × {} facts · k = {} · window {}{}",
         a.model.shape.as_deref().unwrap_or(&a.model.model),
         e.backend().name(),
         a.users,
         a.facts,
         a.k,
-        a.window
+        a.window,
+        if a.drop_caches { " · page cache dropped before reopening" } else { "" }
     );
-    println!("| format | KV on disk MB | ingest s | open ms | miss: k facts from disk, ms | MB/s | hit ms |");
-    println!("|---|---|---|---|---|---|---|");
+    println!(
+        "| format | KV on disk MB | ingest s | open ms | miss: k facts from disk, ms | MB/s | hit ms | cached in | read back |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|");
     for &format in &a.formats {
         let dir = root.join(format.name());
         let options = StoreOptions { format: Some(format), budgets: Budgets::default() };
         let (mut memory, _) = Memory::open_with(&dir, spec.clone(), &e, options)?;
         let t0 = Instant::now();
         for u in 0..a.users {
-            let units: Vec<MemoryUnit> = texts
-                .iter()
-                .enumerate()
-                .map(|(i, t)| MemoryUnit { id: format!("f{i}"), text: t.clone(), ..Default::default() })
-                .collect();
             let mut enc = Encoders { engine: &mut e, embedder: &embedder, composer: &composer };
             for batch in units.chunks(64) {
                 memory.ingest(&format!("user{u}"), batch, &mut enc)?;
@@ -111,7 +136,16 @@ fn run_on<B: Backend>(a: &StoreBenchArgs, backend: B) -> Result<()> {
         e.backend().synchronize()?;
         let ingest_s = t0.elapsed().as_secs_f64();
         let disk = memory.footprint().disk_bytes;
+        // Each user's first requested fact as its encoding left it cached.
+        let lossless = format.bytes_per_value() >= e.backend().kv_bytes_per_value();
+        let encoded = match lossless {
+            true => (0..a.users).map(|u| first_fact(&memory, &e, u, request(a, u)[0])).collect::<Result<Vec<_>>>()?,
+            false => Vec::new(),
+        };
         drop(memory);
+        if a.drop_caches {
+            drop_page_cache()?;
+        }
 
         let t0 = Instant::now();
         let (mut memory, warnings) = Memory::open_with(&dir, spec.clone(), &e, options)?;
@@ -120,10 +154,9 @@ fn run_on<B: Backend>(a: &StoreBenchArgs, backend: B) -> Result<()> {
             bail!("reopening {}: {warnings:?}", dir.display());
         }
         let (mut misses, mut hits, mut loaded_bytes, mut miss_s) = (Vec::new(), Vec::new(), 0u64, 0.0);
-        let step = a.facts / a.k;
         for u in 0..a.users {
             let user = format!("user{u}");
-            let idxs: Vec<usize> = (0..a.k).map(|j| (j * step + u) % a.facts).collect();
+            let idxs = request(a, u);
             let t0 = Instant::now();
             let got = memory.fetch(e.backend(), &user, &idxs)?;
             e.backend().synchronize()?;
@@ -138,10 +171,16 @@ fn run_on<B: Backend>(a: &StoreBenchArgs, backend: B) -> Result<()> {
             let t0 = Instant::now();
             let got = memory.fetch(e.backend(), &user, &idxs)?;
             hits.push(t0.elapsed().as_secs_f64() * 1e3);
-            if got.report.device_hits != a.k {
-                bail!("{user}: {} of {} facts found cached", got.report.device_hits, a.k);
+            if got.report.device_hits + got.report.host_hits != a.k {
+                bail!("{user}: {} of {} facts found cached", got.report.device_hits + got.report.host_hits, a.k);
             }
         }
+        for (u, want) in encoded.iter().enumerate() {
+            if &first_fact(&memory, &e, u, request(a, u)[0])? != want {
+                bail!("{format}: user{u}'s fact read back differs from its encoding");
+            }
+        }
+        let tier = memory.tier("user0", request(a, 0)[0])?;
         let row = Row {
             format: format.name().to_string(),
             facts: a.users * a.facts,
@@ -151,16 +190,20 @@ fn run_on<B: Backend>(a: &StoreBenchArgs, backend: B) -> Result<()> {
             miss_ms_median: median(misses),
             miss_mb_per_s: loaded_bytes as f64 / 1e6 / miss_s,
             hit_ms_median: median(hits),
+            cached_in: tier.map_or("–".to_string(), |t| format!("{t:?}").to_lowercase()),
+            checked_exact: lossless,
         };
         println!(
-            "| {} | {:.0} | {:.1} | {:.1} | {:.2} | {:.0} | {:.3} |",
+            "| {} | {:.0} | {:.1} | {:.1} | {:.2} | {:.0} | {:.3} | {} | {} |",
             row.format,
             row.kv_disk_mb,
             row.ingest_s,
             row.open_ms,
             row.miss_ms_median,
             row.miss_mb_per_s,
-            row.hit_ms_median
+            row.hit_ms_median,
+            row.cached_in,
+            if lossless { "= encoded, bit for bit" } else { "(lossy format)" }
         );
         rows.push(row);
     }
@@ -168,4 +211,23 @@ fn run_on<B: Backend>(a: &StoreBenchArgs, backend: B) -> Result<()> {
         std::fs::write(path, serde_json::to_vec_pretty(&rows)?)?;
     }
     Ok(())
+}
+
+type HostKv = (Vec<HostTensor>, Vec<HostTensor>);
+
+/// User `u`'s fact `i` as cached now.
+fn first_fact<B: Backend>(memory: &Memory<B>, e: &Engine<B>, u: usize, i: usize) -> Result<HostKv> {
+    let user = format!("user{u}");
+    match memory.kv(&user, i)? {
+        Some(c) => Ok(c.to_host(e.backend())?),
+        None => bail!("{user}'s fact {i} is not cached"),
+    }
+}
+
+/// Writes back dirty pages and empties the page cache, so that the next
+/// reads come from the disk.
+fn drop_page_cache() -> Result<()> {
+    std::process::Command::new("sync").status()?;
+    std::fs::write("/proc/sys/vm/drop_caches", "3")
+        .map_err(|e| anyhow::anyhow!("--drop-caches: writing /proc/sys/vm/drop_caches: {e} (it needs root)"))
 }

@@ -1,0 +1,288 @@
+//! Making a request's facts' KV resident (docs/design.md §8): cached facts
+//! are hits; facts whose KV is only on disk are read — at once
+//! ([`Memory::fetch`]), or off the engine thread while the request is
+//! served without them ([`Memory::fetch_cached`], [`ReadJob`],
+//! [`Memory::complete_read`]) — and cached.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use inferscale_engine::{Backend, KvChunk};
+
+use crate::cache::{Admit, Source, Tier};
+use crate::error::{MemoryError, Result};
+use crate::kvseg::{KvHeader, StoredKv};
+use crate::log::{Frame, read_frame_at};
+use crate::shard::Memory;
+use crate::user::UserShard;
+
+/// KV a request holds: while this lives, the cache does not evict it.
+pub struct Pinned<B: Backend> {
+    chunks: Vec<Arc<KvChunk<B>>>,
+}
+
+impl<B: Backend> Pinned<B> {
+    /// Facts held.
+    pub fn len(&self) -> usize {
+        self.chunks.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.chunks.is_empty()
+    }
+
+    /// Holds `other`'s facts too.
+    pub fn extend(&mut self, other: Pinned<B>) {
+        self.chunks.extend(other.chunks);
+    }
+}
+
+/// What a fetch found and did.
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+pub struct FetchReport {
+    /// Facts found cached, per tier.
+    pub device_hits: usize,
+    pub host_hits: usize,
+    /// Facts read from disk, their record bytes, and the time the reads
+    /// took (read, check, decode, cache).
+    pub loaded: usize,
+    pub loaded_bytes: u64,
+    pub load_seconds: f64,
+}
+
+impl FetchReport {
+    /// Adds `other`'s counts to this one's.
+    pub fn add(&mut self, other: FetchReport) {
+        self.device_hits += other.device_hits;
+        self.host_hits += other.host_hits;
+        self.loaded += other.loaded;
+        self.loaded_bytes += other.loaded_bytes;
+        self.load_seconds += other.load_seconds;
+    }
+}
+
+pub struct Fetched<B: Backend> {
+    pub pinned: Pinned<B>,
+    pub report: FetchReport,
+    /// Facts without KV: to encode ([`Memory::ensure_kv`]).
+    pub missing: Vec<usize>,
+    /// Facts whose KV is on disk and was not read ([`Memory::fetch_cached`]).
+    pub cold: Vec<usize>,
+}
+
+/// One fact's KV record to read off the engine thread: everything the read
+/// needs, so that it holds no reference into the memory.
+#[derive(Debug, Clone)]
+pub struct ReadJob {
+    user: String,
+    key: u64,
+    frame: Frame,
+    path: PathBuf,
+    seg: KvHeader,
+    fact_id: String,
+    tokens: Vec<u32>,
+}
+
+/// A finished [`ReadJob`], for [`Memory::complete_read`].
+pub struct ReadDone {
+    job: ReadJob,
+    result: Result<StoredKv>,
+    pub seconds: f64,
+}
+
+impl ReadJob {
+    /// Reads and checks the record (its CRC, then that it is this fact's:
+    /// the segment may have been rewritten since) and decodes it.
+    pub fn run(self) -> ReadDone {
+        let t0 = Instant::now();
+        let result = read_frame_at(&self.path, self.frame)
+            .and_then(|bytes| StoredKv::decode(&bytes, &self.seg, &self.path))
+            .and_then(|s| match s.fact_id == self.fact_id && s.tokens == self.tokens {
+                true => Ok(s),
+                false => Err(MemoryError::Corrupt {
+                    path: self.path.clone(),
+                    offset: self.frame.offset,
+                    reason: format!("the record indexed for fact {:?} is another's", self.fact_id),
+                }),
+            });
+        ReadDone { job: self, result, seconds: t0.elapsed().as_secs_f64() }
+    }
+
+    /// Record bytes this job reads.
+    pub fn bytes(&self) -> u64 {
+        self.frame.len as u64
+    }
+}
+
+impl<B: Backend> Memory<B> {
+    /// Makes the KV of `user`'s facts `idxs` resident and pins it for as
+    /// long as the returned [`Pinned`] lives (a request holds it from
+    /// admission to layout). Cached facts count as hits (a host-tier one
+    /// is promoted to the device when room can be made); the others are
+    /// read from the segment on this thread — several at once, each checked
+    /// against its CRC and decoded from the segment's format — and cached,
+    /// evicting the least recently used (`cache.rs`). Facts without KV
+    /// (never encoded, or a record that failed its check, now dropped) are
+    /// returned in `missing` for [`Memory::ensure_kv`].
+    pub fn fetch(&mut self, be: &B, user: &str, idxs: &[usize]) -> Result<Fetched<B>> {
+        let mut out = self.fetch_cached(user, idxs)?;
+        if out.cold.is_empty() {
+            return Ok(out);
+        }
+        let cold = std::mem::take(&mut out.cold);
+        let shard = self.users.get(user).ok_or_else(|| MemoryError::UnknownUser(user.to_string()))?;
+        let t0 = Instant::now();
+        let reads = read_parallel(shard, &cold);
+        let mut dropped = Vec::new();
+        for (&i, read) in cold.iter().zip(reads) {
+            let (key, at) = (shard.kv[i].key, shard.kv[i].at);
+            match read {
+                Ok(Some(s)) => {
+                    out.report.loaded += 1;
+                    out.report.loaded_bytes += at.map_or(0, |f| f.len as u64);
+                    self.cache.insert(be, key, Source::Host { tokens: s.tokens, k: s.k, v: s.v }, Admit::Demand)?;
+                    if let Some(c) = self.cache.get(key) {
+                        out.pinned.chunks.push(c.clone());
+                    }
+                }
+                Ok(None) => out.missing.push(i),
+                Err(e) => {
+                    tracing::warn!(user, error = %e, "a stored KV record failed its check; the fact is re-encoded");
+                    dropped.push(i);
+                    out.missing.push(i);
+                }
+            }
+        }
+        out.report.load_seconds = t0.elapsed().as_secs_f64();
+        self.cache.stats.misses += out.report.loaded as u64;
+        self.cache.stats.loaded_bytes += out.report.loaded_bytes;
+        self.drop_records(user, &dropped)?;
+        Ok(out)
+    }
+
+    /// [`Memory::fetch`] without reading anything: facts whose KV is on
+    /// disk only are returned in `cold` (for the caller to read off the
+    /// engine thread with [`Memory::read_jobs`], and to serve this request
+    /// without their KV).
+    pub fn fetch_cached(&mut self, user: &str, idxs: &[usize]) -> Result<Fetched<B>> {
+        let shard = self.users.get(user).ok_or_else(|| MemoryError::UnknownUser(user.to_string()))?;
+        if let Some(&i) = idxs.iter().find(|&&i| i >= shard.facts.len()) {
+            return Err(MemoryError::Invalid {
+                what: "fact",
+                reason: format!("{user:?} has {} facts, not {}", shard.facts.len(), i + 1),
+            });
+        }
+        self.cache.trim();
+        let mut out = Fetched {
+            pinned: Pinned { chunks: Vec::new() },
+            report: FetchReport::default(),
+            missing: Vec::new(),
+            cold: Vec::new(),
+        };
+        for &i in idxs {
+            let key = shard.kv[i].key;
+            match self.cache.hit(key) {
+                Some(Tier::Device) => out.report.device_hits += 1,
+                Some(Tier::Host) => out.report.host_hits += 1,
+                None if shard.kv[i].at.is_some() => out.cold.push(i),
+                None => out.missing.push(i),
+            }
+            // Pinned at once, so that what is cached next cannot evict it.
+            if let Some(c) = self.cache.get(key) {
+                out.pinned.chunks.push(c.clone());
+            }
+        }
+        Ok(out)
+    }
+
+    /// Reads of `user`'s facts `idxs` (from [`Fetched::cold`]) for another
+    /// thread to run ([`ReadJob::run`]); facts already being read, cached
+    /// meanwhile, or without a record are left out.
+    pub fn read_jobs(&mut self, user: &str, idxs: &[usize]) -> Result<Vec<ReadJob>> {
+        let shard = self.users.get(user).ok_or_else(|| MemoryError::UnknownUser(user.to_string()))?;
+        let mut jobs = Vec::new();
+        for &i in idxs {
+            let (Some(fact), Some(kv)) = (shard.facts.get(i), shard.kv.get(i)) else { continue };
+            let Some(frame) = kv.at else { continue };
+            if self.cache.get(kv.key).is_some() || !self.reading.insert(kv.key) {
+                continue;
+            }
+            jobs.push(ReadJob {
+                user: user.to_string(),
+                key: kv.key,
+                frame,
+                path: shard.kv_log.path().to_path_buf(),
+                seg: shard.seg.clone(),
+                fact_id: fact.unit.id.clone(),
+                tokens: fact.tokens.clone(),
+            });
+        }
+        Ok(jobs)
+    }
+
+    /// Caches what a [`ReadJob`] read, if its fact still has that record
+    /// (it may have been forgotten, updated or moved meanwhile: then the
+    /// read is dropped). A record that failed its check is dropped and its
+    /// fact re-encoded when next needed. Returns whether it cached the KV.
+    pub fn complete_read(&mut self, be: &B, done: ReadDone) -> Result<bool> {
+        let ReadDone { job, result, .. } = done;
+        self.reading.remove(&job.key);
+        let Some(shard) = self.users.get(&job.user) else { return Ok(false) };
+        let Some(i) = shard.kv.iter().position(|k| k.key == job.key && k.at == Some(job.frame)) else {
+            return Ok(false);
+        };
+        match result {
+            Ok(s) => {
+                self.cache.stats.misses += 1;
+                self.cache.stats.loaded_bytes += job.frame.len as u64;
+                let source = Source::Host { tokens: s.tokens, k: s.k, v: s.v };
+                Ok(self.cache.insert(be, job.key, source, Admit::Demand)?.is_some())
+            }
+            Err(e) => {
+                tracing::warn!(user = job.user, error = %e, "a stored KV record failed its check; the fact is re-encoded");
+                self.drop_records(&job.user, &[i])?;
+                Ok(false)
+            }
+        }
+    }
+
+    /// Forgets the records of `user`'s facts `idxs` (they failed their
+    /// check): the facts are re-encoded when next needed.
+    fn drop_records(&mut self, user: &str, idxs: &[usize]) -> Result<()> {
+        if idxs.is_empty() {
+            return Ok(());
+        }
+        let shard = self.users.get_mut(user).ok_or_else(|| MemoryError::UnknownUser(user.to_string()))?;
+        idxs.iter().for_each(|&i| shard.kv[i].at = None);
+        self.cache.stats.corrupt += idxs.len() as u64;
+        self.pending.insert(user.to_string());
+        Ok(())
+    }
+}
+
+/// Reads the KV records of `idxs` of `shard`, several at once: a device
+/// queue (NVMe) reaches its bandwidth only with many reads in flight, and
+/// decoding a compact format is work for more than one core.
+fn read_parallel<B: Backend>(shard: &UserShard<B>, idxs: &[usize]) -> Vec<Result<Option<StoredKv>>> {
+    const READERS: usize = 8;
+    if idxs.len() < 2 {
+        return idxs.iter().map(|&i| shard.read_kv(i)).collect();
+    }
+    let per = idxs.len().div_ceil(READERS);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = idxs
+            .chunks(per)
+            .map(|part| (part.len(), s.spawn(move || part.iter().map(|&i| shard.read_kv(i)).collect::<Vec<_>>())))
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|(n, h)| {
+                h.join().unwrap_or_else(|_| {
+                    let failed = || MemoryError::Invalid { what: "KV read", reason: "a reader thread panicked".into() };
+                    (0..n).map(|_| Err(failed())).collect()
+                })
+            })
+            .collect()
+    })
+}

@@ -419,6 +419,13 @@ fn one_trace_per_request_across_router_and_worker_and_metrics_move() {
     moved("inferscale_worker_tpot_seconds_count{mode=\"kv\"}", 2.0);
     moved("inferscale_worker_queue_seconds_count", 3.0);
     moved("inferscale_worker_requests_total{status=\"finished\"}", 3.0);
+    // The two kv requests found their 3 facts each cached (encoded by the
+    // ingest; the CPU backend's device memory is labelled host) and
+    // injected them all: nothing read from disk, nothing prefilled.
+    moved("inferscale_worker_kv_cache_hits_total{tier=\"host\"}", 6.0);
+    moved("inferscale_worker_kv_cache_misses_total", 0.0);
+    moved("inferscale_worker_memory_tokens_total{path=\"prefilled\"}", 0.0);
+    assert!(metric(&w, "inferscale_worker_memory_tokens_total{path=\"injected\"}") > 0.0);
     assert!(metric(&w, "inferscale_worker_ttft_seconds_sum{mode=\"kv\"}") > 0.0);
     assert!(metric(&w, "inferscale_worker_batch_rows_count") > 0.0);
     assert!(metric(&w, "inferscale_worker_step_seconds_count") > 0.0);

@@ -141,10 +141,6 @@ impl<B: Backend> KvCache<B> {
         }
     }
 
-    pub(crate) fn budgets(&self) -> Budgets {
-        self.budgets
-    }
-
     /// Bytes resident per tier.
     pub(crate) fn bytes(&self, tier: Tier) -> u64 {
         self.bytes[tier.at()]

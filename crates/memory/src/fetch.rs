@@ -109,19 +109,29 @@ impl ReadJob {
         ReadDone { job: self, result, seconds: t0.elapsed().as_secs_f64() }
     }
 
-    /// Record bytes this job reads.
-    pub fn bytes(&self) -> u64 {
-        self.frame.len as u64
+    /// The read of `user`'s fact `i`'s record (`None`: it has none).
+    fn of<B: Backend>(user: &str, shard: &UserShard<B>, i: usize) -> Option<ReadJob> {
+        let (fact, kv) = (shard.facts.get(i)?, shard.kv.get(i)?);
+        Some(ReadJob {
+            user: user.to_string(),
+            key: kv.key,
+            frame: kv.at?,
+            path: shard.kv_log.path().to_path_buf(),
+            seg: shard.seg.clone(),
+            fact_id: fact.unit.id.clone(),
+            tokens: fact.tokens.clone(),
+        })
     }
 }
 
 impl<B: Backend> Memory<B> {
     /// Makes the KV of `user`'s facts `idxs` resident and pins it for as
     /// long as the returned [`Pinned`] lives (a request holds it from
-    /// admission to layout). Cached facts count as hits (a host-tier one
-    /// is promoted to the device when room can be made); the others are
-    /// read from the segment on this thread — several at once, each checked
-    /// against its CRC and decoded from the segment's format — and cached,
+    /// admission to layout). Cached facts count as hits, served from the
+    /// tier they are in; the others are read from the segment now — the
+    /// [`ReadJob`]s of [`Memory::read_jobs`], several at once, each checked
+    /// against its CRC and its fact and decoded from the segment's format —
+    /// and cached as [`Memory::complete_read`] caches a background read,
     /// evicting the least recently used (`cache.rs`). Facts without KV
     /// (never encoded, or a record that failed its check, now dropped) are
     /// returned in `missing` for [`Memory::ensure_kv`].
@@ -132,32 +142,23 @@ impl<B: Backend> Memory<B> {
         }
         let cold = std::mem::take(&mut out.cold);
         let shard = self.users.get(user).ok_or_else(|| MemoryError::UnknownUser(user.to_string()))?;
+        let jobs: Vec<(usize, ReadJob)> =
+            cold.iter().filter_map(|&i| ReadJob::of(user, shard, i).map(|job| (i, job))).collect();
         let t0 = Instant::now();
-        let reads = read_parallel(shard, &cold);
-        let mut dropped = Vec::new();
-        for (&i, read) in cold.iter().zip(reads) {
-            let (key, at) = (shard.kv[i].key, shard.kv[i].at);
-            match read {
-                Ok(Some(s)) => {
+        let (idx, jobs): (Vec<usize>, Vec<ReadJob>) = jobs.into_iter().unzip();
+        for (i, done) in idx.into_iter().zip(run_parallel(jobs)) {
+            let (key, bytes) = (done.job.key, done.job.frame.len as u64);
+            // Pinned as it is cached, so that the next ones cannot evict it.
+            match self.complete_read(be, done)? {
+                true => {
                     out.report.loaded += 1;
-                    out.report.loaded_bytes += at.map_or(0, |f| f.len as u64);
-                    self.cache.insert(be, key, Source::Host { tokens: s.tokens, k: s.k, v: s.v }, Admit::Demand)?;
-                    if let Some(c) = self.cache.get(key) {
-                        out.pinned.chunks.push(c.clone());
-                    }
+                    out.report.loaded_bytes += bytes;
+                    out.pinned.chunks.extend(self.cache.get(key).cloned());
                 }
-                Ok(None) => out.missing.push(i),
-                Err(e) => {
-                    tracing::warn!(user, error = %e, "a stored KV record failed its check; the fact is re-encoded");
-                    dropped.push(i);
-                    out.missing.push(i);
-                }
+                false => out.missing.push(i),
             }
         }
         out.report.load_seconds = t0.elapsed().as_secs_f64();
-        self.cache.stats.misses += out.report.loaded as u64;
-        self.cache.stats.loaded_bytes += out.report.loaded_bytes;
-        self.drop_records(user, &dropped)?;
         Ok(out)
     }
 
@@ -203,20 +204,10 @@ impl<B: Backend> Memory<B> {
         let shard = self.users.get(user).ok_or_else(|| MemoryError::UnknownUser(user.to_string()))?;
         let mut jobs = Vec::new();
         for &i in idxs {
-            let (Some(fact), Some(kv)) = (shard.facts.get(i), shard.kv.get(i)) else { continue };
-            let Some(frame) = kv.at else { continue };
-            if self.cache.get(kv.key).is_some() || !self.reading.insert(kv.key) {
-                continue;
+            let Some(job) = ReadJob::of(user, shard, i) else { continue };
+            if self.cache.get(job.key).is_none() && self.reading.insert(job.key) {
+                jobs.push(job);
             }
-            jobs.push(ReadJob {
-                user: user.to_string(),
-                key: kv.key,
-                frame,
-                path: shard.kv_log.path().to_path_buf(),
-                seg: shard.seg.clone(),
-                fact_id: fact.unit.id.clone(),
-                tokens: fact.tokens.clone(),
-            });
         }
         Ok(jobs)
     }
@@ -261,28 +252,24 @@ impl<B: Backend> Memory<B> {
     }
 }
 
-/// Reads the KV records of `idxs` of `shard`, several at once: a device
-/// queue (NVMe) reaches its bandwidth only with many reads in flight, and
-/// decoding a compact format is work for more than one core.
-fn read_parallel<B: Backend>(shard: &UserShard<B>, idxs: &[usize]) -> Vec<Result<Option<StoredKv>>> {
+/// Runs `jobs` several at once, in order: a device queue (NVMe) reaches
+/// its bandwidth only with many reads in flight, and decoding a compact
+/// format is work for more than one core.
+fn run_parallel(mut jobs: Vec<ReadJob>) -> Vec<ReadDone> {
     const READERS: usize = 8;
-    if idxs.len() < 2 {
-        return idxs.iter().map(|&i| shard.read_kv(i)).collect();
+    if jobs.len() < 2 {
+        return jobs.into_iter().map(ReadJob::run).collect();
     }
-    let per = idxs.len().div_ceil(READERS);
+    let per = jobs.len().div_ceil(READERS);
+    let mut parts = Vec::new();
+    while !jobs.is_empty() {
+        let rest = jobs.split_off(per.min(jobs.len()));
+        parts.push(std::mem::replace(&mut jobs, rest));
+    }
     std::thread::scope(|s| {
-        let handles: Vec<_> = idxs
-            .chunks(per)
-            .map(|part| (part.len(), s.spawn(move || part.iter().map(|&i| shard.read_kv(i)).collect::<Vec<_>>())))
-            .collect();
-        handles
-            .into_iter()
-            .flat_map(|(n, h)| {
-                h.join().unwrap_or_else(|_| {
-                    let failed = || MemoryError::Invalid { what: "KV read", reason: "a reader thread panicked".into() };
-                    (0..n).map(|_| Err(failed())).collect()
-                })
-            })
-            .collect()
+        let handles: Vec<_> =
+            parts.into_iter().map(|p| s.spawn(move || p.into_iter().map(ReadJob::run).collect::<Vec<_>>())).collect();
+        // A reader that panicked is a bug: its panic goes on here.
+        handles.into_iter().flat_map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
     })
 }

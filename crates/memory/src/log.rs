@@ -235,15 +235,7 @@ impl RecordLog {
             self.broken = self.file.set_len(self.len).and_then(|()| self.file.sync_all()).is_err();
             return Err(error::io(&self.path)(e));
         }
-        let mut at = self.len;
-        let frames = records
-            .iter()
-            .map(|r| {
-                let f = Frame { offset: at + FRAME_BYTES as u64, len: r.len() as u32 };
-                at += (FRAME_BYTES + r.len()) as u64;
-                f
-            })
-            .collect();
+        let frames = frames_from(self.len, records.iter().map(|r| r.len()));
         self.len += buf.len() as u64;
         Ok(frames)
     }
@@ -266,15 +258,7 @@ impl RecordLog {
         self.len = bytes.len() as u64;
         self.broken = false;
         sync_dir(parent_dir(&self.path))?;
-        let mut at = HEADER.len() as u64;
-        Ok(records
-            .iter()
-            .map(|r| {
-                let f = Frame { offset: at + FRAME_BYTES as u64, len: r.len() as u32 };
-                at += (FRAME_BYTES + r.len()) as u64;
-                f
-            })
-            .collect())
+        Ok(frames_from(HEADER.len() as u64, records.iter().map(Vec::len)))
     }
 
     /// Bytes of intact records on disk.
@@ -315,6 +299,17 @@ fn read_frame(file: &File, path: &Path, frame: Frame) -> Result<Vec<u8>> {
         Ok(_) => Err(corrupt("the frame's length changed".into())),
         Err(why) => Err(corrupt(why)),
     }
+}
+
+/// Where records of payload lengths `lens`, framed back to back from byte
+/// `at`, land.
+fn frames_from(mut at: u64, lens: impl Iterator<Item = usize>) -> Vec<Frame> {
+    lens.map(|len| {
+        let f = Frame { offset: at + FRAME_BYTES as u64, len: len as u32 };
+        at += (FRAME_BYTES + len) as u64;
+        f
+    })
+    .collect()
 }
 
 /// fsyncs a directory so that a create/rename/remove in it is durable.

@@ -330,11 +330,6 @@ impl<B: Backend> Memory<B> {
         self.cache.stats
     }
 
-    /// The KV cache's budgets.
-    pub fn budgets(&self) -> Budgets {
-        self.cache.budgets()
-    }
-
     /// Where fact `idx` of `user`'s KV is cached (`None`: on disk only, or
     /// not encoded).
     pub fn tier(&self, user: &str, idx: usize) -> Result<Option<Tier>> {
@@ -419,6 +414,13 @@ impl<B: Backend> Memory<B> {
     pub fn resident(&self, user: &str, idxs: &[usize]) -> Result<bool> {
         let shard = self.user(user)?;
         Ok(idxs.iter().all(|&i| shard.kv.get(i).is_some_and(|k| self.cache.get(k.key).is_some())))
+    }
+
+    /// Takes `user`'s shard out of this memory, its cached KV with it.
+    pub(crate) fn take_user(&mut self, user: &str) -> Option<UserShard<B>> {
+        let shard = self.users.remove(user)?;
+        shard.kv.iter().for_each(|k| self.cache.remove(k.key));
+        Some(shard)
     }
 
     /// Whether `user` has any memory.
@@ -593,8 +595,7 @@ impl<B: Backend> Memory<B> {
 
     /// Removes `user` from memory and from disk.
     pub fn forget_user(&mut self, user: &str) -> Result<()> {
-        let shard = self.users.remove(user).ok_or_else(|| MemoryError::UnknownUser(user.to_string()))?;
-        shard.kv.iter().for_each(|k| self.cache.remove(k.key));
+        let shard = self.take_user(user).ok_or_else(|| MemoryError::UnknownUser(user.to_string()))?;
         let dir = shard.dir.clone();
         drop(shard);
         std::fs::remove_dir_all(&dir).map_err(io(&dir))?;

@@ -156,9 +156,7 @@ impl<B: Backend> Memory<B> {
             std::fs::remove_dir_all(&trash).map_err(io(&trash))?;
         }
         // Close the old copy's files before its directory moves.
-        if let Some(old) = self.users.remove(user) {
-            old.kv.iter().for_each(|k| self.cache.remove(k.key));
-        }
+        drop(self.take_user(user));
         if live.exists() {
             std::fs::rename(&live, &trash).map_err(io(&live))?;
         }

@@ -151,21 +151,6 @@ impl<B: Backend> UserShard<B> {
         })
     }
 
-    /// Reads fact `i`'s KV record (checked against its CRC and its fact).
-    pub(crate) fn read_kv(&self, i: usize) -> Result<Option<StoredKv>> {
-        let Some(frame) = self.kv[i].at else { return Ok(None) };
-        let bytes = self.kv_log.read(frame)?;
-        let stored = StoredKv::decode(&bytes, &self.seg, self.kv_log.path())?;
-        if stored.fact_id != self.facts[i].unit.id || stored.tokens != self.facts[i].tokens {
-            return Err(MemoryError::Corrupt {
-                path: self.kv_log.path().to_path_buf(),
-                offset: frame.offset,
-                reason: format!("the record indexed for fact {:?} is another's", self.facts[i].unit.id),
-            });
-        }
-        Ok(Some(stored))
-    }
-
     /// Fact `i`'s KV record as stored, for a transfer.
     pub(crate) fn kv_record(&self, i: usize) -> Result<Option<Vec<u8>>> {
         self.kv[i].at.map(|f| self.kv_log.read(f)).transpose()

@@ -601,7 +601,9 @@ impl<B: Backend> Core<B> {
             l.job.blend_ratio,
             &l.tail,
         )?;
-        self.metrics.memory_tokens(p.memory_tokens - p.pasted_tokens, p.pasted_tokens);
+        if l.job.mode.injects() {
+            self.metrics.memory_tokens(p.memory_tokens - p.pasted_tokens, p.pasted_tokens);
+        }
         l.header_cached = p.header_cached;
         l.header_tokens = p.header_tokens;
         self.session.engine().backend().synchronize()?;

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Args as ClapArgs;
-use inferscale_loadtest::{Config, Mode, Plan, Report, Source, charts};
+use inferscale_loadtest::{Config, Mode, Plan, Population, Report, Source, charts};
 
 #[derive(ClapArgs, Debug)]
 pub struct Args {
@@ -25,9 +25,18 @@ pub struct Args {
     /// Model to ask for (default: the one `GET /v1/models` lists).
     #[arg(long)]
     model: Option<String>,
-    /// Concurrent closed-loop user counts, one point each.
+    /// Concurrent closed-loop user counts, one point each (with
+    /// `--population`: concurrent clients, each asking as any user).
     #[arg(long, value_delimiter = ',', default_value = "1,5,20")]
     users: Vec<usize>,
+    /// Store this many distinct users, and let every request of every
+    /// client pick its user among them (Zipf law by rank, `--zipf`): many
+    /// users, few active at once. Default: each client is one user.
+    #[arg(long)]
+    population: Option<usize>,
+    /// Zipf exponent of user popularity with `--population` (0: uniform).
+    #[arg(long, default_value_t = 1.0, requires = "population")]
+    zipf: f64,
     /// Facts retrieved per request, one point each.
     #[arg(long, value_delimiter = ',', default_value = "5,20,50")]
     k: Vec<u32>,
@@ -123,6 +132,7 @@ pub fn run(a: Args) -> Result<()> {
             warmup: a.warmup,
             ignore_eos: a.ignore_eos,
             window: a.window,
+            population: a.population.map(|users| Population { users, zipf: a.zipf }),
         },
     };
     // One thread: the client's work is small next to the server's, and on

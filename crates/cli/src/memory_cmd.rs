@@ -170,10 +170,20 @@ pub(crate) fn open_memory<B: Backend>(a: &MemoryArgs, loaded: &Loaded<B>) -> Res
         format: a.kv_format,
         budgets: Budgets { device: a.kv_device_mb.map(|mb| mb << 20), host: a.kv_host_mb.map(|mb| mb << 20) },
     };
+    let t0 = std::time::Instant::now();
     let (mut memory, warnings) = Memory::open_with(&dir, spec, &loaded.engine, options)
         .with_context(|| format!("opening memory {}", dir.display()))?;
     memory.set_retriever(a.retriever);
     warnings.iter().for_each(|w| eprintln!("inferscale: warning: {w}"));
+    // Opening reads facts and the KV records' index, never KV: its time
+    // should not grow with the KV stored (docs/serving.md).
+    eprintln!(
+        "inferscale: opened memory {} in {:.0} ms: {} users, {:.1} GB on disk",
+        dir.display(),
+        t0.elapsed().as_secs_f64() * 1e3,
+        memory.users().count(),
+        memory.footprint().disk_bytes as f64 / 1e9
+    );
     Ok((embedder, memory))
 }
 

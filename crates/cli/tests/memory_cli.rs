@@ -205,6 +205,54 @@ fn eval_locomo_answers_every_variant_in_batches() {
     assert!(std::fs::read_to_string(dir.path().join("one/locomo.md")).unwrap().contains("| kv | 1 | 2 | 3 |"));
 }
 
+/// With several KV formats, each window gets a memory per format; answers
+/// from the second format on are compared with the first's.
+#[test]
+fn eval_locomo_compares_kv_formats_with_the_first() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("conv.json");
+    std::fs::write(&data, EVAL_LOCOMO).unwrap();
+    let out = dir.path().join("formats");
+    let (d, o) = (data.to_str().unwrap(), out.to_str().unwrap());
+    let r = run(&[
+        "eval",
+        "locomo",
+        "--data",
+        d,
+        "--out",
+        o,
+        "--modes",
+        "kv",
+        "--k",
+        "2",
+        "--window",
+        "0",
+        "--kv-format",
+        "f32,bf16",
+        "--ttft-questions",
+        "0",
+        "--max-tokens",
+        "8",
+    ]);
+    assert!(r.status.success(), "{}", err(&r));
+    let report: Value = serde_json::from_str(&std::fs::read_to_string(out.join("locomo.json")).unwrap()).unwrap();
+    let rows = report["summary"].as_array().unwrap();
+    let formats: Vec<&str> = rows.iter().map(|r| r["kv_format"].as_str().unwrap()).collect();
+    assert_eq!(formats, ["bf16", "f32"], "a row per format: {rows:?}");
+    let (bf16, f32) = (&rows[0], &rows[1]);
+    assert!(f32.get("agreement_vs_reference").is_none(), "the reference is not compared with itself: {f32}");
+    let agreement = bf16["agreement_vs_reference"].as_f64().unwrap();
+    let kl = bf16["kl_vs_reference"].as_f64().unwrap();
+    assert!((0.0..=1.0).contains(&agreement), "{bf16}");
+    // bf16 rounds f32 KV by 2⁻⁸ at most: the first token barely moves.
+    assert!((0.0..0.01).contains(&kl), "KL of bf16 against f32: {kl}");
+    for f in ["memory-w0-f32", "memory-w0-bf16"] {
+        assert!(out.join(f).join("users").is_dir(), "{f}");
+    }
+    let md = std::fs::read_to_string(out.join("locomo.md")).unwrap();
+    assert!(md.contains("| kv bf16 | 0 | 2 | 3 |") && md.contains("agreement vs ref"), "{md}");
+}
+
 #[test]
 fn eval_retrieval_reports_recall_per_retriever() {
     let dir = tempfile::tempdir().unwrap();

@@ -284,6 +284,8 @@ fn cold_facts_are_prefilled_while_their_kv_is_read() {
         assert_eq!(status, 200, "{v}");
         let (status, v) = json_call(&s.addr, "POST", c, &question);
         assert_eq!(status, 200, "{v}");
+        let sources = json!({"device": 2, "host": 0, "disk": 0, "prefilled": 0});
+        assert_eq!(v["usage"]["memory"]["sources"], sources, "fresh KV is cached on the device: {v}");
         v["usage"]["memory"]["injected_tokens"].as_u64().unwrap()
     };
     assert!(injected > 20, "freshly encoded KV is cached and injected");
@@ -293,6 +295,8 @@ fn cold_facts_are_prefilled_while_their_kv_is_read() {
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["usage"]["memory"]["facts"], json!(2), "{v}");
     assert_eq!(v["usage"]["memory"]["injected_tokens"], json!(0), "cold facts are pasted: {v}");
+    let sources = json!({"device": 0, "host": 0, "disk": 0, "prefilled": 2});
+    assert_eq!(v["usage"]["memory"]["sources"], sources, "{v}");
     let prompt = v["usage"]["prompt_tokens"].clone();
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
@@ -300,6 +304,8 @@ fn cold_facts_are_prefilled_while_their_kv_is_read() {
         assert_eq!(status, 200, "{v}");
         if v["usage"]["memory"]["injected_tokens"].as_u64() == Some(injected) {
             assert_eq!(v["usage"]["prompt_tokens"], prompt, "the same prompt, its facts injected: {v}");
+            // Read from disk into the cache (the CPU backend's tier is its device).
+            assert_eq!(v["usage"]["memory"]["sources"]["device"], json!(2), "{v}");
             break;
         }
         assert!(Instant::now() < deadline, "the facts' KV was never cached: {v}");
@@ -311,6 +317,13 @@ fn cold_facts_are_prefilled_while_their_kv_is_read() {
     let (status, v) = json_call(&s.addr, "POST", c, &question);
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["usage"]["memory"]["injected_tokens"].as_u64(), Some(injected), "read at arrival: {v}");
+    let sources = json!({"device": 0, "host": 0, "disk": 2, "prefilled": 0});
+    assert_eq!(v["usage"]["memory"]["sources"], sources, "{v}");
+    // Prompt mode says nothing of where KV came from: it injects none.
+    let prompt_mode = chat(Some("u1"), "What is the name of Caroline's cat?", json!({"k": 2, "mode": "prompt"}));
+    let (status, v) = json_call(&s.addr, "POST", c, &prompt_mode);
+    assert_eq!(status, 200, "{v}");
+    assert!(v["usage"]["memory"].get("sources").is_none(), "{v}");
 }
 
 fn locomo() -> Vec<Value> {

@@ -29,7 +29,7 @@ use crate::gemm::{Operands, Shape as GemmShape, TUNED_ROWS, Tuner};
 use crate::kernels::{ATTN_KEYS, ATTN_ROWS, ATTN_THREADS, Kernels, attention_smem_bytes};
 use crate::profile::{Profiler, Span};
 use crate::retrieval::CudaEmbeddings;
-use crate::tier::{HostRows, KeptRows};
+use crate::tier::{HostRows, KeptRows, PinnedPool};
 
 /// Converts any CUDA-side error into the engine's.
 pub(crate) trait Cu<T> {
@@ -164,6 +164,8 @@ pub struct CudaBackend {
     /// it has passed.
     pub(crate) side: Arc<CudaStream>,
     pub(crate) inject_fence: Arc<CudaEvent>,
+    /// Host-tier buffers for reuse (`tier.rs`).
+    pub(crate) pinned_pool: Arc<PinnedPool>,
     /// Per-shape GEMM choices for few rows (`gemm.rs`); `None` without libcublasLt.
     tuner: Option<Arc<Mutex<Tuner>>>,
 }
@@ -196,6 +198,7 @@ impl CudaBackend {
         let profiler = Profiler::from_env(&ctx, &stream);
         let side = ctx.new_stream()?;
         let inject_fence = Arc::new(ctx.new_event(None)?);
+        let pinned_pool = Arc::new(PinnedPool::new(ctx.clone(), inject_fence.clone()));
         let tuner = if crate::kernels::library_present("cublasLt") {
             Some(Arc::new(Mutex::new(Tuner::new(&stream)?)))
         } else {
@@ -213,6 +216,7 @@ impl CudaBackend {
             profiler,
             staging: Arc::new(Mutex::new(None)),
             side,
+            pinned_pool,
             inject_fence,
             tuner,
         })
@@ -424,6 +428,10 @@ impl Backend for CudaBackend {
 
     fn has_host_tier(&self) -> bool {
         true
+    }
+
+    fn host_tier_upload(&self) -> Option<inferscale_engine::backend::HostTierUpload<CudaTensor>> {
+        Some(self.host_tier_uploader())
     }
 
     fn to_host(&self, t: &CudaTensor) -> Result<HostTensor> {

@@ -23,11 +23,11 @@
 //! one launch on the main stream.
 
 use std::ops::Range;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys::{CU_MEMHOSTALLOC_DEVICEMAP, CU_MEMHOSTALLOC_PORTABLE};
-use cudarc::driver::{CudaEvent, CudaSlice, LaunchConfig, PinnedHostSlice};
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, LaunchConfig, PinnedHostSlice};
 use half::bf16;
 use inferscale_engine::Result;
 use inferscale_engine::backend::{InjectChunk, matrix_dims};
@@ -53,20 +53,94 @@ const MAX_GROUP_LAYERS: usize = 4;
 const HOST_TIER_BLOCKS: usize = 16;
 
 /// One pinned host allocation holding several tensors (a fact's K and V of
-/// every layer). Dropping it waits on the host for the backend's injection
-/// fence first (host memory is not freed in stream order), so it is never
-/// freed under a kernel still reading it.
+/// every layer). Dropped, it goes back to its [`PinnedPool`]; the pool
+/// waits for the backend's injection fence before the buffer is written
+/// or freed again (host memory is not freed in stream order), so it is
+/// never reused under a kernel still reading it.
 pub(crate) struct PinnedBuf {
-    slice: PinnedHostSlice<bf16>,
+    slice: Option<PinnedHostSlice<bf16>>,
     base: u64,
-    fence: Arc<CudaEvent>,
+    pool: Arc<PinnedPool>,
 }
 
 impl Drop for PinnedBuf {
     fn drop(&mut self) {
-        // A destructor has no one to report to; a failed wait leaves the
+        if let Some(slice) = self.slice.take() {
+            self.pool.put(slice);
+        }
+    }
+}
+
+/// Host-tier allocations kept for reuse. Allocating pinned memory pins
+/// every page and freeing it unpins them and waits for the device:
+/// milliseconds for a fact of an 8B model (16 MB), paid on every eviction
+/// and every read when a busy host tier turns over. Buffers come in size
+/// classes of [`POOL_GRANULE`] values, so that a fact of 120 tokens can
+/// take the buffer of one of 117; the pool keeps at most
+/// [`POOL_MAX_BYTES`] of free buffers (past it, a dropped buffer is freed).
+pub(crate) struct PinnedPool {
+    ctx: Arc<CudaContext>,
+    /// The event recorded after each injection (`CudaBackend::inject_fence`).
+    fence: Arc<CudaEvent>,
+    free: Mutex<PoolState>,
+}
+
+#[derive(Default)]
+struct PoolState {
+    by_class: std::collections::HashMap<usize, Vec<PinnedHostSlice<bf16>>>,
+    bytes: usize,
+}
+
+/// Size classes of host-tier buffers, in bf16 values (1 MiB).
+const POOL_GRANULE: usize = 1 << 19;
+/// Free buffers the pool keeps, at most.
+const POOL_MAX_BYTES: usize = 2 << 30;
+
+impl PinnedPool {
+    pub(crate) fn new(ctx: Arc<CudaContext>, fence: Arc<CudaEvent>) -> Self {
+        PinnedPool { ctx, fence, free: Mutex::new(PoolState::default()) }
+    }
+
+    /// A buffer of at least `len` values: a free one of its class once no
+    /// injection can still read it, else a new allocation.
+    fn take(&self, len: usize) -> Result<PinnedHostSlice<bf16>> {
+        let class = len.max(1).div_ceil(POOL_GRANULE) * POOL_GRANULE;
+        let reused = {
+            let mut st = self.free.lock().unwrap_or_else(|p| p.into_inner());
+            let got = st.by_class.get_mut(&class).and_then(Vec::pop);
+            if got.is_some() {
+                st.bytes -= class * 2;
+            }
+            got
+        };
+        if let Some(slice) = reused {
+            // The buffer was dropped after the injections that read it were
+            // queued; the fence's latest record follows them on the side stream.
+            self.fence.synchronize().cu()?;
+            return Ok(slice);
+        }
+        // PORTABLE | DEVICEMAP: readable by kernels of any context; not
+        // write-combined, since exporting a shard reads it back on the CPU.
+        // SAFETY: every element is written by `to_host_tier` before anything reads it.
+        unsafe { self.ctx.alloc_pinned_with_flags::<bf16>(class, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP) }
+            .cu()
+    }
+
+    /// Keeps `slice` for reuse, or frees it past the pool's bound.
+    fn put(&self, slice: PinnedHostSlice<bf16>) {
+        let class = slice.len();
+        let mut st = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        if st.bytes + class * 2 <= POOL_MAX_BYTES {
+            st.bytes += class * 2;
+            st.by_class.entry(class).or_default().push(slice);
+            return;
+        }
+        drop(st);
+        // Freed now: first let every injection that may read it finish. A
+        // destructor has no one to report to; a failed wait leaves the
         // context in an error state that the next call reports.
         let _ = self.fence.synchronize();
+        drop(slice);
     }
 }
 
@@ -141,36 +215,14 @@ impl CudaBackend {
 
     /// Copies tensors into one pinned host allocation of the host tier.
     pub(crate) fn to_host_tier(&self, ts: &[&HostTensor]) -> Result<Vec<CudaTensor>> {
-        let dims = ts.iter().map(|t| matrix_dims(t)).collect::<Result<Vec<_>>>()?;
-        let total: usize = dims.iter().map(|(r, c)| r * c).sum();
-        // PORTABLE | DEVICEMAP: readable by kernels of any context; not
-        // write-combined, since exporting a shard reads it back on the CPU.
-        // SAFETY: every element is written below before anything reads it.
-        let mut slice = unsafe {
-            self.ctx.alloc_pinned_with_flags::<bf16>(total.max(1), CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP)
-        }
-        .cu()?;
-        let host = slice.as_mut_slice().cu()?;
-        let mut at = 0;
-        for t in ts {
-            host[at..at + t.data.len()]
-                .par_iter_mut()
-                .zip(&t.data)
-                .with_min_len(1 << 14)
-                .for_each(|(d, &x)| *d = bf16::from_f32(x));
-            at += t.data.len();
-        }
-        let base = slice.as_mut_ptr().cu()? as u64;
-        let buf = Arc::new(PinnedBuf { slice, base, fence: self.inject_fence.clone() });
-        let mut offset = 0;
-        let mut out = Vec::with_capacity(ts.len());
-        for (rows, cols) in dims {
-            let len = rows * cols;
-            out.push(CudaTensor { data: Storage::Host(HostRows { buf: buf.clone(), offset, len }), rows, cols });
-            offset += len;
-        }
-        debug_assert_eq!(buf.slice.len(), total.max(1));
-        Ok(out)
+        to_host_tier(&self.pinned_pool, ts)
+    }
+
+    /// [`CudaBackend::to_host_tier`] for any thread: the context binds
+    /// itself to the calling thread for an allocation.
+    pub(crate) fn host_tier_uploader(&self) -> inferscale_engine::backend::HostTierUpload<CudaTensor> {
+        let pool = self.pinned_pool.clone();
+        Arc::new(move |ts: &[&HostTensor]| to_host_tier(&pool, ts))
     }
 
     /// [`inferscale_engine::backend::Backend::inject_kv`]: layer groups on
@@ -249,6 +301,34 @@ impl CudaBackend {
         }
         self.inject_fence.record(&self.side).cu()
     }
+}
+
+/// Copies tensors into one pinned host allocation of the host tier, taken
+/// from `pool` (see [`PinnedBuf`]).
+fn to_host_tier(pool: &Arc<PinnedPool>, ts: &[&HostTensor]) -> Result<Vec<CudaTensor>> {
+    let dims = ts.iter().map(|t| matrix_dims(t)).collect::<Result<Vec<_>>>()?;
+    let total: usize = dims.iter().map(|(r, c)| r * c).sum();
+    let mut slice = pool.take(total)?;
+    let host = slice.as_mut_slice().cu()?;
+    let mut at = 0;
+    for t in ts {
+        host[at..at + t.data.len()]
+            .par_iter_mut()
+            .zip(&t.data)
+            .with_min_len(1 << 14)
+            .for_each(|(d, &x)| *d = bf16::from_f32(x));
+        at += t.data.len();
+    }
+    let base = slice.as_mut_ptr().cu()? as u64;
+    let buf = Arc::new(PinnedBuf { slice: Some(slice), base, pool: pool.clone() });
+    let mut offset = 0;
+    let mut out = Vec::with_capacity(ts.len());
+    for (rows, cols) in dims {
+        let len = rows * cols;
+        out.push(CudaTensor { data: Storage::Host(HostRows { buf: buf.clone(), offset, len }), rows, cols });
+        offset += len;
+    }
+    Ok(out)
 }
 
 /// What the injection kernels' 16-byte accesses and pairwise rotation need.

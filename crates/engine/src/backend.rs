@@ -172,8 +172,12 @@ pub struct InjectChunk<'a, T> {
     pub slots: &'a [u32],
 }
 
+/// A backend's host-tier upload ([`Backend::host_tier_upload`]): stored
+/// KV tensors in, the backend's tensors (in its host tier) out.
+pub type HostTierUpload<T> = std::sync::Arc<dyn Fn(&[&HostTensor]) -> Result<Vec<T>> + Send + Sync>;
+
 /// Tensor operations over some device. Implementations know nothing of models.
-pub trait Backend: Send + Sync {
+pub trait Backend: Send + Sync + 'static {
     type Tensor: Send + Sync;
     /// Paged K and V for every layer.
     type KvStore: Send;
@@ -240,6 +244,14 @@ pub trait Backend: Send + Sync {
     /// `upload_rows` does (a device backend's host memory).
     fn has_host_tier(&self) -> bool {
         false
+    }
+    /// `upload_rows_host_tier` as a value any thread may own and call
+    /// (`None`: only the backend's own thread may upload). Filling pinned
+    /// memory — its allocation and the conversion into it — is host work:
+    /// the memory's disk readers do it, so that the thread driving the
+    /// device does not.
+    fn host_tier_upload(&self) -> Option<HostTierUpload<Self::Tensor>> {
+        None
     }
     /// Copies a tensor back as row-major f32.
     fn to_host(&self, t: &Self::Tensor) -> Result<HostTensor>;

@@ -12,7 +12,7 @@ use std::ops::Range;
 
 use inferscale_model::HostTensor;
 
-use crate::backend::{Backend, InjectChunk};
+use crate::backend::{Backend, HostTierUpload, InjectChunk};
 use crate::engine::{Captured, Engine, Sequence};
 use crate::error::{EngineError, Result};
 
@@ -63,6 +63,24 @@ impl<B: Backend> KvChunk<B> {
         check_layers(tokens.len(), k, v)?;
         let all: Vec<&HostTensor> = k.iter().chain(v).collect();
         let mut k = be.upload_rows_host_tier(&all)?;
+        let v = k.split_off(all.len() / 2);
+        Ok(KvChunk { tokens, k, v })
+    }
+
+    /// [`KvChunk::from_host_tier`] through a backend's
+    /// [`Backend::host_tier_upload`], on whatever thread holds it.
+    pub fn from_host_tier_with(
+        upload: &HostTierUpload<B::Tensor>,
+        tokens: Vec<u32>,
+        k: &[HostTensor],
+        v: &[HostTensor],
+    ) -> Result<Self> {
+        check_layers(tokens.len(), k, v)?;
+        let all: Vec<&HostTensor> = k.iter().chain(v).collect();
+        let mut k = upload(&all)?;
+        if k.len() != all.len() {
+            return Err(EngineError::Shape(format!("host-tier upload of {} tensors gave {}", all.len(), k.len())));
+        }
         let v = k.split_off(all.len() / 2);
         Ok(KvChunk { tokens, k, v })
     }

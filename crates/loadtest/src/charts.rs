@@ -121,6 +121,7 @@ mod tests {
                 ttft: Duration::from_millis(ms),
                 e2e: Duration::from_millis(10 * ms),
                 output_tokens: 8,
+                sources: None,
             })
         };
         let mut points = Vec::new();
@@ -142,6 +143,7 @@ mod tests {
             max_tokens: 16,
             warmup_requests: 1,
             ignore_eos: false,
+            population: None,
         };
         let report = Report { target, date: "2026-12-01".into(), ingest: Ingest::default(), points };
         let dir = std::env::temp_dir().join(format!("inferscale-loadtest-charts-{}", std::process::id()));

@@ -16,6 +16,7 @@ use hyper_util::client::legacy::Client as Pool;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use inferscale_types::sse::{DONE, SseParser, error_message};
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::error::{Error, Result};
@@ -47,6 +48,48 @@ pub struct Sample {
     /// `usage.completion_tokens`, or the token chunks counted when the
     /// server sent no usage chunk.
     pub output_tokens: u64,
+    /// `usage.memory.sources`: where the server found the facts' KV (kv
+    /// and blend requests on the native engine).
+    pub sources: Option<FactSources>,
+}
+
+/// Facts of a request (or summed over many) by where their KV came from,
+/// as the server's `usage.memory.sources` reports them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FactSources {
+    pub device: u64,
+    pub host: u64,
+    pub disk: u64,
+    pub prefilled: u64,
+}
+
+impl FactSources {
+    /// The request's class: the slowest place any of its facts came from
+    /// (`none` when it had no facts).
+    pub fn class(&self) -> &'static str {
+        if self.prefilled > 0 {
+            "prefilled"
+        } else if self.disk > 0 {
+            "disk"
+        } else if self.host > 0 {
+            "host"
+        } else if self.device > 0 {
+            "device"
+        } else {
+            "none"
+        }
+    }
+
+    pub fn total(&self) -> u64 {
+        self.device + self.host + self.disk + self.prefilled
+    }
+
+    pub fn add(&mut self, o: &FactSources) {
+        self.device += o.device;
+        self.host += o.host;
+        self.disk += o.disk;
+        self.prefilled += o.prefilled;
+    }
 }
 
 /// A request that failed, keyed for the report by `status`: the HTTP
@@ -189,7 +232,8 @@ impl Client {
                 if state.done {
                     let e2e = start.elapsed();
                     let ttft = state.first.unwrap_or(e2e);
-                    return Outcome::Ok(Sample { ttft, e2e, output_tokens: state.usage.unwrap_or(state.tokens) });
+                    let output_tokens = state.usage.unwrap_or(state.tokens);
+                    return Outcome::Ok(Sample { ttft, e2e, output_tokens, sources: state.sources });
                 }
             }
         }
@@ -215,6 +259,7 @@ struct StreamState {
     first: Option<Duration>,
     tokens: u64,
     usage: Option<u64>,
+    sources: Option<FactSources>,
     done: bool,
 }
 
@@ -251,6 +296,9 @@ impl StreamState {
         if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
             self.usage = Some(n);
         }
+        if let Ok(s) = FactSources::deserialize(&v["usage"]["memory"]["sources"]) {
+            self.sources = Some(s);
+        }
         None
     }
 }
@@ -272,6 +320,17 @@ mod tests {
         assert_eq!(s.event(r#"{"choices":[],"usage":{"completion_tokens":3}}"#, ms(61)), None);
         assert_eq!(s.event("[DONE]", ms(62)), None);
         assert_eq!((s.first, s.tokens, s.usage, s.done), (Some(ms(40)), 2, Some(3), true));
+        assert_eq!(s.sources, None, "a usage without memory sources");
+
+        let mut s = StreamState::default();
+        let usage = r#"{"choices":[],"usage":{"completion_tokens":1,"memory":{"mode":"kv",
+            "sources":{"device":3,"host":1,"disk":0,"prefilled":2}}}}"#;
+        assert_eq!(s.event(usage, ms(9)), None);
+        let want = FactSources { device: 3, host: 1, disk: 0, prefilled: 2 };
+        assert_eq!(s.sources, Some(want));
+        assert_eq!((want.class(), want.total()), ("prefilled", 6));
+        assert_eq!(FactSources { device: 2, host: 1, ..Default::default() }.class(), "host");
+        assert_eq!(FactSources::default().class(), "none");
 
         let mut s = StreamState::default();
         let err = r#"{"error":{"message":"queue full","type":"rate_limit","code":429}}"#;

@@ -25,9 +25,10 @@ mod users;
 use std::time::Duration;
 
 pub use client::Client;
+pub use client::FactSources;
 pub use error::{Error, Result};
-pub use report::{Point, Report, Target};
-pub use runner::{Mode, Plan};
+pub use report::{ClassLatency, Point, Report, Target, Tiers};
+pub use runner::{Mode, Plan, Population};
 pub use users::{Source, User};
 
 /// Everything one run needs.
@@ -91,6 +92,7 @@ pub async fn run(cfg: &Config, progress: &dyn Fn(&str)) -> Result<Report> {
             max_tokens: plan.max_tokens,
             warmup_requests: plan.warmup,
             ignore_eos: plan.ignore_eos,
+            population: plan.population,
         },
         date: report::today_utc(),
         ingest,

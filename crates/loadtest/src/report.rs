@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::client::{Outcome, Sample};
+use crate::client::{FactSources, Outcome, Sample};
 
 /// Quantile `q` (0–1) of ascending `sorted` values, nearest rank; 0 when empty.
 pub fn quantile(sorted: &[f64], q: f64) -> f64 {
@@ -69,6 +69,60 @@ pub struct Point {
     pub ttft_ms: Percentiles,
     /// End-to-end latency, ms (request sent → `[DONE]`).
     pub e2e_ms: Percentiles,
+    /// Where the facts' KV came from, when the server said (kv and blend
+    /// on the native engine).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub tiers: Option<Tiers>,
+}
+
+/// A point's requests by where their facts' KV came from: the facts per
+/// tier summed, and latency per class of request — a request counts under
+/// the slowest place any of its facts came from (`device` < `host` <
+/// `disk` < `prefilled`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Tiers {
+    pub facts: FactSources,
+    /// Share of facts found in a cache tier (device or host).
+    pub hit_rate: f64,
+    pub classes: Vec<ClassLatency>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ClassLatency {
+    pub class: String,
+    pub requests: usize,
+    pub ttft_ms: Percentiles,
+    pub e2e_ms: Percentiles,
+}
+
+impl Tiers {
+    /// `None` when no sample carried sources.
+    fn of(ok: &[&Sample]) -> Option<Tiers> {
+        let mut facts = FactSources::default();
+        let mut by: BTreeMap<&'static str, Vec<&Sample>> = BTreeMap::new();
+        for s in ok {
+            let Some(src) = &s.sources else { continue };
+            facts.add(src);
+            by.entry(src.class()).or_default().push(s);
+        }
+        if by.is_empty() {
+            return None;
+        }
+        let order = ["device", "host", "disk", "prefilled", "none"];
+        let mut classes: Vec<ClassLatency> = by
+            .into_iter()
+            .map(|(class, xs)| ClassLatency {
+                class: class.to_string(),
+                requests: xs.len(),
+                ttft_ms: Percentiles::of_ms(xs.iter().map(|s| s.ttft)),
+                e2e_ms: Percentiles::of_ms(xs.iter().map(|s| s.e2e)),
+            })
+            .collect();
+        classes.sort_by_key(|c| order.iter().position(|o| *o == c.class));
+        let total = facts.total();
+        let hit_rate = if total == 0 { 0.0 } else { (facts.device + facts.host) as f64 / total as f64 };
+        Some(Tiers { facts, hit_rate, classes })
+    }
 }
 
 impl Point {
@@ -106,6 +160,7 @@ impl Point {
             output_tokens_per_s: rate(output_tokens as f64),
             ttft_ms: Percentiles::of_ms(ok.iter().map(|s| s.ttft)),
             e2e_ms: Percentiles::of_ms(ok.iter().map(|s| s.e2e)),
+            tiers: Tiers::of(&ok),
         }
     }
 }
@@ -131,6 +186,9 @@ pub struct Target {
     /// output token: they warm the connection and the retrieval path).
     pub warmup_requests: usize,
     pub ignore_eos: bool,
+    /// Distinct users and their popularity, when clients were not users.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub population: Option<crate::runner::Population>,
 }
 
 /// Ingest before the points: every user's memory sent once.
@@ -183,6 +241,36 @@ impl Report {
                 ms(p.e2e_ms.p90),
                 ms(p.e2e_ms.p99),
             ));
+        }
+        if self.points.iter().any(|p| p.tiers.is_some()) {
+            s.push_str(
+                "\nBy where the facts' KV came from (a request counts under its slowest fact):\n\n\
+                 | mode | k | users | facts device/host/disk/prefilled | hit rate | class | requests | TTFT p50 | TTFT p99 | e2e p50 | e2e p99 |\n\
+                 |---|--:|--:|--:|--:|---|--:|--:|--:|--:|--:|\n",
+            );
+            for p in &self.points {
+                let Some(t) = &p.tiers else { continue };
+                let f = &t.facts;
+                for c in &t.classes {
+                    s.push_str(&format!(
+                        "| {} | {} | {} | {}/{}/{}/{} | {:.3} | {} | {} | {} | {} | {} | {} |\n",
+                        p.mode,
+                        p.k,
+                        p.users,
+                        f.device,
+                        f.host,
+                        f.disk,
+                        f.prefilled,
+                        t.hit_rate,
+                        c.class,
+                        c.requests,
+                        ms(c.ttft_ms.p50),
+                        ms(c.ttft_ms.p99),
+                        ms(c.e2e_ms.p50),
+                        ms(c.e2e_ms.p99),
+                    ));
+                }
+            }
         }
         s
     }
@@ -250,7 +338,38 @@ mod tests {
             ttft: Duration::from_millis(ttft_ms),
             e2e: Duration::from_millis(e2e_ms),
             output_tokens: tokens,
+            sources: None,
         })
+    }
+
+    fn from(ttft_ms: u64, device: u64, host: u64, disk: u64, prefilled: u64) -> Outcome {
+        let sources = Some(FactSources { device, host, disk, prefilled });
+        match ok(ttft_ms, 2 * ttft_ms, 4) {
+            Outcome::Ok(s) => Outcome::Ok(Sample { sources, ..s }),
+            f => f,
+        }
+    }
+
+    #[test]
+    fn requests_are_classed_by_their_slowest_fact() {
+        let outcomes = [from(10, 5, 0, 0, 0), from(12, 4, 1, 0, 0), from(30, 3, 0, 0, 2), from(11, 5, 0, 0, 0)];
+        let p = Point::new("kv", 5, 2, Duration::from_secs(1), &outcomes);
+        let t = p.tiers.as_ref().expect("sources were reported");
+        assert_eq!(t.facts, FactSources { device: 17, host: 1, disk: 0, prefilled: 2 });
+        assert!((t.hit_rate - 0.9).abs() < 1e-9);
+        let classes: Vec<(&str, usize, f64)> =
+            t.classes.iter().map(|c| (c.class.as_str(), c.requests, c.ttft_ms.p99)).collect();
+        assert_eq!(classes, [("device", 2, 11.0), ("host", 1, 12.0), ("prefilled", 1, 30.0)]);
+        let r = Report {
+            target: target(),
+            date: "2026-12-03".into(),
+            ingest: Ingest::default(),
+            points: vec![p, Point::new("prompt", 5, 2, Duration::from_secs(1), &[ok(50, 90, 4)])],
+        };
+        let table = r.table();
+        assert!(table.contains("| kv | 5 | 2 | 17/1/0/2 | 0.900 | prefilled | 1 | 30.0 ms |"), "{table}");
+        // A point whose server said nothing of sources has no tiers.
+        assert!(r.points[1].tiers.is_none());
     }
 
     fn failed(status: &str) -> Outcome {
@@ -275,7 +394,18 @@ mod tests {
 
     #[test]
     fn report_round_trips_and_tabulates() {
-        let target = Target {
+        let target = target();
+        let points = vec![Point::new("kv", 5, 2, Duration::from_secs(1), &[ok(40, 400, 10), failed("429")])];
+        let r = Report { target, date: "2026-12-01".into(), ingest: Ingest::default(), points };
+        let json = serde_json::to_string(&r).expect("json");
+        assert_eq!(serde_json::from_str::<Report>(&json).expect("parse"), r);
+        let t = r.table();
+        assert_eq!(t.lines().count(), 3);
+        assert!(t.contains("| kv | 5 | 2 | 1 | 1×429 | 1.00 | 10.0 | 40.0 ms |"), "{t}");
+    }
+
+    fn target() -> Target {
+        Target {
             url: "http://127.0.0.1:8080".into(),
             model: "smollm2".into(),
             source: "synthetic:10 facts per user".into(),
@@ -285,14 +415,8 @@ mod tests {
             max_tokens: 16,
             warmup_requests: 1,
             ignore_eos: false,
-        };
-        let points = vec![Point::new("kv", 5, 2, Duration::from_secs(1), &[ok(40, 400, 10), failed("429")])];
-        let r = Report { target, date: "2026-12-01".into(), ingest: Ingest::default(), points };
-        let json = serde_json::to_string(&r).expect("json");
-        assert_eq!(serde_json::from_str::<Report>(&json).expect("parse"), r);
-        let t = r.table();
-        assert_eq!(t.lines().count(), 3);
-        assert!(t.contains("| kv | 5 | 2 | 1 | 1×429 | 1.00 | 10.0 | 40.0 ms |"), "{t}");
+            population: None,
+        }
     }
 
     #[test]

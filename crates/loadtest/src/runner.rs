@@ -13,6 +13,13 @@
 //! A point ends at `requests` requests in all or `duration` after its
 //! start, whichever comes first; requests already sent then still finish
 //! and count, and the point's wall time runs until the last one ends.
+//!
+//! With a [`Population`], the closed-loop clients are not users: every
+//! request of every client picks its user from the whole population, by a
+//! Zipf law over the users' ranks (user 0 the most popular), as many users
+//! with few active at once reach a server. Each client draws from its own
+//! seeded stream, so every point (kv or prompt) sends the same users in
+//! the same order.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -50,6 +57,49 @@ pub struct Plan {
     pub ignore_eos: bool,
     /// Sent with every ingest when set; the server refuses another than its own.
     pub window: Option<u32>,
+    /// Many users, few asking at once (see the module's doc); `None`: each
+    /// client is one user.
+    pub population: Option<Population>,
+}
+
+/// Distinct users stored, and how requests pick among them.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Population {
+    pub users: usize,
+    /// Zipf exponent s: the user of rank r is asked with weight
+    /// 1/(r+1)^s (0: uniform).
+    pub zipf: f64,
+}
+
+/// One client's stream of users: ranks drawn from the population's Zipf
+/// law by inverse transform over its cumulative weights.
+struct Picker {
+    cumulative: Arc<Vec<f64>>,
+    state: u64,
+}
+
+impl Picker {
+    fn cumulative(p: &Population) -> Vec<f64> {
+        let mut acc = 0.0;
+        let mut c: Vec<f64> = (0..p.users)
+            .map(|r| {
+                acc += 1.0 / ((r + 1) as f64).powf(p.zipf);
+                acc
+            })
+            .collect();
+        c.iter_mut().for_each(|x| *x /= acc);
+        c
+    }
+
+    fn next(&mut self) -> usize {
+        // splitmix64: a fixed, seedable stream is all a load test needs.
+        self.state = self.state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        let u = ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64;
+        self.cumulative.partition_point(|&c| c <= u).min(self.cumulative.len() - 1)
+    }
 }
 
 impl Plan {
@@ -70,12 +120,24 @@ impl Plan {
         if self.max_tokens == 0 {
             return bad("--max-tokens must be at least 1");
         }
+        if let Some(p) = &self.population {
+            if p.users == 0 {
+                return bad("--population needs at least 1 user");
+            }
+            if !p.zipf.is_finite() || p.zipf < 0.0 {
+                return bad("--zipf must be a finite number ≥ 0");
+            }
+        }
         Ok(())
     }
 
-    /// The largest user count: how many users the run needs.
+    /// How many users the run stores: the population, else the largest
+    /// client count.
     pub fn max_users(&self) -> usize {
-        self.users.iter().copied().max().unwrap_or(0)
+        match &self.population {
+            Some(p) => p.users,
+            None => self.users.iter().copied().max().unwrap_or(0),
+        }
     }
 }
 
@@ -156,20 +218,26 @@ pub async fn point(client: &Client, model: &str, users: &[User], n: usize, mode:
     let barrier = Arc::new(Barrier::new(n));
     let start: Arc<OnceLock<Instant>> = Arc::new(OnceLock::new());
     let tickets = Arc::new(AtomicUsize::new(0));
+    let cumulative = Arc::new(plan.population.as_ref().map(Picker::cumulative).unwrap_or_default());
+    let all: Arc<Vec<User>> = Arc::new(users.to_vec());
     let mut tasks = tokio::task::JoinSet::new();
-    for (i, u) in users.iter().take(n).enumerate() {
-        let (client, u, plan, model) = (client.clone(), u.clone(), plan.clone(), model.to_string());
+    // Without a population, client i is user i (`users` holds the largest
+    // client count); with one, each client draws its users.
+    for i in 0..n {
+        let (client, all, plan, model) = (client.clone(), all.clone(), plan.clone(), model.to_string());
         let (barrier, start, tickets) = (barrier.clone(), start.clone(), tickets.clone());
+        let mut picker = Picker { cumulative: cumulative.clone(), state: i as u64 };
         tasks.spawn(async move {
             // Users start at different questions so that they do not ask in lockstep.
             let mut q = i;
-            let mut next = |u: &User| {
+            let mut next = || {
+                let u = if plan.population.is_some() { &all[picker.next()] } else { &all[i] };
                 let body = chat_body(&model, u, &u.questions[q % u.questions.len()], mode, k, &plan);
                 q += 1;
                 body
             };
             for _ in 0..plan.warmup {
-                let mut body = next(&u);
+                let mut body = next();
                 body["memory"]["mode"] = json!(Mode::Kv.as_str());
                 body["max_tokens"] = json!(1);
                 client.chat_stream(&body).await;
@@ -180,7 +248,7 @@ pub async fn point(client: &Client, model: &str, users: &[User], n: usize, mode:
             let mut outcomes = Vec::new();
             let mut last = t0;
             while Instant::now() < deadline && tickets.fetch_add(1, Ordering::Relaxed) < plan.requests {
-                outcomes.push(client.chat_stream(&next(&u)).await);
+                outcomes.push(client.chat_stream(&next()).await);
                 last = Instant::now();
             }
             (outcomes, last)
@@ -204,4 +272,58 @@ pub async fn point(client: &Client, model: &str, users: &[User], n: usize, mode:
         _ => Duration::ZERO,
     };
     Point::new(mode.as_str(), k, n, wall, &outcomes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn counts(users: usize, zipf: f64, seed: u64, draws: usize) -> Vec<usize> {
+        let p = Population { users, zipf };
+        let mut picker = Picker { cumulative: Arc::new(Picker::cumulative(&p)), state: seed };
+        let mut n = vec![0; users];
+        (0..draws).for_each(|_| n[picker.next()] += 1);
+        n
+    }
+
+    #[test]
+    fn users_are_drawn_by_their_zipf_weight_from_a_fixed_stream() {
+        let draws = 200_000;
+        // s = 1 over 4 users: weights 1, 1/2, 1/3, 1/4 of 25/12.
+        let n = counts(4, 1.0, 7, draws);
+        for (r, &got) in n.iter().enumerate() {
+            let want = (1.0 / (r + 1) as f64) / (25.0 / 12.0);
+            let share = got as f64 / draws as f64;
+            assert!((share - want).abs() < 0.01, "rank {r}: {share} vs {want}");
+        }
+        // s = 0 is uniform.
+        for got in counts(5, 0.0, 3, draws) {
+            assert!((got as f64 / draws as f64 - 0.2).abs() < 0.01, "{got}");
+        }
+        // The same seed gives the same users in the same order (kv and
+        // prompt points see one request stream); another seed another.
+        assert_eq!(counts(50, 1.2, 11, 1000), counts(50, 1.2, 11, 1000));
+        assert_ne!(counts(50, 1.2, 11, 1000), counts(50, 1.2, 12, 1000));
+    }
+
+    #[test]
+    fn a_population_is_validated_and_sizes_the_store() {
+        let plan = |population| Plan {
+            users: vec![2, 8],
+            modes: vec![Mode::Kv],
+            ks: vec![5],
+            requests: 10,
+            duration: Duration::from_secs(1),
+            max_tokens: 4,
+            warmup: 0,
+            ignore_eos: false,
+            window: None,
+            population,
+        };
+        assert_eq!(plan(None).max_users(), 8);
+        assert_eq!(plan(Some(Population { users: 400, zipf: 1.0 })).max_users(), 400);
+        assert!(plan(Some(Population { users: 0, zipf: 1.0 })).validate().is_err());
+        assert!(plan(Some(Population { users: 4, zipf: -1.0 })).validate().is_err());
+        assert!(plan(Some(Population { users: 4, zipf: f64::NAN })).validate().is_err());
+    }
 }

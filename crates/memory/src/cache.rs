@@ -89,11 +89,13 @@ impl<B: Backend> Entry<B> {
     }
 }
 
-/// KV to cache: already where it was computed (a device chunk), or host
-/// tensors read from a segment.
+/// KV to cache: already where it was computed (a device chunk), host
+/// tensors read from a segment, or those tensors already placed where
+/// reads are cached by the backend's [`Backend::host_tier_upload`].
 pub(crate) enum Source<B: Backend> {
     Chunk(KvChunk<B>),
     Host { tokens: Vec<u32>, k: Vec<HostTensor>, v: Vec<HostTensor> },
+    Uploaded(KvChunk<B>),
 }
 
 /// How hard an insertion may push.
@@ -167,7 +169,7 @@ impl<B: Backend> KvCache<B> {
     pub(crate) fn insert(&mut self, be: &B, key: u64, source: Source<B>, admit: Admit) -> Result<Option<Tier>> {
         self.remove(key);
         let tokens = match &source {
-            Source::Chunk(c) => c.len(),
+            Source::Chunk(c) | Source::Uploaded(c) => c.len(),
             Source::Host { tokens, .. } => tokens.len(),
         };
         let bytes = tokens as u64 * self.values_per_token * self.bytes_per_value;
@@ -187,7 +189,13 @@ impl<B: Backend> KvCache<B> {
         };
         let chunk = match (source, tier) {
             (Source::Chunk(c), Tier::Device) => c,
-            (Source::Chunk(c), Tier::Host) => {
+            // Where reads go (`home`): placed there by the reader.
+            (Source::Uploaded(c), t) if t == home => c,
+            (Source::Uploaded(c), Tier::Device) => {
+                let (k, v) = c.to_host(be)?;
+                KvChunk::from_host(be, c.tokens, &k, &v)?
+            }
+            (Source::Chunk(c) | Source::Uploaded(c), Tier::Host) => {
                 let (k, v) = c.to_host(be)?;
                 KvChunk::from_host_tier(be, c.tokens, &k, &v)?
             }

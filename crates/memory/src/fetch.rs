@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
+use inferscale_engine::backend::HostTierUpload;
 use inferscale_engine::{Backend, KvChunk};
 
 use crate::cache::{Admit, Source, Tier};
@@ -73,8 +74,7 @@ pub struct Fetched<B: Backend> {
 
 /// One fact's KV record to read off the engine thread: everything the read
 /// needs, so that it holds no reference into the memory.
-#[derive(Debug, Clone)]
-pub struct ReadJob {
+pub struct ReadJob<B: Backend> {
     user: String,
     key: u64,
     frame: Frame,
@@ -82,19 +82,34 @@ pub struct ReadJob {
     seg: KvHeader,
     fact_id: String,
     tokens: Vec<u32>,
+    /// Places the KV where the cache keeps reads (`Memory::upload`).
+    upload: Option<HostTierUpload<B::Tensor>>,
 }
 
 /// A finished [`ReadJob`], for [`Memory::complete_read`].
-pub struct ReadDone {
-    job: ReadJob,
-    result: Result<StoredKv>,
+pub struct ReadDone<B: Backend> {
+    job: ReadJob<B>,
+    result: Result<Read<B>>,
     pub seconds: f64,
 }
 
-impl ReadJob {
+/// What a read made of a record.
+enum Read<B: Backend> {
+    /// Decoded tensors, for the engine thread to place.
+    Host(StoredKv),
+    /// Already placed where reads are cached, by the reader.
+    Uploaded(KvChunk<B>),
+}
+
+impl<B: Backend> ReadJob<B> {
     /// Reads and checks the record (its CRC, then that it is this fact's:
-    /// the segment may have been rewritten since) and decodes it.
-    pub fn run(self) -> ReadDone {
+    /// the segment may have been rewritten since), decodes it and, when the
+    /// backend lets other threads upload, places it: conversion and pinned
+    /// copy are this thread's work, not the engine thread's. An upload that
+    /// fails (no pinned memory) leaves the tensors for the engine thread,
+    /// whose own attempt then reports the error; only a bad record counts
+    /// as one.
+    pub fn run(self) -> ReadDone<B> {
         let t0 = Instant::now();
         let result = read_frame_at(&self.path, self.frame)
             .and_then(|bytes| StoredKv::decode(&bytes, &self.seg, &self.path))
@@ -105,14 +120,22 @@ impl ReadJob {
                     offset: self.frame.offset,
                     reason: format!("the record indexed for fact {:?} is another's", self.fact_id),
                 }),
+            })
+            .map(|s| match &self.upload {
+                Some(up) => match KvChunk::from_host_tier_with(up, s.tokens.clone(), &s.k, &s.v) {
+                    Ok(chunk) => Read::Uploaded(chunk),
+                    Err(_) => Read::Host(s),
+                },
+                None => Read::Host(s),
             });
         ReadDone { job: self, result, seconds: t0.elapsed().as_secs_f64() }
     }
 
     /// The read of `user`'s fact `i`'s record (`None`: it has none).
-    fn of<B: Backend>(user: &str, shard: &UserShard<B>, i: usize) -> Option<ReadJob> {
+    fn of(user: &str, shard: &UserShard<B>, i: usize, upload: &Option<HostTierUpload<B::Tensor>>) -> Option<Self> {
         let (fact, kv) = (shard.facts.get(i)?, shard.kv.get(i)?);
         Some(ReadJob {
+            upload: upload.clone(),
             user: user.to_string(),
             key: kv.key,
             frame: kv.at?,
@@ -142,10 +165,10 @@ impl<B: Backend> Memory<B> {
         }
         let cold = std::mem::take(&mut out.cold);
         let shard = self.users.get(user).ok_or_else(|| MemoryError::UnknownUser(user.to_string()))?;
-        let jobs: Vec<(usize, ReadJob)> =
-            cold.iter().filter_map(|&i| ReadJob::of(user, shard, i).map(|job| (i, job))).collect();
+        let jobs: Vec<(usize, ReadJob<B>)> =
+            cold.iter().filter_map(|&i| ReadJob::of(user, shard, i, &self.upload).map(|job| (i, job))).collect();
         let t0 = Instant::now();
-        let (idx, jobs): (Vec<usize>, Vec<ReadJob>) = jobs.into_iter().unzip();
+        let (idx, jobs): (Vec<usize>, Vec<ReadJob<B>>) = jobs.into_iter().unzip();
         for (i, done) in idx.into_iter().zip(run_parallel(jobs)) {
             let (key, bytes) = (done.job.key, done.job.frame.len as u64);
             // Pinned as it is cached, so that the next ones cannot evict it.
@@ -200,11 +223,11 @@ impl<B: Backend> Memory<B> {
     /// Reads of `user`'s facts `idxs` (from [`Fetched::cold`]) for another
     /// thread to run ([`ReadJob::run`]); facts already being read, cached
     /// meanwhile, or without a record are left out.
-    pub fn read_jobs(&mut self, user: &str, idxs: &[usize]) -> Result<Vec<ReadJob>> {
+    pub fn read_jobs(&mut self, user: &str, idxs: &[usize]) -> Result<Vec<ReadJob<B>>> {
         let shard = self.users.get(user).ok_or_else(|| MemoryError::UnknownUser(user.to_string()))?;
         let mut jobs = Vec::new();
         for &i in idxs {
-            let Some(job) = ReadJob::of(user, shard, i) else { continue };
+            let Some(job) = ReadJob::of(user, shard, i, &self.upload) else { continue };
             if self.cache.get(job.key).is_none() && self.reading.insert(job.key) {
                 jobs.push(job);
             }
@@ -216,7 +239,7 @@ impl<B: Backend> Memory<B> {
     /// (it may have been forgotten, updated or moved meanwhile: then the
     /// read is dropped). A record that failed its check is dropped and its
     /// fact re-encoded when next needed. Returns whether it cached the KV.
-    pub fn complete_read(&mut self, be: &B, done: ReadDone) -> Result<bool> {
+    pub fn complete_read(&mut self, be: &B, done: ReadDone<B>) -> Result<bool> {
         let ReadDone { job, result, .. } = done;
         self.reading.remove(&job.key);
         let Some(shard) = self.users.get(&job.user) else { return Ok(false) };
@@ -224,10 +247,13 @@ impl<B: Backend> Memory<B> {
             return Ok(false);
         };
         match result {
-            Ok(s) => {
+            Ok(read) => {
                 self.cache.stats.misses += 1;
                 self.cache.stats.loaded_bytes += job.frame.len as u64;
-                let source = Source::Host { tokens: s.tokens, k: s.k, v: s.v };
+                let source = match read {
+                    Read::Host(s) => Source::Host { tokens: s.tokens, k: s.k, v: s.v },
+                    Read::Uploaded(chunk) => Source::Uploaded(chunk),
+                };
                 Ok(self.cache.insert(be, job.key, source, Admit::Demand)?.is_some())
             }
             Err(e) => {
@@ -255,7 +281,7 @@ impl<B: Backend> Memory<B> {
 /// Runs `jobs` several at once, in order: a device queue (NVMe) reaches
 /// its bandwidth only with many reads in flight, and decoding a compact
 /// format is work for more than one core.
-fn run_parallel(mut jobs: Vec<ReadJob>) -> Vec<ReadDone> {
+fn run_parallel<B: Backend>(mut jobs: Vec<ReadJob<B>>) -> Vec<ReadDone<B>> {
     const READERS: usize = 8;
     if jobs.len() < 2 {
         return jobs.into_iter().map(ReadJob::run).collect();

@@ -16,6 +16,7 @@
 use std::path::Path;
 
 use inferscale_model::HostTensor;
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{MemoryError, Result};
@@ -208,22 +209,38 @@ impl StoredKv {
         out.extend_from_slice(&(self.tokens.len() as u32).to_le_bytes());
         self.tokens.iter().for_each(|t| out.extend_from_slice(&t.to_le_bytes()));
         out.extend_from_slice(&(self.k.len() as u32).to_le_bytes());
-        let tensors = || self.k.iter().chain(&self.v);
+        // Tensors side by side: a fact of an 8B model is ~8M values, and
+        // its record is made on the thread that drives the device.
+        let tensors: Vec<&HostTensor> = self.k.iter().chain(&self.v).collect();
+        let values: usize = tensors.iter().map(|t| t.data.len()).sum();
+        let start = out.len();
         match header.dtype {
             KvFormat::F32 => {
-                tensors().for_each(|t| t.data.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes())))
+                out.resize(start + 4 * values, 0);
+                fill(&mut out[start..], &tensors, 4, |_, t, o| {
+                    t.data.iter().zip(o.chunks_exact_mut(4)).for_each(|(x, o)| o.copy_from_slice(&x.to_le_bytes()))
+                });
             }
-            KvFormat::Bf16 => tensors()
-                .for_each(|t| t.data.iter().for_each(|&x| out.extend_from_slice(&f32_to_bf16(x).to_le_bytes()))),
+            KvFormat::Bf16 => {
+                out.resize(start + 2 * values, 0);
+                fill(&mut out[start..], &tensors, 2, |_, t, o| {
+                    let pairs = t.data.iter().zip(o.chunks_exact_mut(2));
+                    pairs.for_each(|(&x, o)| o.copy_from_slice(&f32_to_bf16(x).to_le_bytes()))
+                });
+            }
             KvFormat::Fp8 => {
-                let hd = header.head_dim.max(1);
-                let scales: Vec<Vec<f32>> = tensors().map(|t| head_scales(&t.data, header.kv_dim, hd)).collect();
+                let (dim, hd) = (header.kv_dim, header.head_dim.max(1));
+                let scales: Vec<Vec<f32>> = tensors.par_iter().map(|t| head_scales(&t.data, dim, hd)).collect();
                 scales.iter().flatten().for_each(|s| out.extend_from_slice(&s.to_le_bytes()));
-                for (t, s) in tensors().zip(&scales) {
-                    for (i, &x) in t.data.iter().enumerate() {
-                        out.push(f32_to_e4m3(x / s[(i % header.kv_dim) / hd]));
+                let at = out.len();
+                out.resize(at + values, 0);
+                fill(&mut out[at..], &tensors, 1, |i, t, o| {
+                    for (row, o) in t.data.chunks_exact(dim).zip(o.chunks_exact_mut(dim)) {
+                        for ((head, o), &s) in row.chunks_exact(hd).zip(o.chunks_exact_mut(hd)).zip(&scales[i]) {
+                            head.iter().zip(o).for_each(|(&x, o)| *o = f32_to_e4m3(x / s));
+                        }
                     }
-                }
+                });
             }
         }
         out
@@ -238,11 +255,11 @@ impl StoredKv {
         let tensor = |data: Vec<f32>| HostTensor { shape: vec![n, dim], data };
         let mut tensors: Vec<HostTensor> = match header.dtype {
             KvFormat::F32 => body
-                .chunks_exact(per * 4)
+                .par_chunks_exact(per * 4)
                 .map(|b| tensor(b.chunks_exact(4).map(|x| f32::from_le_bytes([x[0], x[1], x[2], x[3]])).collect()))
                 .collect(),
             KvFormat::Bf16 => body
-                .chunks_exact(per * 2)
+                .par_chunks_exact(per * 2)
                 .map(|b| tensor(b.chunks_exact(2).map(|x| bf16_to_f32(u16::from_le_bytes([x[0], x[1]]))).collect()))
                 .collect(),
             KvFormat::Fp8 => {
@@ -252,8 +269,8 @@ impl StoredKv {
                 let scales: Vec<f32> =
                     scales.chunks_exact(4).map(|x| f32::from_le_bytes([x[0], x[1], x[2], x[3]])).collect();
                 codes
-                    .chunks_exact(per)
-                    .zip(scales.chunks_exact(heads))
+                    .par_chunks_exact(per)
+                    .zip(scales.par_chunks_exact(heads))
                     .map(|(c, s)| {
                         tensor(c.iter().enumerate().map(|(i, &c)| lut[c as usize] * s[(i % dim) / hd]).collect())
                     })
@@ -315,6 +332,19 @@ impl StoredKv {
 
 /// The fp8 scale of each KV head of a `[rows, dim]` tensor: its largest
 /// magnitude over 448 (e4m3's largest finite value), 1 for a head of zeros.
+/// Runs `f` on each tensor (with its index) and its part of `out`, at
+/// `width` bytes a value, tensors in parallel.
+fn fill(out: &mut [u8], tensors: &[&HostTensor], width: usize, f: impl Fn(usize, &HostTensor, &mut [u8]) + Sync) {
+    let mut parts = Vec::with_capacity(tensors.len());
+    let mut rest = out;
+    for t in tensors {
+        let (part, tail) = rest.split_at_mut(t.data.len() * width);
+        parts.push(part);
+        rest = tail;
+    }
+    parts.into_par_iter().enumerate().for_each(|(i, o)| f(i, tensors[i], o));
+}
+
 fn head_scales(data: &[f32], dim: usize, head_dim: usize) -> Vec<f32> {
     let mut amax = vec![0f32; dim / head_dim];
     for row in data.chunks_exact(dim) {

@@ -266,7 +266,7 @@ impl<B: Backend> Session<B> {
 
     /// Caches what a background read of a fact's KV read
     /// ([`Memory::complete_read`]).
-    pub fn complete_read(&mut self, done: ReadDone) -> Result<bool> {
+    pub fn complete_read(&mut self, done: ReadDone<B>) -> Result<bool> {
         self.memory.complete_read(self.engine.backend(), done)
     }
 

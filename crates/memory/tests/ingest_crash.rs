@@ -2,7 +2,9 @@
 //! prints `ack <id>` after each `Memory::ingest` returns; the parent kills it
 //! mid-stream, reopens the memory, and checks that every acknowledged turn
 //! is present and intact, that nothing else is half-there, and that the KV
-//! it reloads (or re-encodes) is exactly what a clean encoding gives.
+//! it reloads (or re-encodes) is exactly what a clean encoding gives — in
+//! the CPU's own f32 segments, and within the format's rounding in bf16
+//! and fp8 segments.
 
 #![allow(clippy::unwrap_used)] // tests fail loudly on unexpected errors
 
@@ -13,9 +15,11 @@ use std::time::{Duration, Instant};
 
 use inferscale_engine::bert::Bert;
 use inferscale_engine::{CpuBackend, Engine, EngineConfig};
-use inferscale_memory::{Composer, Encoders, Memory, MemoryUnit, Prompts, ShardSpec};
+use inferscale_memory::{Composer, Encoders, KvFormat, Memory, MemoryUnit, Prompts, ShardSpec, StoreOptions};
 
 const CHILD_ENV: &str = "INFERSCALE_INGEST_CRASH_CHILD";
+/// The segment format the child writes (`f32`, `bf16`, `fp8`).
+const FORMAT_ENV: &str = "INFERSCALE_INGEST_CRASH_FORMAT";
 const USER: &str = "crash-user";
 
 fn turn(i: usize) -> MemoryUnit {
@@ -56,7 +60,8 @@ fn child_ingests_until_killed() {
     let s = stack();
     let mut e = engine(&s);
     let composer = Composer::new(&s.files, &Prompts::default()).unwrap();
-    let (mut mem, _) = Memory::open(Path::new(&dir), spec(), &e).unwrap();
+    let format = std::env::var(FORMAT_ENV).unwrap().parse().unwrap();
+    let (mut mem, _) = open(Path::new(&dir), &e, format);
     let start = mem.facts(USER).map_or(0, <[_]>::len);
     let mut enc = Encoders { engine: &mut e, embedder: &s.embedder, composer: &composer };
     let t0 = Instant::now();
@@ -78,17 +83,38 @@ impl Drop for KillOnDrop {
     }
 }
 
+fn open(dir: &Path, e: &Engine<CpuBackend>, format: KvFormat) -> (Memory<CpuBackend>, Vec<String>) {
+    Memory::open_with(dir, spec(), e, StoreOptions { format: Some(format), ..StoreOptions::default() }).unwrap()
+}
+
 #[test]
 fn sigkill_during_ingest_loses_no_acknowledged_turn() {
+    sigkill_rounds(KvFormat::F32, &[3, 5, 2]);
+}
+
+#[test]
+fn sigkill_during_ingest_in_bf16_segments_loses_no_acknowledged_turn() {
+    sigkill_rounds(KvFormat::Bf16, &[3, 2]);
+}
+
+#[test]
+fn sigkill_during_ingest_in_fp8_segments_loses_no_acknowledged_turn() {
+    sigkill_rounds(KvFormat::Fp8, &[3, 2]);
+}
+
+/// Kills a child writing `format` segments after each number of acks in
+/// `rounds`, checking the memory after each kill.
+fn sigkill_rounds(format: KvFormat, rounds: &[usize]) {
     if std::env::var(CHILD_ENV).is_ok() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
     let mut acked: Vec<String> = Vec::new();
-    for (round, target) in [3usize, 5, 2].into_iter().enumerate() {
+    for (round, &target) in rounds.iter().enumerate() {
         let child = Command::new(std::env::current_exe().unwrap())
             .args(["--exact", "child_ingests_until_killed", "--nocapture", "--test-threads=1"])
             .env(CHILD_ENV, dir.path())
+            .env(FORMAT_ENV, format.name())
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
@@ -111,7 +137,8 @@ fn sigkill_during_ingest_loses_no_acknowledged_turn() {
         let s = stack();
         let mut e = engine(&s);
         let composer = Composer::new(&s.files, &Prompts::default()).unwrap();
-        let (mut mem, _warnings) = Memory::open(dir.path(), spec(), &e).unwrap();
+        let (mut mem, _warnings) = open(dir.path(), &e, format);
+        assert_eq!(mem.kv_format(USER).unwrap(), format);
         let facts = mem.facts(USER).unwrap().to_vec();
         let ids: Vec<&str> = facts.iter().map(|f| f.unit.id.as_str()).collect();
         assert!(ids.len() == acked.len() || ids.len() == acked.len() + 1, "round {round}: {ids:?} vs acked {acked:?}");
@@ -119,19 +146,31 @@ fn sigkill_during_ingest_loses_no_acknowledged_turn() {
         for (i, f) in facts.iter().enumerate() {
             assert_eq!(f.unit.text, turn(i).text, "round {round}: fact {i} intact");
         }
-        // KV is either reloaded intact or re-encoded; both equal a clean encoding.
+        // KV is either reloaded intact or re-encoded; both equal a clean
+        // encoding (in f32; within the format's rounding otherwise). The
+        // memory is reopened first so that the KV checked is read from disk.
         let mut enc = Encoders { engine: &mut e, embedder: &s.embedder, composer: &composer };
         mem.ensure_kv(USER, &mut enc).unwrap();
+        drop(mem);
+        let (mut mem, _) = open(dir.path(), &e, format);
         let last = facts.len() - 1;
         let mut context = composer.header().to_vec();
         context.extend(&facts[last - 1].tokens);
         let clean = e.encode(&context, &facts[last].tokens, context.len() as u32).unwrap();
-        assert!(mem.fetch(&CpuBackend, USER, &[last]).unwrap().missing.is_empty());
-        assert_eq!(
-            mem.kv(USER, last).unwrap().unwrap().to_host(&CpuBackend).unwrap(),
-            clean.to_host(&CpuBackend).unwrap(),
-            "round {round}: KV of the last fact"
-        );
+        let got = mem.fetch(&CpuBackend, USER, &[last]).unwrap();
+        assert!(got.missing.is_empty() && got.report.loaded == 1, "round {round}: read from disk");
+        let (k, v) = mem.kv(USER, last).unwrap().unwrap().to_host(&CpuBackend).unwrap();
+        let (ck, cv) = clean.to_host(&CpuBackend).unwrap();
+        for (a, b) in k.iter().chain(&v).zip(ck.iter().chain(&cv)) {
+            let scale = b.data.iter().fold(0f32, |m, x| m.max(x.abs()));
+            let bound = match format {
+                KvFormat::F32 => 0.0,
+                KvFormat::Bf16 => scale / 256.0,
+                KvFormat::Fp8 => scale / 16.0,
+            };
+            let diff = a.data.iter().zip(&b.data).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+            assert!(a.shape == b.shape && diff <= bound, "round {round}: {format} KV of the last fact off by {diff}");
+        }
         // An unacknowledged but complete fact counts as stored from now on.
         acked = ids.iter().map(|s| s.to_string()).collect();
     }

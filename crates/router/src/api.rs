@@ -403,6 +403,12 @@ fn usage(mode: Mode, f: &pb::Finished) -> openai::Usage {
             injected_tokens: u.injected_tokens,
             recomputed_tokens: (mode == Mode::Blend).then_some(u.recomputed_tokens),
             fact_ids: f.fact_ids.clone(),
+            sources: u.sources.filter(|_| mode.injects()).map(|s| openai::FactSources {
+                device: s.device,
+                host: s.host,
+                disk: s.disk,
+                prefilled: s.prefilled,
+            }),
         },
     }
 }

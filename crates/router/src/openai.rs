@@ -378,6 +378,21 @@ pub struct MemoryUsage {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub recomputed_tokens: Option<u32>,
     pub fact_ids: Vec<String>,
+    /// `kv` and `blend` on the native engine: where the facts' KV came from.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sources: Option<FactSources>,
+}
+
+/// Where the KV of a request's facts came from, in facts: cached on the
+/// GPU (`device`) or in pinned host memory (`host`), read from disk while
+/// the request waited (`disk`), or on disk only and so prefilled as text
+/// with the question (`prefilled`).
+#[derive(Debug, Serialize, Clone, Copy, PartialEq, Eq)]
+pub struct FactSources {
+    pub device: u32,
+    pub host: u32,
+    pub disk: u32,
+    pub prefilled: u32,
 }
 
 #[cfg(test)]

@@ -177,6 +177,7 @@ impl Relay {
                 completion_tokens: generated,
                 facts: composed.fact_ids.len(),
                 recomputed_tokens: 0,
+                sources: None,
             },
             timings,
             fact_ids: composed.fact_ids,

@@ -31,8 +31,8 @@ use crate::error::{Result, WorkerError};
 use crate::kv_reader::KvReader;
 use crate::metrics::WorkerMetrics;
 use crate::protocol::{
-    Command, Embedded, Event, Events, Finished, GenerateJob, Holdings, Load, MAX_INGEST_UNITS, MemoryHost, Protocol,
-    ProtocolConfig, SearchQuery, Timings, Usage, finish_reason, holdings, search_results,
+    Command, Embedded, Event, Events, FactSources, Finished, GenerateJob, Holdings, Load, MAX_INGEST_UNITS, MemoryHost,
+    Protocol, ProtocolConfig, SearchQuery, Timings, Usage, finish_reason, holdings, search_results,
 };
 use crate::scheduler::{RequestId, RequestSpec, Scheduler, SchedulerConfig};
 use crate::text::{Delta, TextStream};
@@ -136,6 +136,8 @@ struct Live<B: Backend> {
     /// and their tokens.
     paste: Vec<String>,
     pasted_tokens: usize,
+    /// Where the facts' KV came from (kv and blend modes).
+    sources: Option<FactSources>,
 }
 
 /// Where the engine thread's time goes, printed every 10 s when
@@ -288,7 +290,7 @@ struct Core<B: Backend> {
     next_id: RequestId,
     metrics: Arc<WorkerMetrics>,
     profile: Profile,
-    reader: KvReader,
+    reader: KvReader<B>,
 }
 
 /// The native engine's side of the protocol: the shard is this thread's,
@@ -410,7 +412,7 @@ impl<B: Backend> Core<B> {
         // KV is on disk only are prefilled this time (kv mode, by default)
         // and read for the next request by the reader threads; otherwise
         // read now, while the request waits for admission.
-        let (mut pinned, mut paste) = (None, Vec::new());
+        let (mut pinned, mut paste, mut sources) = (None, Vec::new(), None);
         if job.mode.injects() && !facts.is_empty() {
             self.complete_reads();
             let read_now = job.mode != Mode::Kv || self.cfg.cold_kv == ColdKv::Read;
@@ -419,6 +421,12 @@ impl<B: Backend> Core<B> {
                 self.metrics.kv_loaded(got.report.load_seconds);
             }
             retrieve.record("loaded", got.report.loaded as i64);
+            sources = Some(FactSources {
+                device: got.report.device_hits,
+                host: got.report.host_hits,
+                disk: got.report.loaded,
+                prefilled: got.cold.len(),
+            });
             if !got.cold.is_empty() {
                 let jobs = self.session.memory_mut().read_jobs(&job.user, &got.cold)?;
                 self.reader.read(jobs);
@@ -496,6 +504,7 @@ impl<B: Backend> Core<B> {
                 pinned,
                 paste: paste.iter().map(|&i| all[i].unit.id.clone()).collect(),
                 pasted_tokens,
+                sources,
             },
         );
         Ok(())
@@ -756,6 +765,7 @@ impl<B: Backend> Core<B> {
             completion_tokens: l.generated.len(),
             facts: l.fact_ids.len(),
             recomputed_tokens: l.seq.as_ref().map_or(0, Sequence::recomputed),
+            sources: l.sources,
         };
         self.metrics.recomputed(usage.recomputed_tokens);
         self.metrics.finished();

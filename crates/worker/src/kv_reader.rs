@@ -7,23 +7,24 @@
 use std::sync::mpsc::{Receiver, Sender, TryRecvError, channel};
 use std::sync::{Arc, Mutex};
 
+use inferscale_engine::Backend;
 use inferscale_memory::{ReadDone, ReadJob};
 
 /// Reads in flight at once: an NVMe queue wants several.
 const READERS: usize = 4;
 
-pub(crate) struct KvReader {
-    jobs: Sender<ReadJob>,
-    done: Receiver<ReadDone>,
+pub(crate) struct KvReader<B: Backend> {
+    jobs: Sender<ReadJob<B>>,
+    done: Receiver<ReadDone<B>>,
     /// Jobs run here because the reader threads were gone (never expected:
     /// they end only with this value), so that every job is answered.
-    inline: Vec<ReadDone>,
+    inline: Vec<ReadDone<B>>,
 }
 
-impl KvReader {
+impl<B: Backend> KvReader<B> {
     /// Starts the reader threads; they end when this value is dropped.
     pub(crate) fn start() -> std::io::Result<Self> {
-        let (jobs, queue) = channel::<ReadJob>();
+        let (jobs, queue) = channel::<ReadJob<B>>();
         let (finished, done) = channel();
         let queue = Arc::new(Mutex::new(queue));
         for n in 0..READERS {
@@ -45,7 +46,7 @@ impl KvReader {
     }
 
     /// Queues `jobs` for the reader threads.
-    pub(crate) fn read(&mut self, jobs: Vec<ReadJob>) {
+    pub(crate) fn read(&mut self, jobs: Vec<ReadJob<B>>) {
         for job in jobs {
             if let Err(gone) = self.jobs.send(job) {
                 self.inline.push(gone.0.run());
@@ -54,7 +55,7 @@ impl KvReader {
     }
 
     /// Reads finished since the last call.
-    pub(crate) fn finished(&mut self) -> Vec<ReadDone> {
+    pub(crate) fn finished(&mut self) -> Vec<ReadDone<B>> {
         let mut out = std::mem::take(&mut self.inline);
         loop {
             match self.done.try_recv() {

@@ -27,7 +27,7 @@ pub mod transfer;
 pub use engine_thread::{ColdKv, WorkerConfig, WorkerParts};
 pub use error::{Result, WorkerError};
 pub use protocol::{
-    Embedded, Event, Events, Finished, GenerateJob, Holdings, Load, MAX_EMBED_INPUTS, MAX_INGEST_UNITS,
+    Embedded, Event, Events, FactSources, Finished, GenerateJob, Holdings, Load, MAX_EMBED_INPUTS, MAX_INGEST_UNITS,
     MAX_SEARCH_TOP_K, MemoryHost, ProtocolConfig, SearchQuery, Stats, Timings, Usage, finish_reason, holdings,
     search_results,
 };

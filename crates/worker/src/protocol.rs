@@ -74,6 +74,22 @@ pub struct Usage {
     pub facts: usize,
     /// Of the injected tokens, those recomputed through every layer (blend).
     pub recomputed_tokens: usize,
+    /// kv and blend: where the facts' KV came from (`None` where the
+    /// engine does not say, and in prompt and none mode).
+    pub sources: Option<FactSources>,
+}
+
+/// Where the KV of a request's retrieved facts came from, in facts: the
+/// tiered store's view of one request (docs/serving.md, "Where stored KV
+/// lives").
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FactSources {
+    pub device: usize,
+    pub host: usize,
+    /// Read from disk while the request waited.
+    pub disk: usize,
+    /// On disk only, so pasted and prefilled with the question.
+    pub prefilled: usize,
 }
 
 #[derive(Debug, Clone)]

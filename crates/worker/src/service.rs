@@ -259,6 +259,12 @@ fn to_event(e: Event) -> std::result::Result<pb::GenerateEvent, Status> {
                 completion_tokens: f.usage.completion_tokens as u32,
                 facts: f.usage.facts as u32,
                 recomputed_tokens: f.usage.recomputed_tokens as u32,
+                sources: f.usage.sources.map(|s| pb::FactSources {
+                    device: s.device as u32,
+                    host: s.host as u32,
+                    disk: s.disk as u32,
+                    prefilled: s.prefilled as u32,
+                }),
             }),
             timings: Some(pb::Timings {
                 queue_ms: f.timings.queue_ms,

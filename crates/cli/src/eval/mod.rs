@@ -10,7 +10,9 @@
 //! measured apart, one request at a time as a user sees it, on the first
 //! `--ttft-questions` questions of each sample. Every answer's first-token
 //! distribution is kept to compare kv and blend with prompt mode (KL
-//! divergence) before it is dropped.
+//! divergence) before it is dropped. With several `--kv-format`s each
+//! window has a memory per format, and the answers from a lossy format are
+//! compared with the first format's (fidelity of the stored KV).
 
 mod report;
 mod retrieval;
@@ -28,7 +30,7 @@ use inferscale_engine::sampling::{SamplingParams, argmax};
 use inferscale_engine::{Backend, Engine, FinishReason, Sequence, generate_sequences};
 use inferscale_eval::locomo;
 use inferscale_eval::score::{copies_label, kl, locomo_f1, log_softmax, recall};
-use inferscale_memory::{Memory, Mode, Retriever, Session, ShardSpec};
+use inferscale_memory::{KvFormat, Memory, Mode, Retriever, Session, ShardSpec, StoreOptions};
 
 use crate::memory_cmd::{PromptArgs, parse_retriever};
 use crate::runtime::{ModelArgs, blend_ratio, load_on, on_backend};
@@ -68,6 +70,12 @@ pub struct LocomoArgs {
     /// is built per window, and kv and blend answer from each.
     #[arg(long, value_delimiter = ',', default_value = "0,20")]
     window: Vec<usize>,
+    /// Formats the memories store KV in (f32, bf16, fp8); each is a memory
+    /// per window, and kv and blend answer from each. Answers from the
+    /// second format on are compared with the first's (agreement and KL
+    /// `vs ref`). Default: one memory per window in the backend's own format.
+    #[arg(long, value_delimiter = ',')]
+    kv_format: Vec<KvFormat>,
     /// Question categories to score (5, adversarial, is excluded by default).
     #[arg(long, value_delimiter = ',', default_value = "1,2,3,4")]
     categories: Vec<u8>,
@@ -111,7 +119,8 @@ pub fn run(c: Command) -> Result<()> {
 struct Variant {
     mode: Mode,
     k: usize,
-    /// Index into the memories (one per window) for kv and blend mode.
+    /// Index into the memories (one per window and format) for kv and
+    /// blend mode.
     memory: usize,
     /// Blend: the share of injected tokens recomputed (else 0).
     blend_ratio: f32,
@@ -150,29 +159,42 @@ fn locomo_eval<B: Backend>(a: &LocomoArgs, backend: B) -> Result<()> {
     let prompts = a.prompts.prompts();
     let model = m.files.path.display().to_string();
 
-    // One memory per window, every sample a user of it: the session answers
-    // from the first; the others take its place in turn (`on_window`).
+    // One memory per window and format, every sample a user of it: the
+    // session answers from the first; the others take its place in turn
+    // (`on_memory`).
+    let formats: Vec<Option<KvFormat>> =
+        if a.kv_format.is_empty() { vec![None] } else { a.kv_format.iter().copied().map(Some).collect() };
     let mut memories = Vec::new();
+    let mut stores = Vec::new();
     for &w in &a.window {
-        let dir = a.out.join(format!("memory-w{w}"));
-        let (mut mem, warnings) = Memory::open(&dir, ShardSpec::new(&m.files, w, &prompts)?, &m.engine)?;
-        warnings.iter().for_each(|x| eprintln!("inferscale eval: warning: {x}"));
-        mem.set_retriever(a.retriever);
-        memories.push(mem);
+        for &format in &formats {
+            let dir = a.out.join(match format {
+                None => format!("memory-w{w}"),
+                Some(f) => format!("memory-w{w}-{f}"),
+            });
+            let options = StoreOptions { format, ..StoreOptions::default() };
+            let (mut mem, warnings) =
+                Memory::open_with(&dir, ShardSpec::new(&m.files, w, &prompts)?, &m.engine, options)?;
+            warnings.iter().for_each(|x| eprintln!("inferscale eval: warning: {x}"));
+            mem.set_retriever(a.retriever);
+            memories.push(mem);
+            stores.push(Store { window: w, format });
+        }
     }
     let first = memories.remove(0);
     let mut session = Session::new(Arc::new(m.files), m.engine, embedder, first, &prompts)?;
     let mut ingest = Vec::new();
-    for (i, &w) in a.window.iter().enumerate() {
+    for (i, &Store { window: w, format }) in stores.iter().enumerate() {
         let (t0, mut turns, mut tokens) = (Instant::now(), 0, 0);
-        on_window(&mut session, &mut memories, i, |s| -> Result<()> {
+        on_memory(&mut session, &mut memories, i, |s| -> Result<()> {
             for sample in &samples {
                 for (j, batch) in sample.turns.chunks(16).enumerate() {
                     let r = s.ingest(&sample.id, batch, false)?;
                     turns += r.added;
                     tokens += r.encoded_tokens;
                     eprint!(
-                        "\rinferscale eval: window {w}: ingest {} {}/{}   ",
+                        "\rinferscale eval: window {w}{}: ingest {} {}/{}   ",
+                        format.map_or(String::new(), |f| format!(" {f}")),
                         sample.id,
                         (j * 16 + batch.len()).min(sample.turns.len()),
                         sample.turns.len()
@@ -185,6 +207,7 @@ fn locomo_eval<B: Backend>(a: &LocomoArgs, backend: B) -> Result<()> {
         if turns > 0 {
             ingest.push(Ingest {
                 window: w,
+                kv_format: format.map(|f| f.to_string()),
                 turns,
                 seconds: secs,
                 turns_per_s: turns as f64 / secs,
@@ -206,7 +229,7 @@ fn locomo_eval<B: Backend>(a: &LocomoArgs, backend: B) -> Result<()> {
         if want(Mode::Prompt) {
             variants.push(plain(Mode::Prompt, k, 0));
         }
-        for memory in 0..a.window.len() {
+        for memory in 0..stores.len() {
             if want(Mode::Kv) {
                 variants.push(plain(Mode::Kv, k, memory));
             }
@@ -237,7 +260,7 @@ fn locomo_eval<B: Backend>(a: &LocomoArgs, backend: B) -> Result<()> {
         }
     }
 
-    let plan = AnswerPlan { windows: &a.window, variants: &variants, eos: &eos, max_tokens: a.max_tokens };
+    let plan = AnswerPlan { stores: &stores, variants: &variants, eos: &eos, max_tokens: a.max_tokens };
     let mut answers = Vec::new();
     let header_len = session.header().len();
     let mut batch: Vec<&Asked<'_>> = Vec::new();
@@ -277,7 +300,7 @@ fn locomo_eval<B: Backend>(a: &LocomoArgs, backend: B) -> Result<()> {
     for s in &samples {
         for q in asked.iter().filter(|q| q.sample == s.id).take(a.ttft_questions) {
             for (vi, v) in variants.iter().enumerate() {
-                let ms = on_window(&mut session, &mut memories, v.memory, |s| -> Result<f64> {
+                let ms = on_memory(&mut session, &mut memories, v.memory, |s| -> Result<f64> {
                     let start = Instant::now();
                     let top = match v.mode {
                         Mode::None => Vec::new(),
@@ -316,11 +339,18 @@ fn locomo_eval<B: Backend>(a: &LocomoArgs, backend: B) -> Result<()> {
     report::write_outputs(&a.out, &report)
 }
 
+/// What a memory of the evaluation holds: facts encoded with `window`
+/// turns of context, KV stored in `format` (`None`: the backend's own).
+struct Store {
+    window: usize,
+    format: Option<KvFormat>,
+}
+
 /// How every question is answered: in each variant, greedily, up to
 /// `max_tokens` or a newline.
 struct AnswerPlan<'a> {
-    /// The window of each memory (index 0: the session's own).
-    windows: &'a [usize],
+    /// Each memory's window and format (index 0: the session's own).
+    stores: &'a [Store],
     variants: &'a [Variant],
     eos: &'a [u32],
     max_tokens: usize,
@@ -329,23 +359,25 @@ struct AnswerPlan<'a> {
 impl AnswerPlan<'_> {
     /// Answers every variant of `batch`'s questions in one batch of sequences
     /// and scores them; kv answers are compared with the prompt answer of the
-    /// same question and k. Returns each answer with its variant's index.
+    /// same question and k, and those from a memory in another format than
+    /// the first with the first format's answer of the same variant.
+    /// Returns each answer with its variant's index.
     fn answer<B: Backend>(
         &self,
         session: &mut Session<B>,
         memories: &mut [Memory<B>],
         batch: &[&Asked<'_>],
     ) -> Result<Vec<(usize, Answer)>> {
-        let AnswerPlan { windows, variants, eos, max_tokens } = *self;
+        let AnswerPlan { stores, variants, eos, max_tokens } = *self;
         let mut seqs = Vec::with_capacity(batch.len() * variants.len());
         let mut rows = Vec::with_capacity(seqs.capacity());
         for q in batch {
             let fact_ids: Vec<String> = session.memory().facts(q.sample)?.iter().map(|f| f.unit.id.clone()).collect();
             for (vi, v) in variants.iter().enumerate() {
-                let window = windows[v.memory];
+                let Store { window, format } = stores[v.memory];
                 let ids = &q.top[..v.k.min(q.top.len())];
                 let names: Vec<&str> = ids.iter().map(|&i| fact_ids[i].as_str()).collect();
-                let p = on_window(session, memories, v.memory, |s| {
+                let p = on_memory(session, memories, v.memory, |s| {
                     s.prepare(q.sample, ids, v.mode, v.blend_ratio, &q.tokens)
                 })?;
                 seqs.push(p.seq);
@@ -358,6 +390,7 @@ impl AnswerPlan<'_> {
                         mode: v.mode.as_str().into(),
                         blend_ratio: (v.mode == Mode::Blend).then_some(v.blend_ratio),
                         window: v.mode.injects().then_some(window),
+                        kv_format: format.filter(|_| v.mode.injects()).map(|f| f.to_string()),
                         k: v.k,
                         answer: String::new(),
                         f1: 0.0,
@@ -365,6 +398,8 @@ impl AnswerPlan<'_> {
                         recall: if v.mode == Mode::None { None } else { recall(&names, &q.qa.evidence) },
                         kl_vs_prompt: None,
                         same_as_prompt: None,
+                        kl_vs_reference: None,
+                        same_as_reference: None,
                         copies_label: None,
                     },
                 ));
@@ -374,6 +409,10 @@ impl AnswerPlan<'_> {
         let tok = files.tokenizer.as_ref().context("the model has no tokenizer")?;
         let outs = answer_batch(session.engine_mut(), seqs, tok, eos, max_tokens)?;
         let mut prompt_ref: HashMap<(String, usize, usize), (Vec<f64>, String)> = HashMap::new();
+        // The first format's answers, by question and variant but format.
+        type FormatKey = (String, usize, usize, &'static str, Option<String>, Option<usize>);
+        let mut format_ref: HashMap<FormatKey, (Vec<f64>, String)> = HashMap::new();
+        let first_format = stores.first().and_then(|s| s.format);
         let golds =
             batch.iter().flat_map(|q| std::iter::repeat_n(q.qa.answer.as_deref().unwrap_or_default(), variants.len()));
         for (((vi, r), (lp, text)), gold) in rows.iter_mut().zip(outs).zip(golds) {
@@ -389,6 +428,14 @@ impl AnswerPlan<'_> {
                         r.kl_vs_prompt = Some(kl(plp, &lp));
                         r.same_as_prompt = Some(&text == ptext);
                     }
+                    let mode = variants[*vi].mode.as_str();
+                    let fkey = (key.0, key.1, key.2, mode, r.blend_ratio.map(|x| x.to_string()), r.window);
+                    if stores[variants[*vi].memory].format == first_format {
+                        format_ref.insert(fkey, (lp, text.clone()));
+                    } else if let Some((flp, ftext)) = format_ref.get(&fkey) {
+                        r.kl_vs_reference = Some(kl(flp, &lp));
+                        r.same_as_reference = Some(&text == ftext);
+                    }
                 }
                 Mode::None => {}
             }
@@ -398,9 +445,9 @@ impl AnswerPlan<'_> {
     }
 }
 
-/// Runs `f` on the session with the memory of window index `i` in place:
-/// the session's own for the first window, `rest[i - 1]` for the others.
-fn on_window<B: Backend, R>(
+/// Runs `f` on the session with memory `i` in place: the session's own
+/// for the first, `rest[i - 1]` for the others.
+fn on_memory<B: Backend, R>(
     session: &mut Session<B>,
     rest: &mut [Memory<B>],
     i: usize,

@@ -19,6 +19,10 @@ pub(super) struct Answer {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(super) blend_ratio: Option<f32>,
     pub(super) window: Option<usize>,
+    /// kv and blend rows when formats were chosen (`--kv-format`): the
+    /// format the memory stored the KV in.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) kv_format: Option<String>,
     pub(super) k: usize,
     pub(super) answer: String,
     pub(super) f1: f64,
@@ -29,6 +33,13 @@ pub(super) struct Answer {
     /// distributions, and whether the greedy answers are identical.
     pub(super) kl_vs_prompt: Option<f64>,
     pub(super) same_as_prompt: Option<bool>,
+    /// kv and blend rows from a memory in another format than the first
+    /// `--kv-format`: KL(first format ‖ this) of the first-token
+    /// distributions, and whether the greedy answers are identical.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) kl_vs_reference: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) same_as_reference: Option<bool>,
     /// Whether the answer copies a fact's `Speaker (date):` label (absent
     /// in reports written before this was counted).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -38,6 +49,8 @@ pub(super) struct Answer {
 #[derive(Serialize, Deserialize)]
 pub(super) struct Ingest {
     pub(super) window: usize,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) kv_format: Option<String>,
     pub(super) turns: usize,
     pub(super) seconds: f64,
     pub(super) turns_per_s: f64,
@@ -50,6 +63,8 @@ pub(super) struct Row {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(super) blend_ratio: Option<f32>,
     pub(super) window: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) kv_format: Option<String>,
     pub(super) k: usize,
     pub(super) n: usize,
     pub(super) f1: f64,
@@ -59,17 +74,28 @@ pub(super) struct Row {
     pub(super) ttft_ms_median: f64,
     pub(super) agreement: Option<f64>,
     pub(super) kl_mean: Option<f64>,
+    /// Rows in another format than the first: agreement with and mean KL
+    /// from the first format's answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) agreement_vs_reference: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) kl_vs_reference: Option<f64>,
     /// Share of answers that copy a fact's label.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(super) labels: Option<f64>,
 }
 
 impl Row {
-    /// The mode as tables and charts name it: `blend r=0.15` for blend.
+    /// The mode as tables and charts name it: `blend r=0.15` for blend,
+    /// followed by the KV format when formats were chosen.
     fn mode_label(&self) -> String {
-        match self.blend_ratio {
+        let mode = match self.blend_ratio {
             Some(r) => format!("{} r={r}", self.mode),
             None => self.mode.clone(),
+        };
+        match &self.kv_format {
+            Some(f) => format!("{mode} {f}"),
+            None => mode,
         }
     }
 }
@@ -138,19 +164,21 @@ fn panels(rows: &[Row]) -> Vec<plot::Panel> {
 }
 
 pub(super) fn summarize(answers: &[Answer]) -> Vec<Row> {
-    // (mode, blend ratio, window, k); ratios are keyed by their text (f32 has no order to sort by).
-    type Key = (String, Option<String>, Option<usize>, usize);
+    // (mode, blend ratio, window, format, k); ratios are keyed by their text (f32 has no order to sort by).
+    type Key = (String, Option<String>, Option<usize>, Option<String>, usize);
     let mut groups: BTreeMap<Key, Vec<&Answer>> = BTreeMap::new();
     for x in answers {
-        groups.entry((x.mode.clone(), x.blend_ratio.map(|r| r.to_string()), x.window, x.k)).or_default().push(x);
+        let key = (x.mode.clone(), x.blend_ratio.map(|r| r.to_string()), x.window, x.kv_format.clone(), x.k);
+        groups.entry(key).or_default().push(x);
     }
     groups
         .into_iter()
-        .map(|((mode, _, window, k), xs)| {
+        .map(|((mode, _, window, kv_format, k), xs)| {
             let mean = |v: Vec<f64>| if v.is_empty() { 0.0 } else { v.iter().sum::<f64>() / v.len() as f64 };
             let mut by_cat: BTreeMap<u8, Vec<f64>> = BTreeMap::new();
             xs.iter().for_each(|x| by_cat.entry(x.category).or_default().push(x.f1));
             let kls: Vec<f64> = xs.iter().filter_map(|x| x.kl_vs_prompt).collect();
+            let ref_kls: Vec<f64> = xs.iter().filter_map(|x| x.kl_vs_reference).collect();
             let share = |f: fn(&Answer) -> Option<bool>| {
                 let v: Vec<f64> = xs.iter().filter_map(|x| f(x).map(|b| if b { 1.0 } else { 0.0 })).collect();
                 (!v.is_empty()).then(|| mean(v))
@@ -159,6 +187,7 @@ pub(super) fn summarize(answers: &[Answer]) -> Vec<Row> {
                 mode,
                 blend_ratio: xs[0].blend_ratio,
                 window,
+                kv_format,
                 k,
                 n: xs.len(),
                 f1: mean(xs.iter().map(|x| x.f1).collect()),
@@ -170,6 +199,8 @@ pub(super) fn summarize(answers: &[Answer]) -> Vec<Row> {
                 ttft_ms_median: median(xs.iter().filter_map(|x| x.ttft_ms).collect()),
                 agreement: share(|x| x.same_as_prompt),
                 kl_mean: (!kls.is_empty()).then(|| mean(kls)),
+                agreement_vs_reference: share(|x| x.same_as_reference),
+                kl_vs_reference: (!ref_kls.is_empty()).then(|| mean(ref_kls)),
                 labels: share(|x| x.copies_label),
             }
         })
@@ -187,13 +218,17 @@ fn markdown(r: &Report) -> String {
     if let Some(p) = &r.prompts {
         s += &format!("Memory turn: {}; answer instruction: {:?}\n\n", p.turn.as_str(), p.instruction);
     }
-    s += "| mode | window | k | n | F1 | F1 cat 1 | cat 2 | cat 3 | cat 4 | recall@k | TTFT ms (median) | agreement | KL | labels |\n";
-    s += "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+    // Columns comparing formats only when the run compared them.
+    let vs_ref = r.summary.iter().any(|x| x.agreement_vs_reference.is_some());
+    s += "| mode | window | k | n | F1 | F1 cat 1 | cat 2 | cat 3 | cat 4 | recall@k | TTFT ms (median) | agreement | KL | labels |";
+    s += if vs_ref { " agreement vs ref | KL vs ref |\n" } else { "\n" };
+    s += "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|";
+    s += if vs_ref { "---:|---:|\n" } else { "\n" };
     for x in &r.summary {
         let cat = |c: u8| x.f1_by_category.get(&c).map_or("-".to_string(), |v| format!("{v:.3}"));
         let opt = |v: Option<f64>, p: usize| v.map_or("-".to_string(), |v| format!("{v:.p$}"));
         s += &format!(
-            "| {} | {} | {} | {} | {:.3} | {} | {} | {} | {} | {} | {:.1} | {} | {} | {} |\n",
+            "| {} | {} | {} | {} | {:.3} | {} | {} | {} | {} | {} | {:.1} | {} | {} | {} |",
             x.mode_label(),
             x.window.map_or("-".into(), |w| w.to_string()),
             x.k,
@@ -209,12 +244,17 @@ fn markdown(r: &Report) -> String {
             opt(x.kl_mean, 4),
             opt(x.labels, 3)
         );
+        if vs_ref {
+            s += &format!(" {} | {} |", opt(x.agreement_vs_reference, 3), opt(x.kl_vs_reference, 5));
+        }
+        s += "\n";
     }
     if !r.ingest.is_empty() {
         s += "\n| ingest window | turns | seconds | turns/s | encoded tokens/s |\n|---:|---:|---:|---:|---:|\n";
         for i in &r.ingest {
+            let format = i.kv_format.as_ref().map_or(String::new(), |f| format!(" ({f})"));
             s += &format!(
-                "| {} | {} | {:.1} | {:.2} | {:.0} |\n",
+                "| {}{format} | {} | {:.1} | {:.2} | {:.0} |\n",
                 i.window, i.turns, i.seconds, i.turns_per_s, i.encoded_tokens_per_s
             );
         }

@@ -98,6 +98,10 @@ impl Backend for CpuBackend {
         Ok(CpuTensor { rows, cols, data: t.data.clone(), packed: None })
     }
 
+    fn host_tier_upload(&self) -> Option<crate::backend::HostTierUpload<CpuTensor>> {
+        Some(std::sync::Arc::new(|ts: &[&HostTensor]| ts.iter().map(|t| CpuBackend.upload_rows(t)).collect()))
+    }
+
     fn to_host(&self, t: &CpuTensor) -> Result<HostTensor> {
         let data = match &t.packed {
             Some(p) => p.unpack(),

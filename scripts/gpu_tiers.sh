@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# The tiered KV store under load (docs/performance.md, "Many users per
+# GPU"): `inferscale serve` on the Llama-3.1-8B shape (random weights) with
+# device and host budgets far below the store, a population of distinct
+# synthetic users ingested once, then the server restarted with the page
+# cache dropped (every fact's KV on disk only; the store's open time is in
+# serve.log), and `inferscale loadtest` with 100 closed-loop clients whose
+# requests pick users by a Zipf law: kv, then prompt mode on the same
+# request stream, then kv over the 10 most popular users only (all cached:
+# the resident figure under the same load).
+#
+#   gpu_tiers.sh ingest BIN OUT    serve, ingest the population, stop
+#   gpu_tiers.sh run BIN OUT       restart cold, measure, stop
+#
+# Environment (defaults): USERS=400 FACTS=8 K=8 FORMAT=fp8 DEVICE_MB=2048
+# HOST_MB=8192 ZIPF=1.0 DURATION_S=60 STORE_DIR=/tmp/inferscale-tiers.
+set -uo pipefail
+step=$1 bin=$2 out=$3
+users=${USERS:-400} facts=${FACTS:-8} k=${K:-8} format=${FORMAT:-fp8}
+mem=${STORE_DIR:-/tmp/inferscale-tiers}
+source "$(dirname "$0")/gpu_env.sh"
+mkdir -p "$out"
+
+serve() {
+  "$bin" serve --listen 127.0.0.1:8080 --worker-http-listen 127.0.0.1:9090 --memory "$mem" \
+    --backend cuda --shape llama3.1-8b --random-weights --embedder random --window 0 \
+    --kv-format "$format" --kv-device-mb "${DEVICE_MB:-2048}" --kv-host-mb "${HOST_MB:-8192}" \
+    --kv-cache-mb 40000 --max-batch-tokens 2048 --max-running 128 --max-queue 512 --deadline-s 600 \
+    >>"$out/serve.log" 2>&1 &
+  srv=$!
+  for _ in $(seq 1 300); do
+    curl -sf http://127.0.0.1:8080/readyz >/dev/null && return
+    sleep 1
+  done
+  echo "the server did not become ready" >&2
+  exit 1
+}
+
+stop() {
+  curl -s http://127.0.0.1:9090/metrics >"$out/worker-metrics-$1.txt"
+  kill "$srv"
+  wait "$srv"
+}
+
+loadtest() {
+  "$bin" loadtest --url http://127.0.0.1:8080 --synthetic-facts "$facts" --k "$k" --max-tokens 32 \
+    --ignore-eos --user-prefix tiers --machine "$(cat "$out/gpu.txt")" "$@"
+}
+
+case $step in
+ingest)
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+  rm -rf "$mem"
+  serve
+  # One request after the ingest: the population is stored by the first run.
+  loadtest --population "$users" --users 1 --modes kv --requests 1 --warmup 0 --json "$out/ingest.json" \
+    2>&1 | tee "$out/ingest.txt"
+  stop ingest
+  du -sh "$mem" | tee "$out/store-size.txt"
+  df -h "$(dirname "$mem")" | tail -1 | tee -a "$out/store-size.txt"
+  ;;
+run)
+  sync
+  echo 3 >/proc/sys/vm/drop_caches
+  serve
+  grep "opened memory" "$out/serve.log" | tail -1 | tee "$out/open.txt"
+  loadtest --population "$users" --zipf "${ZIPF:-1.0}" --users 100 --modes kv,prompt --requests 100000 \
+    --duration-s "${DURATION_S:-60}" --json "$out/tiers.json" 2>&1 | tee "$out/tiers.txt"
+  loadtest --population 10 --users 100 --modes kv --requests 100000 --duration-s "${DURATION_S:-60}" \
+    --json "$out/tiers-hot.json" 2>&1 | tee "$out/tiers-hot.txt"
+  stop run
+  ;;
+*)
+  echo "usage: gpu_tiers.sh ingest|run BIN OUT" >&2
+  exit 2
+  ;;
+esac

@@ -74,6 +74,10 @@ pub struct RouterArgs {
     /// Deadline of every worker call, in seconds.
     #[arg(long, env = "INFERSCALE_DEADLINE_S", default_value_t = 120)]
     deadline_s: u64,
+    /// Deadline of an ingest job (`POST /v1/memories` with `"async":
+    /// true`), in seconds.
+    #[arg(long, env = "INFERSCALE_JOB_DEADLINE_S", default_value_t = 6 * 3600)]
+    job_deadline_s: u64,
     /// Largest request body, in bytes.
     #[arg(long, default_value_t = 4 << 20)]
     body_limit: usize,
@@ -314,6 +318,7 @@ fn router_config(a: &RouterArgs, membership: Membership, listen: SocketAddr) -> 
             max_k: MAX_K,
             max_tokens: a.default_max_tokens,
             deadline: Duration::from_secs(a.deadline_s.max(1)),
+            job_deadline: Duration::from_secs(a.job_deadline_s.max(1)),
             body_limit: a.body_limit,
         },
         load_factor: a.load_factor,

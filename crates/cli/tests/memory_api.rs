@@ -227,3 +227,78 @@ fn messages_metadata_get_and_search() {
     assert_eq!((listed["total"].clone(), listed["units"][0]["id"].clone()), (json!(1), json!(chef_id)));
     assert_eq!(call(a, "GET", "/v1/memories/m1", Value::Null)["total"], 5);
 }
+
+fn turns(prefix: &str, n: usize) -> Vec<Value> {
+    (0..n)
+        .map(|i| {
+            let speaker = if i % 2 == 0 { "Caroline" } else { "Melanie" };
+            let text = format!("Turn {i}: we talked about place {} and friend {}.", i * 7 % 13, i * 5 % 11);
+            json!({"id": format!("{prefix}{i}"), "speaker": speaker, "text": text, "time": "8 May 2023"})
+        })
+        .collect()
+}
+
+/// Polls job `id` until it is no longer running; its last status.
+fn wait_job(a: &str, id: &str) -> Value {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(180);
+    loop {
+        let v = call(a, "GET", &format!("/v1/memories/jobs/{id}"), Value::Null);
+        if v["status"] != "running" {
+            return v;
+        }
+        assert!(std::time::Instant::now() < deadline, "job {id} never ended: {v}");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
+/// `"async": true` makes an ingest a job: 202 at once with its id and
+/// `Location`, a status with progress while it runs and the ingest's
+/// answer once done; a cancelled job leaves none of its units (the worker
+/// removes what it stored). Unknown jobs and cancelling a finished job are
+/// refused with the JSON error shape.
+#[test]
+fn ingest_jobs_run_report_and_cancel() {
+    let dir = tempfile::tempdir().unwrap();
+    let srv = serve(&dir.path().join("mem"));
+    let a = srv.addr.as_str();
+    let body = json!({"user": "jo", "turns": turns("J", 12), "async": true});
+    let (status, started) = json_call(a, "POST", "/v1/memories", &body);
+    assert_eq!(status, 202, "{started}");
+    let id = started["job"].as_str().unwrap().to_string();
+    assert_eq!((started["status"].as_str(), started["units"].as_u64()), (Some("running"), Some(12)), "{started}");
+    assert_eq!(started["location"], json!(format!("/v1/memories/jobs/{id}")));
+    let running = call(a, "GET", &format!("/v1/memories/jobs/{id}"), Value::Null);
+    if running["status"] == "running" {
+        let stored = running["stored"].as_u64().unwrap();
+        assert!(stored <= 12, "{running}");
+    }
+    let done = wait_job(a, &id);
+    assert_eq!(done["status"], "done", "{done}");
+    assert_eq!(done["result"]["added"], 12, "{done}");
+    assert_eq!(call(a, "GET", "/v1/memories/jo", Value::Null)["total"], 12);
+    refused(a, "DELETE", &format!("/v1/memories/jobs/{id}"), Value::Null, 409, "already ended");
+
+    // Cancelled while it runs: none of its units stay.
+    let body = json!({"user": "jo", "turns": turns("C", 60), "async": true});
+    let (status, started) = json_call(a, "POST", "/v1/memories", &body);
+    assert_eq!(status, 202, "{started}");
+    let id = started["job"].as_str().unwrap().to_string();
+    let cancelled = call(a, "DELETE", &format!("/v1/memories/jobs/{id}"), Value::Null);
+    assert_eq!(cancelled["status"], "cancelled", "{cancelled}");
+    assert_eq!(call(a, "GET", &format!("/v1/memories/jobs/{id}"), Value::Null)["status"], "cancelled");
+    // The worker notices at its next batch; then the user has its 12 units only.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let v = call(a, "GET", "/v1/memories/jo?limit=1000", Value::Null);
+        let units = v["units"].as_array().unwrap();
+        if v["total"] == 12 && units.iter().all(|u| u["id"].as_str().unwrap().starts_with('J')) {
+            // And it stays so: the cancelled ingest does not go on.
+            std::thread::sleep(std::time::Duration::from_secs(2));
+            assert_eq!(call(a, "GET", "/v1/memories/jo", Value::Null)["total"], 12);
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the cancelled job's units stayed: {v}");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    refused(a, "GET", "/v1/memories/jobs/ij-nope", Value::Null, 404, "no ingest job");
+}

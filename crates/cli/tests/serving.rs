@@ -326,6 +326,51 @@ fn cold_facts_are_prefilled_while_their_kv_is_read() {
     assert!(v["usage"]["memory"].get("sources").is_none(), "{v}");
 }
 
+/// SIGKILL in the middle of a large ingest request: after a restart none
+/// of its units are there (before ingests were committed per request, the
+/// first batches stayed: 16 of 120 units in the repro); the retried
+/// request stores all of them, and a kill after its answer loses none.
+#[test]
+fn a_request_killed_mid_ingest_leaves_none_of_its_units() {
+    let dir = tempfile::tempdir().unwrap();
+    let mem = dir.path().join("mem");
+    let turns: Vec<Value> = (0..40)
+        .map(|i| {
+            let speaker = if i % 2 == 0 { "Caroline" } else { "Melanie" };
+            let text = format!("Turn {i}: I visited place {} and met friend {} there.", i * 7 % 13, i * 5 % 11);
+            json!({"id": format!("K{i}"), "speaker": speaker, "text": text, "time": "1:56 pm on 8 May, 2023"})
+        })
+        .collect();
+    let body = json!({"user": "k1", "turns": turns});
+    {
+        let s = serve(&mem, &["--window", "2"]);
+        let (addr, b) = (s.addr.clone(), body.clone());
+        std::thread::spawn(move || {
+            let _ = http(&addr, "POST", "/v1/memories", b.to_string().as_bytes());
+        });
+        // Units are listed as their batches are stored; kill between batches.
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            let (status, v) = json_call(&s.addr, "GET", "/v1/memories/k1", &Value::Null);
+            let total = v["total"].as_u64().unwrap_or(0);
+            if status == 200 && total >= 8 {
+                assert!(total < 40, "the whole request was stored before the kill: {v}");
+                break;
+            }
+            assert!(Instant::now() < deadline, "the ingest never got going: {status} {v}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    } // SIGKILL
+    let s = serve(&mem, &["--window", "2"]);
+    let (status, v) = json_call(&s.addr, "GET", "/v1/memories/k1", &Value::Null);
+    assert_eq!(status, 404, "none of the unanswered request's units, not even its user: {v}");
+    let (status, v) = json_call(&s.addr, "POST", "/v1/memories", &body);
+    assert_eq!((status, v["added"].as_u64()), (200, Some(40)), "the retry stores it all: {v}");
+    drop(s); // SIGKILL after the answer
+    let s = serve(&mem, &["--window", "2"]);
+    assert_eq!(units(&s.addr, "k1").as_array().unwrap().len(), 40);
+}
+
 fn locomo() -> Vec<Value> {
     let path = std::env::var_os("INFERSCALE_LOCOMO")
         .map(PathBuf::from)

@@ -650,6 +650,16 @@ fn model_files<G: Backend + Clone>(
     push(&mut out, "E3 kept KV (side stream) = main-stream launch, bit for bit", bit_error(&e3g, &e3d), 0.0, false);
     let e3h = inject_independent(&mut g, &header, &facts, &question, KvSource::HostTier)?;
     push(&mut out, "E3 from the host tier = from device memory, bit for bit", bit_error(&e3h, &e3g), 0.0, false);
+    // Again: the host-tier buffers of the run above went back to the pool
+    // (`tier.rs`), and this run's facts, of the same sizes, take them.
+    let e3r = inject_independent(&mut g, &header, &facts, &question, KvSource::HostTier)?;
+    push(
+        &mut out,
+        "E3 from reused host-tier buffers = from device memory, bit for bit",
+        bit_error(&e3r, &e3g),
+        0.0,
+        false,
+    );
 
     // kv+blend. The first fact was encoded after the header alone, as it is
     // served, so its tokens' values do not move when recomputed; the other

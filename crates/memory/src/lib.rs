@@ -3,6 +3,7 @@
 
 mod answer;
 mod cache;
+mod commit;
 mod compose;
 mod error;
 mod fact;

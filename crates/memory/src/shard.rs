@@ -165,7 +165,7 @@ pub struct Footprint {
 
 pub struct Memory<B: Backend> {
     pub(crate) dir: PathBuf,
-    spec: ShardSpec,
+    pub(crate) spec: ShardSpec,
     /// What this shard's KV segments must have been made with, in the
     /// format new segments are written in.
     pub(crate) header: KvHeader,
@@ -285,23 +285,22 @@ impl<B: Backend> Memory<B> {
             let shard = UserShard::open(&entry.path(), &kv_header, &mut warnings)?;
             users.insert(user, shard);
         }
-        Ok((
-            Memory {
-                dir: dir.to_path_buf(),
-                spec,
-                header: kv_header,
-                pending: users.keys().cloned().collect(),
-                users,
-                encode_batch: ENCODE_BATCH,
-                cache: KvCache::new(be, options.budgets, c.num_layers, c.kv_dim()),
-                reading: Default::default(),
-                upload: be.host_tier_upload(),
-                context: c.max_position_embeddings,
-                retriever: Retriever::default(),
-                _lock: lock,
-            },
-            warnings,
-        ))
+        let mut memory = Memory {
+            dir: dir.to_path_buf(),
+            spec,
+            header: kv_header,
+            pending: users.keys().cloned().collect(),
+            users,
+            encode_batch: ENCODE_BATCH,
+            cache: KvCache::new(be, options.budgets, c.num_layers, c.kv_dim()),
+            reading: Default::default(),
+            upload: be.host_tier_upload(),
+            context: c.max_position_embeddings,
+            retriever: Retriever::default(),
+            _lock: lock,
+        };
+        memory.recover_ingests(&mut warnings)?;
+        Ok((memory, warnings))
     }
 
     /// Facts encoded per engine call. Each holds KV blocks of the engine's

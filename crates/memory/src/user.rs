@@ -335,6 +335,43 @@ impl<B: Backend> UserShard<B> {
         Ok(cascades)
     }
 
+    /// Removes the facts `ids` (those stored) and every stored KV derived
+    /// from them (their windows' later facts, the facts they are the
+    /// source turn of): the KV log is rewritten first, then the fact log,
+    /// once each, so that a crash between leaves the facts with their KV
+    /// re-encoded when needed. Returns how many facts went, and whether
+    /// other facts lost their KV (to re-encode).
+    pub(crate) fn remove_facts(
+        &mut self,
+        ids: &[String],
+        window: usize,
+        cache: &mut KvCache<B>,
+    ) -> Result<(usize, bool)> {
+        let mut idxs: Vec<usize> = ids.iter().filter_map(|id| self.by_id.get(id).copied()).collect();
+        idxs.sort_unstable();
+        idxs.dedup();
+        if idxs.is_empty() {
+            return Ok((0, false));
+        }
+        let mut drop: Vec<usize> = idxs.clone();
+        for &i in &idxs {
+            drop.extend(self.derived_from(i, window).iter().filter_map(|id| self.by_id.get(id).copied()));
+        }
+        drop.sort_unstable();
+        drop.dedup();
+        let cascades = drop.len() > idxs.len();
+        self.rewrite_kv_without(&drop)?;
+        for &i in &drop {
+            cache.remove(self.kv[i].key);
+        }
+        for &i in idxs.iter().rev() {
+            self.remove_fact(i, cache);
+        }
+        let records: Vec<Vec<u8>> = self.facts.iter().map(Record::encode_put).collect();
+        self.log.rewrite(&records)?;
+        Ok((idxs.len(), cascades))
+    }
+
     /// Rewrites the segment without the records of facts `drop` (and
     /// without any record that no longer reads back: its fact is
     /// re-encoded), re-indexing the rest.

@@ -591,3 +591,83 @@ fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
     }
     out
 }
+
+/// An ingest begun and not committed — the process died between its
+/// batches, or a batch failed — leaves nothing of its request: at the next
+/// open (a crash), or at once (`abort_ingest`), its units and their KV are
+/// removed, earlier requests are untouched, and the retried request stores
+/// it all. Before ingests were begun and committed, the first batches of a
+/// request stayed (the repro of the issue: 16 of 120 units after a kill).
+#[test]
+fn an_ingest_not_committed_leaves_nothing_of_its_request() {
+    let m = models();
+    let mut e = engine(&m);
+    let composer = Composer::new(&m.files, &Prompts::default()).unwrap();
+    let window = 2;
+    let dir = tempfile::tempdir().unwrap();
+    let (mut mem, _) = open(dir.path(), &e, window);
+    let mut enc = Encoders { engine: &mut e, embedder: &m.embedder, composer: &composer };
+    let first = turns("A", 3);
+    mem.begin_ingest("ana", &first).unwrap();
+    mem.ingest("ana", &first, &mut enc).unwrap();
+    mem.commit_ingest("ana").unwrap();
+    let committed = kv_by_id(&mut mem, "ana");
+
+    // A second request of six units, stored in three batches; the process
+    // dies after the second (the memory is dropped without a commit).
+    let second = turns("B", 6);
+    mem.begin_ingest("ana", &second).unwrap();
+    mem.ingest("ana", &second[..2], &mut enc).unwrap();
+    mem.ingest("ana", &second[2..4], &mut enc).unwrap();
+    assert_eq!(mem.facts("ana").unwrap().len(), 7, "visible while stored");
+    drop(mem);
+    let (mut mem, warnings) = open(dir.path(), &e, window);
+    assert!(warnings.iter().any(|w| w.contains("rolled back an unfinished ingest")), "{warnings:?}");
+    let ids: Vec<String> = mem.facts("ana").unwrap().iter().map(|f| f.unit.id.clone()).collect();
+    assert_eq!(ids, ["A0", "A1", "A2"], "nothing of the unfinished request");
+    assert!(kv_by_id(&mut mem, "ana") == committed, "the committed request's KV is untouched");
+    // Neither log keeps a record of them: not the text, not a KV record
+    // (which starts with its fact's id, length first).
+    // (B3's line is not among the first request's three.)
+    let text = second[3].text.as_bytes();
+    let kv_record = [&2u32.to_le_bytes()[..], b"B3"].concat();
+    for entry in walk(dir.path()) {
+        let bytes = std::fs::read(&entry).unwrap();
+        let holds = |needle: &[u8]| bytes.windows(needle.len()).any(|w| w == needle);
+        assert!(!holds(text) && !holds(&kv_record), "{} holds a rolled-back unit", entry.display());
+    }
+    drop(mem);
+    // Reopening again finds nothing more to undo.
+    let (mut mem, warnings) = open(dir.path(), &e, window);
+    assert!(warnings.is_empty(), "{warnings:?}");
+
+    // The retry stores all of it, as a fresh ingest of both requests would.
+    let mut enc = Encoders { engine: &mut e, embedder: &m.embedder, composer: &composer };
+    mem.begin_ingest("ana", &second).unwrap();
+    let r = mem.ingest("ana", &second, &mut enc).unwrap();
+    mem.commit_ingest("ana").unwrap();
+    assert_eq!(r.added, 6);
+
+    // Aborted at once: a failed request's stored batches go, with the KV
+    // of committed units whose window held them (none here: they come
+    // after), and units sent before are kept.
+    let third = turns("C", 4);
+    mem.begin_ingest("ana", &third).unwrap();
+    mem.ingest("ana", &third[..2], &mut enc).unwrap();
+    assert_eq!(mem.abort_ingest("ana").unwrap(), 2);
+    assert_eq!(mem.facts("ana").unwrap().len(), 9);
+    let fresh_dir = tempfile::tempdir().unwrap();
+    let (mut fresh, _) = open(fresh_dir.path(), &e, window);
+    let mut enc = Encoders { engine: &mut e, embedder: &m.embedder, composer: &composer };
+    fresh.ingest("ana", &[first, second].concat(), &mut enc).unwrap();
+    assert!(kv_by_id(&mut mem, "ana") == kv_by_id(&mut fresh, "ana"), "KV = that of the committed requests alone");
+
+    // A new user whose first ingest never committed is not left behind empty.
+    let new = turns("N", 2);
+    mem.begin_ingest("bo", &new).unwrap();
+    mem.ingest("bo", &new[..1], &mut enc).unwrap();
+    drop(mem);
+    let (mem, _) = open(dir.path(), &e, window);
+    assert!(mem.facts("bo").is_err(), "the user the ingest created is gone");
+    assert_eq!(mem.users().count(), 1);
+}

@@ -42,6 +42,8 @@ pub struct Defaults {
     pub max_tokens: u32,
     /// Deadline of every worker call.
     pub deadline: Duration,
+    /// Deadline of an ingest job's calls (`"async": true`, `jobs.rs`).
+    pub job_deadline: Duration,
     pub body_limit: usize,
 }
 
@@ -54,6 +56,7 @@ impl Default for Defaults {
             max_k: 200,
             max_tokens: 256,
             deadline: Duration::from_secs(120),
+            job_deadline: Duration::from_secs(6 * 3600),
             body_limit: 4 << 20,
         }
     }
@@ -68,6 +71,8 @@ pub struct AppState {
     pub metrics: Metrics,
     /// Moves made by this router while it led.
     pub rebalance: Arc<crate::rebalance::RebalanceStats>,
+    /// Ingest jobs (`"async": true`).
+    pub jobs: crate::jobs::Jobs,
 }
 
 pub(crate) type Shared = Arc<AppState>;
@@ -80,6 +85,7 @@ pub fn app(state: Shared) -> Router {
         .route("/v1/embeddings", routing::post(crate::embeddings::embeddings))
         .route("/v1/memories", routing::post(memories::ingest))
         .route("/v1/memories/search", routing::post(memories::search))
+        .route("/v1/memories/jobs/{id}", routing::get(crate::jobs::status).delete(crate::jobs::cancel))
         .route("/v1/memories/{user}", routing::get(memories::list).delete(memories::forget_user))
         .route(
             "/v1/memories/{user}/{unit}",

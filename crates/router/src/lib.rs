@@ -8,6 +8,7 @@ mod api;
 mod auth;
 mod embeddings;
 mod error;
+mod jobs;
 mod memories;
 mod metrics;
 mod openai;
@@ -114,6 +115,7 @@ pub async fn build(cfg: RouterConfig, wait: Duration) -> Result<axum::Router> {
         defaults: cfg.defaults,
         metrics: metrics::Metrics::default(),
         rebalance: rebalance_stats,
+        jobs: jobs::Jobs::default(),
     };
     Ok(api::app(Arc::new(state)))
 }

@@ -49,12 +49,14 @@ impl Read {
 }
 
 /// `POST /v1/memories`: turns, facts and (Mem0-style) chat messages;
-/// acknowledged once every writer of the user has stored them.
+/// acknowledged once every writer of the user has stored them (all or
+/// nothing), or with `"async": true` accepted as a job (`jobs.rs`).
 pub(crate) async fn ingest(
     State(s): State<Shared>,
     headers: HeaderMap,
     b: std::result::Result<Bytes, BytesRejection>,
-) -> Result<Json<serde_json::Value>> {
+) -> Result<axum::response::Response> {
+    use axum::response::IntoResponse;
     let tenant = tenant(&s, &headers)?;
     let r: IngestBody = openai::parse(&body(b, s.defaults.body_limit)?)?;
     openai::check_user(&r.user)?;
@@ -83,29 +85,60 @@ pub(crate) async fn ingest(
         }
     }
     let units: Vec<pb::MemoryUnit> = units.into_iter().map(pb::MemoryUnit::from).collect();
-    let user = scoped(&tenant, &r.user);
-    let req = pb::IngestRequest { user: user.clone(), window: r.window, units, defer_kv: false };
-    let deadline = s.defaults.deadline;
-    // Copies other than the home's store facts only; their KV is encoded
-    // if they ever serve.
-    let resp = write_all(
-        &s,
-        &user,
-        |_| false,
-        |mut c, home| {
-            let req = request(pb::IngestRequest { defer_kv: !home, ..req.clone() }, deadline);
-            async move { c.ingest(req).await }
-        },
-    )
-    .await
-    .map_err(|e| e.unscope(&tenant))?;
-    s.metrics.ingested_units.fetch_add(u64::from(resp.added), Ordering::Relaxed);
-    let mut out = json!({"user": r.user, "added": resp.added, "skipped": resp.skipped,
-                         "encoded_tokens": resp.encoded_tokens});
-    if !ids.is_empty() {
-        out["ids"] = json!(ids);
+    let scoped_user = scoped(&tenant, &r.user);
+    let req = pb::IngestRequest { user: scoped_user.clone(), window: r.window, units, defer_kv: false };
+    let ingest = Ingest { user: r.user, scoped_user, req, message_ids: ids };
+    if r.run_async {
+        return crate::jobs::start(&s, tenant, ingest);
     }
-    Ok(Json(out))
+    Ok(Json(ingest.run(&s, &tenant, s.defaults.deadline).await?).into_response())
+}
+
+/// An ingest request, checked and ready to send.
+pub(crate) struct Ingest {
+    /// The user as the client named it, and as the workers know it.
+    pub(crate) user: String,
+    pub(crate) scoped_user: String,
+    req: pb::IngestRequest,
+    /// The ids given to units made from chat messages.
+    message_ids: Vec<String>,
+}
+
+impl Ingest {
+    /// Every unit id of the request.
+    pub(crate) fn ids(&self) -> Vec<String> {
+        self.req.units.iter().map(|u| u.id.clone()).collect()
+    }
+
+    /// Sends it to every writer of the user, each call bounded by
+    /// `deadline`; the answer's body.
+    pub(crate) async fn run(
+        &self,
+        s: &AppState,
+        tenant: &str,
+        deadline: std::time::Duration,
+    ) -> Result<serde_json::Value> {
+        // Copies other than the home's store facts only; their KV is encoded
+        // if they ever serve.
+        let resp = write_all(
+            s,
+            &self.scoped_user,
+            |_| false,
+            |mut c, home| {
+                let req = request(pb::IngestRequest { defer_kv: !home, ..self.req.clone() }, deadline);
+                async move { c.ingest(req).await }
+            },
+        )
+        .await
+        .map_err(|e| e.unscope(tenant))?;
+        s.metrics.ingested_units.fetch_add(u64::from(resp.added), Ordering::Relaxed);
+        let mut out = json!({"user": self.user, "added": resp.added, "skipped": resp.skipped,
+                             "encoded_tokens": resp.encoded_tokens});
+        if !self.message_ids.is_empty() {
+            out["ids"] = json!(self.message_ids);
+        }
+        Ok(out)
+    }
 }
 
 /// Memory units from an OpenAI message list (Mem0's `add(messages)`): each

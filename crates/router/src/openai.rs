@@ -305,6 +305,10 @@ pub struct IngestBody {
     /// belongs to (a unit's own `agent_id`/`run_id` wins).
     pub agent_id: Option<String>,
     pub run_id: Option<String>,
+    /// Answer 202 with a job id at once and ingest in the background
+    /// (`GET`/`DELETE /v1/memories/jobs/{id}`), under the job deadline.
+    #[serde(default, rename = "async")]
+    pub run_async: bool,
 }
 
 /// Longest user id, in bytes.

@@ -258,6 +258,14 @@ impl MemoryHost for Host {
         self.write(|g| each!(g, c => c.ingest_with(user, units, defer_kv)))
     }
 
+    fn begin_ingest(&mut self, user: &str, units: &[MemoryUnit]) -> WResult<()> {
+        self.write(|g| each!(g, c => c.begin_ingest(user, units)))
+    }
+
+    fn end_ingest(&mut self, user: &str, commit: bool) -> WResult<()> {
+        self.write(|g| each!(g, c => c.end_ingest(user, commit)))
+    }
+
     fn units(&self, user: &str) -> WResult<Vec<MemoryUnit>> {
         self.read(|g| Ok(each!(g, c => c.memory().units(user))?))
     }

@@ -188,6 +188,24 @@ impl<B: Backend> Core<B> {
         Ok(report)
     }
 
+    /// Starts an all-or-nothing ingest (`Memory::begin_ingest`).
+    pub fn begin_ingest(&mut self, user: &str, units: &[MemoryUnit]) -> Result<()> {
+        Ok(self.session.memory_mut().begin_ingest(user, units)?)
+    }
+
+    /// Commits, or removes what it stored (`Memory::abort_ingest`; a
+    /// removal starts a new generation, as a forget does).
+    pub fn end_ingest(&mut self, user: &str, commit: bool) -> Result<()> {
+        let memory = self.session.memory_mut();
+        if commit {
+            return Ok(memory.commit_ingest(user)?);
+        }
+        if memory.abort_ingest(user)? > 0 {
+            self.bump(user);
+        }
+        Ok(())
+    }
+
     /// Checks that `units` can be encoded and stored, storing nothing.
     pub fn check_fits(&self, units: &[MemoryUnit]) -> Result<()> {
         Ok(self.session.check_fits(units)?)

@@ -330,6 +330,22 @@ impl<B: Backend> MemoryHost for Core<B> {
         Ok(self.session.ingest(user, units, defer_kv)?)
     }
 
+    fn begin_ingest(&mut self, user: &str, units: &[MemoryUnit]) -> Result<()> {
+        Ok(self.session.memory_mut().begin_ingest(user, units)?)
+    }
+
+    fn end_ingest(&mut self, user: &str, commit: bool) -> Result<()> {
+        let memory = self.session.memory_mut();
+        if commit {
+            return Ok(memory.commit_ingest(user)?);
+        }
+        // Requests that retrieved the removed units fail as for a forget.
+        if memory.abort_ingest(user)? > 0 {
+            self.drop_unstarted(user, WorkerError::Forgotten);
+        }
+        Ok(())
+    }
+
     fn units(&self, user: &str) -> Result<Vec<MemoryUnit>> {
         Ok(self.session.memory().units(user)?)
     }

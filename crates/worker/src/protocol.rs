@@ -298,6 +298,16 @@ pub trait MemoryHost {
     /// encodes their KV (the protocol splits large ingests into batches).
     fn ingest(&mut self, user: &str, units: &[MemoryUnit], defer_kv: bool) -> Result<IngestReport>;
 
+    /// Starts an all-or-nothing ingest of one request's `units` for
+    /// `user`, before its first batch ([`inferscale_memory::Memory::begin_ingest`]):
+    /// a crash before [`MemoryHost::end_ingest`] commits it removes, at
+    /// the next start, what its batches stored.
+    fn begin_ingest(&mut self, user: &str, units: &[MemoryUnit]) -> Result<()>;
+
+    /// Ends the ingest begun for `user`: `commit` keeps what its batches
+    /// stored; otherwise it is removed (with the KV derived from it).
+    fn end_ingest(&mut self, user: &str, commit: bool) -> Result<()>;
+
     /// `user`'s stored units, in order.
     fn units(&self, user: &str) -> Result<Vec<MemoryUnit>>;
 
@@ -519,11 +529,33 @@ impl Protocol {
     }
 
     /// Stores the next batch of the oldest ingest; answers it when done or
-    /// failed. Returns whether an ingest is still waiting.
+    /// failed. Returns whether an ingest is still waiting. A request is
+    /// stored all or nothing: begun before its first batch, committed
+    /// after its last, and on a failure what its earlier batches stored
+    /// is removed before the error is answered.
+    /// A request whose caller has left — the router's deadline passed, or
+    /// its client hung up — is cancelled the same way: no one is told
+    /// "failed" about work that then goes on and succeeds.
     pub(crate) fn ingest_some(&mut self, host: &mut impl MemoryHost) -> bool {
-        let Some(job) = self.ingests.front_mut() else { return false };
+        while self.ingests.front().is_some_and(|j| j.reply.is_closed()) {
+            if let Some(job) = self.ingests.pop_front()
+                && job.next > 0
+                && let Err(e) = host.end_ingest(&job.user, false)
+            {
+                tracing::warn!(user = job.user, error = %e, "removing a cancelled ingest failed: a restart removes it");
+            }
+        }
+        let Some(job) = self.ingests.front_mut() else {
+            self.settle_freezes(host);
+            return false;
+        };
         let end = (job.next + self.cfg.ingest_batch.max(1)).min(job.units.len());
-        match host.ingest(&job.user, &job.units[job.next..end], job.defer_kv) {
+        let begun = match job.next {
+            0 => host.begin_ingest(&job.user, &job.units),
+            _ => Ok(()),
+        };
+        let stored = begun.and_then(|()| host.ingest(&job.user, &job.units[job.next..end], job.defer_kv));
+        let done = match stored {
             Ok(r) => {
                 job.report.added += r.added;
                 job.report.skipped += r.skipped;
@@ -532,21 +564,23 @@ impl Protocol {
                 if job.next < job.units.len() {
                     return true;
                 }
-                if let Some(job) = self.ingests.pop_front() {
-                    let _ = job.reply.send(Ok(job.report));
-                }
+                host.end_ingest(&job.user, true).map(|()| job.report)
             }
-            Err(e) => {
-                if let Some(job) = self.ingests.pop_front() {
-                    let stored = job.report.added;
-                    let _ = job.reply.send(Err(match e {
-                        WorkerError::Memory(m) if stored > 0 => {
-                            WorkerError::Invalid(format!("{m} (the first {stored} units of this request are stored)"))
-                        }
-                        e => e,
-                    }));
-                }
-            }
+            Err(e) => Err(e),
+        };
+        if let Some(job) = self.ingests.pop_front() {
+            let reply = match done {
+                Ok(report) => Ok(report),
+                Err(e) => Err(match host.end_ingest(&job.user, false) {
+                    Ok(()) => e,
+                    // Neither stored in full nor removed: say so (a restart
+                    // removes it: the ingest was never committed).
+                    Err(undo) => WorkerError::Invalid(format!(
+                        "{e}; removing what this request stored also failed ({undo}): it is removed when the worker restarts"
+                    )),
+                }),
+            };
+            let _ = job.reply.send(reply);
         }
         self.settle_freezes(host);
         self.ingesting()
@@ -654,6 +688,10 @@ mod tests {
         dropped: Vec<String>,
         /// An engine that cannot blend (vLLM's).
         no_blend: bool,
+        /// The ingest under way: its user and how many units it had.
+        begun: Option<(String, usize)>,
+        /// Ingests committed and aborted.
+        ends: Vec<bool>,
     }
 
     impl MemoryHost for MapHost {
@@ -693,6 +731,20 @@ mod tests {
             }
             self.units.entry(user.into()).or_default().extend_from_slice(units);
             Ok(IngestReport { added: units.len(), ..Default::default() })
+        }
+        fn begin_ingest(&mut self, user: &str, _units: &[MemoryUnit]) -> Result<()> {
+            assert!(self.begun.is_none(), "one ingest at a time");
+            self.begun = Some((user.into(), self.units.get(user).map_or(0, Vec::len)));
+            Ok(())
+        }
+        fn end_ingest(&mut self, user: &str, commit: bool) -> Result<()> {
+            let (who, had) = self.begun.take().expect("an ingest was begun");
+            assert_eq!(who, user);
+            if !commit && let Some(u) = self.units.get_mut(user) {
+                u.truncate(had);
+            }
+            self.ends.push(commit);
+            Ok(())
         }
         fn units(&self, user: &str) -> Result<Vec<MemoryUnit>> {
             self.units.get(user).cloned().ok_or_else(|| WorkerError::UnknownUser(user.into()))
@@ -836,7 +888,7 @@ mod tests {
     }
 
     #[test]
-    fn ingests_go_in_batches_and_a_failure_says_what_is_stored() {
+    fn ingests_go_in_batches_and_a_failure_stores_nothing_of_its_request() {
         let (mut p, _) = protocol();
         let mut host = MapHost::default();
         let mut rx = ingest(&mut p, &mut host, "ana", units(&["a", "b", "c", "d", "e"]));
@@ -846,17 +898,43 @@ mod tests {
         assert!(p.ingest_some(&mut host));
         assert!(!p.ingest_some(&mut host), "the last batch of one ends it");
         assert_eq!(rx.try_recv().expect("answered").expect("stored").added, 5);
+        assert_eq!(host.ends, [true], "committed once, after its last batch");
 
         let mut bad = units(&["f", "g", "h"]);
         bad[2].text = "boom".into();
         let mut rx = ingest(&mut p, &mut host, "ana", bad);
         while p.ingest_some(&mut host) {}
         let e = rx.try_recv().expect("answered").expect_err("failed");
-        assert!(e.to_string().contains("(the first 2 units of this request are stored)"), "{e}");
+        assert!(e.to_string().contains("injected failure"), "{e}");
+        // The batch before the failing one was stored, then removed.
+        assert_eq!(host.ends, [true, false]);
+        assert_eq!(host.fact_ids("ana"), ["a", "b", "c", "d", "e"], "nothing of the failed request is left");
         // Refused whole: nothing of a request that fails validation is stored.
         let rx = ingest(&mut p, &mut host, "ana", units(&["x", "x"]));
         assert!(matches!(rx.blocking_recv(), Ok(Err(WorkerError::Invalid(_)))));
         assert!(!p.ingesting());
+    }
+
+    /// An ingest whose caller left (a deadline, a hang-up) stops, and what
+    /// it stored goes: before, it went on and was stored after its caller
+    /// had been told it failed (504).
+    #[test]
+    fn an_ingest_whose_caller_left_is_cancelled_and_removed() {
+        let (mut p, _) = protocol();
+        let mut host = MapHost::default();
+        let rx = ingest(&mut p, &mut host, "ana", units(&["a", "b", "c", "d", "e"]));
+        assert!(p.ingest_some(&mut host));
+        assert_eq!(host.fact_ids("ana"), ["a", "b"]);
+        drop(rx);
+        assert!(!p.ingest_some(&mut host), "nothing left to do");
+        assert_eq!(host.ends, [false]);
+        assert!(host.fact_ids("ana").is_empty(), "what it stored is gone");
+        // One that had not started yet is dropped without touching the memory.
+        let rx = ingest(&mut p, &mut host, "bo", units(&["x"]));
+        drop(rx);
+        assert!(!p.ingest_some(&mut host));
+        assert_eq!(host.ends, [false]);
+        assert!(host.fact_ids("bo").is_empty());
     }
 
     #[test]

@@ -362,14 +362,20 @@ impl<B: Backend> Memory<B> {
 
     /// The longest fact line a unit may make, in tokens: its encoding
     /// (after the header's `header_tokens`) must fit the model's context,
-    /// and its KV one log record (in f32, the widest format a segment may
-    /// have).
+    /// and its KV one log record, in the widest format among this memory's
+    /// segments and new ones (bf16 holds twice f32's tokens, fp8 four
+    /// times).
     pub fn max_fact_tokens(&self, header_tokens: usize) -> usize {
         let by_context = self.context.saturating_sub(header_tokens + 1);
-        // Per token: its id and its K and V in every layer. The record's
-        // fact id and framing take the rest of the reserve.
-        let per_token = 4 + 2 * self.header.layers * self.header.kv_dim * 4;
-        let by_record = (MAX_RECORD_BYTES - RECORD_RESERVE) / per_token.max(1);
+        // A record holds the fact's token ids and its K and V in every
+        // layer, in its segment's format (fp8 adds scales per record); the
+        // widest format of this memory's segments, old ones included, bounds
+        // every unit. The fact id and framing take the rest of the reserve.
+        let widest = self.users.values().map(|u| &u.seg).chain([&self.header]).max_by_key(|h| h.tensor_bytes(1));
+        let widest = widest.unwrap_or(&self.header);
+        let fixed = widest.tensor_bytes(0);
+        let per_token = 4 + widest.tensor_bytes(1) - fixed;
+        let by_record = (MAX_RECORD_BYTES - RECORD_RESERVE).saturating_sub(fixed) / per_token.max(1);
         by_context.min(by_record)
     }
 

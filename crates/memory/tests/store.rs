@@ -232,3 +232,32 @@ fn cold_facts_are_read_off_the_engine_thread_and_pasted_meanwhile() {
     assert!(mem.tier("ana", ana2).unwrap().is_none() && !mem.has_kv("ana", ana2).unwrap());
     assert_eq!(mem.cache_stats().corrupt, 0);
 }
+
+/// A unit may be as long as one record holds in the memory's formats: a
+/// compact format takes longer units, unless an older, wider segment is
+/// there (every user's units must fit their own segment).
+#[test]
+fn the_longest_unit_follows_the_widest_segment_format() {
+    let m = models();
+    let mut e = engine(&m);
+    let header = m.composer.header().len();
+    let with = |format| StoreOptions { format: Some(format), budgets: Budgets::default() };
+    let limits: Vec<usize> = KvFormat::ALL
+        .iter()
+        .map(|&f| {
+            let dir = tempfile::tempdir().unwrap();
+            open(dir.path(), &e, with(f)).0.max_fact_tokens(header)
+        })
+        .collect();
+    // SmolLM2: 30 layers × 192 values, K and V; 64 MiB records less a reserve.
+    assert_eq!(limits[0], 1_454, "f32");
+    assert!(limits[1] == 2 * limits[0] + 1 || limits[1] == 2 * limits[0], "bf16 {limits:?}");
+    assert!(limits[2] >= 4 * limits[0] - 1, "fp8 {limits:?}");
+
+    let dir = tempfile::tempdir().unwrap();
+    let (mut mem, _) = open(dir.path(), &e, with(KvFormat::F32));
+    ingest(&mut mem, &mut e, &m, "old", 1);
+    drop(mem);
+    let (mem, _) = open(dir.path(), &e, with(KvFormat::Fp8));
+    assert_eq!(mem.max_fact_tokens(header), limits[0], "an f32 segment is still there");
+}

@@ -86,10 +86,23 @@ impl Jobs {
             Err(e) => JobState::Failed { status: e.status().as_u16(), message: e.to_string(), seconds },
         };
         job.abort = None;
-        g.finished.push_back(id.to_string());
-        while g.finished.len() > KEEP_FINISHED {
-            if let Some(old) = g.finished.pop_front() {
-                g.jobs.remove(&old);
+        g.retire(id);
+    }
+}
+
+impl Inner {
+    /// `tenant`'s job `id`: another tenant's is as unknown as a missing one.
+    fn job(&mut self, id: &str, tenant: &str) -> Result<&mut Job> {
+        self.jobs.get_mut(id).filter(|j| j.tenant == tenant).ok_or_else(|| unknown(id))
+    }
+
+    /// Counts job `id` among the finished, dropping the oldest past
+    /// [`KEEP_FINISHED`].
+    fn retire(&mut self, id: &str) {
+        self.finished.push_back(id.to_string());
+        while self.finished.len() > KEEP_FINISHED {
+            if let Some(old) = self.finished.pop_front() {
+                self.jobs.remove(&old);
             }
         }
     }
@@ -154,8 +167,8 @@ pub(crate) async fn status(
     let id = job_id(id)?;
     let tenant = tenant(&s, &headers)?;
     let (mut out, running, user, ids) = {
-        let g = s.jobs.lock();
-        let job = g.jobs.get(&id).filter(|j| j.tenant == tenant).ok_or_else(|| unknown(&id))?;
+        let mut g = s.jobs.lock();
+        let job = g.job(&id, &tenant)?;
         let mut out = json!({"job": id, "user": job.user, "units": job.ids.len(), "created": job.created});
         let running = match &job.state {
             JobState::Running => {
@@ -214,7 +227,7 @@ pub(crate) async fn cancel(
     let id = job_id(id)?;
     let tenant = tenant(&s, &headers)?;
     let mut g = s.jobs.lock();
-    let job = g.jobs.get_mut(&id).filter(|j| j.tenant == tenant).ok_or_else(|| unknown(&id))?;
+    let job = g.job(&id, &tenant)?;
     if !matches!(job.state, JobState::Running) {
         return Err(ApiError::Conflict(format!("ingest job {id} has already ended")));
     }
@@ -224,7 +237,7 @@ pub(crate) async fn cancel(
     let seconds = job.started.elapsed().as_secs_f64();
     job.state = JobState::Cancelled { seconds };
     let user = job.user.clone();
-    g.finished.push_back(id.clone());
+    g.retire(&id);
     Ok(Json(json!({"job": id, "user": user, "status": "cancelled"})))
 }
 

@@ -91,7 +91,8 @@ impl<B: Backend> Entry<B> {
 
 /// KV to cache: already where it was computed (a device chunk), host
 /// tensors read from a segment, or those tensors already placed where
-/// reads are cached by the backend's [`Backend::host_tier_upload`].
+/// reads are cached by the backend's [`Backend::host_tier_upload`] (only
+/// ever inserted on demand, so they land where reads go).
 pub(crate) enum Source<B: Backend> {
     Chunk(KvChunk<B>),
     Host { tokens: Vec<u32>, k: Vec<HostTensor>, v: Vec<HostTensor> },
@@ -189,13 +190,11 @@ impl<B: Backend> KvCache<B> {
         };
         let chunk = match (source, tier) {
             (Source::Chunk(c), Tier::Device) => c,
-            // Where reads go (`home`): placed there by the reader.
-            (Source::Uploaded(c), t) if t == home => c,
-            (Source::Uploaded(c), Tier::Device) => {
-                let (k, v) = c.to_host(be)?;
-                KvChunk::from_host(be, c.tokens, &k, &v)?
+            (Source::Uploaded(c), _) => {
+                debug_assert_eq!(tier, home, "a reader's KV is cached where reads go");
+                c
             }
-            (Source::Chunk(c) | Source::Uploaded(c), Tier::Host) => {
+            (Source::Chunk(c), Tier::Host) => {
                 let (k, v) = c.to_host(be)?;
                 KvChunk::from_host_tier(be, c.tokens, &k, &v)?
             }

@@ -19,7 +19,7 @@ use inferscale_types::MemoryUnit;
 
 use crate::error::{Result, io};
 use crate::log::sync_dir;
-use crate::shard::{Memory, user_dir_name};
+use crate::shard::Memory;
 
 /// The file of an ingest under way, in its user's directory.
 const PENDING: &str = "ingest.pending";
@@ -79,13 +79,17 @@ impl<B: Backend> Memory<B> {
     /// At open: rolls back every user's unfinished ingest; a user left
     /// with nothing (the ingest created it) is removed.
     pub(crate) fn recover_ingests(&mut self, warnings: &mut Vec<String>) -> Result<()> {
-        let users: Vec<String> =
-            self.users.keys().filter(|u| self.user_dir(u).join(PENDING).exists()).cloned().collect();
-        for user in users {
+        let users: Vec<(String, PathBuf)> = self
+            .users
+            .iter()
+            .filter(|(_, s)| s.dir.join(PENDING).exists())
+            .map(|(u, s)| (u.clone(), s.dir.clone()))
+            .collect();
+        for (user, dir) in users {
             let removed = self.abort_ingest(&user)?;
             warnings.push(format!(
                 "{}: rolled back an unfinished ingest of user {user:?} ({removed} units it had stored)",
-                self.user_dir(&user).display()
+                dir.display()
             ));
             if self.users.get(&user).is_some_and(|s| s.facts.is_empty()) {
                 self.forget_user(&user)?;
@@ -104,10 +108,6 @@ impl<B: Backend> Memory<B> {
             self.pending.insert(user.to_string());
         }
         Ok(removed)
-    }
-
-    fn user_dir(&self, user: &str) -> PathBuf {
-        self.dir.join("users").join(user_dir_name(user))
     }
 }
 

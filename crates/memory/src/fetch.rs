@@ -89,16 +89,10 @@ pub struct ReadJob<B: Backend> {
 /// A finished [`ReadJob`], for [`Memory::complete_read`].
 pub struct ReadDone<B: Backend> {
     job: ReadJob<B>,
-    result: Result<Read<B>>,
+    /// The record's KV as the cache takes it: decoded tensors for the
+    /// engine thread to place, or already placed by the reader.
+    result: Result<Source<B>>,
     pub seconds: f64,
-}
-
-/// What a read made of a record.
-enum Read<B: Backend> {
-    /// Decoded tensors, for the engine thread to place.
-    Host(StoredKv),
-    /// Already placed where reads are cached, by the reader.
-    Uploaded(KvChunk<B>),
 }
 
 impl<B: Backend> ReadJob<B> {
@@ -121,12 +115,13 @@ impl<B: Backend> ReadJob<B> {
                     reason: format!("the record indexed for fact {:?} is another's", self.fact_id),
                 }),
             })
-            .map(|s| match &self.upload {
-                Some(up) => match KvChunk::from_host_tier_with(up, s.tokens.clone(), &s.k, &s.v) {
-                    Ok(chunk) => Read::Uploaded(chunk),
-                    Err(_) => Read::Host(s),
-                },
-                None => Read::Host(s),
+            .map(|s| {
+                let placed =
+                    self.upload.as_ref().map(|up| KvChunk::from_host_tier_with(up, s.tokens.clone(), &s.k, &s.v));
+                match placed {
+                    Some(Ok(chunk)) => Source::Uploaded(chunk),
+                    _ => Source::Host { tokens: s.tokens, k: s.k, v: s.v },
+                }
             });
         ReadDone { job: self, result, seconds: t0.elapsed().as_secs_f64() }
     }
@@ -247,13 +242,9 @@ impl<B: Backend> Memory<B> {
             return Ok(false);
         };
         match result {
-            Ok(read) => {
+            Ok(source) => {
                 self.cache.stats.misses += 1;
                 self.cache.stats.loaded_bytes += job.frame.len as u64;
-                let source = match read {
-                    Read::Host(s) => Source::Host { tokens: s.tokens, k: s.k, v: s.v },
-                    Read::Uploaded(chunk) => Source::Uploaded(chunk),
-                };
                 Ok(self.cache.insert(be, job.key, source, Admit::Demand)?.is_some())
             }
             Err(e) => {

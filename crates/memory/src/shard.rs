@@ -405,6 +405,11 @@ impl<B: Backend> Memory<B> {
         Ok(self.user(user)?.by_id.get(id).copied())
     }
 
+    /// Where `user`'s directory is (or will be).
+    pub(crate) fn user_dir(&self, user: &str) -> PathBuf {
+        self.dir.join("users").join(user_dir_name(user))
+    }
+
     fn user(&self, user: &str) -> Result<&UserShard<B>> {
         self.users.get(user).ok_or_else(|| MemoryError::UnknownUser(user.to_string()))
     }
@@ -468,7 +473,7 @@ impl<B: Backend> Memory<B> {
         validate(user, turns)?;
         let max = self.max_fact_tokens(enc.composer.header().len());
         if !self.users.contains_key(user) {
-            let dir = self.dir.join("users").join(user_dir_name(user));
+            let dir = self.user_dir(user);
             let mut warnings = Vec::new();
             let shard = UserShard::open(&dir, &self.header, &mut warnings)?;
             sync_dir(&self.dir.join("users"))?;

@@ -178,6 +178,11 @@ pub struct RouterCmd {
     /// Pace of each shard move in MB/s (0: unlimited), to keep serving latency.
     #[arg(long, env = "INFERSCALE_MIGRATE_MB_S", default_value_t = 0)]
     migrate_mb_s: u64,
+    /// Seconds a worker may fail the leader's health probes before it is
+    /// fenced (its lease revoked, so its users' writes go on without it);
+    /// 0 waits for its lease to expire instead (--lease-ttl-s).
+    #[arg(long, env = "INFERSCALE_FENCE_AFTER_S", default_value_t = inferscale_router::DEFAULT_FENCE_AFTER.as_secs_f64())]
+    fence_after_s: f64,
     #[command(flatten)]
     router: RouterArgs,
 }
@@ -391,7 +396,8 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             keys: cluster.keys(),
             name: "local".into(),
             ttl: cluster.ttl()?,
-            rebalance: RebalanceConfig { replicate: false, ..Default::default() },
+            // One worker: nothing to fence it for.
+            rebalance: RebalanceConfig { replicate: false, fence_after: None, ..Default::default() },
         };
         let cfg = router_config(&a.router, membership, a.listen)?;
         let worker = tokio::spawn(serve_grpc(grpc, service));
@@ -435,6 +441,16 @@ pub fn worker(a: WorkerCmd) -> Result<()> {
     })
 }
 
+fn fence_after(s: f64) -> Result<Option<Duration>> {
+    if !(0.0..=3600.0).contains(&s) {
+        bail!("--fence-after-s must be between 0 (off) and 3600, got {s}");
+    }
+    if s > 0.0 && s < 1.0 {
+        bail!("--fence-after-s {s}: under a second is less than one health probe; give at least 1 (or 0 for off)");
+    }
+    Ok((s > 0.0).then(|| Duration::from_secs_f64(s)))
+}
+
 pub fn router(a: RouterCmd) -> Result<()> {
     // The etcd client's channel needs the runtime from its creation on.
     runtime()?.block_on(async move {
@@ -448,6 +464,7 @@ pub fn router(a: RouterCmd) -> Result<()> {
                 rebalance: RebalanceConfig {
                     replicate: a.replicas > 0,
                     max_bytes_per_sec: a.migrate_mb_s * 1_000_000,
+                    fence_after: fence_after(a.fence_after_s)?,
                     ..Default::default()
                 },
             },

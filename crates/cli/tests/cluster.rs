@@ -183,11 +183,14 @@ async fn a_shard_moves_between_workers_and_answers_the_same() {
 // SIGKILLed worker, an etcd restart and the killed worker's return, all
 // under load.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use common::cluster::{
+    ask_http, assert_kept, cluster_router, cluster_worker, metric, settled, turns_of, user, wait_until,
+};
 use common::http;
 use inferscale_cluster::testing::EtcdProcess;
 use serde_json::{Value, json};
@@ -195,91 +198,12 @@ use serde_json::{Value, json};
 const USERS: usize = 20;
 const TTL_S: &str = "3";
 
-fn cluster_worker(mem: &std::path::Path, etcd: &str) -> Proc {
-    let mem = mem.to_str().unwrap();
-    let args =
-        ["worker", "--listen", "127.0.0.1:0", "--memory", mem, "--window", "2", "--etcd", etcd, "--lease-ttl-s", TTL_S];
-    spawn(&args, "gRPC on ")
+fn worker_of(mem: &std::path::Path, etcd: &str) -> Proc {
+    cluster_worker(mem, etcd, &["--lease-ttl-s", TTL_S])
 }
 
-fn cluster_router(name: &str, etcd: &str) -> Proc {
-    let args = [
-        "router",
-        "--listen",
-        "127.0.0.1:0",
-        "--etcd",
-        etcd,
-        "--lease-ttl-s",
-        TTL_S,
-        "--name",
-        name,
-        "--deadline-s",
-        "600",
-    ];
-    spawn(&args, "API on ")
-}
-
-fn user(i: usize) -> String {
-    format!("user{i}")
-}
-
-fn turns_of(i: usize) -> Value {
-    let lines = [
-        "I adopted a grey cat named Miso last spring.",
-        "I ran a charity race for mental health on Saturday.",
-        "I'm moving to Lisbon in September to study counselling.",
-        "I painted a lake at sunrise and hung it in my kitchen.",
-    ];
-    let mut turns: Vec<Value> = lines
-        .iter()
-        .enumerate()
-        .map(|(j, t)| json!({"id": format!("D1:{j}"), "speaker": "Sam", "text": t, "time": "8 May 2023"}))
-        .collect();
-    turns.push(json!({"id": "D1:9", "speaker": "Sam", "text": format!("My locker number is {}.", 100 + i), "time": "8 May 2023"}));
-    json!({"user": user(i), "turns": turns})
-}
-
-/// A greedy answer through a router: (text, worker), or why it failed.
-fn ask_http(router: &str, user: &str, max_tokens: u32) -> Result<(String, String), String> {
-    let body = json!({"model": "smollm2", "user": user, "temperature": 0, "max_tokens": max_tokens,
-                      "messages": [{"role": "user", "content": "What is my locker number?"}],
-                      "memory": {"mode": "kv", "k": 3}});
-    let (status, headers, b) = http(router, "POST", "/v1/chat/completions", body.to_string().as_bytes());
-    if status != 200 {
-        return Err(format!("{status}: {}", String::from_utf8_lossy(&b)));
-    }
-    let v: Value = serde_json::from_slice(&b).map_err(|e| e.to_string())?;
-    let text = v["choices"][0]["message"]["content"].as_str().unwrap_or("").to_string();
-    let worker = headers.iter().find(|(k, _)| k == "x-inferscale-worker").map(|(_, v)| v.clone()).unwrap_or_default();
-    Ok((text, worker))
-}
-
-fn metric(router: &str, name: &str) -> f64 {
-    let (_, _, b) = http(router, "GET", "/metrics", b"");
-    let text = String::from_utf8_lossy(&b);
-    text.lines()
-        .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')).and_then(|v| v.trim().parse().ok()))
-        .unwrap_or(f64::NAN)
-}
-
-fn wait_until(what: &str, limit: Duration, mut f: impl FnMut() -> bool) -> Duration {
-    let t0 = Instant::now();
-    while !f() {
-        assert!(t0.elapsed() < limit, "timed out after {limit:?} waiting until {what}");
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    t0.elapsed()
-}
-
-/// Settled: `n` workers in the ring of every router, no placement record
-/// (every user at its ring home), the view connected.
-fn settled(routers: &[&str], n: usize) -> bool {
-    routers.iter().all(|r| {
-        metric(r, "inferscale_cluster_ring_workers") == n as f64
-            && metric(r, "inferscale_cluster_members") == n as f64
-            && metric(r, "inferscale_cluster_placement_records") == 0.0
-            && metric(r, "inferscale_cluster_view_connected") == 1.0
-    })
+fn router_of(name: &str, etcd: &str) -> Proc {
+    cluster_router(name, etcd, &["--lease-ttl-s", TTL_S])
 }
 
 /// One request of a load: when it ended, whose it was, and the worker
@@ -326,20 +250,6 @@ fn failures(log: &[Outcome]) -> Vec<String> {
     log.iter().filter_map(|(_, u, r)| r.as_ref().err().map(|e| format!("{u}: {e}"))).collect()
 }
 
-/// Asserts that every acknowledged `(user index, unit id)` is stored.
-fn assert_kept(router: &str, acked: &[(usize, String)], what: &str) {
-    let mut stored: BTreeMap<usize, BTreeSet<String>> = BTreeMap::new();
-    for (i, id) in acked {
-        let units = stored.entry(*i).or_insert_with(|| {
-            let (s, _, b) = http(router, "GET", &format!("/v1/memories/{}?limit=1000", user(*i)), b"");
-            assert_eq!(s, 200, "{what}: {}", String::from_utf8_lossy(&b));
-            let v: Value = serde_json::from_slice(&b).unwrap();
-            v["units"].as_array().unwrap().iter().map(|u| u["id"].as_str().unwrap().to_string()).collect()
-        });
-        assert!(units.contains(id), "{what}: acknowledged unit {id} of {} is lost", user(*i));
-    }
-}
-
 #[test]
 fn a_cluster_rebalances_fails_over_and_survives_etcd_restarts_under_load() {
     let rt = tokio::runtime::Runtime::new().unwrap();
@@ -347,9 +257,9 @@ fn a_cluster_rebalances_fails_over_and_survives_etcd_restarts_under_load() {
     let ep = etcd.endpoint();
     let dir = tempfile::tempdir().unwrap();
     let mut workers: Vec<Option<Proc>> =
-        (0..3).map(|i| Some(cluster_worker(&dir.path().join(format!("w{i}")), &ep))).collect();
-    let r1 = cluster_router("router-1", &ep);
-    let r2 = cluster_router("router-2", &ep);
+        (0..3).map(|i| Some(worker_of(&dir.path().join(format!("w{i}")), &ep))).collect();
+    let r1 = router_of("router-1", &ep);
+    let r2 = router_of("router-2", &ep);
     let routers = vec![r1.addr.clone(), r2.addr.clone()];
     let rs: Vec<&str> = routers.iter().map(String::as_str).collect();
     wait_until("three workers are active", Duration::from_secs(60), || settled(&rs, 3));
@@ -372,7 +282,7 @@ fn a_cluster_rebalances_fails_over_and_survives_etcd_restarts_under_load() {
     // (shard with KV), no request fails, and answers stay the same.
     let load = Load::start(&routers, 2);
     std::thread::sleep(Duration::from_secs(2));
-    workers.push(Some(cluster_worker(&dir.path().join("w3"), &ep)));
+    workers.push(Some(worker_of(&dir.path().join("w3"), &ep)));
     let took =
         wait_until("the fourth worker is active and every move done", Duration::from_secs(240), || settled(&rs, 4));
     std::thread::sleep(Duration::from_secs(2));
@@ -488,7 +398,7 @@ fn a_cluster_rebalances_fails_over_and_survives_etcd_restarts_under_load() {
 
     // 4. The killed worker returns (with its stale memory): it rejoins, takes
     // its share back, and every acknowledged unit is still there.
-    workers[slot] = Some(cluster_worker(&dir.path().join(format!("w{slot}")), &ep));
+    workers[slot] = Some(worker_of(&dir.path().join(format!("w{slot}")), &ep));
     wait_until("the returning worker is active and settled", Duration::from_secs(240), || settled(&rs, 4));
     assert_kept(&r1.addr, &acked, "after the rejoin");
     agree("after the rejoin");

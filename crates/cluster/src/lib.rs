@@ -9,10 +9,13 @@
 //! - [`membership`]: a worker's registration under a lease kept alive,
 //!   leader election, and the watcher that keeps a [`view::ClusterView`]
 //!   current and keeps serving the cached one when the store is away.
+//! - [`plan`] and [`fence`]: the leader's decisions (what to move, copy,
+//!   drop; which unreachable worker to fence), pure.
 
 pub mod embedded;
 mod error;
 pub mod etcd;
+pub mod fence;
 pub mod membership;
 pub mod plan;
 pub mod ring;

@@ -11,7 +11,12 @@
 //!   is not its home on the target ring moves there, from its home (or,
 //!   when the home lacks it, from any worker that holds it);
 //! - a user at its right home gets a copy of its facts on its replica when
-//!   the replica lacks one;
+//!   the replica lacks one, or holds other units than the home, by the
+//!   same difference two rounds running (a worker back from a crash holds
+//!   stale copies; a replica made by a failover takes writes before its
+//!   copy): the copy replaces the replica's, keeping only what reached it
+//!   during the copy. A write on its way to both copies makes a difference
+//!   that the next round does not repeat, so it costs no copy;
 //! - once home and replica hold a user, copies elsewhere are dropped;
 //! - a joining member becomes active once no user is still moving to it;
 //! - a placement record is cleared once the ring agrees with it, its home
@@ -29,12 +34,56 @@ pub struct Holdings {
     /// Every live member answered. Copies are dropped only then: a worker
     /// that did not answer may hold the only other copy.
     pub complete: bool,
+    /// The digest of each user's units on each worker, where it said.
+    pub digests: BTreeMap<String, BTreeMap<String, u64>>,
+    /// `(user, replica)` pairs out of step in the previous round, with how
+    /// ([`stale_replicas`]). A replica that holds the user is replaced only
+    /// when out of step by the same difference twice running, so writes
+    /// that reached the home a moment before the replica cost no copy.
+    pub stale_before: BTreeMap<(String, String), u64>,
 }
 
 impl Holdings {
     fn holders(&self, user: &str) -> Vec<&str> {
         self.by_worker.iter().filter(|(_, us)| us.contains(user)).map(|(w, _)| w.as_str()).collect()
     }
+
+    fn digest(&self, worker: &str, user: &str) -> Option<u64> {
+        self.digests.get(worker).and_then(|us| us.get(user)).copied()
+    }
+
+    /// How `replica`'s copy of `user` differs from `home`'s: the XOR of the
+    /// two digests, which is the XOR of the digests of the units only one
+    /// of them holds (0: the same units). `None` unless both said.
+    fn difference(&self, user: &str, home: &str, replica: &str) -> Option<u64> {
+        Some(self.digest(home, user)? ^ self.digest(replica, user)?)
+    }
+}
+
+/// The `(user, replica)` pairs whose replica lacks the user (difference:
+/// the home's digest) or holds other units than its home (the
+/// [`Holdings::difference`]), as far as both answered: the rebalancer
+/// keeps them for the next round's [`Holdings::stale_before`], and counts
+/// them for its metrics (replicas out of step).
+pub fn stale_replicas(view: &ClusterView, holdings: &Holdings) -> BTreeMap<(String, String), u64> {
+    let mut out = BTreeMap::new();
+    for (home, users) in &holdings.by_worker {
+        for user in users {
+            if view.home(user) != Some(home.as_str()) {
+                continue;
+            }
+            let Some(replica) = view.replica(user) else { continue };
+            let Some(held) = holdings.by_worker.get(replica) else { continue };
+            let difference = match held.contains(user) {
+                false => holdings.digest(home, user).unwrap_or(u64::MAX),
+                true => holdings.difference(user, home, replica).unwrap_or(0),
+            };
+            if !held.contains(user) || difference != 0 {
+                out.insert((user.clone(), replica.to_string()), difference);
+            }
+        }
+    }
+    out
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
@@ -117,6 +166,13 @@ pub fn plan(view: &ClusterView, holdings: &Holdings, replicate: bool) -> Vec<Act
             // A replica that did not answer may hold it already, or be dead.
             Some(r) if !holdings.by_worker.contains_key(r) => {}
             Some(r) if !holders.contains(&r) => {
+                actions.push(Action::Replicate { user: user.into(), from: home.into(), to: r.into() });
+            }
+            Some(r)
+                if holdings.difference(user, home, r).is_some_and(|d| {
+                    d != 0 && holdings.stale_before.get(&(user.to_string(), r.to_string())) == Some(&d)
+                }) =>
+            {
                 actions.push(Action::Replicate { user: user.into(), from: home.into(), to: r.into() });
             }
             _ if holdings.complete => {
@@ -249,6 +305,38 @@ mod tests {
                 }));
             }
         }
+    }
+
+    #[test]
+    fn a_replica_out_of_step_with_its_home_is_replaced_when_so_twice_running() {
+        // b died; its users' new replicas took writes before their copies
+        // (or hold stale copies from before a crash): they hold the user,
+        // but not the home's units.
+        let before = view(&[("a", "active"), ("b", "active"), ("c", "active")]);
+        let v = view(&[("a", "active"), ("c", "active")]);
+        let user = users().into_iter().find(|u| before.home(u) == Some("b")).expect("a user of b");
+        let (home, replica) = (v.home(&user).unwrap().to_string(), v.replica(&user).unwrap().to_string());
+        let mut h = Holdings { complete: true, ..Default::default() };
+        for (w, n) in [(&home, 12), (&replica, 1)] {
+            h.by_worker.entry(w.clone()).or_default().insert(user.clone());
+            h.digests.entry(w.clone()).or_default().insert(user.clone(), n);
+        }
+        let copy = Action::Replicate { user: user.clone(), from: home.clone(), to: replica.clone() };
+        assert!(!plan(&v, &h, true).contains(&copy), "not on one round's evidence");
+        let stale = stale_replicas(&v, &h);
+        let key = (user.clone(), replica.clone());
+        assert_eq!(stale.get(&key), Some(&(12 ^ 1)), "{stale:?}");
+        h.stale_before = stale;
+        assert!(plan(&v, &h, true).contains(&copy), "out of step the same way twice running: replaced");
+        // Another difference the next round (a write on its way to both
+        // copies, say): not yet.
+        let mut busy = h.clone();
+        busy.digests.get_mut(&home).unwrap().insert(user.clone(), 12 ^ 0x40);
+        assert!(!plan(&v, &busy, true).contains(&copy), "a difference seen once");
+        // A replica in step with its home is left alone.
+        h.digests.get_mut(&replica).unwrap().insert(user.clone(), 12);
+        assert!(!plan(&v, &h, true).contains(&copy));
+        assert!(!stale_replicas(&v, &h).contains_key(&key));
     }
 
     #[test]

@@ -32,3 +32,4 @@ pub use shard::{
     Encoders, Footprint, IngestReport, Memory, ShardSpec, StoreOptions, UnitUpdate, UpdateReport, fingerprint, validate,
 };
 pub use transfer::{ImportReport, ShardRecord, StagedShard, Staging};
+pub use user::write_seq;

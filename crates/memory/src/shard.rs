@@ -319,6 +319,12 @@ impl<B: Backend> Memory<B> {
         self.users.keys().map(String::as_str)
     }
 
+    /// Every user with the digest of its units (equal on two workers
+    /// exactly when both hold the same units, up to a 64-bit collision).
+    pub fn digests(&self) -> impl Iterator<Item = (&str, u64)> {
+        self.users.iter().map(|(u, s)| (u.as_str(), s.digest))
+    }
+
     /// Bytes held per tier. O(users): meant for a scrape, not a hot path.
     pub fn footprint(&self) -> Footprint {
         Footprint {

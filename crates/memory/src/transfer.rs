@@ -9,7 +9,10 @@
 //! own in two renames and reloads it. Units the destination received for
 //! the user while the copy ran (writes are sent to a migration's
 //! destination too) are kept, after the shard's own, with their KV
-//! re-encoded in the new context.
+//! re-encoded in the new context. Units it held from before the copy that
+//! the shard lacks are dropped: the source's copy is the user's memory,
+//! and a stale copy (a worker back from a crash, a replica that missed a
+//! forget) must not bring back what the user no longer has.
 //!
 //! Crash safety: the old copy is renamed to `trash/<user>` before the
 //! staged one takes its name. [`recover`], run when the memory opens, puts
@@ -63,8 +66,12 @@ pub struct ImportReport {
     pub facts: usize,
     /// Of the shard's facts, those that came with their KV.
     pub with_kv: usize,
-    /// Units the destination already had that the shard lacked, kept.
+    /// Units the destination received during the copy that the shard
+    /// lacked, kept.
     pub kept: usize,
+    /// Units the destination held from before the copy that the shard
+    /// lacked, dropped.
+    pub dropped: usize,
     pub bytes: u64,
 }
 
@@ -72,6 +79,12 @@ impl<B: Backend> Memory<B> {
     /// The memory's directory (staging for imports lives under it).
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// The write sequence now: units added to this memory later (during
+    /// an import that starts now) survive that import ([`Staging::create`]).
+    pub fn write_seq(&self) -> u64 {
+        crate::user::write_seq()
     }
 
     /// What this shard's KV is made with, as a transfer names it.
@@ -132,14 +145,17 @@ impl<B: Backend> Memory<B> {
     }
 
     /// Replaces `user`'s copy here with `staged`, keeping (after the
-    /// shard's units) the units this memory has for `user` that the shard
-    /// lacks. On failure the previous copy is back in place.
+    /// shard's units) the units this memory received for `user` since the
+    /// staging began that the shard lacks; older units the shard lacks are
+    /// dropped. On failure the previous copy is back in place.
     pub fn commit_import(&mut self, user: &str, mut staged: StagedShard) -> Result<ImportReport> {
         let mut report =
-            ImportReport { facts: staged.ids.len(), with_kv: staged.with_kv, kept: 0, bytes: staged.bytes };
+            ImportReport { facts: staged.ids.len(), with_kv: staged.with_kv, kept: 0, dropped: 0, bytes: staged.bytes };
         if let Some(local) = self.users.get(user) {
+            let lacking = || local.facts.iter().zip(&local.added).filter(|(f, _)| !staged.ids.contains(&f.unit.id));
+            report.dropped = lacking().filter(|(_, added)| **added <= staged.since).count();
             let extra: Vec<Vec<u8>> =
-                local.facts.iter().filter(|f| !staged.ids.contains(&f.unit.id)).map(Record::encode_put).collect();
+                lacking().filter(|(_, added)| **added > staged.since).map(|(f, _)| Record::encode_put(f)).collect();
             if !extra.is_empty() {
                 let (mut log, _) = RecordLog::open(&staged.dir.join("facts.log"))?;
                 log.append(&extra.iter().map(Vec::as_slice).collect::<Vec<_>>())?;
@@ -197,6 +213,7 @@ pub struct Staging {
     facts: RecordLog,
     kv: RecordLog,
     ids: HashSet<String>,
+    since: u64,
     with_kv: usize,
     bytes: u64,
     done: bool,
@@ -207,6 +224,7 @@ pub struct Staging {
 pub struct StagedShard {
     dir: PathBuf,
     ids: HashSet<String>,
+    since: u64,
     with_kv: usize,
     bytes: u64,
     committed: bool,
@@ -219,8 +237,11 @@ impl Staging {
     /// as `ours`. `theirs` is the source's segment header: KV made any
     /// other way (another model, prompt, window or shape) is refused before
     /// a byte is staged; KV in another storage format is staged as it is
-    /// (a memory reads every format).
-    pub fn create(memory_dir: &Path, user: &str, ours: &KvHeader, theirs: &KvHeader) -> Result<Staging> {
+    /// (a memory reads every format). `since` is the memory's
+    /// [`Memory::write_seq`] when the copy began (before the source took
+    /// its snapshot, as near as the caller can tell): units added after it
+    /// survive the commit.
+    pub fn create(memory_dir: &Path, user: &str, ours: &KvHeader, theirs: &KvHeader, since: u64) -> Result<Staging> {
         let n = STAGING_SEQ.fetch_add(1, Ordering::Relaxed);
         let dir = memory_dir.join("staging").join(format!("{}-{}-{n}", user_dir_name(user), std::process::id()));
         if !theirs.same_kv(ours) {
@@ -233,7 +254,17 @@ impl Staging {
         let (facts, _) = RecordLog::open(&dir.join("facts.log"))?;
         let (mut kv, _) = RecordLog::open(&dir.join("kv.log"))?;
         kv.append(&[&theirs.encode()])?;
-        Ok(Staging { dir, header: theirs.clone(), facts, kv, ids: HashSet::new(), with_kv: 0, bytes: 0, done: false })
+        Ok(Staging {
+            dir,
+            header: theirs.clone(),
+            facts,
+            kv,
+            ids: HashSet::new(),
+            since,
+            with_kv: 0,
+            bytes: 0,
+            done: false,
+        })
     }
 
     /// Checks and appends `records` (durably).
@@ -282,6 +313,7 @@ impl Staging {
         Ok(StagedShard {
             dir: self.dir.clone(),
             ids: std::mem::take(&mut self.ids),
+            since: self.since,
             with_kv: self.with_kv,
             bytes: self.bytes,
             committed: false,

@@ -19,6 +19,31 @@ use crate::log::{Frame, RecordLog};
 use crate::retrieval::{self, LexicalIndex};
 use crate::shard::Encoders;
 
+/// The process's write sequence: every batch of facts added to any user
+/// takes the next number. An import keeps the local units added after it
+/// began (they arrived during the copy) and drops older ones the shard
+/// lacks (see `Memory::commit_import`).
+static WRITES: AtomicU64 = AtomicU64::new(0);
+
+/// The write sequence now: facts added from here on have a higher number.
+pub fn write_seq() -> u64 {
+    WRITES.load(Ordering::SeqCst)
+}
+
+/// A 64-bit digest of a unit's content (id, text, speaker, time, source and
+/// the caller's fields); a user's digest is the XOR of its units', so two
+/// copies of a user compare in one number, kept current as units come and
+/// go.
+pub(crate) fn unit_digest(u: &inferscale_types::MemoryUnit) -> u64 {
+    let bytes = serde_json::to_vec(u).unwrap_or_default();
+    let half = |seed: u32| {
+        let mut h = crc32fast::Hasher::new_with_initial(seed);
+        h.update(&bytes);
+        u64::from(h.finalize())
+    };
+    (half(0x9e37_79b9) << 32) | half(0x85eb_ca6b)
+}
+
 /// Bytes of each KV record's start read when a segment is opened: enough
 /// for the head (fact id and tokens) of a typical fact; longer heads take a
 /// second read.
@@ -45,6 +70,11 @@ pub(crate) struct UserShard<B: Backend> {
     pub(crate) dir: PathBuf,
     pub(crate) facts: Vec<Fact>,
     pub(crate) by_id: HashMap<String, usize>,
+    /// Per fact, the write sequence it was added at in this process (0:
+    /// loaded when the shard opened).
+    pub(crate) added: Vec<u64>,
+    /// XOR of the facts' [`unit_digest`]s.
+    pub(crate) digest: u64,
     /// Per fact (same order), its KV's key and record.
     pub(crate) kv: Vec<FactKv>,
     pub(crate) log: RecordLog,
@@ -138,8 +168,11 @@ impl<B: Backend> UserShard<B> {
                 found
             }
         };
+        let digest = facts.iter().fold(0, |d, f| d ^ unit_digest(&f.unit));
         Ok(UserShard {
             dir: dir.to_path_buf(),
+            added: vec![0; facts.len()],
+            digest,
             facts,
             by_id,
             kv,
@@ -176,10 +209,13 @@ impl<B: Backend> UserShard<B> {
 
     /// Appends new facts (their records already durable) without KV.
     pub(crate) fn push_facts(&mut self, facts: Vec<Fact>) {
+        let seq = WRITES.fetch_add(1, Ordering::SeqCst) + 1;
         for f in facts {
             self.by_id.insert(f.unit.id.clone(), self.facts.len());
+            self.digest ^= unit_digest(&f.unit);
             self.facts.push(f);
             self.kv.push(FactKv::new(None));
+            self.added.push(seq);
         }
         self.facts_changed();
     }
@@ -188,8 +224,10 @@ impl<B: Backend> UserShard<B> {
     /// caller's to rewrite).
     pub(crate) fn remove_fact(&mut self, idx: usize, cache: &mut KvCache<B>) {
         cache.remove(self.kv[idx].key);
-        self.facts.remove(idx);
+        let gone = self.facts.remove(idx);
+        self.digest ^= unit_digest(&gone.unit);
         self.kv.remove(idx);
+        self.added.remove(idx);
         self.facts_changed();
         self.by_id = self.facts.iter().enumerate().map(|(i, f)| (f.unit.id.clone(), i)).collect();
     }

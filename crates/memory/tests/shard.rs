@@ -424,13 +424,17 @@ fn a_shard_moves_between_memories_with_its_kv_and_keeps_units_sent_meanwhile() {
     let (mut b, _) = open(db.path(), &e, 2);
     let mut enc = Encoders { engine: &mut e, embedder: &m.embedder, composer: &composer };
     a.ingest("u", &turns("t", 5), &mut enc).unwrap();
+    // A stale copy at the destination: a unit the source no longer has
+    // (forgotten there while this copy was away).
+    b.ingest("u", &turns("stale", 1), &mut enc).unwrap();
+    let since = b.write_seq();
     // A unit that reached the destination while the copy ran.
     let late = turns("late", 1);
     b.ingest("u", &late, &mut enc).unwrap();
 
     // Export one record per batch, as a slow link would.
     let ids = a.fact_ids("u");
-    let mut staging = Staging::create(b.dir(), "u", b.kv_header(), a.kv_header()).unwrap();
+    let mut staging = Staging::create(b.dir(), "u", b.kv_header(), a.kv_header(), since).unwrap();
     let mut at = 0;
     while at < ids.len() {
         let (records, used) = a.export("u", &ids[at..], true, 1).unwrap();
@@ -440,10 +444,10 @@ fn a_shard_moves_between_memories_with_its_kv_and_keeps_units_sent_meanwhile() {
     }
     let staged = staging.finish().unwrap();
     let report = b.commit_import("u", staged).unwrap();
-    assert_eq!((report.facts, report.with_kv, report.kept), (6, 5, 1));
+    assert_eq!((report.facts, report.with_kv, report.kept, report.dropped), (6, 5, 1, 1));
     let mut want = ids.clone();
     want.push("late0".into());
-    assert_eq!(b.fact_ids("u"), want, "the shard's units, then the ones kept");
+    assert_eq!(b.fact_ids("u"), want, "the shard's units, then the one that came during the copy; the stale one gone");
     for id in &ids {
         assert_eq!(kv_of(&mut b, "u", id), kv_of(&mut a, "u", id), "{id}: KV moved bit for bit");
     }
@@ -466,10 +470,10 @@ fn a_shard_moves_between_memories_with_its_kv_and_keeps_units_sent_meanwhile() {
     // KV made with another window is refused before anything is staged.
     let dc = tempfile::tempdir().unwrap();
     let (c, _) = open(dc.path(), &e, 3);
-    let err = Staging::create(c.dir(), "u", c.kv_header(), a.kv_header()).err().expect("refused");
+    let err = Staging::create(c.dir(), "u", c.kv_header(), a.kv_header(), 0).err().expect("refused");
     assert!(matches!(err, MemoryError::KvMismatch { .. }), "{err}");
     // A record whose KV is another fact's is refused, and the staging is removed.
-    let mut staging = Staging::create(b.dir(), "v", b.kv_header(), a.kv_header()).unwrap();
+    let mut staging = Staging::create(b.dir(), "v", b.kv_header(), a.kv_header(), 0).unwrap();
     let (mut records, _) = a.export("u", &ids[..2], true, usize::MAX).unwrap();
     records[0].kv = std::mem::take(&mut records[1].kv);
     let bad = ShardRecord { fact: records[0].fact.clone(), kv: records[0].kv.clone() };

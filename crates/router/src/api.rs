@@ -285,14 +285,38 @@ pub(crate) const RETRY_PAUSE: Duration = Duration::from_millis(150);
 /// than a refusal it answered with): its health is then re-probed before
 /// it gets more requests.
 fn unreachable(e: &tonic::Status) -> bool {
-    e.code() == tonic::Code::Unavailable && pb::ErrorKind::of(e) != Some(pb::ErrorKind::Moving)
+    (e.code() == tonic::Code::Unavailable && pb::ErrorKind::of(e) != Some(pb::ErrorKind::Moving))
+        || crate::error::connection_lost(e)
+}
+
+/// Awaits `fut`, unless the cluster view changes first so that `gone`
+/// holds (then `None`): a call to a worker that hangs rather than fails is
+/// abandoned once the leader fences that worker.
+async fn unless_view<T>(
+    changes: &mut tokio::sync::watch::Receiver<Arc<inferscale_cluster::ClusterView>>,
+    gone: impl Fn(&inferscale_cluster::ClusterView) -> bool,
+    fut: impl std::future::Future<Output = T>,
+) -> Option<T> {
+    tokio::pin!(fut);
+    loop {
+        tokio::select! {
+            r = &mut fut => return Some(r),
+            Ok(()) = changes.changed() => {
+                if gone(&changes.borrow_and_update()) {
+                    return None;
+                }
+            }
+        }
+    }
 }
 
 /// Sends `chat` to a worker and waits for its first event. Nothing has been
 /// streamed to the client yet, so a retryable failure is retried: a
 /// request without memory once, on another worker; a request with memory
 /// for up to [`RETRY_FOR`], on whichever worker answers the user's reads
-/// by then (its new home after a move, its replica after a crash).
+/// by then (its new home after a move, its replica after a crash). A
+/// worker that leaves the view before its first event (fenced: it hangs)
+/// counts as a failure to connect.
 async fn start(
     s: &AppState,
     chat: &Chat,
@@ -300,7 +324,9 @@ async fn start(
     let memory = chat.req.mode != pb::MemoryMode::None as i32;
     let until = Instant::now() + RETRY_FOR;
     let mut tried = Vec::new();
+    let mut changes = s.workers.subscribe();
     loop {
+        changes.mark_unchanged();
         let picked = match memory {
             false => s.workers.any(&chat.user, &tried),
             true => s.workers.reader(&chat.req.user),
@@ -314,13 +340,17 @@ async fn start(
             Err(e) => return Err(e),
         };
         let span = info_span!("route", worker = %w.worker().name, attempt = tried.len() as i64 + 1, memory);
+        let name = w.worker().name.clone();
         let attempt = async {
             let mut stream =
                 w.worker().client().generate(request(chat.req.clone(), s.defaults.deadline)).await?.into_inner();
             let first = stream.message().await?;
             Ok::<_, tonic::Status>((stream, first))
         };
-        match attempt.instrument(span).await {
+        let left = |v: &inferscale_cluster::ClusterView| !v.alive(&name);
+        let attempt = unless_view(&mut changes, left, attempt.instrument(span)).await;
+        let attempt = attempt.unwrap_or_else(|| Err(tonic::Status::unavailable(format!("worker {name} was fenced"))));
+        match attempt {
             Ok((stream, first)) => return Ok((w, stream, first)),
             Err(status) => {
                 if unreachable(&status) {
@@ -348,6 +378,9 @@ async fn start(
 /// move, or unreachable until the view drops it) is retried for up to
 /// [`RETRY_FOR`] against the writers of the view by then; the calls are
 /// idempotent (ingest skips units it has), so a retry stores nothing twice.
+/// When the view changes the user's writers mid-call (a hung writer was
+/// fenced), the calls are abandoned and sent to the new writers: a write
+/// is acknowledged by the writers of the view it completes in.
 /// `tolerate` lets a non-home writer's error count as success (a replica
 /// that does not have what is being deleted).
 pub(crate) async fn write_all<T, F, Fut>(
@@ -361,10 +394,20 @@ where
     Fut: std::future::Future<Output = std::result::Result<tonic::Response<T>, tonic::Status>>,
 {
     let until = Instant::now() + RETRY_FOR;
+    let mut changes = s.workers.subscribe();
     loop {
+        changes.mark_unchanged();
         let writers = s.workers.writers(user)?;
+        let names: Vec<&str> = writers.iter().map(|w| w.name.as_str()).collect();
         let calls = writers.iter().enumerate().map(|(i, w)| call(w.client(), i == 0));
-        let results = futures_util::future::join_all(calls).await;
+        let moved = |v: &inferscale_cluster::ClusterView| v.writers(user, s.workers.replicates()) != names;
+        let results = unless_view(&mut changes, moved, futures_util::future::join_all(calls)).await;
+        let Some(results) = results else {
+            if Instant::now() < until {
+                continue;
+            }
+            return Err(ApiError::Unavailable("this user's writers kept changing; retry".into()));
+        };
         let mut home = None;
         let mut failed = None;
         for (i, (r, w)) in results.into_iter().zip(&writers).enumerate() {
@@ -382,7 +425,7 @@ where
         }
         match (failed, home) {
             (None, Some(answer)) => return Ok(answer),
-            (Some(e), _) if e.code() == tonic::Code::Unavailable && Instant::now() < until => {
+            (Some(e), _) if ApiError::from(e.clone()).retryable() && Instant::now() < until => {
                 tokio::time::sleep(RETRY_PAUSE).await;
             }
             (Some(e), _) => return Err(e.into()),
@@ -697,6 +740,21 @@ async fn metrics(State(s): State<Shared>) -> Response {
             "inferscale_rebalance_failures_total",
             "Rebalancing steps that failed.",
             r.failures.load(Ordering::Relaxed) as f64,
+        ),
+        (
+            "inferscale_rebalance_rounds_total",
+            "Rebalancing rounds planned as the leader.",
+            r.rounds.load(Ordering::Relaxed) as f64,
+        ),
+        (
+            "inferscale_cluster_replicas_out_of_step",
+            "Users whose replica lacks them or holds other units than their home (leader only, last round).",
+            r.stale_replicas.load(Ordering::Relaxed) as f64,
+        ),
+        (
+            "inferscale_cluster_fenced_total",
+            "Workers this router fenced (lease revoked after failed health probes).",
+            r.fenced.load(Ordering::Relaxed) as f64,
         ),
     ]);
     type Field = fn(&pb::StatsResponse) -> f64;

@@ -146,14 +146,18 @@ impl From<tonic::Status> for ApiError {
             }
             Code::AlreadyExists | Code::Aborted => ApiError::Conflict(msg),
             Code::Unavailable => ApiError::Unavailable(format!("worker unavailable: {msg}")),
-            // The connection broke under the call (the worker died mid-request).
-            Code::Unknown if msg.contains("h2 protocol error") || msg.contains("transport error") => {
-                ApiError::Unavailable(format!("lost the connection to the worker: {msg}"))
-            }
+            _ if connection_lost(&s) => ApiError::Unavailable(format!("lost the connection to the worker: {msg}")),
             Code::Unauthenticated | Code::PermissionDenied => ApiError::Unauthorized(msg),
             _ => ApiError::Internal(format!("worker error: {msg}")),
         }
     }
+}
+
+/// Whether the connection broke under the call (the worker died
+/// mid-request): tonic reports it as `Unknown` with the transport's words.
+pub(crate) fn connection_lost(s: &tonic::Status) -> bool {
+    s.code() == tonic::Code::Unknown
+        && (s.message().contains("h2 protocol error") || s.message().contains("transport error"))
 }
 
 pub type Result<T> = std::result::Result<T, ApiError>;

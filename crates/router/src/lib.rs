@@ -8,6 +8,7 @@ mod api;
 mod auth;
 mod embeddings;
 mod error;
+mod fence;
 mod jobs;
 mod memories;
 mod metrics;
@@ -25,7 +26,7 @@ use inferscale_cluster::view::Keys as ClusterKeys;
 pub use api::{AppState, Defaults};
 pub use auth::Keys;
 pub use error::{ApiError, Result};
-pub use rebalance::{RebalanceConfig, RebalanceStats};
+pub use rebalance::{DEFAULT_FENCE_AFTER, RebalanceConfig, RebalanceStats};
 pub use workers::Workers;
 
 /// Where the router learns its workers.
@@ -78,7 +79,17 @@ pub async fn build(cfg: RouterConfig, wait: Duration) -> Result<axum::Router> {
         Membership::Store { store, keys, name, ttl, rebalance } => {
             let view = watch_view(store.clone(), keys.clone(), inferscale_cluster::DEFAULT_VNODES);
             let workers = Arc::new(Workers::new(view, cfg.load_factor, rebalance.replicate));
-            let campaign = Campaign::spawn(store.clone(), keys.clone(), name.clone(), *ttl);
+            let campaign = Arc::new(Campaign::spawn(store.clone(), keys.clone(), name.clone(), *ttl));
+            if let Some(after) = rebalance.fence_after {
+                let fencer = fence::Fencer {
+                    store: store.clone(),
+                    keys: keys.clone(),
+                    workers: workers.clone(),
+                    after,
+                    stats: rebalance_stats.clone(),
+                };
+                fencer.spawn(campaign.clone());
+            }
             let rebalancer = rebalance::Rebalancer {
                 store: store.clone(),
                 keys: keys.clone(),
@@ -86,6 +97,7 @@ pub async fn build(cfg: RouterConfig, wait: Duration) -> Result<axum::Router> {
                 cfg: rebalance.clone(),
                 stats: rebalance_stats.clone(),
                 nccl_failed: Default::default(),
+                stale: Default::default(),
             };
             rebalancer.spawn(campaign);
             workers

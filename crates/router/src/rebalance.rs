@@ -30,7 +30,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use inferscale_cluster::membership::Campaign;
-use inferscale_cluster::plan::{Action, Holdings, plan};
+use inferscale_cluster::plan::{Action, Holdings, plan, stale_replicas};
 use inferscale_cluster::store::{Event, KeyValue, Placement, Txn};
 use inferscale_cluster::view::{ClusterView, Keys, Member, MemberState, PlacementRecord};
 use inferscale_proto as pb;
@@ -46,13 +46,26 @@ pub struct RebalanceConfig {
     pub max_bytes_per_sec: u64,
     /// Keep a copy of every user's facts on its replica.
     pub replicate: bool,
+    /// Fence a worker the leader has not reached for this long (revoke
+    /// its lease, see `fence`); `None` waits for its lease to expire.
+    pub fence_after: Option<Duration>,
 }
 
 impl Default for RebalanceConfig {
     fn default() -> Self {
-        RebalanceConfig { every: Duration::from_secs(1), max_bytes_per_sec: 0, replicate: true }
+        RebalanceConfig {
+            every: Duration::from_secs(1),
+            max_bytes_per_sec: 0,
+            replicate: true,
+            fence_after: Some(DEFAULT_FENCE_AFTER),
+        }
     }
 }
+
+/// How long the leader waits, from the first failed health probe (or
+/// call), before fencing a worker: two probes' worth, so that one lost
+/// probe does not make a live worker rejoin.
+pub const DEFAULT_FENCE_AFTER: Duration = Duration::from_secs(2);
 
 /// Totals since start, for `/metrics`.
 #[derive(Debug, Default)]
@@ -60,6 +73,13 @@ pub struct RebalanceStats {
     pub moves: std::sync::atomic::AtomicU64,
     pub moved_bytes: std::sync::atomic::AtomicU64,
     pub failures: std::sync::atomic::AtomicU64,
+    /// Workers fenced (their lease revoked after failed probes).
+    pub fenced: std::sync::atomic::AtomicU64,
+    /// Users whose replica lacked them or held other units than their
+    /// home, at the leader's last round.
+    pub stale_replicas: std::sync::atomic::AtomicU64,
+    /// Rounds planned as the leader.
+    pub rounds: std::sync::atomic::AtomicU64,
 }
 
 pub struct Rebalancer {
@@ -70,6 +90,9 @@ pub struct Rebalancer {
     pub stats: Arc<RebalanceStats>,
     /// Pairs `(from, to)` whose NCCL link failed: their moves use gRPC.
     pub nccl_failed: std::sync::Mutex<BTreeSet<(String, String)>>,
+    /// `(user, replica)` pairs out of step last round, with how (see
+    /// [`Holdings::stale_before`]).
+    pub stale: std::sync::Mutex<std::collections::BTreeMap<(String, String), u64>>,
 }
 
 fn json<T: serde::Serialize>(v: &T) -> Vec<u8> {
@@ -78,7 +101,7 @@ fn json<T: serde::Serialize>(v: &T) -> Vec<u8> {
 
 impl Rebalancer {
     /// Runs rounds while `campaign` says this router leads, forever.
-    pub fn spawn(self, campaign: Campaign) -> tokio::task::JoinHandle<()> {
+    pub fn spawn(self, campaign: Arc<Campaign>) -> tokio::task::JoinHandle<()> {
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(self.cfg.every).await;
@@ -97,11 +120,18 @@ impl Rebalancer {
         let asks = view.members.keys().map(|name| async move {
             let w = self.workers.get(name)?;
             let r = w.client().list_users(request(pb::ListUsersRequest {}, Duration::from_secs(5))).await.ok()?;
-            Some((name.clone(), r.into_inner().users.into_iter().collect::<BTreeSet<_>>()))
+            Some((name.clone(), r.into_inner()))
         });
         let answers = futures_util::future::join_all(asks).await;
-        let complete = answers.iter().all(Option::is_some);
-        Holdings { by_worker: answers.into_iter().flatten().collect(), complete }
+        let mut h = Holdings { complete: answers.iter().all(Option::is_some), ..Default::default() };
+        for (name, r) in answers.into_iter().flatten() {
+            if r.digests.len() == r.users.len() {
+                h.digests.insert(name.clone(), r.users.iter().cloned().zip(r.digests).collect());
+            }
+            h.by_worker.insert(name, r.users.into_iter().collect());
+        }
+        h.stale_before = self.stale.lock().map(|s| s.clone()).unwrap_or_default();
+        h
     }
 
     /// One round: plan from fresh holdings and carry it out.
@@ -111,7 +141,14 @@ impl Rebalancer {
             return Ok(()); // no rebalancing from a cached view
         }
         let holdings = self.holdings(&view).await;
-        for action in plan(&view, &holdings, self.cfg.replicate) {
+        let actions = plan(&view, &holdings, self.cfg.replicate);
+        let stale = stale_replicas(&view, &holdings);
+        self.stats.stale_replicas.store(stale.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        self.stats.rounds.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if let Ok(mut s) = self.stale.lock() {
+            *s = stale;
+        }
+        for action in actions {
             if !campaign.leading() || !self.workers.view().connected {
                 break;
             }
@@ -155,7 +192,7 @@ impl Rebalancer {
             Action::Replicate { user, from, to } => {
                 let dest = self.worker(&to)?;
                 let req = pb::SendShardRequest {
-                    user,
+                    user: user.clone(),
                     to: dest.addr.clone(),
                     with_kv: false,
                     freeze: false,
@@ -164,7 +201,18 @@ impl Rebalancer {
                     nccl: false,
                 };
                 let src = self.worker(&from)?;
-                src.client().send_shard(request(req, Duration::from_secs(600))).await.map_err(|e| e.to_string())?;
+                let sent = src.client().send_shard(request(req, Duration::from_secs(600))).await;
+                let imported = sent.map_err(|e| e.to_string())?.into_inner().imported.unwrap_or_default();
+                eprintln!(
+                    "inferscale router: copied the facts of {user:?} {from} -> {to} (its replica): {} facts{}",
+                    imported.facts,
+                    match imported.dropped {
+                        0 => String::new(),
+                        n => format!(
+                            ", replacing a copy out of step ({n} units it held from before that the home's copy lacks)"
+                        ),
+                    }
+                );
                 Ok(())
             }
             Action::Drop { user, worker } => self.forget_copy(&*self.worker(&worker)?, &user).await,

@@ -17,8 +17,8 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, RwLock};
-use std::time::Duration;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
 
 use inferscale_cluster::ClusterView;
 use inferscale_proto::worker_client::WorkerClient;
@@ -35,9 +35,16 @@ pub struct Worker {
     pub addr: String,
     client: WorkerClient<Channel>,
     healthy: AtomicBool,
+    /// Since when this router has failed to reach the worker (a probe or a
+    /// call that could not get an answer), while no probe has reached it
+    /// since: the leader fences a worker unreachable for long enough.
+    unreachable_since: Mutex<Option<Instant>>,
+    /// Whether any probe reached it: a worker this router never reached
+    /// (a wrong advertised address, say) is not declared dead by it.
+    reached: AtomicBool,
     in_flight: AtomicUsize,
     /// The worker's last answer to `Stats`.
-    stats: std::sync::Mutex<Option<inferscale_proto::StatsResponse>>,
+    stats: Mutex<Option<inferscale_proto::StatsResponse>>,
 }
 
 /// The endpoint of the worker at `addr`; a malformed address is an error here.
@@ -67,8 +74,10 @@ impl Worker {
             addr: addr.to_string(),
             client,
             healthy: AtomicBool::new(false),
+            unreachable_since: Mutex::new(None),
+            reached: AtomicBool::new(false),
             in_flight: AtomicUsize::new(0),
-            stats: std::sync::Mutex::new(None),
+            stats: Mutex::new(None),
         })
     }
 
@@ -88,6 +97,35 @@ impl Worker {
     /// failed to connect).
     pub fn mark_down(&self) {
         self.healthy.store(false, Ordering::SeqCst);
+        self.unreachable(Instant::now());
+    }
+
+    fn unreachable(&self, at: Instant) {
+        if let Ok(mut since) = self.unreachable_since.lock() {
+            since.get_or_insert(at);
+        }
+    }
+
+    fn reached(&self) {
+        self.reached.store(true, Ordering::SeqCst);
+        if let Ok(mut since) = self.unreachable_since.lock() {
+            *since = None;
+        }
+    }
+
+    /// How long this router has failed to reach the worker, if it has
+    /// reached it before and not since.
+    pub fn unreachable_for(&self) -> Option<Duration> {
+        if !self.reached.load(Ordering::SeqCst) {
+            return None;
+        }
+        self.unreachable_since.lock().ok().and_then(|s| *s).map(|t| t.elapsed())
+    }
+
+    /// Whether the last probe (or call) reached the worker: it answers,
+    /// ready or not.
+    pub fn reachable(&self) -> bool {
+        self.reached.load(Ordering::SeqCst) && self.unreachable_since.lock().is_ok_and(|s| s.is_none())
     }
 
     pub fn in_flight(&self) -> usize {
@@ -146,6 +184,16 @@ impl Workers {
 
     pub fn view(&self) -> Arc<ClusterView> {
         self.view.borrow().clone()
+    }
+
+    /// The view as it changes.
+    pub fn subscribe(&self) -> watch::Receiver<Arc<ClusterView>> {
+        self.view.clone()
+    }
+
+    /// Whether writes reach a replica too.
+    pub fn replicates(&self) -> bool {
+        self.replicate
     }
 
     /// Brings the clients in line with the view's members.
@@ -238,35 +286,72 @@ impl Workers {
         Ok(Self::take(w))
     }
 
-    /// Probes every worker once (health, then stats); returns how many are healthy.
+    /// Probes every worker once, all at once (health, then stats); returns
+    /// how many are healthy. A worker that does not answer its health
+    /// check (any error: refused, reset, no answer in 2 s) counts as
+    /// unreachable from the probe's start; one that answers, ready or not,
+    /// as reached.
     pub async fn probe(&self) -> usize {
+        let healthy = self.check_health().await;
+        self.collect_stats().await;
+        healthy
+    }
+
+    /// Asks every worker's health at once; returns how many are ready.
+    async fn check_health(&self) -> usize {
         self.sync();
-        let mut n = 0;
-        for w in self.all() {
-            let mut c = w.client();
-            let ok = c
-                .health(request(inferscale_proto::HealthRequest {}, Duration::from_secs(2)))
-                .await
-                .is_ok_and(|r| r.into_inner().ready);
-            w.healthy.store(ok, Ordering::SeqCst);
-            n += usize::from(ok);
+        let checks = self.all().into_iter().map(|w| async move {
+            let sent = Instant::now();
+            let req = request(inferscale_proto::HealthRequest {}, Duration::from_secs(2));
+            let ready = match w.client().health(req).await {
+                Ok(r) => {
+                    w.reached();
+                    r.into_inner().ready
+                }
+                Err(_) => {
+                    w.unreachable(sent);
+                    false
+                }
+            };
+            w.healthy.store(ready, Ordering::SeqCst);
+            ready
+        });
+        futures_util::future::join_all(checks).await.into_iter().filter(|&ready| ready).count()
+    }
+
+    /// Asks every healthy worker's stats at once (answered between its
+    /// engine's steps, so slower than a health check).
+    async fn collect_stats(&self) {
+        let asks = self.all().into_iter().map(|w| async move {
             let req = request(inferscale_proto::StatsRequest {}, Duration::from_secs(2));
-            let stats = if ok { c.stats(req).await.ok().map(tonic::Response::into_inner) } else { None };
+            let stats = match w.is_healthy() {
+                true => w.client().stats(req).await.ok().map(tonic::Response::into_inner),
+                false => None,
+            };
             if let Ok(mut s) = w.stats.lock() {
                 *s = stats;
             }
-        }
-        n
+        });
+        futures_util::future::join_all(asks).await;
     }
 
-    /// Keeps probing every `every` in the background, and at once when the
-    /// view changes (a new worker is probed before it takes requests).
+    /// Keeps probing every `every` in the background — health, and at
+    /// once when the view changes (a new worker is probed before it takes
+    /// requests); stats on a loop of their own, so that a busy worker's
+    /// slow stats never delay noticing a dead one.
     pub fn watch(self: &Arc<Self>, every: Duration) -> tokio::task::JoinHandle<()> {
+        let me = self.clone();
+        tokio::spawn(async move {
+            loop {
+                me.collect_stats().await;
+                tokio::time::sleep(every).await;
+            }
+        });
         let me = self.clone();
         let mut changes = self.view.clone();
         tokio::spawn(async move {
             loop {
-                me.probe().await;
+                me.check_health().await;
                 tokio::select! {
                     _ = tokio::time::sleep(every) => {}
                     r = changes.changed() => if r.is_err() { tokio::time::sleep(every).await },

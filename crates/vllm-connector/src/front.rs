@@ -288,8 +288,9 @@ impl MemoryHost for Host {
         self.read(|g| Ok(each!(g, c => holdings(c.memory(), footprint)))).unwrap_or_default()
     }
 
-    fn users(&self) -> Vec<String> {
-        self.read(|g| Ok(each!(g, c => c.memory().users().map(str::to_string).collect()))).unwrap_or_default()
+    fn users(&self) -> Vec<(String, u64)> {
+        self.read(|g| Ok(each!(g, c => c.memory().digests().map(|(u, d)| (u.to_string(), d)).collect())))
+            .unwrap_or_default()
     }
 
     fn fact_ids(&self, user: &str) -> Vec<String> {

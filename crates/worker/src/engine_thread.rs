@@ -370,8 +370,8 @@ impl<B: Backend> MemoryHost for Core<B> {
         holdings(self.session.memory(), footprint)
     }
 
-    fn users(&self) -> Vec<String> {
-        self.session.memory().users().map(str::to_string).collect()
+    fn users(&self) -> Vec<(String, u64)> {
+        self.session.memory().digests().map(|(u, d)| (u.to_string(), d)).collect()
     }
 
     fn fact_ids(&self, user: &str) -> Vec<String> {

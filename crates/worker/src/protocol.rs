@@ -319,7 +319,9 @@ pub trait MemoryHost {
 
     fn holdings(&self, footprint: bool) -> Holdings;
 
-    fn users(&self) -> Vec<String>;
+    /// Every user held here, with the digest of its units (the leader
+    /// replaces a replica whose digest differs from the home's).
+    fn users(&self) -> Vec<(String, u64)>;
 
     /// `user`'s fact ids in order (empty for an unknown user).
     fn fact_ids(&self, user: &str) -> Vec<String>;
@@ -758,8 +760,8 @@ mod tests {
         fn holdings(&self, _footprint: bool) -> Holdings {
             Holdings { users: self.units.len(), facts: self.units.values().map(Vec::len).sum(), footprint: None }
         }
-        fn users(&self) -> Vec<String> {
-            self.units.keys().cloned().collect()
+        fn users(&self) -> Vec<(String, u64)> {
+            self.units.iter().map(|(u, us)| (u.clone(), us.len() as u64)).collect()
         }
         fn fact_ids(&self, user: &str) -> Vec<String> {
             self.units.get(user).map_or_else(Vec::new, |u| u.iter().map(|u| u.id.clone()).collect())

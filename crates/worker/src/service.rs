@@ -503,8 +503,9 @@ impl pb::worker_server::Worker for WorkerService {
         &self,
         _: Request<pb::ListUsersRequest>,
     ) -> std::result::Result<Response<pb::ListUsersResponse>, Status> {
-        let users = self.call(|reply| Command::Shard(ShardCommand::ListUsers { reply })).await?;
-        Ok(Response::new(pb::ListUsersResponse { users }))
+        let held = self.call(|reply| Command::Shard(ShardCommand::ListUsers { reply })).await?;
+        let (users, digests) = held.into_iter().unzip();
+        Ok(Response::new(pb::ListUsersResponse { users, digests }))
     }
 
     type ExportShardStream = crate::transfer::ChunkStream;

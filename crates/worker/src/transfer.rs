@@ -85,7 +85,7 @@ async fn export_into(
     let (mut sent_bytes, mut total) = (0u64, 0u32);
     let mut sent: HashSet<String> = HashSet::new();
     let mut pending = ids;
-    let mut frozen = false;
+    let (mut frozen, mut followed) = (false, false);
     loop {
         let mut at = 0;
         while at < pending.len() {
@@ -124,13 +124,22 @@ async fn export_into(
                 }
             }
         }
-        if !req.freeze || frozen {
+        if frozen || followed {
             break;
         }
-        // Writes stop here; what arrived during the copy follows it.
-        let now = svc.call(|reply| Command::Shard(ShardCommand::Freeze { user: user.clone(), reply })).await?;
+        // What arrived during the copy follows it. With freeze, writes stop
+        // here; without (a copy to a replica, which takes the user's writes
+        // itself), the units that came meanwhile follow once, so that the
+        // receiver, which drops what it held from before its import began,
+        // is not left without a write that reached it just before.
+        let now = match req.freeze {
+            true => svc.call(|reply| Command::Shard(ShardCommand::Freeze { user: user.clone(), reply })).await?,
+            false => {
+                svc.call(|reply| Command::Shard(ShardCommand::ExportBegin { user: user.clone(), reply })).await??.1
+            }
+        };
         pending = now.into_iter().filter(|id| !sent.contains(id)).collect();
-        frozen = true;
+        (frozen, followed) = (req.freeze, !req.freeze);
     }
     let last =
         pb::ShardChunk { user, kv_header: header.take().unwrap_or_default(), last: true, total, ..Default::default() };
@@ -221,6 +230,9 @@ pub async fn import(
     svc: &WorkerService,
     mut stream: impl tokio_stream::Stream<Item = Result<pb::ShardChunk, Status>> + Unpin,
 ) -> Result<pb::ImportShardResponse, Status> {
+    // Units this worker stores from here on arrived during the copy and
+    // survive it; older ones the shard lacks are stale and go.
+    let since = inferscale_memory::write_seq();
     let first = stream.next().await.ok_or_else(|| Status::invalid_argument("the shard stream is empty"))??;
     let user = first.user.clone();
     if user.is_empty() {
@@ -230,7 +242,7 @@ pub async fn import(
         .map_err(|e| Status::invalid_argument(format!("the shard's first chunk has no valid KV header: {e}")))?;
     let (dir, ours) = svc.call(|reply| Command::Shard(ShardCommand::ImportTarget { reply })).await?;
     let u = user.clone();
-    let mut staging = blocking(move || Staging::create(&dir, &u, &ours, &theirs)).await?;
+    let mut staging = blocking(move || Staging::create(&dir, &u, &ours, &theirs, since)).await?;
     // Joined only once the shard is known to fit here (same model and KV).
     let mut incoming = Incoming::join(svc, &first).await?;
     let mut next = Some(first);
@@ -286,6 +298,9 @@ pub async fn import(
             WorkerError::Memory(m) => staging_error(m),
             e => Status::from(e),
         })?;
+    if report.dropped > 0 {
+        tracing::info!(user, dropped = report.dropped, "an import replaced a stale copy: units it lacked are gone");
+    }
     let m = svc.metrics();
     m.shards_received.fetch_add(1, Ordering::Relaxed);
     m.shard_bytes_received.fetch_add(report.bytes, Ordering::Relaxed);
@@ -294,6 +309,7 @@ pub async fn import(
         with_kv: report.with_kv as u32,
         kept: report.kept as u32,
         bytes: report.bytes,
+        dropped: report.dropped as u32,
     })
 }
 

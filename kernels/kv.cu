@@ -101,9 +101,10 @@ extern "C" __global__ void copy_blocks(bf16* kc, bf16* vc, const u32* pairs, siz
 // The fused injection: rotate each stored pre-RoPE key to its target
 // position and write it and its value to its cache slot, for every injected
 // token and layer in one launch. `table` holds, as 64-bit words: chunk c's
-// layer-l K pointer at [c·L + l], V pointers after all K pointers, then four
-// u32 arrays of T entries (chunk, row within the chunk, position, slot).
-// Stored tensors are `[rows, kv_dim]` bf16.
+// layer-l K pointer at [c·L + l], V pointers after all K pointers (for fp8,
+// then the K and V scale pointers likewise), then four u32 arrays of T
+// entries (chunk, row within the chunk, position, slot). Stored tensors are
+// `[rows, kv_dim]` bf16, or fp8 codes with a float scale per KV head.
 //
 // Grid (blocks over token groups of INJECT_TOKENS, a run of `layers` from
 // `layer0`). From device memory there is a block per group; from the host
@@ -117,17 +118,65 @@ extern "C" __global__ void copy_blocks(bf16* kc, bf16* vc, const u32* pairs, siz
 //
 // Where a value lands is the destination's business (`Dst::at`: the K and V
 // addresses of dimension e of a slot in a layer): our paged cache, or a
-// cache another engine owns, addressed by its strides.
+// cache another engine owns, addressed by its strides. Where it comes from
+// is the source's (`Src::load`: 8 values of a stored row as bf16): bf16
+// tensors, or fp8-e4m3 codes with a scale per KV head, dequantized here —
+// the same bf16 the host would have made of them, in no extra pass.
 #define INJECT_TOKENS 4
 
-template <typename Dst>
+// Stored bf16 rows: the table's K pointers [c·L + l], then the V pointers.
+struct Bf16Src {
+    static constexpr int WORDS = 2;  // table words per (chunk, layer) before the meta arrays
+    const bf16* const* k_ptrs;
+    const bf16* const* v_ptrs;
+    __device__ Bf16Src(const unsigned long long* table, size_t n) : k_ptrs((const bf16* const*)table), v_ptrs(k_ptrs + n) {}
+    __device__ __forceinline__ uint4 load(bool key, size_t cl, u32 row, int kv_dim, int e, int head_dim) const {
+        const bf16* p = (key ? k_ptrs : v_ptrs)[cl] + (size_t)row * kv_dim + e;
+        return *(const uint4*)p;
+    }
+};
+
+// OCP fp8-e4m3 ("fn": no infinities; 0x7f and 0xff are NaN) as f32, exactly.
+__device__ __forceinline__ float e4m3_to_float(u32 c) {
+    u32 e = (c >> 3) & 0xf, m = c & 7;
+    float v = e == 0 ? (float)m * 0.001953125f  // subnormal: m · 2^-9
+              : (e == 15 && m == 7) ? __int_as_float(0x7fc00000)
+                                    : __int_as_float((int)(((e + 120) << 23) | (m << 20)));
+    return (c & 0x80) ? -v : v;
+}
+
+// Stored fp8 rows: K code pointers [c·L + l], V code pointers, then the K
+// and V scale pointers (a float per KV head of that chunk and layer).
+struct Fp8Src {
+    static constexpr int WORDS = 4;
+    const unsigned char* const* k_ptrs;
+    const unsigned char* const* v_ptrs;
+    const float* const* ks_ptrs;
+    const float* const* vs_ptrs;
+    __device__ Fp8Src(const unsigned long long* table, size_t n)
+        : k_ptrs((const unsigned char* const*)table), v_ptrs(k_ptrs + n), ks_ptrs((const float* const*)(table + 2 * n)),
+          vs_ptrs(ks_ptrs + n) {}
+    __device__ __forceinline__ uint4 load(bool key, size_t cl, u32 row, int kv_dim, int e, int head_dim) const {
+        uint2 codes = *(const uint2*)((key ? k_ptrs : v_ptrs)[cl] + (size_t)row * kv_dim + e);
+        float s = (key ? ks_ptrs : vs_ptrs)[cl][e / head_dim];
+        uint4 out;
+        __nv_bfloat162* o = (__nv_bfloat162*)&out;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            u32 w = j < 2 ? codes.x : codes.y, sh = 16 * (j & 1);
+            o[j] = __floats2bfloat162_rn(e4m3_to_float((w >> sh) & 0xff) * s, e4m3_to_float((w >> (sh + 8)) & 0xff) * s);
+        }
+        return out;
+    }
+};
+
+template <typename Src, typename Dst>
 __device__ __forceinline__ void inject_body(const Dst& out, const unsigned long long* table, u32 tokens, u32 chunks,
                                             u32 layer, u32 layers, int kv_dim, int head_dim, int rot,
                                             const float* cos_t, const float* sin_t, const float* inv_freq,
                                             u32 table_positions) {
-    const bf16* const* k_ptrs = (const bf16* const*)table;
-    const bf16* const* v_ptrs = k_ptrs + (size_t)chunks * layers;
-    const u32* meta = (const u32*)(table + 2 * (size_t)chunks * layers);
+    const Src src(table, (size_t)chunks * layers);
+    const u32* meta = (const u32*)(table + Src::WORDS * (size_t)chunks * layers);
     const int half = rot / 2;
     for (u32 group = blockIdx.x; group * INJECT_TOKENS < tokens; group += gridDim.x)
     for (int e = threadIdx.x * 8; e < kv_dim; e += blockDim.x * 8) {
@@ -146,10 +195,10 @@ __device__ __forceinline__ void inject_body(const Dst& out, const unsigned long 
             u32 chunk = meta[t], row = meta[tokens + t];
             pos[i] = meta[2 * tokens + t];
             out.at(layer, meta[3 * tokens + t], e, &kd[i], &vd[i]);
-            const bf16* k = k_ptrs[(size_t)chunk * layers + layer] + (size_t)row * kv_dim + e;
-            vv[i] = *(const uint4*)(v_ptrs[(size_t)chunk * layers + layer] + (size_t)row * kv_dim + e);
-            if (rotate || copy_k) lo[i] = *(const uint4*)k;
-            if (rotate) hi[i] = *(const uint4*)(k + half);
+            const size_t cl = (size_t)chunk * layers + layer;
+            vv[i] = src.load(false, cl, row, kv_dim, e, head_dim);
+            if (rotate || copy_k) lo[i] = src.load(true, cl, row, kv_dim, e, head_dim);
+            if (rotate) hi[i] = src.load(true, cl, row, kv_dim, e + half, head_dim);
         }
 #pragma unroll
         for (int i = 0; i < INJECT_TOKENS; i++) {
@@ -200,14 +249,17 @@ struct PagedDst {
     }
 };
 
-extern "C" __global__ void inject_kv(bf16* kc, bf16* vc, const unsigned long long* table, u32 tokens,
-                                     u32 chunks, u32 layer0, u32 layers, size_t layer_elems, int kv_dim, int head_dim, int rot,
-                                     const float* cos_t, const float* sin_t, const float* inv_freq,
-                                     u32 table_positions) {
-    PagedDst out{kc, vc, layer_elems, kv_dim};
-    inject_body(out, table, tokens, chunks, layer0 + blockIdx.y, layers, kv_dim, head_dim, rot, cos_t, sin_t,
-                inv_freq, table_positions);
-}
+#define INJECT_PAGED(name, Src)                                                                                     \
+    extern "C" __global__ void name(bf16* kc, bf16* vc, const unsigned long long* table, u32 tokens, u32 chunks,     \
+                                    u32 layer0, u32 layers, size_t layer_elems, int kv_dim, int head_dim, int rot,    \
+                                    const float* cos_t, const float* sin_t, const float* inv_freq,                   \
+                                    u32 table_positions) {                                                            \
+        PagedDst out{kc, vc, layer_elems, kv_dim};                                                                    \
+        inject_body<Src>(out, table, tokens, chunks, layer0 + blockIdx.y, layers, kv_dim, head_dim, rot, cos_t,      \
+                         sin_t, inv_freq, table_positions);                                                           \
+    }
+INJECT_PAGED(inject_kv, Bf16Src)
+INJECT_PAGED(inject_kv_fp8, Fp8Src)
 
 // A cache another engine owns (vLLM's), one tensor per layer at `bases[l]`,
 // addressed in elements: slot s = block · block_size + n is at
@@ -226,12 +278,15 @@ struct StridedDst {
     }
 };
 
-extern "C" __global__ void inject_kv_strided(const unsigned long long* bases, const unsigned long long* table,
-                                             u32 tokens, u32 chunks, u32 layers, u32 block_size, size_t s_block,
-                                             size_t s_slot, size_t s_head, size_t s_kv, int kv_dim, int head_dim,
-                                             int rot, const float* cos_t, const float* sin_t, const float* inv_freq,
-                                             u32 table_positions) {
-    StridedDst out{bases, block_size, s_block, s_slot, s_head, s_kv, head_dim};
-    inject_body(out, table, tokens, chunks, blockIdx.y, layers, kv_dim, head_dim, rot, cos_t, sin_t, inv_freq,
-                table_positions);
-}
+#define INJECT_STRIDED(name, Src)                                                                                   \
+    extern "C" __global__ void name(const unsigned long long* bases, const unsigned long long* table, u32 tokens,    \
+                                    u32 chunks, u32 layers, u32 block_size, size_t s_block, size_t s_slot,            \
+                                    size_t s_head, size_t s_kv, int kv_dim, int head_dim, int rot,                    \
+                                    const float* cos_t, const float* sin_t, const float* inv_freq,                   \
+                                    u32 table_positions) {                                                            \
+        StridedDst out{bases, block_size, s_block, s_slot, s_head, s_kv, head_dim};                                   \
+        inject_body<Src>(out, table, tokens, chunks, blockIdx.y, layers, kv_dim, head_dim, rot, cos_t, sin_t,        \
+                         inv_freq, table_positions);                                                                  \
+    }
+INJECT_STRIDED(inject_kv_strided, Bf16Src)
+INJECT_STRIDED(inject_kv_strided_fp8, Fp8Src)

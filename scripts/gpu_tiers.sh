@@ -11,6 +11,9 @@
 #
 #   gpu_tiers.sh ingest BIN OUT    serve, ingest the population, stop
 #   gpu_tiers.sh run BIN OUT       restart cold, measure, stop
+#   gpu_tiers.sh warm BIN OUT      serve, ingest, measure kv and prompt
+#                                  without a restart (what ingest left in
+#                                  the tiers stays), stop
 #
 # Environment (defaults): USERS=400 FACTS=8 K=8 FORMAT=fp8 DEVICE_MB=2048
 # HOST_MB=8192 ZIPF=1.0 DURATION_S=60 STORE_DIR=/tmp/inferscale-tiers.
@@ -70,8 +73,19 @@ run)
     --json "$out/tiers-hot.json" 2>&1 | tee "$out/tiers-hot.txt"
   stop run
   ;;
+warm)
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+  rm -rf "$mem"
+  serve
+  loadtest --population "$users" --users 1 --modes kv --requests 1 --warmup 0 --json "$out/ingest.json" \
+    2>&1 | tee "$out/ingest.txt"
+  du -sh "$mem" | tee "$out/store-size.txt"
+  loadtest --population "$users" --zipf "${ZIPF:-1.0}" --users 100 --modes kv,prompt --requests 100000 \
+    --duration-s "${DURATION_S:-60}" --json "$out/tiers.json" 2>&1 | tee "$out/tiers.txt"
+  stop warm
+  ;;
 *)
-  echo "usage: gpu_tiers.sh ingest|run BIN OUT" >&2
+  echo "usage: gpu_tiers.sh ingest|run|warm BIN OUT" >&2
   exit 2
   ;;
 esac

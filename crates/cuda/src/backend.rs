@@ -29,7 +29,7 @@ use crate::gemm::{Operands, Shape as GemmShape, TUNED_ROWS, Tuner};
 use crate::kernels::{ATTN_KEYS, ATTN_ROWS, ATTN_THREADS, Kernels, attention_smem_bytes};
 use crate::profile::{Profiler, Span};
 use crate::retrieval::CudaEmbeddings;
-use crate::tier::{HostRows, KeptRows, PinnedPool};
+use crate::tier::{HostFp8Rows, HostRows, KeptRows, PinnedPool};
 
 /// Converts any CUDA-side error into the engine's.
 pub(crate) trait Cu<T> {
@@ -60,6 +60,9 @@ pub(crate) enum Storage {
     /// Stored KV in device memory ([`Backend::keep_kv`]).
     Kept(KeptRows),
     Host(HostRows),
+    /// Stored KV in the host tier as fp8 codes with per-head scales: only
+    /// injection and `to_host` read it.
+    HostFp8(HostFp8Rows),
 }
 
 impl CudaTensor {
@@ -69,13 +72,18 @@ impl CudaTensor {
 
     /// Whether this tensor lives in the host tier.
     pub fn in_host_tier(&self) -> bool {
-        matches!(self.data, Storage::Host(_))
+        matches!(self.data, Storage::Host(_) | Storage::HostFp8(_))
+    }
+
+    /// Whether this tensor holds fp8 codes (with scales) rather than bf16.
+    pub fn is_fp8(&self) -> bool {
+        matches!(self.data, Storage::HostFp8(_))
     }
 
     /// Whether this tensor is stored KV whose release waits for side-stream
     /// injections (kept device memory or the host tier).
     pub(crate) fn is_stored(&self) -> bool {
-        matches!(self.data, Storage::Kept(_) | Storage::Host(_))
+        matches!(self.data, Storage::Kept(_) | Storage::Host(_) | Storage::HostFp8(_))
     }
 
     pub fn is_empty(&self) -> bool {
@@ -244,6 +252,7 @@ impl CudaBackend {
             Storage::Device(s) => self.ptr(s),
             Storage::Kept(k) => self.ptr(&k.slice),
             Storage::Host(h) => h.ptr(),
+            Storage::HostFp8(h) => h.ptr(),
         }
     }
 
@@ -434,10 +443,23 @@ impl Backend for CudaBackend {
         Some(self.host_tier_uploader())
     }
 
+    fn host_tier_upload_fp8(&self) -> Option<inferscale_engine::backend::HostTierUploadFp8<CudaTensor>> {
+        Some(self.host_tier_uploader_fp8())
+    }
+
+    fn stored_bytes(&self, t: &CudaTensor) -> usize {
+        match &t.data {
+            Storage::HostFp8(h) => t.len() + 4 * h.heads,
+            _ => t.len() * 2,
+        }
+    }
+
     fn to_host(&self, t: &CudaTensor) -> Result<HostTensor> {
         let _span = self.span("to_host");
-        if let Storage::Host(h) = &t.data {
-            return Ok(HostTensor { shape: vec![t.rows, t.cols], data: h.to_f32() });
+        match &t.data {
+            Storage::Host(h) => return Ok(HostTensor { shape: vec![t.rows, t.cols], data: h.to_f32() }),
+            Storage::HostFp8(h) => return Ok(HostTensor { shape: vec![t.rows, t.cols], data: h.to_f32(t.cols) }),
+            _ => {}
         }
         let n = t.len();
         // Through a pinned buffer: a pageable copy is staged by the driver

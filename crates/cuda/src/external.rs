@@ -23,7 +23,7 @@ use inferscale_engine::rope::{Rope, TABLE_POSITIONS};
 
 use crate::backend::{Cu, CudaBackend, CudaTensor, shape_err};
 use crate::error::CudaError;
-use crate::tier::{INJECT_TOKENS, check_inject_dims, inject_table};
+use crate::tier::{INJECT_TOKENS, check_inject_dims};
 
 /// A foreign bf16 KV cache, per layer one tensor, addressed in elements.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -96,7 +96,8 @@ impl CudaBackend {
         if total == 0 {
             return Ok(());
         }
-        let mut ptrs = Vec::with_capacity(chunks.len() * layers);
+        // bf16 chunks and fp8 chunks (host-tier KV kept as stored): one launch each.
+        let mut kinds: [Vec<_>; 2] = [Vec::new(), Vec::new()];
         for (ci, c) in chunks.iter().enumerate() {
             let n = c.slots.len();
             if c.k.len() != layers || c.v.len() != layers || c.positions.len() != n {
@@ -106,38 +107,50 @@ impl CudaBackend {
             if let Some(s) = c.slots.iter().find(|&&s| u64::from(s) >= slots_total) {
                 return Err(shape_err(format!("inject_external: slot {s} of a cache of {slots_total} slots")));
             }
+            let fp8 = c.k.first().is_some_and(CudaTensor::is_fp8);
             for (l, (k, v)) in c.k.iter().zip(c.v).enumerate() {
-                if [k, v].iter().any(|x| x.rows < rows || x.cols != kv_dim) {
+                if [k, v].iter().any(|x| x.rows < rows || x.cols != kv_dim || x.is_fp8() != fp8) {
                     return Err(shape_err(format!(
-                        "inject_external: chunk {ci} layer {l} is [{}, {}]",
-                        k.rows, k.cols
+                        "inject_external: chunk {ci} layer {l} is [{}, {}]{}",
+                        k.rows,
+                        k.cols,
+                        if fp8 { ", not all fp8" } else { "" }
                     )));
                 }
-                ptrs.push((self.tp(k), self.tp(v)));
             }
+            kinds[usize::from(fp8)].push((c.first_row, c.k, c.v, c.positions, c.slots));
         }
-        let table = inject_table(&ptrs, chunks.iter().map(|c| (c.first_row, c.positions, c.slots)), total);
-        let table_dev = self.stream.clone_htod(&table).cu()?;
         let bases_dev = self.stream.clone_htod(&cache.bases).cu()?;
         let r = self.rope_tables(rope)?;
         // SAFETY: the caller guarantees `stream` is a live stream of this
         // context; the wrapper does not destroy it.
         let theirs = unsafe { self.ctx.wrap_borrowed_stream(stream as CUstream) };
         theirs.join(&self.stream).cu()?;
-        let (bp, tb) = (self.ptr(&bases_dev), self.ptr(&table_dev));
-        let (tt, nc, nl, bs) = (total as u32, chunks.len() as u32, layers as u32, cache.block_size as u32);
+        let bp = self.ptr(&bases_dev);
+        let (nl, bs) = (layers as u32, cache.block_size as u32);
         let (sb, ss, sh, skv) = (cache.s_block, cache.s_slot, cache.s_head, cache.s_kv);
         let (d, hd, rot) = (kv_dim as i32, cache.head_dim as i32, rope.dim() as i32);
         let (cs, sn, inv, tp) = (self.ptr(&r.cos), self.ptr(&r.sin), self.ptr(&r.inv_freq), TABLE_POSITIONS as u32);
-        let cfg = LaunchConfig {
-            grid_dim: (total.div_ceil(INJECT_TOKENS) as u32, layers as u32, 1),
-            block_dim: ((kv_dim / 8).clamp(32, 256) as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let args: [&dyn crate::backend::Arg; 17] =
-            [&bp, &tb, &tt, &nc, &nl, &bs, &sb, &ss, &sh, &skv, &d, &hd, &rot, &cs, &sn, &inv, &tp];
         let _span = self.span("inject_kv_strided");
-        self.launch_on(&theirs, &self.k.inject_kv_strided, cfg, &args)?;
+        // The tables live until the fence below: freed on our stream, which
+        // waits for their kernels.
+        let mut tables = Vec::new();
+        for (fp8, cs_) in kinds.iter().enumerate().filter(|(_, c)| !c.is_empty()) {
+            let (table, n) = self.kind_table(cs_, fp8 == 1);
+            let table_dev = self.stream.clone_htod(&table).cu()?;
+            theirs.join(&self.stream).cu()?;
+            let (tb, tt, nc) = (self.ptr(&table_dev), n as u32, cs_.len() as u32);
+            let cfg = LaunchConfig {
+                grid_dim: (n.div_ceil(INJECT_TOKENS) as u32, layers as u32, 1),
+                block_dim: ((kv_dim / 8).clamp(32, 256) as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let args: [&dyn crate::backend::Arg; 17] =
+                [&bp, &tb, &tt, &nc, &nl, &bs, &sb, &ss, &sh, &skv, &d, &hd, &rot, &cs, &sn, &inv, &tp];
+            let kernel = if fp8 == 1 { &self.k.inject_kv_strided_fp8 } else { &self.k.inject_kv_strided };
+            self.launch_on(&theirs, kernel, cfg, &args)?;
+            tables.push(table_dev);
+        }
         // Host-tier KV is released after this fence; device KV and the tables
         // are freed on our stream, which waits for the kernel.
         self.inject_fence.record(&theirs).cu()?;
@@ -305,13 +318,13 @@ pub fn check(be: &CudaBackend) -> Result<crate::parity::Report> {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use crate::tier::table_words;
 
     #[test]
     fn rows_start_at_each_chunks_first_row() {
-        let ptrs = [(1, 2), (3, 4)];
+        let (k, v) = ([1, 3], [2, 4]);
         let (p0, s0, p1, s1) = ([10, 11], [100, 101], [20], [200]);
-        let t = inject_table(&ptrs, [(0, &p0[..], &s0[..]), (5, &p1[..], &s1[..])].into_iter(), 3);
+        let t = table_words(&[&k, &v], [(0, &p0[..], &s0[..]), (5, &p1[..], &s1[..])].into_iter(), 3);
         // After the 4 pointer words of each of the 2 (chunk, layer) entries:
         // chunk, row, position and slot of each of the 3 tokens.
         assert_eq!(&t[8..], &[0, 0, 1, 0, 1, 5, 10, 11, 20, 100, 101, 200]);

@@ -128,6 +128,8 @@ kernels!(
     copy_blocks,
     inject_kv,
     inject_kv_strided,
+    inject_kv_fp8,
+    inject_kv_strided_fp8,
     attention_bidirectional,
     paged_attention_d64,
     paged_attention_d128,

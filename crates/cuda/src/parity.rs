@@ -13,10 +13,11 @@
 //! one position off), so the checks can fail.
 
 use inferscale_engine::backend::{AttentionShape, Backend, InjectChunk, KvSpec, NewRows, SeqSpan};
+use inferscale_engine::fp8;
 use inferscale_engine::retrieval::{HostEmbeddings, top_k_host};
 use inferscale_engine::rope::Rope;
 use inferscale_engine::sampling::argmax;
-use inferscale_engine::{CpuBackend, Engine, EngineConfig, KvChunk, Sequence};
+use inferscale_engine::{CpuBackend, Engine, EngineConfig, EngineError, KvChunk, Sequence};
 use inferscale_model::{Family, HostTensor, ModelConfig, ModelFiles, RopeConfig, RopeScaling};
 
 pub const OP_TOL: f64 = 1e-2;
@@ -159,6 +160,25 @@ enum KvSource {
     Kept,
     /// The host tier: the side stream, over the bus.
     HostTier,
+    /// fp8 codes with per-head scales, kept so in the host tier and
+    /// dequantized by the injection kernel.
+    HostTierFp8,
+    /// The same codes decoded on the host and uploaded as bf16 (what the
+    /// host tier held of an fp8 record before the kernel could decode it).
+    HostTierFp8Decoded,
+}
+
+/// fp8-e4m3 codes of `t` (`[rows, cols]`) with a scale per head of
+/// `head_dim` columns, made as fp8 segments make them, and the values they
+/// decode to.
+fn fp8_quantize(t: &HostTensor, head_dim: usize) -> (Vec<f32>, Vec<u8>, HostTensor) {
+    let cols = t.shape[1];
+    let scales = fp8::head_scales(&t.data, cols, head_dim);
+    let codes: Vec<u8> =
+        t.data.iter().enumerate().map(|(i, &x)| fp8::f32_to_e4m3(x / scales[(i % cols) / head_dim])).collect();
+    let data = codes.iter().enumerate().map(|(i, &c)| fp8::e4m3_to_f32(c) * scales[(i % cols) / head_dim]);
+    let decoded = HostTensor { shape: t.shape.clone(), data: data.collect() };
+    (scales, codes, decoded)
 }
 
 struct Dyn<'a, B>(&'a B);
@@ -320,7 +340,30 @@ impl<B: Backend> Ops for Dyn<'_, B> {
             let kh: Vec<_> = (0..layers).map(|l| host(c.seed + (100 * i + l) as u64, &[*ctx, kv_dim], 1.0)).collect();
             let vh: Vec<_> =
                 (0..layers).map(|l| host(c.seed + (100 * i + l) as u64 + 50, &[*ctx, kv_dim], 1.0)).collect();
-            let (k, v) = if src == KvSource::HostTier {
+            let (k, v) = if matches!(src, KvSource::HostTierFp8 | KvSource::HostTierFp8Decoded) {
+                let hd = c.spec.head_dim;
+                let quantized: Vec<_> = kh.iter().chain(&vh).map(|t| fp8_quantize(t, hd)).collect();
+                let mut k = if src == KvSource::HostTierFp8 {
+                    let scales: Vec<u8> =
+                        quantized.iter().flat_map(|q| q.0.iter().flat_map(|s| s.to_le_bytes())).collect();
+                    let codes: Vec<u8> = quantized.iter().flat_map(|q| q.1.iter().copied()).collect();
+                    let kv = fp8::Fp8Kv {
+                        rows: *ctx,
+                        cols: kv_dim,
+                        heads: kv_dim / hd,
+                        tensors: 2 * layers,
+                        scales: &scales,
+                        codes: &codes,
+                    };
+                    let none = || EngineError::Shape("this backend keeps no fp8 in a host tier".into());
+                    let up = be.host_tier_upload_fp8().ok_or_else(none)?;
+                    up(&kv)?
+                } else {
+                    be.upload_rows_host_tier(&quantized.iter().map(|q| &q.2).collect::<Vec<_>>())?
+                };
+                let v = k.split_off(layers);
+                (k, v)
+            } else if src == KvSource::HostTier {
                 let mut k = be.upload_rows_host_tier(&kh.iter().chain(&vh).collect::<Vec<_>>())?;
                 let v = k.split_off(layers);
                 (k, v)
@@ -535,6 +578,16 @@ pub fn ops<G: Backend>(gpu: &G) -> R<Report> {
             let name = format!("inject_kv d{hd} {heads}/{kv_heads} heads: {what} = main-stream launch, bit for bit");
             out.push(Check { name, error: bit_error(&other, &dev), tolerance: 0.0, control: false });
         }
+        // fp8 kept as fp8 in the host tier, dequantized by the kernel, must
+        // inject exactly what decoding the same codes on the host did.
+        let (fp8, decoded) = (
+            Dyn(gpu).inject(&c, &rope, KvSource::HostTierFp8)?,
+            Dyn(gpu).inject(&c, &rope, KvSource::HostTierFp8Decoded)?,
+        );
+        let name = format!(
+            "inject_kv d{hd} {heads}/{kv_heads} heads: fp8 in the host tier = decoded on the host, bit for bit"
+        );
+        out.push(Check { name, error: bit_error(&fp8, &decoded), tolerance: 0.0, control: false });
     }
     Ok(out)
 }

@@ -30,7 +30,7 @@ use cudarc::driver::sys::{CU_MEMHOSTALLOC_DEVICEMAP, CU_MEMHOSTALLOC_PORTABLE};
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, LaunchConfig, PinnedHostSlice};
 use half::bf16;
 use inferscale_engine::Result;
-use inferscale_engine::backend::{InjectChunk, matrix_dims};
+use inferscale_engine::backend::{Fp8Kv, InjectChunk, matrix_dims};
 use inferscale_engine::rope::{Rope, TABLE_POSITIONS};
 use inferscale_model::HostTensor;
 use rayon::prelude::*;
@@ -185,6 +185,52 @@ impl HostRows {
     }
 }
 
+/// A chunk as a launch table lists it: its first row to write, K and V per
+/// layer, positions, slots.
+pub(crate) type TableChunk<'a> = (usize, &'a [CudaTensor], &'a [CudaTensor], &'a [u32], &'a [u32]);
+
+/// A tensor's fp8 codes (`[rows, cols]` bytes) and its KV heads' scales
+/// (f32) inside a [`PinnedBuf`], at byte offsets.
+pub(crate) struct HostFp8Rows {
+    buf: Arc<PinnedBuf>,
+    codes: usize,
+    scales: usize,
+    len: usize,
+    pub(crate) heads: usize,
+}
+
+impl HostFp8Rows {
+    /// The codes' address (same on host and device).
+    pub(crate) fn ptr(&self) -> u64 {
+        self.buf.base + self.codes as u64
+    }
+
+    /// The scales' address.
+    pub(crate) fn scales_ptr(&self) -> u64 {
+        self.buf.base + self.scales as u64
+    }
+
+    /// The values as f32 (code · its head's scale), `cols` to a row.
+    pub(crate) fn to_f32(&self, cols: usize) -> Vec<f32> {
+        // SAFETY: both ranges lie in the allocation, which lives as long as
+        // `self.buf`, and nothing writes it after `to_host_tier_fp8`.
+        let (codes, scales) = unsafe {
+            let base = self.buf.base as *const u8;
+            (
+                std::slice::from_raw_parts(base.add(self.codes), self.len),
+                std::slice::from_raw_parts(base.add(self.scales) as *const f32, self.heads),
+            )
+        };
+        let (head_dim, lut) = ((cols / self.heads.max(1)).max(1), inferscale_engine::fp8::e4m3_table());
+        codes
+            .par_iter()
+            .with_min_len(1 << 14)
+            .enumerate()
+            .map(|(i, &c)| lut[c as usize] * scales[(i % cols) / head_dim])
+            .collect()
+    }
+}
+
 /// Layer ranges of the side-stream launches: one layer, one layer, then
 /// doubling up to [`MAX_GROUP_LAYERS`] — the first layers are needed first.
 pub(crate) fn layer_groups(layers: usize) -> Vec<Range<usize>> {
@@ -225,6 +271,34 @@ impl CudaBackend {
         Arc::new(move |ts: &[&HostTensor]| to_host_tier(&pool, ts))
     }
 
+    /// The host-tier upload of fp8 records as they are stored, for any thread.
+    pub(crate) fn host_tier_uploader_fp8(&self) -> inferscale_engine::backend::HostTierUploadFp8<CudaTensor> {
+        let pool = self.pinned_pool.clone();
+        Arc::new(move |kv: &Fp8Kv<'_>| to_host_tier_fp8(&pool, kv))
+    }
+
+    /// The table of one `inject_kv` launch over `chunks` — bf16 tensors
+    /// (`fp8` false) or fp8 codes with scales, never both — and its tokens.
+    pub(crate) fn kind_table(&self, chunks: &[TableChunk<'_>], fp8: bool) -> (Vec<u32>, usize) {
+        let total = chunks.iter().map(|c| c.4.len()).sum();
+        let tensors = chunks.iter().flat_map(|c| c.1.iter().zip(c.2));
+        let (mut k, mut v, mut ks, mut vs) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (kt, vt) in tensors {
+            k.push(self.tp(kt));
+            v.push(self.tp(vt));
+            if let (Storage::HostFp8(a), Storage::HostFp8(b)) = (&kt.data, &vt.data) {
+                ks.push(a.scales_ptr());
+                vs.push(b.scales_ptr());
+            }
+        }
+        let arrays: Vec<&[u64]> = match fp8 {
+            true => vec![&k, &v, &ks, &vs],
+            false => vec![&k, &v],
+        };
+        let table = table_words(&arrays, chunks.iter().map(|c| (c.0, c.3, c.4)), total);
+        (table, total)
+    }
+
     /// [`inferscale_engine::backend::Backend::inject_kv`]: layer groups on
     /// the side stream, overlapping what follows, when every chunk is stored
     /// KV (kept or in the host tier); else one launch on the main stream.
@@ -241,27 +315,44 @@ impl CudaBackend {
             return Ok(());
         }
         check_inject_dims(rope, spec.head_dim)?;
-        let mut ptrs = Vec::with_capacity(chunks.len() * layers);
         let (mut hosted, mut stored) = (false, true);
+        // bf16 chunks and fp8 chunks: one launch (per layer group) each.
+        let mut kinds: [Vec<_>; 2] = [Vec::new(), Vec::new()];
         for (ci, c) in chunks.iter().enumerate() {
             let n = c.slots.len();
             if c.k.len() != layers || c.v.len() != layers || c.positions.len() != n {
                 return Err(shape_err(format!("inject_kv: chunk {ci} has {} layers, {n} slots", c.k.len())));
             }
             spec.check_slots(c.slots)?;
+            let fp8 = c.k.first().is_some_and(CudaTensor::is_fp8);
             for (l, (k, v)) in c.k.iter().zip(c.v).enumerate() {
-                if [k, v].iter().any(|x| x.rows != n || x.cols != kv_dim) {
-                    return Err(shape_err(format!("inject_kv: chunk {ci} layer {l} is [{}, {}]", k.rows, k.cols)));
+                if [k, v].iter().any(|x| x.rows != n || x.cols != kv_dim || x.is_fp8() != fp8) {
+                    return Err(shape_err(format!(
+                        "inject_kv: chunk {ci} layer {l} is [{}, {}]{}",
+                        k.rows,
+                        k.cols,
+                        if fp8 { ", not all fp8" } else { "" }
+                    )));
                 }
                 hosted |= k.in_host_tier() || v.in_host_tier();
                 stored &= k.is_stored() && v.is_stored();
-                ptrs.push((self.tp(k), self.tp(v)));
             }
+            kinds[usize::from(fp8)].push((0, c.k, c.v, c.positions, c.slots));
         }
-        let table = inject_table(&ptrs, chunks.iter().map(|c| (0, c.positions, c.slots)), total);
+        let kinds_present: Vec<bool> = (0..2).filter(|&k| !kinds[k].is_empty()).map(|k| k == 1).collect();
+        // (kernel, table, tokens, chunks) of each kind present.
+        let launches: Vec<(&cudarc::driver::CudaFunction, Vec<u32>, usize, u32)> = kinds
+            .iter()
+            .enumerate()
+            .filter(|(_, cs)| !cs.is_empty())
+            .map(|(fp8, cs)| {
+                let (table, n) = self.kind_table(cs, fp8 == 1);
+                (if fp8 == 1 { &self.k.inject_kv_fp8 } else { &self.k.inject_kv }, table, n, cs.len() as u32)
+            })
+            .collect();
         let r = self.rope_tables(rope)?;
         let (kc, vc) = (self.ptr(&store.k), self.ptr(&store.v));
-        let (tt, nc, nl) = (total as u32, chunks.len() as u32, layers as u32);
+        let nl = layers as u32;
         let (le, d, hd, rot) = (store.layer_elems, kv_dim as i32, spec.head_dim as i32, rope.dim() as i32);
         let (cs, sn, inv, tp) = (self.ptr(&r.cos), self.ptr(&r.sin), self.ptr(&r.inv_freq), TABLE_POSITIONS as u32);
         let cfg = |blocks: usize, group: usize| LaunchConfig {
@@ -272,11 +363,14 @@ impl CudaBackend {
         if !stored {
             let _span = self.span("inject_kv");
             self.await_all_layers(store)?;
-            let table_dev = self.stream.clone_htod(&table).cu()?;
-            let (tb, l0) = (self.ptr(&table_dev), 0u32);
-            let args: [&dyn crate::backend::Arg; 15] =
-                [&kc, &vc, &tb, &tt, &nc, &l0, &nl, &le, &d, &hd, &rot, &cs, &sn, &inv, &tp];
-            return self.launch(&self.k.inject_kv, cfg(total.div_ceil(INJECT_TOKENS), layers), &args);
+            for (kernel, table, n, nc) in &launches {
+                let table_dev = self.stream.clone_htod(table).cu()?;
+                let (tb, l0, tt) = (self.ptr(&table_dev), 0u32, *n as u32);
+                let args: [&dyn crate::backend::Arg; 15] =
+                    [&kc, &vc, &tb, &tt, nc, &l0, &nl, &le, &d, &hd, &rot, &cs, &sn, &inv, &tp];
+                self.launch(kernel, cfg(n.div_ceil(INJECT_TOKENS), layers), &args)?;
+            }
+            return Ok(());
         }
         // Stored KV. The table goes up first (a copy from pageable memory
         // may wait for its stream's queued work, which the join below would
@@ -285,15 +379,23 @@ impl CudaBackend {
         // bus a few blocks per layer saturate the link; from device memory
         // one block per multiprocessor and layer moves a layer in
         // microseconds without crowding out the prefill's GEMMs.
-        let table_dev = self.side.clone_htod(&table).cu()?;
+        let tables = launches
+            .iter()
+            .map(|(_, table, _, _)| self.side.clone_htod(table).cu())
+            .collect::<std::result::Result<Vec<_>, _>>()?;
         self.side.join(&self.stream).cu()?;
-        let tb_ = self.ptr(&table_dev);
         for g in layer_groups(layers) {
             let l0 = g.start as u32;
-            let args: [&dyn crate::backend::Arg; 15] =
-                [&kc, &vc, &tb_, &tt, &nc, &l0, &nl, &le, &d, &hd, &rot, &cs, &sn, &inv, &tp];
-            let blocks = total.div_ceil(INJECT_TOKENS).min(if hosted { HOST_TIER_BLOCKS } else { self.sm_count });
-            self.launch_on(&self.side, &self.k.inject_kv, cfg(blocks, g.len()), &args)?;
+            for (((kernel, _, n, nc), table_dev), fp8) in launches.iter().zip(&tables).zip(&kinds_present) {
+                let (tb, tt) = (self.ptr(table_dev), *n as u32);
+                let args: [&dyn crate::backend::Arg; 15] =
+                    [&kc, &vc, &tb, &tt, nc, &l0, &nl, &le, &d, &hd, &rot, &cs, &sn, &inv, &tp];
+                // fp8 loads are half as wide: twice the blocks keep as many
+                // bytes in flight on the bus.
+                let host_blocks = if *fp8 { 2 * HOST_TIER_BLOCKS } else { HOST_TIER_BLOCKS };
+                let blocks = n.div_ceil(INJECT_TOKENS).min(if hosted { host_blocks } else { self.sm_count });
+                self.launch_on(&self.side, kernel, cfg(blocks, g.len()), &args)?;
+            }
             for l in g {
                 store.ready[l].record(&self.side).cu()?;
                 store.pending[l].store(true, Ordering::Release);
@@ -301,6 +403,38 @@ impl CudaBackend {
         }
         self.inject_fence.record(&self.side).cu()
     }
+}
+
+/// Copies an fp8 record's scales and codes, as stored, into one pinned host
+/// allocation of the host tier (scales first, padded to 16 bytes; each
+/// tensor's codes after): no decoding, half the bytes of bf16.
+fn to_host_tier_fp8(pool: &Arc<PinnedPool>, kv: &Fp8Kv<'_>) -> Result<Vec<CudaTensor>> {
+    kv.check()?;
+    let scale_bytes = kv.scales.len().div_ceil(16) * 16;
+    let total = scale_bytes + kv.codes.len();
+    let mut slice = pool.take(total.div_ceil(2))?;
+    let host = slice.as_mut_slice().cu()?;
+    // SAFETY: `host` is `total.div_ceil(2)` bf16 values, at least `total` bytes.
+    let bytes = unsafe { std::slice::from_raw_parts_mut(host.as_mut_ptr() as *mut u8, total) };
+    let (scales, codes) = bytes.split_at_mut(scale_bytes);
+    scales[..kv.scales.len()].copy_from_slice(kv.scales);
+    codes.par_chunks_mut(1 << 16).zip(kv.codes.par_chunks(1 << 16)).for_each(|(d, s)| d.copy_from_slice(s));
+    let base = slice.as_mut_ptr().cu()? as u64;
+    let buf = Arc::new(PinnedBuf { slice: Some(slice), base, pool: pool.clone() });
+    let per = kv.rows * kv.cols;
+    Ok((0..kv.tensors)
+        .map(|i| CudaTensor {
+            data: Storage::HostFp8(HostFp8Rows {
+                buf: buf.clone(),
+                codes: scale_bytes + i * per,
+                scales: 4 * i * kv.heads,
+                len: per,
+                heads: kv.heads,
+            }),
+            rows: kv.rows,
+            cols: kv.cols,
+        })
+        .collect())
 }
 
 /// Copies tensors into one pinned host allocation of the host tier, taken
@@ -344,22 +478,23 @@ pub(crate) fn check_inject_dims(rope: &Rope, head_dim: usize) -> Result<()> {
 }
 
 /// The `table` argument of `inject_kv` (kernels/kv.cu), as u32 words for
-/// one upload: every (chunk, layer)'s K pointer, then every V pointer (64-bit,
-/// low word first), then four arrays of `total` entries — chunk index, row
-/// within the chunk, position, slot. `ptrs[c·layers + l]` = (K, V) of chunk c,
-/// layer l; `chunks` yields each chunk's first row to write (0 for all of
-/// it), and the positions and slots of the rows from there.
-pub(crate) fn inject_table<'a>(
-    ptrs: &[(u64, u64)],
+/// one upload: each of `arrays` in turn — every (chunk, layer)'s K pointer,
+/// then every V pointer, and for fp8 every K scale pointer, then every V
+/// scale pointer (64-bit, low word first; `[c·layers + l]` is chunk c,
+/// layer l) — then four arrays of `total` entries: chunk index, row within
+/// the chunk, position, slot. `chunks` yields each chunk's first row to
+/// write (0 for all of it), and the positions and slots of the rows from
+/// there.
+pub(crate) fn table_words<'a>(
+    arrays: &[&[u64]],
     chunks: impl Iterator<Item = (usize, &'a [u32], &'a [u32])>,
     total: usize,
 ) -> Vec<u32> {
-    let mut table = vec![0u32; 4 * ptrs.len() + 4 * total];
-    let (words, meta) = table.split_at_mut(4 * ptrs.len());
-    for (i, &(k, v)) in ptrs.iter().enumerate() {
-        for (at, p) in [(2 * i, k), (2 * (ptrs.len() + i), v)] {
-            words[at..at + 2].copy_from_slice(&[p as u32, (p >> 32) as u32]);
-        }
+    let pointers: usize = arrays.iter().map(|a| a.len()).sum();
+    let mut table = vec![0u32; 2 * pointers + 4 * total];
+    let (words, meta) = table.split_at_mut(2 * pointers);
+    for (i, p) in arrays.iter().flat_map(|a| a.iter()).enumerate() {
+        words[2 * i..2 * i + 2].copy_from_slice(&[*p as u32, (p >> 32) as u32]);
     }
     let mut t = 0;
     for (ci, (first, positions, slots)) in chunks.enumerate() {
@@ -380,15 +515,23 @@ mod tests {
 
     #[test]
     fn inject_table_matches_the_kernels_layout() {
-        let ptrs = [(0x1_0000_0010, 0x2_0000_0020), (0x3_0000_0030, 0x4_0000_0040), (5, 6), (7, 8)];
+        let (k, v) = ([0x1_0000_0010, 0x3_0000_0030, 5, 7], [0x2_0000_0020, 0x4_0000_0040, 6, 8]);
         let (p0, s0, p1, s1) = ([10, 11], [100, 101], [20], [200]);
-        let t = inject_table(&ptrs, [(0, &p0[..], &s0[..]), (0, &p1[..], &s1[..])].into_iter(), 3);
+        let chunks = || [(0, &p0[..], &s0[..]), (0, &p1[..], &s1[..])].into_iter();
+        let t = table_words(&[&k, &v], chunks(), 3);
         let word = |i: usize| t[2 * i] as u64 | (t[2 * i + 1] as u64) << 32;
         // The kernel reads 64-bit K pointers at [c·L + l], V pointers after them.
         assert_eq!((0..4).map(word).collect::<Vec<_>>(), [0x1_0000_0010, 0x3_0000_0030, 5, 7]);
         assert_eq!((4..8).map(word).collect::<Vec<_>>(), [0x2_0000_0020, 0x4_0000_0040, 6, 8]);
         // Then chunk, row, position and slot of each of the 3 tokens.
         assert_eq!(&t[16..], &[0, 0, 1, 0, 1, 0, 10, 11, 20, 100, 101, 200]);
+        // fp8: the K and V scale pointers follow V's, then the same tokens.
+        let (ks, vs) = ([9, 10, 11, 12], [13, 14, 15, 16]);
+        let t8 = table_words(&[&k, &v, &ks, &vs], chunks(), 3);
+        assert_eq!(&t8[..16], &t[..16], "K and V pointers first, as for bf16");
+        let word8 = |i: usize| t8[2 * i] as u64 | (t8[2 * i + 1] as u64) << 32;
+        assert_eq!((8..16).map(word8).collect::<Vec<_>>(), [9, 10, 11, 12, 13, 14, 15, 16]);
+        assert_eq!(&t8[32..], &[0, 0, 1, 0, 1, 0, 10, 11, 20, 100, 101, 200]);
     }
 
     #[test]

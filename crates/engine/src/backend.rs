@@ -176,6 +176,11 @@ pub struct InjectChunk<'a, T> {
 /// KV tensors in, the backend's tensors (in its host tier) out.
 pub type HostTierUpload<T> = std::sync::Arc<dyn Fn(&[&HostTensor]) -> Result<Vec<T>> + Send + Sync>;
 
+pub use crate::fp8::Fp8Kv;
+
+/// A backend's host-tier upload of fp8 KV as stored ([`Backend::host_tier_upload_fp8`]).
+pub type HostTierUploadFp8<T> = std::sync::Arc<dyn Fn(&Fp8Kv<'_>) -> Result<Vec<T>> + Send + Sync>;
+
 /// Tensor operations over some device. Implementations know nothing of models.
 pub trait Backend: Send + Sync + 'static {
     type Tensor: Send + Sync;
@@ -252,6 +257,20 @@ pub trait Backend: Send + Sync + 'static {
     /// device does not.
     fn host_tier_upload(&self) -> Option<HostTierUpload<Self::Tensor>> {
         None
+    }
+    /// Like [`Backend::host_tier_upload`], for fp8 records kept as fp8 in
+    /// the host tier — half of bf16's bytes there and on the bus — and
+    /// dequantized by [`Backend::inject_kv`] as it writes the cache. `None`:
+    /// fp8 records are decoded on the host and uploaded as any others.
+    fn host_tier_upload_fp8(&self) -> Option<HostTierUploadFp8<Self::Tensor>> {
+        None
+    }
+    /// Bytes `t` holds where it lives (a tensor the host tier keeps as fp8
+    /// holds about half of bf16's): what the KV cache counts against its
+    /// budgets.
+    fn stored_bytes(&self, t: &Self::Tensor) -> usize {
+        let (rows, cols) = self.dims(t);
+        rows * cols * self.kv_bytes_per_value()
     }
     /// Copies a tensor back as row-major f32.
     fn to_host(&self, t: &Self::Tensor) -> Result<HostTensor>;

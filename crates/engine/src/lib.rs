@@ -13,6 +13,7 @@ mod blend;
 pub mod cpu;
 mod engine;
 mod error;
+pub mod fp8;
 mod generate;
 mod inject;
 pub mod kv_cache;

@@ -169,11 +169,12 @@ impl<B: Backend> KvCache<B> {
     /// tier it went to, or `None` when [`Admit::Fill`] found no room.
     pub(crate) fn insert(&mut self, be: &B, key: u64, source: Source<B>, admit: Admit) -> Result<Option<Tier>> {
         self.remove(key);
-        let tokens = match &source {
-            Source::Chunk(c) | Source::Uploaded(c) => c.len(),
-            Source::Host { tokens, .. } => tokens.len(),
+        let bytes = match &source {
+            // What it holds where the reader put it (fp8 kept as fp8: half).
+            Source::Uploaded(c) => c.k.iter().chain(&c.v).map(|t| be.stored_bytes(t) as u64).sum(),
+            Source::Chunk(c) => c.len() as u64 * self.values_per_token * self.bytes_per_value,
+            Source::Host { tokens, .. } => tokens.len() as u64 * self.values_per_token * self.bytes_per_value,
         };
-        let bytes = tokens as u64 * self.values_per_token * self.bytes_per_value;
         let host_tier = self.host_tier;
         // Where KV read from disk (host tensors) goes.
         let home = if host_tier { Tier::Host } else { Tier::Device };

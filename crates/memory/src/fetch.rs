@@ -8,12 +8,12 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use inferscale_engine::backend::HostTierUpload;
+use inferscale_engine::backend::{HostTierUpload, HostTierUploadFp8};
 use inferscale_engine::{Backend, KvChunk};
 
 use crate::cache::{Admit, Source, Tier};
 use crate::error::{MemoryError, Result};
-use crate::kvseg::{KvHeader, StoredKv};
+use crate::kvseg::{KvFormat, KvHeader, StoredKv};
 use crate::log::{Frame, read_frame_at};
 use crate::shard::Memory;
 use crate::user::UserShard;
@@ -83,7 +83,21 @@ pub struct ReadJob<B: Backend> {
     fact_id: String,
     tokens: Vec<u32>,
     /// Places the KV where the cache keeps reads (`Memory::upload`).
-    upload: Option<HostTierUpload<B::Tensor>>,
+    upload: Uploads<B::Tensor>,
+}
+
+/// The backend's uploads that reader threads place what they read with
+/// (`None`: the engine thread places it).
+pub(crate) struct Uploads<T> {
+    pub(crate) bf: Option<HostTierUpload<T>>,
+    /// fp8 records kept as fp8 in the host tier.
+    pub(crate) fp8: Option<HostTierUploadFp8<T>>,
+}
+
+impl<T> Clone for Uploads<T> {
+    fn clone(&self) -> Self {
+        Uploads { bf: self.bf.clone(), fp8: self.fp8.clone() }
+    }
 }
 
 /// A finished [`ReadJob`], for [`Memory::complete_read`].
@@ -105,29 +119,50 @@ impl<B: Backend> ReadJob<B> {
     /// as one.
     pub fn run(self) -> ReadDone<B> {
         let t0 = Instant::now();
-        let result = read_frame_at(&self.path, self.frame)
-            .and_then(|bytes| StoredKv::decode(&bytes, &self.seg, &self.path))
-            .and_then(|s| match s.fact_id == self.fact_id && s.tokens == self.tokens {
-                true => Ok(s),
-                false => Err(MemoryError::Corrupt {
-                    path: self.path.clone(),
-                    offset: self.frame.offset,
-                    reason: format!("the record indexed for fact {:?} is another's", self.fact_id),
-                }),
-            })
-            .map(|s| {
-                let placed =
-                    self.upload.as_ref().map(|up| KvChunk::from_host_tier_with(up, s.tokens.clone(), &s.k, &s.v));
-                match placed {
-                    Some(Ok(chunk)) => Source::Uploaded(chunk),
-                    _ => Source::Host { tokens: s.tokens, k: s.k, v: s.v },
-                }
-            });
+        let result = read_frame_at(&self.path, self.frame).and_then(|bytes| self.place(&bytes));
         ReadDone { job: self, result, seconds: t0.elapsed().as_secs_f64() }
     }
 
+    /// The record's KV as the cache takes it. An fp8 record goes into the
+    /// host tier as stored when the backend keeps fp8 there (its injection
+    /// dequantizes); any other is decoded and converted.
+    fn place(&self, bytes: &[u8]) -> Result<Source<B>> {
+        if let (Some(up), KvFormat::Fp8) = (&self.upload.fp8, self.seg.dtype) {
+            let (fact_id, tokens, kv) = StoredKv::fp8_parts(bytes, &self.seg, &self.path)?;
+            self.check_ours(&fact_id, &tokens)?;
+            match up(&kv) {
+                Ok(mut k) if k.len() == kv.tensors => {
+                    let v = k.split_off(kv.tensors / 2);
+                    return Ok(Source::Uploaded(KvChunk { tokens, k, v }));
+                }
+                // As below: decoded, the engine thread's own upload reports it.
+                _ => {}
+            }
+        }
+        let s = StoredKv::decode(bytes, &self.seg, &self.path)?;
+        self.check_ours(&s.fact_id, &s.tokens)?;
+        let placed = self.upload.bf.as_ref().map(|up| KvChunk::from_host_tier_with(up, s.tokens.clone(), &s.k, &s.v));
+        Ok(match placed {
+            Some(Ok(chunk)) => Source::Uploaded(chunk),
+            _ => Source::Host { tokens: s.tokens, k: s.k, v: s.v },
+        })
+    }
+
+    /// The record is this fact's (the segment may have been rewritten since
+    /// the read was planned).
+    fn check_ours(&self, fact_id: &str, tokens: &[u32]) -> Result<()> {
+        match fact_id == self.fact_id && tokens == self.tokens {
+            true => Ok(()),
+            false => Err(MemoryError::Corrupt {
+                path: self.path.clone(),
+                offset: self.frame.offset,
+                reason: format!("the record indexed for fact {:?} is another's", self.fact_id),
+            }),
+        }
+    }
+
     /// The read of `user`'s fact `i`'s record (`None`: it has none).
-    fn of(user: &str, shard: &UserShard<B>, i: usize, upload: &Option<HostTierUpload<B::Tensor>>) -> Option<Self> {
+    fn of(user: &str, shard: &UserShard<B>, i: usize, upload: &Uploads<B::Tensor>) -> Option<Self> {
         let (fact, kv) = (shard.facts.get(i)?, shard.kv.get(i)?);
         Some(ReadJob {
             upload: upload.clone(),

@@ -15,6 +15,7 @@
 
 use std::path::Path;
 
+use inferscale_engine::fp8::{f32_to_e4m3, head_scales};
 use inferscale_model::HostTensor;
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
@@ -262,23 +263,39 @@ impl StoredKv {
                 .par_chunks_exact(per * 2)
                 .map(|b| tensor(b.chunks_exact(2).map(|x| bf16_to_f32(u16::from_le_bytes([x[0], x[1]]))).collect()))
                 .collect(),
-            KvFormat::Fp8 => {
-                let (hd, heads) = (header.head_dim, header.kv_heads());
-                let lut = e4m3_table();
-                let (scales, codes) = body.split_at(2 * header.layers * heads * 4);
-                let scales: Vec<f32> =
-                    scales.chunks_exact(4).map(|x| f32::from_le_bytes([x[0], x[1], x[2], x[3]])).collect();
-                codes
-                    .par_chunks_exact(per)
-                    .zip(scales.par_chunks_exact(heads))
-                    .map(|(c, s)| {
-                        tensor(c.iter().enumerate().map(|(i, &c)| lut[c as usize] * s[(i % dim) / hd]).collect())
-                    })
-                    .collect()
-            }
+            KvFormat::Fp8 => Self::fp8_parts(bytes, header, path)?.2.decode().map_err(|e| MemoryError::Corrupt {
+                path: path.to_path_buf(),
+                offset: 0,
+                reason: e.to_string(),
+            })?,
         };
         let v = tensors.split_off(header.layers);
         Ok(StoredKv { fact_id, tokens, k: tensors, v })
+    }
+
+    /// An fp8 record as stored, for a backend that keeps fp8 in its host
+    /// tier: its fact id, tokens and tensors (codes and scales, not
+    /// decoded), after the same checks as [`StoredKv::decode`].
+    pub fn fp8_parts<'a>(
+        bytes: &'a [u8],
+        header: &KvHeader,
+        path: &Path,
+    ) -> Result<(String, Vec<u32>, inferscale_engine::backend::Fp8Kv<'a>)> {
+        if header.dtype != KvFormat::Fp8 {
+            return Err(MemoryError::Invalid { what: "KV record", reason: format!("{} is not fp8", header.dtype) });
+        }
+        let (fact_id, tokens, at) = Self::head(bytes, bytes.len(), header, path)?;
+        let heads = header.kv_heads();
+        let (scales, codes) = bytes[at..].split_at(2 * header.layers * heads * 4);
+        let kv = inferscale_engine::backend::Fp8Kv {
+            rows: tokens.len(),
+            cols: header.kv_dim,
+            heads,
+            tensors: 2 * header.layers,
+            scales,
+            codes,
+        };
+        Ok((fact_id, tokens, kv))
     }
 
     /// Checks a record written under `header` — framing, shape, exact
@@ -330,8 +347,6 @@ impl StoredKv {
     }
 }
 
-/// The fp8 scale of each KV head of a `[rows, dim]` tensor: its largest
-/// magnitude over 448 (e4m3's largest finite value), 1 for a head of zeros.
 /// Runs `f` on each tensor (with its index) and its part of `out`, at
 /// `width` bytes a value, tensors in parallel.
 fn fill(out: &mut [u8], tensors: &[&HostTensor], width: usize, f: impl Fn(usize, &HostTensor, &mut [u8]) + Sync) {
@@ -345,19 +360,6 @@ fn fill(out: &mut [u8], tensors: &[&HostTensor], width: usize, f: impl Fn(usize,
     parts.into_par_iter().enumerate().for_each(|(i, o)| f(i, tensors[i], o));
 }
 
-fn head_scales(data: &[f32], dim: usize, head_dim: usize) -> Vec<f32> {
-    let mut amax = vec![0f32; dim / head_dim];
-    for row in data.chunks_exact(dim) {
-        for (i, x) in row.iter().enumerate() {
-            let m = &mut amax[i / head_dim];
-            *m = m.max(x.abs());
-        }
-    }
-    amax.into_iter().map(|a| if a > 0.0 && a.is_finite() { a / E4M3_MAX } else { 1.0 }).collect()
-}
-
-const E4M3_MAX: f32 = 448.0;
-
 /// bf16 by rounding to nearest, ties to even (NaN stays NaN).
 pub(crate) fn f32_to_bf16(x: f32) -> u16 {
     let b = x.to_bits();
@@ -369,50 +371,6 @@ pub(crate) fn f32_to_bf16(x: f32) -> u16 {
 
 pub(crate) fn bf16_to_f32(h: u16) -> f32 {
     f32::from_bits((h as u32) << 16)
-}
-
-/// OCP e4m3 ("fn": no infinities, 0x7f/0xff are NaN), rounding to nearest,
-/// ties to even, saturating at ±448.
-pub(crate) fn f32_to_e4m3(x: f32) -> u8 {
-    if x.is_nan() {
-        return 0x7f;
-    }
-    let sign = if x.is_sign_negative() { 0x80 } else { 0 };
-    let a = x.abs();
-    if a >= E4M3_MAX {
-        return sign | 0x7e;
-    }
-    // Below 2⁻⁶ the format is subnormal: multiples of 2⁻⁹ (code = multiple).
-    if a < 1.0 / 64.0 {
-        return sign | (a * 512.0).round_ties_even() as u8;
-    }
-    let mut e = ((a.to_bits() >> 23) & 0xff) as i32 - 127;
-    // a · 2^(3-e) is in [8, 16): the implicit one and three mantissa bits
-    // (the power of two built from its bits: exact, and no `powi` per value).
-    let scale = f32::from_bits(((127 + 3 - e) as u32) << 23);
-    let mut m = (a * scale).round_ties_even() as u32;
-    if m == 16 {
-        m = 8;
-        e += 1;
-    }
-    let code = (((e + 7) as u32) << 3) | (m - 8);
-    sign | code.min(0x7e) as u8
-}
-
-/// Every e4m3 code's value: decoding a record is a lookup per value.
-fn e4m3_table() -> &'static [f32; 256] {
-    static TABLE: std::sync::OnceLock<[f32; 256]> = std::sync::OnceLock::new();
-    TABLE.get_or_init(|| std::array::from_fn(|c| e4m3_to_f32(c as u8)))
-}
-
-pub(crate) fn e4m3_to_f32(c: u8) -> f32 {
-    let (exp, m) = (((c >> 3) & 0xf) as i32, (c & 7) as f32);
-    let a = match (exp, c & 0x7f) {
-        (_, 0x7f) => f32::NAN,
-        (0, _) => m * 2f32.powi(-9),
-        _ => (1.0 + m / 8.0) * 2f32.powi(exp - 7),
-    };
-    if c & 0x80 != 0 { -a } else { a }
 }
 
 #[cfg(test)]
@@ -476,30 +434,6 @@ mod tests {
         assert_eq!(bf16_to_f32(f32_to_bf16(1.0 + 2f32.powi(-8))), 1.0);
         assert_eq!(bf16_to_f32(f32_to_bf16(1.0 + 3.0 * 2f32.powi(-8))), 1.0 + 2f32.powi(-6));
         assert!(bf16_to_f32(f32_to_bf16(f32::NAN)).is_nan());
-    }
-
-    #[test]
-    fn e4m3_codes_decode_to_themselves_and_round_to_nearest() {
-        // Every finite code is its own encoding (both zeros included).
-        for c in 0u8..=255 {
-            if c & 0x7f == 0x7f {
-                assert!(e4m3_to_f32(c).is_nan());
-                continue;
-            }
-            let x = e4m3_to_f32(c);
-            let back = f32_to_e4m3(x);
-            assert_eq!(e4m3_to_f32(back), x, "code {c:#04x} = {x}");
-        }
-        assert_eq!(e4m3_to_f32(0x7e), 448.0);
-        assert_eq!(e4m3_to_f32(0x01), 2f32.powi(-9), "smallest subnormal");
-        assert_eq!(e4m3_to_f32(0x08), 2f32.powi(-6), "smallest normal");
-        assert_eq!(f32_to_e4m3(1e9), 0x7e, "saturates");
-        assert_eq!(f32_to_e4m3(-1e9), 0xfe);
-        // Between 1 (0x38) and 1.125 (0x39): 1.0625 is a tie, to even (1).
-        assert_eq!(f32_to_e4m3(1.0625), 0x38);
-        assert_eq!(f32_to_e4m3(1.07), 0x39);
-        assert_eq!(f32_to_e4m3(15.5), 0x58, "a tie between 15 and 16 rounds up into the next binade");
-        assert_eq!(f32_to_e4m3(2f32.powi(-10)), 0x00, "a tie below the smallest subnormal goes to zero");
     }
 
     #[test]

@@ -15,7 +15,6 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use inferscale_engine::backend::HostTierUpload;
 use inferscale_engine::bert::Bert;
 use inferscale_engine::{Backend, Engine, KvChunk};
 use inferscale_types::MemoryUnit;
@@ -180,7 +179,7 @@ pub struct Memory<B: Backend> {
     pub(crate) reading: std::collections::HashSet<u64>,
     /// The backend's upload for reads to place what they read where it
     /// is cached, on their own thread (`None`: the caller's thread does).
-    pub(crate) upload: Option<HostTierUpload<B::Tensor>>,
+    pub(crate) upload: crate::fetch::Uploads<B::Tensor>,
     /// The model's context, in tokens: an encoding (header, window, fact)
     /// must fit it.
     context: usize,
@@ -294,7 +293,7 @@ impl<B: Backend> Memory<B> {
             encode_batch: ENCODE_BATCH,
             cache: KvCache::new(be, options.budgets, c.num_layers, c.kv_dim()),
             reading: Default::default(),
-            upload: be.host_tier_upload(),
+            upload: crate::fetch::Uploads { bf: be.host_tier_upload(), fp8: be.host_tier_upload_fp8() },
             context: c.max_position_embeddings,
             retriever: Retriever::default(),
             _lock: lock,

@@ -50,14 +50,24 @@ loadtest() {
     --ignore-eos --user-prefix tiers --machine "$(cat "$out/gpu.txt")" "$@"
 }
 
-case $step in
-ingest)
+# A fresh store, served, with the population ingested by one request.
+fresh_and_ingested() {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
   rm -rf "$mem"
   serve
-  # One request after the ingest: the population is stored by the first run.
   loadtest --population "$users" --users 1 --modes kv --requests 1 --warmup 0 --json "$out/ingest.json" \
     2>&1 | tee "$out/ingest.txt"
+}
+
+# kv, then prompt mode on the same Zipf request stream.
+zipf_point() {
+  loadtest --population "$users" --zipf "${ZIPF:-1.0}" --users 100 --modes kv,prompt --requests 100000 \
+    --duration-s "${DURATION_S:-60}" --json "$out/tiers.json" 2>&1 | tee "$out/tiers.txt"
+}
+
+case $step in
+ingest)
+  fresh_and_ingested
   stop ingest
   du -sh "$mem" | tee "$out/store-size.txt"
   df -h "$(dirname "$mem")" | tail -1 | tee -a "$out/store-size.txt"
@@ -67,21 +77,15 @@ run)
   echo 3 >/proc/sys/vm/drop_caches
   serve
   grep "opened memory" "$out/serve.log" | tail -1 | tee "$out/open.txt"
-  loadtest --population "$users" --zipf "${ZIPF:-1.0}" --users 100 --modes kv,prompt --requests 100000 \
-    --duration-s "${DURATION_S:-60}" --json "$out/tiers.json" 2>&1 | tee "$out/tiers.txt"
+  zipf_point
   loadtest --population 10 --users 100 --modes kv --requests 100000 --duration-s "${DURATION_S:-60}" \
     --json "$out/tiers-hot.json" 2>&1 | tee "$out/tiers-hot.txt"
   stop run
   ;;
 warm)
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
-  rm -rf "$mem"
-  serve
-  loadtest --population "$users" --users 1 --modes kv --requests 1 --warmup 0 --json "$out/ingest.json" \
-    2>&1 | tee "$out/ingest.txt"
+  fresh_and_ingested
   du -sh "$mem" | tee "$out/store-size.txt"
-  loadtest --population "$users" --zipf "${ZIPF:-1.0}" --users 100 --modes kv,prompt --requests 100000 \
-    --duration-s "${DURATION_S:-60}" --json "$out/tiers.json" 2>&1 | tee "$out/tiers.txt"
+  zipf_point
   stop warm
   ;;
 *)

@@ -339,15 +339,15 @@ impl CudaBackend {
             }
             kinds[usize::from(fp8)].push((0, c.k, c.v, c.positions, c.slots));
         }
-        let kinds_present: Vec<bool> = (0..2).filter(|&k| !kinds[k].is_empty()).map(|k| k == 1).collect();
-        // (kernel, table, tokens, chunks) of each kind present.
-        let launches: Vec<(&cudarc::driver::CudaFunction, Vec<u32>, usize, u32)> = kinds
+        // (kernel, table, tokens, chunks, fp8) of each kind present.
+        let launches: Vec<(&cudarc::driver::CudaFunction, Vec<u32>, usize, u32, bool)> = kinds
             .iter()
-            .enumerate()
-            .filter(|(_, cs)| !cs.is_empty())
-            .map(|(fp8, cs)| {
-                let (table, n) = self.kind_table(cs, fp8 == 1);
-                (if fp8 == 1 { &self.k.inject_kv_fp8 } else { &self.k.inject_kv }, table, n, cs.len() as u32)
+            .zip([false, true])
+            .filter(|(cs, _)| !cs.is_empty())
+            .map(|(cs, fp8)| {
+                let (table, n) = self.kind_table(cs, fp8);
+                let kernel = if fp8 { &self.k.inject_kv_fp8 } else { &self.k.inject_kv };
+                (kernel, table, n, cs.len() as u32, fp8)
             })
             .collect();
         let r = self.rope_tables(rope)?;
@@ -363,7 +363,7 @@ impl CudaBackend {
         if !stored {
             let _span = self.span("inject_kv");
             self.await_all_layers(store)?;
-            for (kernel, table, n, nc) in &launches {
+            for (kernel, table, n, nc, _) in &launches {
                 let table_dev = self.stream.clone_htod(table).cu()?;
                 let (tb, l0, tt) = (self.ptr(&table_dev), 0u32, *n as u32);
                 let args: [&dyn crate::backend::Arg; 15] =
@@ -381,12 +381,12 @@ impl CudaBackend {
         // microseconds without crowding out the prefill's GEMMs.
         let tables = launches
             .iter()
-            .map(|(_, table, _, _)| self.side.clone_htod(table).cu())
+            .map(|(_, table, _, _, _)| self.side.clone_htod(table).cu())
             .collect::<std::result::Result<Vec<_>, _>>()?;
         self.side.join(&self.stream).cu()?;
         for g in layer_groups(layers) {
             let l0 = g.start as u32;
-            for (((kernel, _, n, nc), table_dev), fp8) in launches.iter().zip(&tables).zip(&kinds_present) {
+            for ((kernel, _, n, nc, fp8), table_dev) in launches.iter().zip(&tables) {
                 let (tb, tt) = (self.ptr(table_dev), *n as u32);
                 let args: [&dyn crate::backend::Arg; 15] =
                     [&kc, &vc, &tb, &tt, nc, &l0, &nl, &le, &d, &hd, &rot, &cs, &sn, &inv, &tp];

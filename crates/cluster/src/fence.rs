@@ -18,8 +18,9 @@
 //! between it and the leader): its next keep-alive finds the lease gone,
 //! and it registers again as *joining*; a joining worker is no user's home
 //! or replica until the rebalancer has moved each user to it, replacing
-//! its stale copy wholesale (`plan`). So its copy, which missed the
-//! writes made while it was fenced, is never served. Before the lease goes
+//! its stale copy wholesale, and where it becomes a replica its copy,
+//! out of step with the home's, is replaced by the home's (`plan`). So its
+//! copy, which missed the writes made while it was fenced, is never served. Before the lease goes
 //! the leader also changes every placement record that names the worker:
 //! a record whose home it is is deleted, a move to it loses its
 //! destination. Each is a compare-and-swap, so a move in flight to or from

@@ -458,7 +458,7 @@ impl Backend for CudaBackend {
         let _span = self.span("to_host");
         match &t.data {
             Storage::Host(h) => return Ok(HostTensor { shape: vec![t.rows, t.cols], data: h.to_f32() }),
-            Storage::HostFp8(h) => return Ok(HostTensor { shape: vec![t.rows, t.cols], data: h.to_f32(t.cols) }),
+            Storage::HostFp8(h) => return h.to_host(t.cols),
             _ => {}
         }
         let n = t.len();

@@ -211,23 +211,19 @@ impl HostFp8Rows {
     }
 
     /// The values as f32 (code · its head's scale), `cols` to a row.
-    pub(crate) fn to_f32(&self, cols: usize) -> Vec<f32> {
+    pub(crate) fn to_host(&self, cols: usize) -> Result<HostTensor> {
         // SAFETY: both ranges lie in the allocation, which lives as long as
         // `self.buf`, and nothing writes it after `to_host_tier_fp8`.
         let (codes, scales) = unsafe {
             let base = self.buf.base as *const u8;
             (
                 std::slice::from_raw_parts(base.add(self.codes), self.len),
-                std::slice::from_raw_parts(base.add(self.scales) as *const f32, self.heads),
+                std::slice::from_raw_parts(base.add(self.scales), 4 * self.heads),
             )
         };
-        let (head_dim, lut) = ((cols / self.heads.max(1)).max(1), inferscale_engine::fp8::e4m3_table());
-        codes
-            .par_iter()
-            .with_min_len(1 << 14)
-            .enumerate()
-            .map(|(i, &c)| lut[c as usize] * scales[(i % cols) / head_dim])
-            .collect()
+        let kv = Fp8Kv { rows: self.len / cols.max(1), cols, heads: self.heads, tensors: 1, scales, codes };
+        let mut one = kv.decode()?;
+        one.pop().ok_or_else(|| shape_err("an fp8 host-tier tensor decoded to nothing".into()))
     }
 }
 

@@ -15,7 +15,7 @@
 
 use std::path::Path;
 
-use inferscale_engine::fp8::{f32_to_e4m3, head_scales};
+use inferscale_engine::fp8::{Fp8Kv, f32_to_e4m3, head_scales};
 use inferscale_model::HostTensor;
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
@@ -263,7 +263,7 @@ impl StoredKv {
                 .par_chunks_exact(per * 2)
                 .map(|b| tensor(b.chunks_exact(2).map(|x| bf16_to_f32(u16::from_le_bytes([x[0], x[1]]))).collect()))
                 .collect(),
-            KvFormat::Fp8 => Self::fp8_parts(bytes, header, path)?.2.decode().map_err(|e| MemoryError::Corrupt {
+            KvFormat::Fp8 => fp8_view(header, n, body).decode().map_err(|e| MemoryError::Corrupt {
                 path: path.to_path_buf(),
                 offset: 0,
                 reason: e.to_string(),
@@ -276,25 +276,12 @@ impl StoredKv {
     /// An fp8 record as stored, for a backend that keeps fp8 in its host
     /// tier: its fact id, tokens and tensors (codes and scales, not
     /// decoded), after the same checks as [`StoredKv::decode`].
-    pub fn fp8_parts<'a>(
-        bytes: &'a [u8],
-        header: &KvHeader,
-        path: &Path,
-    ) -> Result<(String, Vec<u32>, inferscale_engine::backend::Fp8Kv<'a>)> {
+    pub fn fp8_parts<'a>(bytes: &'a [u8], header: &KvHeader, path: &Path) -> Result<(String, Vec<u32>, Fp8Kv<'a>)> {
         if header.dtype != KvFormat::Fp8 {
             return Err(MemoryError::Invalid { what: "KV record", reason: format!("{} is not fp8", header.dtype) });
         }
         let (fact_id, tokens, at) = Self::head(bytes, bytes.len(), header, path)?;
-        let heads = header.kv_heads();
-        let (scales, codes) = bytes[at..].split_at(2 * header.layers * heads * 4);
-        let kv = inferscale_engine::backend::Fp8Kv {
-            rows: tokens.len(),
-            cols: header.kv_dim,
-            heads,
-            tensors: 2 * header.layers,
-            scales,
-            codes,
-        };
+        let kv = fp8_view(header, tokens.len(), &bytes[at..]);
         Ok((fact_id, tokens, kv))
     }
 
@@ -345,6 +332,15 @@ impl StoredKv {
         }
         Ok((fact_id, tokens, r.pos))
     }
+}
+
+/// The tensors of an fp8 record of `tokens` tokens made under `header`,
+/// from `body` (the record past its head, its length already checked):
+/// every tensor's scales, then every tensor's codes.
+fn fp8_view<'a>(header: &KvHeader, tokens: usize, body: &'a [u8]) -> Fp8Kv<'a> {
+    let heads = header.kv_heads();
+    let (scales, codes) = body.split_at(2 * header.layers * heads * 4);
+    Fp8Kv { rows: tokens, cols: header.kv_dim, heads, tensors: 2 * header.layers, scales, codes }
 }
 
 /// Runs `f` on each tensor (with its index) and its part of `out`, at

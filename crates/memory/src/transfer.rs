@@ -81,12 +81,6 @@ impl<B: Backend> Memory<B> {
         &self.dir
     }
 
-    /// The write sequence now: units added to this memory later (during
-    /// an import that starts now) survive that import ([`Staging::create`]).
-    pub fn write_seq(&self) -> u64 {
-        crate::user::write_seq()
-    }
-
     /// What this shard's KV is made with, as a transfer names it.
     pub fn kv_header(&self) -> &KvHeader {
         &self.header
@@ -237,8 +231,8 @@ impl Staging {
     /// as `ours`. `theirs` is the source's segment header: KV made any
     /// other way (another model, prompt, window or shape) is refused before
     /// a byte is staged; KV in another storage format is staged as it is
-    /// (a memory reads every format). `since` is the memory's
-    /// [`Memory::write_seq`] when the copy began (before the source took
+    /// (a memory reads every format). `since` is the
+    /// [`crate::write_seq`] when the copy began (before the source took
     /// its snapshot, as near as the caller can tell): units added after it
     /// survive the commit.
     pub fn create(memory_dir: &Path, user: &str, ours: &KvHeader, theirs: &KvHeader, since: u64) -> Result<Staging> {

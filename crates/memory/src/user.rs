@@ -33,12 +33,21 @@ pub fn write_seq() -> u64 {
 /// A 64-bit digest of a unit's content (id, text, speaker, time, source and
 /// the caller's fields); a user's digest is the XOR of its units', so two
 /// copies of a user compare in one number, kept current as units come and
-/// go.
+/// go. Every stored fact is hashed when its user opens: the fields go in
+/// as they are (each with its length), only `metadata` through JSON, and
+/// only when there is some.
 pub(crate) fn unit_digest(u: &inferscale_types::MemoryUnit) -> u64 {
-    let bytes = serde_json::to_vec(u).unwrap_or_default();
+    let metadata = match u.metadata.is_empty() {
+        true => Vec::new(),
+        false => serde_json::to_vec(&u.metadata).unwrap_or_default(),
+    };
+    let fields = [&u.id, &u.speaker, &u.text, &u.time, &u.source_turn, &u.agent_id, &u.run_id].map(|f| f.as_bytes());
     let half = |seed: u32| {
         let mut h = crc32fast::Hasher::new_with_initial(seed);
-        h.update(&bytes);
+        for f in fields.iter().chain([&metadata.as_slice()]) {
+            h.update(&(f.len() as u64).to_le_bytes());
+            h.update(f);
+        }
         u64::from(h.finalize())
     };
     (half(0x9e37_79b9) << 32) | half(0x85eb_ca6b)

@@ -427,7 +427,7 @@ fn a_shard_moves_between_memories_with_its_kv_and_keeps_units_sent_meanwhile() {
     // A stale copy at the destination: a unit the source no longer has
     // (forgotten there while this copy was away).
     b.ingest("u", &turns("stale", 1), &mut enc).unwrap();
-    let since = b.write_seq();
+    let since = inferscale_memory::write_seq();
     // A unit that reached the destination while the copy ran.
     let late = turns("late", 1);
     b.ingest("u", &late, &mut enc).unwrap();

@@ -30,18 +30,26 @@ use crate::error::{ApiError, Result};
 /// Largest message exchanged with a worker.
 const MAX_MESSAGE_BYTES: usize = 64 << 20;
 
+/// What a router's probes and calls have seen of a worker.
+#[derive(Debug, Clone, Copy)]
+enum Reach {
+    /// Never reached (a wrong advertised address, say): not declared dead
+    /// by this router.
+    Never,
+    Reached,
+    /// Reached before, and not since this instant (a probe or a call that
+    /// got no answer).
+    LostSince(Instant),
+}
+
 pub struct Worker {
     pub name: String,
     pub addr: String,
     client: WorkerClient<Channel>,
     healthy: AtomicBool,
-    /// Since when this router has failed to reach the worker (a probe or a
-    /// call that could not get an answer), while no probe has reached it
-    /// since: the leader fences a worker unreachable for long enough.
-    unreachable_since: Mutex<Option<Instant>>,
-    /// Whether any probe reached it: a worker this router never reached
-    /// (a wrong advertised address, say) is not declared dead by it.
-    reached: AtomicBool,
+    /// Whether this router reaches the worker (the leader fences a worker
+    /// unreachable for long enough).
+    reach: Mutex<Reach>,
     in_flight: AtomicUsize,
     /// The worker's last answer to `Stats`.
     stats: Mutex<Option<inferscale_proto::StatsResponse>>,
@@ -74,8 +82,7 @@ impl Worker {
             addr: addr.to_string(),
             client,
             healthy: AtomicBool::new(false),
-            unreachable_since: Mutex::new(None),
-            reached: AtomicBool::new(false),
+            reach: Mutex::new(Reach::Never),
             in_flight: AtomicUsize::new(0),
             stats: Mutex::new(None),
         })
@@ -100,32 +107,37 @@ impl Worker {
         self.unreachable(Instant::now());
     }
 
+    fn reach(&self) -> Reach {
+        self.reach.lock().map_or(Reach::Never, |r| *r)
+    }
+
     fn unreachable(&self, at: Instant) {
-        if let Ok(mut since) = self.unreachable_since.lock() {
-            since.get_or_insert(at);
+        if let Ok(mut r) = self.reach.lock()
+            && matches!(*r, Reach::Reached)
+        {
+            *r = Reach::LostSince(at);
         }
     }
 
     fn reached(&self) {
-        self.reached.store(true, Ordering::SeqCst);
-        if let Ok(mut since) = self.unreachable_since.lock() {
-            *since = None;
+        if let Ok(mut r) = self.reach.lock() {
+            *r = Reach::Reached;
         }
     }
 
     /// How long this router has failed to reach the worker, if it has
     /// reached it before and not since.
     pub fn unreachable_for(&self) -> Option<Duration> {
-        if !self.reached.load(Ordering::SeqCst) {
-            return None;
+        match self.reach() {
+            Reach::LostSince(t) => Some(t.elapsed()),
+            Reach::Never | Reach::Reached => None,
         }
-        self.unreachable_since.lock().ok().and_then(|s| *s).map(|t| t.elapsed())
     }
 
     /// Whether the last probe (or call) reached the worker: it answers,
     /// ready or not.
     pub fn reachable(&self) -> bool {
-        self.reached.load(Ordering::SeqCst) && self.unreachable_since.lock().is_ok_and(|s| s.is_none())
+        matches!(self.reach(), Reach::Reached)
     }
 
     pub fn in_flight(&self) -> usize {

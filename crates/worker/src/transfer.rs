@@ -85,7 +85,8 @@ async fn export_into(
     let (mut sent_bytes, mut total) = (0u64, 0u32);
     let mut sent: HashSet<String> = HashSet::new();
     let mut pending = ids;
-    let (mut frozen, mut followed) = (false, false);
+    // Whether the units that arrived during the copy have been sent.
+    let mut caught_up = false;
     loop {
         let mut at = 0;
         while at < pending.len() {
@@ -124,7 +125,7 @@ async fn export_into(
                 }
             }
         }
-        if frozen || followed {
+        if caught_up {
             break;
         }
         // What arrived during the copy follows it. With freeze, writes stop
@@ -139,7 +140,7 @@ async fn export_into(
             }
         };
         pending = now.into_iter().filter(|id| !sent.contains(id)).collect();
-        (frozen, followed) = (req.freeze, !req.freeze);
+        caught_up = true;
     }
     let last =
         pb::ShardChunk { user, kv_header: header.take().unwrap_or_default(), last: true, total, ..Default::default() };

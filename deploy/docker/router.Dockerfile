@@ -36,7 +36,7 @@ RUN apt-get update \
     && useradd --system --uid "${APP_UID}" --gid inferscale --home-dir /home/inferscale \
        --create-home --shell /usr/sbin/nologin inferscale
 COPY --from=builder /out/inferscale /usr/local/bin/inferscale
-ENV INFERSCALE_LISTEN=0.0.0.0:8080 \
+ENV INFERSCALE_API_LISTEN=0.0.0.0:8080 \
     INFERSCALE_HOME=/home/inferscale/.cache/inferscale
 USER 10001:10001
 WORKDIR /home/inferscale

@@ -54,8 +54,8 @@ RUN apt-get update \
 COPY --from=cuda-devel /usr/local/cuda/targets/x86_64-linux/include /usr/local/cuda/targets/x86_64-linux/include
 COPY --from=builder /out/inferscale /usr/local/bin/inferscale
 ENV INFERSCALE_CUDA_INCLUDE=/usr/local/cuda/targets/x86_64-linux/include \
-    INFERSCALE_LISTEN=0.0.0.0:50051 \
-    INFERSCALE_HTTP_LISTEN=0.0.0.0:9090 \
+    INFERSCALE_GRPC_LISTEN=0.0.0.0:50051 \
+    INFERSCALE_WORKER_HTTP_LISTEN=0.0.0.0:9090 \
     INFERSCALE_HOME=/data/cache \
     INFERSCALE_MEMORY=/data/memory \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \

@@ -10,9 +10,10 @@ use inferscale_cluster::Placement;
 use inferscale_cluster::store::Txn;
 use inferscale_cluster::view::{ClusterView, MemberState, PlacementRecord};
 use inferscale_proto as pb;
+use inferscale_proto::tls::Security;
 use serde_json::json;
 
-use crate::serve::{ClusterArgs, runtime};
+use crate::serve::{ClusterArgs, TlsArgs, runtime};
 
 #[derive(Subcommand)]
 pub enum Command {
@@ -26,6 +27,8 @@ pub enum Command {
 pub struct StatusArgs {
     #[command(flatten)]
     cluster: ClusterArgs,
+    #[command(flatten)]
+    tls: TlsArgs,
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -37,6 +40,8 @@ pub struct DrainArgs {
     worker: String,
     #[command(flatten)]
     cluster: ClusterArgs,
+    #[command(flatten)]
+    tls: TlsArgs,
     /// Give up waiting after this many seconds (the drain goes on).
     #[arg(long, default_value_t = 600)]
     wait_s: u64,
@@ -55,7 +60,7 @@ async fn view(c: &ClusterArgs) -> Result<(Arc<dyn Placement>, ClusterView)> {
     if c.etcd.is_empty() {
         bail!("give the cluster's etcd endpoints with --etcd HOST:PORT,… (or INFERSCALE_ETCD)");
     }
-    let store = c.etcd()?;
+    let store = c.connect(&c.etcd_options()?).await?;
     let keys = c.keys();
     let snap = store.range(&keys.prefix()).await.with_context(|| format!("reading {}", store.describe()))?;
     let (view, errors) = ClusterView::from_snapshot(&keys, inferscale_cluster::DEFAULT_VNODES, &snap);
@@ -65,8 +70,9 @@ async fn view(c: &ClusterArgs) -> Result<(Arc<dyn Placement>, ClusterView)> {
     Ok((store, view))
 }
 
-async fn client(addr: &str) -> Result<pb::worker_client::WorkerClient<tonic::transport::Channel>> {
-    let channel = tonic::transport::Endpoint::from_shared(pb::uri(addr))?
+async fn client(addr: &str, security: &Security) -> Result<pb::worker_client::WorkerClient<tonic::transport::Channel>> {
+    let channel = security
+        .endpoint(addr)?
         .connect_timeout(Duration::from_secs(2))
         .connect()
         .await
@@ -74,17 +80,18 @@ async fn client(addr: &str) -> Result<pb::worker_client::WorkerClient<tonic::tra
     Ok(pb::worker_client::WorkerClient::new(channel))
 }
 
-async fn users_of(addr: &str) -> Result<Vec<String>> {
-    let mut c = client(addr).await?;
+async fn users_of(addr: &str, security: &Security) -> Result<Vec<String>> {
+    let mut c = client(addr, security).await?;
     Ok(c.list_users(pb::ListUsersRequest {}).await?.into_inner().users)
 }
 
 async fn status(a: StatusArgs) -> Result<()> {
+    let security = a.tls.security()?;
     let (store, view) = view(&a.cluster).await?;
     let mut workers = Vec::new();
     for m in view.members.values() {
         let m = &m.value;
-        let (users, stats) = match client(&m.addr).await {
+        let (users, stats) = match client(&m.addr, &security).await {
             Ok(mut c) => {
                 let users = c.list_users(pb::ListUsersRequest {}).await.ok().map(|r| r.into_inner().users);
                 let stats = c.stats(pb::StatsRequest {}).await.ok().map(|r| r.into_inner());
@@ -144,6 +151,7 @@ async fn status(a: StatusArgs) -> Result<()> {
 }
 
 async fn drain(a: DrainArgs) -> Result<()> {
+    let security = a.tls.security()?;
     let (store, view) = view(&a.cluster).await?;
     let keys = a.cluster.keys();
     let m = view.members.get(&a.worker).with_context(|| {
@@ -154,7 +162,7 @@ async fn drain(a: DrainArgs) -> Result<()> {
     // Pin the worker's users to it first, so that leaving the ring moves
     // them with their KV instead of handing them to their replicas.
     let mut pinned = 0;
-    for user in users_of(&addr).await? {
+    for user in users_of(&addr, &security).await? {
         if view.home(&user) == Some(a.worker.as_str()) && !view.records.contains_key(&user) {
             let key = keys.placement(&user);
             let record = PlacementRecord { home: a.worker.clone(), moving_to: None };
@@ -174,7 +182,7 @@ async fn drain(a: DrainArgs) -> Result<()> {
     eprintln!("draining {} ({addr}): {pinned} users pinned for moving; waiting for the leader to move them", a.worker);
     let started = Instant::now();
     loop {
-        let left = users_of(&addr).await?.len();
+        let left = users_of(&addr, &security).await?.len();
         if left == 0 {
             println!("{} holds no users: safe to stop ({:.1} s)", a.worker, started.elapsed().as_secs_f64());
             return Ok(());

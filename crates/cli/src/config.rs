@@ -44,6 +44,25 @@ pub fn find(args: &[String]) -> Option<String> {
     })
 }
 
+/// Variables this binary once read and reads no more, with what replaced
+/// each: a deployment that still sets one would otherwise start on the
+/// default address without a word.
+const RETIRED: &[(&str, &str)] = &[
+    ("INFERSCALE_LISTEN", "INFERSCALE_API_LISTEN (serve, router) or INFERSCALE_GRPC_LISTEN (worker)"),
+    ("INFERSCALE_HTTP_LISTEN", "INFERSCALE_WORKER_HTTP_LISTEN"),
+];
+
+/// Fails when a retired variable is set (in the environment or the
+/// `--config` file), naming its replacement.
+pub fn refuse_retired_env() -> Result<()> {
+    for (name, instead) in RETIRED {
+        if std::env::var_os(name).is_some() {
+            bail!("{name} is no longer read: the addresses have separate settings; set {instead}");
+        }
+    }
+    Ok(())
+}
+
 /// Loads `path` into the environment, leaving variables that are already set.
 ///
 /// Runs first thing in `main`, before any thread exists: setting the
@@ -66,11 +85,14 @@ mod tests {
     #[test]
     fn env_files_parse_and_errors_name_the_line() {
         let p = Path::new("w.env");
-        let got =
-            parse(p, "# worker\nINFERSCALE_WINDOW=7\n\nINFERSCALE_LISTEN = \"0.0.0.0:50051\"\n").unwrap_or_default();
+        let got = parse(p, "# worker\nINFERSCALE_WINDOW=7\n\nINFERSCALE_GRPC_LISTEN = \"0.0.0.0:50051\"\n")
+            .unwrap_or_default();
         assert_eq!(
             got,
-            [("INFERSCALE_WINDOW".to_string(), "7".to_string()), ("INFERSCALE_LISTEN".into(), "0.0.0.0:50051".into())]
+            [
+                ("INFERSCALE_WINDOW".to_string(), "7".to_string()),
+                ("INFERSCALE_GRPC_LISTEN".into(), "0.0.0.0:50051".into())
+            ]
         );
         let e = parse(p, "INFERSCALE_WINDOW=7\nwindow 7\n").map(|_| ()).unwrap_err().to_string();
         assert!(e.contains("w.env:2"), "{e}");

@@ -31,6 +31,7 @@ pub struct Args {
     /// A fact to store (repeatable); replaces the built-in facts.
     #[arg(long = "fact")]
     facts: Vec<String>,
+    /// Most tokens to generate per answer.
     #[arg(long, default_value_t = 32)]
     max_tokens: usize,
     #[command(flatten)]

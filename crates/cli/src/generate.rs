@@ -17,6 +17,7 @@ pub struct Args {
     /// Wrap the prompt as the user message of the model's chat template.
     #[arg(long)]
     chat: bool,
+    /// Most tokens to generate.
     #[arg(long, default_value_t = 128)]
     max_tokens: usize,
     /// Greedy decoding (the default when no temperature is given).
@@ -25,11 +26,14 @@ pub struct Args {
     /// Sampling temperature; 0 is greedy.
     #[arg(long)]
     temperature: Option<f32>,
+    /// Nucleus sampling: keep the most likely tokens whose probabilities
+    /// sum to this; 1 keeps all.
     #[arg(long, default_value_t = 1.0)]
     top_p: f32,
     /// Keep the k most likely tokens; 0 keeps all.
     #[arg(long, default_value_t = 0)]
     top_k: usize,
+    /// Random seed of the sampler (same seed, same output).
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Stop when the output contains this string (repeatable).

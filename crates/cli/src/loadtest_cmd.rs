@@ -40,6 +40,7 @@ pub struct Args {
     /// Facts retrieved per request, one point each.
     #[arg(long, value_delimiter = ',', default_value = "5,20,50")]
     k: Vec<u32>,
+    /// Memory modes to measure, one point each (kv, blend, prompt, none).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "kv,prompt")]
     modes: Vec<Mode>,
     /// Measured requests per point, over all its users (the point also
@@ -49,6 +50,7 @@ pub struct Args {
     /// Seconds per point, at most (requests in flight then still finish).
     #[arg(long, default_value_t = 30.0)]
     duration_s: f64,
+    /// Tokens generated per request.
     #[arg(long, default_value_t = 32)]
     max_tokens: u32,
     /// Unmeasured requests each user sends before each point (kv mode, one

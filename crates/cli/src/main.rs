@@ -53,7 +53,8 @@ enum Command {
         #[arg(long)]
         out: std::path::PathBuf,
     },
-    /// Store a LoCoMo conversation's turns in a user's memory.
+    /// Store memory units in a user's memory: a LoCoMo conversation's turns
+    /// (`--locomo`) or facts extracted by the caller (`--facts`).
     Ingest(memory_cmd::IngestArgs),
     /// Answer a question from a user's memory (kv, prompt or none mode).
     Ask(memory_cmd::AskArgs),
@@ -65,7 +66,7 @@ enum Command {
     /// Serve the OpenAI-compatible API: a router and one worker in one process.
     Serve(serve::ServeArgs),
     /// Run one worker (engine + memory shard) behind the gRPC Worker service.
-    Worker(serve::WorkerCmd),
+    Worker(Box<serve::WorkerCmd>),
     /// Run the HTTP router in front of gRPC workers.
     Router(serve::RouterCmd),
     /// Look at and operate a cluster in etcd (status, drain).
@@ -105,7 +106,7 @@ fn main() {
         Command::Eval(c) => eval::run(c),
         Command::Ask(a) => memory_cmd::ask(a),
         Command::Serve(a) => serve::serve(a),
-        Command::Worker(a) => serve::worker(a),
+        Command::Worker(a) => serve::worker(*a),
         Command::Router(a) => serve::router(a),
         Command::Cluster(c) => cluster_cmd::run(c),
         Command::ExportHf { model, out } => export_hf(&model, &out),
@@ -116,5 +117,39 @@ fn main() {
     if let Err(e) = result {
         eprintln!("error: {e:#}");
         std::process::exit(1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::Cli;
+
+    /// Every command and every flag or argument of every command, with what
+    /// lacks a help text.
+    fn undocumented(cmd: &clap::Command, path: &str, missing: &mut Vec<String>) {
+        if cmd.get_about().is_none() && cmd.get_long_about().is_none() {
+            missing.push(format!("{path} (the command)"));
+        }
+        for a in cmd.get_arguments() {
+            if matches!(a.get_id().as_str(), "help" | "version") {
+                continue;
+            }
+            if a.get_help().is_none() && a.get_long_help().is_none() {
+                let name = a.get_long().map_or_else(|| a.get_id().to_string(), |l| format!("--{l}"));
+                missing.push(format!("{path} {name}"));
+            }
+        }
+        for sub in cmd.get_subcommands() {
+            undocumented(sub, &format!("{path} {}", sub.get_name()), missing);
+        }
+    }
+
+    #[test]
+    fn every_command_and_flag_has_a_help_text() {
+        let mut missing = Vec::new();
+        undocumented(&Cli::command(), "inferscale", &mut missing);
+        assert!(missing.is_empty(), "no help text: {missing:#?}");
     }
 }

@@ -12,7 +12,7 @@ use inferscale_engine::sampling::SamplingParams;
 use inferscale_engine::{Backend, generate_sequences};
 use inferscale_eval::locomo;
 use inferscale_memory::{
-    ANSWER_INSTRUCTION, Budgets, KvFormat, Memory, MemoryTurn, Mode, Prompts, Retriever, Session, ShardSpec,
+    ANSWER_INSTRUCTION, Budgets, KvFormat, Manifest, Memory, MemoryTurn, Mode, Prompts, Retriever, Session, ShardSpec,
     StoreOptions,
 };
 use inferscale_model::fetch;
@@ -24,10 +24,12 @@ pub struct MemoryArgs {
     /// Memory directory (default `$INFERSCALE_HOME/memory`).
     #[arg(long, env = "INFERSCALE_MEMORY")]
     pub(crate) memory: Option<PathBuf>,
-    /// Context window: turns encoded before each fact (0 = isolated). A
-    /// memory directory's KV is made for one window; another is refused.
-    #[arg(long, env = "INFERSCALE_WINDOW", default_value_t = 20)]
-    pub(crate) window: usize,
+    /// Context window: turns encoded before each fact (0 = isolated).
+    /// Default: the window the memory directory was made with (its
+    /// memory.json), else 20. A memory's KV is made for one window; another
+    /// is refused.
+    #[arg(long, env = "INFERSCALE_WINDOW")]
+    pub(crate) window: Option<usize>,
     /// Sentence-embedding model (name or directory; `random` for speed work).
     #[arg(long, default_value = fetch::DEFAULT_EMBEDDER)]
     pub(crate) embedder: String,
@@ -61,6 +63,7 @@ pub struct MemoryArgs {
 #[derive(Args, Debug)]
 #[command(group(clap::ArgGroup::new("source").required(true).args(["locomo", "facts"])))]
 pub struct IngestArgs {
+    /// The user whose memory receives the units (created if new).
     #[arg(long)]
     user: String,
     /// A LoCoMo-format JSON file: its turns become the memory units.
@@ -148,7 +151,54 @@ impl MemoryArgs {
     pub(crate) fn dir(&self) -> PathBuf {
         self.memory.clone().unwrap_or_else(|| fetch::home_dir().join("memory"))
     }
+
+    /// The context window: `--window`, else the memory's (see
+    /// [`MemoryArgs::resolve`]), else [`DEFAULT_WINDOW`].
+    pub(crate) fn window(&self) -> usize {
+        self.window.unwrap_or(DEFAULT_WINDOW)
+    }
+
+    /// Checks what can be checked before a model loads, and fills in what
+    /// the memory directory recorded at its creation (`memory.json`): the
+    /// window and, unless `--model` or `--shape` is given, the model. A
+    /// flag that contradicts the record, a memory held by another process
+    /// (a running server, an ingest) or a damaged record fail here, at
+    /// once, rather than after the model has loaded.
+    pub(crate) fn resolve(&mut self) -> Result<()> {
+        let dir = self.dir();
+        inferscale_memory::check_unlocked(&dir).with_context(|| format!("opening memory {}", dir.display()))?;
+        let Some(made) = Manifest::read(&dir)? else { return Ok(()) };
+        match self.window {
+            None => self.window = Some(made.window),
+            Some(w) if w != made.window => bail!(
+                "--window {w}: memory {} was made with window {} (its KV is encoded for that window); \
+                 omit --window, or give another --memory directory for window {w}",
+                dir.display(),
+                made.window
+            ),
+            Some(_) => {}
+        }
+        let named = self.model.model.is_some() || self.model.shape.is_some();
+        if !named && !made.model.starts_with("shape:") {
+            eprintln!("inferscale: model {} (memory {} was made with it)", made.model, dir.display());
+            self.model.model = Some(made.model);
+        }
+        Ok(())
+    }
+
+    /// Records what this memory is made with, once it opened with it
+    /// (a directory made before the record existed gets one now).
+    fn record(&self, dir: &std::path::Path) -> Result<()> {
+        let made = Manifest { window: self.window(), model: self.model.recorded() };
+        if Manifest::read(dir)?.as_ref() != Some(&made) {
+            made.write(dir)?;
+        }
+        Ok(())
+    }
 }
+
+/// The context window of a memory made without `--window`.
+pub(crate) const DEFAULT_WINDOW: usize = 20;
 
 /// Everything a memory command needs, loaded once.
 fn open<B: Backend>(a: &MemoryArgs, backend: B) -> Result<Session<B>> {
@@ -165,7 +215,7 @@ pub(crate) fn open_memory<B: Backend>(a: &MemoryArgs, loaded: &Loaded<B>) -> Res
     let embedder =
         Bert::load(loaded.engine.backend(), files).with_context(|| format!("loading the embedder {:?}", a.embedder))?;
     let dir = a.dir();
-    let spec = ShardSpec::new(&loaded.files, a.window, &a.prompts())?;
+    let spec = ShardSpec::new(&loaded.files, a.window(), &a.prompts())?;
     let options = StoreOptions {
         format: a.kv_format,
         budgets: Budgets { device: a.kv_device_mb.map(|mb| mb << 20), host: a.kv_host_mb.map(|mb| mb << 20) },
@@ -174,6 +224,7 @@ pub(crate) fn open_memory<B: Backend>(a: &MemoryArgs, loaded: &Loaded<B>) -> Res
     let (mut memory, warnings) = Memory::open_with(&dir, spec, &loaded.engine, options)
         .with_context(|| format!("opening memory {}", dir.display()))?;
     memory.set_retriever(a.retriever);
+    a.record(&dir)?;
     warnings.iter().for_each(|w| eprintln!("inferscale: warning: {w}"));
     // Opening reads facts and the KV records' index, never KV: its time
     // should not grow with the KV stored (docs/serving.md).
@@ -187,14 +238,15 @@ pub(crate) fn open_memory<B: Backend>(a: &MemoryArgs, loaded: &Loaded<B>) -> Res
     Ok((embedder, memory))
 }
 
-pub fn ingest(a: IngestArgs) -> Result<()> {
+pub fn ingest(mut a: IngestArgs) -> Result<()> {
+    if a.batch == 0 {
+        bail!("--batch must be at least 1");
+    }
+    a.mem.resolve()?;
     on_backend!(a.mem.model, ingest_on(&a))
 }
 
 fn ingest_on<B: Backend>(a: &IngestArgs, backend: B) -> Result<()> {
-    if a.batch == 0 {
-        bail!("--batch must be at least 1");
-    }
     let (units, label) = match (&a.locomo, &a.facts) {
         (Some(path), _) => {
             let samples = locomo::read(path)?;
@@ -226,22 +278,23 @@ fn ingest_on<B: Backend>(a: &IngestArgs, backend: B) -> Result<()> {
         a.user,
         added as f64 / secs,
         tokens as f64 / secs,
-        a.mem.window
+        a.mem.window()
     );
     Ok(())
 }
 
-pub fn ask(a: AskArgs) -> Result<()> {
-    on_backend!(a.mem.model, ask_on(&a))
-}
-
-fn ask_on<B: Backend>(a: &AskArgs, backend: B) -> Result<()> {
+pub fn ask(mut a: AskArgs) -> Result<()> {
     if a.question.trim().is_empty() {
         bail!("the question is empty");
     }
     if a.k == 0 || a.k > 1000 {
         bail!("--k must be between 1 and 1000, got {}", a.k);
     }
+    a.mem.resolve()?;
+    on_backend!(a.mem.model, ask_on(&a))
+}
+
+fn ask_on<B: Backend>(a: &AskArgs, backend: B) -> Result<()> {
     let mut s = open(&a.mem, backend)?;
     s.ensure_kv(&a.user)?;
     let eos = s.files().eos_ids();

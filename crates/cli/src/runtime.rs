@@ -16,9 +16,11 @@ pub const BACKENDS: &[&str] = &["cpu"];
 /// Options every model-running command takes.
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
-    /// A GGUF file, an HF model directory, or a packaged model name.
-    #[arg(long, env = "INFERSCALE_MODEL", default_value = fetch::DEFAULT_MODEL)]
-    pub model: String,
+    /// A GGUF file, an HF model directory, or a packaged model name
+    /// (default: the one a memory directory was made with, else
+    /// smollm2).
+    #[arg(long, env = "INFERSCALE_MODEL")]
+    pub model: Option<String>,
     /// Compute backend (`cuda` needs an NVIDIA GPU and its driver at run time).
     #[arg(long, env = "INFERSCALE_BACKEND", default_value = "cpu", value_parser = clap::builder::PossibleValuesParser::new(BACKENDS))]
     pub backend: String,
@@ -38,6 +40,29 @@ pub struct ModelArgs {
     /// Most tokens per forward pass (prefill chunk size).
     #[arg(long, default_value_t = 1024)]
     pub max_batch_tokens: usize,
+}
+
+impl ModelArgs {
+    /// The model to load: `--model`, else the default.
+    pub fn model(&self) -> &str {
+        self.model.as_deref().unwrap_or(fetch::DEFAULT_MODEL)
+    }
+
+    /// How a memory directory records this model (`Manifest::model`):
+    /// the shape, a packaged name, or a file's absolute path.
+    pub fn recorded(&self) -> String {
+        match &self.shape {
+            Some(shape) => format!("shape:{shape}"),
+            None => {
+                let m = self.model();
+                let path = std::path::Path::new(m);
+                match path.exists() {
+                    true => std::path::absolute(path).map_or(m.to_string(), |p| p.display().to_string()),
+                    false => m.to_string(),
+                }
+            }
+        }
+    }
 }
 
 pub struct Loaded<B: Backend = CpuBackend> {
@@ -61,7 +86,7 @@ pub fn open_files(args: &ModelArgs) -> Result<ModelFiles> {
         })?;
         return Ok(ModelFiles::random(name, config, 0).with_byte_tokenizer()?);
     }
-    inferscale_model::open(&args.model).with_context(|| format!("loading model `{}`", args.model))
+    inferscale_model::open(args.model()).with_context(|| format!("loading model `{}`", args.model()))
 }
 
 /// Loads on the CPU backend (commands that run on CPU only).

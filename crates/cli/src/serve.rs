@@ -12,11 +12,12 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use inferscale_cluster::Placement;
+use inferscale_cluster::etcd::{Etcd, EtcdOptions, EtcdTlsFiles};
 use inferscale_cluster::membership::Registration;
 use inferscale_cluster::view::{GpuId, Member, MemberState};
 use inferscale_engine::Backend;
 use inferscale_memory::Mode;
-use inferscale_router::{Defaults, Keys, Membership, RebalanceConfig, RouterConfig};
+use inferscale_router::{Defaults, Keys, Membership, RebalanceConfig, RouterConfig, Security, TlsFiles};
 use inferscale_worker::{ColdKv, WorkerConfig, WorkerError, WorkerInfo, WorkerParts, WorkerService};
 use tokio::net::TcpListener;
 
@@ -37,7 +38,7 @@ pub struct WorkerArgs {
     #[arg(long, env = "INFERSCALE_MAX_QUEUE", default_value_t = 256)]
     pub(crate) max_queue: usize,
     /// Largest `k` a request may ask for.
-    #[arg(long, default_value_t = 200)]
+    #[arg(long, env = "INFERSCALE_MAX_K", default_value_t = 200)]
     pub(crate) max_k: u32,
     /// Most memory units one ingest request may carry (HTTP 400 beyond): an
     /// ingest is answered once all of it is stored, so this bounds its work.
@@ -86,6 +87,50 @@ pub struct RouterArgs {
     load_factor: f64,
 }
 
+/// Mutual TLS on the workers' gRPC: a worker serves with it (and accepts
+/// only clients with a certificate from the CA); routers, other workers and
+/// `inferscale cluster` dial workers with it. All three files, or none.
+#[derive(Args, Debug, Clone, Default)]
+pub struct TlsArgs {
+    /// This process's certificate chain (PEM); a worker's must name the
+    /// address it advertises (DNS or IP SAN).
+    #[arg(long, env = "INFERSCALE_TLS_CERT", requires_all = ["tls_key", "tls_ca"])]
+    pub(crate) tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, env = "INFERSCALE_TLS_KEY", requires_all = ["tls_cert", "tls_ca"])]
+    pub(crate) tls_key: Option<PathBuf>,
+    /// The CA certificates (PEM) that peers' certificates must chain to.
+    #[arg(long, env = "INFERSCALE_TLS_CA", requires_all = ["tls_cert", "tls_key"])]
+    pub(crate) tls_ca: Option<PathBuf>,
+}
+
+impl TlsArgs {
+    /// The security these flags ask for; the files are read and checked now.
+    pub(crate) fn security(&self) -> Result<Security> {
+        let files = match (&self.tls_cert, &self.tls_key, &self.tls_ca) {
+            (Some(cert), Some(key), Some(ca)) => {
+                Some(TlsFiles { cert: cert.clone(), key: key.clone(), ca: ca.clone() })
+            }
+            (None, None, None) => None,
+            _ => bail!("give all of --tls-cert, --tls-key and --tls-ca, or none"),
+        };
+        Ok(Security::from_files(files.as_ref())?)
+    }
+}
+
+/// Refuses a worker API beyond loopback without TLS, unless the operator
+/// vouches for the network: anyone who reaches the port could read, forget
+/// or import any user's memory.
+pub(crate) fn check_exposure(listen: SocketAddr, security: &Security, insecure: bool) -> Result<()> {
+    if !listen.ip().is_loopback() && !security.is_tls() && !insecure {
+        bail!(
+            "--listen {listen}: the worker API beyond loopback needs mutual TLS (--tls-cert, --tls-key, --tls-ca); \
+             on a network you trust, --insecure-plaintext serves it without"
+        );
+    }
+    Ok(())
+}
+
 /// Cluster membership and placement in etcd.
 #[derive(Args, Debug, Clone)]
 pub struct ClusterArgs {
@@ -102,6 +147,25 @@ pub struct ClusterArgs {
     /// Name in the cluster (default: the advertised address).
     #[arg(long, env = "INFERSCALE_NAME")]
     pub(crate) name: Option<String>,
+    /// CA certificate (PEM) of etcd's server certificate: speak TLS to
+    /// etcd (endpoints become https).
+    #[arg(long, env = "INFERSCALE_ETCD_CA")]
+    pub(crate) etcd_ca: Option<PathBuf>,
+    /// Client certificate (PEM) for an etcd that requires one
+    /// (`--client-cert-auth`); needs --etcd-key and --etcd-ca.
+    #[arg(long, env = "INFERSCALE_ETCD_CERT", requires_all = ["etcd_key", "etcd_ca"])]
+    pub(crate) etcd_cert: Option<PathBuf>,
+    /// Private key (PEM) of --etcd-cert.
+    #[arg(long, env = "INFERSCALE_ETCD_KEY", requires = "etcd_cert")]
+    pub(crate) etcd_key: Option<PathBuf>,
+    /// User for etcd's authentication; its password from
+    /// --etcd-password-file.
+    #[arg(long, env = "INFERSCALE_ETCD_USER", requires = "etcd_password_file")]
+    pub(crate) etcd_user: Option<String>,
+    /// File holding the etcd user's password (one line; a file, so that the
+    /// password is in no process list or environment dump).
+    #[arg(long, env = "INFERSCALE_ETCD_PASSWORD_FILE", requires = "etcd_user")]
+    pub(crate) etcd_password_file: Option<PathBuf>,
 }
 
 impl ClusterArgs {
@@ -116,15 +180,42 @@ impl ClusterArgs {
         Ok(Duration::from_secs(self.lease_ttl_s))
     }
 
-    pub(crate) fn etcd(&self) -> Result<Arc<dyn Placement>> {
-        Ok(Arc::new(inferscale_cluster::etcd::Etcd::connect(&self.etcd)?))
+    /// The etcd settings, with the TLS and password files read and checked
+    /// (nothing dialled yet), so that a bad one fails at start.
+    pub(crate) fn etcd_options(&self) -> Result<EtcdOptions> {
+        let user = match (&self.etcd_user, &self.etcd_password_file) {
+            (Some(user), Some(file)) => {
+                let text = std::fs::read_to_string(file)
+                    .with_context(|| format!("--etcd-password-file {}", file.display()))?;
+                let password = text.trim_end_matches(['\n', '\r']).to_string();
+                if password.is_empty() {
+                    bail!("--etcd-password-file {}: empty", file.display());
+                }
+                Some((user.clone(), password))
+            }
+            _ => None,
+        };
+        let tls = self
+            .etcd_ca
+            .as_ref()
+            .map(|ca| EtcdTlsFiles { ca: ca.clone(), identity: self.etcd_cert.clone().zip(self.etcd_key.clone()) });
+        let options = EtcdOptions { endpoints: self.etcd.clone(), tls, user };
+        if !options.endpoints.is_empty() {
+            options.load()?;
+        }
+        Ok(options)
+    }
+
+    /// Connects to etcd (authenticating now when a user is set).
+    pub(crate) async fn connect(&self, options: &EtcdOptions) -> Result<Arc<dyn Placement>> {
+        Ok(Arc::new(Etcd::connect(options).await?))
     }
 }
 
 #[derive(Args, Debug)]
 pub struct ServeArgs {
     /// HTTP address of the OpenAI-compatible API.
-    #[arg(long, env = "INFERSCALE_LISTEN", default_value = "127.0.0.1:8080")]
+    #[arg(long, env = "INFERSCALE_API_LISTEN", default_value = "127.0.0.1:8080")]
     listen: SocketAddr,
     /// HTTP address of the worker's own `/metrics`, `/healthz` and
     /// `/readyz` (off by default; the router's `/metrics` has the rest).
@@ -138,8 +229,9 @@ pub struct ServeArgs {
 
 #[derive(Args, Debug)]
 pub struct WorkerCmd {
-    /// gRPC address to serve on.
-    #[arg(long, env = "INFERSCALE_LISTEN", default_value = "127.0.0.1:50051")]
+    /// gRPC address to serve on (beyond loopback only with TLS, or with
+    /// --insecure-plaintext).
+    #[arg(long, env = "INFERSCALE_GRPC_LISTEN", default_value = "127.0.0.1:50051")]
     pub(crate) listen: SocketAddr,
     /// Address routers and other workers reach this one at (default: the
     /// bound listen address).
@@ -147,7 +239,7 @@ pub struct WorkerCmd {
     pub(crate) advertise: Option<String>,
     /// HTTP address of `/metrics` (Prometheus), `/healthz` and `/readyz`
     /// (off unless given).
-    #[arg(long, env = "INFERSCALE_HTTP_LISTEN")]
+    #[arg(long, env = "INFERSCALE_WORKER_HTTP_LISTEN")]
     pub(crate) http_listen: Option<SocketAddr>,
     /// Who generates: `native` (our engine) or `vllm` (vLLM 0.26 with our KV
     /// connector, started and supervised by this process; docs/vllm.md).
@@ -158,13 +250,18 @@ pub struct WorkerCmd {
     #[command(flatten)]
     pub(crate) cluster: ClusterArgs,
     #[command(flatten)]
+    pub(crate) tls: TlsArgs,
+    /// Serve the gRPC API beyond loopback without TLS (a network you trust).
+    #[arg(long, env = "INFERSCALE_INSECURE_PLAINTEXT")]
+    pub(crate) insecure_plaintext: bool,
+    #[command(flatten)]
     pub(crate) worker: WorkerArgs,
 }
 
 #[derive(Args, Debug)]
 pub struct RouterCmd {
     /// HTTP address of the OpenAI-compatible API.
-    #[arg(long, env = "INFERSCALE_LISTEN", default_value = "127.0.0.1:8080")]
+    #[arg(long, env = "INFERSCALE_API_LISTEN", default_value = "127.0.0.1:8080")]
     listen: SocketAddr,
     /// Worker gRPC addresses (repeat, or separate with commas): a fixed set,
     /// instead of a cluster in etcd.
@@ -172,6 +269,8 @@ pub struct RouterCmd {
     workers: Vec<String>,
     #[command(flatten)]
     cluster: ClusterArgs,
+    #[command(flatten)]
+    tls: TlsArgs,
     /// Keep a copy of each user's facts on a second worker (cluster only).
     #[arg(long, env = "INFERSCALE_REPLICAS", default_value_t = 1, value_parser = clap::value_parser!(u8).range(0..=1))]
     replicas: u8,
@@ -194,7 +293,7 @@ fn parts<B: Backend>(a: &WorkerArgs, backend: B) -> std::result::Result<WorkerPa
     let eos = loaded.eos_ids();
     let (embedder, memory) = open_memory(&a.mem, &loaded).map_err(fail)?;
     let (dir, users) = (a.mem.dir(), memory.users().count());
-    eprintln!("inferscale worker: memory {} ({users} users, window {})", dir.display(), a.mem.window);
+    eprintln!("inferscale worker: memory {} ({users} users, window {})", dir.display(), a.mem.window());
     Ok(WorkerParts { files: loaded.files, engine: loaded.engine, embedder, memory, eos })
 }
 
@@ -215,7 +314,7 @@ where
         ..Default::default()
     };
     let info = WorkerInfo {
-        model: a.mem.model.shape.clone().unwrap_or_else(|| model_name(&a.mem.model.model)),
+        model: a.mem.model.shape.clone().unwrap_or_else(|| model_name(a.mem.model.model())),
         backend: a.mem.model.backend.clone(),
         embedder: inferscale_model::fetch::served_names(&a.mem.embedder),
     };
@@ -251,10 +350,22 @@ pub(crate) fn start_worker(a: &WorkerArgs) -> Result<(WorkerService, std::thread
     })
 }
 
-fn start_engine(a: &WorkerArgs) -> Result<(WorkerService, std::thread::JoinHandle<()>)> {
-    if a.max_running == 0 || a.max_queue == 0 || a.max_k == 0 || a.max_ingest_units == 0 {
-        bail!("--max-running, --max-queue, --max-k and --max-ingest-units must be at least 1");
+impl WorkerArgs {
+    /// The worker's limits, checked before the model loads.
+    pub(crate) fn check(&self) -> Result<()> {
+        if self.max_running == 0 || self.max_queue == 0 || self.max_k == 0 || self.max_ingest_units == 0 {
+            bail!("--max-running, --max-queue, --max-k and --max-ingest-units must be at least 1");
+        }
+        let m = &self.mem.model;
+        if m.kv_cache_mb == 0 || m.max_batch_tokens == 0 {
+            bail!("--kv-cache-mb and --max-batch-tokens must be at least 1");
+        }
+        Ok(())
     }
+}
+
+fn start_engine(a: &WorkerArgs) -> Result<(WorkerService, std::thread::JoinHandle<()>)> {
+    a.check()?;
     match a.mem.model.backend.as_str() {
         "cpu" => start(a, || Ok(inferscale_engine::CpuBackend)),
         #[cfg(feature = "cuda")]
@@ -299,18 +410,29 @@ fn keys(a: &RouterArgs) -> Result<Keys> {
     Ok(keys)
 }
 
-fn router_config(a: &RouterArgs, membership: Membership, listen: SocketAddr) -> Result<RouterConfig> {
+/// The router's settings checked, and its keys read, before anything
+/// slow starts (a model load, a connection to etcd).
+fn check_router(a: &RouterArgs, listen: SocketAddr) -> Result<Keys> {
     let keys = keys(a)?;
-    if keys.is_empty() {
-        if !listen.ip().is_loopback() {
-            bail!("--listen {listen}: without API keys the API listens on loopback only; give --api-keys FILE");
-        }
-        eprintln!("inferscale: no API keys configured: listening on loopback only, accepting any key");
-    } else {
-        eprintln!("inferscale: {} API keys loaded", keys.len());
+    if keys.is_empty() && !listen.ip().is_loopback() {
+        bail!("--listen {listen}: without API keys the API listens on loopback only; give --api-keys FILE");
     }
     if !(1.0..=10.0).contains(&a.load_factor) {
         bail!("--load-factor must be between 1 and 10");
+    }
+    if a.deadline_s == 0 || a.job_deadline_s == 0 {
+        bail!("--deadline-s and --job-deadline-s must be at least 1");
+    }
+    if a.body_limit < 1024 {
+        bail!("--body-limit {}: every request would be refused as too large; give at least 1024", a.body_limit);
+    }
+    Ok(keys)
+}
+
+fn router_config(a: &RouterArgs, membership: Membership, keys: Keys, security: Security) -> Result<RouterConfig> {
+    match keys.is_empty() {
+        true => eprintln!("inferscale: no API keys configured: listening on loopback only, accepting any key"),
+        false => eprintln!("inferscale: {} API keys loaded", keys.len()),
     }
     Ok(RouterConfig {
         membership,
@@ -322,11 +444,12 @@ fn router_config(a: &RouterArgs, membership: Membership, listen: SocketAddr) -> 
             k: a.default_k,
             max_k: MAX_K,
             max_tokens: a.default_max_tokens,
-            deadline: Duration::from_secs(a.deadline_s.max(1)),
-            job_deadline: Duration::from_secs(a.job_deadline_s.max(1)),
+            deadline: Duration::from_secs(a.deadline_s),
+            job_deadline: Duration::from_secs(a.job_deadline_s),
             body_limit: a.body_limit,
         },
         load_factor: a.load_factor,
+        security,
     })
 }
 
@@ -357,6 +480,10 @@ async fn serve_worker_http(listen: Option<SocketAddr>, service: WorkerService) -
 }
 
 pub(crate) async fn serve_grpc(listener: TcpListener, service: WorkerService) -> Result<()> {
+    if let Ok(addr) = listener.local_addr() {
+        let how = if service.is_tls() { "mutual TLS" } else { "plaintext" };
+        eprintln!("inferscale worker: gRPC on {addr} ({how})");
+    }
     Ok(service.serve(listener, shutdown_signal()).await?)
 }
 
@@ -377,7 +504,19 @@ pub(crate) async fn register(
     Ok(reg)
 }
 
-pub fn serve(a: ServeArgs) -> Result<()> {
+pub fn serve(mut a: ServeArgs) -> Result<()> {
+    // Everything that needs no model is checked before the model loads.
+    crate::config::refuse_retired_env()?;
+    let keys = check_router(&a.router, a.listen)?;
+    if a.router.default_k > a.worker.max_k {
+        bail!(
+            "--default-k {} is above --max-k {}: every request that does not name its k would be refused",
+            a.router.default_k,
+            a.worker.max_k
+        );
+    }
+    a.worker.check()?;
+    a.worker.mem.resolve()?;
     let (service, _engine, _) = start_worker(&a.worker)?;
     runtime()?.block_on(async move {
         let tracing = inferscale_telemetry::init("inferscale")?;
@@ -388,7 +527,17 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         // beside the memory so that placement survives a restart.
         let path = a.worker.mem.dir().join("placement.json");
         let store: Arc<dyn Placement> = inferscale_cluster::embedded::Embedded::open(&path)?;
-        let cluster = ClusterArgs { etcd: Vec::new(), cluster_root: "/inferscale".into(), lease_ttl_s: 10, name: None };
+        let cluster = ClusterArgs {
+            etcd: Vec::new(),
+            cluster_root: "/inferscale".into(),
+            lease_ttl_s: 10,
+            name: None,
+            etcd_ca: None,
+            etcd_cert: None,
+            etcd_key: None,
+            etcd_user: None,
+            etcd_password_file: None,
+        };
         // The one worker and the one router share the node's name.
         let reg = register(store.clone(), &cluster, "local".into(), addr, None).await?;
         let membership = Membership::Store {
@@ -399,7 +548,8 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             // One worker: nothing to fence it for.
             rebalance: RebalanceConfig { replicate: false, fence_after: None, ..Default::default() },
         };
-        let cfg = router_config(&a.router, membership, a.listen)?;
+        // The worker is on loopback in this process: plaintext.
+        let cfg = router_config(&a.router, membership, keys, Security::Plaintext)?;
         let worker = tokio::spawn(serve_grpc(grpc, service));
         let r = tokio::select! {
             r = serve_http(a.listen, cfg) => r,
@@ -411,24 +561,31 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     })
 }
 
-pub fn worker(a: WorkerCmd) -> Result<()> {
+pub fn worker(mut a: WorkerCmd) -> Result<()> {
+    // Everything that needs no model is checked before the model loads.
+    crate::config::refuse_retired_env()?;
+    a.cluster.ttl()?;
+    let security = a.tls.security()?;
+    check_exposure(a.listen, &security, a.insecure_plaintext)?;
+    let etcd = a.cluster.etcd_options()?;
+    a.worker.check()?;
+    a.worker.mem.resolve()?;
     if a.engine == "vllm" {
         return crate::vllm_cmd::worker(a);
     }
-    a.cluster.ttl()?; // a bad TTL fails before the model loads
     let (service, _engine, gpu) = start_worker(&a.worker)?;
+    let service = service.with_security(security);
     runtime()?.block_on(async move {
         let tracing = inferscale_telemetry::init("inferscale-worker")?;
         let listener = TcpListener::bind(a.listen).await.with_context(|| format!("binding {}", a.listen))?;
         let bound = listener.local_addr()?;
-        eprintln!("inferscale worker: gRPC on {bound}");
         serve_worker_http(a.http_listen, service.clone()).await?;
         let reg = match a.cluster.etcd.is_empty() {
             true => None,
             false => {
                 let addr = a.advertise.clone().unwrap_or_else(|| bound.to_string());
                 let name = a.cluster.name.clone().unwrap_or_else(|| addr.clone());
-                Some(register(a.cluster.etcd()?, &a.cluster, name, addr, gpu).await?)
+                Some(register(a.cluster.connect(&etcd).await?, &a.cluster, name, addr, gpu).await?)
             }
         };
         let r = serve_grpc(listener, service).await;
@@ -452,25 +609,30 @@ fn fence_after(s: f64) -> Result<Option<Duration>> {
 }
 
 pub fn router(a: RouterCmd) -> Result<()> {
+    crate::config::refuse_retired_env()?;
+    let keys = check_router(&a.router, a.listen)?;
+    let fence_after = fence_after(a.fence_after_s)?;
+    let security = a.tls.security()?;
+    let etcd = a.cluster.etcd_options()?;
     // The etcd client's channel needs the runtime from its creation on.
     runtime()?.block_on(async move {
         let membership = match (a.workers.is_empty(), a.cluster.etcd.is_empty()) {
             (false, true) => Membership::Fixed(a.workers.clone()),
             (true, false) => Membership::Store {
-                store: a.cluster.etcd()?,
+                store: a.cluster.connect(&etcd).await?,
                 keys: a.cluster.keys(),
                 name: a.cluster.name.clone().unwrap_or_else(|| format!("router-{}", std::process::id())),
                 ttl: a.cluster.ttl()?,
                 rebalance: RebalanceConfig {
                     replicate: a.replicas > 0,
                     max_bytes_per_sec: a.migrate_mb_s * 1_000_000,
-                    fence_after: fence_after(a.fence_after_s)?,
+                    fence_after,
                     ..Default::default()
                 },
             },
             _ => bail!("give the router its workers with --worker ADDR,… or a cluster with --etcd HOST:PORT,…"),
         };
-        let cfg = router_config(&a.router, membership, a.listen)?;
+        let cfg = router_config(&a.router, membership, keys, security)?;
         let tracing = inferscale_telemetry::init("inferscale-router")?;
         let r = serve_http(a.listen, cfg).await;
         tracing.shutdown().await;

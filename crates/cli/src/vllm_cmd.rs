@@ -50,10 +50,10 @@ fn extra_config(a: &WorkerCmd) -> Value {
     let w = &a.worker;
     let m = &w.mem.model;
     let mut extra = json!({
-        "model": m.model,
+        "model": m.model(),
         "memory_dir": w.mem.dir().to_string_lossy(),
         "embedder": w.mem.embedder,
-        "window": w.mem.window,
+        "window": w.mem.window(),
         "kv_cache_mb": m.kv_cache_mb,
         "max_batch_tokens": m.max_batch_tokens,
         "backend": m.backend,
@@ -64,6 +64,11 @@ fn extra_config(a: &WorkerCmd) -> Value {
         "max_ingest_units": w.max_ingest_units,
         "retriever": w.mem.retriever.as_str(),
     });
+    if let (Some(cert), Some(key), Some(ca)) = (&a.tls.tls_cert, &a.tls.tls_key, &a.tls.tls_ca) {
+        extra["tls_cert"] = json!(cert.to_string_lossy());
+        extra["tls_key"] = json!(key.to_string_lossy());
+        extra["tls_ca"] = json!(ca.to_string_lossy());
+    }
     // The connector's defaults are the native worker's: only a change travels.
     let (prompts, defaults) = (w.mem.prompts(), inferscale_memory::Prompts::default());
     if prompts.turn != defaults.turn {
@@ -90,7 +95,7 @@ fn vllm_model(a: &WorkerCmd) -> Result<(String, Vec<String>)> {
         bail!(
             "--engine vllm needs --vllm-model DIR: the weights of --model ({}) in a format vLLM loads \
              (or --shape NAME --random-weights for dummy weights of a shape)",
-            a.worker.mem.model.model
+            a.worker.mem.model.model()
         );
     };
     let config = inferscale_model::shapes::preset(shape).with_context(|| format!("--shape {shape}: unknown shape"))?;
@@ -117,7 +122,7 @@ fn vllm_command(a: &WorkerCmd) -> Result<Vec<String>> {
     // Clients name the model as for a native worker: the shape or the
     // packaged model's name, not vLLM's path.
     let served =
-        a.worker.mem.model.shape.clone().unwrap_or_else(|| crate::serve::model_name(&a.worker.mem.model.model));
+        a.worker.mem.model.shape.clone().unwrap_or_else(|| crate::serve::model_name(a.worker.mem.model.model()));
     args.extend([
         format!("--served-model-name={served}"),
         "--host=127.0.0.1".to_string(),
@@ -144,13 +149,22 @@ async fn wait_ready(a: &WorkerCmd, child: &mut tokio::process::Child) -> Result<
         None,
         Duration::from_secs(5),
     )?;
-    let grpc = format!("http://{}", a.listen);
+    // With TLS the probe dials the advertised address: the certificate names it.
+    let security = a.tls.security()?;
+    let target = match (&a.advertise, security.is_tls()) {
+        (Some(advertised), true) => advertised.clone(),
+        _ => a.listen.to_string(),
+    };
+    let grpc = security.endpoint(&target)?;
     loop {
         if let Some(status) = child.try_wait()? {
             bail!("vLLM exited while starting ({status}); its log is above");
         }
-        let api_ready = match inferscale_proto::worker_client::WorkerClient::connect(grpc.clone()).await {
-            Ok(mut c) => c.health(inferscale_proto::HealthRequest {}).await.is_ok_and(|h| h.into_inner().ready),
+        let api_ready = match grpc.connect().await {
+            Ok(channel) => inferscale_proto::worker_client::WorkerClient::new(channel)
+                .health(inferscale_proto::HealthRequest {})
+                .await
+                .is_ok_and(|h| h.into_inner().ready),
             Err(_) => false,
         };
         // vLLM's server listens once its engine has loaded.
@@ -236,7 +250,8 @@ pub fn worker(a: WorkerCmd) -> Result<()> {
             false => {
                 let addr = a.advertise.clone().unwrap_or_else(|| a.listen.to_string());
                 let name = a.cluster.name.clone().unwrap_or_else(|| addr.clone());
-                Some(register(a.cluster.etcd()?, &a.cluster, name, addr, None).await?)
+                let etcd = a.cluster.etcd_options()?;
+                Some(register(a.cluster.connect(&etcd).await?, &a.cluster, name, addr, None).await?)
             }
         };
         let r = tokio::select! {

@@ -189,21 +189,20 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::cluster::{
-    ask_http, assert_kept, cluster_router, cluster_worker, metric, settled, turns_of, user, wait_until,
+    Secured, ask_http, assert_kept, cluster_router, cluster_worker, metric, settled, turns_of, user, wait_until,
 };
 use common::http;
-use inferscale_cluster::testing::EtcdProcess;
 use serde_json::{Value, json};
 
 const USERS: usize = 20;
 const TTL_S: &str = "3";
 
-fn worker_of(mem: &std::path::Path, etcd: &str) -> Proc {
-    cluster_worker(mem, etcd, &["--lease-ttl-s", TTL_S])
+fn worker_of(mem: &std::path::Path, c: &Secured) -> Proc {
+    cluster_worker(mem, c, &["--lease-ttl-s", TTL_S])
 }
 
-fn router_of(name: &str, etcd: &str) -> Proc {
-    cluster_router(name, etcd, &["--lease-ttl-s", TTL_S])
+fn router_of(name: &str, c: &Secured) -> Proc {
+    cluster_router(name, c, &["--lease-ttl-s", TTL_S])
 }
 
 /// One request of a load: when it ended, whose it was, and the worker
@@ -253,13 +252,13 @@ fn failures(log: &[Outcome]) -> Vec<String> {
 #[test]
 fn a_cluster_rebalances_fails_over_and_survives_etcd_restarts_under_load() {
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let mut etcd = rt.block_on(EtcdProcess::start()).expect("etcd (Debian: apt-get install etcd-server)");
-    let ep = etcd.endpoint();
+    // etcd over TLS with client certificates, workers over mutual TLS.
+    let mut c = rt.block_on(Secured::start());
     let dir = tempfile::tempdir().unwrap();
     let mut workers: Vec<Option<Proc>> =
-        (0..3).map(|i| Some(worker_of(&dir.path().join(format!("w{i}")), &ep))).collect();
-    let r1 = router_of("router-1", &ep);
-    let r2 = router_of("router-2", &ep);
+        (0..3).map(|i| Some(worker_of(&dir.path().join(format!("w{i}")), &c))).collect();
+    let r1 = router_of("router-1", &c);
+    let r2 = router_of("router-2", &c);
     let routers = vec![r1.addr.clone(), r2.addr.clone()];
     let rs: Vec<&str> = routers.iter().map(String::as_str).collect();
     wait_until("three workers are active", Duration::from_secs(60), || settled(&rs, 3));
@@ -282,7 +281,7 @@ fn a_cluster_rebalances_fails_over_and_survives_etcd_restarts_under_load() {
     // (shard with KV), no request fails, and answers stay the same.
     let load = Load::start(&routers, 2);
     std::thread::sleep(Duration::from_secs(2));
-    workers.push(Some(worker_of(&dir.path().join("w3"), &ep)));
+    workers.push(Some(worker_of(&dir.path().join("w3"), &c)));
     let took =
         wait_until("the fourth worker is active and every move done", Duration::from_secs(240), || settled(&rs, 4));
     std::thread::sleep(Duration::from_secs(2));
@@ -384,12 +383,12 @@ fn a_cluster_rebalances_fails_over_and_survives_etcd_restarts_under_load() {
     // view; membership and placement recover afterwards.
     let load = Load::start(&routers, 2);
     std::thread::sleep(Duration::from_secs(1));
-    etcd.kill();
+    c.etcd.kill();
     wait_until("the routers notice etcd is gone", Duration::from_secs(20), || {
         rs.iter().all(|r| metric(r, "inferscale_cluster_view_connected") == 0.0)
     });
     std::thread::sleep(Duration::from_secs(4));
-    rt.block_on(etcd.restart()).unwrap();
+    rt.block_on(c.etcd.restart()).unwrap();
     wait_until("the cluster recovers after etcd's restart", Duration::from_secs(60), || settled(&rs, 3));
     let log = load.finish();
     let failed = failures(&log);
@@ -398,7 +397,7 @@ fn a_cluster_rebalances_fails_over_and_survives_etcd_restarts_under_load() {
 
     // 4. The killed worker returns (with its stale memory): it rejoins, takes
     // its share back, and every acknowledged unit is still there.
-    workers[slot] = Some(worker_of(&dir.path().join(format!("w{slot}")), &ep));
+    workers[slot] = Some(worker_of(&dir.path().join(format!("w{slot}")), &c));
     wait_until("the returning worker is active and settled", Duration::from_secs(240), || settled(&rs, 4));
     assert_kept(&r1.addr, &acked, "after the rejoin");
     agree("after the rejoin");
@@ -410,7 +409,10 @@ fn a_cluster_rebalances_fails_over_and_survives_etcd_restarts_under_load() {
         assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
         String::from_utf8(out.stdout).unwrap()
     };
-    let status: Value = serde_json::from_str(&cli(&["cluster", "status", "--etcd", &ep, "--json"])).unwrap();
+    let flags = c.flags();
+    let mut status_args = vec!["cluster", "status", "--json"];
+    status_args.extend(flags.iter().map(String::as_str));
+    let status: Value = serde_json::from_str(&cli(&status_args)).unwrap();
     let listed = status["workers"].as_array().unwrap();
     assert_eq!(listed.len(), 4, "{status}");
     assert!(listed.iter().all(|w| w["state"] == "active" && w["reachable"] == true), "{status}");
@@ -419,7 +421,9 @@ fn a_cluster_rebalances_fails_over_and_survives_etcd_restarts_under_load() {
     assert!(status["leader"].is_string(), "{status}");
     let load = Load::start(&routers, 2);
     let leaving = workers[0].as_ref().unwrap().addr.clone();
-    let said = cli(&["cluster", "drain", &leaving, "--etcd", &ep, "--wait-s", "240"]);
+    let mut drain_args = vec!["cluster", "drain", &leaving, "--wait-s", "240"];
+    drain_args.extend(flags.iter().map(String::as_str));
+    let said = cli(&drain_args);
     assert!(said.contains("safe to stop"), "{said}");
     let mut gone = workers[0].take().unwrap();
     gone.child.kill().unwrap();

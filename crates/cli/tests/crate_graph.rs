@@ -12,11 +12,16 @@ fn root() -> PathBuf {
 }
 
 /// Each crate's inferscale dependencies from `[dependencies]`, by short
-/// name (`inferscale-memory` is `memory`).
+/// name (`inferscale-memory` is `memory`): the crates under `crates/` and
+/// the load-test harness at the top level (`loadtest/`, as §5 lays out).
 fn manifests() -> Graph {
     let mut graph = Graph::new();
-    for entry in std::fs::read_dir(root().join("crates")).expect("crates/") {
-        let manifest = entry.expect("entry").path().join("Cargo.toml");
+    let dirs = std::fs::read_dir(root().join("crates"))
+        .expect("crates/")
+        .map(|entry| entry.expect("entry").path())
+        .chain([root().join("loadtest")]);
+    for dir in dirs {
+        let manifest = dir.join("Cargo.toml");
         let Ok(text) = std::fs::read_to_string(&manifest) else { continue };
         let name = text
             .lines()
@@ -80,7 +85,10 @@ fn closure(graph: &Graph, krate: &str) -> BTreeSet<String> {
 fn the_design_page_shows_the_manifests_graph() {
     let (real, shown) = (manifests(), documented());
     assert!(real.len() >= 14, "read {} manifests", real.len());
-    assert_eq!(shown, real, "docs/design.md §4.2 (left) differs from crates/*/Cargo.toml (right)");
+    assert_eq!(
+        shown, real,
+        "docs/design.md §4.2 (left) differs from crates/*/Cargo.toml and loadtest/Cargo.toml (right)"
+    );
 }
 
 #[test]

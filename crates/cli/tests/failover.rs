@@ -15,11 +15,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::cluster::{
-    ask_http, assert_kept, cluster_router, cluster_worker, metric, replicas_in_step, settled, turns_of, user,
+    Secured, ask_http, assert_kept, cluster_router, cluster_worker, metric, replicas_in_step, settled, turns_of, user,
     wait_until,
 };
 use common::http;
-use inferscale_cluster::testing::EtcdProcess;
 use serde_json::json;
 
 const USERS: usize = 4;
@@ -171,14 +170,14 @@ fn signal(pid: u32, sig: &str) {
 #[test]
 fn writes_fail_over_in_seconds_and_a_fenced_worker_never_serves_its_stale_copy() {
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let etcd = rt.block_on(EtcdProcess::start()).expect("etcd (Debian: apt-get install etcd-server)");
-    let ep = etcd.endpoint();
+    // etcd over TLS with client certificates, workers over mutual TLS.
+    let c = rt.block_on(Secured::start());
     let dir = tempfile::tempdir().unwrap();
     // The default lease TTL (30 s): every failover below must come from
     // fencing, well before the lease could expire.
     let mut workers: Vec<Option<common::Proc>> =
-        (0..2).map(|i| Some(cluster_worker(&dir.path().join(format!("w{i}")), &ep, &[]))).collect();
-    let router = cluster_router("router-1", &ep, &[]);
+        (0..2).map(|i| Some(cluster_worker(&dir.path().join(format!("w{i}")), &c, &[]))).collect();
+    let router = cluster_router("router-1", &c, &[]);
     let r = router.addr.as_str();
     wait_until("two workers are active", Duration::from_secs(60), || settled(&[r], 2));
     for i in 0..USERS {
@@ -235,7 +234,7 @@ fn writes_fail_over_in_seconds_and_a_fenced_worker_never_serves_its_stale_copy()
 
     // 2. The killed worker returns with its memory as it was at the kill;
     // it joins and takes its users back with their whole memory.
-    workers[slot] = Some(cluster_worker(&dir.path().join(format!("w{slot}")), &ep, &[]));
+    workers[slot] = Some(cluster_worker(&dir.path().join(format!("w{slot}")), &c, &[]));
     wait_until("the returning worker is active and settled", Duration::from_secs(240), || settled(&[r], 2));
     // Where it became a replica, its stale copy (missing the writes made
     // since the kill) is replaced by its home's.
@@ -290,5 +289,5 @@ fn writes_fail_over_in_seconds_and_a_fenced_worker_never_serves_its_stale_copy()
     assert!(!acked.is_empty());
     all_acked.extend(acked);
     assert_kept(r, &all_acked, "after the paused worker rejoined");
-    drop(etcd);
+    drop(c);
 }

@@ -400,6 +400,12 @@ fn metric(text: &str, name: &str, worker: &str) -> Option<f64> {
     text.lines().find_map(|l| l.strip_prefix(&key)).and_then(|v| v.trim().parse().ok())
 }
 
+/// The router's count of `worker`'s requests that ended as `status`.
+fn requests(text: &str, worker: &str, status: &str) -> Option<f64> {
+    let key = format!("inferscale_worker_requests_total{{worker=\"{worker}\",status=\"{status}\"}} ");
+    text.lines().find_map(|l| l.strip_prefix(&key)).and_then(|v| v.trim().parse().ok())
+}
+
 #[test]
 fn router_and_two_workers_serve_twenty_users() {
     let dir = tempfile::tempdir().unwrap();
@@ -479,9 +485,11 @@ fn router_and_two_workers_serve_twenty_users() {
             std::thread::sleep(Duration::from_millis(200));
         }
     };
-    let idle = wait_for("the worker did not go idle", &|m| metric(m, "inferscale_worker_running", &home) == Some(0.0));
+    let idle = wait_for("the worker did not go idle", &|m| {
+        metric(m, "inferscale_worker_requests_running", &home) == Some(0.0)
+    });
     let free = metric(&idle, "inferscale_worker_kv_blocks_free", &home).unwrap();
-    let cancelled = metric(&idle, "inferscale_worker_requests_cancelled", &home).unwrap();
+    let cancelled = requests(&idle, &home, "cancelled").unwrap();
     let mut body = chat(Some(user), "Write a very long story about a cat, a dog and a lighthouse.", json!({"k": 4}));
     // Past end-of-sequence too, so it is surely still running when dropped.
     body["max_tokens"] = json!(2000);
@@ -502,11 +510,11 @@ fn router_and_two_workers_serve_twenty_users() {
         assert!(n > 0, "stream ended before the first token");
         got.extend_from_slice(&buf[..n]);
     }
-    wait_for("the request is not running", &|m| metric(m, "inferscale_worker_running", &home) == Some(1.0));
+    wait_for("the request is not running", &|m| metric(m, "inferscale_worker_requests_running", &home) == Some(1.0));
     drop(s);
     let after = wait_for("the cancelled request's blocks were not freed", &|m| {
-        metric(m, "inferscale_worker_running", &home) == Some(0.0)
+        metric(m, "inferscale_worker_requests_running", &home) == Some(0.0)
             && metric(m, "inferscale_worker_kv_blocks_free", &home) == Some(free)
     });
-    assert_eq!(metric(&after, "inferscale_worker_requests_cancelled", &home), Some(cancelled + 1.0));
+    assert_eq!(requests(&after, &home, "cancelled"), Some(cancelled + 1.0));
 }

@@ -429,10 +429,10 @@ fn one_trace_per_request_across_router_and_worker_and_metrics_move() {
     assert!(metric(&w, "inferscale_worker_ttft_seconds_sum{mode=\"kv\"}") > 0.0);
     assert!(metric(&w, "inferscale_worker_batch_rows_count") > 0.0);
     assert!(metric(&w, "inferscale_worker_step_seconds_count") > 0.0);
-    assert_eq!(metric(&w, "inferscale_worker_queue_depth"), 0.0);
-    assert_eq!(metric(&w, "inferscale_worker_running"), 0.0);
-    assert_eq!(metric(&w, "inferscale_worker_facts"), 3.0);
-    assert!(metric(&w, "inferscale_worker_kv_blocks_total") > 0.0);
+    assert_eq!(metric(&w, "inferscale_worker_requests_waiting"), 0.0);
+    assert_eq!(metric(&w, "inferscale_worker_requests_running"), 0.0);
+    assert_eq!(metric(&w, "inferscale_worker_memory_units"), 3.0);
+    assert!(metric(&w, "inferscale_worker_kv_blocks") > 0.0);
     assert!(metric(&w, "inferscale_worker_memory_bytes{tier=\"host\"}") > 0.0);
     assert!(metric(&w, "inferscale_worker_memory_bytes{tier=\"disk\"}") > 0.0);
     metric(&w, "inferscale_worker_shards_sent_total");

@@ -1,195 +1,280 @@
-//! [`Placement`] on etcd's v3 gRPC API (the subset in `proto/etcd.proto`).
+//! [`Placement`] on etcd, through the `etcd-client` crate: TLS (with a
+//! client certificate when etcd runs `--client-cert-auth`) and user/password
+//! authentication (the token is renewed by the client when it expires).
 //!
-//! One lazily connected channel over every endpoint: a call fails fast with
-//! [`ClusterError::Unavailable`] while etcd is down and reconnects on its
-//! own when it is back, so callers only ever retry.
+//! One balanced channel over every endpoint: a call fails fast with
+//! [`ClusterError::Unavailable`] while etcd is down and the channel
+//! reconnects on its own when it is back, so callers only ever retry.
 
-use std::time::Duration;
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
-use inferscale_proto::etcd as pb;
-use pb::kv_client::KvClient;
-use pb::lease_client::LeaseClient;
-use pb::watch_client::WatchClient;
+use etcd_client::{
+    Certificate, Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, Identity, PutOptions, TlsOptions,
+    TxnOp, WatchOptions,
+};
 use tokio::sync::mpsc;
-use tonic::transport::{Channel, Endpoint};
 
 use crate::error::{ClusterError, Result};
 use crate::store::{
-    BoxFuture, Event, KeyValue, LeaseId, Op, Placement, Snapshot, Txn, TxnResult, WatchBatch, WatchStream, prefix_end,
+    BoxFuture, Event, KeyValue, LeaseId, Op, Placement, Snapshot, Txn, TxnResult, WatchBatch, WatchStream,
 };
 
 /// How long one unary call may take before it counts as a failure.
 const CALL_TIMEOUT: Duration = Duration::from_secs(5);
 
-pub struct Etcd {
-    endpoints: Vec<String>,
-    kv: KvClient<Channel>,
-    lease: LeaseClient<Channel>,
-    watch: WatchClient<Channel>,
+/// How long [`Etcd::connect`] keeps trying to authenticate while etcd is
+/// unreachable (only a client with a user authenticates at connect).
+const AUTH_WAIT: Duration = Duration::from_secs(30);
+
+/// TLS to etcd: the CA that signs etcd's server certificate and, for an
+/// etcd that requires client certificates, this process's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EtcdTlsFiles {
+    pub ca: PathBuf,
+    /// Certificate chain and private key (PEM), presented to etcd.
+    pub identity: Option<(PathBuf, PathBuf)>,
 }
 
-impl Etcd {
-    /// A client of the etcd cluster at `endpoints` (`host:port` or URLs).
-    /// Nothing is dialled until the first call.
-    pub fn connect(endpoints: &[String]) -> Result<Etcd> {
-        if endpoints.is_empty() {
+/// Where etcd is and how to talk to it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EtcdOptions {
+    /// `host:port` (the scheme follows from `tls`) or `http(s)://host:port`.
+    pub endpoints: Vec<String>,
+    pub tls: Option<EtcdTlsFiles>,
+    /// User name and password for etcd's authentication.
+    pub user: Option<(String, String)>,
+}
+
+impl EtcdOptions {
+    /// Plaintext, no authentication (a loopback etcd, tests).
+    pub fn plain(endpoints: Vec<String>) -> EtcdOptions {
+        EtcdOptions { endpoints, ..Default::default() }
+    }
+
+    /// Checks the settings and reads the TLS files, naming any that is
+    /// missing or not PEM, without contacting etcd.
+    pub fn load(&self) -> Result<ConnectOptions> {
+        if self.endpoints.is_empty() {
             return Err(ClusterError::Invalid("no etcd endpoint given".into()));
         }
-        let mut list = Vec::with_capacity(endpoints.len());
-        for e in endpoints {
-            let ep = Endpoint::from_shared(inferscale_proto::uri(e))
-                .map_err(|err| ClusterError::Invalid(format!("etcd endpoint {e:?}: {err}")))?
-                .connect_timeout(Duration::from_secs(2))
-                .tcp_nodelay(true)
-                .http2_keep_alive_interval(Duration::from_secs(10))
-                .keep_alive_timeout(Duration::from_secs(5));
-            list.push(ep);
+        let mut opts = ConnectOptions::new()
+            .with_connect_timeout(Duration::from_secs(2))
+            .with_keep_alive(Duration::from_secs(10), Duration::from_secs(5));
+        if let Some(tls) = &self.tls {
+            let mut t = TlsOptions::new().ca_certificate(Certificate::from_pem(pem(&tls.ca, "CERTIFICATE")?));
+            if let Some((cert, key)) = &tls.identity {
+                t = t.identity(Identity::from_pem(pem(cert, "CERTIFICATE")?, pem(key, "PRIVATE KEY")?));
+            }
+            opts = opts.with_tls(t);
         }
-        let channel = Channel::balance_list(list.into_iter());
-        Ok(Etcd {
-            endpoints: endpoints.to_vec(),
-            kv: KvClient::new(channel.clone()),
-            lease: LeaseClient::new(channel.clone()),
-            watch: WatchClient::new(channel),
-        })
+        if let Some((user, password)) = &self.user {
+            if user.is_empty() {
+                return Err(ClusterError::Invalid("etcd user name is empty".into()));
+            }
+            opts = opts.with_user(user.clone(), password.clone());
+        }
+        for e in &self.endpoints {
+            let scheme = e.split_once("://").map(|(s, _)| s);
+            match (scheme, self.tls.is_some()) {
+                (Some("http"), true) => {
+                    return Err(ClusterError::Invalid(format!(
+                        "etcd endpoint {e:?}: http:// with etcd TLS settings; give host:port or https://"
+                    )));
+                }
+                (Some("https"), false) => {
+                    return Err(ClusterError::Invalid(format!(
+                        "etcd endpoint {e:?}: https:// needs the etcd CA (--etcd-ca)"
+                    )));
+                }
+                (Some(s), _) if s != "http" && s != "https" => {
+                    return Err(ClusterError::Invalid(format!("etcd endpoint {e:?}: unknown scheme {s}")));
+                }
+                _ => {}
+            }
+        }
+        Ok(opts)
     }
 }
 
-fn request<T>(msg: T) -> tonic::Request<T> {
-    let mut r = tonic::Request::new(msg);
-    r.set_timeout(CALL_TIMEOUT);
-    r
+fn pem(path: &Path, label: &str) -> Result<Vec<u8>> {
+    let bytes = std::fs::read(path).map_err(|source| ClusterError::Io { path: path.to_path_buf(), source })?;
+    let text = String::from_utf8_lossy(&bytes);
+    if !text.lines().any(|l| l.starts_with("-----BEGIN ") && l.contains(label)) {
+        return Err(ClusterError::Invalid(format!("{}: no PEM block with {label} in it", path.display())));
+    }
+    Ok(bytes)
 }
 
-fn key_value(kv: pb::KeyValue) -> Result<KeyValue> {
-    let key = String::from_utf8(kv.key).map_err(|e| ClusterError::Decode {
-        key: String::from_utf8_lossy(e.as_bytes()).into_owned(),
+pub struct Etcd {
+    endpoints: Vec<String>,
+    client: Client,
+}
+
+impl From<etcd_client::Error> for ClusterError {
+    fn from(e: etcd_client::Error) -> Self {
+        match e {
+            etcd_client::Error::InvalidArgs(m) => ClusterError::Invalid(m),
+            etcd_client::Error::InvalidUri(u) => ClusterError::Invalid(format!("etcd endpoint: {u}")),
+            etcd_client::Error::GRpcStatus(s) => s.into(),
+            other => ClusterError::Unavailable(other.to_string()),
+        }
+    }
+}
+
+impl Etcd {
+    /// A client of the etcd cluster `options` name. Without a user nothing
+    /// is dialled until the first call; with one, the client authenticates
+    /// now, retrying for a while if etcd is not up yet.
+    pub async fn connect(options: &EtcdOptions) -> Result<Etcd> {
+        let opts = options.load()?;
+        let until = Instant::now() + AUTH_WAIT;
+        let client = loop {
+            match Client::connect(&options.endpoints, Some(opts.clone())).await {
+                Ok(c) => break c,
+                Err(e) => {
+                    let e = ClusterError::from(e);
+                    let retry = matches!(e, ClusterError::Unavailable(_)) && !is_refusal(&e);
+                    if !retry || Instant::now() > until {
+                        return Err(e);
+                    }
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+            }
+        };
+        Ok(Etcd { endpoints: options.endpoints.clone(), client })
+    }
+
+    /// The underlying client, for what the [`Placement`] trait does not
+    /// cover (administration in tests: users, roles, enabling auth).
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+}
+
+/// Whether etcd answered and said no (bad credentials, no permission): no
+/// point in retrying.
+fn is_refusal(e: &ClusterError) -> bool {
+    let m = e.to_string();
+    m.contains("authentication failed") || m.contains("permission denied") || m.contains("Unauthenticated")
+}
+
+/// `call` within [`CALL_TIMEOUT`], its error as ours.
+async fn with_timeout<T>(call: impl Future<Output = std::result::Result<T, etcd_client::Error>>) -> Result<T> {
+    match tokio::time::timeout(CALL_TIMEOUT, call).await {
+        Ok(r) => Ok(r?),
+        Err(_) => Err(ClusterError::Unavailable(format!("etcd call timed out after {CALL_TIMEOUT:?}"))),
+    }
+}
+
+fn key_value(kv: &etcd_client::KeyValue) -> Result<KeyValue> {
+    let key = std::str::from_utf8(kv.key()).map_err(|_| ClusterError::Decode {
+        key: String::from_utf8_lossy(kv.key()).into_owned(),
         reason: "key is not UTF-8".into(),
     })?;
-    Ok(KeyValue { key, value: kv.value, mod_revision: kv.mod_revision, lease: kv.lease })
+    Ok(KeyValue {
+        key: key.to_string(),
+        value: kv.value().to_vec(),
+        mod_revision: kv.mod_revision(),
+        lease: kv.lease(),
+    })
 }
 
-fn revision(header: Option<pb::ResponseHeader>) -> i64 {
-    header.map_or(0, |h| h.revision)
+fn revision(header: Option<&etcd_client::ResponseHeader>) -> i64 {
+    header.map_or(0, |h| h.revision())
 }
 
 impl Placement for Etcd {
     fn range(&self, prefix: &str) -> BoxFuture<'_, Result<Snapshot>> {
-        let req =
-            pb::RangeRequest { key: prefix.as_bytes().to_vec(), range_end: prefix_end(prefix), ..Default::default() };
+        let prefix = prefix.to_string();
         Box::pin(async move {
-            let resp = self.kv.clone().range(request(req)).await?.into_inner();
-            let kvs = resp.kvs.into_iter().map(key_value).collect::<Result<_>>()?;
-            Ok(Snapshot { revision: revision(resp.header), kvs })
+            let mut kv = self.client.kv_client();
+            let resp = with_timeout(kv.get(prefix, Some(GetOptions::new().with_prefix()))).await?;
+            let kvs = resp.kvs().iter().map(key_value).collect::<Result<_>>()?;
+            Ok(Snapshot { revision: revision(resp.header()), kvs })
         })
     }
 
     fn txn(&self, txn: Txn) -> BoxFuture<'_, Result<TxnResult>> {
-        use pb::compare::{CompareResult, CompareTarget, TargetUnion};
-        use pb::request_op::Request;
-        let compare = txn
-            .compare
-            .into_iter()
-            .map(|c| pb::Compare {
-                result: CompareResult::Equal as i32,
-                target: CompareTarget::Mod as i32,
-                key: c.key.into_bytes(),
-                target_union: Some(TargetUnion::ModRevision(c.mod_revision)),
-            })
-            .collect();
-        let success = txn
+        let compare: Vec<Compare> =
+            txn.compare.into_iter().map(|c| Compare::mod_revision(c.key, CompareOp::Equal, c.mod_revision)).collect();
+        let ops: Vec<TxnOp> = txn
             .ops
             .into_iter()
-            .map(|op| pb::RequestOp {
-                request: Some(match op {
-                    Op::Put { key, value, lease } => {
-                        Request::RequestPut(pb::PutRequest { key: key.into_bytes(), value, lease })
-                    }
-                    Op::Delete { key } => Request::RequestDeleteRange(pb::DeleteRangeRequest {
-                        key: key.into_bytes(),
-                        range_end: Vec::new(),
-                    }),
-                }),
+            .map(|op| match op {
+                Op::Put { key, value, lease } => TxnOp::put(key, value, Some(PutOptions::new().with_lease(lease))),
+                Op::Delete { key } => TxnOp::delete(key, None),
             })
             .collect();
-        let req = pb::TxnRequest { compare, success, failure: Vec::new() };
         Box::pin(async move {
-            let resp = self.kv.clone().txn(request(req)).await?.into_inner();
-            Ok(TxnResult { succeeded: resp.succeeded, revision: revision(resp.header) })
+            let mut kv = self.client.kv_client();
+            let resp = with_timeout(kv.txn(etcd_client::Txn::new().when(compare).and_then(ops))).await?;
+            Ok(TxnResult { succeeded: resp.succeeded(), revision: revision(resp.header()) })
         })
     }
 
     fn grant(&self, ttl: Duration) -> BoxFuture<'_, Result<LeaseId>> {
         let secs = ttl.as_secs().max(1) as i64;
         Box::pin(async move {
-            let resp =
-                self.lease.clone().lease_grant(request(pb::LeaseGrantRequest { ttl: secs, id: 0 })).await?.into_inner();
-            if !resp.error.is_empty() {
-                return Err(ClusterError::Unavailable(format!("lease grant refused: {}", resp.error)));
+            let mut lease = self.client.lease_client();
+            let resp = with_timeout(lease.grant(secs, None)).await?;
+            if !resp.error().is_empty() {
+                return Err(ClusterError::Unavailable(format!("lease grant refused: {}", resp.error())));
             }
-            Ok(resp.id)
+            Ok(resp.id())
         })
     }
 
     fn keep_alive(&self, lease: LeaseId) -> BoxFuture<'_, Result<bool>> {
         Box::pin(async move {
-            // etcd only offers keep-alive as a stream; one request, one
-            // answer, then the stream is dropped.
-            let out = tokio_stream::once(pb::LeaseKeepAliveRequest { id: lease });
-            let mut answers = self.lease.clone().lease_keep_alive(request(out)).await?.into_inner();
-            let answer = tokio::time::timeout(CALL_TIMEOUT, answers.message())
-                .await
-                .map_err(|_| ClusterError::Unavailable("lease keep-alive timed out".into()))??;
-            match answer {
-                // A TTL of 0 is etcd's "no such lease".
-                Some(a) => Ok(a.ttl > 0),
-                None => Err(ClusterError::Unavailable("lease keep-alive stream closed".into())),
+            // etcd offers keep-alive as a stream only; the client sends one
+            // request and reads its answer, and the stream is dropped.
+            let mut client = self.client.lease_client();
+            match with_timeout(client.keep_alive(lease)).await {
+                Ok(_) => Ok(true),
+                // The client's word for a TTL of 0: etcd's "no such lease".
+                Err(ClusterError::Unavailable(m)) if m.contains("lease not found") => Ok(false),
+                Err(e) => Err(e),
             }
         })
     }
 
     fn revoke(&self, lease: LeaseId) -> BoxFuture<'_, Result<()>> {
         Box::pin(async move {
-            match self.lease.clone().lease_revoke(request(pb::LeaseRevokeRequest { id: lease })).await {
-                Ok(_) => Ok(()),
+            let mut client = self.client.lease_client();
+            match tokio::time::timeout(CALL_TIMEOUT, client.revoke(lease)).await {
+                Ok(Ok(_)) => Ok(()),
                 // Already gone is what revoking wanted.
-                Err(s) if s.code() == tonic::Code::NotFound => Ok(()),
-                Err(s) => Err(s.into()),
+                Ok(Err(etcd_client::Error::GRpcStatus(s))) if s.code() == tonic::Code::NotFound => Ok(()),
+                Ok(Err(e)) => Err(e.into()),
+                Err(_) => Err(ClusterError::Unavailable("lease revoke timed out".into())),
             }
         })
     }
 
     fn watch(&self, prefix: &str, from_revision: i64) -> BoxFuture<'_, Result<WatchStream>> {
-        let create = pb::WatchRequest {
-            request_union: Some(pb::watch_request::RequestUnion::CreateRequest(pb::WatchCreateRequest {
-                key: prefix.as_bytes().to_vec(),
-                range_end: prefix_end(prefix),
-                start_revision: from_revision,
-                progress_notify: false,
-            })),
-        };
+        let prefix = prefix.to_string();
         Box::pin(async move {
-            // The request side stays open for the watch's lifetime: etcd
-            // ends a watch whose client stopped sending.
-            let (req_tx, req_rx) = mpsc::channel(1);
-            req_tx.send(create).await.map_err(|_| ClusterError::Unavailable("watch request channel closed".into()))?;
-            let mut answers =
-                self.watch.clone().watch(tokio_stream::wrappers::ReceiverStream::new(req_rx)).await?.into_inner();
+            let mut client = self.client.watch_client();
+            let options = WatchOptions::new().with_prefix().with_start_revision(from_revision);
+            // The stream keeps the request side open for the watch's
+            // lifetime: etcd ends a watch whose client stopped sending.
+            let mut answers = with_timeout(client.watch(prefix, Some(options))).await?;
             let (tx, rx) = mpsc::channel(64);
             tokio::spawn(async move {
-                let _keep_open = req_tx;
                 loop {
                     let batch = match answers.message().await {
-                        Ok(Some(w)) if w.compact_revision > 0 => {
-                            Err(ClusterError::Compacted { requested: from_revision, compacted: w.compact_revision })
+                        Ok(Some(w)) if w.compact_revision() > 0 => {
+                            Err(ClusterError::Compacted { requested: from_revision, compacted: w.compact_revision() })
                         }
-                        Ok(Some(w)) if w.canceled => {
-                            Err(ClusterError::Unavailable(format!("watch cancelled: {}", w.cancel_reason)))
+                        Ok(Some(w)) if w.canceled() => {
+                            Err(ClusterError::Unavailable(format!("watch cancelled: {}", w.cancel_reason())))
                         }
-                        Ok(Some(w)) if w.created && w.events.is_empty() => continue,
-                        Ok(Some(w)) => events(w),
+                        Ok(Some(w)) if w.created() && w.events().is_empty() => continue,
+                        Ok(Some(w)) => events(&w),
                         Ok(None) => Err(ClusterError::Unavailable("watch stream closed".into())),
-                        Err(s) => Err(s.into()),
+                        Err(e) => Err(e.into()),
                     };
                     let end = batch.is_err();
                     if tx.send(batch).await.is_err() || end {
@@ -206,16 +291,15 @@ impl Placement for Etcd {
     }
 }
 
-fn events(w: pb::WatchResponse) -> Result<WatchBatch> {
-    let mut out = Vec::with_capacity(w.events.len());
-    for e in w.events {
-        let Some(kv) = e.kv else { continue };
+fn events(w: &etcd_client::WatchResponse) -> Result<WatchBatch> {
+    let mut out = Vec::with_capacity(w.events().len());
+    for e in w.events() {
+        let Some(kv) = e.kv() else { continue };
         let kv = key_value(kv)?;
-        out.push(if e.r#type == pb::event::EventType::Delete as i32 {
-            Event::Delete { key: kv.key, mod_revision: kv.mod_revision }
-        } else {
-            Event::Put(kv)
+        out.push(match e.event_type() {
+            EventType::Delete => Event::Delete { key: kv.key, mod_revision: kv.mod_revision },
+            EventType::Put => Event::Put(kv),
         });
     }
-    Ok(WatchBatch { revision: revision(w.header), events: out })
+    Ok(WatchBatch { revision: revision(w.header()), events: out })
 }

@@ -122,29 +122,3 @@ pub trait Placement: Send + Sync + 'static {
     /// For messages: "etcd at http://…" or "embedded (file …)".
     fn describe(&self) -> String;
 }
-
-/// The key just past every key that starts with `prefix` (etcd's
-/// `range_end` for a prefix query).
-pub fn prefix_end(prefix: &str) -> Vec<u8> {
-    let mut end = prefix.as_bytes().to_vec();
-    while let Some(last) = end.pop() {
-        if last < 0xff {
-            end.push(last + 1);
-            return end;
-        }
-    }
-    // Every byte 0xff (or empty): to the end of the keyspace.
-    vec![0]
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn prefix_end_is_the_first_key_after_the_prefix() {
-        assert_eq!(prefix_end("/a/"), b"/a0".to_vec());
-        assert_eq!(prefix_end("a\u{7f}"), vec![b'a', 0x80]);
-        assert_eq!(prefix_end(""), vec![0]);
-    }
-}

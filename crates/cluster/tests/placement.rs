@@ -8,9 +8,10 @@ use std::time::Duration;
 
 use inferscale_cluster::embedded::Embedded;
 use inferscale_cluster::etcd::Etcd;
+use inferscale_cluster::etcd::EtcdOptions;
 use inferscale_cluster::membership::{Campaign, Registration, watch_view};
 use inferscale_cluster::store::{Event, Placement, Txn};
-use inferscale_cluster::testing::EtcdProcess;
+use inferscale_cluster::testing::{EtcdProcess, TestCa};
 use inferscale_cluster::view::{ClusterView, Keys, Member, MemberState};
 use tokio::sync::watch;
 
@@ -77,7 +78,38 @@ async fn embedded_store_keeps_the_contract() {
 #[tokio::test]
 async fn etcd_store_keeps_the_contract() {
     let etcd = EtcdProcess::start().await.expect("etcd");
-    contract(Arc::new(Etcd::connect(&[etcd.endpoint()]).expect("client"))).await;
+    contract(Arc::new(Etcd::connect(&etcd.options()).await.expect("client"))).await;
+}
+
+/// etcd as production runs it: TLS only, client certificates required,
+/// and authentication on. The contract holds for a client with the CA, a
+/// certificate and a user's password; a wrong password, a client without
+/// the password (its certificate's name is no user) and a plaintext client
+/// get nothing.
+#[tokio::test]
+async fn etcd_over_tls_with_client_certificates_and_passwords_keeps_the_contract() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ca = TestCa::new(dir.path()).expect("test CA");
+    let etcd = EtcdProcess::start_tls(ca.etcd().expect("certificates")).await.expect("etcd over TLS");
+    let admin = Etcd::connect(&etcd.options()).await.expect("client with a certificate");
+    let mut c = admin.client().clone();
+    c.user_add("root", "root-password", None).await.expect("add root");
+    c.user_grant_role("root", "root").await.expect("root role");
+    c.user_add("inferscale", "s3cret", None).await.expect("add user");
+    c.user_grant_role("inferscale", "root").await.expect("grant");
+    c.auth_enable().await.expect("enable auth");
+
+    let with_user =
+        |password: &str| EtcdOptions { user: Some(("inferscale".to_string(), password.to_string())), ..etcd.options() };
+    let store = Etcd::connect(&with_user("s3cret")).await.expect("client with a user");
+    contract(Arc::new(store)).await;
+
+    let wrong = Etcd::connect(&with_user("wrong")).await;
+    assert!(wrong.is_err(), "a wrong password was accepted");
+    let anonymous = Etcd::connect(&etcd.options()).await.expect("lazy client");
+    assert!(anonymous.range("/t/").await.is_err(), "a client without a user read keys with auth on");
+    let plain = Etcd::connect(&EtcdOptions::plain(vec![etcd.endpoint()])).await.expect("lazy client");
+    assert!(plain.range("/t/").await.is_err(), "a plaintext client was served by a TLS etcd");
 }
 
 #[tokio::test]
@@ -118,7 +150,7 @@ async fn until(rx: &mut watch::Receiver<Arc<ClusterView>>, what: &str, f: impl F
 #[tokio::test]
 async fn membership_survives_lost_leases_and_etcd_restarts() {
     let mut etcd = EtcdProcess::start().await.expect("etcd");
-    let store: Arc<dyn Placement> = Arc::new(Etcd::connect(&[etcd.endpoint()]).expect("client"));
+    let store: Arc<dyn Placement> = Arc::new(Etcd::connect(&etcd.options()).await.expect("client"));
     let keys = Keys::new("/cluster-a");
     let mut view = watch_view(store.clone(), keys.clone(), 16);
     let mut w1 = Registration::spawn(store.clone(), keys.clone(), member("w1"), TTL);
@@ -153,7 +185,7 @@ async fn membership_survives_lost_leases_and_etcd_restarts() {
 #[tokio::test]
 async fn one_leader_at_a_time() {
     let mut etcd = EtcdProcess::start().await.expect("etcd");
-    let store: Arc<dyn Placement> = Arc::new(Etcd::connect(&[etcd.endpoint()]).expect("client"));
+    let store: Arc<dyn Placement> = Arc::new(Etcd::connect(&etcd.options()).await.expect("client"));
     let keys = Keys::new("/cluster-b");
     let mut view = watch_view(store.clone(), keys.clone(), 16);
     let a = Campaign::spawn(store.clone(), keys.clone(), "router-a".into(), TTL);

@@ -320,7 +320,7 @@ pub fn sync_dir(dir: &Path) -> Result<()> {
 /// Writes `bytes` to `<path>.tmp`, syncs it and renames it over `path`, so a
 /// reader (or a crash) sees the old file or the new one, whole. Returns an
 /// append handle on the renamed file; the caller syncs the directory.
-fn replace(path: &Path, bytes: &[u8]) -> Result<File> {
+pub(crate) fn replace(path: &Path, bytes: &[u8]) -> Result<File> {
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(".tmp");
     let tmp = PathBuf::from(tmp);

@@ -1,8 +1,8 @@
-//! InferScale's gRPC API (`proto/inferscale.proto`) and the client side of
-//! the subset of etcd's v3 API that placement uses (`proto/etcd.proto`),
-//! generated with tonic; the one conversion between the API's messages and
-//! the shared words of `inferscale-types`; and the error kinds a worker
-//! attaches to a status so that callers act on a kind, never on its text.
+//! InferScale's gRPC API (`proto/inferscale.proto`), generated with tonic;
+//! the one conversion between the API's messages and the shared words of
+//! `inferscale-types`; the error kinds a worker attaches to a status so that
+//! callers act on a kind, never on its text; and how the API's connections
+//! are secured ([`tls`]).
 
 #![allow(clippy::all)]
 
@@ -10,11 +10,9 @@ pub mod v1 {
     tonic::include_proto!("inferscale.v1");
 }
 
-pub mod etcd {
-    tonic::include_proto!("etcdserverpb");
-}
-
 pub use v1::*;
+
+pub mod tls;
 
 /// The URI a gRPC client dials for `addr`: `host:port` as plain HTTP/2, or
 /// a URI that already names its scheme, unchanged. Worker and etcd

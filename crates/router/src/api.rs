@@ -481,8 +481,10 @@ impl Clock {
         self.tokens += 1;
     }
 
-    fn record(&self, m: &Metrics, mode: Mode) {
+    fn record(&self, m: &Metrics, mode: Mode, f: &pb::Finished) {
         let i = mode_index(mode);
+        m.e2e[i].observe(self.start.elapsed().as_secs_f64());
+        m.prompt_tokens.fetch_add(f.usage.as_ref().map_or(0, |u| u64::from(u.prompt_tokens)), Ordering::Relaxed);
         if let Some(first) = self.first {
             m.ttft[i].observe((first - self.start).as_secs_f64());
             if self.tokens > 1 {
@@ -585,7 +587,7 @@ async fn complete(
                 text.push_str(&t.text);
             }
             Some(E::Finished(f)) => {
-                clock.record(&s.metrics, chat.mode);
+                clock.record(&s.metrics, chat.mode, &f);
                 let usage = usage(chat.mode, &f);
                 let body = match chat.kind {
                     Kind::Chat => serde_json::to_value(openai::ChatResponse {
@@ -669,7 +671,7 @@ fn sse(st: SseState) -> Sse<impl Stream<Item = std::result::Result<SseEvent, Inf
                 out.push(chunk(&st, delta, None));
             }
             Ok(Some(pb::GenerateEvent { event: Some(E::Finished(f)) })) => {
-                st.clock.record(&st.s.metrics, st.chat.mode);
+                st.clock.record(&st.s.metrics, st.chat.mode, &f);
                 out.push(chunk(&st, json!({}), Some(&f.reason)));
                 if st.chat.include_usage {
                     let object = match st.chat.kind {
@@ -757,25 +759,35 @@ async fn metrics(State(s): State<Shared>) -> Response {
             r.fenced.load(Ordering::Relaxed) as f64,
         ),
     ]);
+    // The workers' load as the last Stats calls saw it, under the names
+    // and types each worker's own /metrics uses, labelled by worker.
+    use prom::worker::*;
     type Field = fn(&pb::StatsResponse) -> f64;
-    let fields: [(&str, &str, Field); 9] = [
-        ("inferscale_worker_running", "Requests in the worker's running batch.", |s| s.running.into()),
-        ("inferscale_worker_waiting", "Requests queued at the worker.", |s| s.waiting.into()),
-        ("inferscale_worker_kv_blocks_total", "KV cache blocks of the worker.", |s| s.kv_blocks_total.into()),
-        ("inferscale_worker_kv_blocks_free", "Free KV cache blocks of the worker.", |s| s.kv_blocks_free.into()),
-        ("inferscale_worker_users", "Users with memory on the worker.", |s| s.users.into()),
-        ("inferscale_worker_facts", "Memory units stored on the worker.", |s| s.facts as f64),
-        ("inferscale_worker_requests_finished", "Requests the worker finished.", |s| s.requests_finished as f64),
-        ("inferscale_worker_requests_cancelled", "Requests cancelled (client gone).", |s| s.requests_cancelled as f64),
-        ("inferscale_worker_requests_failed", "Requests that failed at the worker.", |s| s.requests_failed as f64),
+    let fields: [(&str, &str, Field); 6] = [
+        (REQUESTS_RUNNING, "Requests in the worker's running batch.", |s| s.running.into()),
+        (REQUESTS_WAITING, "Requests waiting for admission at the worker.", |s| s.waiting.into()),
+        (KV_BLOCKS, "KV cache blocks of the worker (capacity).", |s| s.kv_blocks_total.into()),
+        (KV_BLOCKS_FREE, "Free KV cache blocks of the worker.", |s| s.kv_blocks_free.into()),
+        (USERS, "Users with memory on the worker.", |s| s.users.into()),
+        (MEMORY_UNITS, "Memory units stored on the worker.", |s| s.facts as f64),
     ];
+    let stats: Vec<(String, pb::StatsResponse)> =
+        all.iter().filter_map(|w| w.stats().map(|st| (prom::label(&w.name), st))).collect();
     for (name, help, get) in fields {
         prom::header(&mut text, name, "gauge", help);
-        for w in &all {
-            if let Some(st) = w.stats() {
-                text.push_str(&format!("{name}{{worker=\"{}\"}} {}\n", w.name, get(&st)));
-            }
+        for (worker, st) in &stats {
+            text.push_str(&format!("{name}{{worker=\"{worker}\"}} {}\n", get(st)));
         }
     }
+    prom::header(&mut text, REQUESTS_TOTAL, "counter", "Requests that left the worker, by how.");
+    for (worker, st) in &stats {
+        for (status, v) in
+            [("finished", st.requests_finished), ("cancelled", st.requests_cancelled), ("failed", st.requests_failed)]
+        {
+            text.push_str(&format!("{REQUESTS_TOTAL}{{worker=\"{worker}\",status=\"{status}\"}} {v}\n"));
+        }
+    }
+    prom::build_info(&mut text, "router", env!("CARGO_PKG_VERSION"));
+    prom::process(&mut text);
     ([(header::CONTENT_TYPE, prom::CONTENT_TYPE)], text).into_response()
 }

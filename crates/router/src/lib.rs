@@ -26,6 +26,7 @@ use inferscale_cluster::view::Keys as ClusterKeys;
 pub use api::{AppState, Defaults};
 pub use auth::Keys;
 pub use error::{ApiError, Result};
+pub use inferscale_proto::tls::{Security, TlsFiles};
 pub use rebalance::{DEFAULT_FENCE_AFTER, RebalanceConfig, RebalanceStats};
 pub use workers::Workers;
 
@@ -68,6 +69,8 @@ pub struct RouterConfig {
     /// Bounded-load factor: no worker above this × the average in-flight
     /// (for requests that may go to any worker).
     pub load_factor: f64,
+    /// How workers are dialled: plaintext or mutual TLS.
+    pub security: Security,
 }
 
 /// Connects to the workers, waits up to `wait` for one to be healthy (and,
@@ -75,10 +78,10 @@ pub struct RouterConfig {
 pub async fn build(cfg: RouterConfig, wait: Duration) -> Result<axum::Router> {
     let rebalance_stats = Arc::new(RebalanceStats::default());
     let workers = match &cfg.membership {
-        Membership::Fixed(addrs) => Arc::new(Workers::fixed(addrs, cfg.load_factor)?),
+        Membership::Fixed(addrs) => Arc::new(Workers::fixed(addrs, cfg.load_factor, cfg.security.clone())?),
         Membership::Store { store, keys, name, ttl, rebalance } => {
             let view = watch_view(store.clone(), keys.clone(), inferscale_cluster::DEFAULT_VNODES);
-            let workers = Arc::new(Workers::new(view, cfg.load_factor, rebalance.replicate));
+            let workers = Arc::new(Workers::new(view, cfg.load_factor, rebalance.replicate, cfg.security.clone()));
             let campaign = Arc::new(Campaign::spawn(store.clone(), keys.clone(), name.clone(), *ttl));
             if let Some(after) = rebalance.fence_after {
                 let fencer = fence::Fencer {

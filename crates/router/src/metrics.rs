@@ -18,9 +18,13 @@ pub struct Metrics {
     /// Per mode: time to first token, and time per output token after it.
     pub ttft: [Histogram; 4],
     pub tpot: [Histogram; 4],
+    /// Per mode: request arrival to the last token.
+    pub e2e: [Histogram; 4],
     /// Requests by (route, status code).
     requests: Mutex<std::collections::BTreeMap<(String, u16), u64>>,
     pub output_tokens: AtomicU64,
+    /// Prompt tokens of finished chat requests, as their usage counts them.
+    pub prompt_tokens: AtomicU64,
     pub ingested_units: AtomicU64,
 }
 
@@ -48,6 +52,7 @@ impl Metrics {
         for (name, help, h) in [
             ("inferscale_ttft_seconds", "Time to first token by memory mode.", &self.ttft),
             ("inferscale_tpot_seconds", "Time per output token after the first, by memory mode.", &self.tpot),
+            ("inferscale_e2e_request_latency_seconds", "Request arrival to the last token, by memory mode.", &self.e2e),
         ] {
             prom::header(&mut out, name, "histogram", help);
             for (mode, h) in MODES.iter().zip(h.iter()) {
@@ -56,6 +61,11 @@ impl Metrics {
         }
         for (name, help, v) in [
             ("inferscale_output_tokens_total", "Tokens generated.", &self.output_tokens),
+            (
+                "inferscale_prompt_tokens_total",
+                "Prompt tokens of finished requests (injected memory included).",
+                &self.prompt_tokens,
+            ),
             ("inferscale_ingested_units_total", "Memory units stored.", &self.ingested_units),
         ] {
             prom::single(&mut out, name, help, v.load(Ordering::Relaxed) as f64);

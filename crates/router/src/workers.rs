@@ -21,6 +21,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use inferscale_cluster::ClusterView;
+use inferscale_proto::tls::Security;
 use inferscale_proto::worker_client::WorkerClient;
 use tokio::sync::watch;
 use tonic::transport::{Channel, Endpoint};
@@ -65,16 +66,17 @@ pub(crate) fn request<T>(msg: T, timeout: Duration) -> tonic::Request<T> {
     r
 }
 
-fn endpoint(addr: &str) -> Result<Endpoint> {
-    Ok(Endpoint::from_shared(inferscale_proto::uri(addr))
-        .map_err(|e| ApiError::Internal(format!("worker address {addr:?}: {e}")))?
+fn endpoint(addr: &str, security: &Security) -> Result<Endpoint> {
+    Ok(security
+        .endpoint(addr)
+        .map_err(|e| ApiError::Internal(e.to_string()))?
         .connect_timeout(Duration::from_secs(2))
         .tcp_nodelay(true))
 }
 
 impl Worker {
-    fn new(name: &str, addr: &str) -> Result<Worker> {
-        let client = WorkerClient::new(endpoint(addr)?.connect_lazy())
+    fn new(name: &str, addr: &str, security: &Security) -> Result<Worker> {
+        let client = WorkerClient::new(endpoint(addr, security)?.connect_lazy())
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES);
         Ok(Worker {
@@ -166,6 +168,8 @@ pub struct Workers {
     load_factor: f64,
     /// Writes reach the replica too, and reads fail over to it.
     replicate: bool,
+    /// How workers are dialled: plaintext or mutual TLS.
+    security: Security,
     /// The sender of a fixed view, kept so the view never reads as closed.
     _fixed: Option<watch::Sender<Arc<ClusterView>>>,
 }
@@ -173,25 +177,30 @@ pub struct Workers {
 impl Workers {
     /// Workers as `view` has them; `replicate` for a cluster whose users
     /// have replicas.
-    pub fn new(view: watch::Receiver<Arc<ClusterView>>, load_factor: f64, replicate: bool) -> Workers {
-        let w = Workers { view, clients: RwLock::default(), load_factor, replicate, _fixed: None };
+    pub fn new(
+        view: watch::Receiver<Arc<ClusterView>>,
+        load_factor: f64,
+        replicate: bool,
+        security: Security,
+    ) -> Workers {
+        let w = Workers { view, clients: RwLock::default(), load_factor, replicate, security, _fixed: None };
         w.sync();
         w
     }
 
     /// The fixed set of workers at `addrs` (each named by its address).
-    pub fn fixed(addrs: &[String], load_factor: f64) -> Result<Workers> {
+    pub fn fixed(addrs: &[String], load_factor: f64, security: Security) -> Result<Workers> {
         if addrs.is_empty() {
             return Err(ApiError::Internal("no workers configured".into()));
         }
         // Addresses are checked now, not at the first request.
         for a in addrs {
-            endpoint(a)?;
+            endpoint(a, &security)?;
         }
         let members: Vec<(String, String)> = addrs.iter().map(|a| (a.clone(), a.clone())).collect();
         let view = ClusterView::fixed(&members, inferscale_cluster::DEFAULT_VNODES);
         let (tx, rx) = watch::channel(Arc::new(view));
-        Ok(Workers { _fixed: Some(tx), ..Workers::new(rx, load_factor, false) })
+        Ok(Workers { _fixed: Some(tx), ..Workers::new(rx, load_factor, false, security) })
     }
 
     pub fn view(&self) -> Arc<ClusterView> {
@@ -216,7 +225,7 @@ impl Workers {
         for m in view.members.values() {
             let m = &m.value;
             if !clients.contains_key(&m.name) {
-                match Worker::new(&m.name, &m.addr) {
+                match Worker::new(&m.name, &m.addr, &self.security) {
                     Ok(w) => {
                         clients.insert(m.name.clone(), Arc::new(w));
                     }

@@ -57,6 +57,8 @@ pub struct FrontConfig {
     /// Names `/v1/embeddings` may call the retrieval encoder by
     /// (`inferscale_model::fetch::served_names`).
     pub embedder: Vec<String>,
+    /// Mutual TLS for the API (`None`: plaintext).
+    pub tls: Option<inferscale_worker::TlsFiles>,
 }
 
 impl FrontConfig {
@@ -70,6 +72,7 @@ impl FrontConfig {
             ingest_batch: 4,
             max_ingest_units: inferscale_worker::MAX_INGEST_UNITS,
             embedder: inferscale_model::fetch::served_names(inferscale_model::fetch::DEFAULT_EMBEDDER),
+            tls: None,
         }
     }
 }
@@ -124,6 +127,9 @@ impl Drop for Front {
 /// port is bound (a bind error is returned, not logged).
 pub fn serve(core: Arc<Mutex<AnyCore>>, cfg: FrontConfig) -> Result<Front> {
     let io = |what: &str, source| ConnectorError::Io { what: what.to_string(), source };
+    // TLS files are read and checked before anything binds.
+    let security = inferscale_worker::Security::from_files(cfg.tls.as_ref())
+        .map_err(|e| ConnectorError::Invalid { what: "TLS settings", reason: e.to_string() })?;
     let listener = std::net::TcpListener::bind(cfg.listen).map_err(|e| io(&format!("binding {}", cfg.listen), e))?;
     listener.set_nonblocking(true).map_err(|e| io("configuring the gRPC listener", e))?;
     let addr = listener.local_addr().map_err(|e| io("reading the bound address", e))?;
@@ -153,6 +159,7 @@ pub fn serve(core: Arc<Mutex<AnyCore>>, cfg: FrontConfig) -> Result<Front> {
     let (service, _commands) =
         inferscale_worker::spawn_host(move |metrics| Ok(Host { shared, relay, metrics }), protocol, info)
             .map_err(|e| ConnectorError::Unsupported(e.to_string()))?;
+    let service = service.with_security(security);
     let (stop, stopped) = oneshot::channel::<()>();
     let server = std::thread::Builder::new()
         .name("inferscale-grpc".into())

@@ -246,7 +246,11 @@ impl PyCore {
     /// Serves the worker gRPC API on `listen` (`host:port`) from background
     /// threads, its Generate relayed to the vLLM server at `vllm_url`
     /// serving `served_model`. Returns the bound address. Once per core.
-    #[pyo3(signature = (listen, vllm_url, served_model, max_k = 200, max_in_flight = 256, max_ingest_units = 2000))]
+    /// With `tls_cert`, `tls_key` and `tls_ca` (PEM files) the API is
+    /// served with mutual TLS, as a native worker's.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (listen, vllm_url, served_model, max_k = 200, max_in_flight = 256, max_ingest_units = 2000,
+                        tls_cert = None, tls_key = None, tls_ca = None))]
     fn serve(
         &self,
         listen: &str,
@@ -255,6 +259,9 @@ impl PyCore {
         max_k: usize,
         max_in_flight: usize,
         max_ingest_units: usize,
+        tls_cert: Option<std::path::PathBuf>,
+        tls_key: Option<std::path::PathBuf>,
+        tls_ca: Option<std::path::PathBuf>,
     ) -> PyResult<String> {
         let mut front = self.front.lock().map_err(|_| PyRuntimeError::new_err("front poisoned"))?;
         if let Some(f) = front.as_ref() {
@@ -270,6 +277,11 @@ impl PyCore {
         cfg.max_in_flight = max_in_flight;
         cfg.max_ingest_units = max_ingest_units;
         cfg.embedder = self.embedder.clone();
+        cfg.tls = match (tls_cert, tls_key, tls_ca) {
+            (Some(cert), Some(key), Some(ca)) => Some(inferscale_worker::TlsFiles { cert, key, ca }),
+            (None, None, None) => None,
+            _ => return Err(PyValueError::new_err("give all of tls_cert, tls_key and tls_ca, or none")),
+        };
         let f = crate::front::serve(self.core.clone(), cfg).map_err(py_err)?;
         let bound = f.addr().to_string();
         *front = Some(f);

@@ -771,6 +771,7 @@ impl<B: Backend> Core<B> {
         // The first token ends the prefill; the decode makes the others.
         let decoded = l.generated.len().saturating_sub(1);
         self.metrics.decoded(l.job.mode, decoded, (l.timings.total_ms - l.timings.first_token_ms).max(0.0) / 1e3);
+        self.metrics.completed(l.job.mode, prompt, l.generated.len(), l.timings.total_ms / 1e3);
         l.phase.record("tokens", l.generated.len() as i64);
         let reason = l.finish.unwrap_or(FinishReason::Length);
         l.job.span.record("finish_reason", finish_reason(reason));

@@ -8,6 +8,9 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use inferscale_memory::Mode;
+use inferscale_telemetry::prom::worker::{
+    KV_BLOCKS, KV_BLOCKS_FREE, MEMORY_UNITS, REQUESTS_RUNNING, REQUESTS_TOTAL, REQUESTS_WAITING, USERS,
+};
 use inferscale_telemetry::prom::{self, Histogram};
 
 use crate::protocol::Stats;
@@ -29,6 +32,12 @@ pub struct WorkerMetrics {
     /// output token after it.
     ttft: [Histogram; 4],
     tpot: [Histogram; 4],
+    /// Per mode: arrival at the worker to the last token.
+    e2e: [Histogram; 4],
+    /// Tokens of finished requests' prompts (as their usage counts them:
+    /// injected memory included) and of their answers.
+    prompt_tokens: AtomicU64,
+    generation_tokens: AtomicU64,
     /// Injected tokens recomputed through every layer (blend).
     recomputed_tokens: AtomicU64,
     /// Memory tokens of injecting requests by how they reached the model:
@@ -58,6 +67,9 @@ impl Default for WorkerMetrics {
         WorkerMetrics {
             ttft: Default::default(),
             tpot: Default::default(),
+            e2e: Default::default(),
+            prompt_tokens: AtomicU64::new(0),
+            generation_tokens: AtomicU64::new(0),
             recomputed_tokens: AtomicU64::new(0),
             injected_tokens: AtomicU64::new(0),
             pasted_tokens: AtomicU64::new(0),
@@ -87,6 +99,14 @@ impl WorkerMetrics {
         if tokens > 0 {
             self.tpot[mode_index(mode)].observe(seconds / tokens as f64);
         }
+    }
+
+    /// A finished request: `prompt` tokens prefilled, `generated` tokens
+    /// answered, `seconds` from its arrival to its last token.
+    pub fn completed(&self, mode: Mode, prompt: usize, generated: usize, seconds: f64) {
+        self.e2e[mode_index(mode)].observe(seconds);
+        self.prompt_tokens.fetch_add(prompt as u64, Ordering::Relaxed);
+        self.generation_tokens.fetch_add(generated as u64, Ordering::Relaxed);
     }
 
     /// Injected tokens a blend request recomputed through every layer.
@@ -143,6 +163,11 @@ impl WorkerMetrics {
         for (name, help, h) in [
             ("inferscale_worker_ttft_seconds", "Arrival at the worker to the first token, by memory mode.", &self.ttft),
             ("inferscale_worker_tpot_seconds", "Time per output token after the first, by memory mode.", &self.tpot),
+            (
+                "inferscale_worker_e2e_request_latency_seconds",
+                "Arrival at the worker to the last token of finished requests, by memory mode.",
+                &self.e2e,
+            ),
         ] {
             prom::header(&mut out, name, "histogram", help);
             for (mode, h) in MODES.iter().zip(h) {
@@ -164,18 +189,20 @@ impl WorkerMetrics {
         }
         let n = |v: usize| v as f64;
         let load = &stats.load;
+        let used = load.kv_blocks_total.saturating_sub(load.kv_blocks_free);
         for (name, help, v) in [
-            ("inferscale_worker_queue_depth", "Requests waiting for admission.", n(load.waiting)),
-            ("inferscale_worker_running", "Requests in the running batch.", n(load.running)),
-            ("inferscale_worker_kv_blocks_total", "KV cache blocks.", n(load.kv_blocks_total)),
-            ("inferscale_worker_kv_blocks_free", "Free KV cache blocks.", n(load.kv_blocks_free)),
+            (REQUESTS_WAITING, "Requests waiting for admission into the running batch.", n(load.waiting)),
+            (REQUESTS_RUNNING, "Requests in the running batch.", n(load.running)),
+            (KV_BLOCKS, "KV cache blocks (capacity).", n(load.kv_blocks_total)),
+            (KV_BLOCKS_FREE, "Free KV cache blocks.", n(load.kv_blocks_free)),
+            ("inferscale_worker_kv_blocks_used", "KV cache blocks in use.", n(used)),
             (
-                "inferscale_worker_kv_blocks_used",
-                "KV cache blocks in use.",
-                n(load.kv_blocks_total.saturating_sub(load.kv_blocks_free)),
+                "inferscale_worker_kv_cache_usage_ratio",
+                "Share of the KV cache's blocks in use (0 to 1).",
+                if load.kv_blocks_total == 0 { 0.0 } else { n(used) / n(load.kv_blocks_total) },
             ),
-            ("inferscale_worker_users", "Users with memory here.", n(stats.users)),
-            ("inferscale_worker_facts", "Memory units stored here.", n(stats.facts)),
+            (USERS, "Users with memory here.", n(stats.users)),
+            (MEMORY_UNITS, "Memory units stored here.", n(stats.facts)),
         ] {
             prom::single(&mut out, name, help, v);
         }
@@ -217,13 +244,23 @@ impl WorkerMetrics {
             prom::header(&mut out, name, "counter", help);
             out.push_str(&format!("{name} {v}\n"));
         }
-        let name = "inferscale_worker_requests_total";
+        let name = REQUESTS_TOTAL;
         prom::header(&mut out, name, "counter", "Requests that left the worker, by how.");
         for (status, v) in [("finished", stats.finished), ("cancelled", stats.cancelled), ("failed", stats.failed)] {
             out.push_str(&format!("{name}{{status=\"{status}\"}} {v}\n"));
         }
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64;
         for (name, help, v) in [
+            (
+                "inferscale_worker_prompt_tokens_total",
+                "Prompt tokens of finished requests, as their usage counts them (injected memory included).",
+                &self.prompt_tokens,
+            ),
+            (
+                "inferscale_worker_generation_tokens_total",
+                "Tokens generated by finished requests.",
+                &self.generation_tokens,
+            ),
             ("inferscale_worker_shards_sent_total", "Shards this worker sent in migrations.", &self.shards_sent),
             ("inferscale_worker_shard_bytes_sent_total", "Bytes of shards sent.", &self.shard_bytes_sent),
             ("inferscale_worker_shards_received_total", "Shards received and committed.", &self.shards_received),
@@ -245,6 +282,8 @@ impl WorkerMetrics {
         );
         out.push_str(&format!("{name}{{path=\"injected\"}} {}\n", load(&self.injected_tokens)));
         out.push_str(&format!("{name}{{path=\"prefilled\"}} {}\n", load(&self.pasted_tokens)));
+        prom::build_info(&mut out, "worker", env!("CARGO_PKG_VERSION"));
+        prom::process(&mut out);
         out
     }
 }

@@ -13,6 +13,7 @@ use inferscale_engine::sampling::SamplingParams;
 use inferscale_memory::{Chat, EventKind, MemoryUnit, Mode, UnitUpdate};
 use inferscale_model::Message;
 use inferscale_proto as pb;
+use inferscale_proto::tls::Security;
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::{Stream, StreamExt, wrappers::UnboundedReceiverStream};
 use tonic::{Request, Response, Status};
@@ -56,6 +57,9 @@ pub struct WorkerService {
     ready: Arc<AtomicBool>,
     metrics: Arc<WorkerMetrics>,
     links: Option<Arc<dyn Links>>,
+    /// How the API is served and how this worker dials others (shard
+    /// moves): plaintext or mutual TLS.
+    security: Security,
 }
 
 /// Starts the engine thread: `load` builds the engine, embedder and memory
@@ -132,16 +136,17 @@ where
         })
         .map_err(|e| WorkerError::Startup(format!("starting thread {name}: {e}")))?;
     started_rx.recv().map_err(|_| WorkerError::Startup(format!("thread {name} exited while starting")))??;
-    Ok((WorkerService { tx, info, ready, metrics, links: None }, thread))
+    Ok((WorkerService { tx, info, ready, metrics, links: None, security: Security::Plaintext }, thread))
 }
 
 impl WorkerService {
-    /// Serves the worker API on `listener` until `shutdown` resolves.
+    /// Serves the worker API on `listener` until `shutdown` resolves, with
+    /// mutual TLS when the service has it ([`WorkerService::with_security`]).
     pub async fn serve(
         self,
         listener: tokio::net::TcpListener,
         shutdown: impl std::future::Future<Output = ()> + Send,
-    ) -> std::result::Result<(), tonic::transport::Error> {
+    ) -> Result<()> {
         // Token events are small writes: without TCP_NODELAY, Nagle's
         // algorithm holds each one until the peer's delayed ACK (~40 ms).
         let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener).map(|s| {
@@ -149,10 +154,12 @@ impl WorkerService {
                 let _ = tcp.set_nodelay(true);
             })
         });
-        tonic::transport::Server::builder()
+        let mut server = self.security.server().map_err(|e| WorkerError::Startup(e.to_string()))?;
+        server
             .add_service(self.into_server())
             .serve_with_incoming_shutdown(incoming, shutdown)
             .await
+            .map_err(|e| WorkerError::Internal(format!("the worker API stopped: {e}")))
     }
 
     pub fn into_server(self) -> pb::worker_server::WorkerServer<WorkerService> {
@@ -179,6 +186,21 @@ impl WorkerService {
     pub fn with_links(mut self, links: Arc<dyn Links>) -> WorkerService {
         self.links = Some(links);
         self
+    }
+
+    /// Serves with, and dials other workers with, `security`.
+    pub fn with_security(mut self, security: Security) -> WorkerService {
+        self.security = security;
+        self
+    }
+
+    pub(crate) fn security(&self) -> &Security {
+        &self.security
+    }
+
+    /// Whether the API is served with mutual TLS.
+    pub fn is_tls(&self) -> bool {
+        self.security.is_tls()
     }
 
     pub(crate) fn links(&self) -> Option<&Arc<dyn Links>> {

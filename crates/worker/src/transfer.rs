@@ -400,8 +400,10 @@ pub async fn send(svc: &WorkerService, req: pb::SendShardRequest) -> Result<pb::
             return Err(Status::failed_precondition(NO_LINK));
         }
     };
-    let channel = tonic::transport::Endpoint::from_shared(pb::uri(&req.to))
-        .map_err(|e| Status::invalid_argument(format!("worker address {:?}: {e}", req.to)))?
+    let channel = svc
+        .security()
+        .endpoint(&req.to)
+        .map_err(|e| Status::invalid_argument(e.to_string()))?
         .tcp_nodelay(true)
         .connect()
         .await

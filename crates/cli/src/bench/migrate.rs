@@ -182,7 +182,7 @@ pub fn run(a: MigrateBenchArgs) -> Result<()> {
     }
     if let Some(path) = &a.json {
         let out = Report {
-            model: a.worker.mem.model.shape.clone().unwrap_or_else(|| a.worker.mem.model.model.clone()),
+            model: a.worker.mem.model.shape.clone().unwrap_or_else(|| a.worker.mem.model.model().to_string()),
             backend: a.worker.mem.model.backend.clone(),
             facts: a.facts,
             transport: if a.nccl { "nccl" } else { "grpc" },

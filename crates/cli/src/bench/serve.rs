@@ -63,6 +63,7 @@ pub struct ServeBenchArgs {
     /// Seconds measured per (mode, users) point, after the warm-up.
     #[arg(long, default_value_t = 20.0)]
     duration_s: f64,
+    /// Seconds of unmeasured load before each point.
     #[arg(long, default_value_t = 3.0)]
     warmup_s: f64,
     /// Write results as JSON here.
@@ -301,7 +302,7 @@ pub fn run(mut a: ServeBenchArgs) -> Result<()> {
     // and drops its backend (which prints INFERSCALE_CUDA_PROFILE's table).
     drop(rt);
     let _ = engine.join();
-    let model = a.worker.mem.model.shape.clone().unwrap_or_else(|| a.worker.mem.model.model.clone());
+    let model = a.worker.mem.model.shape.clone().unwrap_or_else(|| a.worker.mem.model.model().to_string());
     println!(
         "{:>6} {:>6} {:>9} {:>10} {:>10} {:>10} {:>11} {:>11} {:>8} {:>7}",
         "mode", "users", "req/s", "tok/s", "TTFT p50", "TTFT p99", "latency p50", "latency p99", "prompt", "errors"

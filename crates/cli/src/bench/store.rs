@@ -110,7 +110,7 @@ fn run_on<B: Backend>(a: &StoreBenchArgs, backend: B) -> Result<()> {
     let mut rows = Vec::new();
     println!(
         "{} on {} · {} users × {} facts · k = {} · window {}{}",
-        a.model.shape.as_deref().unwrap_or(&a.model.model),
+        a.model.shape.as_deref().unwrap_or(a.model.model()),
         e.backend().name(),
         a.users,
         a.facts,

@@ -82,6 +82,7 @@ pub struct LocomoArgs {
     /// Stop after this many questions per sample (0: all).
     #[arg(long, default_value_t = 0)]
     max_questions: usize,
+    /// Most tokens generated per answer.
     #[arg(long, default_value_t = 32)]
     max_tokens: usize,
     /// Questions answered together (all their modes, k and windows in one
@@ -92,6 +93,7 @@ pub struct LocomoArgs {
     /// request at a time, in every mode, k and window (0: none).
     #[arg(long, default_value_t = 10)]
     ttft_questions: usize,
+    /// Sentence-embedding model for dense retrieval (name or directory).
     #[arg(long, default_value = inferscale_model::fetch::DEFAULT_EMBEDDER)]
     embedder: String,
     /// How facts are ranked: dense, lexical or hybrid.

@@ -26,13 +26,16 @@ pub struct Args {
     /// Sample ids to use (default: all).
     #[arg(long, value_delimiter = ',')]
     samples: Vec<String>,
+    /// Retrievers to score, one row each (dense, lexical, hybrid).
     #[arg(long, value_delimiter = ',', default_value = "dense,lexical,hybrid", value_parser = parse_retriever)]
     retriever: Vec<Retriever>,
+    /// Facts retrieved: recall is reported at each k.
     #[arg(long, value_delimiter = ',', default_value = "5,20,50")]
     k: Vec<usize>,
     /// Question categories to score (5, adversarial, is excluded by default).
     #[arg(long, value_delimiter = ',', default_value = "1,2,3,4")]
     categories: Vec<u8>,
+    /// Sentence-embedding model for dense retrieval (name or directory).
     #[arg(long, default_value = inferscale_model::fetch::DEFAULT_EMBEDDER)]
     embedder: String,
     /// Also write the table as JSON here.

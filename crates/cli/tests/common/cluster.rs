@@ -5,22 +5,70 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
+use inferscale_cluster::testing::{EtcdProcess, TestCa};
 use serde_json::{Value, json};
 
 use super::{Proc, http, spawn};
 
-/// A worker of the cluster in `etcd` (SmolLM2, CPU, window 2), with
-/// `extra` flags (`--lease-ttl-s`, …).
-pub fn cluster_worker(mem: &std::path::Path, etcd: &str, extra: &[&str]) -> Proc {
+/// A test cluster's etcd and certificates, as production runs them: etcd
+/// serves TLS only and requires client certificates; workers serve their
+/// gRPC with mutual TLS; every process presents a certificate (for
+/// 127.0.0.1) from a CA made for the test.
+pub struct Secured {
+    pub etcd: EtcdProcess,
+    flags: Vec<String>,
+    _dir: tempfile::TempDir,
+}
+
+impl Secured {
+    pub async fn start() -> Secured {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = TestCa::new(dir.path()).unwrap();
+        let etcd_tls = ca.etcd().unwrap();
+        let (cert, key) = ca.issue("node", &["127.0.0.1", "localhost"]).unwrap();
+        let path = |p: &std::path::Path| p.to_str().unwrap().to_string();
+        let flags = vec![
+            "--etcd-ca".into(),
+            path(&ca.ca()),
+            "--etcd-cert".into(),
+            path(&etcd_tls.client.0),
+            "--etcd-key".into(),
+            path(&etcd_tls.client.1),
+            "--tls-cert".into(),
+            path(&cert),
+            "--tls-key".into(),
+            path(&key),
+            "--tls-ca".into(),
+            path(&ca.ca()),
+        ];
+        let etcd = EtcdProcess::start_tls(etcd_tls).await.expect("etcd (Debian: apt-get install etcd-server)");
+        Secured { etcd, flags, _dir: dir }
+    }
+
+    /// `--etcd …` and the TLS flags of etcd and of the workers' gRPC.
+    pub fn flags(&self) -> Vec<String> {
+        let mut f = vec!["--etcd".to_string(), self.etcd.endpoint()];
+        f.extend(self.flags.iter().cloned());
+        f
+    }
+}
+
+/// A worker of the cluster `c` (SmolLM2, CPU, window 2), with `extra`
+/// flags (`--lease-ttl-s`, …).
+pub fn cluster_worker(mem: &std::path::Path, c: &Secured, extra: &[&str]) -> Proc {
     let mem = mem.to_str().unwrap();
-    let mut args = vec!["worker", "--listen", "127.0.0.1:0", "--memory", mem, "--window", "2", "--etcd", etcd];
+    let flags = c.flags();
+    let mut args = vec!["worker", "--listen", "127.0.0.1:0", "--memory", mem, "--window", "2"];
+    args.extend(flags.iter().map(String::as_str));
     args.extend_from_slice(extra);
     spawn(&args, "gRPC on ")
 }
 
-/// A router of the cluster in `etcd`, named `name`, with `extra` flags.
-pub fn cluster_router(name: &str, etcd: &str, extra: &[&str]) -> Proc {
-    let mut args = vec!["router", "--listen", "127.0.0.1:0", "--etcd", etcd, "--name", name, "--deadline-s", "600"];
+/// A router of the cluster `c`, named `name`, with `extra` flags.
+pub fn cluster_router(name: &str, c: &Secured, extra: &[&str]) -> Proc {
+    let flags = c.flags();
+    let mut args = vec!["router", "--listen", "127.0.0.1:0", "--name", name, "--deadline-s", "600"];
+    args.extend(flags.iter().map(String::as_str));
     args.extend_from_slice(extra);
     spawn(&args, "API on ")
 }

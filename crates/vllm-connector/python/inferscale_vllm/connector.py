@@ -119,6 +119,9 @@ def serve_front(core: _core.Core, extra: dict[str, Any], vllm_config: VllmConfig
                 int(extra.get("max_k", 200)),
                 int(extra.get("max_in_flight", 256)),
                 int(extra.get("max_ingest_units", 2000)),
+                tls_cert=extra.get("tls_cert"),
+                tls_key=extra.get("tls_key"),
+                tls_ca=extra.get("tls_ca"),
             )
             _FRONTS[id(core)] = bound
             logger.info("inferscale: worker API on %s (Generate through %s)", bound, url)

@@ -1,0 +1,166 @@
+//! One metrics vocabulary for router and worker: after a request, both
+//! `/metrics` endpoints follow Prometheus' naming conventions, name the
+//! worker's load the same way with the same types, carry `build_info` and
+//! the `process_*` metrics, and every query of the Grafana dashboard in
+//! deploy/grafana names a metric one of them serves.
+
+#![allow(clippy::unwrap_used)] // tests fail loudly on unexpected errors
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use common::{http, json_call, spawn};
+use serde_json::json;
+
+/// Metric families of an exposition: name → type, checked as they are read.
+fn families(text: &str, what: &str) -> BTreeMap<String, String> {
+    let mut types = BTreeMap::new();
+    let mut helped = BTreeSet::new();
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("# HELP ") {
+            let name = rest.split(' ').next().unwrap();
+            assert!(helped.insert(name.to_string()), "{what}: {name} has two HELP lines");
+        } else if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (name, kind) = rest.split_once(' ').unwrap();
+            assert!(types.insert(name.to_string(), kind.to_string()).is_none(), "{what}: {name} declared twice");
+        } else if !line.is_empty() && !line.starts_with('#') {
+            let name = line.split(['{', ' ']).next().unwrap();
+            let family = ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|s| name.strip_suffix(s).filter(|f| types.get(*f).is_some_and(|k| k == "histogram")))
+                .unwrap_or(name);
+            assert!(types.contains_key(family), "{what}: sample {name} has no TYPE line before it");
+            let value = line.rsplit(' ').next().unwrap();
+            assert!(value.parse::<f64>().is_ok(), "{what}: {line:?} has no numeric value");
+        }
+    }
+    for (name, kind) in &types {
+        assert!(helped.contains(name), "{what}: {name} has no HELP");
+        assert!(
+            name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_'),
+            "{what}: {name} is not snake_case"
+        );
+        assert!(name.starts_with("inferscale_") || name.starts_with("process_"), "{what}: {name} has no namespace");
+        match kind.as_str() {
+            "counter" => assert!(name.ends_with("_total"), "{what}: counter {name} must end in _total"),
+            "gauge" | "histogram" => {
+                assert!(!name.ends_with("_total"), "{what}: {kind} {name} must not end in _total (only counters)")
+            }
+            other => panic!("{what}: {name} has type {other}"),
+        }
+        if kind == "histogram" {
+            let units = ["_seconds", "_rows"];
+            assert!(units.iter().any(|u| name.ends_with(u)), "{what}: histogram {name} does not name its unit");
+        }
+        // A quantity with a unit names it: bytes and seconds, never ms or kb.
+        for bad in ["_ms", "_milliseconds", "_kb", "_mb", "_percent"] {
+            assert!(!name.contains(bad), "{what}: {name}: use base units (seconds, bytes, ratio)");
+        }
+    }
+    types
+}
+
+/// Metric names in a PromQL expression (identifiers that start with our
+/// namespaces or `process_`).
+fn names_in(expr: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut cur = String::new();
+    for c in expr.chars().chain(std::iter::once(' ')) {
+        if c.is_ascii_alphanumeric() || c == '_' || c == ':' {
+            cur.push(c);
+        } else {
+            if cur.starts_with("inferscale_") || cur.starts_with("process_") {
+                out.push(std::mem::take(&mut cur));
+            }
+            cur.clear();
+        }
+    }
+    out
+}
+
+#[test]
+fn router_and_worker_metrics_share_one_vocabulary_and_the_dashboard_renders_against_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let worker_http = format!("127.0.0.1:{port}");
+    let mem = dir.path().join("mem");
+    let args =
+        ["serve", "--listen", "127.0.0.1:0", "--worker-http-listen", &worker_http, "--memory", mem.to_str().unwrap()];
+    let s = spawn(&args, "API on ");
+    let turns = json!({"user": "u1", "turns": [
+        {"id": "D1:1", "speaker": "Caroline", "text": "I adopted a grey cat named Miso.", "time": "8 May 2023"}]});
+    assert_eq!(json_call(&s.addr, "POST", "/v1/memories", &turns).0, 200);
+    let chat = json!({"model": "smollm2", "user": "u1", "max_tokens": 4, "temperature": 0,
+                      "messages": [{"role": "user", "content": "What is the cat's name?"}]});
+    assert_eq!(json_call(&s.addr, "POST", "/v1/chat/completions", &chat).0, 200);
+
+    let text = |addr: &str| String::from_utf8(http(addr, "GET", "/metrics", b"").2).unwrap();
+    // The router mirrors the worker's load from Stats calls made every
+    // second: wait for one made after the request.
+    let finished = "inferscale_worker_requests_total{worker=\"local\",status=\"finished\"} 1\n";
+    let t0 = std::time::Instant::now();
+    let mut router_text = text(&s.addr);
+    while !router_text.contains(finished) {
+        assert!(t0.elapsed() < std::time::Duration::from_secs(15), "no Stats after the request: {router_text}");
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        router_text = text(&s.addr);
+    }
+    let worker_text = text(&worker_http);
+    let router = families(&router_text, "router");
+    let worker = families(&worker_text, "worker");
+
+    // The same name means the same thing, and is typed the same, on both.
+    for (name, kind) in &router {
+        if let Some(w) = worker.get(name) {
+            assert_eq!(w, kind, "{name} is a {kind} on the router and a {w} on the worker");
+        }
+    }
+    for name in [
+        "inferscale_worker_requests_waiting",
+        "inferscale_worker_requests_running",
+        "inferscale_worker_kv_blocks",
+        "inferscale_worker_kv_blocks_free",
+        "inferscale_worker_users",
+        "inferscale_worker_memory_units",
+        "inferscale_worker_requests_total",
+    ] {
+        assert!(router.contains_key(name) && worker.contains_key(name), "{name} on both");
+    }
+    for (what, t, prefix) in [("router", &router_text, "inferscale_"), ("worker", &worker_text, "inferscale_worker_")] {
+        let value = |key: &str| {
+            t.lines()
+                .find_map(|l| l.strip_prefix(key).and_then(|r| r.strip_prefix(' ')))
+                .and_then(|v| v.parse::<f64>().ok())
+                .unwrap_or_else(|| panic!("{what}: no {key}"))
+        };
+        assert_eq!(value(&format!("{prefix}e2e_request_latency_seconds_count{{mode=\"kv\"}}")), 1.0, "{what}");
+        assert!(value(&format!("{prefix}prompt_tokens_total")) > 0.0, "{what}");
+        assert!(value("process_resident_memory_bytes") > 0.0, "{what}");
+        assert!(t.contains("inferscale_build_info{component="), "{what}");
+    }
+    assert!(router_text.contains("inferscale_worker_memory_units{worker=\"local\"} 1\n"), "{router_text}");
+    assert!(worker_text.contains("inferscale_worker_memory_units 1\n"), "{worker_text}");
+
+    // Every dashboard query names metrics that exist.
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/grafana/inferscale.json");
+    let dash: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let served: BTreeSet<&String> = router.keys().chain(worker.keys()).collect();
+    let mut queries = 0;
+    for panel in dash["panels"].as_array().unwrap() {
+        let targets = panel["targets"].as_array().unwrap();
+        assert!(!targets.is_empty(), "panel {} has no query", panel["title"]);
+        for t in targets {
+            let expr = t["expr"].as_str().unwrap();
+            let names = names_in(expr);
+            assert!(!names.is_empty(), "{expr}: names no metric");
+            for n in names {
+                let family = ["_bucket", "_sum", "_count"].iter().find_map(|s| n.strip_suffix(s)).unwrap_or(&n);
+                let known = served.contains(&n) || served.contains(&family.to_string());
+                assert!(known, "dashboard panel {}: {n} is served by neither router nor worker", panel["title"]);
+                queries += 1;
+            }
+        }
+    }
+    assert!(queries >= 20, "{queries} metric references in the dashboard");
+}

@@ -71,6 +71,74 @@ resource "helm_release" "nvidia_device_plugin" {
   depends_on = [module.cluster]
 }
 
+# cert-manager (with its CRDs): issues the chart's mutual-TLS certificates
+# (its default tls values: a private CA per release).
+resource "helm_release" "cert_manager" {
+  count = var.install_cert_manager ? 1 : 0
+
+  name             = "cert-manager"
+  repository       = "https://charts.jetstack.io"
+  chart            = "cert-manager"
+  version          = var.cert_manager_version
+  namespace        = "cert-manager"
+  create_namespace = true
+  wait             = true
+
+  values = [yamlencode({
+    crds            = { enabled = true }
+    nodeSelector    = { "inferscale.io/pool" = "system" }
+    webhook         = { nodeSelector = { "inferscale.io/pool" = "system" } }
+    cainjector      = { nodeSelector = { "inferscale.io/pool" = "system" } }
+    startupapicheck = { nodeSelector = { "inferscale.io/pool" = "system" } }
+  })]
+
+  depends_on = [module.cluster]
+}
+
+# Cluster autoscaler: node-group auto-discovery (the tags modules/eks-gpu
+# writes), credentials through EKS Pod Identity (the module binds its role to
+# this ServiceAccount). Scales the GPU group within gpu_node_count when
+# workers are pending (e.g. KEDA added some) and removes unneeded nodes.
+resource "helm_release" "cluster_autoscaler" {
+  count = var.enable_cluster_autoscaler ? 1 : 0
+
+  name       = "cluster-autoscaler"
+  repository = "https://kubernetes.github.io/autoscaler"
+  chart      = "cluster-autoscaler"
+  version    = var.cluster_autoscaler_chart_version
+  namespace  = module.cluster.cluster_autoscaler.namespace
+  wait       = true
+
+  values = [yamlencode({
+    cloudProvider    = "aws"
+    awsRegion        = var.region
+    fullnameOverride = "cluster-autoscaler"
+    autoDiscovery    = { clusterName = module.cluster.cluster_name }
+    image            = { tag = local.cluster_autoscaler_image_tags[var.kubernetes_version] }
+    rbac = {
+      serviceAccount = {
+        create = true
+        name   = module.cluster.cluster_autoscaler.service_account
+      }
+    }
+    nodeSelector = { "inferscale.io/pool" = "system" }
+    extraArgs = {
+      "balance-similar-node-groups" = true
+      "expander"                    = "least-waste"
+      # Workers keep scratch in emptyDirs (their data is on PVCs): such
+      # nodes may still be emptied.
+      "skip-nodes-with-local-storage" = false
+      "skip-nodes-with-system-pods"   = false
+      # A worker's drain (preStop) takes up to its grace period (600 s).
+      "max-graceful-termination-sec" = 660
+      "scale-down-unneeded-time"     = "10m"
+      "scale-down-delay-after-add"   = "10m"
+    }
+  })]
+
+  depends_on = [module.cluster]
+}
+
 # InferScale, from the chart in this repository.
 resource "helm_release" "inferscale" {
   name      = "inferscale"
@@ -130,6 +198,8 @@ resource "helm_release" "inferscale" {
 
   depends_on = [
     helm_release.nvidia_device_plugin,
+    helm_release.cert_manager,
+    helm_release.cluster_autoscaler,
     module.cluster,
   ]
 }

@@ -4,7 +4,15 @@ locals {
     "managed-by"                = "terraform"
   }, var.tags)
 
-  chart_path     = "${path.module}/../deploy/helm/inferscale"
+  chart_path = "${path.module}/../deploy/helm/inferscale"
+
+  # The cluster autoscaler's minor version follows Kubernetes'.
+  cluster_autoscaler_image_tags = {
+    "1.31" = "v1.31.4"
+    "1.32" = "v1.32.3"
+    "1.33" = "v1.33.1"
+    "1.34" = "v1.34.0"
+  }
   image_registry = var.image_registry != "" ? var.image_registry : module.cluster.ecr_registry
 }
 
@@ -24,5 +32,7 @@ module "cluster" {
   gpu_capacity_type            = var.gpu_capacity_type
   gpu_root_volume_size_gib     = var.gpu_root_volume_size_gib
   log_retention_days           = var.log_retention_days
+  nat_gateway_per_az           = var.nat_gateway_per_az
+  enable_cluster_autoscaler    = var.enable_cluster_autoscaler
   tags                         = local.tags
 }

@@ -108,6 +108,12 @@ variable "system_node_count" {
   }
 }
 
+variable "nat_gateway_per_az" {
+  description = "One NAT gateway per availability zone, each zone's private subnet routed through its own (no cross-zone egress, a zone's loss leaves the others' egress up), instead of one shared by all zones (cheaper; the zone holding it is a single point of failure for egress)."
+  type        = bool
+  default     = false
+}
+
 variable "gpu_instance_type" {
   description = "GPU instance type: p5.4xlarge (1x H100), p5.48xlarge (8x H100), p5e.48xlarge or p5en.48xlarge (8x H200)."
   type        = string
@@ -175,6 +181,40 @@ variable "nvidia_device_plugin_version" {
   validation {
     condition     = can(regex("^[0-9]+\\.[0-9]+\\.[0-9]+$", var.nvidia_device_plugin_version))
     error_message = "nvidia_device_plugin_version must be a version such as 0.17.1."
+  }
+}
+
+variable "enable_cluster_autoscaler" {
+  description = "Install the Kubernetes cluster autoscaler (Helm), which adds GPU nodes (up to gpu_node_count.max) when workers cannot be scheduled and removes unneeded ones (down to gpu_node_count.min), and sizes the system group the same way."
+  type        = bool
+  default     = true
+}
+
+variable "cluster_autoscaler_chart_version" {
+  description = "Version of the cluster-autoscaler Helm chart (kubernetes/autoscaler); its image follows kubernetes_version."
+  type        = string
+  default     = "9.52.1"
+
+  validation {
+    condition     = can(regex("^[0-9]+\\.[0-9]+\\.[0-9]+$", var.cluster_autoscaler_chart_version))
+    error_message = "cluster_autoscaler_chart_version must be a version such as 9.52.1."
+  }
+}
+
+variable "install_cert_manager" {
+  description = "Install cert-manager (Helm, with its CRDs), which issues the chart's mutual-TLS certificates. false: the cluster has it already (or the chart's tls values are set otherwise)."
+  type        = bool
+  default     = true
+}
+
+variable "cert_manager_version" {
+  description = "Version of the cert-manager Helm chart (charts.jetstack.io)."
+  type        = string
+  default     = "v1.18.2"
+
+  validation {
+    condition     = can(regex("^v[0-9]+\\.[0-9]+\\.[0-9]+$", var.cert_manager_version))
+    error_message = "cert_manager_version must be a version such as v1.18.2."
   }
 }
 

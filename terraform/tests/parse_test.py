@@ -14,7 +14,14 @@ not anyway, and the wiring it cannot reach here:
 - the GPU node group is H100/H200-only, labelled and tainted as the chart's
   worker expects, and the NVIDIA device plugin is installed from NVIDIA's repo;
 - helm_release.inferscale installs ../deploy/helm/inferscale, and every value
-  it sets exists in that chart's values.yaml.
+  it sets exists in that chart's values.yaml;
+- nat_gateway_per_az: one NAT gateway and private route table per zone or one
+  in all, each zone routed through its own, state of the single one moved;
+- GPU node autoscaling: the cluster autoscaler's release, its Pod Identity
+  role bound to the ServiceAccount the release creates, a policy that resizes
+  only this cluster's groups, and the auto-discovery and node-template tags
+  that match the GPU node group's labels, taint and GPUs;
+- cert-manager, which the chart's default TLS needs, installed before the chart.
 
 Run: PYTHONPATH=<dir with python-hcl2 and PyYAML> python3 terraform/tests/parse_test.py
 (scripts/check_deploy.sh does).
@@ -158,6 +165,10 @@ class TerraformStructure(unittest.TestCase):
         cls.resources = labelled(cls.root["resource"], 2)
         cls.data = labelled(cls.root["data"], 2)
         cls.module_resources = labelled(cls.module["resource"], 2)
+        cls.module_data = labelled(cls.module["data"], 2)
+        cls.module_locals = {}
+        for blk in cls.module.get("locals", []):
+            cls.module_locals.update({k: v for k, v in blk.items() if not k.startswith("__")})
         cls.modules = labelled(cls.root["module"], 1)
         cls.locals = {}
         for blk in cls.root.get("locals", []):
@@ -293,6 +304,97 @@ class TerraformStructure(unittest.TestCase):
         self.assertIn({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}, values["worker"]["tolerations"])
         self.assertEqual(values["worker"]["backend"], "cuda")
         self.assertGreaterEqual(values["worker"]["gpu"]["count"], 1)
+
+    def test_nat_gateway_per_az(self):
+        var = self.root_vars["nat_gateway_per_az"]
+        self.assertEqual((var["type"], var["default"]), ("bool", False))
+        self.assertEqual(self.modules["cluster"]["nat_gateway_per_az"], "${var.nat_gateway_per_az}")
+        self.assertEqual(self.module_vars["nat_gateway_per_az"]["type"], "bool")
+        count = self.module_locals["nat_count"]
+        self.assertEqual(count, "${var.nat_gateway_per_az ? length(local.azs) : 1}")
+        for kind, name in (("aws_eip", "nat"), ("aws_nat_gateway", "this"), ("aws_route_table", "private"), ("aws_route", "private_nat")):
+            with self.subTest(resource=f"{kind}.{name}"):
+                self.assertEqual(self.module_resources[(kind, name)]["count"], "${local.nat_count}")
+        nat = self.module_resources[("aws_nat_gateway", "this")]
+        self.assertEqual(nat["subnet_id"], "${aws_subnet.public[count.index].id}")
+        self.assertEqual(self.module_resources[("aws_route", "private_nat")]["nat_gateway_id"], "${aws_nat_gateway.this[count.index].id}")
+        assoc = self.module_resources[("aws_route_table_association", "private")]
+        self.assertEqual(assoc["count"], "${length(local.azs)}")
+        self.assertEqual(assoc["route_table_id"], "${aws_route_table.private[var.nat_gateway_per_az ? count.index : 0].id}")
+        # State made before the option moves to index 0 rather than being replaced.
+        moved = {(m["from"], m["to"]) for m in self.module.get("moved", [])}
+        for address in ("aws_eip.nat", "aws_nat_gateway.this", "aws_route_table.private", "aws_route.private_nat"):
+            self.assertIn((f"${{{address}}}", f"${{{address}[0]}}"), moved)
+
+    def test_gpu_node_autoscaling(self):
+        var = self.root_vars["enable_cluster_autoscaler"]
+        self.assertEqual((var["type"], var["default"]), ("bool", True))
+        rel = self.resources[("helm_release", "cluster_autoscaler")]
+        self.assertEqual(unq(rel["repository"]), "https://kubernetes.github.io/autoscaler")
+        self.assertEqual(unq(rel["chart"]), "cluster-autoscaler")
+        self.assertEqual(rel["count"], "${var.enable_cluster_autoscaler ? 1 : 0}")
+        self.assertEqual(rel["namespace"], "${module.cluster.cluster_autoscaler.namespace}")
+        values = rel["values"][0]
+        self.assertIn("autoDiscovery = {clusterName = module.cluster.cluster_name}", values)
+        self.assertIn("name = module.cluster.cluster_autoscaler.service_account", values)
+        self.assertIn("image = {tag = local.cluster_autoscaler_image_tags[var.kubernetes_version]}", values)
+        # An autoscaler image for every Kubernetes version the root accepts.
+        versions = re.findall(r'"(1\.\d+)"', as_list(self.root_vars["kubernetes_version"]["validation"])[0]["condition"])
+        tags = {unq(k): unq(v) for k, v in self.locals["cluster_autoscaler_image_tags"].items()}
+        self.assertEqual(set(tags), set(versions))
+        for k, v in tags.items():
+            self.assertTrue(v.startswith(f"v{k}."), (k, v))
+
+        # Its role, through EKS Pod Identity, bound to that ServiceAccount.
+        ml = self.module_locals
+        assoc = self.module_resources[("aws_eks_pod_identity_association", "cluster_autoscaler")]
+        self.assertEqual(assoc["namespace"], "${local.cluster_autoscaler_namespace}")
+        self.assertEqual(assoc["service_account"], "${local.cluster_autoscaler_service_account}")
+        self.assertEqual((unq(ml["cluster_autoscaler_namespace"]), unq(ml["cluster_autoscaler_service_account"])),
+                         ("kube-system", "cluster-autoscaler"))
+        self.assertEqual(assoc["role_arn"], "${aws_iam_role.cluster_autoscaler[0].arn}")
+        assume = as_list(self.module_data[("aws_iam_policy_document", "cluster_autoscaler_assume")]["statement"])[0]
+        self.assertEqual([unq(i) for i in as_list(assume["principals"])[0]["identifiers"]], ["pods.eks.amazonaws.com"])
+        # Resizing is limited to this cluster's groups.
+        policy = as_list(self.module_data[("aws_iam_policy_document", "cluster_autoscaler")]["statement"])
+        scale = next(st for st in policy if "autoscaling:SetDesiredCapacity" in [unq(a) for a in st["actions"]])
+        self.assertNotEqual([unq(r) for r in scale["resources"]], ["*"])
+        cond = as_list(scale["condition"])[0]
+        self.assertEqual(unq(cond["variable"]), "aws:ResourceTag/k8s.io/cluster-autoscaler/${var.cluster_name}")
+        self.assertEqual([unq(v) for v in cond["values"]], ["owned"])
+
+        # Auto-discovery tags on both groups; node-template tags on the GPU
+        # group that say what its nodes carry (for scaling up from zero).
+        discovery = {unq(k): unq(v) for k, v in ml["autoscaler_discovery_tags"].items()}
+        self.assertEqual(discovery, {"k8s.io/cluster-autoscaler/enabled": "true",
+                                     "k8s.io/cluster-autoscaler/${var.cluster_name}": "owned"})
+        template = {unq(k): unq(v) for k, v in ml["gpu_node_template_tags"].items()}
+        prefix = "k8s.io/cluster-autoscaler/node-template/"
+        ng = self.module_resources[("aws_eks_node_group", "gpu")]
+        for label, value in ng["labels"].items():
+            self.assertEqual(template[f"{prefix}label/{unq(label)}"], unq(value))
+        taint = as_list(ng["taint"])[0]
+        self.assertEqual(template[f"{prefix}taint/{unq(taint['key'])}"], f"{unq(taint['value'])}:NoSchedule")
+        self.assertEqual(template[f"{prefix}resources/nvidia.com/gpu"], "${tostring(local.gpus_per_instance[var.gpu_instance_type])}")
+        allowed = re.findall(r'"(p[0-9a-z]+\.[0-9a-z]+)"', as_list(self.root_vars["gpu_instance_type"]["validation"])[0]["condition"])
+        self.assertEqual({unq(k) for k in ml["gpus_per_instance"]}, set(allowed))
+        tag = self.module_resources[("aws_autoscaling_group_tag", "autoscaler")]
+        self.assertEqual(tag["for_each"], "${local.autoscaler_asg_tags}")
+        self.assertIn("gpu_node_template_tags", ml["autoscaler_asg_tags"])
+        self.assertEqual(ml["node_group_asgs"]["gpu"], "${aws_eks_node_group.gpu.resources[0].autoscaling_groups[0].name}")
+        # The chart waits for both.
+        deps = " ".join(as_list(self.resources[("helm_release", "inferscale")]["depends_on"]))
+        self.assertIn("helm_release.cluster_autoscaler", deps)
+
+    def test_cert_manager_for_the_charts_tls(self):
+        chart_values = yaml.safe_load((TF.parent / "deploy/helm/inferscale/values.yaml").read_text())
+        self.assertTrue(chart_values["tls"]["enabled"] and chart_values["tls"]["certManager"]["enabled"])
+        rel = self.resources[("helm_release", "cert_manager")]
+        self.assertEqual(unq(rel["repository"]), "https://charts.jetstack.io")
+        self.assertEqual(unq(rel["chart"]), "cert-manager")
+        self.assertEqual(rel["count"], "${var.install_cert_manager ? 1 : 0}")
+        self.assertIn("crds = {enabled = true}", rel["values"][0])
+        self.assertIn("helm_release.cert_manager", " ".join(as_list(self.resources[("helm_release", "inferscale")]["depends_on"])))
 
 
 if __name__ == "__main__":

@@ -53,3 +53,17 @@ output "addons_ready" {
     aws_eks_addon.kube_proxy.id,
   ]
 }
+
+output "cluster_autoscaler" {
+  description = "Where the cluster autoscaler must run to get its IAM role (EKS Pod Identity): namespace and ServiceAccount; null when enable_cluster_autoscaler is false."
+  value = var.enable_cluster_autoscaler ? {
+    namespace       = local.cluster_autoscaler_namespace
+    service_account = local.cluster_autoscaler_service_account
+    role_arn        = aws_iam_role.cluster_autoscaler[0].arn
+  } : null
+}
+
+output "nat_gateway_ids" {
+  description = "IDs of the NAT gateways (one per zone with nat_gateway_per_az, else one)."
+  value       = aws_nat_gateway.this[*].id
+}

@@ -76,3 +76,13 @@ variable "tags" {
   type        = map(string)
   default     = {}
 }
+
+variable "nat_gateway_per_az" {
+  description = "One NAT gateway per availability zone (true) or one shared by all zones (false)."
+  type        = bool
+}
+
+variable "enable_cluster_autoscaler" {
+  description = "Create the cluster autoscaler's IAM role (EKS Pod Identity) and the GPU node group's node-template tags."
+  type        = bool
+}

@@ -46,19 +46,32 @@ resource "aws_subnet" "private" {
   })
 }
 
+# NAT gateways: nodes pull images and (at a worker's first start) packaged
+# models through them. One per zone (nat_gateway_per_az), each zone's private
+# subnet routed through its own, so that losing a zone's NAT leaves the other
+# zones' egress up and no traffic crosses zones; or one shared by all zones
+# (a third of the hourly cost with three zones; the zone that holds it is a
+# single point of failure for egress, and other zones' traffic pays
+# cross-zone transfer).
+locals {
+  nat_count = var.nat_gateway_per_az ? length(local.azs) : 1
+}
+
 resource "aws_eip" "nat" {
+  count = local.nat_count
+
   domain = "vpc"
-  tags   = merge(var.tags, { Name = "${var.cluster_name}-nat" })
+  tags   = merge(var.tags, { Name = var.nat_gateway_per_az ? "${var.cluster_name}-nat-${local.azs[count.index]}" : "${var.cluster_name}-nat" })
 
   depends_on = [aws_internet_gateway.this]
 }
 
-# One NAT gateway: nodes pull images and (at a worker's first start) packaged
-# models through it.
 resource "aws_nat_gateway" "this" {
-  allocation_id = aws_eip.nat.id
-  subnet_id     = aws_subnet.public[0].id
-  tags          = merge(var.tags, { Name = var.cluster_name })
+  count = local.nat_count
+
+  allocation_id = aws_eip.nat[count.index].id
+  subnet_id     = aws_subnet.public[count.index].id
+  tags          = merge(var.tags, { Name = var.nat_gateway_per_az ? "${var.cluster_name}-${local.azs[count.index]}" : var.cluster_name })
 
   depends_on = [aws_internet_gateway.this]
 }
@@ -81,22 +94,52 @@ resource "aws_route_table_association" "public" {
   route_table_id = aws_route_table.public.id
 }
 
+# One private route table per NAT gateway; with a NAT per zone, each zone's
+# private subnet uses the table (and NAT) of its own zone.
 resource "aws_route_table" "private" {
+  count = local.nat_count
+
   vpc_id = aws_vpc.this.id
-  tags   = merge(var.tags, { Name = "${var.cluster_name}-private" })
+  tags = merge(var.tags, {
+    Name = var.nat_gateway_per_az ? "${var.cluster_name}-private-${local.azs[count.index]}" : "${var.cluster_name}-private"
+  })
 }
 
 resource "aws_route" "private_nat" {
-  route_table_id         = aws_route_table.private.id
+  count = local.nat_count
+
+  route_table_id         = aws_route_table.private[count.index].id
   destination_cidr_block = "0.0.0.0/0"
-  nat_gateway_id         = aws_nat_gateway.this.id
+  nat_gateway_id         = aws_nat_gateway.this[count.index].id
 }
 
 resource "aws_route_table_association" "private" {
   count = length(local.azs)
 
   subnet_id      = aws_subnet.private[count.index].id
-  route_table_id = aws_route_table.private.id
+  route_table_id = aws_route_table.private[var.nat_gateway_per_az ? count.index : 0].id
+}
+
+# The single NAT gateway, its address and route table were not counted
+# before nat_gateway_per_az: existing state moves to index 0 (no replacement).
+moved {
+  from = aws_eip.nat
+  to   = aws_eip.nat[0]
+}
+
+moved {
+  from = aws_nat_gateway.this
+  to   = aws_nat_gateway.this[0]
+}
+
+moved {
+  from = aws_route_table.private
+  to   = aws_route_table.private[0]
+}
+
+moved {
+  from = aws_route.private_nat
+  to   = aws_route.private_nat[0]
 }
 
 # VPC flow logs to CloudWatch (encrypted, retained log_retention_days).

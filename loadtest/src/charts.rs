@@ -68,18 +68,11 @@ pub fn write(report: &Report, dir: &Path, stem: &str) -> Result<Vec<PathBuf>> {
     let (s, palette) = series(ttft, |m, u| format!("{m}, {u} user{}", if u == 1 { "" } else { "s" }));
     let panel = Panel {
         title: format!("Time to first token, median ({subtitle})"),
-        y_label: "milliseconds (log scale)".into(),
+        y_label: "milliseconds".into(),
         log_y: true,
         series: s,
     };
-    let layout = Layout {
-        x_label: "k (facts retrieved)".into(),
-        width: 900,
-        height: 500,
-        palette,
-        legend_upper_left: true,
-        light_grid: false,
-    };
+    let layout = Layout { x_label: "k (facts retrieved)".into(), width: 900, height: 500, palette, light_grid: false };
     let path = dir.join(format!("{stem}-ttft-vs-k.png"));
     line_charts_with(&path, &[panel], &layout)?;
     written.push(path);
@@ -92,14 +85,7 @@ pub fn write(report: &Report, dir: &Path, stem: &str) -> Result<Vec<PathBuf>> {
         log_y: false,
         series: s,
     };
-    let layout = Layout {
-        x_label: "concurrent users".into(),
-        width: 900,
-        height: 500,
-        palette,
-        legend_upper_left: true,
-        light_grid: false,
-    };
+    let layout = Layout { x_label: "concurrent users".into(), width: 900, height: 500, palette, light_grid: false };
     let path = dir.join(format!("{stem}-throughput-vs-users.png"));
     line_charts_with(&path, &[panel], &layout)?;
     written.push(path);

@@ -16,6 +16,7 @@ use inferscale_memory::{
     StoreOptions,
 };
 use inferscale_model::fetch;
+use inferscale_model::progress::Progress;
 
 use crate::runtime::{Loaded, ModelArgs, blend_ratio, load_on, on_backend};
 
@@ -247,7 +248,7 @@ pub fn ingest(mut a: IngestArgs) -> Result<()> {
 }
 
 fn ingest_on<B: Backend>(a: &IngestArgs, backend: B) -> Result<()> {
-    let (units, label) = match (&a.locomo, &a.facts) {
+    let (units, kind, source) = match (&a.locomo, &a.facts) {
         (Some(path), _) => {
             let samples = locomo::read(path)?;
             let sample = match &a.sample {
@@ -257,24 +258,26 @@ fn ingest_on<B: Backend>(a: &IngestArgs, backend: B) -> Result<()> {
                     .with_context(|| format!("{}: no sample {id:?}", path.display()))?,
                 None => samples.first().with_context(|| format!("{}: no samples", path.display()))?,
             };
-            (sample.turns.clone(), format!("turns of {}", sample.id))
+            (sample.turns.clone(), "turns", format!("of {}", sample.id))
         }
-        (None, Some(path)) => (locomo::read_facts(path)?, format!("facts of {}", path.display())),
+        (None, Some(path)) => (locomo::read_facts(path)?, "facts", format!("of {}", path.display())),
         (None, None) => bail!("give --locomo or --facts"),
     };
     let mut s = open(&a.mem, backend)?;
     let t0 = Instant::now();
     let (mut added, mut skipped, mut tokens) = (0, 0, 0);
     let total = units.len();
+    let mut progress = Progress::new("inferscale ingest", total as u64, kind);
     for (i, batch) in units.chunks(a.batch).enumerate() {
         let r = s.ingest(&a.user, batch, false)?;
         (added, skipped, tokens) = (added + r.added, skipped + r.skipped, tokens + r.encoded_tokens);
         let done = (i * a.batch + batch.len()).min(total);
-        eprint!("\rinferscale ingest: {done}/{total} {label} ({added} new, {skipped} already stored)");
+        progress.set(done as u64, &format!("{source}: {added} new, {skipped} already stored"));
     }
+    progress.finish(&format!("{source}: {added} new, {skipped} already stored"));
     let secs = t0.elapsed().as_secs_f64();
     eprintln!(
-        "\ninferscale ingest: user {:?}: {added} units in {secs:.1} s ({:.1} units/s, {:.0} encoded tokens/s, window {})",
+        "inferscale ingest: user {:?}: {added} units in {secs:.1} s ({:.1} units/s, {:.0} encoded tokens/s, window {})",
         a.user,
         added as f64 / secs,
         tokens as f64 / secs,

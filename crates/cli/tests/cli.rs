@@ -77,7 +77,7 @@ fn config_files_feed_the_serving_flags_and_bad_ones_name_the_line() {
     let cfg = dir.path().join("router.env");
     // Without keys a router must stay on loopback: the refusal proves the
     // file's listen address (and its required worker list) were read.
-    std::fs::write(&cfg, "# router\nINFERSCALE_WORKERS=127.0.0.1:1\nINFERSCALE_LISTEN=0.0.0.0:0\n").unwrap();
+    std::fs::write(&cfg, "# router\nINFERSCALE_WORKERS=127.0.0.1:1\nINFERSCALE_API_LISTEN=0.0.0.0:0\n").unwrap();
     let o = inferscale(&["router", "--config", cfg.to_str().unwrap()]);
     assert!(!o.status.success());
     assert!(stderr(&o).contains("loopback only"), "{}", stderr(&o));
@@ -87,6 +87,12 @@ fn config_files_feed_the_serving_flags_and_bad_ones_name_the_line() {
         .output()
         .unwrap();
     assert!(stderr(&o).contains("--load-factor"), "{}", stderr(&o));
+    // The retired variable that set both the API's and a worker's address
+    // is refused with its replacements named, not silently ignored.
+    std::fs::write(&cfg, "INFERSCALE_WORKERS=127.0.0.1:1\nINFERSCALE_LISTEN=0.0.0.0:8080\n").unwrap();
+    let o = inferscale(&["router", "--config", cfg.to_str().unwrap()]);
+    let e = stderr(&o);
+    assert!(!o.status.success() && e.contains("INFERSCALE_API_LISTEN") && e.contains("INFERSCALE_GRPC_LISTEN"), "{e}");
     std::fs::write(&cfg, "INFERSCALE_WORKERS=127.0.0.1:1\nlisten 0.0.0.0\n").unwrap();
     let o = inferscale(&["router", "--config", cfg.to_str().unwrap()]);
     assert!(!o.status.success());

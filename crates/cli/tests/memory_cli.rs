@@ -101,6 +101,27 @@ fn ingest_ask_and_bad_input() {
     let o = ask(&mem, &["--mode", "prompt", "Where is Caroline moving?"]);
     assert!(o.status.success(), "{}", err(&o));
     assert!(err(&o).contains("D1:3"), "{}", err(&o));
+
+    // The memory records its window and model; without --window the
+    // recorded one is used (no mismatch), and a contradicting one is refused
+    // before the model loads.
+    let made: Value = serde_json::from_str(&std::fs::read_to_string(mem.join("memory.json")).unwrap()).unwrap();
+    assert_eq!(made["window"], 1, "{made}");
+    assert_eq!(made["model"], "smollm2", "{made}");
+    let o = run(&["ask", "--memory", m, "--user", "u1", "--k", "2", "Where is Caroline moving?"]);
+    assert!(o.status.success(), "without --window: {}", err(&o));
+    let o = run(&["ask", "--memory", m, "--window", "3", "--user", "u1", "Where?"]);
+    let e = err(&o);
+    assert!(!o.status.success() && e.contains("made with window 1") && !e.contains("loaded"), "{e}");
+
+    // A memory held by another process (a server, an ingest) is refused at
+    // once, before any model loads.
+    let lock = std::fs::OpenOptions::new().write(true).open(mem.join("LOCK")).unwrap();
+    lock.try_lock().unwrap();
+    let o = run(&["ingest", "--memory", m, "--user", "u1", "--locomo", d]);
+    let e = err(&o);
+    assert!(!o.status.success() && e.contains("in use by another process") && !e.contains("loaded"), "{e}");
+    drop(lock);
 }
 
 const EVAL_LOCOMO: &str = r#"[{"sample_id": "s1",

@@ -17,6 +17,7 @@ use crate::error::{EvalError, Result};
 const FONT: &str = "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf";
 
 /// One line: label and (x, y) points.
+#[derive(Debug, Clone)]
 pub struct Series {
     pub label: String,
     pub points: Vec<(f64, f64)>,
@@ -49,14 +50,26 @@ pub struct Layout {
     /// Whole image, pixels.
     pub width: u32,
     pub height: u32,
-    /// Line colours by series index (cycled); empty for the default set.
+    /// Line colours by series index (cycled); empty for [`PALETTE`].
     pub palette: Vec<RGBColor>,
-    /// Legend in the upper left (where rising curves leave room) rather
-    /// than plotters' middle right.
-    pub legend_upper_left: bool,
     /// Minor grid lines: finer reading, but a PNG several times larger.
     pub light_grid: bool,
 }
+
+/// Okabe and Ito's colour-blind-safe palette (blue, vermillion, bluish
+/// green, reddish purple, orange, sky blue, black): no red/green pair.
+pub const PALETTE: [RGBColor; 7] = [
+    RGBColor(0, 114, 178),
+    RGBColor(213, 94, 0),
+    RGBColor(0, 158, 115),
+    RGBColor(204, 121, 167),
+    RGBColor(230, 159, 0),
+    RGBColor(86, 180, 233),
+    RGBColor(0, 0, 0),
+];
+
+/// Height in pixels of one legend row (and the legend's padding).
+const LEGEND_ROW: f64 = 20.0;
 
 /// Draws the panels side by side, x = k, into a PNG at `path`.
 pub fn line_charts(path: &Path, panels: &[Panel]) -> Result<()> {
@@ -65,7 +78,6 @@ pub fn line_charts(path: &Path, panels: &[Panel]) -> Result<()> {
         width: 600 * panels.len().max(1) as u32,
         height: 450,
         palette: Vec::new(),
-        legend_upper_left: false,
         light_grid: true,
     };
     line_charts_with(path, panels, &layout)
@@ -73,64 +85,146 @@ pub fn line_charts(path: &Path, panels: &[Panel]) -> Result<()> {
 
 /// Draws the panels side by side into a PNG at `path`, as `layout` says.
 pub fn line_charts_with(path: &Path, panels: &[Panel], layout: &Layout) -> Result<()> {
-    draw(path, panels, layout).map_err(|reason| EvalError::Plot { path: path.to_path_buf(), reason })
+    let fail = |reason| EvalError::Plot { path: path.to_path_buf(), reason };
+    ensure_font().map_err(fail)?;
+    let root = BitMapBackend::new(path, (layout.width, layout.height)).into_drawing_area();
+    draw(&root, panels, layout).map_err(fail)?;
+    root.present().map_err(|e| fail(format!("writing {}: {e}", path.display())))
 }
 
-fn draw(path: &Path, panels: &[Panel], layout: &Layout) -> std::result::Result<(), String> {
+/// Draws the panels into an RGB buffer (`width × height × 3` bytes), for
+/// checking what a chart shows without decoding a PNG.
+pub fn render(panels: &[Panel], layout: &Layout) -> std::result::Result<Vec<u8>, String> {
     ensure_font()?;
+    let mut buf = vec![0u8; layout.width as usize * layout.height as usize * 3];
+    {
+        let root = BitMapBackend::with_buffer(&mut buf, (layout.width, layout.height)).into_drawing_area();
+        draw(&root, panels, layout)?;
+        root.present().map_err(|e| e.to_string())?;
+    }
+    Ok(buf)
+}
+
+/// `x` as an axis label: whole numbers without a decimal point (k = 5, not 5.0).
+fn tick(x: &f64) -> String {
+    if x.fract() == 0.0 && x.abs() < 1e15 { format!("{}", *x as i64) } else { format!("{x:.2}") }
+}
+
+/// The y range: the data's, with room above it for the legend's rows so
+/// that the legend never covers a line.
+fn y_range(y0: f64, y1: f64, log: bool, legend_rows: usize, plot_height: f64) -> (f64, f64) {
+    let room = ((legend_rows as f64 + 1.0) * LEGEND_ROW / plot_height.max(1.0)).min(0.6);
+    if log {
+        let (lo, hi) = ((y0.max(1e-3) * 0.8).ln(), (y1.max(y0.max(1e-3)) * 1.1).ln());
+        (lo.exp(), (lo + (hi - lo).max(0.1) / (1.0 - room)).exp())
+    } else {
+        let hi = (y1 * 1.05).max(1e-6);
+        (0.0, hi / (1.0 - room))
+    }
+}
+
+fn draw<DB: DrawingBackend>(
+    root: &DrawingArea<DB, plotters::coord::Shift>,
+    panels: &[Panel],
+    layout: &Layout,
+) -> std::result::Result<(), String> {
     let s = |e: &dyn std::fmt::Display| e.to_string();
-    let root = BitMapBackend::new(path, (layout.width, layout.height)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| s(&e))?;
-    let areas = root.split_evenly((1, panels.len()));
+    let colors: &[RGBColor] = if layout.palette.is_empty() { &PALETTE } else { &layout.palette };
+    let areas = root.split_evenly((1, panels.len().max(1)));
     for (panel, area) in panels.iter().zip(areas) {
-        let xs = panel.series.iter().flat_map(|s| s.points.iter().map(|p| p.0));
+        let xs: Vec<f64> = panel.series.iter().flat_map(|s| s.points.iter().map(|p| p.0)).collect();
         let ys = panel.series.iter().flat_map(|s| s.points.iter().map(|p| p.1));
-        let (x0, x1) = xs.fold((f64::MAX, f64::MIN), |(a, b), x| (a.min(x), b.max(x)));
+        let (x0, x1) = xs.iter().fold((f64::MAX, f64::MIN), |(a, b), &x| (a.min(x), b.max(x)));
         let (y0, y1) = ys.fold((f64::MAX, f64::MIN), |(a, b), y| (a.min(y), b.max(y)));
         if x0 > x1 {
             continue;
         }
+        // One x for every point (a run at one k): a line has nowhere to
+        // go, so each series is a bar at its own place on the axis, named
+        // there (no legend).
+        let single_x = x0 == x1;
+        let plot_height = f64::from(area.dim_in_pixel().1) - 100.0;
+        let legend_rows = if single_x { 0 } else { panel.series.len() };
+        let (ylo, yhi) = y_range(y0, y1, panel.log_y, legend_rows, plot_height);
+        let y_desc = if panel.log_y { format!("{} (log scale)", panel.y_label) } else { panel.y_label.clone() };
         let mut chart = ChartBuilder::on(&area);
         chart.caption(&panel.title, ("sans-serif", 20)).margin(12).x_label_area_size(40).y_label_area_size(60);
-        let default = [BLUE, RED, GREEN, MAGENTA, CYAN, BLACK];
-        let colors: &[RGBColor] = if layout.palette.is_empty() { &default } else { &layout.palette };
+        let labels: Vec<String> = panel.series.iter().map(|s| s.label.clone()).collect();
+        let bar_tick = move |i: &f64| {
+            let j = i.round();
+            if (i - j).abs() < 1e-6 && j >= 0.0 {
+                labels.get(j as usize).cloned().unwrap_or_default()
+            } else {
+                String::new()
+            }
+        };
+        let x_desc = if single_x { format!("{} = {}", layout.x_label, tick(&x0)) } else { layout.x_label.clone() };
         macro_rules! draw {
             ($chart:expr) => {{
                 let mut c = $chart;
                 let mut mesh = c.configure_mesh();
-                mesh.x_desc(&layout.x_label).y_desc(&panel.y_label);
+                mesh.x_desc(&x_desc).y_desc(&y_desc).y_label_formatter(&tick);
+                if single_x {
+                    mesh.x_labels(panel.series.len()).x_label_formatter(&bar_tick).disable_x_mesh();
+                } else {
+                    mesh.x_label_formatter(&tick);
+                }
                 if !layout.light_grid {
                     mesh.light_line_style(TRANSPARENT);
                 }
                 mesh.draw().map_err(|e| s(&e))?;
                 for (i, line) in panel.series.iter().enumerate() {
                     let color = colors[i % colors.len()];
-                    c.draw_series(LineSeries::new(line.points.clone(), color.stroke_width(2)))
+                    let legend =
+                        move |(x, y): (i32, i32)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(3));
+                    if single_x {
+                        let (x, base) = (i as f64, ylo);
+                        let bars = line
+                            .points
+                            .iter()
+                            .map(|&(_, y)| Rectangle::new([(x - 0.3, base), (x + 0.3, y)], color.filled()));
+                        c.draw_series(bars).map_err(|e| s(&e))?.label(&line.label).legend(legend);
+                        continue;
+                    }
+                    // Earlier series draw wider lines and larger markers, so
+                    // that a later one drawn over it leaves it showing.
+                    let under = (panel.series.len() - 1 - i).min(3) as u32;
+                    c.draw_series(LineSeries::new(line.points.clone(), color.stroke_width(2 + under)))
                         .map_err(|e| s(&e))?
                         .label(&line.label)
-                        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2)));
-                    c.draw_series(line.points.iter().map(|&p| Circle::new(p, 3, color.filled()))).map_err(|e| s(&e))?;
+                        .legend(legend);
+                    // A marker shape per series, so that a line drawn over
+                    // another still shows both.
+                    let style = if (i / 3) % 2 == 0 { color.filled() } else { color.stroke_width(2) };
+                    let size = 4 + 2 * under as i32;
+                    let pts = line.points.iter().copied();
+                    match i % 3 {
+                        0 => c.draw_series(pts.map(|p| Circle::new(p, size, style))).map(|_| ()),
+                        1 => c.draw_series(pts.map(|p| TriangleMarker::new(p, size + 2, style))).map(|_| ()),
+                        _ => c.draw_series(pts.map(|p| Cross::new(p, size + 1, color.stroke_width(2)))).map(|_| ()),
+                    }
+                    .map_err(|e| s(&e))?;
+                }
+                if single_x {
+                    continue;
                 }
                 c.configure_series_labels()
-                    .position(if layout.legend_upper_left {
-                        SeriesLabelPosition::UpperLeft
-                    } else {
-                        SeriesLabelPosition::MiddleRight
-                    })
-                    .background_style(WHITE.mix(0.8))
+                    .position(SeriesLabelPosition::UpperLeft)
+                    .background_style(WHITE.mix(0.85))
                     .border_style(BLACK)
                     .draw()
                     .map_err(|e| s(&e))?;
             }};
         }
-        let xr = x0..x1.max(x0 + 1.0);
+        let xr = if single_x { -0.5..(panel.series.len() as f64 - 0.5) } else { x0..x1 };
         if panel.log_y {
-            draw!(chart.build_cartesian_2d(xr, (y0.max(1e-3) * 0.8..y1 * 1.25).log_scale()).map_err(|e| s(&e))?);
+            draw!(chart.build_cartesian_2d(xr, (ylo..yhi).log_scale()).map_err(|e| s(&e))?);
         } else {
-            draw!(chart.build_cartesian_2d(xr, 0.0..(y1 * 1.15).max(1e-6)).map_err(|e| s(&e))?);
+            draw!(chart.build_cartesian_2d(xr, ylo..yhi).map_err(|e| s(&e))?);
         }
     }
-    root.present().map_err(|e| format!("writing {}: {e}", path.display()))
+    Ok(())
 }
 
 #[cfg(test)]
@@ -165,5 +259,48 @@ mod tests {
         assert_eq!(&bytes[1..4], b"PNG");
         assert!(bytes.len() > 5_000, "an empty canvas would compress to almost nothing");
         std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// Pixels of exactly `c` in an RGB buffer.
+    fn pixels(buf: &[u8], c: RGBColor) -> usize {
+        buf.chunks_exact(3).filter(|p| p[0] == c.0 && p[1] == c.1 && p[2] == c.2).count()
+    }
+
+    fn layout() -> Layout {
+        Layout { x_label: "k".into(), width: 600, height: 450, palette: Vec::new(), light_grid: false }
+    }
+
+    #[test]
+    fn every_series_shows_whether_it_has_many_points_or_one() {
+        let many = |label: &str, f: f64| Series {
+            label: label.into(),
+            points: vec![(5.0, f), (20.0, 2.0 * f), (50.0, 3.0 * f)],
+        };
+        let one = |label: &str, f: f64| Series { label: label.into(), points: vec![(20.0, f)] };
+        for (what, series) in [
+            ("lines", vec![many("kv", 1.0), many("prompt", 1.1), many("blend", 1.2)]),
+            ("one k", vec![one("kv", 4.0), one("prompt", 9.0), one("blend", 6.0)]),
+        ] {
+            for log_y in [false, true] {
+                let panel = Panel { title: what.into(), y_label: "ms".into(), log_y, series: series.clone() };
+                let buf = render(&[panel], &layout()).expect("render");
+                for (i, s) in series.iter().enumerate() {
+                    let n = pixels(&buf, PALETTE[i]);
+                    assert!(n > 150, "{what} (log {log_y}): series {} drew {n} pixels", s.label);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn whole_ticks_have_no_decimal_point_and_the_legend_sits_above_the_data() {
+        assert_eq!(tick(&5.0), "5");
+        assert_eq!(tick(&0.25), "0.25");
+        // Room above the data grows with the legend; the data's top stays below it.
+        let (lo, hi) = y_range(0.0, 10.0, false, 4, 300.0);
+        assert_eq!(lo, 0.0);
+        assert!(hi >= 10.0 / (1.0 - 5.0 * LEGEND_ROW / 300.0) - 1e-9, "{hi}");
+        let (lo, hi) = y_range(2.0, 200.0, true, 2, 300.0);
+        assert!(lo < 2.0 && hi > 200.0 * 1.5, "{lo}..{hi}");
     }
 }

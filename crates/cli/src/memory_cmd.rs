@@ -168,17 +168,22 @@ impl MemoryArgs {
     pub(crate) fn resolve(&mut self) -> Result<()> {
         let dir = self.dir();
         inferscale_memory::check_unlocked(&dir).with_context(|| format!("opening memory {}", dir.display()))?;
-        let Some(made) = Manifest::read(&dir)? else { return Ok(()) };
-        match self.window {
-            None => self.window = Some(made.window),
-            Some(w) if w != made.window => bail!(
-                "--window {w}: memory {} was made with window {} (its KV is encoded for that window); \
+        let made = Manifest::read(&dir)?;
+        // A memory made before memory.json existed: its KV says its window.
+        let window = match &made {
+            Some(m) => Some(m.window),
+            None => inferscale_memory::recorded_window(&dir)?,
+        };
+        match (self.window, window) {
+            (None, Some(recorded)) => self.window = Some(recorded),
+            (Some(w), Some(recorded)) if w != recorded => bail!(
+                "--window {w}: memory {} was made with window {recorded} (its KV is encoded for that window); \
                  omit --window, or give another --memory directory for window {w}",
-                dir.display(),
-                made.window
+                dir.display()
             ),
-            Some(_) => {}
+            _ => {}
         }
+        let Some(made) = made else { return Ok(()) };
         let named = self.model.model.is_some() || self.model.shape.is_some();
         if !named && !made.model.starts_with("shape:") {
             eprintln!("inferscale: model {} (memory {} was made with it)", made.model, dir.display());

@@ -113,6 +113,14 @@ fn ingest_ask_and_bad_input() {
     let o = run(&["ask", "--memory", m, "--window", "3", "--user", "u1", "Where?"]);
     let e = err(&o);
     assert!(!o.status.success() && e.contains("made with window 1") && !e.contains("loaded"), "{e}");
+    // A memory made before memory.json existed: its KV segments say the window.
+    std::fs::remove_file(mem.join("memory.json")).unwrap();
+    let o = run(&["ask", "--memory", m, "--window", "3", "--user", "u1", "Where?"]);
+    let e = err(&o);
+    assert!(!o.status.success() && e.contains("made with window 1") && !e.contains("loaded"), "{e}");
+    let o = run(&["ask", "--memory", m, "--user", "u1", "--k", "2", "Where is Caroline moving?"]);
+    assert!(o.status.success(), "window from the KV: {}", err(&o));
+    assert!(mem.join("memory.json").exists(), "the record is written at the next open");
 
     // A memory held by another process (a server, an ingest) is refused at
     // once, before any model loads.

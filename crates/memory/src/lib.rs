@@ -26,7 +26,7 @@ pub use fact::{Event, EventKind, Fact};
 pub use fetch::{FetchReport, Fetched, Pinned, ReadDone, ReadJob};
 pub use inferscale_types::{DEFAULT_BLEND_RATIO, MemoryUnit, Mode, Scope, check_blend_ratio};
 pub use kvseg::{KvFormat, KvHeader};
-pub use manifest::{MANIFEST, Manifest, check_unlocked};
+pub use manifest::{MANIFEST, Manifest, check_unlocked, recorded_window};
 pub use retrieval::{Query, Retriever};
 pub use search::matches as filter_matches;
 pub use session::{Hit, Session};

@@ -301,6 +301,27 @@ fn read_frame(file: &File, path: &Path, frame: Frame) -> Result<Vec<u8>> {
     }
 }
 
+/// The first record of the log at `path`, read without opening the log
+/// for writing (no recovery, no truncation): `None` when the file is
+/// missing or holds no intact first record.
+pub fn read_first(path: &Path) -> Result<Option<Vec<u8>>> {
+    let file = match File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(error::io(path)(e)),
+    };
+    let mut head = [0u8; HEADER.len() + FRAME_BYTES];
+    if file.read_exact_at(&mut head, 0).is_err() || &head[..HEADER.len()] != HEADER {
+        return Ok(None);
+    }
+    let len = u32::from_le_bytes([head[8], head[9], head[10], head[11]]) as usize;
+    if len > MAX_RECORD_BYTES {
+        return Ok(None);
+    }
+    let frame = Frame { offset: (HEADER.len() + FRAME_BYTES) as u64, len: len as u32 };
+    Ok(read_frame(&file, path, frame).ok())
+}
+
 /// Where records of payload lengths `lens`, framed back to back from byte
 /// `at`, land.
 fn frames_from(mut at: u64, lens: impl Iterator<Item = usize>) -> Vec<Frame> {
@@ -444,6 +465,22 @@ mod tests {
         let recs = three();
         log.append(&recs.iter().map(Vec::as_slice).collect::<Vec<_>>()).unwrap();
         fs::read(path).unwrap()
+    }
+
+    #[test]
+    fn the_first_record_reads_without_opening_the_log() {
+        let (_dir, path) = temp_log();
+        assert_eq!(read_first(&path).unwrap(), None, "no file");
+        let (mut log, _) = RecordLog::open(&path).unwrap();
+        assert_eq!(read_first(&path).unwrap(), None, "no record");
+        log.append(&[b"header", b"two"]).unwrap();
+        drop(log);
+        assert_eq!(read_first(&path).unwrap(), Some(b"header".to_vec()));
+        // A torn first frame reads as none, and the file is left as it was.
+        let bytes = fs::read(&path).unwrap();
+        fs::write(&path, &bytes[..8 + 8 + 3]).unwrap();
+        assert_eq!(read_first(&path).unwrap(), None);
+        assert_eq!(fs::metadata(&path).unwrap().len(), 19);
     }
 
     #[test]

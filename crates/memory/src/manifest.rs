@@ -49,6 +49,28 @@ impl Manifest {
     }
 }
 
+/// The context window a memory made before `memory.json` existed was
+/// encoded for, read from the header of its first user's KV segment
+/// (`None`: no user has KV yet).
+pub fn recorded_window(dir: &Path) -> Result<Option<usize>> {
+    let users = dir.join("users");
+    let entries = match std::fs::read_dir(&users) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(io(&users)(e)),
+    };
+    let mut paths: Vec<_> = entries.filter_map(|e| e.ok().map(|e| e.path().join("kv.log"))).collect();
+    paths.sort();
+    for path in paths {
+        if let Some(first) = crate::log::read_first(&path)?
+            && let Ok(header) = crate::kvseg::KvHeader::decode(&first, &path)
+        {
+            return Ok(Some(header.window));
+        }
+    }
+    Ok(None)
+}
+
 /// Fails with [`MemoryError::Locked`] when another process holds `dir`'s
 /// LOCK (a server, an ingest): a cheap check to run before loading a model,
 /// so that the refusal comes at once. Opening the memory takes the lock

@@ -4,8 +4,8 @@
 //! callers act on a kind, never on its text; and how the API's connections
 //! are secured ([`tls`]).
 
-#![allow(clippy::all)]
-
+// Generated code is not ours to lint; the rest of the crate is.
+#[allow(clippy::all)]
 pub mod v1 {
     tonic::include_proto!("inferscale.v1");
 }

@@ -13,7 +13,7 @@ use inferscale_proto as pb;
 use inferscale_proto::tls::Security;
 use serde_json::json;
 
-use crate::serve::{ClusterArgs, TlsArgs, runtime};
+use crate::serve::{ClusterArgs, TlsArgs, connect_etcd, runtime};
 
 #[derive(Subcommand)]
 pub enum Command {
@@ -60,7 +60,7 @@ async fn view(c: &ClusterArgs) -> Result<(Arc<dyn Placement>, ClusterView)> {
     if c.etcd.is_empty() {
         bail!("give the cluster's etcd endpoints with --etcd HOST:PORT,… (or INFERSCALE_ETCD)");
     }
-    let store = c.connect(&c.etcd_options()?).await?;
+    let store = connect_etcd(&c.etcd_options()?).await?;
     let keys = c.keys();
     let snap = store.range(&keys.prefix()).await.with_context(|| format!("reading {}", store.describe()))?;
     let (view, errors) = ClusterView::from_snapshot(&keys, inferscale_cluster::DEFAULT_VNODES, &snap);

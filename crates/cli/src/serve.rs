@@ -107,14 +107,13 @@ pub struct TlsArgs {
 impl TlsArgs {
     /// The security these flags ask for; the files are read and checked now.
     pub(crate) fn security(&self) -> Result<Security> {
-        let files = match (&self.tls_cert, &self.tls_key, &self.tls_ca) {
-            (Some(cert), Some(key), Some(ca)) => {
-                Some(TlsFiles { cert: cert.clone(), key: key.clone(), ca: ca.clone() })
-            }
-            (None, None, None) => None,
-            _ => bail!("give all of --tls-cert, --tls-key and --tls-ca, or none"),
-        };
-        Ok(Security::from_files(files.as_ref())?)
+        Ok(Security::from_files(self.files()?.as_ref())?)
+    }
+
+    /// The three files, when given.
+    pub(crate) fn files(&self) -> Result<Option<TlsFiles>> {
+        let (cert, key, ca) = (self.tls_cert.clone(), self.tls_key.clone(), self.tls_ca.clone());
+        Ok(TlsFiles::from_parts(cert, key, ca, "--tls-cert, --tls-key and --tls-ca")?)
     }
 }
 
@@ -132,7 +131,7 @@ pub(crate) fn check_exposure(listen: SocketAddr, security: &Security, insecure: 
 }
 
 /// Cluster membership and placement in etcd.
-#[derive(Args, Debug, Clone)]
+#[derive(Args, Debug, Clone, Default)]
 pub struct ClusterArgs {
     /// etcd endpoints (`host:port`, repeat or separate with commas): join
     /// the cluster whose membership and placement live there.
@@ -205,11 +204,11 @@ impl ClusterArgs {
         }
         Ok(options)
     }
+}
 
-    /// Connects to etcd (authenticating now when a user is set).
-    pub(crate) async fn connect(&self, options: &EtcdOptions) -> Result<Arc<dyn Placement>> {
-        Ok(Arc::new(Etcd::connect(options).await?))
-    }
+/// Connects to etcd (authenticating now when a user is set).
+pub(crate) async fn connect_etcd(options: &EtcdOptions) -> Result<Arc<dyn Placement>> {
+    Ok(Arc::new(Etcd::connect(options).await?))
 }
 
 #[derive(Args, Debug)]
@@ -527,17 +526,7 @@ pub fn serve(mut a: ServeArgs) -> Result<()> {
         // beside the memory so that placement survives a restart.
         let path = a.worker.mem.dir().join("placement.json");
         let store: Arc<dyn Placement> = inferscale_cluster::embedded::Embedded::open(&path)?;
-        let cluster = ClusterArgs {
-            etcd: Vec::new(),
-            cluster_root: "/inferscale".into(),
-            lease_ttl_s: 10,
-            name: None,
-            etcd_ca: None,
-            etcd_cert: None,
-            etcd_key: None,
-            etcd_user: None,
-            etcd_password_file: None,
-        };
+        let cluster = ClusterArgs { cluster_root: "/inferscale".into(), lease_ttl_s: 10, ..Default::default() };
         // The one worker and the one router share the node's name.
         let reg = register(store.clone(), &cluster, "local".into(), addr, None).await?;
         let membership = Membership::Store {
@@ -571,7 +560,7 @@ pub fn worker(mut a: WorkerCmd) -> Result<()> {
     a.worker.check()?;
     a.worker.mem.resolve()?;
     if a.engine == "vllm" {
-        return crate::vllm_cmd::worker(a);
+        return crate::vllm_cmd::worker(a, security, etcd);
     }
     let (service, _engine, gpu) = start_worker(&a.worker)?;
     let service = service.with_security(security);
@@ -585,7 +574,7 @@ pub fn worker(mut a: WorkerCmd) -> Result<()> {
             false => {
                 let addr = a.advertise.clone().unwrap_or_else(|| bound.to_string());
                 let name = a.cluster.name.clone().unwrap_or_else(|| addr.clone());
-                Some(register(a.cluster.connect(&etcd).await?, &a.cluster, name, addr, gpu).await?)
+                Some(register(connect_etcd(&etcd).await?, &a.cluster, name, addr, gpu).await?)
             }
         };
         let r = serve_grpc(listener, service).await;
@@ -619,7 +608,7 @@ pub fn router(a: RouterCmd) -> Result<()> {
         let membership = match (a.workers.is_empty(), a.cluster.etcd.is_empty()) {
             (false, true) => Membership::Fixed(a.workers.clone()),
             (true, false) => Membership::Store {
-                store: a.cluster.connect(&etcd).await?,
+                store: connect_etcd(&etcd).await?,
                 keys: a.cluster.keys(),
                 name: a.cluster.name.clone().unwrap_or_else(|| format!("router-{}", std::process::id())),
                 ttl: a.cluster.ttl()?,

@@ -15,9 +15,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
+use inferscale_cluster::etcd::EtcdOptions;
+use inferscale_router::Security;
 use serde_json::{Value, json};
 
-use crate::serve::{WorkerCmd, register, runtime, shutdown_signal};
+use crate::serve::{WorkerCmd, connect_etcd, register, runtime, shutdown_signal};
 
 #[derive(Args, Debug, Clone)]
 pub struct VllmArgs {
@@ -46,7 +48,7 @@ pub struct VllmArgs {
 }
 
 /// The connector's `kv_connector_extra_config` for this worker.
-fn extra_config(a: &WorkerCmd) -> Value {
+fn extra_config(a: &WorkerCmd) -> Result<Value> {
     let w = &a.worker;
     let m = &w.mem.model;
     let mut extra = json!({
@@ -64,10 +66,10 @@ fn extra_config(a: &WorkerCmd) -> Value {
         "max_ingest_units": w.max_ingest_units,
         "retriever": w.mem.retriever.as_str(),
     });
-    if let (Some(cert), Some(key), Some(ca)) = (&a.tls.tls_cert, &a.tls.tls_key, &a.tls.tls_ca) {
-        extra["tls_cert"] = json!(cert.to_string_lossy());
-        extra["tls_key"] = json!(key.to_string_lossy());
-        extra["tls_ca"] = json!(ca.to_string_lossy());
+    if let Some(tls) = a.tls.files()? {
+        extra["tls_cert"] = json!(tls.cert.to_string_lossy());
+        extra["tls_key"] = json!(tls.key.to_string_lossy());
+        extra["tls_ca"] = json!(tls.ca.to_string_lossy());
     }
     // The connector's defaults are the native worker's: only a change travels.
     let (prompts, defaults) = (w.mem.prompts(), inferscale_memory::Prompts::default());
@@ -83,7 +85,7 @@ fn extra_config(a: &WorkerCmd) -> Value {
     if let Some(shape) = &m.shape {
         extra["random_shape"] = json!(shape);
     }
-    extra
+    Ok(extra)
 }
 
 /// The model vLLM loads, and the arguments that come with it.
@@ -115,7 +117,7 @@ fn vllm_command(a: &WorkerCmd) -> Result<Vec<String>> {
         "kv_connector_module_path": "inferscale_vllm.connector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": extra_config(a),
+        "kv_connector_extra_config": extra_config(a)?,
     });
     let mut args: Vec<String> =
         ["-m", "vllm.entrypoints.cli.main", "serve", &model].into_iter().map(String::from).collect();
@@ -141,7 +143,7 @@ fn vllm_command(a: &WorkerCmd) -> Result<Vec<String>> {
 
 /// Waits until the worker API answers Health as ready and vLLM's server
 /// lists its model, while `child` runs.
-async fn wait_ready(a: &WorkerCmd, child: &mut tokio::process::Child) -> Result<()> {
+async fn wait_ready(a: &WorkerCmd, security: &Security, child: &mut tokio::process::Child) -> Result<()> {
     let started = Instant::now();
     let limit = Duration::from_secs(a.vllm.vllm_start_timeout_s);
     let vllm = inferscale_loadtest::client::Client::new(
@@ -150,7 +152,6 @@ async fn wait_ready(a: &WorkerCmd, child: &mut tokio::process::Child) -> Result<
         Duration::from_secs(5),
     )?;
     // With TLS the probe dials the advertised address: the certificate names it.
-    let security = a.tls.security()?;
     let target = match (&a.advertise, security.is_tls()) {
         (Some(advertised), true) => advertised.clone(),
         _ => a.listen.to_string(),
@@ -197,8 +198,9 @@ fn python_exists(python: &str) -> bool {
     std::env::var_os("PATH").is_some_and(|path| std::env::split_paths(&path).any(|d| d.join(python).is_file()))
 }
 
-pub fn worker(a: WorkerCmd) -> Result<()> {
-    a.cluster.ttl()?;
+/// Runs the worker with vLLM; `security` and `etcd` are the settings
+/// `serve::worker` read and checked from `a`.
+pub fn worker(a: WorkerCmd, security: Security, etcd: EtcdOptions) -> Result<()> {
     if a.listen.port() == 0 {
         bail!("--engine vllm: give --listen a port (vLLM's process binds it; 0 cannot be advertised)");
     }
@@ -237,7 +239,7 @@ pub fn worker(a: WorkerCmd) -> Result<()> {
         let mut child = cmd.spawn().with_context(|| format!("starting {} -m vllm", a.vllm.vllm_python))?;
         eprintln!("inferscale worker: started vLLM (pid {}), waiting for it to serve", child.id().unwrap_or(0));
         let ready = tokio::select! {
-            r = wait_ready(&a, &mut child) => r,
+            r = wait_ready(&a, &security, &mut child) => r,
             _ = shutdown_signal() => Err(anyhow::anyhow!("shut down while vLLM was starting")),
         };
         if let Err(e) = ready {
@@ -250,8 +252,7 @@ pub fn worker(a: WorkerCmd) -> Result<()> {
             false => {
                 let addr = a.advertise.clone().unwrap_or_else(|| a.listen.to_string());
                 let name = a.cluster.name.clone().unwrap_or_else(|| addr.clone());
-                let etcd = a.cluster.etcd_options()?;
-                Some(register(a.cluster.connect(&etcd).await?, &a.cluster, name, addr, None).await?)
+                Some(register(connect_etcd(&etcd).await?, &a.cluster, name, addr, None).await?)
             }
         };
         let r = tokio::select! {

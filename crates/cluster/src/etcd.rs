@@ -133,14 +133,10 @@ impl Etcd {
         let client = loop {
             match Client::connect(&options.endpoints, Some(opts.clone())).await {
                 Ok(c) => break c,
-                Err(e) => {
-                    let e = ClusterError::from(e);
-                    let retry = matches!(e, ClusterError::Unavailable(_)) && !is_refusal(&e);
-                    if !retry || Instant::now() > until {
-                        return Err(e);
-                    }
+                Err(e) if unreachable(&e) && Instant::now() < until => {
                     tokio::time::sleep(Duration::from_millis(500)).await;
                 }
+                Err(e) => return Err(e.into()),
             }
         };
         Ok(Etcd { endpoints: options.endpoints.clone(), client })
@@ -153,11 +149,15 @@ impl Etcd {
     }
 }
 
-/// Whether etcd answered and said no (bad credentials, no permission): no
-/// point in retrying.
-fn is_refusal(e: &ClusterError) -> bool {
-    let m = e.to_string();
-    m.contains("authentication failed") || m.contains("permission denied") || m.contains("Unauthenticated")
+/// Whether `e` says etcd could not be reached (worth retrying), rather
+/// than that it answered no (bad credentials, no permission).
+fn unreachable(e: &etcd_client::Error) -> bool {
+    use tonic::Code;
+    match e {
+        etcd_client::Error::TransportError(_) | etcd_client::Error::IoError(_) => true,
+        etcd_client::Error::GRpcStatus(s) => matches!(s.code(), Code::Unavailable | Code::DeadlineExceeded),
+        _ => false,
+    }
 }
 
 /// `call` within [`CALL_TIMEOUT`], its error as ours.
@@ -231,11 +231,12 @@ impl Placement for Etcd {
             // etcd offers keep-alive as a stream only; the client sends one
             // request and reads its answer, and the stream is dropped.
             let mut client = self.client.lease_client();
-            match with_timeout(client.keep_alive(lease)).await {
-                Ok(_) => Ok(true),
-                // The client's word for a TTL of 0: etcd's "no such lease".
-                Err(ClusterError::Unavailable(m)) if m.contains("lease not found") => Ok(false),
-                Err(e) => Err(e),
+            match tokio::time::timeout(CALL_TIMEOUT, client.keep_alive(lease)).await {
+                Ok(Ok(_)) => Ok(true),
+                // The client's error for a TTL of 0: etcd's "no such lease".
+                Ok(Err(etcd_client::Error::LeaseKeepAliveError(m))) if m == "lease not found" => Ok(false),
+                Ok(Err(e)) => Err(e.into()),
+                Err(_) => Err(ClusterError::Unavailable("lease keep-alive timed out".into())),
             }
         })
     }

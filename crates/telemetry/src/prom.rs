@@ -131,9 +131,13 @@ pub fn process(out: &mut String) {
     {
         single(out, "process_max_fds", "Maximum open file descriptors.", max);
     }
-    let boot = std::fs::read_to_string("/proc/stat")
-        .ok()
-        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("btime ")).and_then(|v| v.trim().parse::<f64>().ok()));
+    // The boot time does not change: /proc/stat (a line per CPU and more)
+    // is read once, not at every scrape.
+    static BOOT: std::sync::OnceLock<Option<f64>> = std::sync::OnceLock::new();
+    let boot = *BOOT.get_or_init(|| {
+        let stat = std::fs::read_to_string("/proc/stat").ok()?;
+        stat.lines().find_map(|l| l.strip_prefix("btime ")).and_then(|v| v.trim().parse::<f64>().ok())
+    });
     if let (Some(boot), Some(start)) = (boot, field(19)) {
         single(
             out,

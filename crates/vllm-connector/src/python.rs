@@ -277,11 +277,8 @@ impl PyCore {
         cfg.max_in_flight = max_in_flight;
         cfg.max_ingest_units = max_ingest_units;
         cfg.embedder = self.embedder.clone();
-        cfg.tls = match (tls_cert, tls_key, tls_ca) {
-            (Some(cert), Some(key), Some(ca)) => Some(inferscale_worker::TlsFiles { cert, key, ca }),
-            (None, None, None) => None,
-            _ => return Err(PyValueError::new_err("give all of tls_cert, tls_key and tls_ca, or none")),
-        };
+        cfg.tls = inferscale_worker::TlsFiles::from_parts(tls_cert, tls_key, tls_ca, "tls_cert, tls_key and tls_ca")
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
         let f = crate::front::serve(self.core.clone(), cfg).map_err(py_err)?;
         let bound = f.addr().to_string();
         *front = Some(f);

@@ -29,7 +29,7 @@ use crate::gemm::{Operands, Shape as GemmShape, TUNED_ROWS, Tuner};
 use crate::kernels::{ATTN_KEYS, ATTN_ROWS, ATTN_THREADS, Kernels, attention_smem_bytes};
 use crate::profile::{Profiler, Span};
 use crate::retrieval::CudaEmbeddings;
-use crate::tier::{HostFp8Rows, HostRows, KeptRows, PinnedPool};
+use crate::tier::{DeviceFp8Rows, HostFp8Rows, HostRows, KeptRows, PinnedPool};
 
 /// Converts any CUDA-side error into the engine's.
 pub(crate) trait Cu<T> {
@@ -63,6 +63,8 @@ pub(crate) enum Storage {
     /// Stored KV in the host tier as fp8 codes with per-head scales: only
     /// injection and `to_host` read it.
     HostFp8(HostFp8Rows),
+    /// The same in device memory (a read the device tier had room for).
+    DeviceFp8(DeviceFp8Rows),
 }
 
 impl CudaTensor {
@@ -77,13 +79,13 @@ impl CudaTensor {
 
     /// Whether this tensor holds fp8 codes (with scales) rather than bf16.
     pub fn is_fp8(&self) -> bool {
-        matches!(self.data, Storage::HostFp8(_))
+        matches!(self.data, Storage::HostFp8(_) | Storage::DeviceFp8(_))
     }
 
     /// Whether this tensor is stored KV whose release waits for side-stream
     /// injections (kept device memory or the host tier).
     pub(crate) fn is_stored(&self) -> bool {
-        matches!(self.data, Storage::Kept(_) | Storage::Host(_) | Storage::HostFp8(_))
+        matches!(self.data, Storage::Kept(_) | Storage::Host(_) | Storage::HostFp8(_) | Storage::DeviceFp8(_))
     }
 
     pub fn is_empty(&self) -> bool {
@@ -172,6 +174,9 @@ pub struct CudaBackend {
     /// it has passed.
     pub(crate) side: Arc<CudaStream>,
     pub(crate) inject_fence: Arc<CudaEvent>,
+    /// Device-tier uploads from disk readers' threads: their copies wait
+    /// for nothing else queued on the device.
+    pub(crate) upload: Arc<CudaStream>,
     /// Host-tier buffers for reuse (`tier.rs`).
     pub(crate) pinned_pool: Arc<PinnedPool>,
     /// Per-shape GEMM choices for few rows (`gemm.rs`); `None` without libcublasLt.
@@ -205,6 +210,7 @@ impl CudaBackend {
         let device_name = ctx.name()?;
         let profiler = Profiler::from_env(&ctx, &stream);
         let side = ctx.new_stream()?;
+        let upload = ctx.new_stream()?;
         let inject_fence = Arc::new(ctx.new_event(None)?);
         let pinned_pool = Arc::new(PinnedPool::new(ctx.clone(), inject_fence.clone()));
         let tuner = if crate::kernels::library_present("cublasLt") {
@@ -224,6 +230,7 @@ impl CudaBackend {
             profiler,
             staging: Arc::new(Mutex::new(None)),
             side,
+            upload,
             pinned_pool,
             inject_fence,
             tuner,
@@ -253,6 +260,22 @@ impl CudaBackend {
             Storage::Kept(k) => self.ptr(&k.slice),
             Storage::Host(h) => h.ptr(),
             Storage::HostFp8(h) => h.ptr(),
+            Storage::DeviceFp8(d) => {
+                let (slice, codes, _) = d.parts();
+                self.ptr(slice) + codes as u64
+            }
+        }
+    }
+
+    /// Where the per-head scales of an fp8 tensor are (`None`: not fp8).
+    pub(crate) fn scales_ptr(&self, t: &CudaTensor) -> Option<u64> {
+        match &t.data {
+            Storage::HostFp8(h) => Some(h.scales_ptr()),
+            Storage::DeviceFp8(d) => {
+                let (slice, _, scales) = d.parts();
+                Some(self.ptr(slice) + scales as u64)
+            }
+            _ => None,
         }
     }
 
@@ -439,17 +462,26 @@ impl Backend for CudaBackend {
         true
     }
 
-    fn host_tier_upload(&self) -> Option<inferscale_engine::backend::HostTierUpload<CudaTensor>> {
+    fn host_tier_upload(&self) -> Option<inferscale_engine::backend::KvUpload<CudaTensor>> {
         Some(self.host_tier_uploader())
     }
 
-    fn host_tier_upload_fp8(&self) -> Option<inferscale_engine::backend::HostTierUploadFp8<CudaTensor>> {
+    fn host_tier_upload_fp8(&self) -> Option<inferscale_engine::backend::KvUploadFp8<CudaTensor>> {
         Some(self.host_tier_uploader_fp8())
+    }
+
+    fn device_tier_upload(&self) -> Option<inferscale_engine::backend::KvUpload<CudaTensor>> {
+        Some(self.device_tier_uploader())
+    }
+
+    fn device_tier_upload_fp8(&self) -> Option<inferscale_engine::backend::KvUploadFp8<CudaTensor>> {
+        Some(self.device_tier_uploader_fp8())
     }
 
     fn stored_bytes(&self, t: &CudaTensor) -> usize {
         match &t.data {
             Storage::HostFp8(h) => t.len() + 4 * h.heads,
+            Storage::DeviceFp8(d) => t.len() + 4 * d.heads,
             _ => t.len() * 2,
         }
     }
@@ -459,6 +491,21 @@ impl Backend for CudaBackend {
         match &t.data {
             Storage::Host(h) => return Ok(HostTensor { shape: vec![t.rows, t.cols], data: h.to_f32() }),
             Storage::HostFp8(h) => return h.to_host(t.cols),
+            Storage::DeviceFp8(d) => {
+                let (codes, scales) = d.bytes(&self.stream)?;
+                let kv = inferscale_engine::backend::Fp8Kv {
+                    rows: t.rows,
+                    cols: t.cols,
+                    heads: d.heads,
+                    tensors: 1,
+                    scales: &scales,
+                    codes: &codes,
+                };
+                return kv
+                    .decode()?
+                    .pop()
+                    .ok_or_else(|| shape_err("an fp8 device-tier tensor decoded to nothing".into()));
+            }
             _ => {}
         }
         let n = t.len();

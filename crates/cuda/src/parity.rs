@@ -166,6 +166,11 @@ enum KvSource {
     /// The same codes decoded on the host and uploaded as bf16 (what the
     /// host tier held of an fp8 record before the kernel could decode it).
     HostTierFp8Decoded,
+    /// fp8 codes with scales copied into the device tier by another thread
+    /// (a disk reader's upload), dequantized by the injection kernel.
+    DeviceTierFp8,
+    /// bf16 copied into the device tier by another thread.
+    DeviceTier,
 }
 
 /// fp8-e4m3 codes of `t` (`[rows, cols]`) with a scale per head of
@@ -340,37 +345,53 @@ impl<B: Backend> Ops for Dyn<'_, B> {
             let kh: Vec<_> = (0..layers).map(|l| host(c.seed + (100 * i + l) as u64, &[*ctx, kv_dim], 1.0)).collect();
             let vh: Vec<_> =
                 (0..layers).map(|l| host(c.seed + (100 * i + l) as u64 + 50, &[*ctx, kv_dim], 1.0)).collect();
-            let (k, v) = if matches!(src, KvSource::HostTierFp8 | KvSource::HostTierFp8Decoded) {
-                let hd = c.spec.head_dim;
-                let quantized: Vec<_> = kh.iter().chain(&vh).map(|t| fp8_quantize(t, hd)).collect();
-                let mut k = if src == KvSource::HostTierFp8 {
-                    let scales: Vec<u8> =
-                        quantized.iter().flat_map(|q| q.0.iter().flat_map(|s| s.to_le_bytes())).collect();
-                    let codes: Vec<u8> = quantized.iter().flat_map(|q| q.1.iter().copied()).collect();
-                    let kv = fp8::Fp8Kv {
-                        rows: *ctx,
-                        cols: kv_dim,
-                        heads: kv_dim / hd,
-                        tensors: 2 * layers,
-                        scales: &scales,
-                        codes: &codes,
+            let (k, v) =
+                if matches!(src, KvSource::HostTierFp8 | KvSource::HostTierFp8Decoded | KvSource::DeviceTierFp8) {
+                    let hd = c.spec.head_dim;
+                    let quantized: Vec<_> = kh.iter().chain(&vh).map(|t| fp8_quantize(t, hd)).collect();
+                    let mut k = if src != KvSource::HostTierFp8Decoded {
+                        let scales: Vec<u8> =
+                            quantized.iter().flat_map(|q| q.0.iter().flat_map(|s| s.to_le_bytes())).collect();
+                        let codes: Vec<u8> = quantized.iter().flat_map(|q| q.1.iter().copied()).collect();
+                        let kv = fp8::Fp8Kv {
+                            rows: *ctx,
+                            cols: kv_dim,
+                            heads: kv_dim / hd,
+                            tensors: 2 * layers,
+                            scales: &scales,
+                            codes: &codes,
+                        };
+                        let none = || EngineError::Shape("this backend keeps no fp8 in that tier".into());
+                        let up = match src {
+                            KvSource::DeviceTierFp8 => be.device_tier_upload_fp8(),
+                            _ => be.host_tier_upload_fp8(),
+                        };
+                        let up = up.ok_or_else(none)?;
+                        // Uploaded by another thread, as a disk reader does.
+                        std::thread::scope(|s| s.spawn(|| up(&kv)).join())
+                            .map_err(|_| EngineError::Shape("the upload thread panicked".into()))??
+                    } else {
+                        be.upload_rows_host_tier(&quantized.iter().map(|q| &q.2).collect::<Vec<_>>())?
                     };
-                    let none = || EngineError::Shape("this backend keeps no fp8 in a host tier".into());
-                    let up = be.host_tier_upload_fp8().ok_or_else(none)?;
-                    up(&kv)?
+                    let v = k.split_off(layers);
+                    (k, v)
+                } else if src == KvSource::HostTier {
+                    let mut k = be.upload_rows_host_tier(&kh.iter().chain(&vh).collect::<Vec<_>>())?;
+                    let v = k.split_off(layers);
+                    (k, v)
+                } else if src == KvSource::DeviceTier {
+                    let none = || EngineError::Shape("this backend has no device-tier upload".into());
+                    // The CPU has one memory: its "host tier" upload places there.
+                    let up = be.device_tier_upload().or_else(|| be.host_tier_upload()).ok_or_else(none)?;
+                    let ts: Vec<&HostTensor> = kh.iter().chain(&vh).collect();
+                    let mut k = std::thread::scope(|s| s.spawn(|| up(&ts)).join())
+                        .map_err(|_| EngineError::Shape("the upload thread panicked".into()))??;
+                    let v = k.split_off(layers);
+                    (k, v)
                 } else {
-                    be.upload_rows_host_tier(&quantized.iter().map(|q| &q.2).collect::<Vec<_>>())?
+                    let keep = src == KvSource::Kept;
+                    (upload_kv(be, &kh, keep)?, upload_kv(be, &vh, keep)?)
                 };
-                let v = k.split_off(layers);
-                (k, v)
-            } else if src == KvSource::HostTier {
-                let mut k = be.upload_rows_host_tier(&kh.iter().chain(&vh).collect::<Vec<_>>())?;
-                let v = k.split_off(layers);
-                (k, v)
-            } else {
-                let keep = src == KvSource::Kept;
-                (upload_kv(be, &kh, keep)?, upload_kv(be, &vh, keep)?)
-            };
             // Positions past the RoPE table exercise the on-the-fly path.
             let positions: Vec<u32> = (0..*ctx as u32).map(|t| t * 37 + 8000 * i as u32).collect();
             let slots: Vec<u32> = (0..*ctx as u32).map(|t| table[(t / bs) as usize] * bs + t % bs).collect();
@@ -565,7 +586,11 @@ pub fn ops<G: Backend>(gpu: &G) -> R<Report> {
         // stream, in groups of layers, read by gather_kv and copy_blocks on
         // the main stream after their waits.
         let c = PagedCase { spec: KvSpec { num_layers: 7, ..spec }, ..c };
-        for (src, what) in [(KvSource::Kept, "kept on the device"), (KvSource::HostTier, "from the host tier")] {
+        for (src, what) in [
+            (KvSource::Kept, "kept on the device"),
+            (KvSource::HostTier, "from the host tier"),
+            (KvSource::DeviceTier, "uploaded to the device tier by another thread"),
+        ] {
             both(
                 &cpu,
                 gpu,
@@ -588,8 +613,39 @@ pub fn ops<G: Backend>(gpu: &G) -> R<Report> {
             "inject_kv d{hd} {heads}/{kv_heads} heads: fp8 in the host tier = decoded on the host, bit for bit"
         );
         out.push(Check { name, error: bit_error(&fp8, &decoded), tolerance: 0.0, control: false });
+        // The same codes in device memory (a read the device tier had room for).
+        let device = Dyn(gpu).inject(&c, &rope, KvSource::DeviceTierFp8)?;
+        let name = format!(
+            "inject_kv d{hd} {heads}/{kv_heads} heads: fp8 in the device tier = decoded on the host, bit for bit"
+        );
+        out.push(Check { name, error: bit_error(&device, &decoded), tolerance: 0.0, control: false });
+        let name =
+            format!("to_host d{hd}: fp8 in the host tier and in the device tier = the decoded codes, bit for bit");
+        out.push(Check { name, error: fp8_read_back(gpu, hd)?, tolerance: 0.0, control: false });
     }
     Ok(out)
+}
+
+/// How far `to_host` of fp8 tensors in either tier (what a shard's export
+/// reads of a cached fact) is from decoding their codes on the host: the
+/// largest bit error over both tiers (0 when exact).
+fn fp8_read_back<G: Backend>(gpu: &G, hd: usize) -> R<f64> {
+    let ts = [host(71, &[5, 2 * hd], 1.0), host(72, &[5, 2 * hd], 2.0)];
+    let q: Vec<_> = ts.iter().map(|t| fp8_quantize(t, hd)).collect();
+    let scales: Vec<u8> = q.iter().flat_map(|q| q.0.iter().flat_map(|s| s.to_le_bytes())).collect();
+    let codes: Vec<u8> = q.iter().flat_map(|q| q.1.iter().copied()).collect();
+    let kv = fp8::Fp8Kv { rows: 5, cols: 2 * hd, heads: 2, tensors: 2, scales: &scales, codes: &codes };
+    let want: Vec<f32> = q.iter().flat_map(|q| q.2.data.iter().copied()).collect();
+    let mut worst = 0.0f64;
+    for up in [gpu.host_tier_upload_fp8(), gpu.device_tier_upload_fp8()] {
+        let up = up.ok_or_else(|| EngineError::Shape("this backend keeps no fp8 in a tier".into()))?;
+        let mut got = Vec::new();
+        for t in up(&kv)? {
+            got.extend(gpu.to_host(&t)?.data);
+        }
+        worst = worst.max(bit_error(&got, &want));
+    }
+    Ok(worst)
 }
 
 /// Small random-weight models of the shapes we support.

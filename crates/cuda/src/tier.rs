@@ -27,7 +27,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys::{CU_MEMHOSTALLOC_DEVICEMAP, CU_MEMHOSTALLOC_PORTABLE};
-use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, LaunchConfig, PinnedHostSlice};
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PinnedHostSlice};
 use half::bf16;
 use inferscale_engine::Result;
 use inferscale_engine::backend::{Fp8Kv, InjectChunk, matrix_dims};
@@ -149,12 +149,12 @@ impl PinnedPool {
 /// stream has been made to wait for the injection fence: no side-stream
 /// injection still reading it can see it reused. The wait is queued, not
 /// taken on the host.
-pub(crate) struct KeptRows {
-    pub(crate) slice: CudaSlice<bf16>,
+pub(crate) struct KeptRows<T: DeviceRepr = bf16> {
+    pub(crate) slice: CudaSlice<T>,
     fence: Arc<CudaEvent>,
 }
 
-impl Drop for KeptRows {
+impl<T: DeviceRepr> Drop for KeptRows<T> {
     fn drop(&mut self) {
         // Runs before `slice` is dropped (and so freed on its stream). As
         // above, a failed wait surfaces at the next call.
@@ -227,6 +227,32 @@ impl HostFp8Rows {
     }
 }
 
+/// A tensor's fp8 codes and its KV heads' scales inside one device
+/// allocation of the device tier, laid out as in the host tier
+/// ([`to_device_tier_fp8`]); freed as kept device memory is.
+pub(crate) struct DeviceFp8Rows {
+    buf: Arc<KeptRows<u8>>,
+    codes: usize,
+    scales: usize,
+    len: usize,
+    pub(crate) heads: usize,
+}
+
+impl DeviceFp8Rows {
+    /// The allocation, and the byte offsets of the codes and the scales.
+    pub(crate) fn parts(&self) -> (&CudaSlice<u8>, usize, usize) {
+        (&self.buf.slice, self.codes, self.scales)
+    }
+
+    /// Codes and scales copied back (`len` bytes, `4 · heads` bytes).
+    pub(crate) fn bytes(&self, stream: &Arc<CudaStream>) -> Result<(Vec<u8>, Vec<u8>)> {
+        let s = &self.buf.slice;
+        let codes = stream.clone_dtoh(&s.slice(self.codes..self.codes + self.len)).cu()?;
+        let scales = stream.clone_dtoh(&s.slice(self.scales..self.scales + 4 * self.heads)).cu()?;
+        Ok((codes, scales))
+    }
+}
+
 /// Layer ranges of the side-stream launches: one layer, one layer, then
 /// doubling up to [`MAX_GROUP_LAYERS`] — the first layers are needed first.
 pub(crate) fn layer_groups(layers: usize) -> Vec<Range<usize>> {
@@ -262,15 +288,29 @@ impl CudaBackend {
 
     /// [`CudaBackend::to_host_tier`] for any thread: the context binds
     /// itself to the calling thread for an allocation.
-    pub(crate) fn host_tier_uploader(&self) -> inferscale_engine::backend::HostTierUpload<CudaTensor> {
+    pub(crate) fn host_tier_uploader(&self) -> inferscale_engine::backend::KvUpload<CudaTensor> {
         let pool = self.pinned_pool.clone();
         Arc::new(move |ts: &[&HostTensor]| to_host_tier(&pool, ts))
     }
 
     /// The host-tier upload of fp8 records as they are stored, for any thread.
-    pub(crate) fn host_tier_uploader_fp8(&self) -> inferscale_engine::backend::HostTierUploadFp8<CudaTensor> {
+    pub(crate) fn host_tier_uploader_fp8(&self) -> inferscale_engine::backend::KvUploadFp8<CudaTensor> {
         let pool = self.pinned_pool.clone();
         Arc::new(move |kv: &Fp8Kv<'_>| to_host_tier_fp8(&pool, kv))
+    }
+
+    /// Device-tier uploads for any thread (a disk reader): bf16 tensors
+    /// kept as the device memory of an ingest's encodings is, copied on
+    /// the backend's upload stream, which only that copy waits for.
+    pub(crate) fn device_tier_uploader(&self) -> inferscale_engine::backend::KvUpload<CudaTensor> {
+        let (stream, fence) = (self.upload.clone(), self.inject_fence.clone());
+        Arc::new(move |ts: &[&HostTensor]| to_device_tier(&stream, &fence, ts))
+    }
+
+    /// The device-tier upload of fp8 records as they are stored.
+    pub(crate) fn device_tier_uploader_fp8(&self) -> inferscale_engine::backend::KvUploadFp8<CudaTensor> {
+        let (stream, fence) = (self.upload.clone(), self.inject_fence.clone());
+        Arc::new(move |kv: &Fp8Kv<'_>| to_device_tier_fp8(&stream, &fence, kv))
     }
 
     /// The table of one `inject_kv` launch over `chunks` — bf16 tensors
@@ -282,9 +322,9 @@ impl CudaBackend {
         for (kt, vt) in tensors {
             k.push(self.tp(kt));
             v.push(self.tp(vt));
-            if let (Storage::HostFp8(a), Storage::HostFp8(b)) = (&kt.data, &vt.data) {
-                ks.push(a.scales_ptr());
-                vs.push(b.scales_ptr());
+            if let (Some(a), Some(b)) = (self.scales_ptr(kt), self.scales_ptr(vt)) {
+                ks.push(a);
+                vs.push(b);
             }
         }
         let arrays: Vec<&[u64]> = match fp8 {
@@ -429,6 +469,59 @@ fn to_host_tier_fp8(pool: &Arc<PinnedPool>, kv: &Fp8Kv<'_>) -> Result<Vec<CudaTe
             }),
             rows: kv.rows,
             cols: kv.cols,
+        })
+        .collect())
+}
+
+/// Copies an fp8 record's scales and codes, as stored, into one device
+/// allocation of the device tier, in the host tier's layout (scales first,
+/// padded to 16 bytes; each tensor's codes after). The copy runs on
+/// `stream`, which is synchronised before the tensors are returned; the
+/// allocation is freed on it after the injection fence.
+fn to_device_tier_fp8(stream: &Arc<CudaStream>, fence: &Arc<CudaEvent>, kv: &Fp8Kv<'_>) -> Result<Vec<CudaTensor>> {
+    kv.check()?;
+    let scale_bytes = kv.scales.len().div_ceil(16) * 16;
+    let total = scale_bytes + kv.codes.len();
+    // SAFETY: the two copies below write every byte a tensor reads (the
+    // padding after the scales is never read).
+    let mut slice = unsafe { stream.alloc::<u8>(total.max(1)) }.cu()?;
+    stream.memcpy_htod(kv.scales, &mut slice.slice_mut(..kv.scales.len())).cu()?;
+    stream.memcpy_htod(kv.codes, &mut slice.slice_mut(scale_bytes..total)).cu()?;
+    stream.synchronize().cu()?;
+    let buf = Arc::new(KeptRows { slice, fence: fence.clone() });
+    let per = kv.rows * kv.cols;
+    Ok((0..kv.tensors)
+        .map(|i| CudaTensor {
+            data: Storage::DeviceFp8(DeviceFp8Rows {
+                buf: buf.clone(),
+                codes: scale_bytes + i * per,
+                scales: 4 * i * kv.heads,
+                len: per,
+                heads: kv.heads,
+            }),
+            rows: kv.rows,
+            cols: kv.cols,
+        })
+        .collect())
+}
+
+/// Copies tensors into device memory of the device tier as bf16, each kept
+/// ([`KeptRows`]), on `stream` (synchronised before they are returned).
+fn to_device_tier(stream: &Arc<CudaStream>, fence: &Arc<CudaEvent>, ts: &[&HostTensor]) -> Result<Vec<CudaTensor>> {
+    let mut out = Vec::with_capacity(ts.len());
+    for t in ts {
+        let (rows, cols) = matrix_dims(t)?;
+        let host: Vec<bf16> = t.data.par_iter().with_min_len(1 << 14).map(|&x| bf16::from_f32(x)).collect();
+        let slice = stream.clone_htod(if host.is_empty() { &[bf16::ZERO][..] } else { &host }).cu()?;
+        out.push((slice, rows, cols));
+    }
+    stream.synchronize().cu()?;
+    Ok(out
+        .into_iter()
+        .map(|(slice, rows, cols)| CudaTensor {
+            data: Storage::Kept(KeptRows { slice, fence: fence.clone() }),
+            rows,
+            cols,
         })
         .collect())
 }

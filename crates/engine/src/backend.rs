@@ -172,14 +172,16 @@ pub struct InjectChunk<'a, T> {
     pub slots: &'a [u32],
 }
 
-/// A backend's host-tier upload ([`Backend::host_tier_upload`]): stored
-/// KV tensors in, the backend's tensors (in its host tier) out.
-pub type HostTierUpload<T> = std::sync::Arc<dyn Fn(&[&HostTensor]) -> Result<Vec<T>> + Send + Sync>;
+/// A backend's upload of stored KV that any thread may call
+/// ([`Backend::host_tier_upload`], [`Backend::device_tier_upload`]): stored
+/// KV tensors in, the backend's tensors (in the tier it places them in) out.
+pub type KvUpload<T> = std::sync::Arc<dyn Fn(&[&HostTensor]) -> Result<Vec<T>> + Send + Sync>;
 
 pub use crate::fp8::Fp8Kv;
 
-/// A backend's host-tier upload of fp8 KV as stored ([`Backend::host_tier_upload_fp8`]).
-pub type HostTierUploadFp8<T> = std::sync::Arc<dyn Fn(&Fp8Kv<'_>) -> Result<Vec<T>> + Send + Sync>;
+/// A backend's upload of fp8 KV as stored, kept as fp8 where it is placed
+/// ([`Backend::host_tier_upload_fp8`], [`Backend::device_tier_upload_fp8`]).
+pub type KvUploadFp8<T> = std::sync::Arc<dyn Fn(&Fp8Kv<'_>) -> Result<Vec<T>> + Send + Sync>;
 
 /// Tensor operations over some device. Implementations know nothing of models.
 pub trait Backend: Send + Sync + 'static {
@@ -255,18 +257,33 @@ pub trait Backend: Send + Sync + 'static {
     /// memory — its allocation and the conversion into it — is host work:
     /// the memory's disk readers do it, so that the thread driving the
     /// device does not.
-    fn host_tier_upload(&self) -> Option<HostTierUpload<Self::Tensor>> {
+    fn host_tier_upload(&self) -> Option<KvUpload<Self::Tensor>> {
         None
     }
     /// Like [`Backend::host_tier_upload`], for fp8 records kept as fp8 in
     /// the host tier — half of bf16's bytes there and on the bus — and
     /// dequantized by [`Backend::inject_kv`] as it writes the cache. `None`:
     /// fp8 records are decoded on the host and uploaded as any others.
-    fn host_tier_upload_fp8(&self) -> Option<HostTierUploadFp8<Self::Tensor>> {
+    fn host_tier_upload_fp8(&self) -> Option<KvUploadFp8<Self::Tensor>> {
         None
     }
-    /// Bytes `t` holds where it lives (a tensor the host tier keeps as fp8
-    /// holds about half of bf16's): what the KV cache counts against its
+    /// Like [`Backend::host_tier_upload`], into device memory, for a backend
+    /// with a host tier: KV read from disk that the memory's cache places in
+    /// its device tier while that has room. The upload waits for its own
+    /// copy only (a stream of its own), not for the device's other work.
+    /// `None`: such reads go to the host tier.
+    fn device_tier_upload(&self) -> Option<KvUpload<Self::Tensor>> {
+        None
+    }
+    /// [`Backend::device_tier_upload`] for fp8 records, kept as fp8 in
+    /// device memory and dequantized by [`Backend::inject_kv`]. `None`: fp8
+    /// records bound for the device are decoded and go through
+    /// [`Backend::device_tier_upload`].
+    fn device_tier_upload_fp8(&self) -> Option<KvUploadFp8<Self::Tensor>> {
+        None
+    }
+    /// Bytes `t` holds where it lives (a tensor kept as fp8 holds about
+    /// half of bf16's): what the KV cache counts against its
     /// budgets.
     fn stored_bytes(&self, t: &Self::Tensor) -> usize {
         let (rows, cols) = self.dims(t);

@@ -12,7 +12,7 @@ use std::ops::Range;
 
 use inferscale_model::HostTensor;
 
-use crate::backend::{Backend, HostTierUpload, InjectChunk};
+use crate::backend::{Backend, InjectChunk, KvUpload};
 use crate::engine::{Captured, Engine, Sequence};
 use crate::error::{EngineError, Result};
 
@@ -70,7 +70,7 @@ impl<B: Backend> KvChunk<B> {
     /// [`KvChunk::from_host_tier`] through a backend's
     /// [`Backend::host_tier_upload`], on whatever thread holds it.
     pub fn from_host_tier_with(
-        upload: &HostTierUpload<B::Tensor>,
+        upload: &KvUpload<B::Tensor>,
         tokens: Vec<u32>,
         k: &[HostTensor],
         v: &[HostTensor],

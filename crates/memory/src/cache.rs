@@ -11,11 +11,15 @@
 //!
 //! Policy: least recently used within each tier, a fact in one tier at a
 //! time, and no copies between the tiers on a request's path. KV read from
-//! disk is decoded on the host, so it goes to the host tier when the
+//! disk goes to the device tier while that has room (the reader thread
+//! copies it there on a stream of its own; reads bound for the device
+//! reserve their bytes until cached), else to the host tier when the
 //! backend has one (a copy into pinned memory, no device work; injection
 //! reads it over the bus, overlapped with the prefill: +2.1 ms at k = 50
-//! for the 8B shape, docs/design.md §8), else to the device; the tier's
-//! least recently used facts are dropped to make room (the disk has them).
+//! for the 8B shape, docs/design.md §8), whose least recently used facts
+//! are dropped to make room (the disk has them). A full device tier does
+//! not turn over on reads: after a restart it holds the first facts asked
+//! for, which under skewed popularity are mostly the popular users'.
 //! KV computed on the device (an ingest's encoding) stays there where it
 //! fits without evicting, else goes to the host tier where it fits, else
 //! only to disk: an ingest does not push out the users being served. A hit
@@ -90,13 +94,14 @@ impl<B: Backend> Entry<B> {
 }
 
 /// KV to cache: already where it was computed (a device chunk), host
-/// tensors read from a segment, or those tensors already placed where
-/// reads are cached by the backend's [`Backend::host_tier_upload`] (only
-/// ever inserted on demand, so they land where reads go).
+/// tensors read from a segment, or those tensors already placed by a
+/// reader thread in the tier [`KvCache::read_target`] chose (with the
+/// backend's [`Backend::device_tier_upload`] or
+/// [`Backend::host_tier_upload`] and their fp8 kin).
 pub(crate) enum Source<B: Backend> {
     Chunk(KvChunk<B>),
     Host { tokens: Vec<u32>, k: Vec<HostTensor>, v: Vec<HostTensor> },
-    Uploaded(KvChunk<B>),
+    Uploaded(KvChunk<B>, Tier),
 }
 
 /// How hard an insertion may push.
@@ -117,6 +122,8 @@ pub(crate) struct KvCache<B: Backend> {
     /// Whether the backend has a host tier apart from its device memory.
     host_tier: bool,
     clock: u64,
+    /// Device bytes reserved by reads bound for the device tier.
+    reserved: u64,
     /// Bytes per stored K or V element on the backend.
     bytes_per_value: u64,
     /// Per token: 2 (K, V) × layers × kv_dim values.
@@ -138,6 +145,7 @@ impl<B: Backend> KvCache<B> {
             budgets,
             host_tier,
             clock: 0,
+            reserved: 0,
             bytes_per_value: bytes_per_value as u64,
             values_per_token: (2 * layers * kv_dim) as u64,
             stats: CacheStats::default(),
@@ -157,6 +165,40 @@ impl<B: Backend> KvCache<B> {
         self.entries.get(&key).map(|e| e.tier)
     }
 
+    /// Bytes per stored K or V element on the backend.
+    pub(crate) fn bytes_per_value(&self) -> u64 {
+        self.bytes_per_value
+    }
+
+    /// The tier a read of a fact of `tokens` tokens goes to, and the device
+    /// bytes reserved for it until [`KvCache::release`]: the device tier
+    /// while it has room beside what is resident and the reads already
+    /// bound for it, else the host tier (evicting there). `per_value`:
+    /// bytes per K or V value the read will take in device memory (`None`:
+    /// the backend cannot place reads there from another thread). Without
+    /// a host tier every read goes to the device (and reserves nothing:
+    /// there is no other place).
+    pub(crate) fn read_target(&mut self, tokens: usize, per_value: Option<u64>) -> (Tier, u64) {
+        if !self.host_tier {
+            return (Tier::Device, 0);
+        }
+        let Some(per_value) = per_value else { return (Tier::Host, 0) };
+        let bytes = tokens as u64 * self.values_per_token * per_value;
+        match self.fits(Tier::Device, self.reserved.saturating_add(bytes)) {
+            true => {
+                self.reserved += bytes;
+                (Tier::Device, bytes)
+            }
+            false => (Tier::Host, 0),
+        }
+    }
+
+    /// Releases device bytes [`KvCache::read_target`] reserved (the read is
+    /// cached, or dropped).
+    pub(crate) fn release(&mut self, reserved: u64) {
+        self.reserved = self.reserved.saturating_sub(reserved);
+    }
+
     /// Marks `key` used now; returns the tier it is in.
     pub(crate) fn hit(&mut self, key: u64) -> Option<Tier> {
         let tier = self.tier(key)?;
@@ -171,28 +213,33 @@ impl<B: Backend> KvCache<B> {
         self.remove(key);
         let bytes = match &source {
             // What it holds where the reader put it (fp8 kept as fp8: half).
-            Source::Uploaded(c) => c.k.iter().chain(&c.v).map(|t| be.stored_bytes(t) as u64).sum(),
+            Source::Uploaded(c, _) => c.k.iter().chain(&c.v).map(|t| be.stored_bytes(t) as u64).sum(),
             Source::Chunk(c) => c.len() as u64 * self.values_per_token * self.bytes_per_value,
             Source::Host { tokens, .. } => tokens.len() as u64 * self.values_per_token * self.bytes_per_value,
         };
         let host_tier = self.host_tier;
-        // Where KV read from disk (host tensors) goes.
+        // Where KV goes that no reader placed (the host tier, which holds
+        // more, when there is one).
         let home = if host_tier { Tier::Host } else { Tier::Device };
-        let tier = match admit {
-            Admit::Fill if self.fits(Tier::Device, bytes) => Tier::Device,
-            Admit::Fill if host_tier && self.fits(Tier::Host, bytes) => Tier::Host,
-            Admit::Fill => return Ok(None),
-            Admit::Demand => {
-                if !self.make_room(home, bytes) {
+        let tier = match (admit, &source) {
+            (Admit::Fill, _) if self.fits(Tier::Device, bytes) => Tier::Device,
+            (Admit::Fill, _) if host_tier && self.fits(Tier::Host, bytes) => Tier::Host,
+            (Admit::Fill, _) => return Ok(None),
+            (Admit::Demand, source) => {
+                let tier = match source {
+                    Source::Uploaded(_, placed) => *placed,
+                    _ => home,
+                };
+                if !self.make_room(tier, bytes) {
                     self.stats.over_budget += 1;
                 }
-                home
+                tier
             }
         };
         let chunk = match (source, tier) {
             (Source::Chunk(c), Tier::Device) => c,
-            (Source::Uploaded(c), _) => {
-                debug_assert_eq!(tier, home, "a reader's KV is cached where reads go");
+            (Source::Uploaded(c, placed), _) => {
+                debug_assert_eq!(tier, placed, "a reader's KV is cached where it placed it");
                 c
             }
             (Source::Chunk(c), Tier::Host) => {
@@ -313,12 +360,13 @@ mod tests {
     }
 
     #[test]
-    fn reads_go_to_the_host_tier_encodings_to_the_device_and_each_tier_drops_its_oldest() {
+    fn unplaced_reads_go_to_the_host_tier_encodings_to_the_device_and_each_tier_drops_its_oldest() {
         let be = CpuBackend;
         let mut c = cache();
         use Tier::*;
-        // KV read from disk goes to the host tier, which drops its least
-        // recently used to make room; a hit is served where it is.
+        // KV read from disk that no reader placed goes to the host tier,
+        // which drops its least recently used to make room; a hit is served
+        // where it is.
         for key in 0..2 {
             assert_eq!(c.insert(&be, key, fact(1, key as f32), Admit::Demand).unwrap(), Some(Host));
         }
@@ -344,6 +392,43 @@ mod tests {
         assert_eq!(k[0].data, [11.0, 11.0]);
         c.remove(0);
         assert_eq!((c.bytes(Host), c.tier(0)), (16, None));
+    }
+
+    #[test]
+    fn reads_go_to_the_device_while_it_has_room_counting_reads_in_flight() {
+        let be = CpuBackend;
+        let mut c = cache();
+        use Tier::*;
+        // 16 bytes a one-token fact at 4 bytes a value: the device's 48 take three.
+        let placed = |c: &mut KvCache<CpuBackend>, key: u64, to: Tier| {
+            let Source::Host { tokens, k, v } = fact(1, key as f32) else { unreachable!() };
+            let chunk = KvChunk::from_host(&be, tokens, &k, &v).unwrap();
+            c.insert(&be, key, Source::Uploaded(chunk, to), Admit::Demand).unwrap()
+        };
+        let (a, ra) = c.read_target(1, Some(4));
+        let (b, rb) = c.read_target(1, Some(4));
+        assert_eq!((a, ra, b, rb), (Device, 16, Device, 16));
+        assert_eq!(placed(&mut c, 0, a), Some(Device));
+        c.release(ra);
+        // One resident and one in flight leave room for one more, not two.
+        assert_eq!(c.read_target(1, Some(4)), (Device, 16));
+        assert_eq!(c.read_target(1, Some(4)), (Host, 0), "the device is spoken for");
+        c.release(rb);
+        c.release(16);
+        // A backend that cannot upload to the device from a reader: host.
+        assert_eq!(c.read_target(1, None), (Host, 0));
+        // fp8 kept as fp8 reserves a byte a value: four one-token facts' worth.
+        assert_eq!(c.read_target(2, Some(1)), (Device, 8));
+        c.release(8);
+        assert_eq!(placed(&mut c, 1, Device), Some(Device));
+        assert_eq!(placed(&mut c, 2, Device), Some(Device));
+        assert_eq!(c.read_target(1, Some(4)), (Host, 0), "device full");
+        assert_eq!(placed(&mut c, 3, Host), Some(Host));
+        assert_eq!(tiers(&c, 0..4), [Some(Device), Some(Device), Some(Device), Some(Host)]);
+        assert_eq!(c.stats.evictions, [0, 0]);
+        // Without a host tier every read goes to the device and reserves nothing.
+        let mut one = KvCache::<CpuBackend>::with_tiers(Budgets { device: Some(16), host: None }, false, 4, 1, 2);
+        assert_eq!(one.read_target(100, Some(4)), (Device, 0));
     }
 
     #[test]

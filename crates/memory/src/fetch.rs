@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use inferscale_engine::backend::{HostTierUpload, HostTierUploadFp8};
+use inferscale_engine::backend::{KvUpload, KvUploadFp8};
 use inferscale_engine::{Backend, KvChunk};
 
 use crate::cache::{Admit, Source, Tier};
@@ -16,7 +16,6 @@ use crate::error::{MemoryError, Result};
 use crate::kvseg::{KvFormat, KvHeader, StoredKv};
 use crate::log::{Frame, read_frame_at};
 use crate::shard::Memory;
-use crate::user::UserShard;
 
 /// KV a request holds: while this lives, the cache does not evict it.
 pub struct Pinned<B: Backend> {
@@ -82,21 +81,44 @@ pub struct ReadJob<B: Backend> {
     seg: KvHeader,
     fact_id: String,
     tokens: Vec<u32>,
-    /// Places the KV where the cache keeps reads (`Memory::upload`).
-    upload: Uploads<B::Tensor>,
+    /// The tier the cache chose for it, and the device bytes it reserved
+    /// there ([`Memory::read_jobs`]).
+    to: Tier,
+    reserved: u64,
+    /// Places the KV in that tier (`None`: the engine thread places it).
+    upload: TierUploads<B::Tensor>,
 }
 
-/// The backend's uploads that reader threads place what they read with
-/// (`None`: the engine thread places it).
+/// The backend's uploads that reader threads place what they read with,
+/// per tier.
 pub(crate) struct Uploads<T> {
-    pub(crate) bf: Option<HostTierUpload<T>>,
-    /// fp8 records kept as fp8 in the host tier.
-    pub(crate) fp8: Option<HostTierUploadFp8<T>>,
+    device: TierUploads<T>,
+    host: TierUploads<T>,
 }
 
-impl<T> Clone for Uploads<T> {
+/// One tier's uploads (`None`: the engine thread places it).
+pub(crate) struct TierUploads<T> {
+    bf: Option<KvUpload<T>>,
+    /// fp8 records kept as fp8 in that tier.
+    fp8: Option<KvUploadFp8<T>>,
+}
+
+impl<T> Clone for TierUploads<T> {
     fn clone(&self) -> Self {
-        Uploads { bf: self.bf.clone(), fp8: self.fp8.clone() }
+        TierUploads { bf: self.bf.clone(), fp8: self.fp8.clone() }
+    }
+}
+
+impl<T> Uploads<T> {
+    pub(crate) fn of<B: Backend<Tensor = T>>(be: &B) -> Self {
+        let host = TierUploads { bf: be.host_tier_upload(), fp8: be.host_tier_upload_fp8() };
+        // Without a host tier, the "host tier" uploads place KV as any
+        // upload does: in the backend's (only) memory.
+        let device = match be.has_host_tier() {
+            true => TierUploads { bf: be.device_tier_upload(), fp8: be.device_tier_upload_fp8() },
+            false => host.clone(),
+        };
+        Uploads { device, host }
     }
 }
 
@@ -123,9 +145,9 @@ impl<B: Backend> ReadJob<B> {
         ReadDone { job: self, result, seconds: t0.elapsed().as_secs_f64() }
     }
 
-    /// The record's KV as the cache takes it. An fp8 record goes into the
-    /// host tier as stored when the backend keeps fp8 there (its injection
-    /// dequantizes); any other is decoded and converted.
+    /// The record's KV as the cache takes it, placed in the job's tier. An
+    /// fp8 record goes there as stored when the backend keeps fp8 in that
+    /// tier (its injection dequantizes); any other is decoded and converted.
     fn place(&self, bytes: &[u8]) -> Result<Source<B>> {
         if let (Some(up), KvFormat::Fp8) = (&self.upload.fp8, self.seg.dtype) {
             let (fact_id, tokens, kv) = StoredKv::fp8_parts(bytes, &self.seg, &self.path)?;
@@ -133,7 +155,7 @@ impl<B: Backend> ReadJob<B> {
             match up(&kv) {
                 Ok(mut k) if k.len() == kv.tensors => {
                     let v = k.split_off(kv.tensors / 2);
-                    return Ok(Source::Uploaded(KvChunk { tokens, k, v }));
+                    return Ok(Source::Uploaded(KvChunk { tokens, k, v }, self.to));
                 }
                 // As below: decoded, the engine thread's own upload reports it.
                 _ => {}
@@ -143,7 +165,7 @@ impl<B: Backend> ReadJob<B> {
         self.check_ours(&s.fact_id, &s.tokens)?;
         let placed = self.upload.bf.as_ref().map(|up| KvChunk::from_host_tier_with(up, s.tokens.clone(), &s.k, &s.v));
         Ok(match placed {
-            Some(Ok(chunk)) => Source::Uploaded(chunk),
+            Some(Ok(chunk)) => Source::Uploaded(chunk, self.to),
             _ => Source::Host { tokens: s.tokens, k: s.k, v: s.v },
         })
     }
@@ -160,15 +182,35 @@ impl<B: Backend> ReadJob<B> {
             }),
         }
     }
+}
 
-    /// The read of `user`'s fact `i`'s record (`None`: it has none).
-    fn of(user: &str, shard: &UserShard<B>, i: usize, upload: &Uploads<B::Tensor>) -> Option<Self> {
+impl<B: Backend> Memory<B> {
+    /// The read of `user`'s fact `i`'s record (`None`: it has none), bound
+    /// for the tier the cache picks (`KvCache::read_target`): the device
+    /// while it has room, else the host tier.
+    fn read_job(&mut self, user: &str, i: usize) -> Option<ReadJob<B>> {
+        let shard = self.users.get(user)?;
         let (fact, kv) = (shard.facts.get(i)?, shard.kv.get(i)?);
+        let frame = kv.at?;
+        let device = &self.upload.device;
+        // What the record takes in device memory: fp8 as stored where the
+        // backend keeps it so, else the backend's own values.
+        let per_value = match (shard.seg.dtype, &device.fp8) {
+            (KvFormat::Fp8, Some(_)) => Some(1),
+            _ => device.bf.as_ref().map(|_| self.cache.bytes_per_value()),
+        };
+        let (to, reserved) = self.cache.read_target(fact.tokens.len(), per_value);
+        let upload = match to {
+            Tier::Device => device.clone(),
+            Tier::Host => self.upload.host.clone(),
+        };
         Some(ReadJob {
-            upload: upload.clone(),
+            upload,
+            to,
+            reserved,
             user: user.to_string(),
             key: kv.key,
-            frame: kv.at?,
+            frame,
             path: shard.kv_log.path().to_path_buf(),
             seg: shard.seg.clone(),
             fact_id: fact.unit.id.clone(),
@@ -194,9 +236,11 @@ impl<B: Backend> Memory<B> {
             return Ok(out);
         }
         let cold = std::mem::take(&mut out.cold);
-        let shard = self.users.get(user).ok_or_else(|| MemoryError::UnknownUser(user.to_string()))?;
+        if !self.users.contains_key(user) {
+            return Err(MemoryError::UnknownUser(user.to_string()));
+        }
         let jobs: Vec<(usize, ReadJob<B>)> =
-            cold.iter().filter_map(|&i| ReadJob::of(user, shard, i, &self.upload).map(|job| (i, job))).collect();
+            cold.iter().filter_map(|&i| self.read_job(user, i).map(|job| (i, job))).collect();
         let t0 = Instant::now();
         let (idx, jobs): (Vec<usize>, Vec<ReadJob<B>>) = jobs.into_iter().unzip();
         for (i, done) in idx.into_iter().zip(run_parallel(jobs)) {
@@ -254,11 +298,18 @@ impl<B: Backend> Memory<B> {
     /// thread to run ([`ReadJob::run`]); facts already being read, cached
     /// meanwhile, or without a record are left out.
     pub fn read_jobs(&mut self, user: &str, idxs: &[usize]) -> Result<Vec<ReadJob<B>>> {
-        let shard = self.users.get(user).ok_or_else(|| MemoryError::UnknownUser(user.to_string()))?;
+        let keys: Vec<Option<u64>> = {
+            let shard = self.users.get(user).ok_or_else(|| MemoryError::UnknownUser(user.to_string()))?;
+            idxs.iter().map(|&i| shard.kv.get(i).filter(|kv| kv.at.is_some()).map(|kv| kv.key)).collect()
+        };
         let mut jobs = Vec::new();
-        for &i in idxs {
-            let Some(job) = ReadJob::of(user, shard, i, &self.upload) else { continue };
-            if self.cache.get(job.key).is_none() && self.reading.insert(job.key) {
+        for (&i, key) in idxs.iter().zip(keys) {
+            let Some(key) = key else { continue };
+            if self.cache.get(key).is_some() || self.reading.contains(&key) {
+                continue;
+            }
+            if let Some(job) = self.read_job(user, i) {
+                self.reading.insert(key);
                 jobs.push(job);
             }
         }
@@ -272,6 +323,7 @@ impl<B: Backend> Memory<B> {
     pub fn complete_read(&mut self, be: &B, done: ReadDone<B>) -> Result<bool> {
         let ReadDone { job, result, .. } = done;
         self.reading.remove(&job.key);
+        self.cache.release(job.reserved);
         let Some(shard) = self.users.get(&job.user) else { return Ok(false) };
         let Some(i) = shard.kv.iter().position(|k| k.key == job.key && k.at == Some(job.frame)) else {
             return Ok(false);

@@ -177,8 +177,8 @@ pub struct Memory<B: Backend> {
     pub(crate) cache: KvCache<B>,
     /// Cache keys of facts being read off the engine thread (`fetch.rs`).
     pub(crate) reading: std::collections::HashSet<u64>,
-    /// The backend's upload for reads to place what they read where it
-    /// is cached, on their own thread (`None`: the caller's thread does).
+    /// The backend's uploads for reads to place what they read in the
+    /// tier the cache chose, on their own thread (`fetch.rs`).
     pub(crate) upload: crate::fetch::Uploads<B::Tensor>,
     /// The model's context, in tokens: an encoding (header, window, fact)
     /// must fit it.
@@ -293,7 +293,7 @@ impl<B: Backend> Memory<B> {
             encode_batch: ENCODE_BATCH,
             cache: KvCache::new(be, options.budgets, c.num_layers, c.kv_dim()),
             reading: Default::default(),
-            upload: crate::fetch::Uploads { bf: be.host_tier_upload(), fp8: be.host_tier_upload_fp8() },
+            upload: crate::fetch::Uploads::of(be),
             context: c.max_position_embeddings,
             retriever: Retriever::default(),
             _lock: lock,

@@ -631,7 +631,10 @@ impl<B: Backend> Core<B> {
         }
         l.header_cached = p.header_cached;
         l.header_tokens = p.header_tokens;
-        self.session.engine().backend().synchronize()?;
+        // No wait for the device: the injection runs on the backend's side
+        // stream and overlaps this step's forward, which waits for a layer's
+        // injected KV only when it reaches that layer. Waiting here cost a
+        // host-tier request the whole bus transfer before its step began.
         l.timings.inject_ms = ms(now.elapsed());
         l.phase = info_span!(parent: &l.job.span, "prefill", tokens = p.seq.pending() as i64);
         l.fact_ids = p.fact_ids;

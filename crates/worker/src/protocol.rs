@@ -59,6 +59,8 @@ pub struct GenerateJob {
 pub struct Timings {
     pub queue_ms: f64,
     pub retrieve_ms: f64,
+    /// Composing the request and queuing its injection on the host; the
+    /// device's part overlaps the prefill and is counted in `prefill_ms`.
     pub inject_ms: f64,
     pub prefill_ms: f64,
     pub first_token_ms: f64,

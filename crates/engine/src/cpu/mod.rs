@@ -98,13 +98,13 @@ impl Backend for CpuBackend {
         Ok(CpuTensor { rows, cols, data: t.data.clone(), packed: None })
     }
 
-    fn host_tier_upload(&self) -> Option<crate::backend::HostTierUpload<CpuTensor>> {
+    fn host_tier_upload(&self) -> Option<crate::backend::KvUpload<CpuTensor>> {
         Some(std::sync::Arc::new(|ts: &[&HostTensor]| ts.iter().map(|t| CpuBackend.upload_rows(t)).collect()))
     }
 
     /// The CPU computes in f32: fp8 records are dequantized as they are
     /// placed, on the reader's thread (the same values as decoding them).
-    fn host_tier_upload_fp8(&self) -> Option<crate::backend::HostTierUploadFp8<CpuTensor>> {
+    fn host_tier_upload_fp8(&self) -> Option<crate::backend::KvUploadFp8<CpuTensor>> {
         Some(std::sync::Arc::new(|kv: &crate::fp8::Fp8Kv<'_>| {
             kv.decode()?.iter().map(|t| CpuBackend.upload_rows(t)).collect()
         }))

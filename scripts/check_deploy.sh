@@ -10,9 +10,9 @@
 #                (framework dockerfile, inline skips in the Dockerfiles)
 #   chart        helm lint --strict (which applies values.schema.json) with
 #                values.yaml (GPU, the default), values-cpu.yaml,
-#                ci/external-values.yaml and ci/features-values.yaml (the
-#                optional features on), under Helm 3 and Helm 4; helm template
-#                of the same four, checked by kubernetes-validate --strict
+#                ci/external-values.yaml, ci/features-values.yaml (the
+#                optional features on) and ci/vllm-values.yaml (vLLM workers),
+#                under Helm 3 and Helm 4; helm template of the same five, checked by kubernetes-validate --strict
 #                against Kubernetes $K8S_VERSION (built-in kinds; the custom
 #                resources, which it has no schema for, by rendered_test.py);
 #                deploy/helm/tests/rendered_test.py on the rendered manifests;
@@ -269,7 +269,8 @@ say "check_deploy: $("$TOOLS/bin/helm3" version --short), $("$TOOLS/bin/helm4" v
 say "== deploy/docker"
 check "hadolint deploy/docker/*.Dockerfile" \
     "$HADOLINT" --no-color --config "$ROOT/deploy/docker/.hadolint.yaml" \
-    "$ROOT/deploy/docker/router.Dockerfile" "$ROOT/deploy/docker/worker.Dockerfile"
+    "$ROOT/deploy/docker/router.Dockerfile" "$ROOT/deploy/docker/worker.Dockerfile" \
+    "$ROOT/deploy/docker/worker-vllm.Dockerfile"
 check "checkov dockerfile deploy/docker" \
     checkov --framework dockerfile --compact --quiet -d "$ROOT/deploy/docker"
 
@@ -279,18 +280,20 @@ say "== deploy/helm/inferscale"
 # values files: label, then the helm arguments. ci/features-values.yaml turns
 # the optional features on (ServiceMonitors, Ingress, KEDA, models from an
 # image, classes, a ClusterIssuer) so that they are rendered and checked too.
-VARIANTS=(default cpu external features)
+VARIANTS=(default cpu external features vllm)
 declare -A VALUES_ARGS=(
     [default]=""
     [cpu]="-f $CHART/values-cpu.yaml"
     [external]="-f $CHART/ci/external-values.yaml"
     [features]="-f $CHART/ci/features-values.yaml"
+    [vllm]="-f $CHART/ci/vllm-values.yaml"
 )
 declare -A VALUES_NAME=(
     [default]="values.yaml (GPU)"
     [cpu]="values-cpu.yaml"
     [external]="ci/external-values.yaml"
     [features]="ci/features-values.yaml"
+    [vllm]="ci/vllm-values.yaml"
 )
 RENDERED="$WORK/rendered"
 mkdir -p "$RENDERED"
@@ -356,6 +359,13 @@ refuses_bad_values() {
     local H="${HELM:-$TOOLS/bin/helm4}"
     local t=("$H" template "$RELEASE" "$CHART" --namespace "$NAMESPACE")
     expect_fail "backend" "${t[@]}" --set worker.backend=tpu &&
+        expect_fail "vLLM on the CPU backend" "${t[@]}" --set worker.engine=vllm --set worker.backend=cpu \
+            --set worker.gpu.count=0 &&
+        expect_fail "vLLM workers scaled on their own metrics" "${t[@]}" --set worker.engine=vllm \
+            --set worker.autoscaling.enabled=true \
+            --set worker.autoscaling.prometheus.serverAddress=http://prometheus:9090 &&
+        expect_schema_refusal "schema: unknown engine" "${t[@]}" --set worker.engine=tgi &&
+        expect_schema_refusal "schema: GPU share above 1" "${t[@]}" --set-json worker.vllm.gpuMemoryUtilization=1.5 &&
         expect_fail "cuda without GPU" "${t[@]}" --set worker.gpu.count=0 &&
         expect_fail "drain longer than grace" "${t[@]}" --set worker.drain.waitSeconds=900 &&
         expect_fail "malformed key" "${t[@]}" --set 'apiKeys.keys[0]=no-tenant' &&
@@ -381,12 +391,12 @@ refuses_bad_values_both() {
         HELM="$H" refuses_bad_values || return 1
     done
 }
-check "helm3/helm4 template refuse bad values (16 cases, 5 by the schema alone)" refuses_bad_values_both
+check "helm3/helm4 template refuse bad values (20 cases, 7 by the schema alone)" refuses_bad_values_both
 
 # checkov on the rendered manifests. The dev values run with IfNotPresent
 # (images loaded into kind/minikube by hand are not in any registry), so
 # CKV_K8S_15 "pull policy Always" is skipped there, and only there.
-for v in default external features; do
+for v in default external features vllm; do
     mkdir -p "$RENDERED/checkov-$v"
     cp "$RENDERED/helm4-$v.yaml" "$RENDERED/checkov-$v/"
     check "checkov kubernetes: rendered ${VALUES_NAME[$v]}" \

@@ -3,8 +3,8 @@
 checks cannot see): wiring between the components, probes, drain, security.
 
 Usage: rendered_test.py DIR, where DIR holds default.yaml (values.yaml, GPU),
-cpu.yaml (values-cpu.yaml), external.yaml (ci/external-values.yaml) and
-features.yaml (ci/features-values.yaml), each the output of
+cpu.yaml (values-cpu.yaml), external.yaml (ci/external-values.yaml),
+features.yaml (ci/features-values.yaml) and vllm.yaml (ci/vllm-values.yaml), each the output of
 `helm template inferscale deploy/helm/inferscale -n inferscale` with those
 values (scripts/check_deploy.sh makes them). Needs PyYAML.
 
@@ -107,7 +107,11 @@ class Rendered(unittest.TestCase):
         cls.cpu = load("cpu.yaml")
         cls.external = load("external.yaml")
         cls.features = load("features.yaml")
-        cls.all = {"default": cls.default, "cpu": cls.cpu, "external": cls.external, "features": cls.features}
+        cls.vllm = load("vllm.yaml")
+        cls.all = {
+            "default": cls.default, "cpu": cls.cpu, "external": cls.external, "features": cls.features,
+            "vllm": cls.vllm,
+        }
 
     def test_every_object_is_namespaced_and_labelled(self):
         for variant, docs in self.all.items():
@@ -211,6 +215,53 @@ class Rendered(unittest.TestCase):
         self.assertIn({"name": "data", "mountPath": "/data"}, c["volumeMounts"])
         pdb = one(self.default, "PodDisruptionBudget", f"{RELEASE}-worker")
         self.assertEqual(pdb["spec"]["selector"]["matchLabels"], spec["selector"]["matchLabels"])
+
+    def test_vllm_worker(self):
+        sts = one(self.vllm, "StatefulSet", f"{RELEASE}-worker")
+        pod = sts["spec"]["template"]["spec"]
+        c = pod["containers"][0]
+        env = env_of(c)
+        self.assertTrue(c["image"].startswith("inferscale-worker-vllm:0.1.0"), c["image"])
+        self.assertEqual(env["INFERSCALE_ENGINE"], "vllm")
+        self.assertEqual(env["INFERSCALE_BACKEND"], "cuda")
+        # The binary refuses --http-listen with vLLM: neither the variable nor the port.
+        self.assertNotIn("INFERSCALE_WORKER_HTTP_LISTEN", env)
+        self.assertEqual([p["name"] for p in c["ports"]], ["grpc"])
+        self.assertNotIn("prometheus.io/scrape", sts["spec"]["template"]["metadata"].get("annotations", {}))
+        headless = one(self.vllm, "Service", sts["spec"]["serviceName"])
+        self.assertEqual([p["name"] for p in headless["spec"]["ports"]], ["grpc"])
+        self.assertFalse([m for m in find(self.vllm, "ServiceMonitor") if m["metadata"]["name"].endswith("-worker")])
+        # vLLM's arguments, and the HF directory it loads.
+        args = c["args"]
+        self.assertEqual(args[0], "worker")
+        hf = args[args.index("--vllm-model") + 1]
+        self.assertIn("--vllm-arg=--gpu-memory-utilization=0.85", args)
+        self.assertIn("--vllm-arg=--max-model-len=8192", args)
+        self.assertIn("--vllm-arg=--enable-prefix-caching", args)
+        self.assertEqual(args[args.index("--vllm-start-timeout-s") + 1], "900")
+        # worker.model exported there first, into the shard volume, once.
+        init = {i["name"]: i for i in pod["initContainers"]}
+        export = init["export-hf"]
+        self.assertEqual(export["image"], c["image"])
+        self.assertEqual(env_of(export)["HF_DIR"], hf)
+        self.assertTrue(hf.startswith("/data/hf/"), hf)
+        self.assertEqual(env_of(export)["INFERSCALE_MODEL"], env["INFERSCALE_MODEL"])
+        self.assertIn('test -f "$HF_DIR/config.json" ||', export["command"][-1])
+        self.assertIn({"name": "data", "mountPath": "/data"}, export["volumeMounts"])
+        self.assertNotIn("nvidia.com/gpu", export["resources"].get("limits", {}))
+        # Probes without an HTTP port of ours: the gRPC port, vLLM's /health.
+        for probe in ("startupProbe", "livenessProbe"):
+            self.assertEqual(c[probe]["tcpSocket"], {"port": "grpc"})
+        self.assertIn("127.0.0.1:8000/health", " ".join(c["readinessProbe"]["exec"]["command"]))
+        # vLLM needs shared memory and room for its compile caches.
+        self.assertIn({"name": "shm", "mountPath": "/dev/shm"}, c["volumeMounts"])
+        tmp = volumes_of(pod)["tmp"]
+        self.assertEqual(tmp["emptyDir"]["sizeLimit"], "16Gi")
+        self.assertEqual(c["resources"]["limits"]["nvidia.com/gpu"], 1)
+        # The native default keeps its HTTP port and probes.
+        native = one(self.default, "StatefulSet", f"{RELEASE}-worker")["spec"]["template"]["spec"]
+        self.assertEqual(env_of(native["containers"][0])["INFERSCALE_ENGINE"], "native")
+        self.assertNotIn("initContainers", native)
 
     def test_cpu_worker_has_no_gpu(self):
         sts = one(self.cpu, "StatefulSet", f"{RELEASE}-worker")

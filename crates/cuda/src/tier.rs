@@ -441,13 +441,41 @@ impl CudaBackend {
     }
 }
 
+/// How a tier keeps an fp8 record in one allocation: its scales first,
+/// padded to 16 bytes, then each tensor's codes (no decoding: half the
+/// bytes of bf16).
+struct Fp8Layout {
+    scale_bytes: usize,
+    /// Bytes of the allocation.
+    total: usize,
+}
+
+impl Fp8Layout {
+    fn of(kv: &Fp8Kv<'_>) -> Result<Self> {
+        kv.check()?;
+        let scale_bytes = kv.scales.len().div_ceil(16) * 16;
+        Ok(Fp8Layout { scale_bytes, total: scale_bytes + kv.codes.len() })
+    }
+
+    /// The record's tensors, each made by `rows` from the byte offsets of
+    /// its codes and of its scales and its codes' length.
+    fn tensors(&self, kv: &Fp8Kv<'_>, rows: impl Fn(usize, usize, usize) -> Storage) -> Vec<CudaTensor> {
+        let per = kv.rows * kv.cols;
+        (0..kv.tensors)
+            .map(|i| CudaTensor {
+                data: rows(self.scale_bytes + i * per, 4 * i * kv.heads, per),
+                rows: kv.rows,
+                cols: kv.cols,
+            })
+            .collect()
+    }
+}
+
 /// Copies an fp8 record's scales and codes, as stored, into one pinned host
-/// allocation of the host tier (scales first, padded to 16 bytes; each
-/// tensor's codes after): no decoding, half the bytes of bf16.
+/// allocation of the host tier ([`Fp8Layout`]).
 fn to_host_tier_fp8(pool: &Arc<PinnedPool>, kv: &Fp8Kv<'_>) -> Result<Vec<CudaTensor>> {
-    kv.check()?;
-    let scale_bytes = kv.scales.len().div_ceil(16) * 16;
-    let total = scale_bytes + kv.codes.len();
+    let layout = Fp8Layout::of(kv)?;
+    let (scale_bytes, total) = (layout.scale_bytes, layout.total);
     let mut slice = pool.take(total.div_ceil(2))?;
     let host = slice.as_mut_slice().cu()?;
     // SAFETY: `host` is `total.div_ceil(2)` bf16 values, at least `total` bytes.
@@ -457,52 +485,28 @@ fn to_host_tier_fp8(pool: &Arc<PinnedPool>, kv: &Fp8Kv<'_>) -> Result<Vec<CudaTe
     codes.par_chunks_mut(1 << 16).zip(kv.codes.par_chunks(1 << 16)).for_each(|(d, s)| d.copy_from_slice(s));
     let base = slice.as_mut_ptr().cu()? as u64;
     let buf = Arc::new(PinnedBuf { slice: Some(slice), base, pool: pool.clone() });
-    let per = kv.rows * kv.cols;
-    Ok((0..kv.tensors)
-        .map(|i| CudaTensor {
-            data: Storage::HostFp8(HostFp8Rows {
-                buf: buf.clone(),
-                codes: scale_bytes + i * per,
-                scales: 4 * i * kv.heads,
-                len: per,
-                heads: kv.heads,
-            }),
-            rows: kv.rows,
-            cols: kv.cols,
-        })
-        .collect())
+    Ok(layout.tensors(kv, |codes, scales, len| {
+        Storage::HostFp8(HostFp8Rows { buf: buf.clone(), codes, scales, len, heads: kv.heads })
+    }))
 }
 
 /// Copies an fp8 record's scales and codes, as stored, into one device
-/// allocation of the device tier, in the host tier's layout (scales first,
-/// padded to 16 bytes; each tensor's codes after). The copy runs on
-/// `stream`, which is synchronised before the tensors are returned; the
-/// allocation is freed on it after the injection fence.
+/// allocation of the device tier, laid out as in the host tier
+/// ([`Fp8Layout`]). The copy runs on `stream`, which is synchronised before
+/// the tensors are returned; the allocation is freed on it after the
+/// injection fence.
 fn to_device_tier_fp8(stream: &Arc<CudaStream>, fence: &Arc<CudaEvent>, kv: &Fp8Kv<'_>) -> Result<Vec<CudaTensor>> {
-    kv.check()?;
-    let scale_bytes = kv.scales.len().div_ceil(16) * 16;
-    let total = scale_bytes + kv.codes.len();
+    let layout = Fp8Layout::of(kv)?;
     // SAFETY: the two copies below write every byte a tensor reads (the
     // padding after the scales is never read).
-    let mut slice = unsafe { stream.alloc::<u8>(total.max(1)) }.cu()?;
+    let mut slice = unsafe { stream.alloc::<u8>(layout.total.max(1)) }.cu()?;
     stream.memcpy_htod(kv.scales, &mut slice.slice_mut(..kv.scales.len())).cu()?;
-    stream.memcpy_htod(kv.codes, &mut slice.slice_mut(scale_bytes..total)).cu()?;
+    stream.memcpy_htod(kv.codes, &mut slice.slice_mut(layout.scale_bytes..layout.total)).cu()?;
     stream.synchronize().cu()?;
     let buf = Arc::new(KeptRows { slice, fence: fence.clone() });
-    let per = kv.rows * kv.cols;
-    Ok((0..kv.tensors)
-        .map(|i| CudaTensor {
-            data: Storage::DeviceFp8(DeviceFp8Rows {
-                buf: buf.clone(),
-                codes: scale_bytes + i * per,
-                scales: 4 * i * kv.heads,
-                len: per,
-                heads: kv.heads,
-            }),
-            rows: kv.rows,
-            cols: kv.cols,
-        })
-        .collect())
+    Ok(layout.tensors(kv, |codes, scales, len| {
+        Storage::DeviceFp8(DeviceFp8Rows { buf: buf.clone(), codes, scales, len, heads: kv.heads })
+    }))
 }
 
 /// Copies tensors into device memory of the device tier as bf16, each kept

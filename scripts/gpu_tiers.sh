@@ -16,7 +16,8 @@
 #                                  the tiers stays), stop
 #
 # Environment (defaults): USERS=400 FACTS=8 K=8 FORMAT=fp8 DEVICE_MB=2048
-# HOST_MB=8192 ZIPF=1.0 DURATION_S=60 STORE_DIR=/tmp/inferscale-tiers.
+# HOST_MB=8192 ZIPF=1.0 DURATION_S=60 STORE_DIR=/tmp/inferscale-tiers
+# COLD_KV=prefill (or wait, with COLD_KV_WAIT_MS=100).
 set -uo pipefail
 step=$1 bin=$2 out=$3
 users=${USERS:-400} facts=${FACTS:-8} k=${K:-8} format=${FORMAT:-fp8}
@@ -28,6 +29,7 @@ serve() {
   "$bin" serve --listen 127.0.0.1:8080 --worker-http-listen 127.0.0.1:9090 --memory "$mem" \
     --backend cuda --shape llama3.1-8b --random-weights --embedder random --window 0 \
     --kv-format "$format" --kv-device-mb "${DEVICE_MB:-2048}" --kv-host-mb "${HOST_MB:-8192}" \
+    --cold-kv "${COLD_KV:-prefill}" --cold-kv-wait-ms "${COLD_KV_WAIT_MS:-100}" \
     --kv-cache-mb 40000 --max-batch-tokens 2048 --max-running 128 --max-queue 512 --deadline-s 600 \
     >>"$out/serve.log" 2>&1 &
   srv=$!

@@ -47,9 +47,14 @@ pub struct WorkerArgs {
     /// What a kv-mode request does with retrieved facts whose KV is on disk
     /// only (not cached in the device or host tier): `prefill` them as text
     /// with the question while their KV is read for the next request (never
-    /// a wait for the disk), or `read` them before the request runs.
+    /// a wait for the disk), `read` them on the engine thread before the
+    /// request runs, or `wait` up to --cold-kv-wait-ms for the reader
+    /// threads' reads (outside the engine) and prefill what is still unread.
     #[arg(long, env = "INFERSCALE_COLD_KV", default_value = "prefill", value_parser = parse_cold_kv)]
     pub(crate) cold_kv: ColdKv,
+    /// With --cold-kv wait: the most a request waits for its facts' reads.
+    #[arg(long, env = "INFERSCALE_COLD_KV_WAIT_MS", default_value_t = inferscale_worker::COLD_KV_WAIT.as_millis() as u64)]
+    pub(crate) cold_kv_wait_ms: u64,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -310,6 +315,7 @@ where
         max_ingest_units: a.max_ingest_units,
         prompts: a.mem.prompts(),
         cold_kv: a.cold_kv,
+        cold_kv_wait: std::time::Duration::from_millis(a.cold_kv_wait_ms),
         ..Default::default()
     };
     let info = WorkerInfo {
@@ -329,7 +335,8 @@ fn parse_cold_kv(s: &str) -> std::result::Result<ColdKv, String> {
     match s {
         "prefill" => Ok(ColdKv::Prefill),
         "read" => Ok(ColdKv::Read),
-        other => Err(format!("{other:?}: choose prefill or read")),
+        "wait" => Ok(ColdKv::Wait),
+        other => Err(format!("{other:?}: choose prefill, read or wait")),
     }
 }
 

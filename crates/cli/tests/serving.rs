@@ -324,6 +324,24 @@ fn cold_facts_are_prefilled_while_their_kv_is_read() {
     let (status, v) = json_call(&s.addr, "POST", c, &prompt_mode);
     assert_eq!(status, 200, "{v}");
     assert!(v["usage"]["memory"].get("sources").is_none(), "{v}");
+    drop(s);
+
+    // `wait`: the reader threads read the cold facts while the request
+    // waits outside the engine; read in time, every fact is injected.
+    let s = serve(&mem, &["--cold-kv", "wait", "--cold-kv-wait-ms", "20000"]);
+    let (status, v) = json_call(&s.addr, "POST", c, &question);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["usage"]["memory"]["injected_tokens"].as_u64(), Some(injected), "waited for the reads: {v}");
+    assert_eq!(v["usage"]["prompt_tokens"], prompt, "{v}");
+    let sources = json!({"device": 0, "host": 0, "disk": 2, "prefilled": 0});
+    assert_eq!(v["usage"]["memory"]["sources"], sources, "{v}");
+    drop(s);
+    // With no time to wait, it is `prefill`: the cold facts are pasted.
+    let s = serve(&mem, &["--cold-kv", "wait", "--cold-kv-wait-ms", "0"]);
+    let (status, v) = json_call(&s.addr, "POST", c, &question);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["usage"]["memory"]["injected_tokens"], json!(0), "{v}");
+    assert_eq!(v["usage"]["memory"]["sources"]["prefilled"], json!(2), "{v}");
 }
 
 /// SIGKILL in the middle of a large ingest request: after a restart none

@@ -70,6 +70,9 @@ pub struct WorkerConfig {
     /// What a kv-mode request does with retrieved facts whose KV is on disk
     /// only.
     pub cold_kv: ColdKv,
+    /// With [`ColdKv::Wait`]: how long a request waits for its facts' reads
+    /// before it prefills those still on disk.
+    pub cold_kv_wait: Duration,
 }
 
 /// What a kv-mode request does with retrieved facts whose KV is on disk
@@ -84,7 +87,16 @@ pub enum ColdKv {
     /// Read them on the engine thread at the request's arrival (every
     /// retrieved fact injected; the engine waits for the disk).
     Read,
+    /// Read them on the reader threads while the request waits, outside the
+    /// scheduler, for at most [`WorkerConfig::cold_kv_wait`]; facts read by
+    /// then are injected, the rest prefilled as with `Prefill`. The engine
+    /// never waits, and a request waits at most that long beyond `Prefill`.
+    Wait,
 }
+
+/// The default of [`WorkerConfig::cold_kv_wait`]: a fact of an 8B model
+/// reads in ≈ 27 ms on a reader thread (fp8, NVMe, docs/performance.md).
+pub const COLD_KV_WAIT: Duration = Duration::from_millis(100);
 
 /// Room for a few distinct system prompts' headers (16 tokens a block).
 pub const HEADER_CACHE_BLOCKS: usize = 64;
@@ -101,6 +113,7 @@ impl Default for WorkerConfig {
             max_ingest_units: MAX_INGEST_UNITS,
             header_cache_blocks: HEADER_CACHE_BLOCKS,
             cold_kv: ColdKv::default(),
+            cold_kv_wait: COLD_KV_WAIT,
         }
     }
 }
@@ -138,6 +151,24 @@ struct Live<B: Backend> {
     pasted_tokens: usize,
     /// Where the facts' KV came from (kv and blend modes).
     sources: Option<FactSources>,
+}
+
+/// A kv-mode request retrieved and sized, not yet queued: waiting for its
+/// cold facts' reads ([`ColdKv::Wait`]) or on its way to the scheduler.
+struct Arrival<B: Backend> {
+    job: GenerateJob,
+    events: Events,
+    tail: Vec<u32>,
+    header: usize,
+    /// Retrieved facts (indices into the user's facts), best first.
+    facts: Vec<usize>,
+    pinned: Option<Pinned<B>>,
+    /// Facts whose KV is on disk only: read meanwhile, pasted if still cold.
+    cold: Vec<usize>,
+    sources: Option<FactSources>,
+    arrived: Instant,
+    /// Until when it waits for reads.
+    until: Instant,
 }
 
 /// Where the engine thread's time goes, printed every 10 s when
@@ -238,9 +269,11 @@ pub(crate) fn run<B: Backend>(
         metrics,
         profile: Profile { on: std::env::var_os("INFERSCALE_WORKER_PROFILE").is_some(), ..Default::default() },
         reader: KvReader::start().map_err(|e| WorkerError::Startup(format!("starting the KV reader threads: {e}")))?,
+        waiting: Vec::new(),
     };
     loop {
-        core.complete_reads();
+        let read = core.complete_reads() > 0;
+        core.release_waiting(read);
         let idle = core.live.is_empty() && !protocol.ingesting();
         if idle && core.encode_pending() {
             // Background work done; look for commands before more of it.
@@ -252,7 +285,9 @@ pub(crate) fn run<B: Backend>(
         }
         let idle = core.live.is_empty() && !protocol.ingesting();
         let first = if idle {
-            match rx.recv_timeout(Duration::from_millis(500)) {
+            // Requests waiting for reads are looked at again soon.
+            let nap = if core.waiting.is_empty() { Duration::from_millis(500) } else { Duration::from_millis(2) };
+            match rx.recv_timeout(nap) {
                 Ok(c) => Some(c),
                 Err(RecvTimeoutError::Timeout) => continue,
                 Err(RecvTimeoutError::Disconnected) => return Ok(()),
@@ -291,6 +326,8 @@ struct Core<B: Backend> {
     metrics: Arc<WorkerMetrics>,
     profile: Profile,
     reader: KvReader<B>,
+    /// kv-mode requests waiting for their cold facts' reads (`ColdKv::Wait`).
+    waiting: Vec<Arrival<B>>,
 }
 
 /// The native engine's side of the protocol: the shard is this thread's,
@@ -359,7 +396,7 @@ impl<B: Backend> MemoryHost for Core<B> {
     fn load(&self) -> Load {
         Load {
             running: self.sched.running(),
-            waiting: self.sched.waiting(),
+            waiting: self.sched.waiting() + self.waiting.len(),
             kv_blocks_total: self.session.engine().pool().total_blocks(),
             kv_blocks_free: self.session.engine().pool().free_blocks(),
             max_queue: self.cfg.max_queue,
@@ -424,11 +461,20 @@ impl<B: Backend> Core<B> {
             retrieve.record("candidates", self.session.memory().facts(&job.user).map_or(0, <[_]>::len) as i64);
         }
         retrieve.record("retrieved", facts.len() as i64);
+        let all = if facts.is_empty() { &[][..] } else { self.session.memory().facts(&job.user)? };
+        let memory_tokens: usize = facts.iter().map(|&i| all[i].tokens.len()).sum();
+        let limit = self.session.engine().model().config().max_position_embeddings;
+        let prompt_len = header + memory_tokens + tail.len();
+        if prompt_len >= limit {
+            return Err(WorkerError::Invalid(format!(
+                "the prompt is {prompt_len} tokens with its memory; the model's context is {limit}: lower k"
+            )));
+        }
         // The facts' KV is pinned in the cache until layout. Facts whose
-        // KV is on disk only are prefilled this time (kv mode, by default)
-        // and read for the next request by the reader threads; otherwise
-        // read now, while the request waits for admission.
-        let (mut pinned, mut paste, mut sources) = (None, Vec::new(), None);
+        // KV is on disk only are read by the reader threads and, in kv
+        // mode, prefilled this time (or waited for, `ColdKv::Wait`);
+        // otherwise read now, while the request waits for admission.
+        let (mut pinned, mut cold, mut sources) = (None, Vec::new(), None);
         if job.mode.injects() && !facts.is_empty() {
             self.complete_reads();
             let read_now = job.mode != Mode::Kv || self.cfg.cold_kv == ColdKv::Read;
@@ -446,23 +492,85 @@ impl<B: Backend> Core<B> {
             if !got.cold.is_empty() {
                 let jobs = self.session.memory_mut().read_jobs(&job.user, &got.cold)?;
                 self.reader.read(jobs);
-                paste = got.cold;
+                cold = got.cold;
             }
             pinned = Some(got.pinned);
         }
         drop(entered);
         drop(retrieve);
-        let retrieve_ms = ms(t0.elapsed());
+        let wait = match self.cfg.cold_kv {
+            ColdKv::Wait if !cold.is_empty() => self.cfg.cold_kv_wait,
+            _ => Duration::ZERO,
+        };
+        let arrival =
+            Arrival { job, events, tail, header, facts, pinned, cold, sources, arrived: t0, until: t0 + wait };
+        if wait.is_zero() {
+            return self.queue(arrival);
+        }
+        self.waiting.push(arrival);
+        Ok(())
+    }
+
+    /// Requests waiting for their cold facts' reads: those whose reads are
+    /// all cached (`read`: some finished since the last call) or whose wait
+    /// is over go to the scheduler, with what is still cold pasted.
+    fn release_waiting(&mut self, read: bool) {
+        let now = Instant::now();
+        if self.waiting.is_empty() || (!read && self.waiting.iter().all(|a| a.until > now)) {
+            return;
+        }
+        for mut a in std::mem::take(&mut self.waiting) {
+            match self.session.fetch_with(&a.job.user, &a.cold, false) {
+                Ok(got) => {
+                    let read = a.cold.len() - got.cold.len();
+                    if let Some(s) = a.sources.as_mut() {
+                        s.disk += read;
+                        s.prefilled -= read;
+                    }
+                    if let Some(p) = a.pinned.as_mut() {
+                        p.extend(got.pinned);
+                    }
+                    a.cold = got.cold;
+                }
+                Err(e) => {
+                    self.fail_waiting(a, e.into());
+                    continue;
+                }
+            }
+            if !a.cold.is_empty() && a.until > now {
+                self.waiting.push(a);
+                continue;
+            }
+            let (events, span) = (a.events.clone(), a.job.span.clone());
+            if let Err(e) = self.queue(a) {
+                self.metrics.failed();
+                span.record("otel.status_code", "error");
+                let _ = events.send(Event::Failed(e));
+            }
+        }
+    }
+
+    fn fail_waiting(&mut self, a: Arrival<B>, e: WorkerError) {
+        self.metrics.failed();
+        a.job.span.record("otel.status_code", "error");
+        let _ = a.events.send(Event::Failed(e));
+    }
+
+    /// Sizes a request and hands it to the scheduler; its still-cold facts
+    /// are pasted.
+    fn queue(&mut self, a: Arrival<B>) -> Result<()> {
+        let Arrival { job, events, tail, header, facts, pinned, cold: paste, sources, arrived, .. } = a;
+        let retrieve_ms = ms(arrived.elapsed());
         let all = if facts.is_empty() { &[][..] } else { self.session.memory().facts(&job.user)? };
+        // A request that waited for reads retrieved these indices then; a
+        // forget since fails it before this (`drop_unstarted`).
+        if facts.iter().chain(&paste).any(|&i| i >= all.len()) {
+            return Err(WorkerError::Forgotten(job.user.clone()));
+        }
         let memory_tokens: usize = facts.iter().map(|&i| all[i].tokens.len()).sum();
         let limit = self.session.engine().model().config().max_position_embeddings;
         let prompt_len = header + memory_tokens + tail.len();
-        if prompt_len >= limit {
-            return Err(WorkerError::Invalid(format!(
-                "the prompt is {prompt_len} tokens with its memory; the model's context is {limit}: lower k"
-            )));
-        }
-        let max_new = job.params.max_tokens.min(limit - prompt_len);
+        let max_new = job.params.max_tokens.min(limit.saturating_sub(prompt_len));
         let pasted_tokens: usize = paste.iter().map(|&i| all[i].tokens.len()).sum();
         let (computed, injected) = match job.mode {
             Mode::Kv | Mode::Blend => (tail.len() + pasted_tokens, memory_tokens - pasted_tokens),
@@ -551,6 +659,18 @@ impl<B: Backend> Core<B> {
                 }
             }
         }
+        // Those waiting for reads, likewise.
+        for a in std::mem::take(&mut self.waiting) {
+            let late = a.job.deadline.is_some_and(|d| now > a.job.arrived + d);
+            if a.events.is_closed() {
+                self.metrics.cancelled();
+            } else if late {
+                let ms = a.job.deadline.map_or(0, |d| d.as_millis() as u64);
+                self.fail_waiting(a, WorkerError::Deadline(ms));
+            } else {
+                self.waiting.push(a);
+            }
+        }
     }
 
     /// Fails `user`'s requests that were not laid out yet, with `why`: the
@@ -566,16 +686,25 @@ impl<B: Backend> Core<B> {
                 let _ = l.events.send(Event::Failed(why(user.to_string())));
             }
         }
+        let (theirs, others) = std::mem::take(&mut self.waiting).into_iter().partition(|a| a.job.user == user);
+        self.waiting = others;
+        for a in theirs {
+            self.fail_waiting(a, why(user.to_string()));
+        }
     }
 
-    /// Caches the KV the reader threads have read since the last call.
-    fn complete_reads(&mut self) {
-        for done in self.reader.finished() {
+    /// Caches the KV the reader threads have read since the last call;
+    /// returns how many reads finished.
+    fn complete_reads(&mut self) -> usize {
+        let finished = self.reader.finished();
+        let n = finished.len();
+        for done in finished {
             self.metrics.kv_loaded(done.seconds);
             if let Err(e) = self.session.complete_read(done) {
                 eprintln!("inferscale worker: caching KV read from disk: {e}");
             }
         }
+        n
     }
 
     /// When idle: encodes a few facts still without KV (a replica's copy,

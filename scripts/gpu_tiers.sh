@@ -17,7 +17,8 @@
 #
 # Environment (defaults): USERS=400 FACTS=8 K=8 FORMAT=fp8 DEVICE_MB=2048
 # HOST_MB=8192 ZIPF=1.0 DURATION_S=60 STORE_DIR=/tmp/inferscale-tiers
-# COLD_KV=prefill (or wait, with COLD_KV_WAIT_MS=100).
+# COLD_KV=prefill (or wait, with COLD_KV_WAIT_MS=100) MODES=kv,prompt
+# HOT=1 (0: no 10-hottest-users point).
 set -uo pipefail
 step=$1 bin=$2 out=$3
 users=${USERS:-400} facts=${FACTS:-8} k=${K:-8} format=${FORMAT:-fp8}
@@ -63,7 +64,7 @@ fresh_and_ingested() {
 
 # kv, then prompt mode on the same Zipf request stream.
 zipf_point() {
-  loadtest --population "$users" --zipf "${ZIPF:-1.0}" --users 100 --modes kv,prompt --requests 100000 \
+  loadtest --population "$users" --zipf "${ZIPF:-1.0}" --users 100 --modes "${MODES:-kv,prompt}" --requests 100000 \
     --duration-s "${DURATION_S:-60}" --json "$out/tiers.json" 2>&1 | tee "$out/tiers.txt"
 }
 
@@ -80,8 +81,10 @@ run)
   serve
   grep "opened memory" "$out/serve.log" | tail -1 | tee "$out/open.txt"
   zipf_point
-  loadtest --population 10 --users 100 --modes kv --requests 100000 --duration-s "${DURATION_S:-60}" \
-    --json "$out/tiers-hot.json" 2>&1 | tee "$out/tiers-hot.txt"
+  if [ "${HOT:-1}" = 1 ]; then
+    loadtest --population 10 --users 100 --modes kv --requests 100000 --duration-s "${DURATION_S:-60}" \
+      --json "$out/tiers-hot.json" 2>&1 | tee "$out/tiers-hot.txt"
+  fi
   stop run
   ;;
 warm)

@@ -362,8 +362,11 @@ impl<B: Backend> Ops for Dyn<'_, B> {
                             codes: &codes,
                         };
                         let none = || EngineError::Shape("this backend keeps no fp8 in that tier".into());
+                        // A backend with one memory (the CPU) places both alike.
                         let up = match src {
-                            KvSource::DeviceTierFp8 => be.device_tier_upload_fp8(),
+                            KvSource::DeviceTierFp8 => {
+                                be.device_tier_upload_fp8().or_else(|| be.host_tier_upload_fp8())
+                            }
                             _ => be.host_tier_upload_fp8(),
                         };
                         let up = up.ok_or_else(none)?;
@@ -637,7 +640,9 @@ fn fp8_read_back<G: Backend>(gpu: &G, hd: usize) -> R<f64> {
     let kv = fp8::Fp8Kv { rows: 5, cols: 2 * hd, heads: 2, tensors: 2, scales: &scales, codes: &codes };
     let want: Vec<f32> = q.iter().flat_map(|q| q.2.data.iter().copied()).collect();
     let mut worst = 0.0f64;
-    for up in [gpu.host_tier_upload_fp8(), gpu.device_tier_upload_fp8()] {
+    // A backend with one memory (the CPU) has no device-tier upload of its own.
+    let device = gpu.device_tier_upload_fp8().or_else(|| gpu.host_tier_upload_fp8());
+    for up in [gpu.host_tier_upload_fp8(), device] {
         let up = up.ok_or_else(|| EngineError::Shape("this backend keeps no fp8 in a tier".into()))?;
         let mut got = Vec::new();
         for t in up(&kv)? {

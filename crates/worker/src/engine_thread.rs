@@ -270,10 +270,11 @@ pub(crate) fn run<B: Backend>(
         profile: Profile { on: std::env::var_os("INFERSCALE_WORKER_PROFILE").is_some(), ..Default::default() },
         reader: KvReader::start().map_err(|e| WorkerError::Startup(format!("starting the KV reader threads: {e}")))?,
         waiting: Vec::new(),
+        reads_cached: false,
     };
     loop {
-        let read = core.complete_reads() > 0;
-        core.release_waiting(read);
+        core.complete_reads();
+        core.release_waiting();
         let idle = core.live.is_empty() && !protocol.ingesting();
         if idle && core.encode_pending() {
             // Background work done; look for commands before more of it.
@@ -326,8 +327,10 @@ struct Core<B: Backend> {
     metrics: Arc<WorkerMetrics>,
     profile: Profile,
     reader: KvReader<B>,
-    /// kv-mode requests waiting for their cold facts' reads (`ColdKv::Wait`).
+    /// kv-mode requests waiting for their cold facts' reads (`ColdKv::Wait`),
+    /// and whether reads were cached since they were last looked at.
     waiting: Vec<Arrival<B>>,
+    reads_cached: bool,
 }
 
 /// The native engine's side of the protocol: the shard is this thread's,
@@ -512,10 +515,12 @@ impl<B: Backend> Core<B> {
     }
 
     /// Requests waiting for their cold facts' reads: those whose reads are
-    /// all cached (`read`: some finished since the last call) or whose wait
-    /// is over go to the scheduler, with what is still cold pasted.
-    fn release_waiting(&mut self, read: bool) {
+    /// all cached or whose wait is over go to the scheduler, with what is
+    /// still cold pasted. Looks only when reads were cached since the last
+    /// look (by `complete_reads`, wherever it ran) or a wait ran out.
+    fn release_waiting(&mut self) {
         let now = Instant::now();
+        let read = std::mem::take(&mut self.reads_cached);
         if self.waiting.is_empty() || (!read && self.waiting.iter().all(|a| a.until > now)) {
             return;
         }
@@ -693,18 +698,15 @@ impl<B: Backend> Core<B> {
         }
     }
 
-    /// Caches the KV the reader threads have read since the last call;
-    /// returns how many reads finished.
-    fn complete_reads(&mut self) -> usize {
-        let finished = self.reader.finished();
-        let n = finished.len();
-        for done in finished {
+    /// Caches the KV the reader threads have read since the last call.
+    fn complete_reads(&mut self) {
+        for done in self.reader.finished() {
             self.metrics.kv_loaded(done.seconds);
+            self.reads_cached = true;
             if let Err(e) = self.session.complete_read(done) {
                 eprintln!("inferscale worker: caching KV read from disk: {e}");
             }
         }
-        n
     }
 
     /// When idle: encodes a few facts still without KV (a replica's copy,

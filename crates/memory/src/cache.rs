@@ -11,9 +11,10 @@
 //!
 //! Policy: least recently used within each tier, a fact in one tier at a
 //! time, and no copies between the tiers on a request's path. KV read from
-//! disk goes to the device tier while that has room (the reader thread
-//! copies it there on a stream of its own; reads bound for the device
-//! reserve their bytes until cached), else to the host tier when the
+//! disk goes to the device tier while that has room under a device budget
+//! (the reader thread copies it there on a stream of its own; reads bound
+//! for the device reserve their bytes until cached), else to the host tier
+//! when the
 //! backend has one (a copy into pinned memory, no device work; injection
 //! reads it over the bus, overlapped with the prefill: +2.1 ms at k = 50
 //! for the 8B shape, docs/design.md §8), whose least recently used facts
@@ -175,14 +176,17 @@ impl<B: Backend> KvCache<B> {
     /// while it has room beside what is resident and the reads already
     /// bound for it, else the host tier (evicting there). `per_value`:
     /// bytes per K or V value the read will take in device memory (`None`:
-    /// the backend cannot place reads there from another thread). Without
-    /// a host tier every read goes to the device (and reserves nothing:
-    /// there is no other place).
+    /// the backend cannot place reads there from another thread). Reads go
+    /// to the device only under a device budget: without one, a large store
+    /// read back after a restart would take device memory the engine's
+    /// activations need (the host tier is where unbudgeted reads go).
+    /// Without a host tier every read goes to the device (and reserves
+    /// nothing: there is no other place).
     pub(crate) fn read_target(&mut self, tokens: usize, per_value: Option<u64>) -> (Tier, u64) {
         if !self.host_tier {
             return (Tier::Device, 0);
         }
-        let Some(per_value) = per_value else { return (Tier::Host, 0) };
+        let (Some(per_value), Some(_)) = (per_value, self.budgets.device) else { return (Tier::Host, 0) };
         let bytes = tokens as u64 * self.values_per_token * per_value;
         match self.fits(Tier::Device, self.reserved.saturating_add(bytes)) {
             true => {
@@ -429,6 +433,9 @@ mod tests {
         // Without a host tier every read goes to the device and reserves nothing.
         let mut one = KvCache::<CpuBackend>::with_tiers(Budgets { device: Some(16), host: None }, false, 4, 1, 2);
         assert_eq!(one.read_target(100, Some(4)), (Device, 0));
+        // Without a device budget reads go to the host tier, however small.
+        let mut unbounded = KvCache::<CpuBackend>::with_tiers(Budgets { device: None, host: None }, true, 4, 1, 2);
+        assert_eq!(unbounded.read_target(1, Some(1)), (Host, 0));
     }
 
     #[test]

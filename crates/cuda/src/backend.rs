@@ -491,21 +491,7 @@ impl Backend for CudaBackend {
         match &t.data {
             Storage::Host(h) => return Ok(HostTensor { shape: vec![t.rows, t.cols], data: h.to_f32() }),
             Storage::HostFp8(h) => return h.to_host(t.cols),
-            Storage::DeviceFp8(d) => {
-                let (codes, scales) = d.bytes(&self.stream)?;
-                let kv = inferscale_engine::backend::Fp8Kv {
-                    rows: t.rows,
-                    cols: t.cols,
-                    heads: d.heads,
-                    tensors: 1,
-                    scales: &scales,
-                    codes: &codes,
-                };
-                return kv
-                    .decode()?
-                    .pop()
-                    .ok_or_else(|| shape_err("an fp8 device-tier tensor decoded to nothing".into()));
-            }
+            Storage::DeviceFp8(d) => return d.to_host(&self.stream, t.cols),
             _ => {}
         }
         let n = t.len();

@@ -221,10 +221,15 @@ impl HostFp8Rows {
                 std::slice::from_raw_parts(base.add(self.scales), 4 * self.heads),
             )
         };
-        let kv = Fp8Kv { rows: self.len / cols.max(1), cols, heads: self.heads, tensors: 1, scales, codes };
-        let mut one = kv.decode()?;
-        one.pop().ok_or_else(|| shape_err("an fp8 host-tier tensor decoded to nothing".into()))
+        decode_fp8(codes, scales, cols, self.heads)
     }
+}
+
+/// One tensor's fp8 codes with its heads' scales as f32 values, `cols` to
+/// a row: what either tier's `to_host` returns.
+fn decode_fp8(codes: &[u8], scales: &[u8], cols: usize, heads: usize) -> Result<HostTensor> {
+    let kv = Fp8Kv { rows: codes.len() / cols.max(1), cols, heads, tensors: 1, scales, codes };
+    kv.decode()?.pop().ok_or_else(|| shape_err("an fp8 tensor decoded to nothing".into()))
 }
 
 /// A tensor's fp8 codes and its KV heads' scales inside one device
@@ -244,12 +249,13 @@ impl DeviceFp8Rows {
         (&self.buf.slice, self.codes, self.scales)
     }
 
-    /// Codes and scales copied back (`len` bytes, `4 · heads` bytes).
-    pub(crate) fn bytes(&self, stream: &Arc<CudaStream>) -> Result<(Vec<u8>, Vec<u8>)> {
+    /// The values as f32 (code · its head's scale), `cols` to a row, copied
+    /// back on `stream`.
+    pub(crate) fn to_host(&self, stream: &Arc<CudaStream>, cols: usize) -> Result<HostTensor> {
         let s = &self.buf.slice;
         let codes = stream.clone_dtoh(&s.slice(self.codes..self.codes + self.len)).cu()?;
         let scales = stream.clone_dtoh(&s.slice(self.scales..self.scales + 4 * self.heads)).cu()?;
-        Ok((codes, scales))
+        decode_fp8(&codes, &scales, cols, self.heads)
     }
 }
 

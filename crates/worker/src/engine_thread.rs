@@ -160,8 +160,11 @@ struct Arrival<B: Backend> {
     events: Events,
     tail: Vec<u32>,
     header: usize,
-    /// Retrieved facts (indices into the user's facts), best first.
+    /// Retrieved facts (indices into the user's facts), best first, their
+    /// tokens, and the most tokens the answer may have.
     facts: Vec<usize>,
+    memory_tokens: usize,
+    max_new: usize,
     pinned: Option<Pinned<B>>,
     /// Facts whose KV is on disk only: read meanwhile, pasted if still cold.
     cold: Vec<usize>,
@@ -505,8 +508,21 @@ impl<B: Backend> Core<B> {
             ColdKv::Wait if !cold.is_empty() => self.cfg.cold_kv_wait,
             _ => Duration::ZERO,
         };
-        let arrival =
-            Arrival { job, events, tail, header, facts, pinned, cold, sources, arrived: t0, until: t0 + wait };
+        let max_new = job.params.max_tokens.min(limit - prompt_len);
+        let arrival = Arrival {
+            job,
+            events,
+            tail,
+            header,
+            facts,
+            memory_tokens,
+            max_new,
+            pinned,
+            cold,
+            sources,
+            arrived: t0,
+            until: t0 + wait,
+        };
         if wait.is_zero() {
             return self.queue(arrival);
         }
@@ -538,7 +554,7 @@ impl<B: Backend> Core<B> {
                     a.cold = got.cold;
                 }
                 Err(e) => {
-                    self.fail_waiting(a, e.into());
+                    self.fail(&a.job.span, &a.events, e.into());
                     continue;
                 }
             }
@@ -548,23 +564,35 @@ impl<B: Backend> Core<B> {
             }
             let (events, span) = (a.events.clone(), a.job.span.clone());
             if let Err(e) = self.queue(a) {
-                self.metrics.failed();
-                span.record("otel.status_code", "error");
-                let _ = events.send(Event::Failed(e));
+                self.fail(&span, &events, e);
             }
         }
     }
 
-    fn fail_waiting(&mut self, a: Arrival<B>, e: WorkerError) {
+    /// Fails a request the protocol already answered for (it was accepted).
+    fn fail(&self, span: &Span, events: &Events, e: WorkerError) {
         self.metrics.failed();
-        a.job.span.record("otel.status_code", "error");
-        let _ = a.events.send(Event::Failed(e));
+        span.record("otel.status_code", "error");
+        let _ = events.send(Event::Failed(e));
     }
 
     /// Sizes a request and hands it to the scheduler; its still-cold facts
     /// are pasted.
     fn queue(&mut self, a: Arrival<B>) -> Result<()> {
-        let Arrival { job, events, tail, header, facts, pinned, cold: paste, sources, arrived, .. } = a;
+        let Arrival {
+            job,
+            events,
+            tail,
+            header,
+            facts,
+            memory_tokens,
+            max_new,
+            pinned,
+            cold: paste,
+            sources,
+            arrived,
+            ..
+        } = a;
         let retrieve_ms = ms(arrived.elapsed());
         let all = if facts.is_empty() { &[][..] } else { self.session.memory().facts(&job.user)? };
         // A request that waited for reads retrieved these indices then; a
@@ -572,10 +600,6 @@ impl<B: Backend> Core<B> {
         if facts.iter().chain(&paste).any(|&i| i >= all.len()) {
             return Err(WorkerError::Forgotten(job.user.clone()));
         }
-        let memory_tokens: usize = facts.iter().map(|&i| all[i].tokens.len()).sum();
-        let limit = self.session.engine().model().config().max_position_embeddings;
-        let prompt_len = header + memory_tokens + tail.len();
-        let max_new = job.params.max_tokens.min(limit.saturating_sub(prompt_len));
         let pasted_tokens: usize = paste.iter().map(|&i| all[i].tokens.len()).sum();
         let (computed, injected) = match job.mode {
             Mode::Kv | Mode::Blend => (tail.len() + pasted_tokens, memory_tokens - pasted_tokens),
@@ -671,7 +695,7 @@ impl<B: Backend> Core<B> {
                 self.metrics.cancelled();
             } else if late {
                 let ms = a.job.deadline.map_or(0, |d| d.as_millis() as u64);
-                self.fail_waiting(a, WorkerError::Deadline(ms));
+                self.fail(&a.job.span, &a.events, WorkerError::Deadline(ms));
             } else {
                 self.waiting.push(a);
             }
@@ -694,7 +718,7 @@ impl<B: Backend> Core<B> {
         let (theirs, others) = std::mem::take(&mut self.waiting).into_iter().partition(|a| a.job.user == user);
         self.waiting = others;
         for a in theirs {
-            self.fail_waiting(a, why(user.to_string()));
+            self.fail(&a.job.span, &a.events, why(user.to_string()));
         }
     }
 

@@ -108,6 +108,7 @@ mod tests {
                 e2e: Duration::from_millis(10 * ms),
                 output_tokens: 8,
                 sources: None,
+                sent: Duration::ZERO,
             })
         };
         let mut points = Vec::new();

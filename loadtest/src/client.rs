@@ -51,6 +51,10 @@ pub struct Sample {
     /// `usage.memory.sources`: where the server found the facts' KV (kv
     /// and blend requests on the native engine).
     pub sources: Option<FactSources>,
+    /// From the start of the point to sending the request (set by the
+    /// runner; zero outside a measured point): places the request in the
+    /// point's timeline.
+    pub sent: Duration,
 }
 
 /// Facts of a request (or summed over many) by where their KV came from,
@@ -233,7 +237,13 @@ impl Client {
                     let e2e = start.elapsed();
                     let ttft = state.first.unwrap_or(e2e);
                     let output_tokens = state.usage.unwrap_or(state.tokens);
-                    return Outcome::Ok(Sample { ttft, e2e, output_tokens, sources: state.sources });
+                    return Outcome::Ok(Sample {
+                        ttft,
+                        e2e,
+                        output_tokens,
+                        sources: state.sources,
+                        sent: Duration::ZERO,
+                    });
                 }
             }
         }

@@ -73,6 +73,43 @@ pub struct Point {
     /// on the native engine).
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub tiers: Option<Tiers>,
+    /// The point second by second, by when requests were sent.
+    #[serde(skip_serializing_if = "Vec::is_empty", default)]
+    pub timeline: Vec<Second>,
+}
+
+/// One second of a point: the successful requests sent in it, their TTFT,
+/// and where their facts came from. A point's percentiles cannot tell a
+/// steady tail from a burst (the cold requests right after a restart, a
+/// queue that builds and drains); this can.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Second {
+    /// Seconds since the point started (requests sent in [second, second + 1)).
+    pub second: u32,
+    pub requests: usize,
+    pub ttft_ms: Percentiles,
+    /// Summed over the second's requests, when the server said.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub facts: Option<FactSources>,
+}
+
+impl Second {
+    /// Seconds in order, empty ones left out.
+    fn timeline(ok: &[&Sample]) -> Vec<Second> {
+        let mut by: BTreeMap<u32, Vec<&Sample>> = BTreeMap::new();
+        for s in ok {
+            by.entry(s.sent.as_secs().min(u64::from(u32::MAX)) as u32).or_default().push(s);
+        }
+        by.into_iter()
+            .map(|(second, xs)| {
+                let mut facts: Option<FactSources> = None;
+                for src in xs.iter().filter_map(|s| s.sources.as_ref()) {
+                    facts.get_or_insert_with(FactSources::default).add(src);
+                }
+                Second { second, requests: xs.len(), ttft_ms: Percentiles::of_ms(xs.iter().map(|s| s.ttft)), facts }
+            })
+            .collect()
+    }
 }
 
 /// A point's requests by where their facts' KV came from: the facts per
@@ -161,6 +198,7 @@ impl Point {
             ttft_ms: Percentiles::of_ms(ok.iter().map(|s| s.ttft)),
             e2e_ms: Percentiles::of_ms(ok.iter().map(|s| s.e2e)),
             tiers: Tiers::of(&ok),
+            timeline: Second::timeline(&ok),
         }
     }
 }
@@ -339,6 +377,7 @@ mod tests {
             e2e: Duration::from_millis(e2e_ms),
             output_tokens: tokens,
             sources: None,
+            sent: Duration::ZERO,
         })
     }
 
@@ -370,6 +409,34 @@ mod tests {
         assert!(table.contains("| kv | 5 | 2 | 17/1/0/2 | 0.900 | prefilled | 1 | 30.0 ms |"), "{table}");
         // A point whose server said nothing of sources has no tiers.
         assert!(r.points[1].tiers.is_none());
+    }
+
+    #[test]
+    fn the_timeline_buckets_requests_by_when_they_were_sent() {
+        let at = |sent_ms: u64, o: Outcome| match o {
+            Outcome::Ok(s) => Outcome::Ok(Sample { sent: Duration::from_millis(sent_ms), ..s }),
+            f => f,
+        };
+        let outcomes = [
+            at(100, from(900, 0, 0, 0, 8)),
+            at(950, from(700, 0, 0, 4, 4)),
+            at(2_500, from(20, 8, 0, 0, 0)),
+            at(2_999, from(30, 6, 2, 0, 0)),
+            failed("429"),
+        ];
+        let p = Point::new("kv", 8, 2, Duration::from_secs(3), &outcomes);
+        let seconds: Vec<(u32, usize, f64, f64)> =
+            p.timeline.iter().map(|s| (s.second, s.requests, s.ttft_ms.p50, s.ttft_ms.p99)).collect();
+        // Second 1 had no request: it is left out, not reported as zeros.
+        assert_eq!(seconds, [(0, 2, 700.0, 900.0), (2, 2, 20.0, 30.0)]);
+        assert_eq!(p.timeline[0].facts, Some(FactSources { device: 0, host: 0, disk: 4, prefilled: 12 }));
+        assert_eq!(p.timeline[1].facts, Some(FactSources { device: 14, host: 2, disk: 0, prefilled: 0 }));
+        let json = serde_json::to_string(&p).expect("json");
+        assert_eq!(serde_json::from_str::<Point>(&json).expect("parse"), p);
+        // Without sources a second carries none.
+        let plain = Point::new("prompt", 8, 1, Duration::from_secs(1), &[ok(50, 90, 4)]);
+        assert_eq!(plain.timeline.len(), 1);
+        assert!(plain.timeline[0].facts.is_none());
     }
 
     fn failed(status: &str) -> Outcome {

@@ -29,7 +29,7 @@ use hyper::Method;
 use serde_json::{Value, json};
 use tokio::sync::Barrier;
 
-use crate::client::{Client, Outcome};
+use crate::client::{Client, Outcome, Sample};
 use crate::error::{Error, Result};
 use crate::report::{Ingest, Point};
 use crate::users::User;
@@ -248,7 +248,12 @@ pub async fn point(client: &Client, model: &str, users: &[User], n: usize, mode:
             let mut outcomes = Vec::new();
             let mut last = t0;
             while Instant::now() < deadline && tickets.fetch_add(1, Ordering::Relaxed) < plan.requests {
-                outcomes.push(client.chat_stream(&next()).await);
+                let sent = t0.elapsed();
+                let outcome = match client.chat_stream(&next()).await {
+                    Outcome::Ok(s) => Outcome::Ok(Sample { sent, ..s }),
+                    failed => failed,
+                };
+                outcomes.push(outcome);
                 last = Instant::now();
             }
             (outcomes, last)

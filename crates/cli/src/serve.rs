@@ -18,7 +18,7 @@ use inferscale_cluster::view::{GpuId, Member, MemberState};
 use inferscale_engine::Backend;
 use inferscale_memory::Mode;
 use inferscale_router::{Defaults, Keys, Membership, RebalanceConfig, RouterConfig, Security, TlsFiles};
-use inferscale_worker::{ColdKv, WorkerConfig, WorkerError, WorkerInfo, WorkerParts, WorkerService};
+use inferscale_worker::{ColdKv, PrefixCache, WorkerConfig, WorkerError, WorkerInfo, WorkerParts, WorkerService};
 use tokio::net::TcpListener;
 
 use crate::memory_cmd::{MemoryArgs, open_memory};
@@ -55,6 +55,12 @@ pub struct WorkerArgs {
     /// With --cold-kv wait: the most a request waits for its facts' reads.
     #[arg(long, env = "INFERSCALE_COLD_KV_WAIT_MS", default_value_t = inferscale_worker::COLD_KV_WAIT.as_millis() as u64)]
     pub(crate) cold_kv_wait_ms: u64,
+    /// Which prompt- and none-mode requests may reuse each other's computed
+    /// prompt blocks: `user` (one user's own earlier prompts only, so that
+    /// timing reveals nothing of other users'), `shared` (any request's),
+    /// or `off`.
+    #[arg(long, env = "INFERSCALE_PREFIX_CACHE", default_value = "user", value_parser = parse_prefix_cache)]
+    pub(crate) prefix_cache: PrefixCache,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -316,6 +322,7 @@ where
         prompts: a.mem.prompts(),
         cold_kv: a.cold_kv,
         cold_kv_wait: std::time::Duration::from_millis(a.cold_kv_wait_ms),
+        prefix_cache: a.prefix_cache,
         ..Default::default()
     };
     let info = WorkerInfo {
@@ -337,6 +344,15 @@ fn parse_cold_kv(s: &str) -> std::result::Result<ColdKv, String> {
         "read" => Ok(ColdKv::Read),
         "wait" => Ok(ColdKv::Wait),
         other => Err(format!("{other:?}: choose prefill, read or wait")),
+    }
+}
+
+fn parse_prefix_cache(s: &str) -> std::result::Result<PrefixCache, String> {
+    match s {
+        "user" => Ok(PrefixCache::User),
+        "shared" => Ok(PrefixCache::Shared),
+        "off" => Ok(PrefixCache::Off),
+        other => Err(format!("{other:?}: choose user, shared or off")),
     }
 }
 

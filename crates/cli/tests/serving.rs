@@ -344,6 +344,48 @@ fn cold_facts_are_prefilled_while_their_kv_is_read() {
     assert_eq!(v["usage"]["memory"]["sources"]["prefilled"], json!(2), "{v}");
 }
 
+/// Prompt mode's automatic prefix caching: a user's second identical
+/// request takes its prompt's computed blocks from the first and answers
+/// the same; another user's does not (the default, `user`), unless the
+/// worker shares the cache (`shared`).
+#[test]
+fn prompt_blocks_are_reused_within_a_user_or_when_shared() {
+    let dir = tempfile::tempdir().unwrap();
+    let mem = dir.path().join("mem");
+    let c = "/v1/chat/completions";
+    let ask = |addr: &str, user: &str| {
+        let body = chat(Some(user), "What is the name of Caroline's cat?", json!({"k": 2, "mode": "prompt"}));
+        let (status, v) = json_call(addr, "POST", c, &body);
+        assert_eq!(status, 200, "{v}");
+        let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+        let prompt = v["usage"]["prompt_tokens"].as_u64().unwrap();
+        (cached, prompt, v["choices"][0]["message"]["content"].clone())
+    };
+    let s = serve(&mem, &[]);
+    for user in ["u1", "u2"] {
+        let turns = TURNS.replace("\"user\": \"u1\"", &format!("\"user\": \"{user}\""));
+        let (status, v) = json_call(&s.addr, "POST", "/v1/memories", &serde_json::from_str(&turns).unwrap());
+        assert_eq!(status, 200, "{v}");
+    }
+    let (header, prompt, answer) = ask(&s.addr, "u1");
+    assert!(prompt > header + 32, "a prompt of several blocks past its header: {prompt} tokens, {header} cached");
+    let (cached, prompt2, answer2) = ask(&s.addr, "u1");
+    assert_eq!((prompt2, &answer2), (prompt, &answer), "the same prompt, the same greedy answer");
+    // All but the block holding the last token (computed for its logits).
+    assert!(cached > header && cached + 16 >= prompt && cached < prompt, "{cached} of {prompt} cached");
+    let (other, _, answer3) = ask(&s.addr, "u2");
+    assert_eq!((other, &answer3), (header, &answer), "another user's prompt finds nothing of u1's");
+    drop(s);
+
+    let s = serve(&mem, &["--prefix-cache", "shared"]);
+    assert_eq!(ask(&s.addr, "u1").0, header, "nothing cached after a restart");
+    assert_eq!(ask(&s.addr, "u2").0, cached, "shared: u2's identical prompt takes u1's blocks");
+    drop(s);
+    let s = serve(&mem, &["--prefix-cache", "off"]);
+    ask(&s.addr, "u1");
+    assert_eq!(ask(&s.addr, "u1").0, header, "off: only the header is cached");
+}
+
 /// SIGKILL in the middle of a large ingest request: after a restart none
 /// of its units are there (before ingests were committed per request, the
 /// first batches stayed: 16 of 120 units in the repro); the retried

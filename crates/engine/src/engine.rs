@@ -15,7 +15,7 @@ use inferscale_model::ModelFiles;
 use crate::backend::{Backend, KvSpec, SeqSpan};
 use crate::blend::{BlendPlan, BlendRows};
 use crate::error::{EngineError, Result};
-use crate::kv_cache::{BLOCK_SIZE, BlockPool, BlockTable};
+use crate::kv_cache::{BLOCK_SIZE, BlockKey, BlockPool, BlockTable, block_keys};
 use crate::llama::{ForwardBatch, LayerKv, Llama};
 
 /// Sizing of an engine.
@@ -59,6 +59,17 @@ pub struct Sequence {
     pub(crate) blend: Option<BlendPlan>,
     /// Injected tokens recomputed through every layer so far (kv+blend).
     recomputed: usize,
+    /// The prefix cache's keys of its prompt's full blocks, when the
+    /// sequence takes part (`Engine::reuse_prefix`).
+    prefix: Option<PrefixChain>,
+}
+
+/// A sequence's part in the prefix cache: its prompt's block keys and how
+/// many of its blocks are cached or were found there.
+#[derive(Debug)]
+struct PrefixChain {
+    keys: Vec<BlockKey>,
+    registered: usize,
 }
 
 impl Sequence {
@@ -212,6 +223,7 @@ impl<B: Backend> Engine<B> {
             table: BlockTable::new(&self.pool),
             blend: None,
             recomputed: 0,
+            prefix: None,
         }
     }
 
@@ -228,6 +240,7 @@ impl<B: Backend> Engine<B> {
             table: BlockTable::new(&self.pool),
             blend: None,
             recomputed: 0,
+            prefix: None,
         };
         seq.extend_at(&tokens, position);
         self.check_context(&seq)?;
@@ -271,7 +284,37 @@ impl<B: Backend> Engine<B> {
             table,
             blend: None,
             recomputed: 0,
+            prefix: None,
         })
+    }
+
+    /// Automatic prefix caching, for a sequence whose every token is
+    /// computed by the forward pass at its own index as position (a prompt
+    /// with its facts pasted, or none): takes the cached blocks of the
+    /// longest prefix of its tokens that `salt` has cached past what it
+    /// already holds computed, and from now on caches its prompt's full
+    /// blocks as it computes them. Returns the tokens it need not compute.
+    /// The last token is always left to compute: its logits give the next
+    /// token. A sequence with injected tokens (positions not its indices,
+    /// a blend to run) takes no part and gets 0.
+    pub fn reuse_prefix(&mut self, seq: &mut Sequence, salt: &[u8]) -> usize {
+        let contiguous = seq.positions.iter().enumerate().all(|(i, &p)| p as usize == i);
+        if !contiguous || seq.blend.is_some() || seq.is_empty() {
+            return 0;
+        }
+        let keys = block_keys(salt, &seq.tokens);
+        let from = seq.computed / BLOCK_SIZE;
+        let most = ((seq.len() - 1) / BLOCK_SIZE).min(keys.len());
+        let end = match from < most {
+            true => seq.table.reuse(&keys[..most], from),
+            false => from,
+        };
+        let before = seq.computed;
+        if end > from {
+            seq.computed = end * BLOCK_SIZE;
+        }
+        seq.prefix = Some(PrefixChain { keys, registered: end });
+        seq.computed - before
     }
 
     /// Computes up to `max_batch_tokens` pending tokens of `seqs`, in order.
@@ -497,6 +540,14 @@ impl<B: Backend> Engine<B> {
                 }
             }
             s.computed += t;
+            // Prompt blocks now fully computed join the prefix cache.
+            if let Some(p) = s.prefix.as_mut() {
+                let full = (s.computed / BLOCK_SIZE).min(p.keys.len());
+                if full > p.registered {
+                    s.table.register(&p.keys, p.registered..full);
+                    p.registered = full;
+                }
+            }
         }
         Ok(((logits, finishing), captured))
     }

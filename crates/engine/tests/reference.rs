@@ -211,6 +211,68 @@ fn forked_header_matches_fresh_prefill() {
     assert_eq!(e.pool().refcount(cached.block_table().blocks()[0]), 1, "forks returned their shares");
 }
 
+/// The automatic prefix cache: a prompt that shares whole blocks with one
+/// computed before (under the same salt) takes their KV instead of
+/// computing them, from scratch or past a forked header's partial block,
+/// and continues like a sequence prefilled from scratch; another salt
+/// finds nothing, and cached blocks nobody holds count as free.
+#[test]
+fn prefix_cache_hits_match_fresh_prefill() {
+    let (g, files, _dir) = open_tiny("tiny_llama_gqa_llama3");
+    // Chunks of 7 tokens: the cached blocks were computed in other chunks
+    // than the sequences that reuse them.
+    let mut e = cpu_engine(&files, 7);
+    let a: Vec<u32> = g.input_ids.iter().cycle().take(40).copied().collect();
+    let mut first = e.new_sequence(a.clone()).unwrap();
+    assert_eq!(e.reuse_prefix(&mut first, b"alice"), 0, "nothing cached yet");
+    e.prefill(&mut first).unwrap();
+    drop(first);
+    assert_eq!(e.pool().prefix_stats().cached, 2, "the prompt's two full blocks");
+    assert_eq!(e.pool().free_blocks(), e.pool().total_blocks());
+
+    let fresh = |e: &mut inferscale_engine::Engine<_>, tokens: &[u32]| {
+        let mut s = e.new_sequence(tokens.to_vec()).unwrap();
+        e.prefill(&mut s).unwrap()
+    };
+    // The same first 36 tokens, another ending: both blocks are found.
+    let b: Vec<u32> = [&a[..36], &g.input_ids[2..7]].concat();
+    let mut seq = e.new_sequence(b.clone()).unwrap();
+    assert_eq!(e.reuse_prefix(&mut seq, b"alice"), 32);
+    assert_eq!(seq.pending(), b.len() - 32);
+    let got = e.prefill(&mut seq).unwrap();
+    let want = fresh(&mut e, &b);
+    assert!(max_abs_diff(&got, &want) < 1e-5, "{}", max_abs_diff(&got, &want));
+    drop(seq);
+
+    // Another user's salt finds none of it.
+    let mut other = e.new_sequence(b.clone()).unwrap();
+    assert_eq!(e.reuse_prefix(&mut other, b"bob"), 0);
+    drop(other);
+
+    // A prompt that is exactly the cached blocks still computes its last token.
+    let mut whole = e.new_sequence(a[..32].to_vec()).unwrap();
+    assert_eq!(e.reuse_prefix(&mut whole, b"alice"), 16);
+    let got = e.prefill(&mut whole).unwrap();
+    assert!(max_abs_diff(&got, &fresh(&mut e, &a[..32])) < 1e-5);
+    drop(whole);
+
+    // Past a forked header of 19 tokens: its copied partial block gives
+    // way to the cached block that continues it.
+    let mut header = e.new_sequence(a[..19].to_vec()).unwrap();
+    e.prefill(&mut header).unwrap();
+    let mut fork = e.fork(&header).unwrap();
+    let copied = fork.block_table().blocks()[1];
+    fork.extend(&b[19..]);
+    assert_eq!(e.reuse_prefix(&mut fork, b"alice"), 32 - 19);
+    assert_eq!(fork.block_table().blocks()[0], header.block_table().blocks()[0], "the header's block kept");
+    assert_ne!(fork.block_table().blocks()[1], copied, "the copy replaced by the cached block");
+    assert_eq!(e.pool().refcount(copied), 0, "and released");
+    let got = e.prefill(&mut fork).unwrap();
+    assert!(max_abs_diff(&got, &fresh(&mut e, &b)) < 1e-5);
+    drop((fork, header));
+    assert_eq!(e.pool().free_blocks(), e.pool().total_blocks(), "blocks leaked");
+}
+
 /// Bad injections are refused and leave the sequence as it was.
 #[test]
 fn injection_errors_leave_the_sequence_intact() {

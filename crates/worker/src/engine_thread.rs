@@ -73,6 +73,37 @@ pub struct WorkerConfig {
     /// With [`ColdKv::Wait`]: how long a request waits for its facts' reads
     /// before it prefills those still on disk.
     pub cold_kv_wait: Duration,
+    /// Which requests' prompts may reuse each other's computed KV blocks.
+    pub prefix_cache: PrefixCache,
+}
+
+/// Automatic prefix caching of computed prompt blocks (prompt and none
+/// mode: the requests whose every token is computed). A request whose
+/// prompt starts with whole blocks a request before it computed takes
+/// their KV instead of computing them; `usage.cached_tokens` counts them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum PrefixCache {
+    /// Within a user only: one user's prompts are never found by another's,
+    /// so the time to the first token says nothing of other users' prompts.
+    #[default]
+    User,
+    /// Across users (the prompts of users sharing a memory, or a long
+    /// shared system prompt): for deployments whose users may learn what
+    /// other users' prompts begin with.
+    Shared,
+    /// No prefix caching (the header cache still shares system prompts).
+    Off,
+}
+
+impl PrefixCache {
+    /// The salt of `user`'s block keys, or `None` when nothing is cached.
+    fn salt<'a>(&self, user: &'a str) -> Option<&'a [u8]> {
+        match self {
+            PrefixCache::User => Some(user.as_bytes()),
+            PrefixCache::Shared => Some(&[]),
+            PrefixCache::Off => None,
+        }
+    }
 }
 
 /// What a kv-mode request does with retrieved facts whose KV is on disk
@@ -114,6 +145,7 @@ impl Default for WorkerConfig {
             header_cache_blocks: HEADER_CACHE_BLOCKS,
             cold_kv: ColdKv::default(),
             cold_kv_wait: COLD_KV_WAIT,
+            prefix_cache: PrefixCache::default(),
         }
     }
 }
@@ -141,6 +173,8 @@ struct Live<B: Backend> {
     /// they came from a cached prefill.
     header_tokens: usize,
     header_cached: bool,
+    /// Prompt tokens past the header whose KV the prefix cache held.
+    prefix_cached: usize,
     /// The retrieved facts' KV (kv and blend modes), made resident at
     /// arrival and held until layout injects it, so that the cache does
     /// not evict it while the request waits.
@@ -654,6 +688,7 @@ impl<B: Backend> Core<B> {
                 tail,
                 header_tokens: header,
                 header_cached: true,
+                prefix_cached: 0,
                 pinned,
                 paste: paste.iter().map(|&i| all[i].unit.id.clone()).collect(),
                 pasted_tokens,
@@ -746,9 +781,10 @@ impl<B: Backend> Core<B> {
     }
 
     /// Lays out a newly admitted request: fork the header, inject or paste
-    /// its facts, append the question.
-    fn layout(&mut self, id: RequestId) -> Result<()> {
-        let Some(l) = self.live.get_mut(&id) else { return Ok(()) };
+    /// its facts, append the question, take what the prefix cache holds of
+    /// its prompt. Returns the prompt tokens the prefix cache saved.
+    fn layout(&mut self, id: RequestId) -> Result<usize> {
+        let Some(l) = self.live.get_mut(&id) else { return Ok(0) };
         let now = Instant::now();
         l.admitted = Some(now);
         // Retrieval ran at arrival; the rest of the wait was for admission.
@@ -786,42 +822,52 @@ impl<B: Backend> Core<B> {
         }
         l.header_cached = p.header_cached;
         l.header_tokens = p.header_tokens;
+        let mut seq = p.seq;
+        // Every token of a prompt- or none-mode request is computed: its
+        // prompt may start with blocks an earlier request computed.
+        if matches!(l.job.mode, Mode::Prompt | Mode::None)
+            && let Some(salt) = self.cfg.prefix_cache.salt(&l.job.user)
+        {
+            l.prefix_cached = self.session.engine_mut().reuse_prefix(&mut seq, salt);
+            self.metrics.prefix_cache(seq.len().saturating_sub(l.header_tokens), l.prefix_cached);
+        }
         // No wait for the device: the injection runs on the backend's side
         // stream and overlaps this step's forward, which waits for a layer's
         // injected KV only when it reaches that layer. Waiting here cost a
         // host-tier request the whole bus transfer before its step began.
         l.timings.inject_ms = ms(now.elapsed());
-        l.phase = info_span!(parent: &l.job.span, "prefill", tokens = p.seq.pending() as i64);
+        l.phase = info_span!(parent: &l.job.span, "prefill", tokens = seq.pending() as i64);
         l.fact_ids = p.fact_ids;
-        l.seq = Some(p.seq);
+        l.seq = Some(seq);
         // Injected: the cache may move or evict those facts now.
         l.pinned = None;
-        Ok(())
+        Ok(l.prefix_cached)
     }
 
     /// One scheduler step: lay out, forward, sample, stream.
     fn step(&mut self) {
-        let step = self.sched.schedule();
+        // Requests are laid out as they are admitted, before the step is
+        // planned: what the prefix cache holds of a prompt is not computed.
+        let t0 = Instant::now();
+        for id in self.sched.admit() {
+            match self.layout(id) {
+                Ok(cached) => self.sched.cached(id, cached),
+                Err(e) => self.fail_running(id, e),
+            }
+        }
+        let step = self.sched.plan();
         if step.is_empty() {
             return;
         }
-        let t0 = Instant::now();
         let mut failed: Vec<(RequestId, WorkerError)> = Vec::new();
-        for item in &step.items {
-            if self.live.get(&item.id).is_some_and(|l| l.seq.is_none())
-                && let Err(e) = self.layout(item.id)
-            {
-                failed.push((item.id, e));
-            }
-        }
         let t1 = self.profile.add(|p| &mut p.layout, t0);
-        let items: Vec<_> = step.items.iter().filter(|i| !failed.iter().any(|(f, _)| *f == i.id)).copied().collect();
+        let items = &step.items;
         let mut ids = Vec::with_capacity(items.len());
         let mut takes = Vec::with_capacity(items.len());
         let mut greedy = Vec::with_capacity(items.len());
         let mut seqs: Vec<&mut Sequence> = Vec::with_capacity(items.len());
         let mut by_id: HashMap<RequestId, &mut Live<B>> = self.live.iter_mut().map(|(&id, l)| (id, l)).collect();
-        for item in &items {
+        for item in items {
             if let Some(l) = by_id.remove(&item.id)
                 && let Some(seq) = l.seq.as_mut()
             {
@@ -862,17 +908,22 @@ impl<B: Backend> Core<B> {
             }
         }
         for (id, e) in failed {
-            self.sched.cancel(id);
-            if let Some(l) = self.live.remove(&id) {
-                self.metrics.failed();
-                l.job.span.record("otel.status_code", "error");
-                let _ = l.events.send(Event::Failed(e));
-            }
+            self.fail_running(id, e);
         }
         for id in self.sched.complete(&step, &finished) {
             self.finish(id);
         }
         self.profile.add(|p| &mut p.sample, t2);
+    }
+
+    /// Fails a request the scheduler admitted: its blocks are free at once.
+    fn fail_running(&mut self, id: RequestId, e: WorkerError) {
+        self.sched.cancel(id);
+        if let Some(l) = self.live.remove(&id) {
+            self.metrics.failed();
+            l.job.span.record("otel.status_code", "error");
+            let _ = l.events.send(Event::Failed(e));
+        }
     }
 
     fn sample_one(&mut self, id: RequestId, next: NextToken) -> Result<()> {
@@ -936,7 +987,7 @@ impl<B: Backend> Core<B> {
         let usage = Usage {
             prompt_tokens: prompt,
             injected_tokens: if l.job.mode.injects() { l.memory_tokens - l.pasted_tokens } else { 0 },
-            cached_tokens: if l.header_cached { l.header_tokens } else { 0 },
+            cached_tokens: l.prefix_cached + if l.header_cached { l.header_tokens } else { 0 },
             completion_tokens: l.generated.len(),
             facts: l.fact_ids.len(),
             recomputed_tokens: l.seq.as_ref().map_or(0, Sequence::recomputed),

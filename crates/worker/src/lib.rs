@@ -24,7 +24,7 @@ mod service;
 pub mod text;
 pub mod transfer;
 
-pub use engine_thread::{COLD_KV_WAIT, ColdKv, WorkerConfig, WorkerParts};
+pub use engine_thread::{COLD_KV_WAIT, ColdKv, PrefixCache, WorkerConfig, WorkerParts};
 pub use error::{Result, WorkerError};
 /// How the worker API is secured (mutual TLS or plaintext), for hosts that serve it.
 pub use inferscale_proto::tls::{Security, TlsFiles};

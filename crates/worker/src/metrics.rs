@@ -44,6 +44,10 @@ pub struct WorkerMetrics {
     /// injected as stored KV, or pasted and prefilled (their KV was cold).
     injected_tokens: AtomicU64,
     pasted_tokens: AtomicU64,
+    /// Prompt tokens of prompt- and none-mode requests past their header
+    /// that were looked up in the prefix cache, and those found.
+    prefix_queried_tokens: AtomicU64,
+    prefix_hit_tokens: AtomicU64,
     /// Arrival to admission into the running batch (retrieval excluded).
     queue: Histogram,
     /// A request's reads of facts' KV from disk (read, check, decode,
@@ -73,6 +77,8 @@ impl Default for WorkerMetrics {
             recomputed_tokens: AtomicU64::new(0),
             injected_tokens: AtomicU64::new(0),
             pasted_tokens: AtomicU64::new(0),
+            prefix_queried_tokens: AtomicU64::new(0),
+            prefix_hit_tokens: AtomicU64::new(0),
             queue: Histogram::default(),
             kv_load: Histogram::default(),
             batch_rows: Histogram::new(&ROW_BUCKETS),
@@ -145,6 +151,13 @@ impl WorkerMetrics {
     pub(crate) fn memory_tokens(&self, injected: usize, pasted: usize) {
         self.injected_tokens.fetch_add(injected as u64, Ordering::Relaxed);
         self.pasted_tokens.fetch_add(pasted as u64, Ordering::Relaxed);
+    }
+
+    /// A request looked up `queried` prompt tokens in the prefix cache and
+    /// found the KV of `hit` of them.
+    pub(crate) fn prefix_cache(&self, queried: usize, hit: usize) {
+        self.prefix_queried_tokens.fetch_add(queried as u64, Ordering::Relaxed);
+        self.prefix_hit_tokens.fetch_add(hit as u64, Ordering::Relaxed);
     }
 
     pub(crate) fn admitted(&self, waited_seconds: f64) {
@@ -265,6 +278,16 @@ impl WorkerMetrics {
             ("inferscale_worker_shard_bytes_sent_total", "Bytes of shards sent.", &self.shard_bytes_sent),
             ("inferscale_worker_shards_received_total", "Shards received and committed.", &self.shards_received),
             ("inferscale_worker_shard_bytes_received_total", "Bytes of shards received.", &self.shard_bytes_received),
+            (
+                "inferscale_worker_prefix_cache_queries_tokens_total",
+                "Prompt tokens (past the header) of prompt- and none-mode requests looked up in the prefix cache.",
+                &self.prefix_queried_tokens,
+            ),
+            (
+                "inferscale_worker_prefix_cache_hits_tokens_total",
+                "Of those, tokens whose KV the prefix cache held (not computed).",
+                &self.prefix_hit_tokens,
+            ),
             (
                 "inferscale_worker_recomputed_tokens_total",
                 "Injected memory tokens recomputed through every layer (memory mode blend).",

@@ -199,34 +199,53 @@ impl Scheduler {
     }
 
     /// Admits waiting requests while slots and blocks allow, round-robin
-    /// over users. A user whose next request does not fit yet keeps its
-    /// place; no later request overtakes it for its blocks, so large
-    /// requests are not starved by small ones.
-    fn admit(&mut self) {
+    /// over users, and returns their ids in admission order. A user whose
+    /// next request does not fit yet keeps its place; no later request
+    /// overtakes it for its blocks, so large requests are not starved by
+    /// small ones.
+    pub fn admit(&mut self) -> Vec<RequestId> {
+        let mut admitted = Vec::new();
         while self.running.len() < self.cfg.max_running {
-            let Some(user) = self.next_user() else { return };
-            let Some(q) = self.waiting.get_mut(&user) else { return };
-            let Some(front) = q.front() else { return };
+            let Some(user) = self.next_user() else { break };
+            let Some(q) = self.waiting.get_mut(&user) else { break };
+            let Some(front) = q.front() else { break };
             let blocks = front.blocks(self.cfg.block_size);
             if blocks > self.free_blocks {
-                return;
+                break;
             }
-            let Some(spec) = q.pop_front() else { return };
+            let Some(spec) = q.pop_front() else { break };
             if q.is_empty() {
                 self.waiting.remove(&user);
             }
             self.queued -= 1;
             self.free_blocks -= blocks;
             self.last_user = Some(user);
+            admitted.push(spec.id);
             self.running.push(Running { spec, blocks, prefilled: 0, generated: 0 });
+        }
+        admitted
+    }
+
+    /// An admitted request found its first `tokens` prompt tokens' KV in
+    /// the prefix cache: they are not computed (it keeps its blocks, as a
+    /// bound). At least one prompt token is always left to compute; nothing
+    /// changes once a step has computed some of its prompt.
+    pub fn cached(&mut self, id: RequestId, tokens: usize) {
+        if let Some(r) = self.running.iter_mut().find(|r| r.spec.id == id && r.prefilled == 0) {
+            r.prefilled = tokens.min(r.spec.prefill().saturating_sub(1));
         }
     }
 
-    /// Decides the next step: admits what fits, then decodes every request
-    /// past its prompt and fills the rest of the token budget with prompt
-    /// chunks in admission order.
+    /// Decides the next step: admits what fits, then [`Scheduler::plan`]s.
     pub fn schedule(&mut self) -> Step {
         self.admit();
+        self.plan()
+    }
+
+    /// The next step of the running requests: decodes every request past
+    /// its prompt and fills the rest of the token budget with prompt
+    /// chunks in admission order.
+    pub fn plan(&self) -> Step {
         let mut budget = self.cfg.max_batch_tokens;
         let mut items = Vec::new();
         for r in &self.running {
@@ -316,6 +335,32 @@ mod tests {
             steps += 1;
             assert!(steps < 10_000, "no progress");
         }
+    }
+
+    #[test]
+    fn cached_prompt_tokens_are_not_scheduled() {
+        let mut s = Scheduler::new(cfg());
+        s.submit(req(1, "a", 100, 3)).unwrap();
+        s.submit(req(2, "b", 40, 3)).unwrap();
+        assert_eq!(s.admit(), vec![1, 2]);
+        s.cached(1, 80);
+        // Never the whole prompt: its last token gives the first answer token.
+        s.cached(2, 40);
+        let step = s.plan();
+        assert_eq!(
+            step.items,
+            vec![StepItem { id: 1, tokens: 20, samples: true }, StepItem { id: 2, tokens: 1, samples: true }]
+        );
+        s.complete(&step, &[]);
+        // Once prefilling, a late report changes nothing.
+        s.cached(1, 99);
+        assert_eq!(
+            s.plan().items,
+            vec![StepItem { id: 1, tokens: 1, samples: true }, StepItem { id: 2, tokens: 1, samples: true }]
+        );
+        // Two decode steps each to their third token.
+        assert_eq!(drain(&mut s), 2);
+        assert_eq!(s.free_blocks(), cfg().total_blocks);
     }
 
     #[test]

@@ -68,11 +68,12 @@ pub async fn run(cfg: &Config, progress: &dyn Fn(&str)) -> Result<Report> {
         ingest.seconds, ingest.added, ingest.skipped
     ));
     let plan = &cfg.plan;
+    let questions = runner::Questions::default();
     let mut points = Vec::new();
     for &n in &plan.users {
         for &mode in &plan.modes {
             for &k in &plan.ks {
-                let p = runner::point(&client, &model, &users, n, mode, k, plan).await;
+                let p = runner::point(&client, &model, &users, (n, mode, k), plan, &questions).await;
                 progress(&format!(
                     "{:>6} k={k:<3} users={n:<3} {} requests, {} errors in {:.1} s; TTFT p50 {:.1} ms, e2e p50 {:.0} ms",
                     p.mode, p.requests, p.errors, p.duration_s, p.ttft_ms.p50, p.e2e_ms.p50

@@ -20,9 +20,16 @@
 //! with few active at once reach a server. Each client draws from its own
 //! seeded stream, so every point (kv or prompt) sends the same users in
 //! the same order.
+//!
+//! Questions do not repeat across the points of a mode ([`Questions`]):
+//! each user asks its questions in turn over the whole run, per mode, so
+//! a point never resends the prompts an earlier point of its mode sent —
+//! with prefix caching a repeated prompt costs almost nothing, and would
+//! flatter prompt mode.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use hyper::Method;
@@ -195,6 +202,23 @@ pub async fn ingest(client: &Client, users: &[User], window: Option<u32>) -> Res
     Ok(out)
 }
 
+/// The question each user asks next, per memory mode, over a whole run.
+/// A user starts at its own index, so that users sharing a memory do not
+/// ask in lockstep, and asks every question before any again.
+#[derive(Debug, Clone, Default)]
+pub struct Questions(Arc<Mutex<HashMap<(Mode, usize), usize>>>);
+
+impl Questions {
+    /// The index (to be taken modulo the user's questions) of the next
+    /// question `user` asks in `mode`.
+    fn next(&self, mode: Mode, user: usize) -> usize {
+        let mut next = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let q = next.entry((mode, user)).or_insert(user);
+        *q += 1;
+        *q - 1
+    }
+}
+
 /// The chat body of one request.
 fn chat_body(model: &str, user: &User, question: &str, mode: Mode, k: u32, plan: &Plan) -> Value {
     let mut b = json!({
@@ -213,8 +237,17 @@ fn chat_body(model: &str, user: &User, question: &str, mode: Mode, k: u32, plan:
     b
 }
 
-/// Measures one point with the first `n` of `users`.
-pub async fn point(client: &Client, model: &str, users: &[User], n: usize, mode: Mode, k: u32, plan: &Plan) -> Point {
+/// Measures one point with `n` clients (the first `n` of `users`, or
+/// clients drawing from the plan's population), each user asking the next
+/// of its `questions` in `mode`.
+pub async fn point(
+    client: &Client,
+    model: &str,
+    users: &[User],
+    (n, mode, k): (usize, Mode, u32),
+    plan: &Plan,
+    questions: &Questions,
+) -> Point {
     let barrier = Arc::new(Barrier::new(n));
     let start: Arc<OnceLock<Instant>> = Arc::new(OnceLock::new());
     let tickets = Arc::new(AtomicUsize::new(0));
@@ -225,16 +258,14 @@ pub async fn point(client: &Client, model: &str, users: &[User], n: usize, mode:
     // client count); with one, each client draws its users.
     for i in 0..n {
         let (client, all, plan, model) = (client.clone(), all.clone(), plan.clone(), model.to_string());
-        let (barrier, start, tickets) = (barrier.clone(), start.clone(), tickets.clone());
+        let (barrier, start, tickets, questions) = (barrier.clone(), start.clone(), tickets.clone(), questions.clone());
         let mut picker = Picker { cumulative: cumulative.clone(), state: i as u64 };
         tasks.spawn(async move {
-            // Users start at different questions so that they do not ask in lockstep.
-            let mut q = i;
             let mut next = || {
-                let u = if plan.population.is_some() { &all[picker.next()] } else { &all[i] };
-                let body = chat_body(&model, u, &u.questions[q % u.questions.len()], mode, k, &plan);
-                q += 1;
-                body
+                let user = if plan.population.is_some() { picker.next() } else { i };
+                let u = &all[user];
+                let q = questions.next(mode, user);
+                chat_body(&model, u, &u.questions[q % u.questions.len()], mode, k, &plan)
             };
             for _ in 0..plan.warmup {
                 let mut body = next();
@@ -309,6 +340,18 @@ mod tests {
         // prompt points see one request stream); another seed another.
         assert_eq!(counts(50, 1.2, 11, 1000), counts(50, 1.2, 11, 1000));
         assert_ne!(counts(50, 1.2, 11, 1000), counts(50, 1.2, 12, 1000));
+    }
+
+    #[test]
+    fn a_user_asks_every_question_before_any_again_per_mode() {
+        let q = Questions::default();
+        let asked: Vec<usize> = (0..4).map(|_| q.next(Mode::Prompt, 2)).collect();
+        // User 2 starts at its own index; the caller wraps it over its questions.
+        assert_eq!(asked, [2, 3, 4, 5]);
+        // Another mode, another user: their own sequences.
+        assert_eq!((q.next(Mode::Kv, 2), q.next(Mode::Prompt, 0)), (2, 0));
+        // A clone is the same run's record (every point of a run shares it).
+        assert_eq!(q.clone().next(Mode::Prompt, 2), 6);
     }
 
     #[test]

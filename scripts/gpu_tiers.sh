@@ -19,6 +19,10 @@
 # HOST_MB=8192 ZIPF=1.0 DURATION_S=60 STORE_DIR=/tmp/inferscale-tiers
 # COLD_KV=prefill (or wait, with COLD_KV_WAIT_MS=100) MODES=kv,prompt
 # HOT=1 (0: no 10-hottest-users point).
+#
+# The prefix cache is off: a synthetic user has FACTS questions and popular
+# users ask them over and over, so prompt mode would find whole prompts
+# cached, which real users' questions do not give it.
 set -uo pipefail
 step=$1 bin=$2 out=$3
 users=${USERS:-400} facts=${FACTS:-8} k=${K:-8} format=${FORMAT:-fp8}
@@ -30,7 +34,7 @@ serve() {
   "$bin" serve --listen 127.0.0.1:8080 --worker-http-listen 127.0.0.1:9090 --memory "$mem" \
     --backend cuda --shape llama3.1-8b --random-weights --embedder random --window 0 \
     --kv-format "$format" --kv-device-mb "${DEVICE_MB:-2048}" --kv-host-mb "${HOST_MB:-8192}" \
-    --cold-kv "${COLD_KV:-prefill}" --cold-kv-wait-ms "${COLD_KV_WAIT_MS:-100}" \
+    --cold-kv "${COLD_KV:-prefill}" --cold-kv-wait-ms "${COLD_KV_WAIT_MS:-100}" --prefix-cache off \
     --kv-cache-mb 40000 --max-batch-tokens 2048 --max-running 128 --max-queue 512 --deadline-s 600 \
     >>"$out/serve.log" 2>&1 &
   srv=$!

@@ -57,10 +57,11 @@ pub struct WorkerArgs {
     pub(crate) cold_kv_wait_ms: u64,
     /// Which prompt- and none-mode requests may reuse each other's computed
     /// prompt blocks: `user` (one user's own earlier prompts only, so that
-    /// timing reveals nothing of other users'), `shared` (any request's),
-    /// or `off`.
-    #[arg(long, env = "INFERSCALE_PREFIX_CACHE", default_value = "user", value_parser = parse_prefix_cache)]
-    pub(crate) prefix_cache: PrefixCache,
+    /// timing reveals nothing of other users'; the default), `shared` (any
+    /// request's), or `off` (the default of `bench serve`, whose clients
+    /// repeat one question).
+    #[arg(long, env = "INFERSCALE_PREFIX_CACHE", value_parser = parse_prefix_cache)]
+    pub(crate) prefix_cache: Option<PrefixCache>,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -322,7 +323,7 @@ where
         prompts: a.mem.prompts(),
         cold_kv: a.cold_kv,
         cold_kv_wait: std::time::Duration::from_millis(a.cold_kv_wait_ms),
-        prefix_cache: a.prefix_cache,
+        prefix_cache: a.prefix_cache.unwrap_or_default(),
         ..Default::default()
     };
     let info = WorkerInfo {

@@ -27,6 +27,7 @@ use inferscale_memory::Mode;
 use inferscale_model::progress::Progress;
 use inferscale_proto as pb;
 use inferscale_proto::worker_client::WorkerClient;
+use inferscale_worker::PrefixCache;
 use serde::Serialize;
 use tokio::net::TcpListener;
 use tokio::sync::Mutex;
@@ -255,6 +256,10 @@ pub fn run(mut a: ServeBenchArgs) -> Result<()> {
         tmp = Some(dir);
     }
     let byte_level = a.worker.mem.model.shape.is_some();
+    // Every client asks one question, so a prompt-mode request would find
+    // its whole prompt in the prefix cache and measure nothing of the
+    // prefill this bench compares kv mode with: off unless asked for.
+    a.worker.prefix_cache.get_or_insert(PrefixCache::Off);
     let (service, engine, _) = start_worker(&a.worker)?;
     let rt = runtime()?;
     let report = rt.block_on(async {

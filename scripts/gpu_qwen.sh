@@ -16,6 +16,9 @@
 #   gpu_qwen.sh bench OUT         bench ttft and bench serve (1 and 100 clients, k = 50)
 #   gpu_qwen.sh blend-eval        LoCoMo dev split for kv+blend: kv, blend at r 0.05/0.1/0.15/0.3 and
 #                                 prompt × k 20,50 × windows 0,20, started like `eval` (`collect` waits)
+#   gpu_qwen.sh blend-focus       kv, blend at r 0.15/0.3 with focus 0/0.5/1 (the share of recomputed
+#                                 tokens that are the best facts' last tokens) and prompt, k 20,50 ×
+#                                 windows 0,20, started like `eval` (`collect` waits)
 #   gpu_qwen.sh blend-bench OUT   inferscale check (random shapes, blend path included), then bench ttft
 #                                 prompt/kv/blend at each r: the Llama-3.1-8B shape and Qwen
 set -euo pipefail
@@ -96,6 +99,14 @@ blend-eval)
   mkdir -p "$work/eval"
   setsid nohup "$bin" eval locomo "${eval_common[@]}" --modes kv,blend,prompt --blend-ratio 0.05,0.1,0.15,0.3 \
     --k 20,50 --window 0,20 --batch 32 --ttft-questions 10 --out "$work/eval" > "$work/eval.log" 2>&1 < /dev/null &
+  echo "eval started (pid $!)"
+  ;;
+blend-focus)
+  source scripts/gpu_env.sh
+  mkdir -p "$work/eval"
+  setsid nohup "$bin" eval locomo "${eval_common[@]}" --modes kv,blend,prompt --blend-ratio 0.15,0.3 \
+    --blend-focus 0,0.5,1 --k 20,50 --window 0,20 --batch 32 --ttft-questions 0 --out "$work/eval" \
+    > "$work/eval.log" 2>&1 < /dev/null &
   echo "eval started (pid $!)"
   ;;
 blend-bench)

@@ -39,13 +39,20 @@ use crate::llama::ForwardBatch;
 /// The layer whose value deviation ranks the candidates (0-based).
 pub const SELECT_LAYER: usize = 1;
 
+/// The share of a blend's recomputed tokens spent on the injected memory's
+/// last tokens — the best-ranked facts, nearest the question — whatever
+/// their deviation; the rest go by deviation.
+pub const BLEND_FOCUS: f32 = 0.0;
+
 /// Injected tokens of one sequence that its next steps recompute:
-/// `next..end` are still to go, each chunk keeping `ratio` of its share.
+/// `next..end` are still to go, each chunk keeping `ratio` of its share,
+/// and the last `tail` of them always.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct BlendPlan {
     pub next: usize,
     pub end: usize,
     pub ratio: f32,
+    pub tail: usize,
 }
 
 impl BlendPlan {
@@ -58,6 +65,14 @@ impl BlendPlan {
     /// not exact in f32), at least one of a non-empty chunk, at most all.
     pub fn keep(&self, n: usize) -> usize {
         keep_count(self.ratio, n)
+    }
+
+    /// The group of the next `n` candidates (rows `rows` of a batch): how
+    /// many go on, and how many of its last rows must.
+    pub fn group(&self, rows: Range<usize>, n: usize) -> BlendGroup {
+        let tail_from = self.end - self.tail.min(self.end);
+        let forced = (self.next + n).saturating_sub(tail_from.max(self.next)).min(n);
+        BlendGroup { rows, keep: self.keep(n).max(forced.min(n)), forced }
     }
 }
 
@@ -73,47 +88,59 @@ pub fn blend_rows(injected: usize, ratio: f32) -> usize {
     if ratio > 0.0 { injected } else { 0 }
 }
 
-/// The blend part of one forward pass: per sequence, the rows that
-/// recompute injected tokens (consecutive in the batch) and how many of
-/// them go past [`SELECT_LAYER`].
+/// One sequence's rows of a blend pass: consecutive rows of the batch that
+/// recompute injected tokens, how many of them go past [`SELECT_LAYER`],
+/// and how many of the last ones go on whatever their deviation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BlendGroup {
+    pub rows: Range<usize>,
+    pub keep: usize,
+    pub forced: usize,
+}
+
+/// The blend part of one forward pass, a group per sequence.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct BlendRows {
-    pub groups: Vec<(Range<usize>, usize)>,
+    pub groups: Vec<BlendGroup>,
 }
 
 impl BlendRows {
     /// Whether some rows stop at the selection layer (else the pass is a plain one).
     pub fn narrows(&self) -> bool {
-        self.groups.iter().any(|(r, keep)| *keep < r.len())
+        self.groups.iter().any(|g| g.keep < g.rows.len())
     }
 
     /// The candidate rows, group after group.
     pub fn rows(&self) -> Vec<usize> {
-        self.groups.iter().flat_map(|(r, _)| r.clone()).collect()
+        self.groups.iter().flat_map(|g| g.rows.clone()).collect()
     }
 
     /// The rows of a `total`-row batch that go on past the selection layer, ascending:
-    /// every row outside the groups, and in each group the `keep` rows
-    /// whose `deviation` (one per candidate, in [`BlendRows::rows`] order)
-    /// is largest, ties to the lower row.
+    /// every row outside the groups, and in each group its forced last rows
+    /// and, up to `keep` in all, the rows whose `deviation` (one per
+    /// candidate, in [`BlendRows::rows`] order) is largest, ties to the
+    /// lower row.
     pub fn kept(&self, total: usize, deviation: &[f32]) -> Result<Vec<usize>> {
-        let candidates: usize = self.groups.iter().map(|(r, _)| r.len()).sum();
+        let candidates: usize = self.groups.iter().map(|g| g.rows.len()).sum();
         if deviation.len() != candidates {
             return Err(EngineError::Shape(format!("{} deviations for {candidates} candidates", deviation.len())));
         }
         let mut keep = vec![true; total];
         let mut at = 0;
-        for (rows, n) in &self.groups {
+        for g in &self.groups {
+            let rows = &g.rows;
             if rows.end > total {
                 return Err(EngineError::Shape(format!("blend rows {rows:?} of a {total}-row batch")));
             }
             let dev = &deviation[at..at + rows.len()];
             at += rows.len();
-            // NaN (a broken value) ranks first: recomputing it is the cure.
-            let key = |i: usize| if dev[i].is_nan() { f32::INFINITY } else { dev[i] };
+            let forced_from = rows.len() - g.forced.min(rows.len());
+            // Forced rows first, then by deviation; NaN (a broken value)
+            // ranks with the forced: recomputing it is the cure.
+            let key = |i: usize| if i >= forced_from || dev[i].is_nan() { f32::INFINITY } else { dev[i] };
             let mut order: Vec<usize> = (0..rows.len()).collect();
             order.sort_by(|&a, &b| key(b).total_cmp(&key(a)).then(a.cmp(&b)));
-            for &i in &order[(*n).min(rows.len())..] {
+            for &i in &order[g.keep.min(rows.len())..] {
                 keep[rows.start + i] = false;
             }
         }
@@ -192,6 +219,18 @@ impl Narrowed {
 }
 
 impl<B: Backend> Engine<B> {
+    /// kv+blend: the share (0..=1) of each later blend's recomputed tokens
+    /// spent on the injected memory's last tokens — the best-ranked facts,
+    /// nearest the question — whatever their deviation ([`BLEND_FOCUS`]
+    /// until set; 1 recomputes the last tokens only).
+    pub fn set_blend_focus(&mut self, focus: f32) -> Result<()> {
+        if !(0.0..=1.0).contains(&focus) {
+            return Err(EngineError::Shape(format!("blend focus {focus} outside 0..=1")));
+        }
+        self.blend_focus = focus;
+        Ok(())
+    }
+
     /// kv+blend: the steps that compute `seq`'s pending tokens first
     /// recompute its last `injected` computed tokens (just injected), keeping
     /// `ratio` of them past [`SELECT_LAYER`]; see the module docs. Ratio 0
@@ -210,7 +249,8 @@ impl<B: Backend> Engine<B> {
             )));
         }
         if blend_rows(injected, ratio) > 0 {
-            seq.blend = Some(BlendPlan { next: end - injected, end, ratio });
+            let tail = (self.blend_focus as f64 * keep_count(ratio, injected) as f64).round() as usize;
+            seq.blend = Some(BlendPlan { next: end - injected, end, ratio, tail });
         }
         Ok(())
     }
@@ -222,7 +262,8 @@ mod tests {
 
     #[test]
     fn each_group_keeps_its_most_deviating_rows_in_row_order() {
-        let b = BlendRows { groups: vec![(1..5, 2), (6..9, 1)] };
+        let g = |rows, keep, forced| BlendGroup { rows, keep, forced };
+        let b = BlendRows { groups: vec![g(1..5, 2, 0), g(6..9, 1, 0)] };
         assert!(b.narrows());
         assert_eq!(b.rows(), vec![1, 2, 3, 4, 6, 7, 8]);
         // Group 1: rows 2 and 4 deviate most; group 2: a tie between 6 and 8 goes to 6.
@@ -233,13 +274,35 @@ mod tests {
         assert_eq!(b.kept(10, &dev).unwrap(), vec![0, 2, 4, 5, 6, 9]);
         assert!(b.kept(10, &dev[1..]).is_err());
         assert!(b.kept(8, &dev).is_err());
-        let all = BlendRows { groups: vec![(0..3, 3)] };
+        let all = BlendRows { groups: vec![g(0..3, 3, 0)] };
         assert!(!all.narrows());
+        // The last row of group 1 is forced: it goes on, with the most
+        // deviating of the others (row 2), although row 4 deviates more.
+        let forced = BlendRows { groups: vec![g(1..5, 2, 1), g(6..9, 1, 0)] };
+        let dev = [0.1, 5.0, 7.0, 0.0, 7.0, 1.0, 7.0];
+        assert_eq!(forced.kept(10, &dev).unwrap(), vec![0, 3, 4, 5, 6, 9]);
+    }
+
+    #[test]
+    fn the_tail_is_forced_in_the_chunks_that_hold_it() {
+        // 20 injected tokens (cache 10..30), 5 kept in all, the last 3 forced.
+        let plan = |next| BlendPlan { next, end: 30, ratio: 0.25, tail: 3 };
+        // A chunk of the first 12 holds none of the tail.
+        assert_eq!(plan(10).group(0..12, 12), BlendGroup { rows: 0..12, keep: 3, forced: 0 });
+        // The last 8 hold all three: they go on although 0.25 of 8 is 2.
+        assert_eq!(plan(22).group(4..12, 8), BlendGroup { rows: 4..12, keep: 3, forced: 3 });
+        // All 20 in one chunk: 5 kept, 3 of them the tail.
+        assert_eq!(plan(10).group(0..20, 20), BlendGroup { rows: 0..20, keep: 5, forced: 3 });
+        // A chunk ending where the tail starts (cache index 27), and ones
+        // reaching into it.
+        assert_eq!(plan(10).group(0..17, 17).forced, 0);
+        assert_eq!(plan(10).group(0..18, 18).forced, 1);
+        assert_eq!(plan(10).group(0..19, 19).forced, 2);
     }
 
     #[test]
     fn a_chunk_keeps_at_least_one_and_at_most_all() {
-        let p = |ratio| BlendPlan { next: 0, end: 10, ratio };
+        let p = |ratio| BlendPlan { next: 0, end: 10, ratio, tail: 0 };
         assert_eq!((p(0.15).keep(100), p(0.15).keep(3), p(0.15).keep(0)), (15, 1, 0));
         assert_eq!((p(1.0).keep(7), p(0.001).keep(7), p(0.5).keep(7)), (7, 1, 4));
     }

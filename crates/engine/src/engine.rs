@@ -157,6 +157,9 @@ pub struct Engine<B: Backend> {
     pub(crate) kv: B::KvStore,
     pool: BlockPool,
     max_batch_tokens: usize,
+    /// kv+blend: the share of recomputed tokens spent on the memory's last
+    /// (best-ranked) tokens whatever their deviation.
+    pub(crate) blend_focus: f32,
 }
 
 /// Per-layer pre-RoPE K and V captured from forward passes, in row order.
@@ -188,7 +191,14 @@ impl<B: Backend> Engine<B> {
             num_kv_heads: c.num_kv_heads,
             head_dim: c.head_dim,
         })?;
-        Ok(Engine { backend, model, kv, pool: BlockPool::new(cfg.kv_blocks), max_batch_tokens: cfg.max_batch_tokens })
+        Ok(Engine {
+            backend,
+            model,
+            kv,
+            pool: BlockPool::new(cfg.kv_blocks),
+            max_batch_tokens: cfg.max_batch_tokens,
+            blend_focus: crate::blend::BLEND_FOCUS,
+        })
     }
 
     pub fn model(&self) -> &Llama<B> {
@@ -475,7 +485,7 @@ impl<B: Backend> Engine<B> {
                 batch.slots.push(s.table.slot(p));
             }
             if let Some(plan) = s.blend.as_ref().filter(|_| b > 0) {
-                blend.groups.push((q_start..q_start + b, plan.keep(b)));
+                blend.groups.push(plan.group(q_start..q_start + b, b));
             }
             if let Some(range) = capture.get(i) {
                 let lo = range.start.clamp(s.computed, s.computed + t);
@@ -532,7 +542,7 @@ impl<B: Backend> Engine<B> {
         let mut groups = batch.blend.iter().flat_map(|b| b.groups.iter());
         for (s, &(b, t)) in seqs.iter_mut().zip(&split) {
             if let Some(plan) = s.blend.as_mut().filter(|_| b > 0) {
-                let rows = groups.next().map_or(0..0, |g| g.0.clone());
+                let rows = groups.next().map_or(0..0, |g| g.rows.clone());
                 s.recomputed += fwd.kept.as_ref().map_or(b, |k| k.iter().filter(|r| rows.contains(r)).count());
                 plan.next += b;
                 if plan.remaining() == 0 {

@@ -129,22 +129,29 @@ fn ask(e: &mut Engine<CpuBackend>, l: &Layout, ratio: Option<f32>) -> (Vec<f32>,
     (e.prefill(&mut seq).unwrap(), seq)
 }
 
-/// The tokens kept past the selection layer: per chunk of `max_batch`
-/// candidates, the `ratio` share (`blend_keep_count`) whose values deviate most.
-fn selection(l: &Layout, deviation: &[f32], ratio: f32, max_batch: usize) -> Vec<usize> {
+/// The tokens kept past the selection layer: the last `focus` share of
+/// the `ratio` share of all injected tokens, whatever their deviation; and
+/// per chunk of `max_batch` candidates, up to its `ratio` share
+/// (`blend_keep_count`, or its forced tokens if more), those whose values
+/// deviate most.
+fn selection(l: &Layout, deviation: &[f32], ratio: f32, focus: f32, max_batch: usize) -> Vec<usize> {
     let mut kept = Vec::new();
     let inj: Vec<usize> = l.injected().collect();
+    let tail = (focus as f64 * blend_keep_count(ratio, inj.len()) as f64).round() as usize;
+    let forced = |j: usize| j >= l.injected().end - tail;
     for chunk in inj.chunks(max_batch) {
-        let keep = blend_keep_count(ratio, chunk.len());
+        let n_forced = chunk.iter().filter(|&&j| forced(j)).count();
+        let keep = blend_keep_count(ratio, chunk.len()).max(n_forced);
+        let key = |j: usize| if forced(j) { f32::INFINITY } else { deviation[j] };
         let mut order = chunk.to_vec();
-        order.sort_by(|&a, &b| deviation[b].total_cmp(&deviation[a]).then(a.cmp(&b)));
+        order.sort_by(|&a, &b| key(b).total_cmp(&key(a)).then(a.cmp(&b)));
         kept.extend(&order[..keep]);
     }
     kept.sort();
     kept
 }
 
-fn check_against_dense(name: &str, files: &ModelFiles, l: &Layout, tol: f32, cases: &[(f32, usize)]) {
+fn check_against_dense(name: &str, files: &ModelFiles, l: &Layout, tol: f32, cases: &[(f32, usize, f32)]) {
     let dense = Dense::load(files);
     let all = l.all();
     let positions: Vec<u32> = (0..all.len() as u32).collect();
@@ -154,10 +161,11 @@ fn check_against_dense(name: &str, files: &ModelFiles, l: &Layout, tol: f32, cas
     // Every injected token recomputed through the selection layer: the
     // deviations there, as the engine ranks them.
     let (_, deviation) = dense.forward_blend(&all, &positions, l.kv_mask(), |li, j| !is_fact(j) || li <= s);
-    for &(ratio, max_batch) in cases {
+    for &(ratio, max_batch, focus) in cases {
         let mut e = cpu_engine(files, max_batch);
+        e.set_blend_focus(focus).unwrap();
         let (got, seq) = ask(&mut e, l, Some(ratio));
-        let kept = selection(l, &deviation[s], ratio, max_batch);
+        let kept = selection(l, &deviation[s], ratio, focus, max_batch);
         assert_eq!(seq.recomputed(), kept.len(), "{name} r {ratio} batch {max_batch}: tokens recomputed");
         let reference = |kept: &[usize]| {
             let (logits, _) =
@@ -173,7 +181,7 @@ fn check_against_dense(name: &str, files: &ModelFiles, l: &Layout, tol: f32, cas
         let miss = max_abs_diff(&got, &reference(&other));
         assert!(miss > 10.0 * tol, "{name} r {ratio}: a different selection not detected ({miss:.2e})");
         eprintln!(
-            "{name} r {ratio} batch {max_batch}: {} of {} recomputed, max |Δlogit| {d:.2e}",
+            "{name} r {ratio} batch {max_batch} focus {focus}: {} of {} recomputed, max |Δlogit| {d:.2e}",
             kept.len(),
             inj.len()
         );
@@ -185,15 +193,17 @@ fn blend_matches_the_dense_reference_on_tiny_shapes() {
     for name in TINY_SHAPES {
         let (files, _dir) = open_deep(name, 5);
         // One pass; and chunks of 16 rows, which cut the candidates (each
-        // chunk keeps its own share) and put the question in a later pass.
-        check_against_dense(name, &files, &Layout::tiny(), TINY_TOL, &[(0.3, 64), (0.15, 64), (0.3, 16)]);
+        // chunk keeps its own share) and put the question in a later pass;
+        // half and all of the recomputed tokens the memory's last ones.
+        let cases = [(0.3, 64, 0.0), (0.15, 64, 0.0), (0.3, 16, 0.0), (0.3, 64, 0.5), (0.3, 16, 1.0)];
+        check_against_dense(name, &files, &Layout::tiny(), TINY_TOL, &cases);
     }
 }
 
 #[test]
 fn blend_matches_the_dense_reference_on_smollm2() {
     let files = open_smollm2();
-    check_against_dense("smollm2", &files, &Layout::chat(&files), SMOL_TOL, &[(0.2, 256)]);
+    check_against_dense("smollm2", &files, &Layout::chat(&files), SMOL_TOL, &[(0.2, 256, 0.0), (0.2, 256, 0.5)]);
 }
 
 /// Ratio 0 is kv mode to the bit; ratio 1 is prompt mode's prefill.

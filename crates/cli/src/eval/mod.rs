@@ -64,6 +64,11 @@ pub struct LocomoArgs {
     /// a variant, like a window).
     #[arg(long, value_delimiter = ',', default_values_t = [inferscale_types::DEFAULT_BLEND_RATIO], value_parser = blend_ratio)]
     blend_ratio: Vec<f32>,
+    /// Blend: shares of the recomputed tokens spent on the memory's last
+    /// (best-ranked) tokens whatever their deviation, the rest chosen by
+    /// deviation; each one a variant with each ratio.
+    #[arg(long, value_delimiter = ',', default_values_t = [inferscale_engine::BLEND_FOCUS], value_parser = blend_ratio)]
+    blend_focus: Vec<f32>,
     /// Facts retrieved per question; each k is a variant.
     #[arg(long, value_delimiter = ',', default_value = "5,20,50")]
     k: Vec<usize>,
@@ -125,8 +130,10 @@ struct Variant {
     /// Index into the memories (one per window and format) for kv and
     /// blend mode.
     memory: usize,
-    /// Blend: the share of injected tokens recomputed (else 0).
+    /// Blend: the share of injected tokens recomputed (else 0), and the
+    /// share of those that are the memory's last tokens.
     blend_ratio: f32,
+    blend_focus: f32,
 }
 
 /// A question with its retrieval done.
@@ -223,7 +230,7 @@ fn locomo_eval<B: Backend>(a: &LocomoArgs, backend: B) -> Result<()> {
     let k_max = *a.k.iter().max().context("--k")?;
     let want = |m: Mode| a.modes.contains(&m);
     let mut variants = Vec::new();
-    let plain = |mode, k, memory| Variant { mode, k, memory, blend_ratio: 0.0 };
+    let plain = |mode, k, memory| Variant { mode, k, memory, blend_ratio: 0.0, blend_focus: 0.0 };
     if want(Mode::None) {
         variants.push(plain(Mode::None, 0, 0));
     }
@@ -237,12 +244,15 @@ fn locomo_eval<B: Backend>(a: &LocomoArgs, backend: B) -> Result<()> {
                 variants.push(plain(Mode::Kv, k, memory));
             }
             if want(Mode::Blend) {
-                variants.extend(a.blend_ratio.iter().map(|&blend_ratio| Variant {
-                    mode: Mode::Blend,
-                    k,
-                    memory,
-                    blend_ratio,
-                }));
+                for &blend_focus in &a.blend_focus {
+                    variants.extend(a.blend_ratio.iter().map(|&blend_ratio| Variant {
+                        mode: Mode::Blend,
+                        k,
+                        memory,
+                        blend_ratio,
+                        blend_focus,
+                    }));
+                }
             }
         }
     }
@@ -314,6 +324,7 @@ fn locomo_eval<B: Backend>(a: &LocomoArgs, backend: B) -> Result<()> {
                         Mode::None => Vec::new(),
                         _ => s.retrieve(q.sample, &q.qa.question, v.k)?,
                     };
+                    s.engine_mut().set_blend_focus(v.blend_focus)?;
                     let mut p = s.prepare(q.sample, &top, v.mode, v.blend_ratio, &q.tokens)?;
                     let _first = argmax(&s.engine_mut().prefill(&mut p.seq)?);
                     Ok(start.elapsed().as_secs_f64() * 1e3)
@@ -386,6 +397,7 @@ impl AnswerPlan<'_> {
                 let ids = &q.top[..v.k.min(q.top.len())];
                 let names: Vec<&str> = ids.iter().map(|&i| fact_ids[i].as_str()).collect();
                 let p = on_memory(session, memories, v.memory, |s| {
+                    s.engine_mut().set_blend_focus(v.blend_focus)?;
                     s.prepare(q.sample, ids, v.mode, v.blend_ratio, &q.tokens)
                 })?;
                 seqs.push(p.seq);
@@ -397,6 +409,7 @@ impl AnswerPlan<'_> {
                         category: q.qa.category,
                         mode: v.mode.as_str().into(),
                         blend_ratio: (v.mode == Mode::Blend).then_some(v.blend_ratio),
+                        blend_focus: (v.mode == Mode::Blend && v.blend_focus > 0.0).then_some(v.blend_focus),
                         window: v.mode.injects().then_some(window),
                         kv_format: format.filter(|_| v.mode.injects()).map(|f| f.to_string()),
                         k: v.k,
@@ -437,7 +450,7 @@ impl AnswerPlan<'_> {
                         r.same_as_prompt = Some(&text == ptext);
                     }
                     let mode = variants[*vi].mode.as_str();
-                    let fkey = (key.0, key.1, key.2, mode, r.blend_ratio.map(|x| x.to_string()), r.window);
+                    let fkey = (key.0, key.1, key.2, mode, r.blend_key(), r.window);
                     if stores[variants[*vi].memory].format == first_format {
                         format_ref.insert(fkey, (lp, text.clone()));
                     } else if let Some((flp, ftext)) = format_ref.get(&fkey) {

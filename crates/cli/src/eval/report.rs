@@ -18,6 +18,10 @@ pub(super) struct Answer {
     /// Blend rows: the share of injected tokens recomputed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(super) blend_ratio: Option<f32>,
+    /// Blend rows with a focus (`--blend-focus`): the share of the
+    /// recomputed tokens that were the memory's last ones.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) blend_focus: Option<f32>,
     pub(super) window: Option<usize>,
     /// kv and blend rows when formats were chosen (`--kv-format`): the
     /// format the memory stored the KV in.
@@ -46,6 +50,17 @@ pub(super) struct Answer {
     pub(super) copies_label: Option<bool>,
 }
 
+impl Answer {
+    /// The blend variant as text (ratio, and focus when set), to key by:
+    /// f32 has no order to sort by.
+    pub(super) fn blend_key(&self) -> Option<String> {
+        self.blend_ratio.map(|r| match self.blend_focus {
+            Some(f) => format!("{r} f={f}"),
+            None => r.to_string(),
+        })
+    }
+}
+
 #[derive(Serialize, Deserialize)]
 pub(super) struct Ingest {
     pub(super) window: usize,
@@ -62,6 +77,8 @@ pub(super) struct Row {
     pub(super) mode: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(super) blend_ratio: Option<f32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) blend_focus: Option<f32>,
     pub(super) window: Option<usize>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(super) kv_format: Option<String>,
@@ -89,9 +106,10 @@ impl Row {
     /// The mode as tables and charts name it: `blend r=0.15` for blend,
     /// followed by the KV format when formats were chosen.
     fn mode_label(&self) -> String {
-        let mode = match self.blend_ratio {
-            Some(r) => format!("{} r={r}", self.mode),
-            None => self.mode.clone(),
+        let mode = match (self.blend_ratio, self.blend_focus) {
+            (Some(r), Some(f)) => format!("{} r={r} f={f}", self.mode),
+            (Some(r), None) => format!("{} r={r}", self.mode),
+            _ => self.mode.clone(),
         };
         match &self.kv_format {
             Some(f) => format!("{mode} {f}"),
@@ -164,11 +182,11 @@ fn panels(rows: &[Row]) -> Vec<plot::Panel> {
 }
 
 pub(super) fn summarize(answers: &[Answer]) -> Vec<Row> {
-    // (mode, blend ratio, window, format, k); ratios are keyed by their text (f32 has no order to sort by).
+    // (mode, blend variant, window, format, k).
     type Key = (String, Option<String>, Option<usize>, Option<String>, usize);
     let mut groups: BTreeMap<Key, Vec<&Answer>> = BTreeMap::new();
     for x in answers {
-        let key = (x.mode.clone(), x.blend_ratio.map(|r| r.to_string()), x.window, x.kv_format.clone(), x.k);
+        let key = (x.mode.clone(), x.blend_key(), x.window, x.kv_format.clone(), x.k);
         groups.entry(key).or_default().push(x);
     }
     groups
@@ -186,6 +204,7 @@ pub(super) fn summarize(answers: &[Answer]) -> Vec<Row> {
             Row {
                 mode,
                 blend_ratio: xs[0].blend_ratio,
+                blend_focus: xs[0].blend_focus,
                 window,
                 kv_format,
                 k,

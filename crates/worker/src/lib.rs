@@ -11,6 +11,7 @@
 //! shard into fixed-size frames for device-to-device (NCCL) transfer over
 //! a [`link`]; [`http`] serves [`metrics`] and the health probes.
 
+mod config;
 mod engine_thread;
 mod error;
 mod frames;
@@ -24,7 +25,8 @@ mod service;
 pub mod text;
 pub mod transfer;
 
-pub use engine_thread::{COLD_KV_WAIT, ColdKv, PrefixCache, WorkerConfig, WorkerParts};
+pub use config::{COLD_KV_WAIT, ColdKv, PrefixCache, WorkerConfig};
+pub use engine_thread::WorkerParts;
 pub use error::{Result, WorkerError};
 /// How the worker API is secured (mutual TLS or plaintext), for hosts that serve it.
 pub use inferscale_proto::tls::{Security, TlsFiles};

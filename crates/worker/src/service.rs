@@ -19,7 +19,8 @@ use tokio_stream::{Stream, StreamExt, wrappers::UnboundedReceiverStream};
 use tonic::{Request, Response, Status};
 use tracing::{Instrument, info_span};
 
-use crate::engine_thread::{WorkerConfig, WorkerParts, run};
+use crate::config::WorkerConfig;
+use crate::engine_thread::{WorkerParts, run};
 use crate::error::{Result, WorkerError};
 use crate::link::Links;
 use crate::metrics::WorkerMetrics;

@@ -1,0 +1,133 @@
+//! A worker's settings: its serving limits ([`WorkerConfig`]) and the
+//! policies they choose — what a kv request does with cold facts
+//! ([`ColdKv`]) and who may reuse whose computed prompt blocks
+//! ([`PrefixCache`]).
+
+use std::time::Duration;
+
+use inferscale_memory::Prompts;
+
+use crate::protocol::MAX_INGEST_UNITS;
+
+/// Serving limits of a worker.
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    pub max_running: usize,
+    pub max_queue: usize,
+    /// Largest `k` a request may ask for.
+    pub max_k: usize,
+    /// Memory units encoded per loop turn during an ingest.
+    pub ingest_batch: usize,
+    /// Tokens of one unit's encoding (context window and the unit) that the
+    /// ingest reserve is sized for; longer encodings may find the pool short.
+    pub ingest_tokens_per_unit: usize,
+    /// The system prompt of the header and the instruction before each
+    /// question (the memory's KV must have been made with this system prompt).
+    pub prompts: Prompts,
+    /// Most units one ingest request may carry.
+    pub max_ingest_units: usize,
+    /// KV blocks kept for the headers of requests' own system prompts
+    /// (an LRU; taken from the scheduler's pool at start).
+    pub header_cache_blocks: usize,
+    /// What a kv-mode request does with retrieved facts whose KV is on disk
+    /// only.
+    pub cold_kv: ColdKv,
+    /// With [`ColdKv::Wait`]: how long a request waits for its facts' reads
+    /// before it prefills those still on disk.
+    pub cold_kv_wait: Duration,
+    /// Which requests' prompts may reuse each other's computed KV blocks.
+    pub prefix_cache: PrefixCache,
+}
+
+/// Automatic prefix caching of computed prompt blocks (prompt and none
+/// mode: the requests whose every token is computed). A request whose
+/// prompt starts with whole blocks a request before it computed takes
+/// their KV instead of computing them; `usage.cached_tokens` counts them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum PrefixCache {
+    /// Within a user only: one user's prompts are never found by another's,
+    /// so the time to the first token says nothing of other users' prompts.
+    /// Requests without a user (which no tenant scopes) are not cached.
+    #[default]
+    User,
+    /// Across users (the prompts of users sharing a memory, or a long
+    /// shared system prompt): for deployments whose users may learn what
+    /// other users' prompts begin with.
+    Shared,
+    /// No prefix caching (the header cache still shares system prompts).
+    Off,
+}
+
+impl PrefixCache {
+    /// The salt of `user`'s block keys, or `None` when nothing is cached.
+    /// A user's salt is its (tenant-scoped, non-empty) id; the shared salt
+    /// is empty, so no user's can equal it.
+    pub(crate) fn salt<'a>(&self, user: &'a str) -> Option<&'a [u8]> {
+        match self {
+            PrefixCache::User if user.is_empty() => None,
+            PrefixCache::User => Some(user.as_bytes()),
+            PrefixCache::Shared => Some(&[]),
+            PrefixCache::Off => None,
+        }
+    }
+}
+
+/// What a kv-mode request does with retrieved facts whose KV is on disk
+/// only (not in the device or host tier).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum ColdKv {
+    /// Prefill them as text with the question (what prompt mode costs for
+    /// them, never a wait for the disk) while reader threads read their KV
+    /// into the cache for the next request.
+    #[default]
+    Prefill,
+    /// Read them on the engine thread at the request's arrival (every
+    /// retrieved fact injected; the engine waits for the disk).
+    Read,
+    /// Read them on the reader threads while the request waits, outside the
+    /// scheduler, for at most [`WorkerConfig::cold_kv_wait`]; facts read by
+    /// then are injected, the rest prefilled as with `Prefill`. The engine
+    /// never waits, and a request waits at most that long beyond `Prefill`.
+    Wait,
+}
+
+/// The default of [`WorkerConfig::cold_kv_wait`]: a fact of an 8B model
+/// reads in ≈ 27 ms on a reader thread (fp8, NVMe, docs/performance.md).
+pub const COLD_KV_WAIT: Duration = Duration::from_millis(100);
+
+/// Room for a few distinct system prompts' headers (16 tokens a block).
+pub const HEADER_CACHE_BLOCKS: usize = 64;
+
+impl Default for WorkerConfig {
+    fn default() -> Self {
+        WorkerConfig {
+            max_running: 64,
+            max_queue: 256,
+            max_k: 200,
+            ingest_batch: 4,
+            ingest_tokens_per_unit: 2048,
+            prompts: Prompts::default(),
+            max_ingest_units: MAX_INGEST_UNITS,
+            header_cache_blocks: HEADER_CACHE_BLOCKS,
+            cold_kv: ColdKv::default(),
+            cold_kv_wait: COLD_KV_WAIT,
+            prefix_cache: PrefixCache::default(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefix_cache_salts_keep_users_apart() {
+        assert_eq!(PrefixCache::User.salt("t1/alice"), Some(&b"t1/alice"[..]));
+        // A request without a user has no tenant to scope it: not cached.
+        assert_eq!(PrefixCache::User.salt(""), None);
+        // Shared: one salt, which no user's can equal (user ids are not empty).
+        assert_eq!(PrefixCache::Shared.salt("t1/alice"), PrefixCache::Shared.salt("t2/bob"));
+        assert_eq!(PrefixCache::Shared.salt(""), Some(&[][..]));
+        assert_eq!(PrefixCache::Off.salt("t1/alice"), None);
+    }
+}

@@ -67,12 +67,13 @@ impl BlendPlan {
         keep_count(self.ratio, n)
     }
 
-    /// The group of the next `n` candidates (rows `rows` of a batch): how
-    /// many go on, and how many of its last rows must.
-    pub fn group(&self, rows: Range<usize>, n: usize) -> BlendGroup {
+    /// The group of the next candidates, rows `rows` of a batch: how many
+    /// go on, and how many of its last rows must.
+    pub fn group(&self, rows: Range<usize>) -> BlendGroup {
+        let n = rows.len();
         let tail_from = self.end - self.tail.min(self.end);
         let forced = (self.next + n).saturating_sub(tail_from.max(self.next)).min(n);
-        BlendGroup { rows, keep: self.keep(n).max(forced.min(n)), forced }
+        BlendGroup { rows, keep: self.keep(n).max(forced), forced }
     }
 }
 
@@ -288,16 +289,16 @@ mod tests {
         // 20 injected tokens (cache 10..30), 5 kept in all, the last 3 forced.
         let plan = |next| BlendPlan { next, end: 30, ratio: 0.25, tail: 3 };
         // A chunk of the first 12 holds none of the tail.
-        assert_eq!(plan(10).group(0..12, 12), BlendGroup { rows: 0..12, keep: 3, forced: 0 });
+        assert_eq!(plan(10).group(0..12), BlendGroup { rows: 0..12, keep: 3, forced: 0 });
         // The last 8 hold all three: they go on although 0.25 of 8 is 2.
-        assert_eq!(plan(22).group(4..12, 8), BlendGroup { rows: 4..12, keep: 3, forced: 3 });
+        assert_eq!(plan(22).group(4..12), BlendGroup { rows: 4..12, keep: 3, forced: 3 });
         // All 20 in one chunk: 5 kept, 3 of them the tail.
-        assert_eq!(plan(10).group(0..20, 20), BlendGroup { rows: 0..20, keep: 5, forced: 3 });
+        assert_eq!(plan(10).group(0..20), BlendGroup { rows: 0..20, keep: 5, forced: 3 });
         // A chunk ending where the tail starts (cache index 27), and ones
         // reaching into it.
-        assert_eq!(plan(10).group(0..17, 17).forced, 0);
-        assert_eq!(plan(10).group(0..18, 18).forced, 1);
-        assert_eq!(plan(10).group(0..19, 19).forced, 2);
+        assert_eq!(plan(10).group(0..17).forced, 0);
+        assert_eq!(plan(10).group(0..18).forced, 1);
+        assert_eq!(plan(10).group(0..19).forced, 2);
     }
 
     #[test]

@@ -315,10 +315,7 @@ impl<B: Backend> Engine<B> {
         let keys = block_keys(salt, &seq.tokens);
         let from = seq.computed / BLOCK_SIZE;
         let most = ((seq.len() - 1) / BLOCK_SIZE).min(keys.len());
-        let end = match from < most {
-            true => seq.table.reuse(&keys[..most], from),
-            false => from,
-        };
+        let end = seq.table.reuse(&keys[..most], from);
         let before = seq.computed;
         if end > from {
             seq.computed = end * BLOCK_SIZE;
@@ -485,7 +482,7 @@ impl<B: Backend> Engine<B> {
                 batch.slots.push(s.table.slot(p));
             }
             if let Some(plan) = s.blend.as_ref().filter(|_| b > 0) {
-                blend.groups.push(plan.group(q_start..q_start + b, b));
+                blend.groups.push(plan.group(q_start..q_start + b));
             }
             if let Some(range) = capture.get(i) {
                 let lo = range.start.clamp(s.computed, s.computed + t);

@@ -278,9 +278,7 @@ impl BlockTable {
         self.pool.retain(&shared);
         BlockTable { pool: self.pool.clone(), blocks: shared }
     }
-}
 
-impl BlockTable {
     /// Takes the cached blocks of `keys[from..]`, in order, until the first
     /// key not cached; block `i` of the table becomes the cached block of
     /// `keys[i]` (a block the table held there is released). Returns the

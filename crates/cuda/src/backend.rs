@@ -261,8 +261,8 @@ impl CudaBackend {
             Storage::Host(h) => h.ptr(),
             Storage::HostFp8(h) => h.ptr(),
             Storage::DeviceFp8(d) => {
-                let (slice, codes, _) = d.parts();
-                self.ptr(slice) + codes as u64
+                let (slice, parts) = d.parts();
+                self.ptr(slice) + parts.codes as u64
             }
         }
     }
@@ -272,8 +272,21 @@ impl CudaBackend {
         match &t.data {
             Storage::HostFp8(h) => Some(h.scales_ptr()),
             Storage::DeviceFp8(d) => {
-                let (slice, _, scales) = d.parts();
-                Some(self.ptr(slice) + scales as u64)
+                let (slice, parts) = d.parts();
+                Some(self.ptr(slice) + parts.scales as u64)
+            }
+            _ => None,
+        }
+    }
+
+    /// Where the channel offsets of an fp8 key tensor are (`None`: not an
+    /// fp8 key).
+    pub(crate) fn offsets_ptr(&self, t: &CudaTensor) -> Option<u64> {
+        match &t.data {
+            Storage::HostFp8(h) => h.offsets_ptr(),
+            Storage::DeviceFp8(d) => {
+                let (slice, parts) = d.parts();
+                parts.offsets.map(|o| self.ptr(slice) + o as u64)
             }
             _ => None,
         }
@@ -480,8 +493,8 @@ impl Backend for CudaBackend {
 
     fn stored_bytes(&self, t: &CudaTensor) -> usize {
         match &t.data {
-            Storage::HostFp8(h) => t.len() + 4 * h.heads,
-            Storage::DeviceFp8(d) => t.len() + 4 * d.heads,
+            Storage::HostFp8(h) => t.len() + h.parts.param_bytes(t.cols),
+            Storage::DeviceFp8(d) => t.len() + d.parts.param_bytes(t.cols),
             _ => t.len() * 2,
         }
     }

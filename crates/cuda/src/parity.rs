@@ -16,7 +16,7 @@ use inferscale_engine::backend::{AttentionShape, Backend, InjectChunk, KvSpec, N
 use inferscale_engine::fp8;
 use inferscale_engine::retrieval::{HostEmbeddings, top_k_host};
 use inferscale_engine::rope::Rope;
-use inferscale_engine::sampling::argmax;
+use inferscale_engine::sampling::{argmax, top2_margin};
 use inferscale_engine::{CpuBackend, Engine, EngineConfig, EngineError, KvChunk, Sequence};
 use inferscale_model::{Family, HostTensor, ModelConfig, ModelFiles, RopeConfig, RopeScaling};
 
@@ -173,17 +173,25 @@ enum KvSource {
     DeviceTier,
 }
 
-/// fp8-e4m3 codes of `t` (`[rows, cols]`) with a scale per head of
-/// `head_dim` columns, made as fp8 segments make them, and the values they
-/// decode to.
-fn fp8_quantize(t: &HostTensor, head_dim: usize) -> (Vec<f32>, Vec<u8>, HostTensor) {
+/// An fp8 record body of one fact's K and V (per layer), made as fp8
+/// segments make it, and the tensors it decodes to on the host (K then V).
+fn fp8_record(k: &[HostTensor], v: &[HostTensor], head_dim: usize) -> R<(Vec<u8>, Vec<HostTensor>)> {
+    let body = fp8::encode(k, v, head_dim)?;
+    let (rows, cols) = (k[0].shape[0], k[0].shape[1]);
+    let decoded = fp8::Fp8Kv::from_body(&body, k.len(), rows, cols, cols / head_dim)?.decode()?;
+    Ok((body, decoded))
+}
+
+/// Keys with an offset channel in every head (a few hundred, varying by
+/// ±1 as Qwen2.5's layer-0 keys do), so that fp8 checks cover the offsets.
+fn with_offset_channels(mut t: HostTensor, head_dim: usize) -> HostTensor {
     let cols = t.shape[1];
-    let scales = fp8::head_scales(&t.data, cols, head_dim);
-    let codes: Vec<u8> =
-        t.data.iter().enumerate().map(|(i, &x)| fp8::f32_to_e4m3(x / scales[(i % cols) / head_dim])).collect();
-    let data = codes.iter().enumerate().map(|(i, &c)| fp8::e4m3_to_f32(c) * scales[(i % cols) / head_dim]);
-    let decoded = HostTensor { shape: t.shape.clone(), data: data.collect() };
-    (scales, codes, decoded)
+    for (i, x) in t.data.iter_mut().enumerate() {
+        if (i % cols) % head_dim == 3 {
+            *x -= 300.0 + 40.0 * ((i % cols) / head_dim) as f32;
+        }
+    }
+    t
 }
 
 struct Dyn<'a, B>(&'a B);
@@ -348,19 +356,10 @@ impl<B: Backend> Ops for Dyn<'_, B> {
             let (k, v) =
                 if matches!(src, KvSource::HostTierFp8 | KvSource::HostTierFp8Decoded | KvSource::DeviceTierFp8) {
                     let hd = c.spec.head_dim;
-                    let quantized: Vec<_> = kh.iter().chain(&vh).map(|t| fp8_quantize(t, hd)).collect();
+                    let kh: Vec<_> = kh.into_iter().map(|t| with_offset_channels(t, hd)).collect();
+                    let (body, decoded) = fp8_record(&kh, &vh, hd)?;
                     let mut k = if src != KvSource::HostTierFp8Decoded {
-                        let scales: Vec<u8> =
-                            quantized.iter().flat_map(|q| q.0.iter().flat_map(|s| s.to_le_bytes())).collect();
-                        let codes: Vec<u8> = quantized.iter().flat_map(|q| q.1.iter().copied()).collect();
-                        let kv = fp8::Fp8Kv {
-                            rows: *ctx,
-                            cols: kv_dim,
-                            heads: kv_dim / hd,
-                            tensors: 2 * layers,
-                            scales: &scales,
-                            codes: &codes,
-                        };
+                        let kv = fp8::Fp8Kv::from_body(&body, layers, *ctx, kv_dim, kv_dim / hd)?;
                         let none = || EngineError::Shape("this backend keeps no fp8 in that tier".into());
                         // A backend with one memory (the CPU) places both alike.
                         let up = match src {
@@ -374,7 +373,7 @@ impl<B: Backend> Ops for Dyn<'_, B> {
                         std::thread::scope(|s| s.spawn(|| up(&kv)).join())
                             .map_err(|_| EngineError::Shape("the upload thread panicked".into()))??
                     } else {
-                        be.upload_rows_host_tier(&quantized.iter().map(|q| &q.2).collect::<Vec<_>>())?
+                        be.upload_rows_host_tier(&decoded.iter().collect::<Vec<_>>())?
                     };
                     let v = k.split_off(layers);
                     (k, v)
@@ -633,12 +632,10 @@ pub fn ops<G: Backend>(gpu: &G) -> R<Report> {
 /// reads of a cached fact) is from decoding their codes on the host: the
 /// largest bit error over both tiers (0 when exact).
 fn fp8_read_back<G: Backend>(gpu: &G, hd: usize) -> R<f64> {
-    let ts = [host(71, &[5, 2 * hd], 1.0), host(72, &[5, 2 * hd], 2.0)];
-    let q: Vec<_> = ts.iter().map(|t| fp8_quantize(t, hd)).collect();
-    let scales: Vec<u8> = q.iter().flat_map(|q| q.0.iter().flat_map(|s| s.to_le_bytes())).collect();
-    let codes: Vec<u8> = q.iter().flat_map(|q| q.1.iter().copied()).collect();
-    let kv = fp8::Fp8Kv { rows: 5, cols: 2 * hd, heads: 2, tensors: 2, scales: &scales, codes: &codes };
-    let want: Vec<f32> = q.iter().flat_map(|q| q.2.data.iter().copied()).collect();
+    let (k, v) = (with_offset_channels(host(71, &[5, 2 * hd], 1.0), hd), host(72, &[5, 2 * hd], 2.0));
+    let (body, decoded) = fp8_record(std::slice::from_ref(&k), std::slice::from_ref(&v), hd)?;
+    let kv = fp8::Fp8Kv::from_body(&body, 1, 5, 2 * hd, 2)?;
+    let want: Vec<f32> = decoded.iter().flat_map(|t| t.data.iter().copied()).collect();
     let mut worst = 0.0f64;
     // A backend with one memory (the CPU) has no device-tier upload of its own.
     let device = gpu.device_tier_upload_fp8().or_else(|| gpu.host_tier_upload_fp8());
@@ -944,19 +941,6 @@ pub fn greedy<G: Backend + Clone>(
         rows.push(row);
     }
     Ok(rows)
-}
-
-/// The gap between the two largest logits.
-fn top2_margin(logits: &[f32]) -> f32 {
-    let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
-    for &x in logits {
-        if x > a {
-            (a, b) = (x, a);
-        } else if x > b {
-            b = x;
-        }
-    }
-    a - b
 }
 
 #[cfg(test)]

@@ -31,6 +31,7 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DeviceRepr, 
 use half::bf16;
 use inferscale_engine::Result;
 use inferscale_engine::backend::{Fp8Kv, InjectChunk, matrix_dims};
+use inferscale_engine::fp8::Fp8Tensor;
 use inferscale_engine::rope::{Rope, TABLE_POSITIONS};
 use inferscale_model::HostTensor;
 use rayon::prelude::*;
@@ -189,73 +190,79 @@ impl HostRows {
 /// layer, positions, slots.
 pub(crate) type TableChunk<'a> = (usize, &'a [CudaTensor], &'a [CudaTensor], &'a [u32], &'a [u32]);
 
-/// A tensor's fp8 codes (`[rows, cols]` bytes) and its KV heads' scales
-/// (f32) inside a [`PinnedBuf`], at byte offsets.
+/// Where one fp8 tensor's parts lie in its record's allocation, in bytes
+/// ([`Fp8Layout`]): its codes (`[rows, cols]`), its KV heads' scales (f32)
+/// and, for a key, its channels' offsets (bf16).
+#[derive(Clone, Copy)]
+pub(crate) struct Fp8Parts {
+    pub(crate) codes: usize,
+    pub(crate) scales: usize,
+    pub(crate) offsets: Option<usize>,
+    len: usize,
+    heads: usize,
+}
+
+impl Fp8Parts {
+    /// Bytes of the tensor's scales and offsets (`cols` wide).
+    pub(crate) fn param_bytes(&self, cols: usize) -> usize {
+        4 * self.heads + self.offsets.map_or(0, |_| 2 * cols)
+    }
+}
+
+/// A tensor's fp8 parts inside a [`PinnedBuf`] of the host tier.
 pub(crate) struct HostFp8Rows {
     buf: Arc<PinnedBuf>,
-    codes: usize,
-    scales: usize,
-    len: usize,
-    pub(crate) heads: usize,
+    pub(crate) parts: Fp8Parts,
 }
 
 impl HostFp8Rows {
     /// The codes' address (same on host and device).
     pub(crate) fn ptr(&self) -> u64 {
-        self.buf.base + self.codes as u64
+        self.buf.base + self.parts.codes as u64
     }
 
     /// The scales' address.
     pub(crate) fn scales_ptr(&self) -> u64 {
-        self.buf.base + self.scales as u64
+        self.buf.base + self.parts.scales as u64
     }
 
-    /// The values as f32 (code · its head's scale), `cols` to a row.
+    /// The offsets' address (keys only).
+    pub(crate) fn offsets_ptr(&self) -> Option<u64> {
+        self.parts.offsets.map(|o| self.buf.base + o as u64)
+    }
+
+    /// The values as f32, `cols` to a row.
     pub(crate) fn to_host(&self, cols: usize) -> Result<HostTensor> {
-        // SAFETY: both ranges lie in the allocation, which lives as long as
+        let (base, p) = (self.buf.base as *const u8, &self.parts);
+        // SAFETY: every part lies in the allocation, which lives as long as
         // `self.buf`, and nothing writes it after `to_host_tier_fp8`.
-        let (codes, scales) = unsafe {
-            let base = self.buf.base as *const u8;
-            (
-                std::slice::from_raw_parts(base.add(self.codes), self.len),
-                std::slice::from_raw_parts(base.add(self.scales), 4 * self.heads),
-            )
-        };
-        decode_fp8(codes, scales, cols, self.heads)
+        let at = |at: usize, len: usize| unsafe { std::slice::from_raw_parts(base.add(at), len) };
+        let offsets = p.offsets.map(|o| at(o, 2 * cols));
+        Ok(Fp8Tensor { codes: at(p.codes, p.len), scales: at(p.scales, 4 * p.heads), offsets }.decode(cols, p.heads))
     }
 }
 
-/// One tensor's fp8 codes with its heads' scales as f32 values, `cols` to
-/// a row: what either tier's `to_host` returns.
-fn decode_fp8(codes: &[u8], scales: &[u8], cols: usize, heads: usize) -> Result<HostTensor> {
-    let kv = Fp8Kv { rows: codes.len() / cols.max(1), cols, heads, tensors: 1, scales, codes };
-    kv.decode()?.pop().ok_or_else(|| shape_err("an fp8 tensor decoded to nothing".into()))
-}
-
-/// A tensor's fp8 codes and its KV heads' scales inside one device
-/// allocation of the device tier, laid out as in the host tier
-/// ([`to_device_tier_fp8`]); freed as kept device memory is.
+/// A tensor's fp8 parts inside one device allocation of the device tier,
+/// laid out as in the host tier ([`to_device_tier_fp8`]); freed as kept
+/// device memory is.
 pub(crate) struct DeviceFp8Rows {
     buf: Arc<KeptRows<u8>>,
-    codes: usize,
-    scales: usize,
-    len: usize,
-    pub(crate) heads: usize,
+    pub(crate) parts: Fp8Parts,
 }
 
 impl DeviceFp8Rows {
-    /// The allocation, and the byte offsets of the codes and the scales.
-    pub(crate) fn parts(&self) -> (&CudaSlice<u8>, usize, usize) {
-        (&self.buf.slice, self.codes, self.scales)
+    /// The allocation, and the tensor's parts in it.
+    pub(crate) fn parts(&self) -> (&CudaSlice<u8>, Fp8Parts) {
+        (&self.buf.slice, self.parts)
     }
 
-    /// The values as f32 (code · its head's scale), `cols` to a row, copied
-    /// back on `stream`.
+    /// The values as f32, `cols` to a row, its parts copied back on `stream`.
     pub(crate) fn to_host(&self, stream: &Arc<CudaStream>, cols: usize) -> Result<HostTensor> {
-        let s = &self.buf.slice;
-        let codes = stream.clone_dtoh(&s.slice(self.codes..self.codes + self.len)).cu()?;
-        let scales = stream.clone_dtoh(&s.slice(self.scales..self.scales + 4 * self.heads)).cu()?;
-        decode_fp8(&codes, &scales, cols, self.heads)
+        let p = &self.parts;
+        let copy = |at: usize, len: usize| stream.clone_dtoh(&self.buf.slice.slice(at..at + len)).cu();
+        let (codes, scales) = (copy(p.codes, p.len)?, copy(p.scales, 4 * p.heads)?);
+        let offsets = p.offsets.map(|o| copy(o, 2 * cols)).transpose()?;
+        Ok(Fp8Tensor { codes: &codes, scales: &scales, offsets: offsets.as_deref() }.decode(cols, p.heads))
     }
 }
 
@@ -324,17 +331,18 @@ impl CudaBackend {
     pub(crate) fn kind_table(&self, chunks: &[TableChunk<'_>], fp8: bool) -> (Vec<u32>, usize) {
         let total = chunks.iter().map(|c| c.4.len()).sum();
         let tensors = chunks.iter().flat_map(|c| c.1.iter().zip(c.2));
-        let (mut k, mut v, mut ks, mut vs) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut k, mut v, mut ks, mut vs, mut ko) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for (kt, vt) in tensors {
             k.push(self.tp(kt));
             v.push(self.tp(vt));
-            if let (Some(a), Some(b)) = (self.scales_ptr(kt), self.scales_ptr(vt)) {
+            if let (Some(a), Some(b), Some(o)) = (self.scales_ptr(kt), self.scales_ptr(vt), self.offsets_ptr(kt)) {
                 ks.push(a);
                 vs.push(b);
+                ko.push(o);
             }
         }
         let arrays: Vec<&[u64]> = match fp8 {
-            true => vec![&k, &v, &ks, &vs],
+            true => vec![&k, &v, &ks, &vs, &ko],
             false => vec![&k, &v],
         };
         let table = table_words(&arrays, chunks.iter().map(|c| (c.0, c.3, c.4)), total);
@@ -447,11 +455,12 @@ impl CudaBackend {
     }
 }
 
-/// How a tier keeps an fp8 record in one allocation: its scales first,
-/// padded to 16 bytes, then each tensor's codes (no decoding: half the
-/// bytes of bf16).
+/// How a tier keeps an fp8 record in one allocation: its scales, then its
+/// key offsets, each padded to 16 bytes, then each tensor's codes (no
+/// decoding: half the bytes of bf16).
 struct Fp8Layout {
-    scale_bytes: usize,
+    offsets_at: usize,
+    codes_at: usize,
     /// Bytes of the allocation.
     total: usize,
 }
@@ -459,17 +468,31 @@ struct Fp8Layout {
 impl Fp8Layout {
     fn of(kv: &Fp8Kv<'_>) -> Result<Self> {
         kv.check()?;
-        let scale_bytes = kv.scales.len().div_ceil(16) * 16;
-        Ok(Fp8Layout { scale_bytes, total: scale_bytes + kv.codes.len() })
+        let offsets_at = kv.scales.len().next_multiple_of(16);
+        let codes_at = offsets_at + kv.offsets.len().next_multiple_of(16);
+        Ok(Fp8Layout { offsets_at, codes_at, total: codes_at + kv.codes.len() })
     }
 
-    /// The record's tensors, each made by `rows` from the byte offsets of
-    /// its codes and of its scales and its codes' length.
-    fn tensors(&self, kv: &Fp8Kv<'_>, rows: impl Fn(usize, usize, usize) -> Storage) -> Vec<CudaTensor> {
+    /// Writes the record's parts at their places in `out` (`total` bytes).
+    fn fill(&self, kv: &Fp8Kv<'_>, out: &mut [u8]) {
+        out[..kv.scales.len()].copy_from_slice(kv.scales);
+        out[self.offsets_at..self.offsets_at + kv.offsets.len()].copy_from_slice(kv.offsets);
+        let codes = &mut out[self.codes_at..self.total];
+        codes.par_chunks_mut(1 << 16).zip(kv.codes.par_chunks(1 << 16)).for_each(|(d, s)| d.copy_from_slice(s));
+    }
+
+    /// The record's tensors, each made by `rows` from its parts.
+    fn tensors(&self, kv: &Fp8Kv<'_>, rows: impl Fn(Fp8Parts) -> Storage) -> Vec<CudaTensor> {
         let per = kv.rows * kv.cols;
-        (0..kv.tensors)
+        (0..kv.tensors())
             .map(|i| CudaTensor {
-                data: rows(self.scale_bytes + i * per, 4 * i * kv.heads, per),
+                data: rows(Fp8Parts {
+                    codes: self.codes_at + i * per,
+                    scales: 4 * i * kv.heads,
+                    offsets: (i < kv.layers).then(|| self.offsets_at + 2 * i * kv.cols),
+                    len: per,
+                    heads: kv.heads,
+                }),
                 rows: kv.rows,
                 cols: kv.cols,
             })
@@ -477,42 +500,35 @@ impl Fp8Layout {
     }
 }
 
-/// Copies an fp8 record's scales and codes, as stored, into one pinned host
+/// Copies an fp8 record's parts, as stored, into one pinned host
 /// allocation of the host tier ([`Fp8Layout`]).
 fn to_host_tier_fp8(pool: &Arc<PinnedPool>, kv: &Fp8Kv<'_>) -> Result<Vec<CudaTensor>> {
     let layout = Fp8Layout::of(kv)?;
-    let (scale_bytes, total) = (layout.scale_bytes, layout.total);
+    let total = layout.total;
     let mut slice = pool.take(total.div_ceil(2))?;
     let host = slice.as_mut_slice().cu()?;
     // SAFETY: `host` is `total.div_ceil(2)` bf16 values, at least `total` bytes.
     let bytes = unsafe { std::slice::from_raw_parts_mut(host.as_mut_ptr() as *mut u8, total) };
-    let (scales, codes) = bytes.split_at_mut(scale_bytes);
-    scales[..kv.scales.len()].copy_from_slice(kv.scales);
-    codes.par_chunks_mut(1 << 16).zip(kv.codes.par_chunks(1 << 16)).for_each(|(d, s)| d.copy_from_slice(s));
+    layout.fill(kv, bytes);
     let base = slice.as_mut_ptr().cu()? as u64;
     let buf = Arc::new(PinnedBuf { slice: Some(slice), base, pool: pool.clone() });
-    Ok(layout.tensors(kv, |codes, scales, len| {
-        Storage::HostFp8(HostFp8Rows { buf: buf.clone(), codes, scales, len, heads: kv.heads })
-    }))
+    Ok(layout.tensors(kv, |parts| Storage::HostFp8(HostFp8Rows { buf: buf.clone(), parts })))
 }
 
-/// Copies an fp8 record's scales and codes, as stored, into one device
-/// allocation of the device tier, laid out as in the host tier
-/// ([`Fp8Layout`]). The copy runs on `stream`, which is synchronised before
-/// the tensors are returned; the allocation is freed on it after the
-/// injection fence.
+/// Copies an fp8 record's parts, as stored, into one device allocation of
+/// the device tier, laid out as in the host tier ([`Fp8Layout`]). The copy
+/// runs on `stream`, which is synchronised before the tensors are returned;
+/// the allocation is freed on it after the injection fence.
 fn to_device_tier_fp8(stream: &Arc<CudaStream>, fence: &Arc<CudaEvent>, kv: &Fp8Kv<'_>) -> Result<Vec<CudaTensor>> {
     let layout = Fp8Layout::of(kv)?;
-    // SAFETY: the two copies below write every byte a tensor reads (the
-    // padding after the scales is never read).
+    let mut host = vec![0u8; layout.total];
+    layout.fill(kv, &mut host);
+    // SAFETY: the copy below writes every byte.
     let mut slice = unsafe { stream.alloc::<u8>(layout.total.max(1)) }.cu()?;
-    stream.memcpy_htod(kv.scales, &mut slice.slice_mut(..kv.scales.len())).cu()?;
-    stream.memcpy_htod(kv.codes, &mut slice.slice_mut(layout.scale_bytes..layout.total)).cu()?;
+    stream.memcpy_htod(&host, &mut slice.slice_mut(..layout.total)).cu()?;
     stream.synchronize().cu()?;
     let buf = Arc::new(KeptRows { slice, fence: fence.clone() });
-    Ok(layout.tensors(kv, |codes, scales, len| {
-        Storage::DeviceFp8(DeviceFp8Rows { buf: buf.clone(), codes, scales, len, heads: kv.heads })
-    }))
+    Ok(layout.tensors(kv, |parts| Storage::DeviceFp8(DeviceFp8Rows { buf: buf.clone(), parts })))
 }
 
 /// Copies tensors into device memory of the device tier as bf16, each kept
@@ -578,8 +594,8 @@ pub(crate) fn check_inject_dims(rope: &Rope, head_dim: usize) -> Result<()> {
 
 /// The `table` argument of `inject_kv` (kernels/kv.cu), as u32 words for
 /// one upload: each of `arrays` in turn — every (chunk, layer)'s K pointer,
-/// then every V pointer, and for fp8 every K scale pointer, then every V
-/// scale pointer (64-bit, low word first; `[c·layers + l]` is chunk c,
+/// then every V pointer, and for fp8 every K scale pointer, every V scale
+/// pointer and every K offset pointer (64-bit, low word first; `[c·layers + l]` is chunk c,
 /// layer l) — then four arrays of `total` entries: chunk index, row within
 /// the chunk, position, slot. `chunks` yields each chunk's first row to
 /// write (0 for all of it), and the positions and slots of the rows from

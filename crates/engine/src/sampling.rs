@@ -101,6 +101,27 @@ pub fn argmax(logits: &[f32]) -> u32 {
     best as u32
 }
 
+/// The gap between the two largest logits (how near a greedy choice was
+/// to a tie).
+pub fn top2_margin(logits: &[f32]) -> f32 {
+    let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+    for &x in logits {
+        if x > a {
+            (a, b) = (x, a);
+        } else if x > b {
+            b = x;
+        }
+    }
+    a - b
+}
+
+/// log-softmax in f64.
+pub fn log_softmax(logits: &[f32]) -> Vec<f64> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = logits.iter().map(|&x| (x as f64 - max).exp()).sum::<f64>().ln() + max;
+    logits.iter().map(|&x| x as f64 - lse).collect()
+}
+
 /// Picks the next token from `logits` under `params`.
 pub fn sample(logits: &[f32], params: &SamplingParams, rng: &mut Rng) -> u32 {
     if params.temperature == 0.0 || params.top_k == 1 {

@@ -153,8 +153,8 @@ impl<B: Backend> ReadJob<B> {
             let (fact_id, tokens, kv) = StoredKv::fp8_parts(bytes, &self.seg, &self.path)?;
             self.check_ours(&fact_id, &tokens)?;
             match up(&kv) {
-                Ok(mut k) if k.len() == kv.tensors => {
-                    let v = k.split_off(kv.tensors / 2);
+                Ok(mut k) if k.len() == kv.tensors() => {
+                    let v = k.split_off(kv.layers);
                     return Ok(Source::Uploaded(KvChunk { tokens, k, v }, self.to));
                 }
                 // As below: decoded, the engine thread's own upload reports it.

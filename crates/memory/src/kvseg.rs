@@ -15,7 +15,7 @@
 
 use std::path::Path;
 
-use inferscale_engine::fp8::{Fp8Kv, f32_to_e4m3, head_scales};
+use inferscale_engine::fp8::{self, Fp8Kv, bf16_to_f32, f32_to_bf16};
 use inferscale_model::HostTensor;
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
@@ -27,9 +27,12 @@ use crate::fact::{Cursor, put_bytes};
 ///
 /// `f32` is what the CPU backend computes (E1–E4 stay exact through a
 /// restart); `bf16` is what the CUDA backend computes and serves (exact for
-/// it, half the bytes); `fp8-e4m3` halves that again: each fact's K and V
-/// are scaled per layer and KV head to the e4m3 range (largest magnitude →
-/// 448) and rounded to nearest, so a value keeps 3 mantissa bits.
+/// it, half the bytes); `fp8-e4m3` halves that again: each fact's keys are
+/// stored relative to a per-channel offset (their mean over the fact) and
+/// K and V are scaled per layer and KV head to the e4m3 range (largest
+/// magnitude → 448) and rounded to nearest, so a value keeps 3 mantissa
+/// bits of its variation ([`inferscale_engine::fp8`] says why keys need the
+/// offsets).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(try_from = "String", into = "String")]
 pub enum KvFormat {
@@ -58,7 +61,7 @@ impl KvFormat {
         }
     }
 
-    /// Bytes per stored value (fp8's per-head scales excluded).
+    /// Bytes per stored value (fp8's scales and offsets excluded).
     pub fn bytes_per_value(self) -> usize {
         match self {
             KvFormat::F32 => 4,
@@ -117,10 +120,16 @@ pub struct KvHeader {
     /// written before it was recorded; those are never fp8).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub head_dim: usize,
+    /// The record layout of a format that has had more than one: fp8
+    /// records are [`fp8::LAYOUT`]; 0 (absent) for the others, and for fp8
+    /// segments written before layouts were recorded (layout 1, one scale
+    /// per KV head and no key offsets: refused, see [`KvHeader::stale`]).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub layout: u32,
 }
 
-fn is_zero(n: &usize) -> bool {
-    *n == 0
+fn is_zero<T: Default + PartialEq>(n: &T) -> bool {
+    *n == T::default()
 }
 
 impl KvHeader {
@@ -151,9 +160,29 @@ impl KvHeader {
             == (&expected.fingerprint, expected.window, expected.layers, expected.kv_dim)
     }
 
-    /// This header with records stored as `format`.
+    /// This header with records stored as `format` (in its current layout).
     pub fn with_format(&self, format: KvFormat) -> KvHeader {
-        KvHeader { dtype: format, ..self.clone() }
+        KvHeader { dtype: format, layout: Self::layout_of(format), ..self.clone() }
+    }
+
+    /// The record layout `format` is written in now.
+    pub fn layout_of(format: KvFormat) -> u32 {
+        match format {
+            KvFormat::Fp8 => fp8::LAYOUT,
+            KvFormat::F32 | KvFormat::Bf16 => 0,
+        }
+    }
+
+    /// Why records made under this header must not be read, if they must
+    /// not: a layout this build no longer writes because it lost what a
+    /// model needs. Such a segment's KV is re-encoded from the facts.
+    pub fn stale(&self) -> Option<String> {
+        (self.layout != Self::layout_of(self.dtype)).then(|| match (self.dtype, self.layout) {
+            (KvFormat::Fp8, 0 | 1) => "it is in the first fp8 layout (one scale per KV head, no key offsets), which \
+                                    loses keys with offset channels such as Qwen2.5's"
+                .to_string(),
+            (f, l) => format!("it is {f} in record layout {l}, which this build does not know"),
+        })
     }
 
     /// What to do about a segment made with this header where `expected`
@@ -173,8 +202,9 @@ impl KvHeader {
     }
 
     pub fn describe(&self) -> String {
+        let layout = if self.layout > 0 { format!(" (layout {})", self.layout) } else { String::new() };
         format!(
-            "model {} · window {} · {} · {}×{}",
+            "model {} · window {} · {}{layout} · {}×{}",
             self.fingerprint, self.window, self.dtype, self.layers, self.kv_dim
         )
     }
@@ -183,7 +213,7 @@ impl KvHeader {
     pub fn tensor_bytes(&self, tokens: usize) -> usize {
         let values = 2 * self.layers * tokens * self.kv_dim;
         match self.dtype {
-            KvFormat::Fp8 => values + 2 * self.layers * self.kv_heads() * 4,
+            KvFormat::Fp8 => Fp8Kv::body_len(self.layers, tokens, self.kv_dim, self.kv_heads()),
             f => values * f.bytes_per_value(),
         }
     }
@@ -203,8 +233,9 @@ pub struct StoredKv {
 }
 
 impl StoredKv {
-    /// The record of this KV in `header`'s format.
-    pub fn encode(&self, header: &KvHeader) -> Vec<u8> {
+    /// The record of this KV in `header`'s format (an error only for
+    /// tensors of unequal shapes, which fp8 cannot lay out).
+    pub fn encode(&self, header: &KvHeader) -> Result<Vec<u8>> {
         let mut out = Vec::with_capacity(64 + 4 * self.tokens.len() + header.tensor_bytes(self.tokens.len()));
         put_bytes(&mut out, self.fact_id.as_bytes());
         out.extend_from_slice(&(self.tokens.len() as u32).to_le_bytes());
@@ -230,21 +261,12 @@ impl StoredKv {
                 });
             }
             KvFormat::Fp8 => {
-                let (dim, hd) = (header.kv_dim, header.head_dim.max(1));
-                let scales: Vec<Vec<f32>> = tensors.par_iter().map(|t| head_scales(&t.data, dim, hd)).collect();
-                scales.iter().flatten().for_each(|s| out.extend_from_slice(&s.to_le_bytes()));
-                let at = out.len();
-                out.resize(at + values, 0);
-                fill(&mut out[at..], &tensors, 1, |i, t, o| {
-                    for (row, o) in t.data.chunks_exact(dim).zip(o.chunks_exact_mut(dim)) {
-                        for ((head, o), &s) in row.chunks_exact(hd).zip(o.chunks_exact_mut(hd)).zip(&scales[i]) {
-                            head.iter().zip(o).for_each(|(&x, o)| *o = f32_to_e4m3(x / s));
-                        }
-                    }
-                });
+                let body = fp8::encode(&self.k, &self.v, header.head_dim.max(1))
+                    .map_err(|e| MemoryError::Invalid { what: "KV to store", reason: e.to_string() })?;
+                out.extend_from_slice(&body);
             }
         }
-        out
+        Ok(out)
     }
 
     /// Decodes a record written under `header`.
@@ -263,7 +285,7 @@ impl StoredKv {
                 .par_chunks_exact(per * 2)
                 .map(|b| tensor(b.chunks_exact(2).map(|x| bf16_to_f32(u16::from_le_bytes([x[0], x[1]]))).collect()))
                 .collect(),
-            KvFormat::Fp8 => fp8_view(header, n, body).decode().map_err(|e| MemoryError::Corrupt {
+            KvFormat::Fp8 => fp8_view(header, n, body, path)?.decode().map_err(|e| MemoryError::Corrupt {
                 path: path.to_path_buf(),
                 offset: 0,
                 reason: e.to_string(),
@@ -281,7 +303,7 @@ impl StoredKv {
             return Err(MemoryError::Invalid { what: "KV record", reason: format!("{} is not fp8", header.dtype) });
         }
         let (fact_id, tokens, at) = Self::head(bytes, bytes.len(), header, path)?;
-        let kv = fp8_view(header, tokens.len(), &bytes[at..]);
+        let kv = fp8_view(header, tokens.len(), &bytes[at..], path)?;
         Ok((fact_id, tokens, kv))
     }
 
@@ -334,13 +356,41 @@ impl StoredKv {
     }
 }
 
-/// The tensors of an fp8 record of `tokens` tokens made under `header`,
-/// from `body` (the record past its head, its length already checked):
-/// every tensor's scales, then every tensor's codes.
-fn fp8_view<'a>(header: &KvHeader, tokens: usize, body: &'a [u8]) -> Fp8Kv<'a> {
-    let heads = header.kv_heads();
-    let (scales, codes) = body.split_at(2 * header.layers * heads * 4);
-    Fp8Kv { rows: tokens, cols: header.kv_dim, heads, tensors: 2 * header.layers, scales, codes }
+/// Every intact record of the KV segment at `path`, decoded, with its
+/// header (records that fail their checks are left out): for tools that
+/// study stored KV (`inferscale eval kv-error`), not for serving, which
+/// reads records by offset when needed.
+pub fn read_segment(path: &Path) -> Result<(KvHeader, Vec<StoredKv>)> {
+    let records = crate::log::read_all(path)?;
+    let Some((first, rest)) = records.split_first() else {
+        return Err(MemoryError::Corrupt { path: path.to_path_buf(), offset: 0, reason: "an empty KV segment".into() });
+    };
+    let header = KvHeader::decode(first, path)?;
+    if let Some(why) = header.stale() {
+        return Err(MemoryError::Corrupt {
+            path: path.to_path_buf(),
+            offset: 0,
+            reason: format!("KV not read: {why}"),
+        });
+    }
+    Ok((header.clone(), rest.iter().filter_map(|r| StoredKv::decode(r, &header, path).ok()).collect()))
+}
+
+/// The parts of an fp8 record of `tokens` tokens made under `header`, from
+/// `body` (the record past its head, its length already checked).
+fn fp8_view<'a>(header: &KvHeader, tokens: usize, body: &'a [u8], path: &Path) -> Result<Fp8Kv<'a>> {
+    if let Some(why) = header.stale() {
+        return Err(MemoryError::Corrupt {
+            path: path.to_path_buf(),
+            offset: 0,
+            reason: format!("KV not read: {why}"),
+        });
+    }
+    Fp8Kv::from_body(body, header.layers, tokens, header.kv_dim, header.kv_heads()).map_err(|e| MemoryError::Corrupt {
+        path: path.to_path_buf(),
+        offset: 0,
+        reason: e.to_string(),
+    })
 }
 
 /// Runs `f` on each tensor (with its index) and its part of `out`, at
@@ -356,25 +406,13 @@ fn fill(out: &mut [u8], tensors: &[&HostTensor], width: usize, f: impl Fn(usize,
     parts.into_par_iter().enumerate().for_each(|(i, o)| f(i, tensors[i], o));
 }
 
-/// bf16 by rounding to nearest, ties to even (NaN stays NaN).
-pub(crate) fn f32_to_bf16(x: f32) -> u16 {
-    let b = x.to_bits();
-    if x.is_nan() {
-        return ((b >> 16) | 0x40) as u16;
-    }
-    ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
-}
-
-pub(crate) fn bf16_to_f32(h: u16) -> f32 {
-    f32::from_bits((h as u32) << 16)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn header(dtype: KvFormat) -> KvHeader {
-        KvHeader { fingerprint: "m".into(), window: 0, dtype, layers: 2, kv_dim: 4, head_dim: 2 }
+        let layout = KvHeader::layout_of(dtype);
+        KvHeader { fingerprint: "m".into(), window: 0, dtype, layers: 2, kv_dim: 4, head_dim: 2, layout }
     }
 
     fn sample() -> StoredKv {
@@ -388,7 +426,7 @@ mod tests {
         let p = Path::new("x");
         for (format, rel) in [(KvFormat::F32, 0.0), (KvFormat::Bf16, 1.0 / 256.0), (KvFormat::Fp8, 1.0 / 16.0)] {
             let h = header(format);
-            let bytes = kv.encode(&h);
+            let bytes = kv.encode(&h).unwrap();
             assert_eq!(bytes.len(), 4 + 4 + 4 + 8 + 4 + h.tensor_bytes(2), "{format}");
             let back = StoredKv::decode(&bytes, &h, p).unwrap();
             assert_eq!((&back.fact_id, &back.tokens), (&kv.fact_id, &kv.tokens));
@@ -416,20 +454,7 @@ mod tests {
         // f32 is exact, and the f32 record layout is the one segments had
         // before formats existed (old segments are read as they are).
         let h = header(KvFormat::F32);
-        assert_eq!(StoredKv::decode(&kv.encode(&h), &h, p).unwrap(), kv);
-    }
-
-    #[test]
-    fn bf16_rounds_to_nearest_even_and_is_exact_on_bf16_values() {
-        for x in [0.0f32, -0.0, 1.0, -2.5, 3.140625, 1e-30, 6.0e4, f32::MAX / 2.0] {
-            let y = bf16_to_f32(f32_to_bf16(x));
-            assert_eq!(bf16_to_f32(f32_to_bf16(y)), y, "idempotent on {x}");
-            assert!((x - y).abs() <= x.abs() / 256.0, "{x} → {y}");
-        }
-        // 1 + 2⁻⁸ is halfway between 1 and 1 + 2⁻⁷: ties go to the even (1).
-        assert_eq!(bf16_to_f32(f32_to_bf16(1.0 + 2f32.powi(-8))), 1.0);
-        assert_eq!(bf16_to_f32(f32_to_bf16(1.0 + 3.0 * 2f32.powi(-8))), 1.0 + 2f32.powi(-6));
-        assert!(bf16_to_f32(f32_to_bf16(f32::NAN)).is_nan());
+        assert_eq!(StoredKv::decode(&kv.encode(&h).unwrap(), &h, p).unwrap(), kv);
     }
 
     #[test]
@@ -449,5 +474,29 @@ mod tests {
         assert!(KvHeader::decode(fp8_no_heads, Path::new("x")).is_err());
         assert_eq!("fp8".parse::<KvFormat>().unwrap(), KvFormat::Fp8);
         assert!("int4".parse::<KvFormat>().unwrap_err().to_string().contains("f32, bf16 or fp8"));
+        assert!([KvFormat::F32, KvFormat::Bf16, KvFormat::Fp8].iter().all(|&f| header(f).stale().is_none()));
+    }
+
+    #[test]
+    fn fp8_segments_of_the_first_layout_are_stale_and_their_records_never_decode() {
+        // Written before layouts were recorded: per-head scales, no offsets.
+        let first = br#"{"fingerprint":"m","window":0,"dtype":"fp8-e4m3","layers":2,"kv_dim":4,"head_dim":2}"#;
+        let h = KvHeader::decode(first, Path::new("x")).unwrap();
+        assert!(h.same_kv(&header(KvFormat::Fp8)), "the KV it holds is for this model: only its layout is old");
+        assert!(h.stale().unwrap().contains("first fp8 layout"), "{:?}", h.stale());
+        assert!(h.describe().contains("fp8-e4m3 ·"), "{}", h.describe());
+        // A record of that layout (2·2·2·4 scale bytes, then codes) is not
+        // read as the current layout, whatever its bytes.
+        let mut record = Vec::new();
+        put_bytes(&mut record, b"D1:1");
+        record.extend_from_slice(&1u32.to_le_bytes());
+        record.extend_from_slice(&7u32.to_le_bytes());
+        record.extend_from_slice(&2u32.to_le_bytes());
+        record.extend(std::iter::repeat_n(0x38, 2 * 2 * 2 * 4 + 4 * 4));
+        let err = StoredKv::decode(&record, &h, Path::new("x")).unwrap_err().to_string();
+        assert!(err.contains("first fp8 layout") || err.contains("bytes of tensors"), "{err}");
+        assert!(StoredKv::fp8_parts(&record, &h, Path::new("x")).is_err());
+        let future = KvHeader { layout: 9, ..header(KvFormat::Fp8) };
+        assert!(future.stale().unwrap().contains("does not know"));
     }
 }

@@ -322,6 +322,15 @@ pub fn read_first(path: &Path) -> Result<Option<Vec<u8>>> {
     Ok(read_frame(&file, path, frame).ok())
 }
 
+/// Every intact record of the log at `path` (those before the first bad
+/// frame), read without opening the log for writing: no recovery, no
+/// truncation. For tools that study a log; serving opens it.
+pub fn read_all(path: &Path) -> Result<Vec<Vec<u8>>> {
+    let bytes = fs::read(path).map_err(error::io(path))?;
+    check_header(path, &bytes)?;
+    Ok(replay(&bytes).0)
+}
+
 /// Where records of payload lengths `lens`, framed back to back from byte
 /// `at`, land.
 fn frames_from(mut at: u64, lens: impl Iterator<Item = usize>) -> Vec<Frame> {

@@ -249,13 +249,15 @@ impl<B: Backend> Memory<B> {
     ) -> Result<(Self, Vec<String>)> {
         let c = engine.model().config();
         let be = engine.backend();
+        let dtype = options.format.unwrap_or(KvFormat::for_backend(be.kv_bytes_per_value()));
         let kv_header = KvHeader {
             fingerprint: spec.fingerprint.clone(),
             window: spec.window,
-            dtype: options.format.unwrap_or(KvFormat::for_backend(be.kv_bytes_per_value())),
+            dtype,
             layers: c.num_layers,
             kv_dim: c.kv_dim(),
             head_dim: c.head_dim,
+            layout: KvHeader::layout_of(dtype),
         };
         let users_dir = dir.join("users");
         std::fs::create_dir_all(&users_dir).map_err(io(&users_dir))?;

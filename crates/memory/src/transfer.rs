@@ -176,6 +176,7 @@ impl<B: Backend> Memory<B> {
         let mut warnings = Vec::new();
         match UserShard::open(&live, &self.header, &mut warnings) {
             Ok(shard) => {
+                warnings.iter().for_each(|w| tracing::warn!(user, "{w}"));
                 self.users.insert(user.to_string(), shard);
                 self.pending.insert(user.to_string());
                 if trash.exists() {
@@ -204,6 +205,8 @@ impl<B: Backend> Memory<B> {
 pub struct Staging {
     dir: PathBuf,
     header: KvHeader,
+    /// The source's KV is in a refused layout: records are staged without it.
+    drop_kv: bool,
     facts: RecordLog,
     kv: RecordLog,
     ids: HashSet<String>,
@@ -247,10 +250,18 @@ impl Staging {
         }
         let (facts, _) = RecordLog::open(&dir.join("facts.log"))?;
         let (mut kv, _) = RecordLog::open(&dir.join("kv.log"))?;
-        kv.append(&[&theirs.encode()])?;
+        // KV in a layout this build refuses (`KvHeader::stale`) is not
+        // staged: the facts come without it and are encoded here.
+        let stale = theirs.stale();
+        if let Some(why) = &stale {
+            tracing::warn!(user, "staging a shard without its KV ({why}): its facts are re-encoded here");
+        }
+        let header = if stale.is_some() { ours.clone() } else { theirs.clone() };
+        kv.append(&[&header.encode()])?;
         Ok(Staging {
+            drop_kv: stale.is_some(),
             dir,
-            header: theirs.clone(),
+            header,
             facts,
             kv,
             ids: HashSet::new(),
@@ -278,7 +289,7 @@ impl Staging {
                     reason: format!("fact {:?} sent twice", fact.unit.id),
                 });
             }
-            if !r.kv.is_empty() {
+            if !r.kv.is_empty() && !self.drop_kv {
                 let (fact_id, tokens) = StoredKv::check(&r.kv, &self.header, &path)?;
                 if fact_id != fact.unit.id || tokens != fact.tokens {
                     return Err(MemoryError::Invalid {

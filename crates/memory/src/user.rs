@@ -158,7 +158,17 @@ impl<B: Backend> UserShard<B> {
                         hint: found.mismatch_hint(header),
                     });
                 }
-                for (frame, prefix) in rest {
+                let stale = found.stale();
+                if let Some(why) = &stale {
+                    // KV is derived data: the facts make it again.
+                    warnings.push(format!(
+                        "{}: KV not read: {why}; its {} facts' KV is re-encoded from their text",
+                        kv_path.display(),
+                        rest.len()
+                    ));
+                    kv_log.rewrite(&[header.encode()])?;
+                }
+                for (frame, prefix) in rest.iter().filter(|_| stale.is_none()) {
                     let head = match StoredKv::head_len(prefix) {
                         Some(n) if n > prefix.len() && n <= frame.len as usize => kv_log.read_head(*frame, n)?,
                         _ => prefix.clone(),
@@ -174,7 +184,7 @@ impl<B: Backend> UserShard<B> {
                         Err(e) => warnings.push(format!("{e}; that fact's KV is re-encoded")),
                     }
                 }
-                found
+                if stale.is_some() { header.clone() } else { found }
             }
         };
         let digest = facts.iter().fold(0, |d, f| d ^ unit_digest(&f.unit));
@@ -329,7 +339,7 @@ impl<B: Backend> UserShard<B> {
                 let (k, v) = chunk.to_host(be)?;
                 let fact = &self.facts[i];
                 records.push(
-                    StoredKv { fact_id: fact.unit.id.clone(), tokens: fact.tokens.clone(), k, v }.encode(&self.seg),
+                    StoredKv { fact_id: fact.unit.id.clone(), tokens: fact.tokens.clone(), k, v }.encode(&self.seg)?,
                 );
                 tokens += context.len() + fact.tokens.len();
             }

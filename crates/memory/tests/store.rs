@@ -261,3 +261,59 @@ fn the_longest_unit_follows_the_widest_segment_format() {
     let (mem, _) = open(dir.path(), &e, with(KvFormat::Fp8));
     assert_eq!(mem.max_fact_tokens(header), limits[0], "an f32 segment is still there");
 }
+
+#[test]
+fn an_fp8_segment_of_the_first_layout_is_re_encoded_never_read() {
+    let m = models();
+    let mut e = engine(&m);
+    let dir = tempfile::tempdir().unwrap();
+    let fp8 = StoreOptions { format: Some(KvFormat::Fp8), budgets: Budgets::default() };
+    let (mut mem, _) = open(dir.path(), &e, fp8);
+    ingest(&mut mem, &mut e, &m, "old", 3);
+    let fresh: Vec<HostKv> = (0..3).map(|i| kv(&mut mem, "old", i)).collect();
+    drop(mem);
+
+    // Rewrite the segment as the first fp8 layout wrote it: a header with no
+    // layout, and per record one scale per tensor and KV head, then codes
+    // (all 0x38 = 1.0 here: read as they are, every value would be the
+    // scale, 1).
+    let user_dir = std::fs::read_dir(dir.path().join("users")).unwrap().next().unwrap().unwrap().path();
+    let kv_path = user_dir.join("kv.log");
+    let (mut log, rec) = inferscale_memory::log::RecordLog::open(&kv_path).unwrap();
+    let mut header: serde_json::Value = serde_json::from_slice(&rec.records[0]).unwrap();
+    assert_eq!(header["layout"], 2, "{header}");
+    header.as_object_mut().unwrap().remove("layout");
+    let (layers, kv_dim, head_dim) = (
+        header["layers"].as_u64().unwrap() as usize,
+        header["kv_dim"].as_u64().unwrap() as usize,
+        header["head_dim"].as_u64().unwrap() as usize,
+    );
+    let word = |b: &[u8], at: usize| u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]) as usize;
+    let mut records = vec![serde_json::to_vec(&header).unwrap()];
+    for r in &rec.records[1..] {
+        let id = word(r, 0);
+        let tokens = word(r, 4 + id);
+        let head = 8 + id + 4 * tokens + 4;
+        let mut old = r[..head].to_vec();
+        (0..2 * layers * (kv_dim / head_dim)).for_each(|_| old.extend_from_slice(&1f32.to_le_bytes()));
+        old.extend(std::iter::repeat_n(0x38u8, 2 * layers * tokens * kv_dim));
+        records.push(old);
+    }
+    log.rewrite(&records).unwrap();
+    drop(log);
+
+    // Opened again: the segment is named, emptied, and its facts encoded
+    // anew — to exactly the KV fp8 made before — never read as stored.
+    let (mut mem, warnings) = open(dir.path(), &e, fp8);
+    assert!(warnings.iter().any(|w| w.contains("first fp8 layout") && w.contains("re-encoded")), "{warnings:?}");
+    assert_eq!(mem.kv_format("old").unwrap(), KvFormat::Fp8);
+    assert!((0..3).all(|i| !mem.has_kv("old", i).unwrap()), "no record of the old layout is indexed");
+    let mut enc = Encoders { engine: &mut e, embedder: &m.embedder, composer: &m.composer };
+    assert!(mem.ensure_kv("old", &mut enc).unwrap() > 0);
+    for (i, want) in fresh.iter().enumerate() {
+        assert_eq!(&kv(&mut mem, "old", i), want, "fact {i}");
+    }
+    drop(mem);
+    let (_, warnings) = open(dir.path(), &e, StoreOptions { format: Some(KvFormat::Fp8), budgets: Budgets::default() });
+    assert!(warnings.is_empty(), "rewritten in the current layout: {warnings:?}");
+}

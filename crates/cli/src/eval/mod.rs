@@ -14,6 +14,7 @@
 //! window has a memory per format, and the answers from a lossy format are
 //! compared with the first format's (fidelity of the stored KV).
 
+mod kv_error;
 mod report;
 mod retrieval;
 
@@ -44,6 +45,9 @@ pub enum Command {
     /// Recall of LoCoMo's evidence turns among the k facts each retriever
     /// finds (no answering model runs).
     Retrieval(retrieval::Args),
+    /// Per layer, how far each stored KV format rounds a memory's f32 KV,
+    /// and which channels carry the error.
+    KvError(kv_error::Args),
 }
 
 #[derive(Args, Debug)]
@@ -119,6 +123,7 @@ pub fn run(c: Command) -> Result<()> {
         Command::Locomo(a) if a.replot => report::replot(&a.out),
         Command::Locomo(a) => on_backend!(a.model, locomo_eval(&a)),
         Command::Retrieval(a) => retrieval::run(a),
+        Command::KvError(a) => kv_error::run(a),
     }
 }
 

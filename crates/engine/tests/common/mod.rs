@@ -73,13 +73,20 @@ pub fn prng_tensor(name: &str, len: usize, scale: f32, offset: f32) -> Vec<f32> 
 
 /// Writes the golden model as an HF directory (config.json + model.safetensors).
 pub fn write_tiny_model(g: &TinyGolden, dir: &Path) {
+    write_tiny_model_with(g, dir, |_, _| {});
+}
+
+/// [`write_tiny_model`], with `edit` given each tensor's name and values
+/// before they are written (to plant what a test needs in the weights).
+pub fn write_tiny_model_with(g: &TinyGolden, dir: &Path, edit: impl Fn(&str, &mut [f32])) {
     std::fs::write(dir.join("config.json"), serde_json::to_vec_pretty(&g.config).unwrap()).unwrap();
     let bytes: HashMap<String, (Vec<usize>, Vec<u8>)> = g
         .tensors
         .iter()
         .map(|t| {
             let n = t.shape.iter().product();
-            let data = prng_tensor(&t.name, n, t.scale, t.offset);
+            let mut data = prng_tensor(&t.name, n, t.scale, t.offset);
+            edit(&t.name, &mut data);
             let raw = data.iter().flat_map(|x| x.to_le_bytes()).collect();
             (t.name.clone(), (t.shape.clone(), raw))
         })

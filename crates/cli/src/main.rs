@@ -58,6 +58,9 @@ enum Command {
     Ingest(memory_cmd::IngestArgs),
     /// Answer a question from a user's memory (kv, prompt or none mode).
     Ask(memory_cmd::AskArgs),
+    /// Operations on a memory directory (repair).
+    #[command(subcommand)]
+    Memory(memory_cmd::MemoryCommand),
     /// Evaluations that score answers from memory.
     #[command(subcommand)]
     Eval(eval::Command),
@@ -105,6 +108,7 @@ fn main() {
         Command::Ingest(a) => memory_cmd::ingest(a),
         Command::Eval(c) => eval::run(c),
         Command::Ask(a) => memory_cmd::ask(a),
+        Command::Memory(c) => memory_cmd::memory(c),
         Command::Serve(a) => serve::serve(a),
         Command::Worker(a) => serve::worker(*a),
         Command::Router(a) => serve::router(a),

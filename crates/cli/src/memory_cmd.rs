@@ -41,18 +41,22 @@ pub struct MemoryArgs {
     #[command(flatten)]
     pub(crate) prompts: PromptArgs,
     /// MiB of device memory that may cache facts' KV (least recently used
-    /// facts move to the host tier past it). Default: no limit. On the CPU
-    /// backend host memory is the device: this bounds it.
+    /// facts move to the host tier past it). On the CPU backend host memory
+    /// is the device: this bounds it, by default to a quarter of the
+    /// machine's memory. On CUDA the default is no limit (reads then go to
+    /// the host tier; a budget sends them to the device while it has room).
     #[arg(long, env = "INFERSCALE_KV_DEVICE_MB")]
     pub(crate) kv_device_mb: Option<u64>,
     /// MiB of pinned host memory that may cache facts' KV (the host tier,
     /// read over the bus while the question is prefilled; least recently
-    /// used facts are dropped past it — the disk has them). Default: no
-    /// limit. Only the CUDA backend has a host tier.
+    /// used facts are dropped past it — the disk has them). Default: a
+    /// quarter of the machine's memory. Only the CUDA backend has a host
+    /// tier.
     #[arg(long, env = "INFERSCALE_KV_HOST_MB")]
     pub(crate) kv_host_mb: Option<u64>,
     /// How new KV segments store values: f32, bf16 or fp8 (e4m3 with a
-    /// scale per fact, layer and KV head). Default: the backend's own
+    /// scale per fact, layer and KV head, keys relative to per-channel
+    /// offsets; docs/design.md §2.1). Default: the backend's own
     /// (bf16 on CUDA, f32 on the CPU: lossless). Segments already written
     /// keep their format and are read as they are.
     #[arg(long, env = "INFERSCALE_KV_FORMAT")]
@@ -222,10 +226,7 @@ pub(crate) fn open_memory<B: Backend>(a: &MemoryArgs, loaded: &Loaded<B>) -> Res
         Bert::load(loaded.engine.backend(), files).with_context(|| format!("loading the embedder {:?}", a.embedder))?;
     let dir = a.dir();
     let spec = ShardSpec::new(&loaded.files, a.window(), &a.prompts())?;
-    let options = StoreOptions {
-        format: a.kv_format,
-        budgets: Budgets { device: a.kv_device_mb.map(|mb| mb << 20), host: a.kv_host_mb.map(|mb| mb << 20) },
-    };
+    let options = StoreOptions { format: a.kv_format, budgets: budgets(a, loaded.engine.backend().name()) };
     let t0 = std::time::Instant::now();
     let (mut memory, warnings) = Memory::open_with(&dir, spec, &loaded.engine, options)
         .with_context(|| format!("opening memory {}", dir.display()))?;
@@ -322,5 +323,96 @@ fn ask_on<B: Backend>(a: &AskArgs, backend: B) -> Result<()> {
         p.memory_tokens,
         out.time_to_first_token.as_secs_f64() * 1e3
     );
+    Ok(())
+}
+
+/// The KV cache's budgets: the flags', else bounded by default — the KV a
+/// memory reads and encodes would otherwise grow with every fact until the
+/// machine runs out: a quarter of the machine's memory for the CPU's
+/// resident KV and for CUDA's host tier (see the flags' help).
+pub(crate) fn budgets(a: &MemoryArgs, backend: &str) -> Budgets {
+    let quarter = machine_memory_bytes().map(|b| b / 4);
+    let mb = |v: Option<u64>| v.map(|mb| mb << 20);
+    Budgets {
+        device: mb(a.kv_device_mb).or(if backend == "cpu" { quarter } else { None }),
+        host: mb(a.kv_host_mb).or(quarter),
+    }
+}
+
+/// The machine's memory (`MemTotal`), if this system says.
+fn machine_memory_bytes() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kb: u64 =
+        info.lines().find_map(|l| l.strip_prefix("MemTotal:"))?.trim().trim_end_matches("kB").trim().parse().ok()?;
+    Some(kb << 10)
+}
+
+/// Operations on a memory directory that load no model.
+#[derive(clap::Subcommand, Debug)]
+pub enum MemoryCommand {
+    /// Mend users whose stored files are damaged (a worker reports them
+    /// and refuses them): keep every record that is intact or can be
+    /// corrected, and name what could not be. The memory must not be in
+    /// use (stop the server first).
+    Repair(RepairArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct RepairArgs {
+    /// Memory directory (default `$INFERSCALE_HOME/memory`).
+    #[arg(long, env = "INFERSCALE_MEMORY")]
+    memory: Option<PathBuf>,
+    /// Only this user (default: every damaged user).
+    #[arg(long)]
+    user: Option<String>,
+}
+
+pub fn memory(c: MemoryCommand) -> Result<()> {
+    match c {
+        MemoryCommand::Repair(a) => repair(a),
+    }
+}
+
+/// `inferscale memory repair`: prints what was mended and fails when any
+/// record could not be recovered (its bytes and, for units, their ids are
+/// named; the damaged fact log is kept beside the mended one).
+fn repair(a: RepairArgs) -> Result<()> {
+    let dir = a.memory.unwrap_or_else(|| fetch::home_dir().join("memory"));
+    let repaired = inferscale_memory::repair::repair(&dir, a.user.as_deref())
+        .with_context(|| format!("repairing {}", dir.display()))?;
+    if repaired.is_empty() {
+        println!("{}: nothing to repair", dir.display());
+        return Ok(());
+    }
+    let mut lost = 0;
+    for u in &repaired {
+        println!("user {:?}:", u.user);
+        for f in &u.files {
+            let lost_bytes: u64 = f.lost.iter().map(|(a, b)| b - a).sum();
+            println!(
+                "  {}: {} records kept ({} corrected), {} lost ({lost_bytes} bytes){}{}",
+                f.file.display(),
+                f.kept,
+                f.corrected.len(),
+                f.lost.len(),
+                if f.torn > 0 { format!(", a torn tail of {} bytes dropped", f.torn) } else { String::new() },
+                f.backup.as_ref().map_or(String::new(), |b| format!("; the damaged file is kept as {}", b.display()))
+            );
+            for (from, to) in &f.lost {
+                println!("    lost: bytes {from}..{to}");
+            }
+        }
+        if !u.lost_units.is_empty() {
+            println!(
+                "  units lost with their records (re-ingest them, or copy the user from a replica): {:?}",
+                u.lost_units
+            );
+        }
+        lost += usize::from(u.lost_anything());
+    }
+    if lost > 0 {
+        bail!("{lost} of {} users lost records that could not be recovered (listed above)", repaired.len());
+    }
+    println!("every damaged record was recovered");
     Ok(())
 }

@@ -544,8 +544,12 @@ pub fn serve(mut a: ServeArgs) -> Result<()> {
     runtime()?.block_on(async move {
         let tracing = inferscale_telemetry::init("inferscale")?;
         serve_worker_http(a.worker_http_listen, service.clone()).await?;
-        let grpc = TcpListener::bind("127.0.0.1:0").await.context("binding the worker's loopback port")?;
-        let addr = grpc.local_addr()?.to_string();
+        // The router reaches its worker over a Unix socket in a directory
+        // only this user can enter: no port another process could call.
+        let link = PrivateDir::create()?;
+        let socket = link.0.join("worker.sock");
+        let grpc = tokio::net::UnixListener::bind(&socket).with_context(|| format!("binding {}", socket.display()))?;
+        let addr = format!("unix:{}", socket.display());
         // One node: membership and placement in the embedded store, kept
         // beside the memory so that placement survives a restart.
         let path = a.worker.mem.dir().join("placement.json");
@@ -561,9 +565,10 @@ pub fn serve(mut a: ServeArgs) -> Result<()> {
             // One worker: nothing to fence it for.
             rebalance: RebalanceConfig { replicate: false, fence_after: None, ..Default::default() },
         };
-        // The worker is on loopback in this process: plaintext.
+        // The worker is behind a private socket in this process: plaintext.
         let cfg = router_config(&a.router, membership, keys, Security::Plaintext)?;
-        let worker = tokio::spawn(serve_grpc(grpc, service));
+        let worker =
+            tokio::spawn(async move { service.serve_unix(grpc, shutdown_signal()).await.map_err(anyhow::Error::from) });
         let r = tokio::select! {
             r = serve_http(a.listen, cfg) => r,
             r = worker => r.context("worker task")?,
@@ -572,6 +577,34 @@ pub fn serve(mut a: ServeArgs) -> Result<()> {
         tracing.shutdown().await;
         r
     })
+}
+
+/// A directory only this process's user may enter (mode 0700), removed
+/// when dropped: where `serve` puts its worker's socket.
+struct PrivateDir(std::path::PathBuf);
+
+impl PrivateDir {
+    fn create() -> Result<PrivateDir> {
+        use std::os::unix::fs::DirBuilderExt;
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+        for attempt in 0..16u32 {
+            let name = format!("inferscale-serve-{}-{:x}", std::process::id(), nanos.wrapping_add(attempt));
+            let dir = std::env::temp_dir().join(name);
+            // `create`, not `create_all`: an existing path (anyone's) is never reused.
+            match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+                Ok(()) => return Ok(PrivateDir(dir)),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+                Err(e) => return Err(e).with_context(|| format!("creating {}", dir.display())),
+            }
+        }
+        bail!("could not create a private directory for the worker's socket in {}", std::env::temp_dir().display())
+    }
+}
+
+impl Drop for PrivateDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 pub fn worker(mut a: WorkerCmd) -> Result<()> {

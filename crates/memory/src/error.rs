@@ -18,12 +18,30 @@ pub enum MemoryError {
     #[error("{path}: corrupt at byte {offset}: {reason}")]
     Corrupt { path: PathBuf, offset: u64, reason: String },
 
+    /// A log holds damaged bytes that are not a torn tail (intact records
+    /// may follow them): refused, left as it is, for `inferscale memory
+    /// repair` or a replica to mend. `offset` is where the damage starts.
+    #[error("{path}: damaged at byte {offset}: {reason}")]
+    Damaged { path: PathBuf, offset: u64, reason: String },
+
+    /// An earlier ingest of the user is still being rolled back (its
+    /// rollback failed and is retried): the user's writes wait for it.
+    #[error("an earlier ingest of user {0:?} is still being undone on this worker; retry shortly")]
+    Unsettled(String),
+
     /// Another process (or another `Memory` in this one) has the directory open.
     #[error("{path}: memory directory in use by another process (its LOCK file is held)")]
     Locked { path: PathBuf },
 
     #[error("unknown user `{0}`")]
     UnknownUser(String),
+
+    /// The user's stored memory is damaged (see [`MemoryError::Damaged`]):
+    /// nothing of it is read or written until it is repaired (`inferscale
+    /// memory repair`, or a copy from a replica). Said without paths: the
+    /// text may reach a client.
+    #[error("the memory of user {0:?} is damaged on this worker and unavailable until it is repaired")]
+    UserDamaged(String),
 
     #[error("user {user:?} has no fact {id:?}")]
     UnknownFact { user: String, id: String },

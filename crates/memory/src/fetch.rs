@@ -264,6 +264,7 @@ impl<B: Backend> Memory<B> {
     /// engine thread with [`Memory::read_jobs`], and to serve this request
     /// without their KV).
     pub fn fetch_cached(&mut self, user: &str, idxs: &[usize]) -> Result<Fetched<B>> {
+        self.check_intact(user)?;
         let shard = self.users.get(user).ok_or_else(|| MemoryError::UnknownUser(user.to_string()))?;
         if let Some(&i) = idxs.iter().find(|&&i| i >= shard.facts.len()) {
             return Err(MemoryError::Invalid {
@@ -299,7 +300,7 @@ impl<B: Backend> Memory<B> {
     /// meanwhile, or without a record are left out.
     pub fn read_jobs(&mut self, user: &str, idxs: &[usize]) -> Result<Vec<ReadJob<B>>> {
         let keys: Vec<Option<u64>> = {
-            let shard = self.users.get(user).ok_or_else(|| MemoryError::UnknownUser(user.to_string()))?;
+            let shard = self.user(user)?;
             idxs.iter().map(|&i| shard.kv.get(i).filter(|kv| kv.at.is_some()).map(|kv| kv.key)).collect()
         };
         let mut jobs = Vec::new();
@@ -348,7 +349,7 @@ impl<B: Backend> Memory<B> {
         if idxs.is_empty() {
             return Ok(());
         }
-        let shard = self.users.get_mut(user).ok_or_else(|| MemoryError::UnknownUser(user.to_string()))?;
+        let shard = crate::shard::shard_mut(&mut self.users, &self.damaged, user)?;
         idxs.iter().for_each(|&i| shard.kv[i].at = None);
         self.cache.stats.corrupt += idxs.len() as u64;
         self.pending.insert(user.to_string());

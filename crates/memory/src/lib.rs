@@ -3,7 +3,7 @@
 
 mod answer;
 mod cache;
-mod commit;
+pub(crate) mod commit;
 mod compose;
 mod error;
 mod fact;
@@ -12,7 +12,9 @@ pub mod fidelity;
 mod kvseg;
 pub mod log;
 mod manifest;
+pub mod repair;
 mod retrieval;
+pub mod salvage;
 mod search;
 mod session;
 mod shard;

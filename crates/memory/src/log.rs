@@ -10,11 +10,18 @@
 //!
 //! Crash model: a record is durable once [`RecordLog::append`] returns. A crash
 //! at any instant (SIGKILL, power loss) or a failed write can leave only a torn
-//! tail: one frame that is short, claims an impossible length or fails its CRC.
-//! [`RecordLog::open`] replays up to the last intact frame and truncates the
-//! rest, so the caller never sees garbage and never loses an acknowledged
-//! record. Replay stops at the first bad frame rather than skipping it: the
-//! length of a bad frame cannot be trusted, so nothing after it can be found.
+//! tail: the last append's bytes cut short (a partial frame header, a payload
+//! shorter than its length) or, after a power loss, zeros. [`RecordLog::open`]
+//! replays up to the last intact frame and truncates such a tail, so the
+//! caller never sees garbage and never loses an acknowledged record.
+//!
+//! Anything else that fails its checks — a frame whose CRC fails with intact
+//! frames after it, a length no append writes, a whole last frame whose CRC
+//! fails — is damage to written bytes (a flipped bit, a bad sector), not a
+//! tail: cutting it would drop every acknowledged record after it. `open`
+//! refuses such a log ([`MemoryError::Damaged`]) and leaves it as it is;
+//! [`salvage`](crate::salvage::salvage) recovers every intact record around
+//! the damage, and the damaged record itself when one byte of it is wrong.
 //!
 //! One process appends to a log at a time; nothing here locks the file.
 
@@ -24,9 +31,10 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use crate::error::{self, MemoryError, Result};
+use crate::salvage::{Tail, classify};
 
-const HEADER: &[u8; 8] = b"ISLOG\0\0\x01";
-const FRAME_BYTES: usize = 8;
+pub(crate) const HEADER: &[u8; 8] = b"ISLOG\0\0\x01";
+pub(crate) const FRAME_BYTES: usize = 8;
 
 /// The largest record accepted. A length field above it can only be a torn or
 /// corrupt frame, so replay never tries to allocate gigabytes for one.
@@ -104,6 +112,13 @@ impl RecordLog {
         check_header(path, &bytes)?;
 
         let (records, intact, reason) = replay(&bytes);
+        let reason = match reason.map(|why| (classify(&bytes, intact, &why), why)) {
+            Some((Tail::Damaged(what), _)) => {
+                return Err(MemoryError::Damaged { path: path.to_path_buf(), offset: intact as u64, reason: what });
+            }
+            Some((Tail::Torn(what), why)) => Some(format!("{why} ({what})")),
+            _ => None,
+        };
         let truncated_bytes = (bytes.len() - intact) as u64;
         if truncated_bytes > 0 {
             // sync_all, not sync_data: the new length is the point of the call.
@@ -261,6 +276,49 @@ impl RecordLog {
         Ok(frames_from(HEADER.len() as u64, records.iter().map(Vec::len)))
     }
 
+    /// Cuts the log back to `len` bytes (a frame boundary the caller knows,
+    /// at most the current length), durably. Needs no free space.
+    pub fn truncate(&mut self, len: u64) -> Result<()> {
+        if len > self.len || len < HEADER.len() as u64 {
+            let why = format!("cannot cut a log of {} bytes back to {len}", self.len);
+            return Err(error::io(&self.path)(std::io::Error::other(why)));
+        }
+        self.file.set_len(len).and_then(|()| self.file.sync_all()).map_err(error::io(&self.path))?;
+        self.len = len;
+        self.broken = false;
+        Ok(())
+    }
+
+    /// The records from byte `offset` (a frame boundary) to the end, if
+    /// every frame there is intact; `None` if `offset` is not where frames
+    /// run cleanly to the end.
+    pub fn records_from(&self, offset: u64) -> Result<Option<Vec<Vec<u8>>>> {
+        if offset > self.len || offset < HEADER.len() as u64 {
+            return Ok(None);
+        }
+        let mut bytes = vec![0u8; (self.len - offset) as usize];
+        self.file.read_exact_at(&mut bytes, offset).map_err(error::io(&self.path))?;
+        let mut out = Vec::new();
+        let mut at = 0;
+        while at < bytes.len() {
+            match frame_payload(&bytes[at..]) {
+                Ok(p) => {
+                    out.push(p.to_vec());
+                    at += FRAME_BYTES + p.len();
+                }
+                Err(_) => return Ok(None),
+            }
+        }
+        Ok(Some(out))
+    }
+
+    /// Writes a new log holding `records` at `path` (aside, synced, renamed
+    /// over whatever was there); the caller syncs the directory.
+    pub fn write_new(path: &Path, records: &[&[u8]]) -> Result<()> {
+        let bytes = encode(records, HEADER.to_vec())?;
+        replace(path, &bytes).map(drop)
+    }
+
     /// Bytes of intact records on disk.
     pub fn len(&self) -> u64 {
         self.len
@@ -329,6 +387,18 @@ pub fn read_all(path: &Path) -> Result<Vec<Vec<u8>>> {
     let bytes = fs::read(path).map_err(error::io(path))?;
     check_header(path, &bytes)?;
     Ok(replay(&bytes).0)
+}
+
+/// Every record of the log at `path`, which must be intact to its end: a
+/// file written whole and renamed into place has no torn tail, so any bad
+/// frame is damage ([`MemoryError::Damaged`]).
+pub fn read_checked(path: &Path) -> Result<Vec<Vec<u8>>> {
+    let bytes = fs::read(path).map_err(error::io(path))?;
+    check_header(path, &bytes)?;
+    match replay(&bytes) {
+        (records, _, None) => Ok(records),
+        (_, at, Some(why)) => Err(MemoryError::Damaged { path: path.to_path_buf(), offset: at as u64, reason: why }),
+    }
 }
 
 /// Where records of payload lengths `lens`, framed back to back from byte
@@ -409,7 +479,7 @@ fn encode(records: &[&[u8]], mut buf: Vec<u8>) -> Result<Vec<u8>> {
     Ok(buf)
 }
 
-fn checksum(len: [u8; 4], payload: &[u8]) -> u32 {
+pub(crate) fn checksum(len: [u8; 4], payload: &[u8]) -> u32 {
     let mut hasher = crc32fast::Hasher::new();
     hasher.update(&len);
     hasher.update(payload);
@@ -545,31 +615,40 @@ mod tests {
         }
     }
 
+    /// A flipped bit anywhere in written records — the middle or the last
+    /// record — is damage, not a torn tail: the log is refused and left as
+    /// it was (truncating would drop acknowledged records after it).
     #[test]
-    fn flipped_payload_byte_drops_only_the_last_record() {
+    fn a_flipped_byte_is_damage_and_the_log_is_left_untouched() {
         let (_dir, path) = temp_log();
-        let mut bytes = write_three(&path);
-        let last = bytes.len() - 10;
-        bytes[last] ^= 0x40;
-        fs::write(&path, &bytes).unwrap();
-        let (_, rec) = RecordLog::open(&path).unwrap();
-        assert_eq!(rec.records, three()[..2]);
-        assert_eq!(rec.truncated_bytes, (FRAME_BYTES + 300) as u64);
-        assert!(rec.reason.unwrap().contains("CRC mismatch"));
+        let full = write_three(&path);
+        for i in [8 + FRAME_BYTES + 2, 8 + FRAME_BYTES + 5 + 3, full.len() - 10, full.len() - 300 - 6] {
+            let mut bytes = full.clone();
+            bytes[i] ^= 0x40;
+            fs::write(&path, &bytes).unwrap();
+            let err = RecordLog::open(&path).unwrap_err();
+            assert!(matches!(err, MemoryError::Damaged { .. }), "byte {i}: {err}");
+            assert_eq!(fs::read(&path).unwrap(), bytes, "byte {i}: nothing cut");
+        }
     }
 
     #[test]
-    fn impossible_length_and_zero_filled_tails_are_dropped() {
+    fn zero_filled_tails_are_dropped_and_garbage_after_the_last_record_is_not() {
         let (_dir, path) = temp_log();
-        for tail in [vec![0xff; 12], vec![0; 16]] {
-            let mut bytes = write_three(&path);
-            bytes.extend_from_slice(&tail);
-            fs::write(&path, &bytes).unwrap();
-            let (_, rec) = RecordLog::open(&path).unwrap();
-            assert_eq!(rec.records, three());
-            assert_eq!(rec.truncated_bytes, tail.len() as u64);
-            fs::remove_file(&path).unwrap();
-        }
+        let mut bytes = write_three(&path);
+        bytes.extend_from_slice(&[0; 16]);
+        fs::write(&path, &bytes).unwrap();
+        let (_, rec) = RecordLog::open(&path).unwrap();
+        assert_eq!(rec.records, three());
+        assert_eq!(rec.truncated_bytes, 16);
+        assert!(rec.reason.unwrap().contains("zero-filled"));
+        // A header no append writes (an impossible length): not a crash's doing.
+        let mut bytes = write_three(&path);
+        bytes.extend_from_slice(&[0xff; 12]);
+        fs::write(&path, &bytes).unwrap();
+        let err = RecordLog::open(&path).unwrap_err();
+        assert!(matches!(err, MemoryError::Damaged { .. }), "{err}");
+        assert_eq!(fs::read(&path).unwrap(), bytes);
     }
 
     #[test]

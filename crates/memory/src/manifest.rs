@@ -24,9 +24,23 @@ pub struct Manifest {
     pub model: String,
 }
 
+/// The file as written: the manifest and a checksum of it, so that a
+/// flipped bit that leaves valid JSON (a window of 20 read as 24) is found
+/// rather than believed.
+#[derive(Serialize, Deserialize)]
+struct Stored {
+    #[serde(flatten)]
+    manifest: Manifest,
+    /// CRC-32 of the manifest's compact JSON (absent in files written
+    /// before it was added; those are taken as they are).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    crc32: Option<u32>,
+}
+
 impl Manifest {
-    /// The manifest of `dir`, if it has one. A file that does not parse is
-    /// an error naming it (never guessed around).
+    /// The manifest of `dir`, if it has one. A file that does not parse,
+    /// or whose checksum does not match, is an error naming it (never
+    /// guessed around).
     pub fn read(dir: &Path) -> Result<Option<Manifest>> {
         let path = dir.join(MANIFEST);
         let text = match std::fs::read_to_string(&path) {
@@ -34,18 +48,33 @@ impl Manifest {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(io(&path)(e)),
         };
-        serde_json::from_str(&text)
-            .map(Some)
-            .map_err(|e| MemoryError::Invalid { what: "memory manifest", reason: format!("{}: {e}", path.display()) })
+        let damaged = |reason: String| MemoryError::Damaged {
+            path: path.clone(),
+            offset: 0,
+            reason: format!(
+                "{reason}; it records the window and model the memory was made with: restore it, or remove it \
+                 and give --window and --model"
+            ),
+        };
+        let stored: Stored = serde_json::from_str(&text).map_err(|e| damaged(e.to_string()))?;
+        match stored.crc32 {
+            Some(crc) if crc != stored.manifest.checksum() => Err(damaged("its checksum does not match".into())),
+            _ => Ok(Some(stored.manifest)),
+        }
     }
 
     /// Writes the manifest into `dir` whole (temporary file, sync, rename).
     pub fn write(&self, dir: &Path) -> Result<()> {
-        let mut text = serde_json::to_string_pretty(self)
+        let stored = Stored { manifest: self.clone(), crc32: Some(self.checksum()) };
+        let mut text = serde_json::to_string_pretty(&stored)
             .map_err(|e| MemoryError::Invalid { what: "memory manifest", reason: e.to_string() })?;
         text.push('\n');
         crate::log::replace(&dir.join(MANIFEST), text.as_bytes())?;
         crate::log::sync_dir(dir)
+    }
+
+    fn checksum(&self) -> u32 {
+        crc32fast::hash(&serde_json::to_vec(self).unwrap_or_default())
     }
 }
 
@@ -103,6 +132,21 @@ mod tests {
         std::fs::write(dir.path().join(MANIFEST), "{\"window\": \"x\"").unwrap();
         let e = Manifest::read(dir.path()).unwrap_err().to_string();
         assert!(e.contains(MANIFEST), "{e}");
+    }
+
+    #[test]
+    fn a_flipped_bit_that_leaves_valid_json_is_found() {
+        let dir = tempfile::tempdir().unwrap();
+        Manifest { window: 20, model: "smollm2".into() }.write(dir.path()).unwrap();
+        let path = dir.path().join(MANIFEST);
+        let text = std::fs::read_to_string(&path).unwrap();
+        // '0' (0x30) → '4' (0x34): a window of 24, still JSON.
+        std::fs::write(&path, text.replacen("20", "24", 1)).unwrap();
+        let e = Manifest::read(dir.path()).unwrap_err();
+        assert!(matches!(e, MemoryError::Damaged { .. }) && e.to_string().contains("checksum"), "{e}");
+        // A manifest written before the checksum existed reads as it is.
+        std::fs::write(&path, "{\"window\": 7, \"model\": \"smollm2\"}").unwrap();
+        assert_eq!(Manifest::read(dir.path()).unwrap(), Some(Manifest { window: 7, model: "smollm2".into() }));
     }
 
     #[test]

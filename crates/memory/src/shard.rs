@@ -93,6 +93,16 @@ pub fn validate(user: &str, turns: &[MemoryUnit]) -> Result<()> {
                 reason: format!("turn {:?} has an empty id or text", t.id),
             });
         }
+        if t.id.len() > inferscale_types::MAX_ID_BYTES || t.source_turn.len() > inferscale_types::MAX_ID_BYTES {
+            return Err(MemoryError::Invalid {
+                what: "turn",
+                reason: format!(
+                    "a unit id (or source turn) of {} bytes; the limit is {}",
+                    t.id.len().max(t.source_turn.len()),
+                    inferscale_types::MAX_ID_BYTES
+                ),
+            });
+        }
         if t.id.chars().chain(t.source_turn.chars()).any(char::is_control) {
             return Err(MemoryError::Invalid {
                 what: "turn",
@@ -169,6 +179,13 @@ pub struct Memory<B: Backend> {
     /// format new segments are written in.
     pub(crate) header: KvHeader,
     pub(crate) users: BTreeMap<String, UserShard<B>>,
+    /// Users whose stored memory failed to open as damaged (not a torn
+    /// tail), with what was found: refused until repaired, never served
+    /// as if empty.
+    pub(crate) damaged: BTreeMap<String, String>,
+    /// Users whose unfinished ingest could not be rolled back yet
+    /// (`commit.rs`): their writes wait, [`Memory::settle`] retries.
+    pub(crate) unsettled: std::collections::BTreeSet<String>,
     /// Users that may have facts without KV (stored deferred, imported
     /// without it, or dropped as corrupt): [`Memory::encode_pending`]'s work.
     pub(crate) pending: std::collections::BTreeSet<String>,
@@ -190,11 +207,25 @@ pub struct Memory<B: Backend> {
     _lock: std::fs::File,
 }
 
+/// `user`'s shard, borrowing only the two maps a memory keeps of its users
+/// (so that the caller may use the memory's other fields meanwhile): an
+/// error for a damaged or unknown user.
+pub(crate) fn shard_mut<'a, B: Backend>(
+    users: &'a mut BTreeMap<String, UserShard<B>>,
+    damaged: &BTreeMap<String, String>,
+    user: &str,
+) -> Result<&'a mut UserShard<B>> {
+    if damaged.contains_key(user) {
+        return Err(MemoryError::UserDamaged(user.to_string()));
+    }
+    users.get_mut(user).ok_or_else(|| MemoryError::UnknownUser(user.to_string()))
+}
+
 pub(crate) fn user_dir_name(user: &str) -> String {
     user.bytes().map(|b| format!("{b:02x}")).collect()
 }
 
-fn user_from_dir_name(name: &str) -> Option<String> {
+pub(crate) fn user_from_dir_name(name: &str) -> Option<String> {
     let bytes: Option<Vec<u8>> =
         (0..name.len()).step_by(2).map(|i| name.get(i..i + 2).and_then(|h| u8::from_str_radix(h, 16).ok())).collect();
     bytes.and_then(|b| String::from_utf8(b).ok())
@@ -274,7 +305,7 @@ impl<B: Backend> Memory<B> {
             Err(std::fs::TryLockError::Error(e)) => return Err(io(&lock_path)(e)),
         }
         let mut warnings = crate::transfer::recover(dir)?;
-        let mut users = BTreeMap::new();
+        let (mut users, mut damaged) = (BTreeMap::new(), BTreeMap::new());
         let entries = std::fs::read_dir(&users_dir).map_err(io(&users_dir))?;
         for entry in entries {
             let entry = entry.map_err(io(&users_dir))?;
@@ -283,8 +314,17 @@ impl<B: Backend> Memory<B> {
                 warnings.push(format!("{}: not a user directory, ignored", entry.path().display()));
                 continue;
             };
-            let shard = UserShard::open(&entry.path(), &kv_header, &mut warnings)?;
-            users.insert(user, shard);
+            match UserShard::open(&entry.path(), &kv_header, &mut warnings) {
+                Ok(shard) => {
+                    users.insert(user, shard);
+                }
+                // Damage to one user's files costs that user, not the node.
+                Err(e @ (MemoryError::Damaged { .. } | MemoryError::Corrupt { .. } | MemoryError::Io { .. })) => {
+                    warnings.push(format!("user {user:?} is unavailable until repaired: {e}"));
+                    damaged.insert(user, e.to_string());
+                }
+                Err(e) => return Err(e),
+            }
         }
         let mut memory = Memory {
             dir: dir.to_path_buf(),
@@ -292,6 +332,8 @@ impl<B: Backend> Memory<B> {
             header: kv_header,
             pending: users.keys().cloned().collect(),
             users,
+            damaged,
+            unsettled: Default::default(),
             encode_batch: ENCODE_BATCH,
             cache: KvCache::new(be, options.budgets, c.num_layers, c.kv_dim()),
             reading: Default::default(),
@@ -417,8 +459,24 @@ impl<B: Backend> Memory<B> {
         self.dir.join("users").join(user_dir_name(user))
     }
 
-    fn user(&self, user: &str) -> Result<&UserShard<B>> {
+    pub(crate) fn user(&self, user: &str) -> Result<&UserShard<B>> {
+        self.check_intact(user)?;
         self.users.get(user).ok_or_else(|| MemoryError::UnknownUser(user.to_string()))
+    }
+
+    /// An error when `user`'s memory is damaged: a damaged user is neither
+    /// read nor written (nor created anew over its files) until repaired.
+    pub(crate) fn check_intact(&self, user: &str) -> Result<()> {
+        match self.damaged.contains_key(user) {
+            true => Err(MemoryError::UserDamaged(user.to_string())),
+            false => Ok(()),
+        }
+    }
+
+    /// Users whose memory is damaged, with what was found (for operators:
+    /// logs, `cluster status`; it names files).
+    pub fn damaged(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.damaged.iter().map(|(u, why)| (u.as_str(), why.as_str()))
     }
 
     /// The KV of fact `idx` of `user`, if it is cached (see
@@ -445,9 +503,9 @@ impl<B: Backend> Memory<B> {
         Some(shard)
     }
 
-    /// Whether `user` has any memory.
+    /// Whether `user` has any memory (a damaged one included).
     pub fn has_user(&self, user: &str) -> bool {
-        self.users.contains_key(user)
+        self.users.contains_key(user) || self.damaged.contains_key(user)
     }
 
     /// Stores `turns` for `user`: facts are durable (fsynced) before this
@@ -478,6 +536,7 @@ impl<B: Backend> Memory<B> {
         encode: bool,
     ) -> Result<IngestReport> {
         validate(user, turns)?;
+        self.check_intact(user)?;
         let max = self.max_fact_tokens(enc.composer.header().len());
         if !self.users.contains_key(user) {
             let dir = self.user_dir(user);
@@ -486,7 +545,7 @@ impl<B: Backend> Memory<B> {
             sync_dir(&self.dir.join("users"))?;
             self.users.insert(user.to_string(), shard);
         }
-        let shard = self.users.get_mut(user).ok_or_else(|| MemoryError::UnknownUser(user.to_string()))?;
+        let shard = shard_mut(&mut self.users, &self.damaged, user)?;
         let new: Vec<&MemoryUnit> = turns.iter().filter(|t| !shard.by_id.contains_key(&t.id)).collect();
         let mut report = IngestReport { skipped: turns.len() - new.len(), ..Default::default() };
         if new.is_empty() {
@@ -528,7 +587,7 @@ impl<B: Backend> Memory<B> {
     /// corrupt segment was detected); returns the tokens encoded.
     pub fn ensure_kv(&mut self, user: &str, enc: &mut Encoders<'_, B>) -> Result<usize> {
         let (window, batch, context) = (self.spec.window, self.encode_batch, self.context);
-        let shard = self.users.get_mut(user).ok_or_else(|| MemoryError::UnknownUser(user.to_string()))?;
+        let shard = shard_mut(&mut self.users, &self.damaged, user)?;
         shard.encode_missing(window, batch, usize::MAX, context, enc, &mut self.cache)
     }
 
@@ -537,6 +596,8 @@ impl<B: Backend> Memory<B> {
     /// over a user (or a user whose KV was dropped) answers at full speed.
     /// Returns the facts encoded (0: nothing is pending).
     pub fn encode_pending(&mut self, max_facts: usize, enc: &mut Encoders<'_, B>) -> Result<usize> {
+        // Idle time also retries the rollbacks that failed (cheap if none).
+        self.settle();
         let (window, batch, context) = (self.spec.window, self.encode_batch, self.context);
         while let Some(user) = self.pending.first().cloned() {
             let Some(shard) = self.users.get_mut(&user) else {
@@ -615,11 +676,14 @@ impl<B: Backend> Memory<B> {
         }
     }
 
-    /// Removes `user` from memory and from disk.
+    /// Removes `user` from memory and from disk — a damaged user's files
+    /// too (deleting needs nothing of them read).
     pub fn forget_user(&mut self, user: &str) -> Result<()> {
-        let shard = self.take_user(user).ok_or_else(|| MemoryError::UnknownUser(user.to_string()))?;
-        let dir = shard.dir.clone();
-        drop(shard);
+        let dir = match (self.take_user(user), self.damaged.remove(user)) {
+            (Some(shard), _) => shard.dir.clone(),
+            (None, Some(_)) => self.user_dir(user),
+            (None, None) => return Err(MemoryError::UnknownUser(user.to_string())),
+        };
         std::fs::remove_dir_all(&dir).map_err(io(&dir))?;
         sync_dir(&self.dir.join("users"))
     }
@@ -643,8 +707,13 @@ impl<B: Backend> Memory<B> {
         encode: bool,
     ) -> Result<UpdateReport> {
         let max = self.max_fact_tokens(enc.composer.header().len());
-        let shard = self.users.get_mut(user).ok_or_else(|| MemoryError::UnknownUser(user.to_string()))?;
         let unknown = || MemoryError::UnknownFact { user: user.to_string(), id: id.to_string() };
+        if !self.user(user)?.by_id.contains_key(id) {
+            return Err(unknown());
+        }
+        // An ingest under way rolls back by id once a log is rewritten.
+        self.before_rewrite(user)?;
+        let shard = shard_mut(&mut self.users, &self.damaged, user)?;
         let idx = *shard.by_id.get(id).ok_or_else(unknown)?;
         let old = &shard.facts[idx];
         let mut unit = old.unit.clone();
@@ -671,16 +740,22 @@ impl<B: Backend> Memory<B> {
         };
         let mut history = old.history.clone();
         history.push(Event::updated(&old.unit, &unit));
+        let digest = crate::user::unit_digest(&old.unit) ^ crate::user::unit_digest(&unit);
+        let fact = Fact { unit, tokens, embedding, history };
         if retext {
             // The KV made from the old text goes first (a crash then leaves
             // the old text with its KV re-encoded), to be made again from
             // the new.
             shard.drop_kv_from(idx, self.spec.window, &mut self.cache)?;
         }
-        shard.facts[idx] = Fact { unit, tokens, embedding, history };
-        shard.facts_changed();
-        let records: Vec<Vec<u8>> = shard.facts.iter().map(Record::encode_put).collect();
+        // Durable first: a failed rewrite leaves the unit as it was, in
+        // memory as on disk.
+        let records: Vec<Vec<u8>> =
+            shard.facts.iter().enumerate().map(|(i, f)| Record::encode_put(if i == idx { &fact } else { f })).collect();
         shard.log.rewrite(&records)?;
+        shard.facts[idx] = fact;
+        shard.digest ^= digest;
+        shard.facts_changed();
         let mut report = UpdateReport { changed: true, encoded_tokens: 0 };
         if retext {
             match encode {
@@ -719,15 +794,19 @@ impl<B: Backend> Memory<B> {
     /// from a forgotten unit.
     pub fn forget_fact(&mut self, user: &str, id: &str) -> Result<()> {
         let window = self.spec.window;
-        let shard = self.users.get_mut(user).ok_or_else(|| MemoryError::UnknownUser(user.to_string()))?;
-        let idx = *shard
-            .by_id
-            .get(id)
-            .ok_or_else(|| MemoryError::UnknownFact { user: user.to_string(), id: id.to_string() })?;
+        let unknown = || MemoryError::UnknownFact { user: user.to_string(), id: id.to_string() };
+        if !self.user(user)?.by_id.contains_key(id) {
+            return Err(unknown());
+        }
+        self.before_rewrite(user)?;
+        let shard = shard_mut(&mut self.users, &self.damaged, user)?;
+        let idx = *shard.by_id.get(id).ok_or_else(unknown)?;
         let cascades = shard.drop_kv_from(idx, window, &mut self.cache)?;
-        shard.remove_fact(idx, &mut self.cache);
-        let records: Vec<Vec<u8>> = shard.facts.iter().map(Record::encode_put).collect();
+        // Durable first: a failed rewrite leaves the unit stored and served.
+        let records: Vec<Vec<u8>> =
+            shard.facts.iter().enumerate().filter(|&(i, _)| i != idx).map(|(_, f)| Record::encode_put(f)).collect();
         shard.log.rewrite(&records)?;
+        shard.remove_fact(idx, &mut self.cache);
         if cascades {
             self.pending.insert(user.to_string());
         }

@@ -95,6 +95,7 @@ impl<B: Backend> Memory<B> {
     /// segment (the records travel in its format) and the user's fact ids,
     /// in order.
     pub fn export_begin(&self, user: &str) -> Result<(KvHeader, Vec<String>)> {
+        self.check_intact(user)?;
         match self.users.get(user) {
             Some(shard) => Ok((shard.seg.clone(), self.fact_ids(user))),
             None => Err(MemoryError::UnknownUser(user.to_string())),
@@ -177,6 +178,9 @@ impl<B: Backend> Memory<B> {
         match UserShard::open(&live, &self.header, &mut warnings) {
             Ok(shard) => {
                 warnings.iter().for_each(|w| tracing::warn!(user, "{w}"));
+                if self.damaged.remove(user).is_some() {
+                    tracing::warn!(user, "a damaged memory was replaced by a copy from another worker");
+                }
                 self.users.insert(user.to_string(), shard);
                 self.pending.insert(user.to_string());
                 if trash.exists() {

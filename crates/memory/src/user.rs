@@ -421,12 +421,57 @@ impl<B: Backend> UserShard<B> {
         for &i in &drop {
             cache.remove(self.kv[i].key);
         }
+        // Durable first: a failed rewrite leaves the facts stored and served.
+        let records: Vec<Vec<u8>> = (self.facts.iter().enumerate())
+            .filter(|(i, _)| idxs.binary_search(i).is_err())
+            .map(|(_, f)| Record::encode_put(f))
+            .collect();
+        self.log.rewrite(&records)?;
         for &i in idxs.iter().rev() {
             self.remove_fact(i, cache);
         }
-        let records: Vec<Vec<u8>> = self.facts.iter().map(Record::encode_put).collect();
-        self.log.rewrite(&records)?;
         Ok((idxs.len(), cascades))
+    }
+
+    /// Undoes an ingest that only appended: removes the facts `ids` and
+    /// cuts the fact log back to `facts_len` and the KV log to `kv_len`,
+    /// which needs no free space. Where the logs do not read as that
+    /// ingest's appends from there (a rewrite moved them), the facts and
+    /// their KV are removed by rewriting instead. Returns how many facts
+    /// went, and whether facts that stay lost their KV (to re-encode).
+    pub(crate) fn cut_back(
+        &mut self,
+        ids: &[String],
+        facts_len: u64,
+        kv_len: u64,
+        window: usize,
+        cache: &mut KvCache<B>,
+    ) -> Result<(usize, bool)> {
+        let ours =
+            |r: &Vec<u8>| matches!(Record::decode(r, self.log.path()), Ok(Record::Put(f)) if ids.contains(&f.unit.id));
+        let appended = self.log.records_from(facts_len)?.is_some_and(|rs| rs.iter().all(ours));
+        let kv_boundary = kv_len >= 8
+            && kv_len <= self.kv_log.len_bytes()
+            && (kv_len == self.kv_log.len_bytes() || self.kv_log.records_from(kv_len)?.is_some());
+        if !appended || !kv_boundary {
+            return self.remove_facts(ids, window, cache);
+        }
+        let mut idxs: Vec<usize> = ids.iter().filter_map(|id| self.by_id.get(id).copied()).collect();
+        idxs.sort_unstable();
+        self.kv_log.truncate(kv_len)?;
+        self.log.truncate(facts_len)?;
+        for &i in idxs.iter().rev() {
+            self.remove_fact(i, cache);
+        }
+        // KV appended since (the deferred KV of earlier facts) went too.
+        let mut lost = false;
+        for k in &mut self.kv {
+            if k.at.is_some_and(|f| f.offset >= kv_len) {
+                k.at = None;
+                lost = true;
+            }
+        }
+        Ok((idxs.len(), lost))
     }
 
     /// Rewrites the segment without the records of facts `drop` (and

@@ -96,12 +96,24 @@ pub enum ErrorKind {
     /// `UNAVAILABLE` because the user's memory is moving between workers:
     /// the worker itself is fine; retry (on the user's new home).
     Moving,
+    /// `RESOURCE_EXHAUSTED` because the worker's disk is full: the request
+    /// changed nothing (HTTP 507), not a busy queue (429).
+    DiskFull,
+    /// `UNAVAILABLE` because the user's memory is damaged on this worker:
+    /// another replica may serve it.
+    Damaged,
+    /// `UNAVAILABLE` because an earlier ingest of the user is still being
+    /// undone on this worker: retry shortly.
+    Unsettled,
 }
 
 impl ErrorKind {
     pub fn as_str(self) -> &'static str {
         match self {
             ErrorKind::Moving => "moving",
+            ErrorKind::DiskFull => "disk-full",
+            ErrorKind::Damaged => "damaged",
+            ErrorKind::Unsettled => "unsettled",
         }
     }
 
@@ -115,6 +127,9 @@ impl ErrorKind {
     pub fn of(status: &tonic::Status) -> Option<ErrorKind> {
         match status.metadata().get(ERROR_KIND)?.to_str().ok()? {
             "moving" => Some(ErrorKind::Moving),
+            "disk-full" => Some(ErrorKind::DiskFull),
+            "damaged" => Some(ErrorKind::Damaged),
+            "unsettled" => Some(ErrorKind::Unsettled),
             _ => None,
         }
     }

@@ -180,6 +180,31 @@ impl Security {
         }
     }
 
+    /// A channel to the worker at `addr`, connected on first use: a TCP
+    /// address as [`Security::endpoint`] takes it, or `unix:/path` for a
+    /// worker on a Unix socket (plaintext: the socket's file permissions
+    /// are its access control). `configure` sets a TCP endpoint's options.
+    pub fn channel_lazy(
+        &self,
+        addr: &str,
+        configure: impl FnOnce(Endpoint) -> Endpoint,
+    ) -> Result<tonic::transport::Channel, TlsError> {
+        let Some(path) = addr.strip_prefix("unix:") else {
+            return Ok(configure(self.endpoint(addr)?).connect_lazy());
+        };
+        if self.is_tls() {
+            let reason = "a Unix socket is plaintext: its permissions guard it".to_string();
+            return Err(TlsError::Address { addr: addr.to_string(), reason });
+        }
+        let path = std::path::PathBuf::from(path);
+        // The URI is not dialled: the connector below is.
+        let ep = Endpoint::from_static("http://localhost");
+        Ok(ep.connect_with_connector_lazy(tower::service_fn(move |_: tonic::transport::Uri| {
+            let path = path.clone();
+            async move { tokio::net::UnixStream::connect(path).await.map(hyper_util::rt::TokioIo::new) }
+        })))
+    }
+
     /// The server builder for a worker: with TLS, clients must present a
     /// certificate from the CA.
     pub fn server(&self) -> Result<tonic::transport::Server, TlsError> {

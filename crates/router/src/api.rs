@@ -245,8 +245,10 @@ fn validate(s: &AppState, tenant: &str, r: ChatRequest, prompt: Option<String>) 
         return Err(ApiError::BadRequest(format!("top_p {top_p} is outside (0, 1]")));
     }
     let stop = r.stop.map(openai::Stop::into_vec).unwrap_or_default();
-    if stop.len() > 4 || stop.iter().any(String::is_empty) {
-        return Err(ApiError::BadRequest("stop takes up to 4 non-empty strings".into()));
+    if stop.len() > 4 || stop.iter().any(|s| s.is_empty() || s.len() > MAX_STOP_BYTES) {
+        return Err(ApiError::BadRequest(format!(
+            "stop takes up to 4 non-empty strings of at most {MAX_STOP_BYTES} bytes"
+        )));
     }
     let req = pb::GenerateRequest {
         request_id: String::new(),
@@ -276,6 +278,10 @@ fn validate(s: &AppState, tenant: &str, r: ChatRequest, prompt: Option<String>) 
     Ok(Chat { req, kind, mode, stream: r.stream, include_usage, user })
 }
 
+/// Longest stop string: a stop is matched against the generated text at
+/// every token, so a long one costs every step and can never match.
+const MAX_STOP_BYTES: usize = 1024;
+
 /// How long a request keeps retrying a user's memory while it moves
 /// between workers or its home fails over to its replica.
 pub(crate) const RETRY_FOR: Duration = Duration::from_secs(15);
@@ -285,8 +291,8 @@ pub(crate) const RETRY_PAUSE: Duration = Duration::from_millis(150);
 /// than a refusal it answered with): its health is then re-probed before
 /// it gets more requests.
 fn unreachable(e: &tonic::Status) -> bool {
-    (e.code() == tonic::Code::Unavailable && pb::ErrorKind::of(e) != Some(pb::ErrorKind::Moving))
-        || crate::error::connection_lost(e)
+    // A marked refusal (moving, damaged) comes from a worker that is up.
+    (e.code() == tonic::Code::Unavailable && pb::ErrorKind::of(e).is_none()) || crate::error::connection_lost(e)
 }
 
 /// Awaits `fut`, unless the cluster view changes first so that `gone`
@@ -333,7 +339,10 @@ async fn start(
         };
         let w = match picked {
             Ok(w) => w,
-            Err(e) if memory && e.retryable() && Instant::now() < until => {
+            // Waiting helps only while the memory moves (it lands soon): a
+            // user whose workers are known down is told at once (503,
+            // Retry-After), not after the retry window.
+            Err(e) if memory && e.retryable() && Instant::now() < until && s.workers.moving(&chat.req.user) => {
                 tokio::time::sleep(RETRY_PAUSE).await;
                 continue;
             }
@@ -423,8 +432,12 @@ where
                 }
             }
         }
+        // Every writer known down and nothing moving: no retry can land
+        // before one comes back, so the caller hears it now.
+        let all_down = writers.iter().all(|w| !w.is_healthy() && w.unreachable_for().is_some());
         match (failed, home) {
             (None, Some(answer)) => return Ok(answer),
+            (Some(e), _) if all_down && !s.workers.moving(user) => return Err(e.into()),
             (Some(e), _) if ApiError::from(e.clone()).retryable() && Instant::now() < until => {
                 tokio::time::sleep(RETRY_PAUSE).await;
             }

@@ -25,6 +25,9 @@ pub enum ApiError {
     /// No worker that holds the user's memory is reachable (503).
     #[error("{0}")]
     Unavailable(String),
+    /// The worker's disk is full: the request changed nothing (507).
+    #[error("{0}")]
+    InsufficientStorage(String),
     #[error("{0}")]
     Timeout(String),
     #[error("{0}")]
@@ -50,6 +53,7 @@ impl ApiError {
             ApiError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Busy(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::InsufficientStorage(_) => StatusCode::INSUFFICIENT_STORAGE,
             ApiError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
             ApiError::Conflict(_) => StatusCode::CONFLICT,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -67,7 +71,10 @@ impl ApiError {
             ApiError::NotFound(_) => "not_found_error",
             ApiError::Busy(_) => "rate_limit_error",
             ApiError::Conflict(_) => "conflict_error",
-            ApiError::Unavailable(_) | ApiError::Timeout(_) | ApiError::Internal(_) => "server_error",
+            ApiError::Unavailable(_)
+            | ApiError::InsufficientStorage(_)
+            | ApiError::Timeout(_)
+            | ApiError::Internal(_) => "server_error",
         }
     }
 
@@ -97,6 +104,7 @@ impl ApiError {
         match self {
             ApiError::Busy(_) => Some(1),
             ApiError::Unavailable(_) => Some(2),
+            ApiError::InsufficientStorage(_) => Some(30),
             _ => None,
         }
     }
@@ -111,6 +119,7 @@ impl ApiError {
             ApiError::NotFound(m) => ApiError::NotFound(fix(m)),
             ApiError::Conflict(m) => ApiError::Conflict(fix(m)),
             ApiError::Internal(m) => ApiError::Internal(fix(m)),
+            ApiError::Unavailable(m) => ApiError::Unavailable(fix(m)),
             other => other,
         }
     }
@@ -138,6 +147,11 @@ impl From<tonic::Status> for ApiError {
         match s.code() {
             Code::InvalidArgument | Code::OutOfRange | Code::FailedPrecondition => ApiError::BadRequest(msg),
             Code::NotFound => ApiError::NotFound(msg),
+            Code::ResourceExhausted
+                if inferscale_proto::ErrorKind::of(&s) == Some(inferscale_proto::ErrorKind::DiskFull) =>
+            {
+                ApiError::InsufficientStorage(msg)
+            }
             Code::ResourceExhausted => ApiError::Busy(msg),
             Code::DeadlineExceeded => ApiError::Timeout(msg),
             // tonic reports the router's own call deadline as a cancellation.
@@ -145,6 +159,8 @@ impl From<tonic::Status> for ApiError {
                 ApiError::Timeout("the worker did not answer within the deadline".into())
             }
             Code::AlreadyExists | Code::Aborted => ApiError::Conflict(msg),
+            // The worker answered: it is up, the user's memory is not.
+            Code::Unavailable if inferscale_proto::ErrorKind::of(&s).is_some() => ApiError::Unavailable(msg),
             Code::Unavailable => ApiError::Unavailable(format!("worker unavailable: {msg}")),
             _ if connection_lost(&s) => ApiError::Unavailable(format!("lost the connection to the worker: {msg}")),
             Code::Unauthenticated | Code::PermissionDenied => ApiError::Unauthorized(msg),

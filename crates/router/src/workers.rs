@@ -66,17 +66,17 @@ pub(crate) fn request<T>(msg: T, timeout: Duration) -> tonic::Request<T> {
     r
 }
 
-fn endpoint(addr: &str, security: &Security) -> Result<Endpoint> {
-    Ok(security
-        .endpoint(addr)
-        .map_err(|e| ApiError::Internal(e.to_string()))?
-        .connect_timeout(Duration::from_secs(2))
-        .tcp_nodelay(true))
+/// A lazily connected channel to the worker at `addr` (`host:port`, a URI,
+/// or `unix:/path`).
+fn channel(addr: &str, security: &Security) -> Result<Channel> {
+    security
+        .channel_lazy(addr, |ep: Endpoint| ep.connect_timeout(Duration::from_secs(2)).tcp_nodelay(true))
+        .map_err(|e| ApiError::Internal(e.to_string()))
 }
 
 impl Worker {
     fn new(name: &str, addr: &str, security: &Security) -> Result<Worker> {
-        let client = WorkerClient::new(endpoint(addr, security)?.connect_lazy())
+        let client = WorkerClient::new(channel(addr, security)?)
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES);
         Ok(Worker {
@@ -195,7 +195,7 @@ impl Workers {
         }
         // Addresses are checked now, not at the first request.
         for a in addrs {
-            endpoint(a, &security)?;
+            channel(a, &security)?;
         }
         let members: Vec<(String, String)> = addrs.iter().map(|a| (a.clone(), a.clone())).collect();
         let view = ClusterView::fixed(&members, inferscale_cluster::DEFAULT_VNODES);

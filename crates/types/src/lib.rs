@@ -66,6 +66,10 @@ impl Scope {
 /// Largest `metadata` of one unit, as JSON text.
 pub const MAX_METADATA_BYTES: usize = 16 << 10;
 
+/// Longest unit id (and source turn), in bytes: ids travel in URL paths,
+/// where a longer one would be refused (414) after it was stored.
+pub const MAX_ID_BYTES: usize = 256;
+
 /// How a request uses the user's memory: its facts injected as stored KV
 /// (`kv`); injected, then a share of their tokens recomputed in the
 /// question's prefill so that they attend to each other (`blend`, kv+blend:

@@ -200,10 +200,12 @@ impl<B: Backend> Core<B> {
         if commit {
             return Ok(memory.commit_ingest(user)?);
         }
-        if memory.abort_ingest(user)? > 0 {
+        // The units are hidden also when the undo failed (it is retried).
+        let undone = memory.abort_ingest(user);
+        if undone.as_ref().is_ok_and(|&n| n > 0) || undone.is_err() {
             self.bump(user);
         }
-        Ok(())
+        undone.map(drop).map_err(Into::into)
     }
 
     /// Checks that `units` can be encoded and stored, storing nothing.

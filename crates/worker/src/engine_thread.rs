@@ -314,11 +314,13 @@ impl<B: Backend> MemoryHost for Core<B> {
         if commit {
             return Ok(memory.commit_ingest(user)?);
         }
-        // Requests that retrieved the removed units fail as for a forget.
-        if memory.abort_ingest(user)? > 0 {
+        // Requests that retrieved the removed units fail as for a forget
+        // (also when the undo failed: the units are hidden all the same).
+        let undone = memory.abort_ingest(user);
+        if undone.as_ref().is_ok_and(|&n| n > 0) || undone.is_err() {
             self.drop_unstarted(user, WorkerError::Forgotten);
         }
-        Ok(())
+        undone.map(drop).map_err(Into::into)
     }
 
     fn units(&self, user: &str) -> Result<Vec<MemoryUnit>> {

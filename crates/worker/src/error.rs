@@ -35,6 +35,19 @@ pub enum WorkerError {
     #[error("the memory of user {0:?} is moving between workers; retry")]
     Moving(String),
 
+    /// The user's stored memory is damaged on this worker (refused until
+    /// repaired; a replica may serve it).
+    #[error("the memory of user {0:?} is damaged on this worker and unavailable until it is repaired")]
+    Damaged(String),
+
+    /// An earlier ingest of the user is still being undone. Retryable.
+    #[error("an earlier ingest of user {0:?} is still being undone; retry shortly")]
+    Unsettled(String),
+
+    /// The worker's disk is full: the request changed nothing.
+    #[error("the server's disk is full: the request changed nothing; retry later")]
+    DiskFull,
+
     /// The engine thread has stopped (shutdown or a fatal error).
     #[error("the worker is shutting down")]
     Shutdown,
@@ -71,6 +84,9 @@ impl From<MemoryError> for WorkerError {
             MemoryError::Invalid { what, reason } => WorkerError::Invalid(format!("invalid {what}: {reason}")),
             MemoryError::UnknownUser(u) => WorkerError::UnknownUser(u),
             MemoryError::UnknownFact { user, id } => WorkerError::UnknownUnit { user, id },
+            MemoryError::UserDamaged(u) => WorkerError::Damaged(u),
+            MemoryError::Unsettled(u) => WorkerError::Unsettled(u),
+            MemoryError::Io { source, .. } if source.kind() == std::io::ErrorKind::StorageFull => WorkerError::DiskFull,
             other => WorkerError::Memory(other),
         }
     }
@@ -91,20 +107,44 @@ impl From<WorkerError> for tonic::Status {
             WorkerError::Admit(AdmitError::Duplicate(_)) => Code::AlreadyExists,
             WorkerError::Deadline(_) => Code::DeadlineExceeded,
             WorkerError::Forgotten(_) => Code::Aborted,
-            WorkerError::Shutdown | WorkerError::Moving(_) | WorkerError::Link(_) | WorkerError::Upstream(_) => {
-                Code::Unavailable
-            }
+            WorkerError::Shutdown
+            | WorkerError::Moving(_)
+            | WorkerError::Link(_)
+            | WorkerError::Upstream(_)
+            | WorkerError::Damaged(_)
+            | WorkerError::Unsettled(_) => Code::Unavailable,
+            WorkerError::DiskFull => Code::ResourceExhausted,
             WorkerError::Memory(_)
             | WorkerError::Engine(_)
             | WorkerError::Model(_)
             | WorkerError::Startup(_)
             | WorkerError::Internal(_) => Code::Internal,
         };
-        let status = tonic::Status::new(code, e.to_string());
+        // A store failure's text names server files: it goes to the log,
+        // the caller gets what happened without them.
+        let message = match &e {
+            WorkerError::Memory(m) => {
+                tracing::error!(error = %m, "the memory store failed a request");
+                match m {
+                    MemoryError::Io { source, .. } => {
+                        format!(
+                            "the worker's memory store failed: an I/O error ({}); details in its log",
+                            source.kind()
+                        )
+                    }
+                    _ => "the worker's memory store failed; details in its log".to_string(),
+                }
+            }
+            other => other.to_string(),
+        };
+        let status = tonic::Status::new(code, message);
         match e {
             // The code alone reads as "worker down"; the kind tells a router
             // to retry without re-probing the worker's health.
             WorkerError::Moving(_) => inferscale_proto::ErrorKind::Moving.mark(status),
+            WorkerError::Damaged(_) => inferscale_proto::ErrorKind::Damaged.mark(status),
+            WorkerError::Unsettled(_) => inferscale_proto::ErrorKind::Unsettled.mark(status),
+            WorkerError::DiskFull => inferscale_proto::ErrorKind::DiskFull.mark(status),
             _ => status,
         }
     }

@@ -5,7 +5,7 @@
 //! thread's [`Stats`] at scrape time, so a scrape costs one round trip to
 //! that thread.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use inferscale_memory::Mode;
 use inferscale_telemetry::prom::worker::{
@@ -64,6 +64,8 @@ pub struct WorkerMetrics {
     pub shard_bytes_sent: AtomicU64,
     pub shards_received: AtomicU64,
     pub shard_bytes_received: AtomicU64,
+    /// Set when a write failed for a full disk, cleared when one succeeds.
+    disk_full: AtomicBool,
 }
 
 impl Default for WorkerMetrics {
@@ -90,6 +92,7 @@ impl Default for WorkerMetrics {
             shard_bytes_sent: AtomicU64::new(0),
             shards_received: AtomicU64::new(0),
             shard_bytes_received: AtomicU64::new(0),
+            disk_full: AtomicBool::new(false),
         }
     }
 }
@@ -136,6 +139,21 @@ impl WorkerMetrics {
     }
 
     /// Requests finished, cancelled and failed so far.
+    /// A write to the memory's disk ended: `Err(DiskFull)` sets the
+    /// disk-full gauge, a success clears it, other errors say nothing.
+    pub(crate) fn wrote<T>(&self, r: &crate::error::Result<T>) {
+        match r {
+            Ok(_) => self.disk_full.store(false, Ordering::Relaxed),
+            Err(crate::error::WorkerError::DiskFull) => self.disk_full.store(true, Ordering::Relaxed),
+            Err(_) => {}
+        }
+    }
+
+    /// Whether the last write that settled it found the disk full.
+    pub fn disk_full(&self) -> bool {
+        self.disk_full.load(Ordering::Relaxed)
+    }
+
     pub(crate) fn outcomes(&self) -> (u64, u64, u64) {
         let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
         (n(&self.finished), n(&self.cancelled), n(&self.failed))
@@ -216,6 +234,21 @@ impl WorkerMetrics {
             ),
             (USERS, "Users with memory here.", n(stats.users)),
             (MEMORY_UNITS, "Memory units stored here.", n(stats.facts)),
+            (
+                "inferscale_worker_damaged_users",
+                "Users refused because their stored memory is damaged (repair them: inferscale memory repair).",
+                n(stats.damaged_users),
+            ),
+            (
+                "inferscale_worker_unsettled_users",
+                "Users whose failed ingest is still being undone (their writes wait).",
+                n(stats.unsettled_users),
+            ),
+            (
+                "inferscale_worker_disk_full",
+                "1 while the memory's disk is full (writes answer 507), else 0.",
+                if self.disk_full.load(Ordering::Relaxed) { 1.0 } else { 0.0 },
+            ),
         ] {
             prom::single(&mut out, name, help, v);
         }

@@ -127,6 +127,8 @@ pub struct Stats {
     pub load: Load,
     pub users: usize,
     pub facts: usize,
+    pub damaged_users: usize,
+    pub unsettled_users: usize,
     pub finished: u64,
     pub cancelled: u64,
     pub failed: u64,
@@ -157,6 +159,10 @@ pub struct Load {
 pub struct Holdings {
     pub users: usize,
     pub facts: usize,
+    /// Users refused because their stored memory is damaged, and users
+    /// whose failed ingest is still being undone.
+    pub damaged_users: usize,
+    pub unsettled_users: usize,
     /// Bytes per tier, when asked for (O(facts) to measure).
     pub footprint: Option<Footprint>,
 }
@@ -173,6 +179,8 @@ pub fn holdings<B: Backend>(memory: &Memory<B>, footprint: bool) -> Holdings {
     Holdings {
         users: memory.users().count(),
         facts: memory.fact_count(),
+        damaged_users: memory.damaged().count(),
+        unsettled_users: memory.unsettled_count(),
         footprint: footprint.then(|| memory.footprint()),
     }
 }
@@ -459,6 +467,7 @@ impl Protocol {
             }
             Command::Forget { user, unit, reply } => {
                 let r = self.moves.check_write(&user).and_then(|()| host.forget(&user, unit.as_deref()));
+                self.metrics.wrote(&r);
                 if r.is_ok() && unit.is_none() {
                     // An ingest still queued would bring the user back after the delete.
                     let (gone, keep) = std::mem::take(&mut self.ingests).into_iter().partition(|j| j.user == user);
@@ -478,6 +487,7 @@ impl Protocol {
             }
             Command::Update { user, id, change, defer_kv, reply } => {
                 let r = self.moves.check_write(&user).and_then(|()| host.update(&user, &id, &change, defer_kv));
+                self.metrics.wrote(&r);
                 let _ = reply.send(r);
             }
             Command::History { user, id, reply } => {
@@ -572,17 +582,20 @@ impl Protocol {
             }
             Err(e) => Err(e),
         };
+        self.metrics.wrote(&done);
         if let Some(job) = self.ingests.pop_front() {
             let reply = match done {
                 Ok(report) => Ok(report),
-                Err(e) => Err(match host.end_ingest(&job.user, false) {
-                    Ok(()) => e,
-                    // Neither stored in full nor removed: say so (a restart
-                    // removes it: the ingest was never committed).
-                    Err(undo) => WorkerError::Invalid(format!(
-                        "{e}; removing what this request stored also failed ({undo}): it is removed when the worker restarts"
-                    )),
-                }),
+                Err(e) => {
+                    // The caller hears why the request failed. An undo that
+                    // failed too has hidden what the request stored and is
+                    // retried until it succeeds (the memory's `settle`):
+                    // the request stays all or nothing either way.
+                    if let Err(undo) = host.end_ingest(&job.user, false) {
+                        tracing::warn!(user = job.user, error = %undo, "undoing a failed ingest failed; retrying it");
+                    }
+                    Err(e)
+                }
             };
             let _ = job.reply.send(reply);
         }
@@ -599,6 +612,8 @@ impl Protocol {
             load,
             users: held.users,
             facts: held.facts,
+            damaged_users: held.damaged_users,
+            unsettled_users: held.unsettled_users,
             window: host.window(),
             finished,
             cancelled,
@@ -760,7 +775,8 @@ mod tests {
             Load { running: 1, max_queue: 8, ..Load::default() }
         }
         fn holdings(&self, _footprint: bool) -> Holdings {
-            Holdings { users: self.units.len(), facts: self.units.values().map(Vec::len).sum(), footprint: None }
+            let facts = self.units.values().map(Vec::len).sum();
+            Holdings { users: self.units.len(), facts, footprint: None, ..Default::default() }
         }
         fn users(&self) -> Vec<(String, u64)> {
             self.units.iter().map(|(u, us)| (u.clone(), us.len() as u64)).collect()

@@ -163,6 +163,22 @@ impl WorkerService {
             .map_err(|e| WorkerError::Internal(format!("the worker API stopped: {e}")))
     }
 
+    /// [`WorkerService::serve`] on a Unix socket (plaintext; the socket's
+    /// permissions decide who may connect): `serve`'s link between its
+    /// router and its worker, which no other user of the machine reaches.
+    pub async fn serve_unix(
+        self,
+        listener: tokio::net::UnixListener,
+        shutdown: impl std::future::Future<Output = ()> + Send,
+    ) -> Result<()> {
+        let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+        tonic::transport::Server::builder()
+            .add_service(self.into_server())
+            .serve_with_incoming_shutdown(incoming, shutdown)
+            .await
+            .map_err(|e| WorkerError::Internal(format!("the worker API stopped: {e}")))
+    }
+
     pub fn into_server(self) -> pb::worker_server::WorkerServer<WorkerService> {
         pb::worker_server::WorkerServer::new(self)
             .max_decoding_message_size(crate::transfer::MAX_MESSAGE_BYTES)

@@ -431,6 +431,68 @@ fn a_request_killed_mid_ingest_leaves_none_of_its_units() {
     assert_eq!(units(&s.addr, "k1").as_array().unwrap().len(), 40);
 }
 
+/// A large ingest does not starve chats on the same worker: while an
+/// async ingest of 200 turns runs (stored a few at a time, its KV left for
+/// idle time), a kv chat of another user takes about what it takes idle,
+/// and the job's progress counts the units stored so far.
+/// Before, every engine turn stored a whole batch (KV encoded, seconds on
+/// a CPU) before one serving step: an 8-token chat took 36–60 s against
+/// 0.5–0.9 s idle. The bound here (4× idle, plus 2 s for a busy CI
+/// machine) is loose on purpose; `inferscale bench serve --ingest-turns`
+/// measures it (docs/performance.md).
+#[test]
+fn chats_keep_their_pace_during_a_large_ingest() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = serve(&dir.path().join("mem"), &["--window", "2"]);
+    let a = s.addr.as_str();
+    let turns = |prefix: &str, n: usize| -> Vec<Value> {
+        (0..n)
+            .map(|i| {
+                let text = format!("Turn {i}: I visited place {} and met friend {} there.", i * 7 % 13, i * 5 % 11);
+                json!({"id": format!("{prefix}{i}"), "speaker": "Caroline", "text": text, "time": "1:56 pm on 8 May, 2023"})
+            })
+            .collect()
+    };
+    let (status, v) = json_call(a, "POST", "/v1/memories", &json!({"user": "chatter", "turns": turns("C", 10)}));
+    assert_eq!(status, 200, "{v}");
+    let ask = || {
+        let body = chat(Some("chatter"), "Where did I go?", json!({"mode": "kv", "k": 5})).to_string();
+        let t0 = Instant::now();
+        let (status, b) = post(a, "/v1/chat/completions", body.as_bytes());
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&b));
+        t0.elapsed()
+    };
+    ask(); // warm
+    let mut idle: Vec<Duration> = (0..3).map(|_| ask()).collect();
+    idle.sort();
+    let body = json!({"user": "bulk", "turns": turns("B", 200), "async": true});
+    let (status, started) = json_call(a, "POST", "/v1/memories", &body);
+    assert_eq!(status, 202, "{started}");
+    let job = format!("/v1/memories/jobs/{}", started["job"].as_str().unwrap());
+    std::thread::sleep(Duration::from_millis(500));
+    let during: Vec<Duration> = (0..3).map(|_| ask()).collect();
+    let (_, v) = json_call(a, "GET", &job, &Value::Null);
+    assert_eq!(v["status"], "running", "the ingest must still run for the chats to have met it: {v}");
+    let stored = v["stored"].as_u64().unwrap_or(0);
+    assert!(stored > 0 && stored < 200, "progress counts what is stored so far: {v}");
+    let bound = idle[1] * 4 + Duration::from_secs(2);
+    for d in &during {
+        assert!(*d < bound, "a chat took {d:?} during the ingest against {:?} idle (bound {bound:?})", idle[1]);
+    }
+    // And the ingest finishes: every unit stored.
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        let (_, v) = json_call(a, "GET", &job, &Value::Null);
+        if v["status"] == "done" {
+            assert_eq!(v["result"]["added"], 200, "{v}");
+            break;
+        }
+        assert_eq!(v["status"], "running", "{v}");
+        assert!(Instant::now() < deadline, "the ingest did not finish: {v}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
 fn locomo() -> Vec<Value> {
     let path = std::env::var_os("INFERSCALE_LOCOMO")
         .map(PathBuf::from)

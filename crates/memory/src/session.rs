@@ -231,20 +231,22 @@ impl<B: Backend> Session<B> {
     /// read now), encoding first what has none (never encoded, or a record
     /// that failed its check).
     pub fn fetch(&mut self, user: &str, idxs: &[usize]) -> Result<(Pinned<B>, FetchReport)> {
-        let got = self.fetch_with(user, idxs, true)?;
+        let got = self.fetch_with(user, idxs, true, true)?;
         Ok((got.pinned, got.report))
     }
 
     /// [`Session::fetch`], reading facts whose KV is on disk only when
     /// `read`; otherwise they come back in `cold` (see
-    /// [`Memory::fetch_cached`]). Facts with no KV at all are encoded.
-    pub fn fetch_with(&mut self, user: &str, idxs: &[usize], read: bool) -> Result<Fetched<B>> {
+    /// [`Memory::fetch_cached`]). Facts with no KV at all are encoded when
+    /// `encode` (those of `idxs` only), else come back in `missing`.
+    pub fn fetch_with(&mut self, user: &str, idxs: &[usize], read: bool, encode: bool) -> Result<Fetched<B>> {
         let mut got = self.fetch_once(user, idxs, read)?;
-        if got.missing.is_empty() {
+        if got.missing.is_empty() || !encode {
             return Ok(got);
         }
         let missing = std::mem::take(&mut got.missing);
-        self.ensure_kv(user)?;
+        let (memory, mut enc) = self.encoders();
+        memory.encode_facts(user, &missing, &mut enc)?;
         let again = self.fetch_once(user, &missing, read)?;
         if let Some(&i) = again.missing.first() {
             let id = self.memory.facts(user)?.get(i).map(|f| f.unit.id.clone()).unwrap_or_default();

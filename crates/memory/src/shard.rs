@@ -591,6 +591,14 @@ impl<B: Backend> Memory<B> {
         shard.encode_missing(window, batch, usize::MAX, context, enc, &mut self.cache)
     }
 
+    /// Encodes the KV of `user`'s facts `idxs` that have none (a request's
+    /// few facts; the rest of the user's are the background's work).
+    pub fn encode_facts(&mut self, user: &str, idxs: &[usize], enc: &mut Encoders<'_, B>) -> Result<usize> {
+        let (window, batch, context) = (self.spec.window, self.encode_batch, self.context);
+        let shard = shard_mut(&mut self.users, &self.damaged, user)?;
+        shard.encode_only(idxs, window, batch, context, enc, &mut self.cache)
+    }
+
     /// Encodes up to `max_facts` facts that lack KV, of one user that has
     /// some: background work for idle time, so that a replica that takes
     /// over a user (or a user whose KV was dropped) answers at full speed.

@@ -311,6 +311,36 @@ impl<B: Backend> UserShard<B> {
         cache: &mut KvCache<B>,
     ) -> Result<usize> {
         let missing: Vec<usize> = (0..self.facts.len()).filter(|&i| self.kv[i].at.is_none()).take(limit).collect();
+        self.encode(&missing, window, batch, context, enc, cache)
+    }
+
+    /// [`UserShard::encode_missing`] for the facts `idxs` only (those with
+    /// no KV).
+    pub(crate) fn encode_only(
+        &mut self,
+        idxs: &[usize],
+        window: usize,
+        batch: usize,
+        context: usize,
+        enc: &mut Encoders<'_, B>,
+        cache: &mut KvCache<B>,
+    ) -> Result<usize> {
+        let missing: Vec<usize> =
+            idxs.iter().copied().filter(|&i| self.kv.get(i).is_some_and(|k| k.at.is_none())).collect();
+        self.encode(&missing, window, batch, context, enc, cache)
+    }
+
+    /// Encodes facts `missing`, appends their records and caches their KV;
+    /// returns the tokens encoded.
+    fn encode(
+        &mut self,
+        missing: &[usize],
+        window: usize,
+        batch: usize,
+        context: usize,
+        enc: &mut Encoders<'_, B>,
+        cache: &mut KvCache<B>,
+    ) -> Result<usize> {
         let lossy = self.seg.dtype.bytes_per_value() < enc.engine.backend().kv_bytes_per_value();
         let mut tokens = 0;
         for group in missing.chunks(batch) {

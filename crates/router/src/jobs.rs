@@ -202,9 +202,14 @@ pub(crate) async fn status(
         // cannot say.
         out["stored"] = match s.workers.reader(&user) {
             Ok(w) => {
-                let req = pb::ListMemoriesRequest { user, ids };
+                // The user's units, of which the request's are counted (a
+                // list by id fails while any is missing).
+                let req = pb::ListMemoriesRequest { user, ids: Vec::new() };
                 match w.worker().client().list_memories(request(req, s.defaults.deadline)).await {
-                    Ok(r) => json!(r.into_inner().units.len()),
+                    Ok(r) => {
+                        let mine: std::collections::HashSet<&str> = ids.iter().map(String::as_str).collect();
+                        json!(r.into_inner().units.iter().filter(|u| mine.contains(u.id.as_str())).count())
+                    }
                     // The job's first batch made the user, and is not stored yet.
                     Err(e) if e.code() == tonic::Code::NotFound => json!(0),
                     Err(_) => Value::Null,

@@ -37,6 +37,7 @@ use crate::protocol::{
 };
 use crate::scheduler::{RequestId, RequestSpec, Scheduler, SchedulerConfig};
 use crate::text::{Delta, TextStream};
+use crate::throttle::{BACKGROUND_SHARE, RECENTLY_BUSY, StepTime, Throttle};
 
 /// What the engine thread owns.
 pub struct WorkerParts<B: Backend> {
@@ -100,6 +101,8 @@ struct Arrival<B: Backend> {
     pinned: Option<Pinned<B>>,
     /// Facts whose KV is on disk only: read meanwhile, pasted if still cold.
     cold: Vec<usize>,
+    /// Facts with no KV yet (not encoded): pasted.
+    unencoded: Vec<usize>,
     sources: Option<FactSources>,
     arrived: Instant,
     /// Until when it waits for reads.
@@ -194,6 +197,7 @@ pub(crate) fn run<B: Backend>(
         ProtocolConfig { max_k: cfg.max_k, ingest_batch: cfg.ingest_batch, max_ingest_units: cfg.max_ingest_units },
         metrics.clone(),
     );
+    let cfg_ingest_batch = cfg.ingest_batch;
     let mut core = Core {
         session,
         eos,
@@ -206,12 +210,19 @@ pub(crate) fn run<B: Backend>(
         reader: KvReader::start().map_err(|e| WorkerError::Startup(format!("starting the KV reader threads: {e}")))?,
         waiting: Vec::new(),
         reads_cached: false,
+        step_time: StepTime::default(),
+        // An ingest a client waits for progresses; encodings may wait for idle.
+        ingest_throttle: Throttle::new(BACKGROUND_SHARE, cfg_ingest_batch, true),
+        encode_throttle: Throttle::new(BACKGROUND_SHARE, cfg_ingest_batch, false),
+        last_busy: Instant::now() - RECENTLY_BUSY,
     };
     loop {
         core.complete_reads();
         core.release_waiting();
+        // Idle-time encoding waits until no request ran for a moment.
+        let quiet = core.last_busy.elapsed() >= RECENTLY_BUSY;
         let idle = core.live.is_empty() && !protocol.ingesting();
-        if idle && core.encode_pending() {
+        if idle && quiet && core.encode_pending() {
             // Background work done; look for commands before more of it.
             match rx.try_recv() {
                 Ok(c) => protocol.handle(&mut core, c),
@@ -245,9 +256,25 @@ pub(crate) fn run<B: Backend>(
         core.profile.add(|p| &mut p.commands, t0);
         core.profile.report();
         core.reap();
-        // One batch of the oldest ingest per turn: a large ingest never
-        // stalls the running batch for long.
-        protocol.ingest_some(&mut core);
+        // Background work beside serving, within its share of the time
+        // (`throttle.rs`): stored facts first (their KV left for later
+        // while requests run), then KV encodings of stored facts.
+        if !core.live.is_empty() {
+            core.last_busy = Instant::now();
+        }
+        let busy = core.last_busy.elapsed() < RECENTLY_BUSY;
+        let step = core.step_time.get();
+        if protocol.ingesting() {
+            let n = core.ingest_throttle.allowance(Instant::now(), busy, step);
+            if n > 0 {
+                let t = Instant::now();
+                let handled = protocol.ingest_some(&mut core, n, busy);
+                core.ingest_throttle.done(Instant::now(), handled, t.elapsed(), busy);
+            }
+        }
+        if busy {
+            core.encode_beside_serving(step);
+        }
         core.step();
     }
 }
@@ -266,6 +293,13 @@ struct Core<B: Backend> {
     /// and whether reads were cached since they were last looked at.
     waiting: Vec<Arrival<B>>,
     reads_cached: bool,
+    /// Serving steps' mean duration, and the shares of the engine thread
+    /// that storing ingests and encoding stored facts get beside serving.
+    step_time: StepTime,
+    ingest_throttle: Throttle,
+    encode_throttle: Throttle,
+    /// When a request last ran.
+    last_busy: Instant,
 }
 
 /// The native engine's side of the protocol: the shard is this thread's,
@@ -394,9 +428,6 @@ impl<B: Backend> Core<B> {
         let entered = retrieve.enter();
         let mut facts = Vec::new();
         if job.mode != Mode::None && self.session.memory().has_user(&job.user) {
-            if job.mode.injects() {
-                self.session.ensure_kv(&job.user)?;
-            }
             facts = self.session.retrieve_in(&job.user, &job.chat.question, job.k, &job.scope)?;
             retrieve.record("candidates", self.session.memory().facts(&job.user).map_or(0, <[_]>::len) as i64);
         }
@@ -414,11 +445,16 @@ impl<B: Backend> Core<B> {
         // KV is on disk only are read by the reader threads and, in kv
         // mode, prefilled this time (or waited for, `ColdKv::Wait`);
         // otherwise read now, while the request waits for admission.
-        let (mut pinned, mut cold, mut sources) = (None, Vec::new(), None);
+        let (mut pinned, mut cold, mut unencoded, mut sources) = (None, Vec::new(), Vec::new(), None);
         if job.mode.injects() && !facts.is_empty() {
             self.complete_reads();
             let read_now = job.mode != Mode::Kv || self.cfg.cold_kv == ColdKv::Read;
-            let got = self.session.fetch_with(&job.user, &facts, read_now)?;
+            // Facts whose KV is not encoded yet (an ingest stored while the
+            // engine served, a replica's copy): kv mode pastes them and the
+            // background encodes them; blend, which recomputes injected KV,
+            // encodes its few now.
+            let encode_now = job.mode != Mode::Kv;
+            let got = self.session.fetch_with(&job.user, &facts, read_now, encode_now)?;
             if got.report.loaded > 0 {
                 self.metrics.kv_loaded(got.report.load_seconds);
             }
@@ -427,13 +463,14 @@ impl<B: Backend> Core<B> {
                 device: got.report.device_hits,
                 host: got.report.host_hits,
                 disk: got.report.loaded,
-                prefilled: got.cold.len(),
+                prefilled: got.cold.len() + got.missing.len(),
             });
             if !got.cold.is_empty() {
                 let jobs = self.session.memory_mut().read_jobs(&job.user, &got.cold)?;
                 self.reader.read(jobs);
                 cold = got.cold;
             }
+            unencoded = got.missing;
             pinned = Some(got.pinned);
         }
         drop(entered);
@@ -453,6 +490,7 @@ impl<B: Backend> Core<B> {
             max_new,
             pinned,
             cold,
+            unencoded,
             sources,
             arrived: t0,
             until: t0 + wait,
@@ -475,7 +513,7 @@ impl<B: Backend> Core<B> {
             return;
         }
         for mut a in std::mem::take(&mut self.waiting) {
-            match self.session.fetch_with(&a.job.user, &a.cold, false) {
+            match self.session.fetch_with(&a.job.user, &a.cold, false, false) {
                 Ok(got) => {
                     let read = a.cold.len() - got.cold.len();
                     if let Some(s) = a.sources.as_mut() {
@@ -486,6 +524,7 @@ impl<B: Backend> Core<B> {
                         p.extend(got.pinned);
                     }
                     a.cold = got.cold;
+                    a.unencoded.extend(got.missing);
                 }
                 Err(e) => {
                     self.fail(&a.job.span, &a.events, e.into());
@@ -522,11 +561,13 @@ impl<B: Backend> Core<B> {
             memory_tokens,
             max_new,
             pinned,
-            cold: paste,
+            cold,
+            unencoded,
             sources,
             arrived,
             ..
         } = a;
+        let paste: Vec<usize> = cold.into_iter().chain(unencoded).collect();
         let retrieve_ms = ms(arrived.elapsed());
         let all = if facts.is_empty() { &[][..] } else { self.session.memory().facts(&job.user)? };
         // A request that waited for reads retrieved these indices then; a
@@ -668,11 +709,42 @@ impl<B: Backend> Core<B> {
         }
     }
 
+    /// While requests run: encodes stored facts' KV within the encoding
+    /// share of the thread's time, in slices of about one step — or not
+    /// at all while one fact takes longer than two steps (a CPU encoding a
+    /// windowed fact), which waits for idle time (`throttle.rs`).
+    fn encode_beside_serving(&mut self, step: Duration) {
+        let n = self.encode_throttle.allowance(Instant::now(), true, step);
+        if n == 0 {
+            return;
+        }
+        let t = Instant::now();
+        let done = match self.session.encode_pending(n) {
+            Ok(done) => done,
+            Err(e) => {
+                eprintln!("inferscale worker: encoding stored facts beside serving: {e}");
+                0
+            }
+        };
+        if done > 0 {
+            self.encode_throttle.done(Instant::now(), done, t.elapsed(), true);
+        }
+    }
+
     /// When idle: encodes a few facts still without KV (a replica's copy,
-    /// an import without KV). Returns whether it did any.
+    /// an import without KV, an ingest stored while requests ran), in a
+    /// slice a request that arrives need not wait long for. Returns
+    /// whether it did any.
     fn encode_pending(&mut self) -> bool {
-        match self.session.encode_pending(self.cfg.ingest_batch) {
-            Ok(n) => n > 0,
+        let n = self.encode_throttle.allowance(Instant::now(), false, self.step_time.get());
+        let t = Instant::now();
+        match self.session.encode_pending(n) {
+            Ok(done) => {
+                if done > 0 {
+                    self.encode_throttle.done(Instant::now(), done, t.elapsed(), false);
+                }
+                done > 0
+            }
             Err(e) => {
                 eprintln!("inferscale worker: encoding stored facts in the background: {e}");
                 false
@@ -785,6 +857,7 @@ impl<B: Backend> Core<B> {
         };
         if !seqs.is_empty() {
             self.metrics.stepped(seqs.len(), forward.elapsed().as_secs_f64());
+            self.step_time.observe(forward.elapsed());
         }
         drop(seqs);
         let t2 = self.profile.add(|p| &mut p.forward, t1);

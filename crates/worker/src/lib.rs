@@ -23,6 +23,7 @@ mod protocol;
 mod scheduler;
 mod service;
 pub mod text;
+mod throttle;
 pub mod transfer;
 
 pub use config::{COLD_KV_WAIT, ColdKv, PrefixCache, WorkerConfig};

@@ -550,7 +550,11 @@ impl Protocol {
     /// A request whose caller has left — the router's deadline passed, or
     /// its client hung up — is cancelled the same way: no one is told
     /// "failed" about work that then goes on and succeeds.
-    pub(crate) fn ingest_some(&mut self, host: &mut impl MemoryHost) -> bool {
+    ///
+    /// A call stores at most `max_units` units (the configured batch at
+    /// most); with `defer_kv` their KV is left to encode later (the engine
+    /// is serving: see `throttle.rs`). Returns how many units it handled.
+    pub(crate) fn ingest_some(&mut self, host: &mut impl MemoryHost, max_units: usize, defer_kv: bool) -> usize {
         while self.ingests.front().is_some_and(|j| j.reply.is_closed()) {
             if let Some(job) = self.ingests.pop_front()
                 && job.next > 0
@@ -561,14 +565,15 @@ impl Protocol {
         }
         let Some(job) = self.ingests.front_mut() else {
             self.settle_freezes(host);
-            return false;
+            return 0;
         };
-        let end = (job.next + self.cfg.ingest_batch.max(1)).min(job.units.len());
+        let end = (job.next + self.cfg.ingest_batch.min(max_units).max(1)).min(job.units.len());
+        let handled = end - job.next;
         let begun = match job.next {
             0 => host.begin_ingest(&job.user, &job.units),
             _ => Ok(()),
         };
-        let stored = begun.and_then(|()| host.ingest(&job.user, &job.units[job.next..end], job.defer_kv));
+        let stored = begun.and_then(|()| host.ingest(&job.user, &job.units[job.next..end], job.defer_kv || defer_kv));
         let done = match stored {
             Ok(r) => {
                 job.report.added += r.added;
@@ -576,7 +581,7 @@ impl Protocol {
                 job.report.encoded_tokens += r.encoded_tokens;
                 job.next = end;
                 if job.next < job.units.len() {
-                    return true;
+                    return handled;
                 }
                 host.end_ingest(&job.user, true).map(|()| job.report)
             }
@@ -600,7 +605,7 @@ impl Protocol {
             let _ = job.reply.send(reply);
         }
         self.settle_freezes(host);
-        self.ingesting()
+        handled
     }
 
     fn stats(&self, host: &impl MemoryHost, memory_bytes: bool) -> Stats {
@@ -912,18 +917,20 @@ mod tests {
         let (mut p, _) = protocol();
         let mut host = MapHost::default();
         let mut rx = ingest(&mut p, &mut host, "ana", units(&["a", "b", "c", "d", "e"]));
-        assert!(p.ingest_some(&mut host), "two of five stored, more to go");
+        assert_eq!(p.ingest_some(&mut host, usize::MAX, false), 2, "two of five stored");
+        assert!(p.ingesting(), "more to go");
         assert_eq!(host.fact_ids("ana"), ["a", "b"]);
         assert!(rx.try_recv().is_err(), "answered before it was stored");
-        assert!(p.ingest_some(&mut host));
-        assert!(!p.ingest_some(&mut host), "the last batch of one ends it");
+        assert_eq!(p.ingest_some(&mut host, 1, false), 1, "a call stores at most what it is allowed");
+        assert_eq!(p.ingest_some(&mut host, usize::MAX, false), 2);
+        assert!(!p.ingesting(), "the last batch ends it");
         assert_eq!(rx.try_recv().expect("answered").expect("stored").added, 5);
         assert_eq!(host.ends, [true], "committed once, after its last batch");
 
         let mut bad = units(&["f", "g", "h"]);
         bad[2].text = "boom".into();
         let mut rx = ingest(&mut p, &mut host, "ana", bad);
-        while p.ingest_some(&mut host) {}
+        while p.ingest_some(&mut host, usize::MAX, false) > 0 {}
         let e = rx.try_recv().expect("answered").expect_err("failed");
         assert!(e.to_string().contains("injected failure"), "{e}");
         // The batch before the failing one was stored, then removed.
@@ -943,16 +950,16 @@ mod tests {
         let (mut p, _) = protocol();
         let mut host = MapHost::default();
         let rx = ingest(&mut p, &mut host, "ana", units(&["a", "b", "c", "d", "e"]));
-        assert!(p.ingest_some(&mut host));
+        assert_eq!(p.ingest_some(&mut host, usize::MAX, false), 2);
         assert_eq!(host.fact_ids("ana"), ["a", "b"]);
         drop(rx);
-        assert!(!p.ingest_some(&mut host), "nothing left to do");
+        assert_eq!(p.ingest_some(&mut host, usize::MAX, false), 0, "nothing left to do");
         assert_eq!(host.ends, [false]);
         assert!(host.fact_ids("ana").is_empty(), "what it stored is gone");
         // One that had not started yet is dropped without touching the memory.
         let rx = ingest(&mut p, &mut host, "bo", units(&["x"]));
         drop(rx);
-        assert!(!p.ingest_some(&mut host));
+        assert_eq!(p.ingest_some(&mut host, usize::MAX, false), 0);
         assert_eq!(host.ends, [false]);
         assert!(host.fact_ids("bo").is_empty());
     }
@@ -980,7 +987,7 @@ mod tests {
         let (reply, mut frozen) = oneshot::channel();
         p.handle(&mut host, Command::Shard(ShardCommand::Freeze { user: "ana".into(), reply }));
         assert!(frozen.try_recv().is_err(), "answered while an ingest of the user was queued");
-        while p.ingest_some(&mut host) {}
+        while p.ingest_some(&mut host, usize::MAX, false) > 0 {}
         assert!(stored.try_recv().is_ok_and(|r| r.is_ok()));
         assert_eq!(frozen.try_recv().expect("answered"), ["a", "b", "c"]);
 
@@ -1003,7 +1010,7 @@ mod tests {
         let (mut p, _) = protocol();
         let mut host = MapHost::default();
         let first = ingest(&mut p, &mut host, "ana", units(&["a", "b", "c"]));
-        assert!(p.ingest_some(&mut host));
+        assert_eq!(p.ingest_some(&mut host, usize::MAX, false), 2);
         let (reply, forgot) = oneshot::channel();
         p.handle(&mut host, Command::Forget { user: "ana".into(), unit: None, reply });
         assert!(forgot.blocking_recv().is_ok_and(|r| r.is_ok()));

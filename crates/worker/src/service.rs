@@ -98,7 +98,7 @@ where
         let mut protocol = Protocol::new(cfg, metrics);
         while let Ok(c) = rx.recv() {
             protocol.handle(&mut host, c);
-            while protocol.ingest_some(&mut host) {}
+            while protocol.ingest_some(&mut host, usize::MAX, false) > 0 {}
         }
     })
 }

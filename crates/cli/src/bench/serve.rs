@@ -15,6 +15,11 @@
 //! tokenizer a fact is exactly `--fact-tokens` tokens); client i asks as
 //! memory user i mod `--memory-users`. The router is not in the loop: this
 //! measures the worker (retrieval, scheduler, engine).
+//!
+//! With `--ingest-turns N`, each point is measured twice: idle, then while
+//! an ingest of N new turns for another user runs on the same worker — what
+//! a large ingest does to chats' time to first token and time between
+//! tokens (ITL), side by side.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -68,6 +73,10 @@ pub struct ServeBenchArgs {
     /// Seconds of unmeasured load before each point.
     #[arg(long, default_value_t = 3.0)]
     warmup_s: f64,
+    /// Also measure each point while an ingest of this many new turns (for
+    /// another user) runs on the worker (0: idle only).
+    #[arg(long, default_value_t = 0)]
+    ingest_turns: usize,
     /// Write results as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -87,6 +96,13 @@ struct Point {
     ttft_ms_p99: f64,
     latency_ms_p50: f64,
     latency_ms_p99: f64,
+    /// Time between two tokens of a request, over every measured request.
+    itl_ms_p50: f64,
+    itl_ms_p99: f64,
+    /// Whether an ingest ran during the point, and the turns it stored per
+    /// second meanwhile.
+    during_ingest: bool,
+    ingest_turns_per_s: f64,
     /// Worker-side means over the measured requests.
     worker_retrieve_ms_mean: f64,
     worker_queue_ms_mean: f64,
@@ -131,6 +147,7 @@ fn fact_texts(a: &ServeBenchArgs, byte_level: bool) -> Vec<String> {
 struct Sample {
     ttft: Vec<f64>,
     latency: Vec<f64>,
+    itl: Vec<f64>,
     retrieve: Vec<f64>,
     queue: Vec<f64>,
     inject: Vec<f64>,
@@ -140,22 +157,38 @@ struct Sample {
     errors: usize,
 }
 
+/// What one request measured: TTFT and latency (ms), its tokens, the gaps
+/// between them (ms), and the worker's report.
+struct Measured {
+    ttft: f64,
+    latency: f64,
+    tokens: u32,
+    gaps: Vec<f64>,
+    finished: pb::Finished,
+}
+
 async fn one_request(
     client: &mut WorkerClient<tonic::transport::Channel>,
     req: pb::GenerateRequest,
-) -> std::result::Result<(f64, f64, u32, pb::Finished), tonic::Status> {
+) -> std::result::Result<Measured, tonic::Status> {
     let t0 = Instant::now();
     let mut stream = client.generate(req).await?.into_inner();
     let mut ttft = None;
-    let mut tokens = 0;
+    let (mut tokens, mut gaps, mut last) = (0, Vec::new(), None::<Instant>);
     while let Some(ev) = stream.message().await? {
         match ev.event {
             Some(pb::generate_event::Event::Token(_)) => {
-                ttft.get_or_insert_with(|| t0.elapsed().as_secs_f64() * 1e3);
+                let now = Instant::now();
+                ttft.get_or_insert_with(|| (now - t0).as_secs_f64() * 1e3);
+                if let Some(l) = last {
+                    gaps.push((now - l).as_secs_f64() * 1e3);
+                }
+                last = Some(now);
                 tokens += 1;
             }
-            Some(pb::generate_event::Event::Finished(f)) => {
-                return Ok((ttft.unwrap_or(0.0), t0.elapsed().as_secs_f64() * 1e3, tokens, f));
+            Some(pb::generate_event::Event::Finished(finished)) => {
+                let latency = t0.elapsed().as_secs_f64() * 1e3;
+                return Ok(Measured { ttft: ttft.unwrap_or(0.0), latency, tokens, gaps, finished });
             }
             None => {}
         }
@@ -163,11 +196,40 @@ async fn one_request(
     Err(tonic::Status::internal("stream ended without finishing"))
 }
 
-async fn measure(a: &ServeBenchArgs, addr: &str, mode: Mode, users: usize) -> Result<Point> {
+/// Ingests `turns` new synthetic turns for `user` in requests of 32, until
+/// done or `until`; returns the turns stored and the seconds it took.
+async fn ingest_during(addr: String, user: String, turns: usize, until: Instant) -> Result<(usize, f64)> {
+    let mut client = WorkerClient::connect(format!("http://{addr}")).await?;
+    let texts = synthetic_facts(turns);
+    let t0 = Instant::now();
+    let mut stored = 0;
+    for (b, chunk) in texts.chunks(32).enumerate() {
+        if Instant::now() >= until {
+            break;
+        }
+        let units = chunk
+            .iter()
+            .enumerate()
+            .map(|(i, t)| pb::MemoryUnit {
+                id: format!("T{}", b * 32 + i),
+                speaker: "Ingest".into(),
+                text: t.clone(),
+                ..Default::default()
+            })
+            .collect();
+        let req = pb::IngestRequest { user: user.clone(), window: None, units, defer_kv: false };
+        client.ingest(req).await.with_context(|| format!("ingesting for {user}"))?;
+        stored += chunk.len();
+    }
+    Ok((stored, t0.elapsed().as_secs_f64()))
+}
+
+async fn measure(a: &ServeBenchArgs, addr: &str, mode: Mode, users: usize, ingest: Option<String>) -> Result<Point> {
     let pmode = pb::MemoryMode::from(mode);
     let start = Instant::now();
     let from = start + Duration::from_secs_f64(a.warmup_s);
     let until = from + Duration::from_secs_f64(a.duration_s);
+    let ingesting = ingest.map(|user| tokio::spawn(ingest_during(addr.to_string(), user, a.ingest_turns, until)));
     let sample = Arc::new(Mutex::new(Sample::default()));
     let mut tasks = Vec::new();
     for i in 0..users {
@@ -194,16 +256,17 @@ async fn measure(a: &ServeBenchArgs, addr: &str, mode: Mode, users: usize) -> Re
                 }
                 let mut s = sample.lock().await;
                 match r {
-                    Ok((ttft, latency, tokens, f)) => {
-                        s.ttft.push(ttft);
-                        s.latency.push(latency);
-                        s.tokens += tokens as usize;
-                        let t = f.timings.unwrap_or_default();
+                    Ok(m) => {
+                        s.ttft.push(m.ttft);
+                        s.latency.push(m.latency);
+                        s.itl.extend(m.gaps);
+                        s.tokens += m.tokens as usize;
+                        let t = m.finished.timings.unwrap_or_default();
                         s.retrieve.push(t.retrieve_ms);
                         s.queue.push(t.queue_ms);
                         s.inject.push(t.inject_ms);
                         s.prefill.push(t.prefill_ms);
-                        s.prompt_tokens.push(f.usage.unwrap_or_default().prompt_tokens.into());
+                        s.prompt_tokens.push(m.finished.usage.unwrap_or_default().prompt_tokens.into());
                     }
                     Err(e) => {
                         if s.errors == 0 {
@@ -218,9 +281,17 @@ async fn measure(a: &ServeBenchArgs, addr: &str, mode: Mode, users: usize) -> Re
     for t in tasks {
         t.await?;
     }
+    let (during_ingest, ingest_turns_per_s) = match ingesting {
+        None => (false, 0.0),
+        Some(t) => {
+            let (stored, secs) = t.await??;
+            (true, stored as f64 / secs.max(1e-9))
+        }
+    };
     let mut s = std::mem::take(&mut *sample.lock().await);
     s.ttft.sort_by(f64::total_cmp);
     s.latency.sort_by(f64::total_cmp);
+    s.itl.sort_by(f64::total_cmp);
     let n = s.ttft.len();
     let mean = |v: &[f64]| if v.is_empty() { 0.0 } else { v.iter().sum::<f64>() / v.len() as f64 };
     Ok(Point {
@@ -234,6 +305,10 @@ async fn measure(a: &ServeBenchArgs, addr: &str, mode: Mode, users: usize) -> Re
         ttft_ms_p99: quantile(&s.ttft, 0.99),
         latency_ms_p50: quantile(&s.latency, 0.5),
         latency_ms_p99: quantile(&s.latency, 0.99),
+        itl_ms_p50: quantile(&s.itl, 0.5),
+        itl_ms_p99: quantile(&s.itl, 0.99),
+        during_ingest,
+        ingest_turns_per_s,
         worker_retrieve_ms_mean: mean(&s.retrieve),
         worker_queue_ms_mean: mean(&s.queue),
         worker_inject_ms_mean: mean(&s.inject),
@@ -295,17 +370,22 @@ pub fn run(mut a: ServeBenchArgs) -> Result<()> {
             t0.elapsed().as_secs_f64()
         );
         let mut results = Vec::new();
-        let points = (a.modes.len() * a.users.len()) as u64;
+        let passes: Vec<bool> = if a.ingest_turns > 0 { vec![false, true] } else { vec![false] };
+        let points = (a.modes.len() * a.users.len() * passes.len()) as u64;
         let mut progress = Progress::new("inferscale bench serve", points, "points");
         for &mode in &a.modes {
             for &users in &a.users {
-                progress.set(results.len() as u64, &format!("{mode}, {users} users"));
-                let p = measure(&a, &addr, mode, users).await?;
-                eprintln!(
-                    "inferscale bench serve: {mode:>6} users {users:>4}: {:.2} req/s, TTFT p50 {:.1} ms p99 {:.1} ms",
-                    p.requests_per_s, p.ttft_ms_p50, p.ttft_ms_p99
-                );
-                results.push(p);
+                for &during in &passes {
+                    let what = if during { ", during an ingest" } else { "" };
+                    progress.set(results.len() as u64, &format!("{mode}, {users} users{what}"));
+                    let ingest_user = during.then(|| format!("bench-ingest-{}", results.len()));
+                    let p = measure(&a, &addr, mode, users, ingest_user).await?;
+                    eprintln!(
+                        "inferscale bench serve: {mode:>6} users {users:>4}{what}: {:.2} req/s, TTFT p50 {:.1} ms p99 {:.1} ms, ITL p50 {:.1} ms p99 {:.1} ms",
+                        p.requests_per_s, p.ttft_ms_p50, p.ttft_ms_p99, p.itl_ms_p50, p.itl_ms_p99
+                    );
+                    results.push(p);
+                }
             }
         }
         progress.set(points, "");
@@ -318,19 +398,33 @@ pub fn run(mut a: ServeBenchArgs) -> Result<()> {
     let _ = engine.join();
     let model = a.worker.mem.model.shape.clone().unwrap_or_else(|| a.worker.mem.model.model().to_string());
     println!(
-        "{:>6} {:>6} {:>9} {:>10} {:>10} {:>10} {:>11} {:>11} {:>8} {:>7}",
-        "mode", "users", "req/s", "tok/s", "TTFT p50", "TTFT p99", "latency p50", "latency p99", "prompt", "errors"
+        "{:>6} {:>6} {:>8} {:>9} {:>10} {:>10} {:>10} {:>9} {:>9} {:>11} {:>8} {:>7}",
+        "mode",
+        "users",
+        "ingest",
+        "req/s",
+        "tok/s",
+        "TTFT p50",
+        "TTFT p99",
+        "ITL p50",
+        "ITL p99",
+        "latency p99",
+        "prompt",
+        "errors"
     );
     for p in &report {
+        let ingest = if p.during_ingest { format!("{:.1}/s", p.ingest_turns_per_s) } else { "-".into() };
         println!(
-            "{:>6} {:>6} {:>9.2} {:>10.1} {:>10.1} {:>10.1} {:>11.1} {:>11.1} {:>8.0} {:>7}",
+            "{:>6} {:>6} {:>8} {:>9.2} {:>10.1} {:>10.1} {:>10.1} {:>9.1} {:>9.1} {:>11.1} {:>8.0} {:>7}",
             p.mode.as_str(),
             p.users,
+            ingest,
             p.requests_per_s,
             p.output_tokens_per_s,
             p.ttft_ms_p50,
             p.ttft_ms_p99,
-            p.latency_ms_p50,
+            p.itl_ms_p50,
+            p.itl_ms_p99,
             p.latency_ms_p99,
             p.prompt_tokens_mean,
             p.errors

@@ -105,6 +105,8 @@ async fn status(a: StatusArgs) -> Result<()> {
             "users_held": users.as_ref().map(Vec::len), "users_home": homes,
             "running": stats.map(|s| s.running), "waiting": stats.map(|s| s.waiting),
             "kv_blocks_free": stats.map(|s| s.kv_blocks_free), "kv_blocks_total": stats.map(|s| s.kv_blocks_total),
+            "damaged_users": stats.map(|s| s.damaged_users), "unsettled_users": stats.map(|s| s.unsettled_users),
+            "disk_full": stats.map(|s| s.disk_full),
         }));
     }
     let records: Vec<_> = view
@@ -121,13 +123,18 @@ async fn status(a: StatusArgs) -> Result<()> {
     }
     println!("{} · revision {} · leader {}", store.describe(), view.revision, leader.as_deref().unwrap_or("(none)"));
     println!(
-        "{:<24} {:<22} {:<9} {:>6} {:>6} {:>8} {:>8} {:>13}",
-        "worker", "address", "state", "users", "homes", "running", "waiting", "kv free/total"
+        "{:<24} {:<22} {:<9} {:>6} {:>6} {:>8} {:>8} {:>13} {:>8} {:>5}",
+        "worker", "address", "state", "users", "homes", "running", "waiting", "kv free/total", "damaged", "disk"
     );
     let show = |v: &serde_json::Value| v.as_u64().map_or("-".to_string(), |n| n.to_string());
     for w in &workers {
+        let disk = match w["disk_full"].as_bool() {
+            Some(true) => "FULL",
+            Some(false) => "ok",
+            None => "-",
+        };
         println!(
-            "{:<24} {:<22} {:<9} {:>6} {:>6} {:>8} {:>8} {:>13}",
+            "{:<24} {:<22} {:<9} {:>6} {:>6} {:>8} {:>8} {:>13} {:>8} {:>5}",
             w["name"].as_str().unwrap_or(""),
             w["addr"].as_str().unwrap_or(""),
             w["state"].as_str().unwrap_or(""),
@@ -136,6 +143,8 @@ async fn status(a: StatusArgs) -> Result<()> {
             show(&w["running"]),
             show(&w["waiting"]),
             format!("{}/{}", show(&w["kv_blocks_free"]), show(&w["kv_blocks_total"])),
+            show(&w["damaged_users"]),
+            disk,
         );
     }
     if records.is_empty() {

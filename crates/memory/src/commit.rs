@@ -72,14 +72,20 @@ impl<B: Backend> Memory<B> {
             // Never over another ingest's record: that one is settled first.
             return Err(MemoryError::Unsettled(user.to_string()));
         }
-        if !dir.exists() {
+        let made = !dir.exists();
+        if made {
             std::fs::create_dir_all(&dir).map_err(io(&dir))?;
             sync_dir(&self.dir.join("users"))?;
         }
         let (facts_len, kv_len) = self.users.get(user).map_or((0, 0), |s| (s.log.len_bytes(), s.kv_log.len_bytes()));
         let pending =
             Pending { ids: ids.into_iter().map(str::to_string).collect(), facts_len, kv_len, rewritten: false };
-        write_pending(&dir, &pending)
+        let written = write_pending(&dir, &pending);
+        if written.is_err() && made {
+            // Nothing was stored: no trace of the user either.
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        written
     }
 
     /// Commits the ingest [`Memory::begin_ingest`] started for `user`:
@@ -95,7 +101,17 @@ impl<B: Backend> Memory<B> {
     /// same, and the rollback is retried by [`Memory::settle`].
     pub fn abort_ingest(&mut self, user: &str) -> Result<usize> {
         let dir = self.user_dir(user);
-        let Some(pending) = read_pending(&dir)? else { return Ok(0) };
+        let pending = match read_pending(&dir) {
+            Ok(Some(p)) => p,
+            Ok(None) => return Ok(0),
+            // What to roll back cannot be read (damaged, an I/O error): the
+            // user is refused until repaired, never served with part of an
+            // ingest.
+            Err(e) => {
+                self.mark_damaged(user, &e);
+                return Err(e);
+            }
+        };
         match self.roll_back(user, &pending).and_then(|n| remove_pending(&dir).map(|()| n)) {
             Ok(n) => {
                 self.unsettled.remove(user);
@@ -160,6 +176,10 @@ impl<B: Backend> Memory<B> {
                     "{}: rolled back an unfinished ingest of user {user:?} ({removed} units it had stored)",
                     dir.display()
                 )),
+                Err(e) if self.damaged.contains_key(&user) => {
+                    warnings.push(format!("user {user:?} is unavailable until repaired: {e}"));
+                    continue;
+                }
                 Err(e) => {
                     warnings.push(format!(
                         "{}: rolling back an unfinished ingest of user {user:?} failed ({e}); its units are hidden \
@@ -194,6 +214,14 @@ impl<B: Backend> Memory<B> {
             self.pending.insert(user.to_string());
         }
         Ok(removed)
+    }
+
+    /// Refuses `user` from now on (until repaired), for what `e` found.
+    pub(crate) fn mark_damaged(&mut self, user: &str, e: &MemoryError) {
+        tracing::error!(user, error = %e, "a user's stored memory is damaged: refused until repaired");
+        self.take_user(user);
+        self.unsettled.remove(user);
+        self.damaged.insert(user.to_string(), e.to_string());
     }
 
     /// Takes `ids` of `user` out of what is served, leaving the disk as it

@@ -244,7 +244,11 @@ impl RecordLog {
         if buf.is_empty() {
             return Ok(Vec::new());
         }
-        if let Err(e) = (&self.file).write_all(&buf).and_then(|()| self.file.sync_data()) {
+        let written = match crate::faults::charge(buf.len()) {
+            Ok(()) => (&self.file).write_all(&buf).and_then(|()| self.file.sync_data()),
+            Err(part) => (&self.file).write_all(&buf[..part]).and_then(|()| Err(crate::faults::full())),
+        };
+        if let Err(e) = written {
             // Without this, later appends would land behind a torn frame, where
             // replay never reaches them: acknowledged records would be lost.
             self.broken = self.file.set_len(self.len).and_then(|()| self.file.sync_all()).is_err();
@@ -394,7 +398,11 @@ pub fn read_all(path: &Path) -> Result<Vec<Vec<u8>>> {
 /// frame is damage ([`MemoryError::Damaged`]).
 pub fn read_checked(path: &Path) -> Result<Vec<Vec<u8>>> {
     let bytes = fs::read(path).map_err(error::io(path))?;
-    check_header(path, &bytes)?;
+    check_header(path, &bytes).map_err(|e| MemoryError::Damaged {
+        path: path.to_path_buf(),
+        offset: 0,
+        reason: e.to_string(),
+    })?;
     match replay(&bytes) {
         (records, _, None) => Ok(records),
         (_, at, Some(why)) => Err(MemoryError::Damaged { path: path.to_path_buf(), offset: at as u64, reason: why }),
@@ -429,12 +437,16 @@ pub(crate) fn replace(path: &Path, bytes: &[u8]) -> Result<File> {
         Err(e) if e.kind() != ErrorKind::NotFound => return Err(error::io(&tmp)(e)),
         _ => {}
     }
+    let write = |file: File| match crate::faults::charge(bytes.len()) {
+        Ok(()) => (&file).write_all(bytes).and_then(|()| file.sync_all()).map(|()| file),
+        Err(part) => (&file).write_all(&bytes[..part]).and_then(|()| Err(crate::faults::full())),
+    };
     let replaced = OpenOptions::new()
         .read(true)
         .append(true)
         .create_new(true)
         .open(&tmp)
-        .and_then(|file| (&file).write_all(bytes).and_then(|()| file.sync_all()).map(|()| file))
+        .and_then(write)
         .map_err(error::io(&tmp))
         .and_then(|file| fs::rename(&tmp, path).map(|()| file).map_err(error::io(path)));
     if replaced.is_err() {

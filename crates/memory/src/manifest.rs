@@ -43,8 +43,8 @@ impl Manifest {
     /// guessed around).
     pub fn read(dir: &Path) -> Result<Option<Manifest>> {
         let path = dir.join(MANIFEST);
-        let text = match std::fs::read_to_string(&path) {
-            Ok(t) => t,
+        let bytes = match std::fs::read(&path) {
+            Ok(b) => b,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(io(&path)(e)),
         };
@@ -56,7 +56,7 @@ impl Manifest {
                  and give --window and --model"
             ),
         };
-        let stored: Stored = serde_json::from_str(&text).map_err(|e| damaged(e.to_string()))?;
+        let stored: Stored = serde_json::from_slice(&bytes).map_err(|e| damaged(e.to_string()))?;
         match stored.crc32 {
             Some(crc) if crc != stored.manifest.checksum() => Err(damaged("its checksum does not match".into())),
             _ => Ok(Some(stored.manifest)),

@@ -94,6 +94,13 @@ fn repair_user(dir: &Path, user: String) -> Result<UserRepair> {
     let kv = mend(&kv_path, |_| true, false)?;
     let pending_path = dir.join(crate::commit::PENDING);
     let pending = mend(&pending_path, |r| serde_json::from_slice::<serde_json::Value>(r).is_ok(), false)?;
+    // An unfinished ingest's record that could not be recovered says
+    // nothing a rollback could use: it goes, and its units (if any were
+    // stored) stay — reported, never guessed at.
+    if pending.as_ref().is_some_and(|(_, kept)| kept.is_empty()) {
+        std::fs::remove_file(&pending_path).map_err(io(&pending_path))?;
+        sync_dir(dir)?;
+    }
     let mut lost_units = Vec::new();
     if let Some((f, kept)) = &facts {
         // Units the segment names that no kept fact record has.
@@ -132,17 +139,20 @@ fn mend(path: &Path, plausible: impl Fn(&[u8]) -> bool, backup: bool) -> Result<
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(io(path)(e)),
     };
-    if bytes.len() < HEADER.len() || bytes[..HEADER.len()] != HEADER[..] {
-        return Err(MemoryError::Damaged {
-            path: path.to_path_buf(),
-            offset: 0,
-            reason: "not a record log (its header is damaged): set it aside by hand".into(),
-        });
-    }
-    if !damaged(&bytes) {
+    // The file's name says it is one of our logs: a damaged header is
+    // mended (the version byte included: there has been one version).
+    let header_damaged = bytes.len() < HEADER.len() || bytes[..HEADER.len()] != HEADER[..];
+    if !header_damaged && !damaged(&bytes) {
         return Ok(None);
     }
-    let Salvaged { records, corrected, lost, torn } = salvage(&bytes, plausible);
+    let bytes = match header_damaged {
+        true => [&HEADER[..], bytes.get(HEADER.len()..).unwrap_or_default()].concat(),
+        false => bytes,
+    };
+    let Salvaged { records, mut corrected, lost, torn } = salvage(&bytes, plausible);
+    if header_damaged {
+        corrected.insert(0, 0);
+    }
     let backup = match backup {
         false => None,
         true => {

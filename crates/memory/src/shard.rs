@@ -186,6 +186,8 @@ pub struct Memory<B: Backend> {
     /// Users whose unfinished ingest could not be rolled back yet
     /// (`commit.rs`): their writes wait, [`Memory::settle`] retries.
     pub(crate) unsettled: std::collections::BTreeSet<String>,
+    /// Where the idle-time pass over KV records is (`scrub.rs`).
+    pub(crate) scrub: crate::scrub::ScrubCursor,
     /// Users that may have facts without KV (stored deferred, imported
     /// without it, or dropped as corrupt): [`Memory::encode_pending`]'s work.
     pub(crate) pending: std::collections::BTreeSet<String>,
@@ -314,6 +316,13 @@ impl<B: Backend> Memory<B> {
                 warnings.push(format!("{}: not a user directory, ignored", entry.path().display()));
                 continue;
             };
+            // A directory without a fact log holds no user (an ingest that
+            // stored nothing): opening it would create files, which a full
+            // disk refuses.
+            if !entry.path().join("facts.log").exists() && !entry.path().join(crate::commit::PENDING).exists() {
+                let _ = std::fs::remove_dir_all(entry.path());
+                continue;
+            }
             match UserShard::open(&entry.path(), &kv_header, &mut warnings) {
                 Ok(shard) => {
                     users.insert(user, shard);
@@ -334,6 +343,7 @@ impl<B: Backend> Memory<B> {
             users,
             damaged,
             unsettled: Default::default(),
+            scrub: Default::default(),
             encode_batch: ENCODE_BATCH,
             cache: KvCache::new(be, options.budgets, c.num_layers, c.kv_dim()),
             reading: Default::default(),
@@ -766,13 +776,16 @@ impl<B: Backend> Memory<B> {
         shard.facts_changed();
         let mut report = UpdateReport { changed: true, encoded_tokens: 0 };
         if retext {
-            match encode {
-                true => {
-                    let (window, batch, context) = (self.spec.window, self.encode_batch, self.context);
-                    report.encoded_tokens =
-                        shard.encode_missing(window, batch, usize::MAX, context, enc, &mut self.cache)?;
+            // The update is durable: KV that cannot be made now (a full
+            // disk, say) is made later, and the update stands.
+            let (window, batch, context) = (self.spec.window, self.encode_batch, self.context);
+            match encode.then(|| shard.encode_missing(window, batch, usize::MAX, context, enc, &mut self.cache)) {
+                Some(Ok(tokens)) => report.encoded_tokens = tokens,
+                Some(Err(e)) => {
+                    tracing::warn!(user, error = %e, "encoding an updated unit's KV failed; it is encoded later");
+                    self.pending.insert(user.to_string());
                 }
-                false => {
+                None => {
                     self.pending.insert(user.to_string());
                 }
             }

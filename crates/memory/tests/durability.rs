@@ -150,3 +150,39 @@ fn frame_starts(bytes: &[u8]) -> Vec<usize> {
     }
     out
 }
+
+/// Idle-time scrubbing finds a damaged KV record before a read does: the
+/// record is dropped and its fact re-encoded to the same KV (f32 on the
+/// CPU), and a pass over everything twice finds nothing more.
+#[test]
+fn the_scrub_finds_a_damaged_kv_record_before_a_read() {
+    let m = models();
+    let mut e = engine(&m);
+    let dir = tempfile::tempdir().unwrap();
+    let (mut mem, _) = open(dir.path(), &e);
+    let mut enc = Encoders { engine: &mut e, embedder: &m.embedder, composer: &m.composer };
+    mem.ingest("dan", &units("dan", 5), &mut enc).unwrap();
+    store(&mut mem, &mut e, &m, "eve", 2); // no KV: nothing to check
+    let before: Vec<_> = (0..5).map(|i| mem.kv("dan", i).unwrap().unwrap().to_host(&CpuBackend).unwrap()).collect();
+    drop(mem);
+    let kv = user_dir(dir.path(), "dan").join("kv.log");
+    let mut bytes = std::fs::read(&kv).unwrap();
+    let frames = frame_starts(&bytes);
+    bytes[frames[3] + 200] ^= 0x08; // the third fact's record (the first is the header)
+    std::fs::write(&kv, &bytes).unwrap();
+    let (mut mem, warnings) = open(dir.path(), &e);
+    assert!(warnings.is_empty(), "a record's checksum is not read at open: {warnings:?}");
+    assert!((0..5).all(|i| mem.has_kv("dan", i).unwrap()));
+    assert_eq!(mem.scrub_step(u64::MAX), 1);
+    assert!(!mem.has_kv("dan", 2).unwrap(), "the damaged record is dropped");
+    assert_eq!(mem.scrub_step(u64::MAX), 0, "nothing more on the next pass");
+    assert_eq!(mem.cache_stats().corrupt, 1);
+    let mut enc = Encoders { engine: &mut e, embedder: &m.embedder, composer: &m.composer };
+    assert!(mem.encode_pending(10, &mut enc).unwrap() > 0, "re-encoded in idle time");
+    let got = mem.fetch(&CpuBackend, "dan", &[0, 1, 2, 3, 4]).unwrap();
+    assert!(got.missing.is_empty());
+    drop(got);
+    for (i, want) in before.iter().enumerate() {
+        assert_eq!(&mem.kv("dan", i).unwrap().unwrap().to_host(&CpuBackend).unwrap(), want, "fact {i}");
+    }
+}

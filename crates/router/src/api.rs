@@ -329,13 +329,15 @@ async fn start(
 ) -> Result<(InFlight, tonic::Streaming<pb::GenerateEvent>, Option<pb::GenerateEvent>)> {
     let memory = chat.req.mode != pb::MemoryMode::None as i32;
     let until = Instant::now() + RETRY_FOR;
-    let mut tried = Vec::new();
+    let (mut tried, mut damaged, mut refused) = (Vec::new(), Vec::new(), None);
     let mut changes = s.workers.subscribe();
     loop {
         changes.mark_unchanged();
         let picked = match memory {
             false => s.workers.any(&chat.user, &tried),
-            true => s.workers.reader(&chat.req.user),
+            // Workers where the user's memory is damaged are skipped: a
+            // replica may hold it whole.
+            true => s.workers.reader_skipping(&chat.req.user, &damaged),
         };
         let w = match picked {
             Ok(w) => w,
@@ -346,7 +348,8 @@ async fn start(
                 tokio::time::sleep(RETRY_PAUSE).await;
                 continue;
             }
-            Err(e) => return Err(e),
+            // No other worker holds it whole: the damaged one's answer says why.
+            Err(e) => return Err(refused.take().unwrap_or(e)),
         };
         let span = info_span!("route", worker = %w.worker().name, attempt = tried.len() as i64 + 1, memory);
         let name = w.worker().name.clone();
@@ -365,7 +368,13 @@ async fn start(
                 if unreachable(&status) {
                     w.worker().mark_down();
                 }
+                let is_damaged = pb::ErrorKind::of(&status) == Some(pb::ErrorKind::Damaged);
                 let e = ApiError::from(status);
+                if is_damaged {
+                    damaged.push(w.worker().name.clone());
+                    refused = Some(ApiError::Unavailable(e.to_string()));
+                    continue;
+                }
                 let again = match memory {
                     false => tried.is_empty(),
                     true => Instant::now() < until,

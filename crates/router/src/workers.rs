@@ -257,10 +257,17 @@ impl Workers {
 
     /// The worker that answers `user`'s reads now.
     pub fn reader(&self, user: &str) -> Result<InFlight> {
+        self.reader_skipping(user, &[])
+    }
+
+    /// [`Workers::reader`] among the workers not in `skip` (those that
+    /// refused the user: its memory is damaged there).
+    pub fn reader_skipping(&self, user: &str, skip: &[String]) -> Result<InFlight> {
         let view = self.view();
+        let ok = |w: &str| self.healthy(w) && !skip.iter().any(|s| s == w);
         let name = match self.replicate {
-            true => view.reader(user, |w| self.healthy(w)),
-            false => view.home(user).filter(|w| self.healthy(w)),
+            true => view.reader(user, ok),
+            false => view.home(user).filter(|w| ok(w)),
         };
         let Some(name) = name else {
             return Err(match view.home(user) {

@@ -215,6 +215,7 @@ pub(crate) fn run<B: Backend>(
         ingest_throttle: Throttle::new(BACKGROUND_SHARE, cfg_ingest_batch, true),
         encode_throttle: Throttle::new(BACKGROUND_SHARE, cfg_ingest_batch, false),
         last_busy: Instant::now() - RECENTLY_BUSY,
+        last_scrub: Instant::now(),
     };
     loop {
         core.complete_reads();
@@ -222,12 +223,15 @@ pub(crate) fn run<B: Backend>(
         // Idle-time encoding waits until no request ran for a moment.
         let quiet = core.last_busy.elapsed() >= RECENTLY_BUSY;
         let idle = core.live.is_empty() && !protocol.ingesting();
-        if idle && quiet && core.encode_pending() {
-            // Background work done; look for commands before more of it.
-            match rx.try_recv() {
-                Ok(c) => protocol.handle(&mut core, c),
-                Err(TryRecvError::Empty) => continue,
-                Err(TryRecvError::Disconnected) => return Ok(()),
+        if idle && quiet {
+            match core.encode_pending() {
+                // Background work done; look for commands before more of it.
+                true => match rx.try_recv() {
+                    Ok(c) => protocol.handle(&mut core, c),
+                    Err(TryRecvError::Empty) => continue,
+                    Err(TryRecvError::Disconnected) => return Ok(()),
+                },
+                false => core.scrub(),
             }
         }
         let idle = core.live.is_empty() && !protocol.ingesting();
@@ -300,7 +304,13 @@ struct Core<B: Backend> {
     encode_throttle: Throttle,
     /// When a request last ran.
     last_busy: Instant,
+    /// When the idle-time scrub last ran.
+    last_scrub: Instant,
 }
+
+/// The idle-time scrub's pace: this many bytes of KV records a second.
+const SCRUB_BYTES: u64 = 16 << 20;
+const SCRUB_EVERY: Duration = Duration::from_secs(1);
 
 /// The native engine's side of the protocol: the shard is this thread's,
 /// and generation is this thread's scheduler and engine.
@@ -749,6 +759,20 @@ impl<B: Backend> Core<B> {
                 eprintln!("inferscale worker: encoding stored facts in the background: {e}");
                 false
             }
+        }
+    }
+
+    /// When idle, at most once a second: checks the next stored KV records'
+    /// checksums (`Memory::scrub_step`), so that damage is found and
+    /// re-encoded before a request needs that KV.
+    fn scrub(&mut self) {
+        if self.last_scrub.elapsed() < SCRUB_EVERY {
+            return;
+        }
+        self.last_scrub = Instant::now();
+        let failed = self.session.memory_mut().scrub_step(SCRUB_BYTES);
+        if failed > 0 {
+            eprintln!("inferscale worker: {failed} stored KV records failed their check; they are re-encoded");
         }
     }
 

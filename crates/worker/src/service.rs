@@ -535,6 +535,9 @@ impl pb::worker_server::Worker for WorkerService {
             requests_failed: s.failed,
             window: s.window as u32,
             max_queue: s.load.max_queue as u32,
+            damaged_users: s.damaged_users as u32,
+            unsettled_users: s.unsettled_users as u32,
+            disk_full: self.metrics.disk_full(),
         }))
     }
 

@@ -121,9 +121,10 @@ fp8-eval)
   runs+=(after)
   {
     for r in "${runs[@]}"; do
-      b=$bin
-      [ "$r" = before ] && b=$work/inferscale-before
-      printf '%q ' "$b" eval locomo "${eval_common[@]}" --modes kv,prompt --k 20,50 --window 20 --kv-format bf16,fp8 \
+      b=$bin grid=(--modes kv,prompt --k 20,50 --kv-format bf16,fp8)
+      # The build before only needs its fp8 kv rows: its bf16 and prompt paths are this build's.
+      [ "$r" = before ] && b=$work/inferscale-before grid=(--modes kv --k 20,50 --kv-format fp8)
+      printf '%q ' "$b" eval locomo "${eval_common[@]}" "${grid[@]}" --window 20 \
         --batch 32 --ttft-questions 0 --out "$work/fp8-$r"
       printf '> %q 2>&1 < /dev/null\n' "$work/fp8-$r.log"
     done

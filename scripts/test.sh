@@ -45,6 +45,24 @@ if [ ! -d "$py_dir/openai" ]; then
   echo "test.sh: installing the openai Python client for the serving tests" >&2
   python3 -m pip install -q --disable-pip-version-check --target "$py_dir" openai==3.57.0
 fi
+# The Mem0 contract test drives Mem0's own Python client (mem0ai, pinned)
+# against the server; it lives in a directory of its own, as its
+# dependencies are pinned apart from the openai client's. Only what
+# `from mem0 import MemoryClient` imports is installed (wheels, no
+# resolver run): the client's HTTP stack, pydantic, posthog (imported even
+# with telemetry off), and what the package's `__init__` pulls in for its
+# self-hosted `Memory` (qdrant-client, numpy, grpcio, protobuf < 7).
+mem0_dir="${INFERSCALE_HOME:-$HOME/.cache/inferscale}/mem0"
+if [ ! -f "$mem0_dir/.complete" ]; then
+  echo "test.sh: installing Mem0's Python client (mem0ai) for the Mem0 contract test" >&2
+  python3 -m pip install -q --disable-pip-version-check --no-deps --only-binary=:all: --target "$mem0_dir" \
+    mem0ai==2.2.1 httpx==0.29.0 httpcore==1.0.9 h11==0.16.0 idna==3.21 certifi==2026.10.19.post1 \
+    requests==2.34.2 urllib3==2.8.0 charset-normalizer==3.5.3 pydantic==2.14.4 pydantic-core==2.50.5 \
+    typing-extensions==4.16.0 typing-inspection==0.4.5 annotated-types==0.8.0 posthog==7.91.1 distro==1.9.0 \
+    qdrant-client==1.20.0 numpy==2.4.6 protobuf==6.33.6 grpcio==1.85.3
+  touch "$mem0_dir/.complete"
+fi
+
 # The tracing test exports to two real OTLP collectors from PyPI: oteltap
 # (OTLP/HTTP, prints spans as JSON) and rotel (OTLP/gRPC, logs spans).
 if [ ! -d "$py_dir/oteltap" ] || [ ! -x "$py_dir/rotel/rotel-agent" ]; then

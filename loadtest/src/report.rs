@@ -325,25 +325,10 @@ fn ms(v: f64) -> String {
     }
 }
 
-/// Today's UTC date, `YYYY-MM-DD`, from the system clock (no date crate).
+/// Today's UTC date, `YYYY-MM-DD`, from the system clock.
 pub fn today_utc() -> String {
-    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
-    civil_date((secs / 86_400) as i64)
-}
-
-/// The proleptic Gregorian date of a day number since 1970-01-01
-/// (Howard Hinnant's `civil_from_days`).
-fn civil_date(days: i64) -> String {
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!("{y:04}-{m:02}-{d:02}")
+    let now = inferscale_types::time::rfc3339(inferscale_types::time::now_ms());
+    now[..10].to_string()
 }
 
 #[cfg(test)]
@@ -484,13 +469,5 @@ mod tests {
             ignore_eos: false,
             population: None,
         }
-    }
-
-    #[test]
-    fn civil_dates() {
-        assert_eq!(civil_date(0), "1970-01-01");
-        assert_eq!(civil_date(11_016), "2000-02-29");
-        assert_eq!(civil_date(20_788), "2026-12-01");
-        assert_eq!(civil_date(-1), "1969-12-31");
     }
 }

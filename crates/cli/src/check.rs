@@ -179,20 +179,22 @@ fn device(a: &Args) -> Result<()> {
         greedy_rows = parity::greedy(&be, &files, &cases).context("greedy decoding on both backends")?;
         println!("\ngreedy decoding of {model}, CUDA vs CPU (teacher-forced on the CPU's tokens)");
         println!(
-            "{:<24} {:>6} {:>8} {:>22} {:>14}  result (logits tolerance {:.2})",
+            "{:<24} {:>6} {:>8} {:>22} {:>14} {:>14} {:>12}  result (tolerance {:.2}, relative L2)",
             "prompt",
             "steps",
             "agreed",
             "CPU top-2 margin there",
             "worst logits",
+            "worst top-5 lp",
+            "(max |Δ|)",
             parity::REAL_MODEL_TOL
         );
         for r in &greedy_rows {
             let margin = r.margin_at_divergence.map_or("-".into(), |m| format!("{m:.4}"));
             let verdict = if r.passed() { "ok" } else { "FAILED" };
             println!(
-                "{:<24} {:>6} {:>8} {:>22} {:>14.2e}  {verdict}",
-                r.name, r.steps, r.agreed, margin, r.worst_logits
+                "{:<24} {:>6} {:>8} {:>22} {:>14.2e} {:>14.2e} {:>12.4}  {verdict}",
+                r.name, r.steps, r.agreed, margin, r.worst_logits, r.worst_logprobs, r.worst_logprob_abs
             );
         }
         format_rows = format_gate(be.clone(), &files, &cases).context("the stored-format gate")?;
@@ -210,7 +212,8 @@ fn device(a: &Args) -> Result<()> {
             .iter()
             .map(|r| {
                 serde_json::json!({"name": r.name, "steps": r.steps, "agreed": r.agreed,
-                    "margin_at_divergence": r.margin_at_divergence, "worst_logits_rel": r.worst_logits})
+                    "margin_at_divergence": r.margin_at_divergence, "worst_logits_rel": r.worst_logits,
+                    "worst_top5_logprobs_rel": r.worst_logprobs, "worst_logprob_abs": r.worst_logprob_abs})
             })
             .collect();
         let formats = formats_json(&format_rows);

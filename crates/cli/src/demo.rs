@@ -5,6 +5,12 @@
 //! same facts pasted into the prompt — and prints both answers and both
 //! times to first token. Injected in the order they were stored, the facts'
 //! KV is exactly what prompt mode computes (E2), so the answers agree.
+//!
+//! The facts end the system turn (the serving layout, docs/design.md §3)
+//! and the question is asked plainly: the serving default's answer
+//! instruction was chosen for LoCoMo transcripts on Qwen2.5 (docs/locomo.md)
+//! and turns SmolLM2-135M's answer here from the fact's cat to an invented
+//! one ("Luna"); `--instruction` puts one back.
 
 use std::time::Instant;
 
@@ -13,7 +19,7 @@ use clap::Args as ClapArgs;
 use inferscale_engine::{Generation, KvChunk, SamplingParams, generate_sequences};
 
 use crate::runtime::{ModelArgs, load};
-use inferscale_memory::{Composer, Prompts};
+use inferscale_memory::{Composer, MemoryTurn, Prompts};
 
 const FACTS: &[&str] = &[
     "Melanie ran a charity race for mental health on 20 May 2023.",
@@ -34,6 +40,9 @@ pub struct Args {
     /// Most tokens to generate per answer.
     #[arg(long, default_value_t = 32)]
     max_tokens: usize,
+    /// Words before the question (none by default; see the module docs).
+    #[arg(long, default_value = "")]
+    instruction: String,
     #[command(flatten)]
     model: ModelArgs,
 }
@@ -43,7 +52,7 @@ pub fn run(a: Args) -> Result<()> {
     let eos = m.eos_ids();
     let files = &m.files;
     let e = &mut m.engine;
-    let composer = Composer::new(files, &Prompts::default())?;
+    let composer = Composer::new(files, &Prompts::new(MemoryTurn::DEFAULT, None, Some(a.instruction.clone())))?;
     let texts: Vec<String> =
         if a.facts.is_empty() { FACTS.iter().map(|s| s.to_string()).collect() } else { a.facts.clone() };
     let facts: Vec<Vec<u32>> = texts.iter().map(|f| composer.fact(f)).collect::<Result<_, _>>()?;

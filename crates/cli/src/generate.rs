@@ -69,7 +69,7 @@ fn run_on<B: Backend>(a: Args, backend: B) -> Result<()> {
         seed: a.seed,
         max_tokens: a.max_tokens,
         stop: a.stop,
-        ignore_eos: false,
+        ..SamplingParams::default()
     };
     let eos = m.eos_ids();
     let n_prompt = ids.len();

@@ -12,8 +12,8 @@ use inferscale_engine::sampling::SamplingParams;
 use inferscale_engine::{Backend, generate_sequences};
 use inferscale_eval::locomo;
 use inferscale_memory::{
-    ANSWER_INSTRUCTION, Budgets, KvFormat, Manifest, Memory, MemoryTurn, Mode, Prompts, Retriever, Session, ShardSpec,
-    StoreOptions,
+    ANSWER_INSTRUCTION, Budgets, Facts, KvFormat, Manifest, Memory, MemoryTurn, Mode, Prompts, Recall, Retriever,
+    Session, ShardSpec, StoreOptions,
 };
 use inferscale_model::fetch;
 use inferscale_model::progress::Progress;
@@ -311,7 +311,8 @@ fn ask_on<B: Backend>(a: &AskArgs, backend: B) -> Result<()> {
 
     let start = Instant::now();
     let top = s.retrieve(&a.user, &a.question, a.k)?;
-    let p = s.prepare(&a.user, &top, a.mode, a.blend_ratio, &question)?;
+    let recall = Recall { mode: a.mode, blend: inferscale_types::Blend { ratio: a.blend_ratio, ..Default::default() } };
+    let p = s.prepare(Facts::new(&a.user, &top, recall), &question)?;
     let files = s.files().clone();
     let work = vec![(p.seq, SamplingParams::greedy(a.max_tokens))];
     let out = generate_sequences(s.engine_mut(), files.tokenizer.as_ref(), &eos, work, start)?.remove(0);

@@ -28,7 +28,7 @@ pub struct ModelArgs {
     #[arg(long, default_value_t = 0)]
     pub device: usize,
     /// Instead of --model: random weights of a named shape (llama3.1-8b,
-    /// mistral-7b, qwen2.5-7b, smollm2-135m), for speed work. Needs --random-weights.
+    /// mistral-7b, qwen2.5-7b, qwen2.5-1.5b, smollm2-135m), for speed work. Needs --random-weights.
     #[arg(long, requires = "random_weights")]
     pub shape: Option<String>,
     /// Acknowledges that --shape runs random weights (outputs are meaningless).
@@ -148,5 +148,5 @@ pub(crate) use on_backend;
 /// Parses a `--blend-ratio`: a number in `0..=1`.
 pub(crate) fn blend_ratio(s: &str) -> std::result::Result<f32, String> {
     let r: f32 = s.parse().map_err(|_| format!("{s:?} is not a number"))?;
-    inferscale_types::check_blend_ratio(r)
+    inferscale_types::check_blend_ratio(r).map_err(|e| e.message)
 }

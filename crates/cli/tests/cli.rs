@@ -23,6 +23,22 @@ fn generate_prints_only_the_text() {
     assert!(stderr(&o).contains("TTFT"), "timings go to stderr");
 }
 
+/// README's first command answers from its facts in both modes: the cat
+/// the stored fact names, with the same answer injected and pasted.
+#[test]
+fn the_demo_answers_from_the_stored_facts() {
+    let o = inferscale(&["demo"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8(o.stdout.clone()).unwrap();
+    let answer = |mode: &str| {
+        let line = out.lines().find(|l| l.starts_with(&format!("[{mode:>6}]"))).unwrap_or_else(|| panic!("{out}"));
+        line.split_once("answer: ").map(|(_, a)| a.to_string()).unwrap_or_default()
+    };
+    let (kv, prompt) = (answer("kv"), answer("prompt"));
+    assert!(kv.contains("Miso"), "kv answered {kv:?}:\n{out}");
+    assert_eq!(kv, prompt, "injected and pasted facts answer alike");
+}
+
 #[test]
 fn sampling_is_reproducible_with_a_seed() {
     let args = ["generate", "--prompt", "Once upon a time", "--max-tokens", "8", "--temperature", "0.9", "--seed", "7"];

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{Proc, http, http_as, json_call, python_path, spawn};
+use common::{Proc, http, http_as, json_call, mem0_path, python_path, spawn};
 use serde_json::{Value, json};
 
 fn serve(mem: &Path, extra: &[&str]) -> Proc {
@@ -82,9 +82,19 @@ fn bad_http_input_gets_clear_errors_and_changes_nothing() {
     let bad_mode = chat(Some("u1"), "Hi?", json!({"mode": "magic"}));
     assert_error("bad mode", post(a, c, bad_mode.to_string().as_bytes()), 400, "memory.mode");
     let bad_ratio = chat(Some("u1"), "Hi?", json!({"mode": "blend", "blend_ratio": 1.5}));
-    assert_error("blend ratio 1.5", post(a, c, bad_ratio.to_string().as_bytes()), 400, "memory.blend_ratio = 1.5");
+    assert_error(
+        "blend ratio 1.5",
+        post(a, c, bad_ratio.to_string().as_bytes()),
+        400,
+        "`memory.blend_ratio`: 1.5 is outside 0..=1",
+    );
     let stray_ratio = chat(Some("u1"), "Hi?", json!({"mode": "kv", "blend_ratio": 0.2}));
-    assert_error("blend ratio in kv mode", post(a, c, stray_ratio.to_string().as_bytes()), 400, "mode = \"blend\"");
+    assert_error(
+        "blend ratio in kv mode",
+        post(a, c, stray_ratio.to_string().as_bytes()),
+        400,
+        "applies to memory.mode \"blend\"",
+    );
     let mut utf8 = chat(Some("u1"), "Hi?", json!({})).to_string().into_bytes();
     let at = utf8.windows(3).position(|w| w == b"Hi?").unwrap();
     utf8[at] = 0xff;
@@ -92,7 +102,7 @@ fn bad_http_input_gets_clear_errors_and_changes_nothing() {
     let big = format!("{{\"model\": \"smollm2\", \"pad\": \"{}\"}}", "x".repeat(10 << 20));
     assert_error("10 MB body", post(a, c, big.as_bytes()), 413, "limit");
     let assistant_last = json!({"model": "smollm2", "user": "u1", "messages": [{"role": "assistant", "content": "x"}]});
-    assert_error("assistant last", post(a, c, assistant_last.to_string().as_bytes()), 400, "role `user`");
+    assert_error("assistant last", post(a, c, assistant_last.to_string().as_bytes()), 400, "must be the user's");
     let mut tools = chat(Some("u1"), "Hi?", json!({}));
     tools["tools"] = json!([{"type": "function", "function": {"name": "f"}}]);
     let refused = post(a, c, tools.to_string().as_bytes());
@@ -265,6 +275,36 @@ fn openai_python_client_works_unchanged() {
         .unwrap();
     eprintln!("{}", String::from_utf8_lossy(&out.stdout));
     assert!(out.status.success(), "openai client script failed:\n{}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// Mem0's own Python client (`mem0ai`'s `MemoryClient`), pointed at
+/// `inferscale serve` by its `host`: add → list with filters and pages →
+/// search with filters → get → update → history → delete → delete_all
+/// (twice) → list, in Mem0's shapes (crates/cli/tests/mem0_client.py).
+#[test]
+fn mem0_python_client_works_by_changing_the_host() {
+    let py = mem0_path();
+    assert!(
+        py.join("mem0").is_dir(),
+        "the `mem0ai` package is not in {}: run scripts/test.sh, which installs it",
+        py.display()
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys");
+    std::fs::write(&keys, "acme:m0-secret-key\n").unwrap();
+    let srv = serve(&dir.path().join("mem"), &["--api-keys", keys.to_str().unwrap()]);
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/mem0_client.py");
+    let out = Command::new("python3")
+        .arg(&script)
+        .arg(format!("http://{}", srv.addr))
+        .arg("m0-secret-key")
+        .env("PYTHONPATH", &py)
+        .env("MEM0_TELEMETRY", "false")
+        .env("MEM0_DIR", dir.path().join("mem0-home"))
+        .output()
+        .unwrap();
+    eprintln!("{}", String::from_utf8_lossy(&out.stdout));
+    assert!(out.status.success(), "Mem0 client script failed:\n{}", String::from_utf8_lossy(&out.stderr));
 }
 
 /// A worker opens its memory without reading any KV: after a restart, the

@@ -16,7 +16,7 @@ use inferscale_engine::backend::{AttentionShape, Backend, InjectChunk, KvSpec, N
 use inferscale_engine::fp8;
 use inferscale_engine::retrieval::{HostEmbeddings, top_k_host};
 use inferscale_engine::rope::Rope;
-use inferscale_engine::sampling::{argmax, top2_margin};
+use inferscale_engine::sampling::{argmax, logprobs, top2_margin};
 use inferscale_engine::{CpuBackend, Engine, EngineConfig, EngineError, KvChunk, Sequence};
 use inferscale_model::{Family, HostTensor, ModelConfig, ModelFiles, RopeConfig, RopeScaling};
 
@@ -825,7 +825,7 @@ fn blended<B: Backend>(
     ratio: f32,
 ) -> R<(Vec<f32>, usize)> {
     let mut seq = injected(e, header, facts, question, KvSource::Kept)?;
-    e.blend(&mut seq, facts.iter().map(Vec::len).sum(), ratio)?;
+    e.blend(&mut seq, facts.iter().map(Vec::len).sum(), ratio, 0.0)?;
     Ok((e.prefill(&mut seq)?, seq.recomputed()))
 }
 
@@ -899,13 +899,24 @@ pub struct GreedyRow {
     pub margin_at_divergence: Option<f32>,
     /// Worst relative L2 error of the logits over all steps.
     pub worst_logits: f64,
+    /// Worst relative L2 error, over all steps, of the log-probabilities the
+    /// API reports (`logprobs`/`top_logprobs`: the CPU's [`LOGPROB_TOP`]
+    /// most likely tokens), the device's against the CPU's.
+    pub worst_logprobs: f64,
+    /// Worst absolute difference of one of those log-probabilities (nats).
+    pub worst_logprob_abs: f64,
 }
 
+/// How many of the most likely tokens the logprob comparison covers (the
+/// most `top_logprobs` a client usually asks for).
+pub const LOGPROB_TOP: usize = 5;
+
 impl GreedyRow {
-    /// Logits agree within [`REAL_MODEL_TOL`] at every step. Token agreement
-    /// is reported, not required: bf16 may flip a near-tie.
+    /// Logits and the reported log-probabilities agree within
+    /// [`REAL_MODEL_TOL`] at every step. Token agreement is reported, not
+    /// required: bf16 may flip a near-tie.
     pub fn passed(&self) -> bool {
-        self.worst_logits.is_finite() && self.worst_logits <= REAL_MODEL_TOL
+        [self.worst_logits, self.worst_logprobs].iter().all(|e| e.is_finite() && *e <= REAL_MODEL_TOL)
     }
 }
 
@@ -922,12 +933,27 @@ pub fn greedy<G: Backend + Clone>(
     for (name, prompt, steps) in cases {
         let mut sc = c.new_sequence(prompt.clone())?;
         let mut sg = g.new_sequence(prompt.clone())?;
-        let mut row =
-            GreedyRow { name: name.clone(), steps: *steps, agreed: 0, margin_at_divergence: None, worst_logits: 0.0 };
+        let mut row = GreedyRow {
+            name: name.clone(),
+            steps: *steps,
+            agreed: 0,
+            margin_at_divergence: None,
+            worst_logits: 0.0,
+            worst_logprobs: 0.0,
+            worst_logprob_abs: 0.0,
+        };
         for _ in 0..*steps {
             let (lc, lg) = (c.prefill(&mut sc)?, g.prefill(&mut sg)?);
             row.worst_logits = row.worst_logits.max(rel(&lg, &lc));
             let (tc, tg) = (argmax(&lc), argmax(&lg));
+            // The log-probabilities of the CPU's most likely tokens, as the
+            // API's `top_logprobs` would report them from either backend.
+            let top = logprobs(&lc, tc, LOGPROB_TOP).top;
+            let want: Vec<f32> = top.iter().map(|&(_, lp)| lp).collect();
+            let got: Vec<f32> = top.iter().map(|&(id, _)| logprobs(&lg, id, 0).chosen.1).collect();
+            row.worst_logprobs = row.worst_logprobs.max(rel(&got, &want));
+            let abs = want.iter().zip(&got).map(|(w, g)| (w - g).abs() as f64).fold(0.0, f64::max);
+            row.worst_logprob_abs = row.worst_logprob_abs.max(abs);
             if row.margin_at_divergence.is_none() {
                 if tc == tg {
                     row.agreed += 1;
@@ -962,6 +988,9 @@ mod tests {
         assert!(report.len() > 20);
         let files = ModelFiles::random("tiny", shapes()[0].1.clone(), 3);
         let rows = greedy(&CpuBackend, &files, &[("a".into(), vec![5, 6, 7], 4)]).unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!((rows[0].agreed, rows[0].worst_logits, rows[0].passed()), (4, 0.0, true));
+        assert_eq!(
+            (rows[0].agreed, rows[0].worst_logits, rows[0].worst_logprobs, rows[0].passed()),
+            (4, 0.0, 0.0, true)
+        );
     }
 }

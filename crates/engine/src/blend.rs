@@ -39,11 +39,6 @@ use crate::llama::ForwardBatch;
 /// The layer whose value deviation ranks the candidates (0-based).
 pub const SELECT_LAYER: usize = 1;
 
-/// The share of a blend's recomputed tokens spent on the injected memory's
-/// last tokens — the best-ranked facts, nearest the question — whatever
-/// their deviation; the rest go by deviation.
-pub const BLEND_FOCUS: f32 = 0.0;
-
 /// Injected tokens of one sequence that its next steps recompute:
 /// `next..end` are still to go, each chunk keeping `ratio` of its share,
 /// and the last `tail` of them always.
@@ -220,26 +215,20 @@ impl Narrowed {
 }
 
 impl<B: Backend> Engine<B> {
-    /// kv+blend: the share (0..=1) of each later blend's recomputed tokens
-    /// spent on the injected memory's last tokens — the best-ranked facts,
-    /// nearest the question — whatever their deviation ([`BLEND_FOCUS`]
-    /// until set; 1 recomputes the last tokens only).
-    pub fn set_blend_focus(&mut self, focus: f32) -> Result<()> {
-        if !(0.0..=1.0).contains(&focus) {
-            return Err(EngineError::Shape(format!("blend focus {focus} outside 0..=1")));
-        }
-        self.blend_focus = focus;
-        Ok(())
-    }
-
     /// kv+blend: the steps that compute `seq`'s pending tokens first
     /// recompute its last `injected` computed tokens (just injected), keeping
     /// `ratio` of them past [`SELECT_LAYER`]; see the module docs. Ratio 0
     /// plans nothing (the sequence stays kv mode's); ratio 1 recomputes them
-    /// all (prompt mode's prefill). `seq` must have its question pending.
-    pub fn blend(&self, seq: &mut Sequence, injected: usize, ratio: f32) -> Result<()> {
+    /// all (prompt mode's prefill). `focus` (0..=1) of the kept tokens are
+    /// the injected memory's last — the best-ranked facts, nearest the
+    /// question — whatever their deviation (1 keeps the last tokens only).
+    /// `seq` must have its question pending.
+    pub fn blend(&self, seq: &mut Sequence, injected: usize, ratio: f32, focus: f32) -> Result<()> {
         if !(0.0..=1.0).contains(&ratio) {
             return Err(EngineError::Shape(format!("blend ratio {ratio} outside 0..=1")));
+        }
+        if !(0.0..=1.0).contains(&focus) {
+            return Err(EngineError::Shape(format!("blend focus {focus} outside 0..=1")));
         }
         let end = seq.computed();
         if injected > end || seq.pending() == 0 || seq.blend.is_some() {
@@ -250,7 +239,7 @@ impl<B: Backend> Engine<B> {
             )));
         }
         if blend_rows(injected, ratio) > 0 {
-            let tail = (self.blend_focus as f64 * keep_count(ratio, injected) as f64).round() as usize;
+            let tail = (focus as f64 * keep_count(ratio, injected) as f64).round() as usize;
             seq.blend = Some(BlendPlan { next: end - injected, end, ratio, tail });
         }
         Ok(())

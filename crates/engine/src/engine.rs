@@ -157,9 +157,6 @@ pub struct Engine<B: Backend> {
     pub(crate) kv: B::KvStore,
     pool: BlockPool,
     max_batch_tokens: usize,
-    /// kv+blend: the share of recomputed tokens spent on the memory's last
-    /// (best-ranked) tokens whatever their deviation.
-    pub(crate) blend_focus: f32,
 }
 
 /// Per-layer pre-RoPE K and V captured from forward passes, in row order.
@@ -191,14 +188,7 @@ impl<B: Backend> Engine<B> {
             num_kv_heads: c.num_kv_heads,
             head_dim: c.head_dim,
         })?;
-        Ok(Engine {
-            backend,
-            model,
-            kv,
-            pool: BlockPool::new(cfg.kv_blocks),
-            max_batch_tokens: cfg.max_batch_tokens,
-            blend_focus: crate::blend::BLEND_FOCUS,
-        })
+        Ok(Engine { backend, model, kv, pool: BlockPool::new(cfg.kv_blocks), max_batch_tokens: cfg.max_batch_tokens })
     }
 
     pub fn model(&self) -> &Llama<B> {

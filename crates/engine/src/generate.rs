@@ -9,9 +9,9 @@ use std::time::{Duration, Instant};
 use inferscale_model::Tokenizer;
 
 use crate::backend::Backend;
-use crate::engine::{Engine, Sequence};
+use crate::engine::{Engine, NextToken, Sequence};
 use crate::error::{EngineError, Result};
-use crate::sampling::{Rng, SamplingParams, sample};
+use crate::sampling::{History, Rng, SamplingParams, sample};
 
 #[derive(Debug, Clone)]
 pub struct GenerateRequest {
@@ -96,11 +96,28 @@ pub fn generate_sequences<B: Backend>(
         if active.is_empty() {
             break;
         }
+        // As the serving scheduler steps: pending tokens in order up to the
+        // batch budget, and greedy sequences' next tokens reduced on the
+        // device (only their ids cross to the host).
+        let mut budget = engine.max_batch_tokens();
+        let mut take = Vec::with_capacity(active.len());
+        for l in &active {
+            let t = l.seq.pending().min(budget);
+            budget -= t;
+            take.push(t);
+        }
+        let greedy: Vec<bool> = active.iter().map(|l| !l.params.needs_logits()).collect();
         let mut seqs: Vec<&mut Sequence> = active.iter_mut().map(|l| &mut l.seq).collect();
-        let logits = engine.step(&mut seqs)?;
-        for (l, logits) in active.into_iter().zip(logits) {
-            let Some(logits) = logits else { continue };
-            let tok = sample(&logits, &l.params, &mut l.rng);
+        let next = engine.step_scheduled(&mut seqs, &take, &greedy)?;
+        for (l, next) in active.into_iter().zip(next) {
+            let tok = match next {
+                None => continue,
+                Some(NextToken::Greedy(id)) => id,
+                Some(NextToken::Logits(logits)) => {
+                    let prompt = &l.seq.tokens()[..l.seq.len() - l.generated.len()];
+                    sample(&logits, &l.params, &mut l.rng, History { prompt, output: &l.generated })
+                }
+            };
             l.first_token_at.get_or_insert_with(Instant::now);
             if !l.params.ignore_eos && eos.contains(&tok) {
                 l.done = Some((FinishReason::Eos, String::new()));

@@ -1,4 +1,5 @@
-//! Token sampling: greedy, temperature, top-k, top-p, seeded.
+//! Token sampling: penalties, greedy or temperature with top-k, min-p and
+//! top-p, seeded; and the log-probabilities a request may ask for.
 
 use crate::error::{EngineError, Result};
 
@@ -11,6 +12,18 @@ pub struct SamplingParams {
     pub top_k: usize,
     /// Keep the smallest set of tokens whose probability reaches p; 1 disables.
     pub top_p: f32,
+    /// Drop tokens less likely than `min_p` times the most likely; 0 disables.
+    pub min_p: f32,
+    /// HF's repetition penalty over the prompt's and the output's tokens:
+    /// a positive logit is divided by it, a negative one multiplied; 1 disables.
+    pub repetition_penalty: f32,
+    /// OpenAI's penalties over the output's tokens: the logit of a token
+    /// generated `n` times loses `presence_penalty + n × frequency_penalty`.
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    /// Report each chosen token's log-probability and this many of the
+    /// most likely alternatives.
+    pub logprobs: Option<usize>,
     pub seed: u64,
     pub max_tokens: usize,
     /// Generation stops when the text contains one of these; it is not part of the output.
@@ -25,6 +38,11 @@ impl Default for SamplingParams {
             temperature: 0.0,
             top_k: 0,
             top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            logprobs: None,
             seed: 0,
             max_tokens: 256,
             stop: Vec::new(),
@@ -46,10 +64,65 @@ impl SamplingParams {
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return bad("top_p", "must be in (0, 1]");
         }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return bad("min_p", "must be in [0, 1]");
+        }
+        if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
+            return bad("repetition_penalty", "must be a finite number > 0");
+        }
+        if !(self.presence_penalty.is_finite() && self.frequency_penalty.is_finite()) {
+            return bad("presence_penalty", "the penalties must be finite");
+        }
         if self.stop.iter().any(String::is_empty) {
             return bad("stop", "stop strings must not be empty");
         }
         Ok(())
+    }
+
+    /// Whether the logits are changed by the tokens seen before choosing.
+    pub fn penalizes(&self) -> bool {
+        self.repetition_penalty != 1.0 || self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
+    }
+
+    /// Whether choosing takes the whole distribution on the host, rather
+    /// than the argmax a device can reduce to alone.
+    pub fn needs_logits(&self) -> bool {
+        (self.temperature != 0.0 && self.top_k != 1) || self.penalizes() || self.logprobs.is_some()
+    }
+}
+
+/// The tokens a sequence holds when its next token is chosen: the prompt's
+/// (memory included) and those generated so far. Penalties look at them.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct History<'a> {
+    pub prompt: &'a [u32],
+    pub output: &'a [u32],
+}
+
+/// Applies `params`' penalties to `logits` for the tokens in `seen`: the
+/// repetition penalty as HF's `RepetitionPenaltyLogitsProcessor` (each
+/// distinct token of prompt and output once), then OpenAI's presence and
+/// frequency penalties over the output.
+pub fn penalize(logits: &mut [f32], params: &SamplingParams, seen: History<'_>) {
+    if params.repetition_penalty != 1.0 {
+        let mut ids: Vec<u32> = seen.prompt.iter().chain(seen.output).copied().collect();
+        ids.sort_unstable();
+        ids.dedup();
+        let p = params.repetition_penalty;
+        for &id in &ids {
+            if let Some(l) = logits.get_mut(id as usize) {
+                *l = if *l > 0.0 { *l / p } else { *l * p };
+            }
+        }
+    }
+    if params.presence_penalty != 0.0 || params.frequency_penalty != 0.0 {
+        let mut ids = seen.output.to_vec();
+        ids.sort_unstable();
+        for run in ids.chunk_by(|a, b| a == b) {
+            if let Some(l) = logits.get_mut(run[0] as usize) {
+                *l -= params.presence_penalty + params.frequency_penalty * run.len() as f32;
+            }
+        }
     }
 }
 
@@ -122,8 +195,20 @@ pub fn log_softmax(logits: &[f32]) -> Vec<f64> {
     logits.iter().map(|&x| x as f64 - lse).collect()
 }
 
-/// Picks the next token from `logits` under `params`.
-pub fn sample(logits: &[f32], params: &SamplingParams, rng: &mut Rng) -> u32 {
+/// Picks the next token from `logits` under `params`, `seen` being what the
+/// penalties look at: penalties first, then greedy or — at a temperature —
+/// the top-k cut, the softmax, the min-p and top-p cuts, and a draw.
+pub fn sample(logits: &[f32], params: &SamplingParams, rng: &mut Rng, seen: History<'_>) -> u32 {
+    let penalized;
+    let logits = match params.penalizes() {
+        true => {
+            let mut l = logits.to_vec();
+            penalize(&mut l, params, seen);
+            penalized = l;
+            &penalized[..]
+        }
+        false => logits,
+    };
     if params.temperature == 0.0 || params.top_k == 1 {
         return argmax(logits);
     }
@@ -137,6 +222,15 @@ pub fn sample(logits: &[f32], params: &SamplingParams, rng: &mut Rng) -> u32 {
     let mut probs: Vec<f64> = order.iter().map(|&i| ((logits[i as usize] as f64 - max) / t).exp()).collect();
     let sum: f64 = probs.iter().sum();
     probs.iter_mut().for_each(|p| *p /= sum);
+    if params.min_p > 0.0 {
+        // Sorted: the most likely first, so the kept ones are a prefix.
+        let floor = params.min_p as f64 * probs[0];
+        let keep = probs.iter().position(|&p| p < floor).unwrap_or(probs.len());
+        probs.truncate(keep);
+        order.truncate(keep);
+        let sum: f64 = probs.iter().sum();
+        probs.iter_mut().for_each(|p| *p /= sum);
+    }
     if params.top_p < 1.0 {
         let mut acc = 0.0;
         let keep = probs
@@ -160,6 +254,32 @@ pub fn sample(logits: &[f32], params: &SamplingParams, rng: &mut Rng) -> u32 {
     order[order.len() - 1]
 }
 
+/// A chosen token's log-probability and the most likely alternatives'.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    pub chosen: (u32, f32),
+    /// Most likely first (lowest id on ties).
+    pub top: Vec<(u32, f32)>,
+}
+
+/// The log-probabilities of `chosen` and of the `n` most likely tokens under
+/// the model's own distribution — before penalties, temperature or cuts,
+/// as vLLM reports them by default.
+pub fn logprobs(logits: &[f32], chosen: u32, n: usize) -> TokenLogprobs {
+    let lp = log_softmax(logits);
+    let mut order: Vec<u32> = (0..logits.len() as u32).collect();
+    let n = n.min(order.len());
+    if n > 0 {
+        order.select_nth_unstable_by(n - 1, |&a, &b| lp[b as usize].total_cmp(&lp[a as usize]).then(a.cmp(&b)));
+    }
+    order.truncate(n);
+    order.sort_by(|&a, &b| lp[b as usize].total_cmp(&lp[a as usize]).then(a.cmp(&b)));
+    TokenLogprobs {
+        chosen: (chosen, lp.get(chosen as usize).copied().unwrap_or(f64::NEG_INFINITY) as f32),
+        top: order.into_iter().map(|i| (i, lp[i as usize] as f32)).collect(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -168,7 +288,7 @@ mod tests {
     fn greedy_takes_lowest_index_on_ties() {
         assert_eq!(argmax(&[1.0, 3.0, 3.0, -1.0]), 1);
         let p = SamplingParams::greedy(1);
-        assert_eq!(sample(&[0.0, 2.0, 1.0], &p, &mut Rng::new(1)), 1);
+        assert_eq!(sample(&[0.0, 2.0, 1.0], &p, &mut Rng::new(1), History::default()), 1);
     }
 
     #[test]
@@ -181,8 +301,8 @@ mod tests {
         let (mut r1, mut r2) = (Rng::new(7), Rng::new(7));
         let mut seen = std::collections::HashSet::new();
         for _ in 0..200 {
-            let a = sample(&logits, &p, &mut r1);
-            assert_eq!(a, sample(&logits, &p, &mut r2));
+            let a = sample(&logits, &p, &mut r1, History::default());
+            assert_eq!(a, sample(&logits, &p, &mut r2, History::default()));
             assert!(allowed.contains(&(a as usize)));
             seen.insert(a);
         }
@@ -196,8 +316,63 @@ mod tests {
         let p = SamplingParams { temperature: 1.0, top_p: 0.5, ..Default::default() };
         let mut rng = Rng::new(3);
         for _ in 0..100 {
-            assert_eq!(sample(&logits, &p, &mut rng), 0);
+            assert_eq!(sample(&logits, &p, &mut rng, History::default()), 0);
         }
+    }
+
+    #[test]
+    fn top_k_of_one_is_greedy_at_any_temperature() {
+        let logits: Vec<f32> = (0..40).map(|i| ((i * 7) % 13) as f32 * 0.3).collect();
+        let p = SamplingParams { temperature: 1.5, top_k: 1, ..Default::default() };
+        let mut rng = Rng::new(5);
+        for _ in 0..50 {
+            assert_eq!(sample(&logits, &p, &mut rng, History::default()), argmax(&logits));
+        }
+    }
+
+    #[test]
+    fn penalties_follow_hf_and_openai_formulas() {
+        // HF: score = score < 0 ? score * p : score / p, once per distinct
+        // token of prompt and output, whatever its count.
+        let mut l = vec![2.0f32, -1.0, 0.5, 3.0];
+        let p = SamplingParams { repetition_penalty: 2.0, ..Default::default() };
+        penalize(&mut l, &p, History { prompt: &[0, 1, 1], output: &[1] });
+        assert_eq!(l, vec![1.0, -2.0, 0.5, 3.0]);
+        // OpenAI: logit -= count × frequency + (count > 0) × presence, over the output only.
+        let mut l = vec![2.0f32, -1.0, 0.5, 3.0];
+        let p = SamplingParams { presence_penalty: 0.5, frequency_penalty: 0.25, ..Default::default() };
+        penalize(&mut l, &p, History { prompt: &[2, 2], output: &[3, 3, 3, 0] });
+        assert_eq!(l, vec![2.0 - 0.75, -1.0, 0.5, 3.0 - 1.25]);
+        // Greedy sampling sees the penalized logits: token 3 loses its lead.
+        let p = SamplingParams { frequency_penalty: 1.0, ..Default::default() };
+        assert!(p.needs_logits());
+        let seen = History { prompt: &[], output: &[3, 3] };
+        assert_eq!(sample(&[2.0, -1.0, 0.5, 3.0], &p, &mut Rng::new(1), seen), 0);
+    }
+
+    #[test]
+    fn min_p_keeps_tokens_near_the_most_likely() {
+        // Probabilities ≈ [0.47, 0.29, 0.17, 0.06]: min_p 0.5 keeps the
+        // tokens at ≥ 0.235, the first two.
+        let logits = [2.0f32, 1.5, 1.0, 0.0];
+        let p = SamplingParams { temperature: 1.0, min_p: 0.5, ..Default::default() };
+        let mut rng = Rng::new(11);
+        let seen: std::collections::HashSet<u32> =
+            (0..300).map(|_| sample(&logits, &p, &mut rng, History::default())).collect();
+        assert_eq!(seen, [0, 1].into_iter().collect());
+    }
+
+    #[test]
+    fn logprobs_are_the_models_log_softmax_most_likely_first() {
+        let logits = [1.0f32, 3.0, 3.0, -2.0];
+        let lp = log_softmax(&logits);
+        let got = logprobs(&logits, 3, 2);
+        assert_eq!(got.chosen, (3, lp[3] as f32));
+        assert_eq!(got.top, vec![(1, lp[1] as f32), (2, lp[2] as f32)]);
+        assert!(logprobs(&logits, 0, 0).top.is_empty());
+        assert_eq!(logprobs(&logits, 0, 9).top.len(), 4);
+        let total: f64 = lp.iter().map(|l| l.exp()).sum();
+        assert!((total - 1.0).abs() < 1e-12);
     }
 
     #[test]

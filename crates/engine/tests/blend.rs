@@ -117,14 +117,14 @@ impl Layout {
 
 /// Header prefilled, facts injected, question pending, blended at `ratio`
 /// if given; returns the logits after the question and the sequence.
-fn ask(e: &mut Engine<CpuBackend>, l: &Layout, ratio: Option<f32>) -> (Vec<f32>, Sequence) {
+fn ask(e: &mut Engine<CpuBackend>, l: &Layout, blend: Option<(f32, f32)>) -> (Vec<f32>, Sequence) {
     let chunks = l.chunks(e);
     let mut seq = e.new_sequence(l.header.clone()).unwrap();
     e.prefill(&mut seq).unwrap();
     e.inject(&mut seq, &chunks.iter().collect::<Vec<_>>()).unwrap();
     seq.extend(&l.question);
-    if let Some(r) = ratio {
-        e.blend(&mut seq, l.injected().len(), r).unwrap();
+    if let Some((ratio, focus)) = blend {
+        e.blend(&mut seq, l.injected().len(), ratio, focus).unwrap();
     }
     (e.prefill(&mut seq).unwrap(), seq)
 }
@@ -163,8 +163,7 @@ fn check_against_dense(name: &str, files: &ModelFiles, l: &Layout, tol: f32, cas
     let (_, deviation) = dense.forward_blend(&all, &positions, l.kv_mask(), |li, j| !is_fact(j) || li <= s);
     for &(ratio, max_batch, focus) in cases {
         let mut e = cpu_engine(files, max_batch);
-        e.set_blend_focus(focus).unwrap();
-        let (got, seq) = ask(&mut e, l, Some(ratio));
+        let (got, seq) = ask(&mut e, l, Some((ratio, focus)));
         let kept = selection(l, &deviation[s], ratio, focus, max_batch);
         assert_eq!(seq.recomputed(), kept.len(), "{name} r {ratio} batch {max_batch}: tokens recomputed");
         let reference = |kept: &[usize]| {
@@ -211,13 +210,13 @@ fn anchors(name: &str, files: &ModelFiles, l: &Layout, tol: f32) {
     let layers = files.config.num_layers;
     let mut e = cpu_engine(files, 64);
     let (kv, kv_seq) = ask(&mut e, l, None);
-    let (zero, zero_seq) = ask(&mut e, l, Some(0.0));
+    let (zero, zero_seq) = ask(&mut e, l, Some((0.0, 0.0)));
     assert_eq!(zero, kv, "{name}: ratio 0 logits");
     assert_eq!(zero_seq.recomputed(), 0);
     for layer in 0..layers {
         assert!(e.cached_kv(&zero_seq, layer).unwrap() == e.cached_kv(&kv_seq, layer).unwrap(), "{name} layer {layer}");
     }
-    let (one, one_seq) = ask(&mut e, l, Some(1.0));
+    let (one, one_seq) = ask(&mut e, l, Some((1.0, 0.0)));
     assert_eq!(one_seq.recomputed(), l.injected().len());
     let mut prompt = e.new_sequence(l.all()).unwrap();
     let want = e.prefill(&mut prompt).unwrap();
@@ -254,13 +253,13 @@ fn blend_refuses_what_it_cannot_do() {
     let mut seq = e.new_sequence(l.header.clone()).unwrap();
     e.prefill(&mut seq).unwrap();
     // Nothing pending: nothing would see the blended cache.
-    assert!(e.blend(&mut seq, 4, 0.5).is_err());
+    assert!(e.blend(&mut seq, 4, 0.5, 0.0).is_err());
     seq.extend(&l.question);
-    assert!(e.blend(&mut seq, 4, 1.5).is_err());
-    assert!(e.blend(&mut seq, 4, f32::NAN).is_err());
-    assert!(e.blend(&mut seq, l.header.len() + 1, 0.5).is_err(), "more tokens than are computed");
-    e.blend(&mut seq, 4, 0.5).unwrap();
-    assert!(e.blend(&mut seq, 4, 0.5).is_err(), "a second plan");
+    assert!(e.blend(&mut seq, 4, 1.5, 0.0).is_err());
+    assert!(e.blend(&mut seq, 4, f32::NAN, 0.0).is_err());
+    assert!(e.blend(&mut seq, l.header.len() + 1, 0.5, 0.0).is_err(), "more tokens than are computed");
+    e.blend(&mut seq, 4, 0.5, 0.0).unwrap();
+    assert!(e.blend(&mut seq, 4, 0.5, 0.0).is_err(), "a second plan");
     assert_eq!(seq.pending(), 4 + l.question.len());
     e.prefill(&mut seq).unwrap();
     assert_eq!((seq.pending(), seq.recomputed()), (0, 2));

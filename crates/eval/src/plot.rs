@@ -105,9 +105,40 @@ pub fn render(panels: &[Panel], layout: &Layout) -> std::result::Result<Vec<u8>,
     Ok(buf)
 }
 
-/// `x` as an axis label: whole numbers without a decimal point (k = 5, not 5.0).
+/// `x` as an axis or bar label: whole numbers without a decimal point
+/// (k = 5, not 5.0), others to three significant digits (0.25, 0.0031).
 fn tick(x: &f64) -> String {
-    if x.fract() == 0.0 && x.abs() < 1e15 { format!("{}", *x as i64) } else { format!("{x:.2}") }
+    if x.fract() == 0.0 && x.abs() < 1e15 {
+        return format!("{}", *x as i64);
+    }
+    let digits = (2 - x.abs().log10().floor() as i32).clamp(0, 12) as usize;
+    let s = format!("{x:.digits$}");
+    match s.contains('.') {
+        true => s.trim_end_matches('0').trim_end_matches('.').to_string(),
+        false => s,
+    }
+}
+
+/// Ticks of a log axis over `lo..hi`: 1, 2 and 5 of every decade, and, when
+/// that leaves fewer than three inside (a range within one decade), every
+/// whole mantissa 1–9 — so that a log axis always has readable marks.
+fn log_ticks(lo: f64, hi: f64) -> Vec<f64> {
+    let decades = (lo.max(f64::MIN_POSITIVE).log10().floor() as i32)..=(hi.log10().ceil() as i32);
+    let within = |mantissas: &[f64]| -> Vec<f64> {
+        decades
+            .clone()
+            .flat_map(|d| mantissas.iter().map(move |m| m * 10f64.powi(d)))
+            .filter(|v| (lo..=hi).contains(v))
+            .collect()
+    };
+    let ticks = within(&[1.0, 2.0, 5.0]);
+    if ticks.len() >= 3 { ticks } else { within(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]) }
+}
+
+/// An x tick's label: none at a fraction when every x of the data is a
+/// whole number (user counts, k), so such an axis never reads 1.10, 1.20.
+fn x_label(whole: bool, x: f64) -> String {
+    if whole && x.fract() != 0.0 { String::new() } else { tick(&x) }
 }
 
 /// The y range: the data's, with room above it for the legend's rows so
@@ -159,6 +190,8 @@ fn draw<DB: DrawingBackend>(
                 String::new()
             }
         };
+        let whole = xs.iter().all(|x| x.fract() == 0.0);
+        let x_tick = move |x: &f64| x_label(whole, *x);
         let x_desc = if single_x { format!("{} = {}", layout.x_label, tick(&x0)) } else { layout.x_label.clone() };
         macro_rules! draw {
             ($chart:expr) => {{
@@ -168,7 +201,7 @@ fn draw<DB: DrawingBackend>(
                 if single_x {
                     mesh.x_labels(panel.series.len()).x_label_formatter(&bar_tick).disable_x_mesh();
                 } else {
-                    mesh.x_label_formatter(&tick);
+                    mesh.x_label_formatter(&x_tick);
                 }
                 if !layout.light_grid {
                     mesh.light_line_style(TRANSPARENT);
@@ -185,6 +218,12 @@ fn draw<DB: DrawingBackend>(
                             .iter()
                             .map(|&(_, y)| Rectangle::new([(x - 0.3, base), (x + 0.3, y)], color.filled()));
                         c.draw_series(bars).map_err(|e| s(&e))?.label(&line.label).legend(legend);
+                        // Each bar's value above it: a bar chart is read
+                        // for its numbers.
+                        let values = line.points.iter().map(|&(_, y)| {
+                            Text::new(tick(&y), (x - 0.12, y), ("sans-serif", 14).into_font().color(&BLACK))
+                        });
+                        c.draw_series(values).map_err(|e| s(&e))?;
                         continue;
                     }
                     // Earlier series draw wider lines and larger markers, so
@@ -219,7 +258,11 @@ fn draw<DB: DrawingBackend>(
         }
         let xr = if single_x { -0.5..(panel.series.len() as f64 - 0.5) } else { x0..x1 };
         if panel.log_y {
-            draw!(chart.build_cartesian_2d(xr, (ylo..yhi).log_scale()).map_err(|e| s(&e))?);
+            draw!(
+                chart
+                    .build_cartesian_2d(xr, (ylo..yhi).log_scale().with_key_points(log_ticks(ylo, yhi)))
+                    .map_err(|e| s(&e))?
+            );
         } else {
             draw!(chart.build_cartesian_2d(xr, ylo..yhi).map_err(|e| s(&e))?);
         }
@@ -293,9 +336,26 @@ mod tests {
     }
 
     #[test]
+    fn log_axes_tick_1_2_5_per_decade_and_count_axes_whole_numbers() {
+        assert_eq!(log_ticks(3.0, 300.0), vec![5.0, 10.0, 20.0, 50.0, 100.0, 200.0]);
+        let few = log_ticks(0.8, 2.5);
+        assert!(few.len() >= 3 && few.contains(&1.0) && few.contains(&2.0), "{few:?}");
+        // Within one decade, 1–9: never a single mark.
+        let narrow = log_ticks(6.0, 9.5);
+        assert_eq!(narrow, vec![6.0, 7.0, 8.0, 9.0]);
+        assert_eq!(
+            (x_label(true, 1.1), x_label(true, 10.0), x_label(false, 1.1)),
+            (String::new(), "10".into(), "1.1".into())
+        );
+    }
+
+    #[test]
     fn whole_ticks_have_no_decimal_point_and_the_legend_sits_above_the_data() {
         assert_eq!(tick(&5.0), "5");
         assert_eq!(tick(&0.25), "0.25");
+        assert_eq!(tick(&0.0031), "0.0031");
+        assert_eq!(tick(&12.345), "12.3");
+        assert_eq!(tick(&1.1), "1.1");
         // Room above the data grows with the legend; the data's top stays below it.
         let (lo, hi) = y_range(0.0, 10.0, false, 4, 300.0);
         assert_eq!(lo, 0.0);

@@ -4,7 +4,7 @@
 
 use inferscale_engine::{Backend, Engine, KvChunk, Sequence};
 
-use inferscale_types::Mode;
+use inferscale_types::{Mode, Recall};
 
 use crate::error::{MemoryError, Result};
 use crate::shard::Memory;
@@ -26,31 +26,47 @@ pub struct Prepared {
     pub header_cached: bool,
 }
 
+/// One request's facts as the layout places them.
+#[derive(Debug, Clone, Copy)]
+pub struct Facts<'a> {
+    pub user: &'a str,
+    /// Indices into the user's facts, best first.
+    pub order: &'a [usize],
+    /// Of those, the ones pasted as text although the mode injects (kv mode;
+    /// see [`prepare`]).
+    pub paste: &'a [usize],
+    pub recall: Recall,
+}
+
+impl<'a> Facts<'a> {
+    /// `order`, all placed as `recall` says.
+    pub fn new(user: &'a str, order: &'a [usize], recall: Recall) -> Facts<'a> {
+        Facts { user, order, paste: &[], recall }
+    }
+}
+
 /// Forks `header` (a computed sequence of the composer's header) and lays
-/// out `facts` (indices into `user`'s facts, best first) and `question`;
-/// in [`Mode::Blend`], plans the recompute of `blend_ratio` of the injected
-/// tokens (`Engine::blend`) for the question's prefill.
+/// out `facts` and `question`; in [`Mode::Blend`], plans the recompute of
+/// the injected tokens that the recall's blend asks for (`Engine::blend`)
+/// for the question's prefill.
 ///
-/// In [`Mode::Kv`], the facts in `paste` (a subset of `facts`: those whose
-/// KV was on disk only when the request arrived) are pasted as text after
-/// the injected ones, each group least relevant first, and prefilled with
-/// the question: the request costs what prompt mode costs for them, never
-/// a wait for the disk.
-#[allow(clippy::too_many_arguments)]
+/// In [`Mode::Kv`], the facts in `facts.paste` (those whose KV was on disk
+/// only when the request arrived) are pasted as text after the injected
+/// ones, each group least relevant first, and prefilled with the question:
+/// the request costs what prompt mode costs for them, never a wait for the
+/// disk.
 pub fn prepare<B: Backend>(
     engine: &mut Engine<B>,
     memory: &Memory<B>,
-    user: &str,
-    facts: &[usize],
-    mode: Mode,
-    blend_ratio: f32,
     header: &Sequence,
+    facts: Facts<'_>,
     question: &[u32],
-    paste: &[usize],
 ) -> Result<Prepared> {
+    let Facts { user, order: facts, paste, recall } = facts;
     if question.is_empty() {
         return Err(MemoryError::Invalid { what: "question", reason: "empty question".into() });
     }
+    let mode = recall.mode;
     if !paste.is_empty() && mode != Mode::Kv {
         return Err(MemoryError::Invalid {
             what: "layout",
@@ -110,7 +126,7 @@ pub fn prepare<B: Backend>(
     seq.extend(question);
     if mode == Mode::Blend {
         // Ratio 0 plans nothing: the request is served exactly as kv mode.
-        engine.blend(&mut seq, memory_tokens, blend_ratio)?;
+        engine.blend(&mut seq, memory_tokens, recall.blend.ratio, recall.blend.focus)?;
     }
     Ok(Prepared {
         seq,

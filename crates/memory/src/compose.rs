@@ -17,6 +17,7 @@
 //! token sequences.
 
 use inferscale_model::{ChatTemplate, Message, ModelError, ModelFiles, Tokenizer};
+use inferscale_types::Input;
 
 use crate::error::{MemoryError, Result};
 
@@ -154,12 +155,14 @@ impl Prompts {
 const USER_TURN_TAG: &str = "-sys";
 const SYSTEM_TURN_TAG: &str = "-memsys";
 
-/// One chat request as the layout sees it (docs/design.md §3): the system
-/// prompt, the earlier turns and the question.
+/// One chat request as the layout sees it (docs/design.md §3): the
+/// client's own system prompt, the earlier turns and the question.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Chat {
-    /// The request's system prompt; `None`: the configured one
-    /// ([`Prompts::system`]), whose header every memory's KV is made after.
+    /// The client's system (and developer) messages, joined by blank lines.
+    /// With memory it follows the memory block (the header every memory's
+    /// KV is made after stays the configured one, so the KV stays valid);
+    /// without, it is the template's system turn, as the client sent it.
     pub system: Option<String>,
     /// Earlier `user`/`assistant` turns, oldest first, prefilled after the
     /// memory block and before the question.
@@ -171,12 +174,40 @@ pub struct Chat {
     /// tokens the tokenizer starts every text with (BOS, if the model has
     /// one). `system` and `history` are then empty.
     pub raw: bool,
+    /// The words before the question with memory: `None` for the
+    /// configured instruction ([`Prompts::instruction`]), `Some("")` for
+    /// none. Never used without memory.
+    pub instruction: Option<String>,
 }
 
 impl Chat {
-    /// A chat of one question under the configured system prompt.
+    /// A chat of one question, no system prompt of its own.
     pub fn question(text: &str) -> Chat {
         Chat { question: text.to_string(), ..Chat::default() }
+    }
+
+    /// The layout's view of a request's input (admitted: a chat ends with
+    /// the user's question): system and developer messages, wherever they
+    /// stand, form its system prompt; the others are the history.
+    pub fn of(input: &Input, instruction: Option<String>) -> Chat {
+        match input {
+            Input::Prompt(p) => Chat { question: p.clone(), raw: true, instruction, ..Chat::default() },
+            Input::Chat(messages) => {
+                let (question, earlier) = match messages.split_last() {
+                    Some((q, earlier)) => (q.content.clone(), earlier),
+                    None => (String::new(), &[][..]),
+                };
+                let system: Vec<&str> =
+                    earlier.iter().filter(|m| m.role.instructs()).map(|m| m.content.as_str()).collect();
+                let history = earlier
+                    .iter()
+                    .filter(|m| !m.role.instructs())
+                    .map(|m| Message::new(m.role.as_str(), &m.content))
+                    .collect();
+                let system = (!system.is_empty()).then(|| system.join("\n\n"));
+                Chat { system, history, question, raw: false, instruction }
+            }
+        }
     }
 }
 
@@ -219,7 +250,7 @@ impl Composer {
             frame: Frame { header: String::new(), between: String::new(), footer: String::new() },
             instruction: prompts.instruction.trim().to_string(),
         };
-        c.frame = c.render(&prompts.system, &[]).map_err(|e| match (e, prompts.turn) {
+        c.frame = c.render(None, &[]).map_err(|e| match (e, prompts.turn) {
             (MemoryError::Model(ModelError::ChatTemplate(m)), MemoryTurn::System) => missing(&format!(
                 "the chat template cannot lay the memory out in the system turn ({m}); use the user turn \
                  (--memory-turn user)"
@@ -234,7 +265,8 @@ impl Composer {
         &self.tok
     }
 
-    /// The header of the configured system prompt.
+    /// The header of the configured system prompt: what every memory's KV
+    /// is made after, and what every chat with memory starts with.
     pub fn header(&self) -> &[u32] {
         &self.header
     }
@@ -244,45 +276,55 @@ impl Composer {
         &self.system
     }
 
-    /// Whether `chat` is served under the configured system prompt's header.
-    pub fn is_default_header(&self, chat: &Chat) -> bool {
-        !chat.raw && chat.system.as_deref().is_none_or(|s| s == self.system)
+    /// A completion's header: the tokens the tokenizer starts every text
+    /// with (BOS, if the model has one; possibly none).
+    pub fn raw_header(&self) -> Result<Vec<u32>> {
+        Ok(self.tok.encode("", true)?)
     }
 
-    /// The header `chat` is laid out under: a completion's start tokens,
-    /// its own system prompt's header, or the configured one.
-    pub fn header_of(&self, chat: &Chat) -> Result<Vec<u32>> {
-        match (chat.raw, chat.system.as_deref()) {
-            (true, _) => Ok(self.tok.encode("", true)?),
-            (false, Some(s)) => self.header_for(s),
-            (false, None) => Ok(self.header.clone()),
+    /// A request without memory, whole: the chat template over the client's
+    /// own messages and nothing else — no memory prompt, no instruction — as
+    /// any server of the model renders it; a completion's prompt after the
+    /// start tokens.
+    pub fn plain(&self, chat: &Chat) -> Result<Vec<u32>> {
+        if chat.raw {
+            return Ok(self.tok.encode(&chat.question, true)?);
         }
-    }
-
-    /// The header of `system`: the chat template up to where the facts go.
-    pub fn header_for(&self, system: &str) -> Result<Vec<u32>> {
-        if system == self.system {
-            return Ok(self.header.clone());
+        let mut messages = Vec::with_capacity(chat.history.len() + 2);
+        if let Some(system) = &chat.system {
+            messages.push(Message::new("system", system));
         }
-        Ok(self.tok.encode(&self.render(system, &[])?.header, false)?)
+        messages.extend(chat.history.iter().cloned());
+        messages.push(Message::new("user", &chat.question));
+        Ok(self.tok.encode(&self.template.render(&messages, true)?, false)?)
     }
 
-    /// The messages the template renders for `system` and `history`, with
-    /// markers where the facts and the question go. The facts end the
-    /// system turn, or lead the first user turn: then the first earlier
-    /// user message shares it (so strict user/assistant alternation holds),
-    /// or, without earlier turns, the question does.
-    fn messages(&self, system: &str, history: &[Message]) -> Vec<Message> {
+    /// The messages the template renders for `client` (the request's own
+    /// system prompt) and `history`, with markers where the facts and the
+    /// question go. The facts end the configured system turn, or lead the
+    /// first user turn: then the first earlier user message shares it (so
+    /// strict user/assistant alternation holds), or, without earlier turns,
+    /// the question does. The client's system prompt follows the facts in
+    /// the system turn, or leads the question's turn in the user-turn
+    /// layout; either way after the header, which stays the configured one.
+    fn messages(&self, client: Option<&str>, history: &[Message]) -> Vec<Message> {
+        let question = match (self.turn, client) {
+            (MemoryTurn::User, Some(c)) => format!("{c}\n\n{QUESTION}"),
+            _ => QUESTION.to_string(),
+        };
         let mut history = history.iter().peekable();
         let mut messages = Vec::with_capacity(history.len() + 3);
         match self.turn {
-            MemoryTurn::System => messages.push(Message::new("system", &format!("{system}\n{MARKER}"))),
+            MemoryTurn::System => {
+                let after = client.unwrap_or("");
+                messages.push(Message::new("system", &format!("{}\n{MARKER}{after}", self.system)));
+            }
             MemoryTurn::User => {
-                messages.push(Message::new("system", system));
+                messages.push(Message::new("system", &self.system));
                 if history.peek().is_none() {
                     // No earlier turns: the question shares the memory's
                     // user turn, after a blank line.
-                    messages.push(Message::new("user", &format!("{MARKER}\n{QUESTION}")));
+                    messages.push(Message::new("user", &format!("{MARKER}\n{question}")));
                     return messages;
                 }
                 match history.next_if(|m| m.role == "user") {
@@ -292,14 +334,14 @@ impl Composer {
             }
         }
         messages.extend(history.cloned());
-        messages.push(Message::new("user", QUESTION));
+        messages.push(Message::new("user", &question));
         messages
     }
 
-    /// The template rendered for `system` and `history`, split at the
+    /// The template rendered for `client` and `history`, split at the
     /// markers.
-    fn render(&self, system: &str, history: &[Message]) -> Result<Frame> {
-        let text = self.template.render(&self.messages(system, history), true)?;
+    fn render(&self, client: Option<&str>, history: &[Message]) -> Result<Frame> {
+        let text = self.template.render(&self.messages(client, history), true)?;
         let dropped = || template_error("the chat template dropped a message");
         let at = text.find(MARKER).ok_or_else(dropped)?;
         let from = at + MARKER.len();
@@ -321,24 +363,24 @@ impl Composer {
         if time.is_empty() { format!("{speaker}: {text}") } else { format!("{speaker} ({time}): {text}") }
     }
 
-    /// The tokens of a single question under the configured header.
+    /// The tokens of a single question after the memory block.
     pub fn question(&self, text: &str) -> Result<Vec<u32>> {
         self.tail(&Chat::question(text))
     }
 
-    /// What follows the memory block: the end of its turn, the chat's
-    /// earlier turns in the template, then the instruction and the question
-    /// and the assistant turn's start.
+    /// What follows the memory block: the end of its turn, the client's
+    /// system prompt and the chat's earlier turns in the template, then the
+    /// instruction and the question and the assistant turn's start.
     pub fn tail(&self, chat: &Chat) -> Result<Vec<u32>> {
         if chat.raw {
             return Ok(self.tok.encode(&chat.question, false)?);
         }
-        let system = chat.system.as_deref().unwrap_or(&self.system);
-        let frame = match chat.history.is_empty() && system == self.system {
+        let frame = match chat.history.is_empty() && chat.system.is_none() {
             true => std::borrow::Cow::Borrowed(&self.frame),
-            false => std::borrow::Cow::Owned(self.render(system, &chat.history)?),
+            false => std::borrow::Cow::Owned(self.render(chat.system.as_deref(), &chat.history)?),
         };
-        let lead = if self.instruction.is_empty() { String::new() } else { format!("{} ", self.instruction) };
+        let instruction = chat.instruction.as_deref().unwrap_or(&self.instruction).trim();
+        let lead = if instruction.is_empty() { String::new() } else { format!("{instruction} ") };
         Ok(self.tok.encode(&format!("{}{lead}{}{}", frame.between, chat.question, frame.footer), false)?)
     }
 }

@@ -8,7 +8,7 @@
 
 use std::path::Path;
 
-use inferscale_types::MemoryUnit;
+use inferscale_types::{MemoryUnit, StoredUnit};
 
 use crate::error::{MemoryError, Result};
 
@@ -23,6 +23,18 @@ pub struct Fact {
     /// before history was kept). It lives in the fact's record, so it moves
     /// with the fact between workers and is forgotten with it.
     pub history: Vec<Event>,
+}
+
+impl Fact {
+    /// The unit with when it was stored and last changed (its history's
+    /// first and last events; 0 for a unit stored before history was kept).
+    pub fn stored(&self) -> StoredUnit {
+        StoredUnit {
+            unit: self.unit.clone(),
+            created_ms: self.history.first().map_or(0, |e| e.at_ms),
+            updated_ms: self.history.last().map_or(0, |e| e.at_ms),
+        }
+    }
 }
 
 /// One change to a unit: its text and metadata before and after.

@@ -23,13 +23,13 @@ mod shard;
 mod transfer;
 mod user;
 
-pub use answer::{Prepared, prepare};
+pub use answer::{Facts, Prepared, prepare};
 pub use cache::{Budgets, CacheStats, Tier};
 pub use compose::{ANSWER_INSTRUCTION, Chat, Composer, MemoryTurn, Prompts, SYSTEM_PROMPT, USER_TURN_SYSTEM_PROMPT};
 pub use error::{MemoryError, Result};
 pub use fact::{Event, EventKind, Fact};
 pub use fetch::{FetchReport, Fetched, Pinned, ReadDone, ReadJob};
-pub use inferscale_types::{DEFAULT_BLEND_RATIO, MemoryUnit, Mode, Scope, check_blend_ratio};
+pub use inferscale_types::{MemoryUnit, Mode, Recall, Scope};
 pub use kvseg::{KvFormat, KvHeader, StoredKv, read_segment};
 pub use manifest::{MANIFEST, Manifest, check_unlocked, recorded_window};
 pub use retrieval::{Query, Retriever};

@@ -12,12 +12,11 @@
 use std::sync::Arc;
 
 use inferscale_engine::bert::Bert;
-use inferscale_engine::kv_cache::BLOCK_SIZE;
 use inferscale_engine::{Backend, Engine, Sequence};
 use inferscale_model::{ModelFiles, Tokenizer};
 use inferscale_types::{MemoryUnit, Mode, Scope};
 
-use crate::answer::{Prepared, prepare};
+use crate::answer::{Facts, Prepared, prepare};
 use crate::compose::{Chat, Composer, Prompts};
 use crate::error::{MemoryError, Result};
 use crate::fetch::{FetchReport, Fetched, Pinned, ReadDone};
@@ -38,62 +37,13 @@ pub struct Session<B: Backend> {
     embedder: Bert<B>,
     memory: Memory<B>,
     composer: Composer,
-    /// The configured system prompt's header, prefilled once; every
-    /// request without a system prompt of its own forks it.
+    /// The configured system prompt's header, prefilled once; every chat
+    /// with memory forks it (a client's own system prompt follows the
+    /// memory block, so no other header is ever needed: docs/design.md §3).
     header: Sequence,
-    /// Headers of requests' own system prompts.
-    headers: HeaderCache,
-}
-
-/// Prefilled headers other than the configured system prompt's — requests'
-/// own system prompts (keyed by the prompt) and completions' start tokens
-/// (keyed `None`) — the least recently used evicted past a budget of KV
-/// blocks: a client that sends one system prompt with every request (the
-/// common case) has its header computed once. A header is cached only if
-/// it fits the budget.
-#[derive(Default)]
-struct HeaderCache {
-    budget_blocks: usize,
-    /// Most recently used last.
-    entries: Vec<(Option<String>, Sequence)>,
-}
-
-impl HeaderCache {
-    fn blocks(seq: &Sequence) -> usize {
-        seq.len().div_ceil(BLOCK_SIZE)
-    }
-
-    fn find(&self, key: &Option<String>) -> Option<&Sequence> {
-        self.entries.iter().find(|(k, _)| k == key).map(|(_, h)| h)
-    }
-
-    fn get(&mut self, key: &Option<String>) -> Option<&Sequence> {
-        let i = self.entries.iter().position(|(k, _)| k == key)?;
-        let hit = self.entries.remove(i);
-        self.entries.push(hit);
-        self.entries.last().map(|(_, h)| h)
-    }
-
-    /// Whether `header` can be cached at all (alone, it fits the budget).
-    fn fits(&self, header: &Sequence) -> bool {
-        Self::blocks(header) <= self.budget_blocks
-    }
-
-    /// Evicts the least recently used until at most `blocks` are held.
-    fn shrink_to(&mut self, blocks: usize) {
-        let mut used: usize = self.entries.iter().map(|(_, h)| Self::blocks(h)).sum();
-        while used > blocks && !self.entries.is_empty() {
-            used -= Self::blocks(&self.entries.remove(0).1);
-        }
-    }
-
-    /// Keeps `header` (which [`HeaderCache::fits`]), evicting the least
-    /// recently used until it fits.
-    fn insert(&mut self, key: Option<String>, header: Sequence) -> &Sequence {
-        self.shrink_to(self.budget_blocks - Self::blocks(&header));
-        self.entries.push((key, header));
-        &self.entries[self.entries.len() - 1].1
-    }
+    /// A completion's header (the tokenizer's start tokens, possibly
+    /// none), prefilled once.
+    raw_header: Sequence,
 }
 
 impl<B: Backend> Session<B> {
@@ -110,26 +60,26 @@ impl<B: Backend> Session<B> {
         let composer = Composer::new(&files, prompts)?;
         let mut header = engine.new_sequence(composer.header().to_vec())?;
         engine.prefill(&mut header)?;
-        Ok(Session { files, engine, embedder, memory, composer, header, headers: HeaderCache::default() })
+        let start = composer.raw_header()?;
+        let raw_header = match start.is_empty() {
+            true => engine.empty_sequence(),
+            false => {
+                let mut seq = engine.new_sequence(start)?;
+                engine.prefill(&mut seq)?;
+                seq
+            }
+        };
+        Ok(Session { files, engine, embedder, memory, composer, header, raw_header })
     }
 
-    /// Lets up to `blocks` KV blocks hold the headers of requests' own
-    /// system prompts (none by default: each such request prefills its
-    /// header). The caller accounts for those blocks in its KV budget.
-    pub fn set_header_cache(&mut self, blocks: usize) {
-        self.headers.budget_blocks = blocks;
-        self.headers.shrink_to(blocks);
-    }
-
-    /// Tokens of the header `chat` is laid out under (see
-    /// [`Composer::header_of`]).
-    pub fn header_len(&self, chat: &Chat) -> Result<usize> {
-        if self.composer.is_default_header(chat) {
-            return Ok(self.header.len());
-        }
-        match self.headers.find(&header_key(chat)) {
-            Some(h) => Ok(h.len()),
-            None => Ok(self.composer.header_of(chat)?.len()),
+    /// Tokens of the header a request is laid out under: none without
+    /// memory (the whole prompt is computed), a completion's start tokens,
+    /// or the configured header.
+    pub fn header_len(&self, chat: &Chat, mode: Mode) -> usize {
+        match (mode, chat.raw) {
+            (Mode::None, _) => 0,
+            (_, true) => self.raw_header.len(),
+            (_, false) => self.header.len(),
         }
     }
 
@@ -392,96 +342,42 @@ impl<B: Backend> Session<B> {
         self.composer.question(text)
     }
 
-    /// What follows the memory block for `chat`: its earlier turns, the
-    /// question, the assistant turn's start (see [`Composer::tail`]).
-    pub fn tail(&self, chat: &Chat) -> Result<Vec<u32>> {
-        self.composer.tail(chat)
-    }
-
-    /// Lays out a request of `user` under the configured system prompt:
-    /// the header forked, `facts` (indices, best first) injected or pasted
-    /// as `mode` says, `question` (a tail) pending.
-    pub fn prepare(
-        &mut self,
-        user: &str,
-        facts: &[usize],
-        mode: Mode,
-        blend_ratio: f32,
-        question: &[u32],
-    ) -> Result<Prepared> {
-        let _held = self.fetch_for(user, facts, mode)?;
-        prepare(&mut self.engine, &self.memory, user, facts, mode, blend_ratio, &self.header, question, &[])
-    }
-
-    /// [`Session::prepare`] under the header `chat` asks for: its own
-    /// system prompt's, a completion's start tokens, or the configured one.
-    /// A header not cached is prefilled here, then kept if the cache has
-    /// room ([`Session::set_header_cache`]); `Prepared::header_cached` says
-    /// which. Facts are injected after it as after any header: their KV was
-    /// made after the configured one (docs/design.md §3).
-    pub fn prepare_under(
-        &mut self,
-        chat: &Chat,
-        user: &str,
-        facts: &[usize],
-        mode: Mode,
-        blend_ratio: f32,
-        tail: &[u32],
-    ) -> Result<Prepared> {
-        self.prepare_pasting(chat, user, facts, &[], mode, blend_ratio, tail)
-    }
-
-    /// [`Session::prepare_under`] with the facts in `paste` pasted as text
-    /// after the injected ones (kv mode; see `answer::prepare`): a worker
-    /// serves a request whose facts' KV was on disk this way while it reads
-    /// that KV for the next request.
-    #[allow(clippy::too_many_arguments)]
-    pub fn prepare_pasting(
-        &mut self,
-        chat: &Chat,
-        user: &str,
-        facts: &[usize],
-        paste: &[usize],
-        mode: Mode,
-        blend_ratio: f32,
-        tail: &[u32],
-    ) -> Result<Prepared> {
-        let inject: Vec<usize> = facts.iter().copied().filter(|i| !paste.contains(i)).collect();
-        let _held = self.fetch_for(user, &inject, mode)?;
-        let (engine, memory) = (&mut self.engine, &self.memory);
-        if self.composer.is_default_header(chat) {
-            return prepare(engine, memory, user, facts, mode, blend_ratio, &self.header, tail, paste);
+    /// What a request computes after its header: with memory, what follows
+    /// the memory block (its system prompt and earlier turns, the question:
+    /// [`Composer::tail`]); without, its whole prompt ([`Composer::plain`]).
+    pub fn tail(&self, chat: &Chat, mode: Mode) -> Result<Vec<u32>> {
+        match mode {
+            Mode::None => self.composer.plain(chat),
+            _ => self.composer.tail(chat),
         }
-        let key = header_key(chat);
-        if let Some(header) = self.headers.get(&key) {
-            return prepare(engine, memory, user, facts, mode, blend_ratio, header, tail, paste);
-        }
-        let tokens = self.composer.header_of(chat)?;
-        let fresh = match tokens.is_empty() {
-            true => engine.empty_sequence(),
-            false => {
-                let mut seq = engine.new_sequence(tokens)?;
-                engine.prefill(&mut seq)?;
-                seq
-            }
-        };
-        let mut p = match self.headers.fits(&fresh) {
-            true => {
-                let header = self.headers.insert(key, fresh);
-                prepare(engine, memory, user, facts, mode, blend_ratio, header, tail, paste)?
-            }
-            false => prepare(engine, memory, user, facts, mode, blend_ratio, &fresh, tail, paste)?,
-        };
-        p.header_cached = false;
-        Ok(p)
     }
-}
 
-/// A header's key in the cache: the request's system prompt, or `None`
-/// for a completion's start tokens.
-fn header_key(chat: &Chat) -> Option<String> {
-    match chat.raw {
-        true => None,
-        false => chat.system.clone(),
+    /// Lays out a request of `facts.user` under the configured header:
+    /// the header forked, the facts injected or pasted as their recall
+    /// says, `question` (a tail) pending.
+    pub fn prepare(&mut self, facts: Facts<'_>, question: &[u32]) -> Result<Prepared> {
+        self.prepare_chat(&Chat::default(), facts, question)
+    }
+
+    /// Lays out one request of `chat`, `tail` being [`Session::tail`]'s:
+    /// without memory a fresh sequence of its whole prompt; a completion
+    /// after the start tokens; a chat after the configured header. Facts
+    /// whose KV is needed are fetched first (`facts.paste` are not).
+    pub fn prepare_chat(&mut self, chat: &Chat, facts: Facts<'_>, tail: &[u32]) -> Result<Prepared> {
+        if facts.recall.mode == Mode::None {
+            let seq = self.engine.new_sequence(tail.to_vec())?;
+            return Ok(Prepared {
+                seq,
+                fact_ids: Vec::new(),
+                memory_tokens: 0,
+                pasted_tokens: 0,
+                header_tokens: 0,
+                header_cached: false,
+            });
+        }
+        let inject: Vec<usize> = facts.order.iter().copied().filter(|i| !facts.paste.contains(i)).collect();
+        let _held = self.fetch_for(facts.user, &inject, facts.recall.mode)?;
+        let header = if chat.raw { &self.raw_header } else { &self.header };
+        prepare(&mut self.engine, &self.memory, header, facts, tail)
     }
 }

@@ -414,6 +414,11 @@ impl<B: Backend> Memory<B> {
         Ok(self.facts(user)?.iter().map(|f| f.unit.clone()).collect())
     }
 
+    /// The user's units with when each was stored and last changed.
+    pub fn stored(&self, user: &str) -> Result<Vec<inferscale_types::StoredUnit>> {
+        Ok(self.facts(user)?.iter().map(Fact::stored).collect())
+    }
+
     /// Facts stored here, over all users.
     pub fn fact_count(&self) -> usize {
         self.users.values().map(|s| s.facts.len()).sum()

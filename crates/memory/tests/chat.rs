@@ -1,8 +1,10 @@
 //! The §3 layout of a whole chat (docs/design.md): the memory block in the
-//! system or the first user turn, a request's own system prompt in the
-//! header, earlier turns after the memory block, the question last — checked against the chat template rendered
-//! independently, identical in kv and prompt mode, and the cached header of
-//! a system prompt equal to its fresh prefill (SmolLM2 + MiniLM, CPU).
+//! system or the first user turn after the configured header, a request's
+//! own system prompt after the memory block, earlier turns after that, the
+//! question last — checked against the chat template rendered
+//! independently, identical in kv and prompt mode; and a chat without
+//! memory rendered exactly as the template renders the client's messages
+//! (SmolLM2 + MiniLM, CPU).
 
 #![allow(clippy::unwrap_used)] // tests fail loudly on unexpected errors
 
@@ -11,7 +13,8 @@ use std::sync::Arc;
 use inferscale_engine::bert::Bert;
 use inferscale_engine::{CpuBackend, Engine, EngineConfig};
 use inferscale_memory::{
-    ANSWER_INSTRUCTION, Chat, Composer, Memory, MemoryTurn, MemoryUnit, Mode, Prompts, Session, ShardSpec,
+    ANSWER_INSTRUCTION, Chat, Composer, Facts, Memory, MemoryTurn, MemoryUnit, Mode, Prompts, Recall, Session,
+    ShardSpec,
 };
 use inferscale_model::Message;
 
@@ -46,26 +49,42 @@ fn chat(system: Option<&str>, history: &[(&str, &str)], question: &str) -> Chat 
         history: history.iter().map(|&(r, c)| Message::new(r, c)).collect(),
         question: question.into(),
         raw: false,
+        instruction: None,
     }
+}
+
+fn prepare(s: &mut Session<CpuBackend>, c: &Chat, facts: &[usize], mode: Mode) -> inferscale_memory::Prepared {
+    let tail = s.tail(c, mode).unwrap();
+    s.prepare_chat(c, Facts::new("ana", facts, Recall::of(mode)), &tail).unwrap()
 }
 
 const SYSTEM: &str = "Always answer in French.";
 
 /// What the model's chat template renders for a conversation with the
-/// memory block `lines` where `turn` puts it: ending the system turn, or
-/// leading the first user turn (shared with the first earlier user message).
-fn rendered(s: &Session<CpuBackend>, turn: MemoryTurn, system: &str, lines: &str, c: &Chat) -> String {
+/// memory block `lines` where `turn` puts it: ending the system turn (the
+/// client's system prompt right after it), or leading the first user turn
+/// (shared with the first earlier user message; the client's system prompt
+/// then leads the question's turn).
+fn rendered(s: &Session<CpuBackend>, turn: MemoryTurn, lines: &str, c: &Chat, instruction: &str) -> String {
+    let configured = turn.default_system_prompt();
+    let lead = if instruction.is_empty() { String::new() } else { format!("{instruction} ") };
+    let question = match (turn, &c.system) {
+        (MemoryTurn::User, Some(client)) => format!("{client}\n\n{lead}{}", c.question),
+        _ => format!("{lead}{}", c.question),
+    };
     let mut messages = Vec::new();
     let mut history = c.history.iter().peekable();
     match turn {
-        MemoryTurn::System => messages.push(Message::new("system", &format!("{system}\n{lines}"))),
+        MemoryTurn::System => {
+            let client = c.system.as_deref().unwrap_or("");
+            messages.push(Message::new("system", &format!("{configured}\n{lines}{client}")));
+        }
         MemoryTurn::User => {
-            messages.push(Message::new("system", system));
+            messages.push(Message::new("system", configured));
             match history.next_if(|m| m.role == "user") {
                 Some(m) => messages.push(Message::new("user", &format!("{lines}\n{}", m.content))),
                 None if c.history.is_empty() => {
-                    let question = format!("{lines}\n{ANSWER_INSTRUCTION} {}", c.question);
-                    messages.push(Message::new("user", &question));
+                    messages.push(Message::new("user", &format!("{lines}\n{question}")));
                     return s.files().chat_template.as_ref().unwrap().render(&messages, true).unwrap();
                 }
                 None => messages.push(Message::new("user", lines)),
@@ -73,14 +92,15 @@ fn rendered(s: &Session<CpuBackend>, turn: MemoryTurn, system: &str, lines: &str
         }
     }
     messages.extend(history.cloned());
-    messages.push(Message::new("user", &format!("{ANSWER_INSTRUCTION} {}", c.question)));
+    messages.push(Message::new("user", &question));
     s.files().chat_template.as_ref().unwrap().render(&messages, true).unwrap()
 }
 
 /// Header, facts and tail decode to exactly what the model's chat template
 /// renders for the conversation, in both memory turns, with and without
-/// earlier turns (opening with the user or the assistant), under the
-/// configured system prompt and a request's own.
+/// earlier turns (opening with the user or the assistant), with and without
+/// a system prompt of the request's own, under the configured instruction,
+/// another, or none. The header is always the configured one.
 #[test]
 fn a_chat_is_laid_out_as_the_template_renders_it() {
     for turn in [MemoryTurn::System, MemoryTurn::User] {
@@ -99,79 +119,73 @@ fn a_chat_is_laid_out_as_the_template_renders_it() {
             &[("user", "My name is Ana."), ("assistant", "Nice to meet you, Ana!")],
             &[("assistant", "Hello! How can I help?")],
         ];
+        let instructions =
+            [(None, ANSWER_INSTRUCTION), (Some("Reply in one word:"), "Reply in one word:"), (Some(""), "")];
         for system in [None, Some(SYSTEM)] {
             for history in histories {
-                let c = chat(system, history, "Where am I moving?");
-                let tail = s.tail(&c).unwrap();
-                let p = s.prepare_under(&c, "ana", &facts, Mode::Prompt, 0.0, &tail).unwrap();
-                let text = s.tokenizer().decode(p.seq.tokens(), false).unwrap();
-                let want = rendered(&s, turn, system.unwrap_or(turn.default_system_prompt()), &lines, &c);
-                assert_eq!(text, want, "{turn:?}, system {system:?}, history {history:?}");
+                for (asked, used) in instructions {
+                    let mut c = chat(system, history, "Where am I moving?");
+                    c.instruction = asked.map(str::to_string);
+                    let p = prepare(&mut s, &c, &facts, Mode::Prompt);
+                    assert_eq!(p.header_tokens, s.composer().header().len());
+                    let text = s.tokenizer().decode(p.seq.tokens(), false).unwrap();
+                    let want = rendered(&s, turn, &lines, &c, used);
+                    assert_eq!(text, want, "{turn:?}, system {system:?}, history {history:?}, instruction {asked:?}");
+                }
             }
         }
     }
 }
 
+/// Without memory a chat is the template over the client's own messages
+/// and nothing else — no memory prompt, no instruction — with or without a
+/// system prompt and history, and its whole prompt is computed (no header).
+#[test]
+fn a_chat_without_memory_is_only_the_clients_messages() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = session(dir.path());
+    s.ingest("ana", &units(), false).unwrap();
+    let template = s.files().chat_template.clone().unwrap();
+    for system in [None, Some("You are a helpful assistant.")] {
+        for history in [&[][..], &[("user", "Hi."), ("assistant", "Hello!")][..]] {
+            let mut c = chat(system, history, "Write a detailed 200-word story.");
+            c.instruction = Some("ignored without memory:".into());
+            let p = prepare(&mut s, &c, &[], Mode::None);
+            let mut messages: Vec<Message> = system.map(|t| Message::new("system", t)).into_iter().collect();
+            messages.extend(c.history.iter().cloned());
+            messages.push(Message::new("user", &c.question));
+            let want = s.tokenizer().encode(&template.render(&messages, true).unwrap(), false).unwrap();
+            assert_eq!(p.seq.tokens(), want, "system {system:?}, history {history:?}");
+            assert_eq!((p.header_tokens, p.memory_tokens, p.seq.pending()), (0, 0, want.len()));
+            assert!(p.fact_ids.is_empty());
+        }
+    }
+    // A completion without memory: the start tokens, then the prompt.
+    let c = Chat { question: "Once upon a time".into(), raw: true, ..Chat::default() };
+    let p = prepare(&mut s, &c, &[], Mode::None);
+    assert_eq!(p.seq.tokens(), s.tokenizer().encode("Once upon a time", true).unwrap());
+}
+
 /// kv and prompt mode hold the same tokens at the same positions under a
-/// request's own header and history; they differ only in how the facts'
-/// KV got there.
+/// request's own system prompt and history; they differ only in how the
+/// facts' KV got there.
 #[test]
 fn kv_and_prompt_mode_lay_out_the_same_chat() {
     let dir = tempfile::tempdir().unwrap();
     let mut s = session(dir.path());
     s.ingest("ana", &units(), false).unwrap();
     let c = chat(Some(SYSTEM), &[("user", "Hi, I'm Ana."), ("assistant", "Hello Ana.")], "Where am I moving?");
-    let tail = s.tail(&c).unwrap();
-    let kv = s.prepare_under(&c, "ana", &[1, 0], Mode::Kv, 0.0, &tail).unwrap();
-    let prompt = s.prepare_under(&c, "ana", &[1, 0], Mode::Prompt, 0.0, &tail).unwrap();
+    let tail = s.tail(&c, Mode::Kv).unwrap();
+    let kv = prepare(&mut s, &c, &[1, 0], Mode::Kv);
+    let prompt = prepare(&mut s, &c, &[1, 0], Mode::Prompt);
     assert_eq!(kv.seq.tokens(), prompt.seq.tokens());
     assert_eq!(kv.seq.positions(), prompt.seq.positions());
     assert_eq!(kv.fact_ids, prompt.fact_ids);
     // What each prefills beyond the facts is the tail, the same in both.
     assert_eq!(kv.seq.pending(), tail.len());
     assert_eq!(prompt.seq.pending(), tail.len() + kv.memory_tokens);
-    assert_eq!(kv.header_tokens, s.composer().header_for(SYSTEM).unwrap().len());
-}
-
-/// A system prompt's header is prefilled by its first request, then served
-/// from the cache: the same logits as a prefill of the whole prompt from
-/// scratch; past the cache's budget the least recently used header goes.
-#[test]
-fn request_system_prompts_have_cached_headers() {
-    let dir = tempfile::tempdir().unwrap();
-    let mut s = session(dir.path());
-    let block = inferscale_engine::kv_cache::BLOCK_SIZE;
-    let header_blocks = s.composer().header_for(SYSTEM).unwrap().len().div_ceil(block);
-    s.set_header_cache(header_blocks);
-    let c = chat(Some(SYSTEM), &[], "What is two plus two?");
-    let tail = s.tail(&c).unwrap();
-    let mut first = s.prepare_under(&c, "ana", &[], Mode::None, 0.0, &tail).unwrap();
-    assert!(!first.header_cached, "the first request prefills its header");
-    let mut again = s.prepare_under(&c, "ana", &[], Mode::None, 0.0, &tail).unwrap();
-    assert!(again.header_cached, "the second finds it cached");
-    assert_eq!(s.header_len(&c).unwrap(), again.header_tokens);
-    let mut whole = s.composer().header_for(SYSTEM).unwrap();
-    whole.extend(&tail);
-    let mut scratch = s.engine().new_sequence(whole).unwrap();
-    let want = s.engine_mut().prefill(&mut scratch).unwrap();
-    for p in [&mut first, &mut again] {
-        assert_eq!(p.seq.tokens(), scratch.tokens());
-        let got = s.engine_mut().prefill(&mut p.seq).unwrap();
-        assert_eq!(got, want, "a forked cached header computes what a fresh prefill does");
-    }
-    // The configured system prompt is the session's own header, never cached here.
-    let configured = chat(Some(inferscale_memory::SYSTEM_PROMPT), &[], "What is two plus two?");
-    let default = s.prepare_under(&configured, "ana", &[], Mode::None, 0.0, &tail).unwrap();
-    assert!(default.header_cached);
-    // A second system prompt takes the only room: the first is evicted.
-    let other = chat(Some("Answer like a pirate."), &[], "What is two plus two?");
-    let p = s.prepare_under(&other, "ana", &[], Mode::None, 0.0, &tail).unwrap();
-    assert!(!p.header_cached);
-    assert!(s.prepare_under(&other, "ana", &[], Mode::None, 0.0, &tail).unwrap().header_cached);
-    assert!(!s.prepare_under(&c, "ana", &[], Mode::None, 0.0, &tail).unwrap().header_cached);
-    // Without a cache, every such request prefills its header.
-    s.set_header_cache(0);
-    assert!(!s.prepare_under(&c, "ana", &[], Mode::None, 0.0, &tail).unwrap().header_cached);
+    assert_eq!(kv.header_tokens, s.composer().header().len());
+    assert!(kv.header_cached);
 }
 
 /// A completion is the raw prompt after the memory, no template around it:
@@ -181,20 +195,19 @@ fn request_system_prompts_have_cached_headers() {
 fn a_completion_is_the_raw_prompt_after_the_memory() {
     let dir = tempfile::tempdir().unwrap();
     let mut s = session(dir.path());
-    s.set_header_cache(8);
     s.ingest("ana", &units(), false).unwrap();
     let c = Chat { question: "Caroline is moving to".into(), raw: true, ..Chat::default() };
-    let tail = s.tail(&c).unwrap();
+    let tail = s.tail(&c, Mode::Prompt).unwrap();
     let start = s.tokenizer().encode("", true).unwrap();
-    assert_eq!(s.header_len(&c).unwrap(), start.len());
-    let mut p = s.prepare_under(&c, "ana", &[1], Mode::Prompt, 0.0, &tail).unwrap();
+    assert_eq!(s.header_len(&c, Mode::Prompt), start.len());
+    let mut p = prepare(&mut s, &c, &[1], Mode::Prompt);
     let text = s.tokenizer().decode(p.seq.tokens(), false).unwrap();
     assert_eq!(text, "Caroline: I'm moving to Lisbon in September.\nCaroline is moving to");
     let mut scratch = s.engine().new_sequence(p.seq.tokens().to_vec()).unwrap();
     let want = s.engine_mut().prefill(&mut scratch).unwrap();
     assert_eq!(s.engine_mut().prefill(&mut p.seq).unwrap(), want);
     // kv mode: the same tokens, the fact's KV injected instead.
-    let kv = s.prepare_under(&c, "ana", &[1], Mode::Kv, 0.0, &tail).unwrap();
+    let kv = prepare(&mut s, &c, &[1], Mode::Kv);
     assert_eq!(kv.seq.tokens(), scratch.tokens());
     assert_eq!(kv.seq.pending(), tail.len());
 }

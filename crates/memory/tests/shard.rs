@@ -10,8 +10,8 @@ use std::path::Path;
 use inferscale_engine::bert::Bert;
 use inferscale_engine::{CpuBackend, Engine, EngineConfig};
 use inferscale_memory::{
-    Composer, Encoders, Memory, MemoryError, MemoryTurn, MemoryUnit, Mode, Prompts, Query, Retriever, ShardSpec,
-    UnitUpdate, prepare,
+    Composer, Encoders, Facts, Memory, MemoryError, MemoryTurn, MemoryUnit, Mode, Prompts, Query, Recall, Retriever,
+    ShardSpec, UnitUpdate, prepare,
 };
 use inferscale_model::{HostTensor, ModelFiles};
 
@@ -199,8 +199,22 @@ fn users_are_isolated_and_forgetting_removes_data() {
     // Bob's request is in flight while alice's is prepared.
     let qb = m.embedder.embed(&CpuBackend, &["Where did Melanie go camping?"]).unwrap().remove(0);
     let bob_top = mem.retrieve(&CpuBackend, "bob", query("Where did Melanie go camping?", &qb), 10).unwrap();
-    let pb = prepare(&mut e, &mem, "bob", &bob_top, Mode::Kv, 0.0, &header, &question, &[]).unwrap();
-    let p = prepare(&mut e, &mem, "alice", &top, Mode::Kv, 0.0, &header, &question, &[]).unwrap();
+    let pb = prepare(
+        &mut e,
+        &mem,
+        &header,
+        Facts { user: "bob", order: &bob_top, paste: &[], recall: Recall::of(Mode::Kv) },
+        &question,
+    )
+    .unwrap();
+    let p = prepare(
+        &mut e,
+        &mem,
+        &header,
+        Facts { user: "alice", order: &top, paste: &[], recall: Recall::of(Mode::Kv) },
+        &question,
+    )
+    .unwrap();
     assert!(p.fact_ids.iter().all(|id| id.starts_with('A')), "{:?}", p.fact_ids);
     // The blocks alice's request wrote are its own: apart from the header's
     // full blocks, shared read-only by every request, none is bob's or the

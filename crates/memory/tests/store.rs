@@ -181,7 +181,8 @@ fn every_format_is_read_whatever_format_new_segments_get() {
 
 #[test]
 fn cold_facts_are_read_off_the_engine_thread_and_pasted_meanwhile() {
-    use inferscale_memory::{Mode, prepare};
+    use inferscale_memory::{Facts, Mode, Recall, prepare};
+    use inferscale_types::Blend;
     let m = models();
     let mut e = engine(&m);
     let dir = tempfile::tempdir().unwrap();
@@ -205,11 +206,39 @@ fn cold_facts_are_read_off_the_engine_thread_and_pasted_meanwhile() {
         h
     };
     let question = m.composer.question("What is the cat called?").unwrap();
-    let pasted = prepare(&mut e, &mem, "ana", &[3, 1], Mode::Kv, 0.0, &header, &question, &[3, 1]).unwrap();
-    let prompt = prepare(&mut e, &mem, "ana", &[3, 1], Mode::Prompt, 0.0, &header, &question, &[]).unwrap();
+    let pasted = prepare(
+        &mut e,
+        &mem,
+        &header,
+        Facts { user: "ana", order: &[3, 1], paste: &[3, 1], recall: Recall::of(Mode::Kv) },
+        &question,
+    )
+    .unwrap();
+    let prompt = prepare(
+        &mut e,
+        &mem,
+        &header,
+        Facts { user: "ana", order: &[3, 1], paste: &[], recall: Recall::of(Mode::Prompt) },
+        &question,
+    )
+    .unwrap();
     assert_eq!(pasted.seq.tokens(), prompt.seq.tokens());
     assert_eq!((pasted.fact_ids, pasted.pasted_tokens), (prompt.fact_ids, prompt.memory_tokens));
-    assert!(prepare(&mut e, &mem, "ana", &[3], Mode::Blend, 0.5, &header, &question, &[3]).is_err());
+    assert!(
+        prepare(
+            &mut e,
+            &mem,
+            &header,
+            Facts {
+                user: "ana",
+                order: &[3],
+                paste: &[3],
+                recall: Recall { mode: Mode::Blend, blend: Blend { ratio: 0.5, focus: 0.0 } }
+            },
+            &question
+        )
+        .is_err()
+    );
 
     // The reads run anywhere; what they read is cached bit for bit.
     let done: Vec<_> = std::thread::spawn(move || jobs.into_iter().map(|j| j.run()).collect()).join().unwrap();

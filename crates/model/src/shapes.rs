@@ -18,6 +18,7 @@ pub const PRESETS: &[(&str, &str)] = &[
     ("llama3.1-8b", "meta-llama/Llama-3.1-8B-Instruct"),
     ("mistral-7b", "mistralai/Mistral-7B-Instruct-v0.3"),
     ("qwen2.5-7b", "Qwen/Qwen2.5-7B-Instruct"),
+    ("qwen2.5-1.5b", "Qwen/Qwen2.5-Coder-1.5B-Instruct"),
     ("smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct"),
 ];
 
@@ -57,6 +58,13 @@ pub fn preset(name: &str) -> Option<ModelConfig> {
             let mut c = base(Family::Qwen2, 152_064, 3584, 18_944, 28, 28, 4, 1_000_000.0);
             c.rms_norm_eps = 1e-6;
             c.qkv_bias = true;
+            Some(c)
+        }
+        "qwen2.5-1.5b" => {
+            let mut c = base(Family::Qwen2, 151_936, 1536, 8960, 28, 12, 2, 1_000_000.0);
+            c.rms_norm_eps = 1e-6;
+            c.qkv_bias = true;
+            c.tie_word_embeddings = true;
             Some(c)
         }
         "smollm2-135m" => {

@@ -253,9 +253,54 @@ impl Tokenizer {
     }
 }
 
+impl Tokenizer {
+    /// The bytes token `id` stands for — a piece of a character, possibly —
+    /// as OpenAI's log-probabilities report tokens. Byte-level BPE (every
+    /// generation tokenizer here) stores a token as the GPT-2 characters of
+    /// its bytes, mapped back here; a special token is its text; another
+    /// tokenizer's token is its decoded text.
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        let byte_level = matches!(self.inner.get_decoder(), Some(tokenizers::DecoderWrapper::ByteLevel(_)));
+        let special = self.inner.get_added_vocabulary().simple_id_to_token(id).is_some();
+        match (byte_level && !special, self.inner.id_to_token(id)) {
+            (true, Some(piece)) => match piece.chars().map(gpt2_byte).collect::<Option<Vec<u8>>>() {
+                Some(bytes) => bytes,
+                None => piece.into_bytes(),
+            },
+            (false, Some(piece)) if special => piece.into_bytes(),
+            _ => self.decode(&[id], false).map(String::into_bytes).unwrap_or_default(),
+        }
+    }
+}
+
+/// The byte a GPT-2 byte-level character stands for: printable bytes are
+/// themselves, the others were shifted to U+0100 and up, in order.
+fn gpt2_byte(c: char) -> Option<u8> {
+    let printable = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+    let c = c as u32;
+    if c < 256 {
+        return printable(c).then_some(c as u8);
+    }
+    (0..=255u32).filter(|&b| !printable(b)).nth((c - 256) as usize).map(|b| b as u8)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_tokens_bytes_are_what_it_decodes_to() {
+        let t = Tokenizer::byte_level(&["<|im_start|>"], None).expect("builds");
+        for text in ["h", " ", "\n", "é"] {
+            let ids = t.encode(text, false).expect("encodes");
+            let bytes: Vec<u8> = ids.iter().flat_map(|&id| t.token_bytes(id)).collect();
+            assert_eq!(bytes, text.as_bytes(), "{text:?}");
+        }
+        assert_eq!(t.token_bytes(256), b"<|im_start|>");
+        assert_eq!(gpt2_byte('Ġ'), Some(b' '));
+        assert_eq!(gpt2_byte('Ċ'), Some(b'\n'));
+        assert_eq!(gpt2_byte('a'), Some(b'a'));
+    }
 
     #[test]
     fn byte_level_is_one_token_per_byte_and_round_trips() {

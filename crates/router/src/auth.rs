@@ -1,4 +1,4 @@
-//! API keys: each bearer key belongs to a tenant, and a tenant's user ids
+//! API keys: each key (`Authorization: Bearer <key>`, or Mem0's `Token <key>`) belongs to a tenant, and a tenant's user ids
 //! live in its own namespace, so one tenant can never name another's users.
 //!
 //! Keys come from a file (`--api-keys FILE`: one `tenant:key` per line,
@@ -65,9 +65,10 @@ impl Keys {
         }
         let header = authorization
             .ok_or_else(|| ApiError::Unauthorized("missing API key: send `Authorization: Bearer <key>`".into()))?;
-        let key = header
-            .strip_prefix("Bearer ")
-            .ok_or_else(|| ApiError::Unauthorized("the Authorization header must be `Bearer <key>`".into()))?;
+        // `Token` is the scheme Mem0's clients send.
+        let key = header.strip_prefix("Bearer ").or_else(|| header.strip_prefix("Token ")).ok_or_else(|| {
+            ApiError::Unauthorized("the Authorization header must be `Bearer <key>` (or Mem0's `Token <key>`)".into())
+        })?;
         self.by_key.get(key.trim()).cloned().ok_or_else(|| ApiError::Unauthorized("invalid API key".into()))
     }
 }
@@ -86,6 +87,7 @@ mod tests {
         let k = Keys::parse(["# comment", "acme:sk-acme-123", " beta : sk-beta-456 "], "test").unwrap_or_default();
         assert_eq!(k.tenant(Some("Bearer sk-acme-123")).ok().as_deref(), Some("acme"));
         assert_eq!(k.tenant(Some("Bearer sk-beta-456")).ok().as_deref(), Some("beta"));
+        assert_eq!(k.tenant(Some("Token sk-beta-456")).ok().as_deref(), Some("beta"));
         assert!(matches!(k.tenant(Some("Bearer nope-nope-nope")), Err(ApiError::Unauthorized(_))));
         assert!(matches!(k.tenant(None), Err(ApiError::Unauthorized(_))));
         assert!(matches!(k.tenant(Some("sk-acme-123")), Err(ApiError::Unauthorized(_))));

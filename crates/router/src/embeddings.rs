@@ -9,10 +9,11 @@ use axum::http::HeaderMap;
 use inferscale_proto as pb;
 use serde_json::json;
 
-use crate::api::{Shared, body, tenant};
 use crate::error::{ApiError, Result};
 use crate::openai::{self, EmbeddingsRequest};
+use crate::state::{Shared, body, tenant};
 use crate::workers::request;
+use inferscale_types::check_user;
 
 pub(crate) async fn embeddings(
     State(s): State<Shared>,
@@ -20,20 +21,17 @@ pub(crate) async fn embeddings(
     b: std::result::Result<Bytes, BytesRejection>,
 ) -> Result<Json<serde_json::Value>> {
     tenant(&s, &headers)?;
-    let mut r: EmbeddingsRequest = openai::parse(&body(b, s.defaults.body_limit)?)?;
+    let mut r: EmbeddingsRequest = crate::validate::parse(&body(b, s.defaults.body_limit)?)?;
     let texts = r.texts()?;
     let base64 = match r.encoding_format.as_deref() {
         None | Some("float") => false,
         Some("base64") => true,
         Some(other) => {
-            return Err(ApiError::Param {
-                param: "encoding_format",
-                message: format!("{other:?} is not one of \"float\", \"base64\""),
-            });
+            return Err(ApiError::param("encoding_format", format!("{other:?} is not one of \"float\", \"base64\"")));
         }
     };
     if let Some(u) = &r.user {
-        openai::check_user(u)?;
+        check_user(u)?;
     }
     // Any healthy worker: the encoder is the same everywhere and no memory
     // is read. The user (if any) only spreads the load.
@@ -44,10 +42,10 @@ pub(crate) async fn embeddings(
     if let Some(d) = r.dimensions
         && d as usize != width
     {
-        return Err(ApiError::Param {
-            param: "dimensions",
-            message: format!("{d}: the model `{}` embeds in {width} dimensions only", out.model),
-        });
+        return Err(ApiError::param(
+            "dimensions",
+            format!("{d}: the model `{}` embeds in {width} dimensions only", out.model),
+        ));
     }
     let data: Vec<serde_json::Value> = out
         .data

@@ -3,6 +3,7 @@
 use axum::Json;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
+use inferscale_types::Refusal;
 use serde_json::json;
 
 #[derive(Debug, thiserror::Error)]
@@ -38,15 +39,22 @@ pub enum ApiError {
     /// names it).
     #[error("`{0}` is not supported by this server")]
     Unsupported(String),
-    /// An invalid value of a named request parameter (400).
-    #[error("`{param}`: {message}")]
-    Param { param: &'static str, message: String },
+    /// An invalid value of a named request parameter (400, `param` names
+    /// it): the router's own refusal or the worker's, in the same words
+    /// (`inferscale_types::admit`).
+    #[error(transparent)]
+    Refused(#[from] Refusal),
 }
 
 impl ApiError {
+    /// A refusal naming `param`.
+    pub fn param(param: impl Into<String>, message: impl Into<String>) -> ApiError {
+        ApiError::Refused(Refusal::new(param, message))
+    }
+
     pub fn status(&self) -> StatusCode {
         match self {
-            ApiError::BadRequest(_) | ApiError::Unsupported(_) | ApiError::Param { .. } => StatusCode::BAD_REQUEST,
+            ApiError::BadRequest(_) | ApiError::Unsupported(_) | ApiError::Refused(_) => StatusCode::BAD_REQUEST,
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
@@ -66,7 +74,7 @@ impl ApiError {
             | ApiError::TooLarge(_)
             | ApiError::MethodNotAllowed(_)
             | ApiError::Unsupported(_)
-            | ApiError::Param { .. } => "invalid_request_error",
+            | ApiError::Refused(_) => "invalid_request_error",
             ApiError::Unauthorized(_) => "authentication_error",
             ApiError::NotFound(_) => "not_found_error",
             ApiError::Busy(_) => "rate_limit_error",
@@ -79,10 +87,10 @@ impl ApiError {
     }
 
     /// The request field at fault, when one is (OpenAI's `param`).
-    fn param(&self) -> Option<&str> {
+    fn param_name(&self) -> Option<&str> {
         match self {
             ApiError::Unsupported(p) => Some(p),
-            ApiError::Param { param, .. } => Some(param),
+            ApiError::Refused(r) => Some(&r.param),
             _ => None,
         }
     }
@@ -93,7 +101,7 @@ impl ApiError {
         json!({"error": {
             "message": self.to_string(),
             "type": self.kind(),
-            "param": self.param(),
+            "param": self.param_name(),
             "code": self.status().as_u16(),
         }})
     }
@@ -120,6 +128,7 @@ impl ApiError {
             ApiError::Conflict(m) => ApiError::Conflict(fix(m)),
             ApiError::Internal(m) => ApiError::Internal(fix(m)),
             ApiError::Unavailable(m) => ApiError::Unavailable(fix(m)),
+            ApiError::Refused(r) => ApiError::Refused(Refusal { message: fix(r.message), ..r }),
             other => other,
         }
     }
@@ -130,13 +139,22 @@ impl ApiError {
     }
 }
 
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let mut resp = (self.status(), Json(self.body())).into_response();
+impl ApiError {
+    /// The response with a body `body` makes of the error (another API's
+    /// shape of it), its status and `Retry-After` kept.
+    pub(crate) fn into_response_with(self, body: impl FnOnce(&ApiError) -> serde_json::Value) -> Response {
+        let mut resp = (self.status(), Json(body(&self))).into_response();
         if let Some(secs) = self.retry_after() {
             resp.headers_mut().insert(axum::http::header::RETRY_AFTER, secs.into());
         }
+        resp.extensions_mut().insert(crate::reqlog::ErrorReason(self.to_string()));
         resp
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        self.into_response_with(ApiError::body)
     }
 }
 
@@ -145,6 +163,12 @@ impl From<tonic::Status> for ApiError {
         use tonic::Code;
         let msg = s.message().to_string();
         match s.code() {
+            // A refusal's parameter travels beside its text (`param: message`).
+            Code::InvalidArgument if inferscale_proto::refused_param(&s).is_some() => {
+                let param = inferscale_proto::refused_param(&s).unwrap_or_default();
+                let message = msg.strip_prefix(&format!("`{param}`: ")).unwrap_or(&msg).to_string();
+                ApiError::Refused(Refusal { param, message })
+            }
             Code::InvalidArgument | Code::OutOfRange | Code::FailedPrecondition => ApiError::BadRequest(msg),
             Code::NotFound => ApiError::NotFound(msg),
             Code::ResourceExhausted
@@ -198,5 +222,18 @@ mod tests {
         assert!(down.headers().contains_key(axum::http::header::RETRY_AFTER));
         let bad = ApiError::BadRequest("no".into()).into_response();
         assert!(!bad.headers().contains_key(axum::http::header::RETRY_AFTER));
+    }
+
+    #[test]
+    fn a_workers_refusal_keeps_its_param_and_words() {
+        let r = Refusal::new("memory.k", "0 is outside 1..=200");
+        let e = ApiError::from(inferscale_proto::refused(&r));
+        let b = e.body();
+        assert_eq!(b["error"]["param"], "memory.k");
+        assert_eq!(b["error"]["message"], r.to_string());
+        assert_eq!(e.status(), StatusCode::BAD_REQUEST);
+        // A tenant's namespace comes out of the words as from any other error.
+        let e = ApiError::param("user", "`t1/ana` has no memory").unscope("t1");
+        assert_eq!(e.to_string(), "`user`: `ana` has no memory");
     }
 }

@@ -9,9 +9,7 @@
 //! ingests are removed too; a client that gets 404 for a job it started
 //! sends the request again (ids already stored are skipped).
 
-use std::collections::{HashMap, VecDeque};
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::Json;
@@ -22,94 +20,30 @@ use axum::response::{IntoResponse, Response};
 use inferscale_proto as pb;
 use serde_json::{Value, json};
 
-use crate::api::{Shared, tenant};
 use crate::error::{ApiError, Result};
-use crate::memories::Ingest;
+use crate::ingest::Ingest;
+use crate::job_table::{Job, JobState, MAX_RUNNING};
+use crate::state::{Shared, tenant};
 use crate::workers::request;
-
-/// Jobs running at once, at most (429 past it).
-pub const MAX_RUNNING: usize = 64;
-/// Finished jobs kept for `GET`, the oldest dropped first.
-pub const KEEP_FINISHED: usize = 1_000;
-
-#[derive(Default)]
-pub struct Jobs {
-    inner: Mutex<Inner>,
-    next: AtomicU64,
-}
-
-#[derive(Default)]
-struct Inner {
-    jobs: HashMap<String, Job>,
-    /// Finished jobs, oldest first.
-    finished: VecDeque<String>,
-}
-
-struct Job {
-    tenant: String,
-    /// The user as the client named it, and the request's unit ids.
-    user: String,
-    scoped_user: String,
-    ids: Vec<String>,
-    created: u64,
-    started: Instant,
-    state: JobState,
-    abort: Option<tokio::task::AbortHandle>,
-}
-
-enum JobState {
-    Running,
-    Done { result: Value, seconds: f64 },
-    Failed { status: u16, message: String, seconds: f64 },
-    Cancelled { seconds: f64 },
-}
-
-impl Jobs {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn running(&self) -> usize {
-        self.lock().jobs.values().filter(|j| matches!(j.state, JobState::Running)).count()
-    }
-
-    /// Records how job `id` ended, unless it was cancelled meanwhile.
-    fn finish(&self, id: &str, outcome: Result<Value>) {
-        let mut g = self.lock();
-        let Some(job) = g.jobs.get_mut(id) else { return };
-        if !matches!(job.state, JobState::Running) {
-            return;
-        }
-        let seconds = job.started.elapsed().as_secs_f64();
-        job.state = match outcome {
-            Ok(result) => JobState::Done { result, seconds },
-            Err(e) => JobState::Failed { status: e.status().as_u16(), message: e.to_string(), seconds },
-        };
-        job.abort = None;
-        g.retire(id);
-    }
-}
-
-impl Inner {
-    /// `tenant`'s job `id`: another tenant's is as unknown as a missing one.
-    fn job(&mut self, id: &str, tenant: &str) -> Result<&mut Job> {
-        self.jobs.get_mut(id).filter(|j| j.tenant == tenant).ok_or_else(|| unknown(id))
-    }
-
-    /// Counts job `id` among the finished, dropping the oldest past
-    /// [`KEEP_FINISHED`].
-    fn retire(&mut self, id: &str) {
-        self.finished.push_back(id.to_string());
-        while self.finished.len() > KEEP_FINISHED {
-            if let Some(old) = self.finished.pop_front() {
-                self.jobs.remove(&old);
-            }
-        }
-    }
-}
 
 /// Starts `ingest` as a job of `tenant`: 202 with its id and where to ask.
 pub(crate) fn start(s: &Shared, tenant: String, ingest: Ingest) -> Result<Response> {
+    let (user, units) = (ingest.user.clone(), ingest.ids().len());
+    let id = launch(s, tenant, ingest)?;
+    let location = format!("/v1/memories/jobs/{id}");
+    let mut r = (
+        StatusCode::ACCEPTED,
+        Json(json!({"job": id, "status": "running", "user": user, "units": units, "location": location})),
+    )
+        .into_response();
+    if let Ok(v) = HeaderValue::from_str(&location) {
+        r.headers_mut().insert(header::LOCATION, v);
+    }
+    Ok(r)
+}
+
+/// Starts `ingest` as a job of `tenant`; its id.
+pub(crate) fn launch(s: &Shared, tenant: String, ingest: Ingest) -> Result<String> {
     if s.jobs.running() >= MAX_RUNNING {
         return Err(ApiError::Busy(format!(
             "{MAX_RUNNING} ingest jobs are running on this router: wait for one to finish"
@@ -131,8 +65,6 @@ pub(crate) fn start(s: &Shared, tenant: String, ingest: Ingest) -> Result<Respon
         state: JobState::Running,
         abort: None,
     };
-    let units = job.ids.len();
-    let user = job.user.clone();
     s.jobs.lock().jobs.insert(id.clone(), job);
     let (state, job_id) = (s.clone(), id.clone());
     let task = tokio::spawn(async move {
@@ -143,17 +75,7 @@ pub(crate) fn start(s: &Shared, tenant: String, ingest: Ingest) -> Result<Respon
     if let Some(job) = s.jobs.lock().jobs.get_mut(&id) {
         job.abort = Some(task.abort_handle());
     }
-    let location = format!("/v1/memories/jobs/{id}");
-    let mut r = (
-        StatusCode::ACCEPTED,
-        Json(json!({"job": id, "status": "running", "user": user, "units": units,
-                                                    "location": location})),
-    )
-        .into_response();
-    if let Ok(v) = HeaderValue::from_str(&location) {
-        r.headers_mut().insert(header::LOCATION, v);
-    }
-    Ok(r)
+    Ok(id)
 }
 
 /// `GET /v1/memories/jobs/{id}`: the job's status; while it runs, how many
@@ -248,10 +170,4 @@ pub(crate) async fn cancel(
 
 fn job_id(p: std::result::Result<Path<String>, PathRejection>) -> Result<String> {
     p.map(|Path(t)| t).map_err(|e| ApiError::BadRequest(format!("invalid path: {}", e.body_text())))
-}
-
-fn unknown(id: &str) -> ApiError {
-    ApiError::NotFound(format!(
-        "no ingest job {id:?} (finished jobs are kept for the last {KEEP_FINISHED}; a restarted router has none)"
-    ))
 }

@@ -6,14 +6,22 @@
 
 mod api;
 mod auth;
+mod dispatch;
 mod embeddings;
 mod error;
 mod fence;
+mod generate;
+mod ingest;
+mod job_table;
 mod jobs;
+mod mem0;
 mod memories;
 mod metrics;
 mod openai;
 mod rebalance;
+pub mod reqlog;
+mod state;
+mod validate;
 mod workers;
 
 use std::sync::Arc;
@@ -23,11 +31,12 @@ use inferscale_cluster::Placement;
 use inferscale_cluster::membership::{Campaign, watch_view};
 use inferscale_cluster::view::Keys as ClusterKeys;
 
-pub use api::{AppState, Defaults};
 pub use auth::Keys;
 pub use error::{ApiError, Result};
+pub use generate::WORKER_HEADER;
 pub use inferscale_proto::tls::{Security, TlsFiles};
 pub use rebalance::{DEFAULT_FENCE_AFTER, RebalanceConfig, RebalanceStats};
+pub use state::{AppState, Defaults};
 pub use workers::Workers;
 
 /// Where the router learns its workers.
@@ -76,6 +85,7 @@ pub struct RouterConfig {
 /// Connects to the workers, waits up to `wait` for one to be healthy (and,
 /// in a cluster, in the ring), and returns the HTTP app.
 pub async fn build(cfg: RouterConfig, wait: Duration) -> Result<axum::Router> {
+    reqlog::configure_from_env().map_err(ApiError::BadRequest)?;
     let rebalance_stats = Arc::new(RebalanceStats::default());
     let workers = match &cfg.membership {
         Membership::Fixed(addrs) => Arc::new(Workers::fixed(addrs, cfg.load_factor, cfg.security.clone())?),
@@ -130,7 +140,7 @@ pub async fn build(cfg: RouterConfig, wait: Duration) -> Result<axum::Router> {
         defaults: cfg.defaults,
         metrics: metrics::Metrics::default(),
         rebalance: rebalance_stats,
-        jobs: jobs::Jobs::default(),
+        jobs: job_table::Jobs::default(),
     };
     Ok(api::app(Arc::new(state)))
 }

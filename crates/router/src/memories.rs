@@ -1,11 +1,9 @@
 //! The memory API under `/v1/memories` (docs/serving.md, "Memory API"):
 //! ingest (turns, facts, or Mem0-style chat messages), list, get one,
 //! search with scores and metadata filters, forget one unit or a user.
-//! Writes go to every writer of the user (`api::write_all`); reads to the
+//! Writes go to every writer of the user (`dispatch::write_all`); reads to the
 //! worker that answers the user's reads.
 
-use std::collections::HashMap;
-use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use axum::Json;
@@ -18,11 +16,14 @@ use inferscale_types::{MemoryUnit, Scope};
 use serde::Deserialize;
 use serde_json::json;
 
-use crate::api::{AppState, RETRY_FOR, RETRY_PAUSE, Shared, WorkerClient, body, tenant, write_all};
 use crate::auth::scoped;
+use crate::dispatch::{RETRY_FOR, RETRY_PAUSE, WorkerClient, write_all};
 use crate::error::{ApiError, Result};
-use crate::openai::{self, IngestBody};
+use crate::ingest::{Ingest, units_from_messages};
+use crate::openai::IngestBody;
+use crate::state::{AppState, Shared, body, tenant};
 use crate::workers::{InFlight, request};
+use inferscale_types::check_user;
 
 /// A read of one user's memory: the key's tenant (to take its namespace out
 /// of error messages), the scoped user id, and a client of the worker that
@@ -36,7 +37,7 @@ struct Read {
 
 impl Read {
     fn new(s: &AppState, tenant: String, user: &str) -> Result<Read> {
-        openai::check_user(user)?;
+        check_user(user)?;
         let scoped_user = scoped(&tenant, user);
         let w = s.workers.reader(&scoped_user)?;
         Ok(Read { client: w.worker().client(), tenant, user: scoped_user, _in_flight: w })
@@ -46,6 +47,44 @@ impl Read {
     fn error(&self, e: tonic::Status) -> ApiError {
         ApiError::from(e).unscope(&self.tenant)
     }
+}
+
+/// One user's units as the worker that answers their reads holds them
+/// (`ids` empty: all, in stored order), and the window they were encoded
+/// with.
+pub(crate) async fn units(
+    s: &AppState,
+    tenant: String,
+    user: &str,
+    ids: Vec<String>,
+) -> Result<(Vec<pb::MemoryUnit>, u32)> {
+    let mut read = Read::new(s, tenant, user)?;
+    let req = pb::ListMemoriesRequest { user: read.user.clone(), ids };
+    let r = read.client.list_memories(request(req, s.defaults.deadline)).await.map_err(|e| read.error(e))?;
+    let r = r.into_inner();
+    Ok((r.units, r.window))
+}
+
+/// One user's units ranked for `req.query` (the worker's search: scope and
+/// metadata filters in `req`, whose `user` is set here).
+pub(crate) async fn search_units(
+    s: &AppState,
+    tenant: String,
+    user: &str,
+    mut req: pb::SearchMemoriesRequest,
+) -> Result<Vec<pb::SearchHit>> {
+    let mut read = Read::new(s, tenant, user)?;
+    req.user = read.user.clone();
+    let hits = read.client.search_memories(request(req, s.defaults.deadline)).await.map_err(|e| read.error(e))?;
+    Ok(hits.into_inner().hits)
+}
+
+/// One unit's adds and updates, oldest first.
+pub(crate) async fn unit_history(s: &AppState, tenant: String, user: &str, id: &str) -> Result<Vec<pb::HistoryEvent>> {
+    let mut read = Read::new(s, tenant, user)?;
+    let req = pb::UnitHistoryRequest { user: read.user.clone(), id: id.to_string() };
+    let events = read.client.unit_history(request(req, s.defaults.deadline)).await.map_err(|e| read.error(e))?;
+    Ok(events.into_inner().events)
 }
 
 /// `POST /v1/memories`: turns, facts and (Mem0-style) chat messages;
@@ -58,9 +97,9 @@ pub(crate) async fn ingest(
 ) -> Result<axum::response::Response> {
     use axum::response::IntoResponse;
     let tenant = tenant(&s, &headers)?;
-    let r: IngestBody = openai::parse(&body(b, s.defaults.body_limit)?)?;
-    openai::check_user(&r.user)?;
-    let from_messages = units_from_messages(&r.messages)?;
+    let r: IngestBody = crate::validate::parse(&body(b, s.defaults.body_limit)?)?;
+    check_user(&r.user)?;
+    let from_messages = units_from_messages(&r.messages, 0)?;
     if r.turns.is_empty() && r.facts.is_empty() && from_messages.is_empty() {
         return Err(ApiError::BadRequest(
             "nothing to ingest: `turns`, `facts` and `messages` (user and assistant ones) are empty".into(),
@@ -84,90 +123,11 @@ pub(crate) async fn ingest(
             u.run_id = r.run_id.clone().unwrap_or_default();
         }
     }
-    let units: Vec<pb::MemoryUnit> = units.into_iter().map(pb::MemoryUnit::from).collect();
-    let scoped_user = scoped(&tenant, &r.user);
-    let req = pb::IngestRequest { user: scoped_user.clone(), window: r.window, units, defer_kv: false };
-    let ingest = Ingest { user: r.user, scoped_user, req, message_ids: ids };
+    let ingest = Ingest::new(&tenant, r.user, r.window, units, ids);
     if r.run_async {
         return crate::jobs::start(&s, tenant, ingest);
     }
     Ok(Json(ingest.run(&s, &tenant, s.defaults.deadline).await?).into_response())
-}
-
-/// An ingest request, checked and ready to send.
-pub(crate) struct Ingest {
-    /// The user as the client named it, and as the workers know it.
-    pub(crate) user: String,
-    pub(crate) scoped_user: String,
-    req: pb::IngestRequest,
-    /// The ids given to units made from chat messages.
-    message_ids: Vec<String>,
-}
-
-impl Ingest {
-    /// Every unit id of the request.
-    pub(crate) fn ids(&self) -> Vec<String> {
-        self.req.units.iter().map(|u| u.id.clone()).collect()
-    }
-
-    /// Sends it to every writer of the user, each call bounded by
-    /// `deadline`; the answer's body.
-    pub(crate) async fn run(
-        &self,
-        s: &AppState,
-        tenant: &str,
-        deadline: std::time::Duration,
-    ) -> Result<serde_json::Value> {
-        // Copies other than the home's store facts only; their KV is encoded
-        // if they ever serve.
-        let resp = write_all(
-            s,
-            &self.scoped_user,
-            |_| false,
-            |mut c, home| {
-                let req = request(pb::IngestRequest { defer_kv: !home, ..self.req.clone() }, deadline);
-                async move { c.ingest(req).await }
-            },
-        )
-        .await
-        .map_err(|e| e.unscope(tenant))?;
-        s.metrics.ingested_units.fetch_add(u64::from(resp.added), Ordering::Relaxed);
-        let mut out = json!({"user": self.user, "added": resp.added, "skipped": resp.skipped,
-                             "encoded_tokens": resp.encoded_tokens});
-        if !self.message_ids.is_empty() {
-            out["ids"] = json!(self.message_ids);
-        }
-        Ok(out)
-    }
-}
-
-/// Memory units from an OpenAI message list (Mem0's `add(messages)`): each
-/// user or assistant message is a turn, its speaker the message's `name`
-/// or its role; system and developer messages are instructions, not
-/// memories, and are skipped. A message's id is derived from its role,
-/// name, text and how many identical messages precede it in the list, so
-/// re-sending a list stores nothing twice.
-fn units_from_messages(messages: &[openai::Message]) -> Result<Vec<MemoryUnit>> {
-    let mut seen: HashMap<u64, u32> = HashMap::new();
-    let mut units = Vec::new();
-    for (i, m) in messages.iter().enumerate() {
-        let speaker = match m.role.as_str() {
-            "system" | "developer" => continue,
-            "user" => "User",
-            "assistant" => "Assistant",
-            other => return Err(ApiError::BadRequest(format!("messages[{i}].role {other:?} is not supported"))),
-        };
-        let speaker = m.name.clone().unwrap_or_else(|| speaker.to_string());
-        let text = m.content.text()?;
-        let key = [m.role.as_bytes(), b"\0", speaker.as_bytes(), b"\0", text.as_bytes()].concat();
-        let base = inferscale_cluster::ring::hash64(&key);
-        let n = seen.entry(base).or_default();
-        let occurrence = [base.to_le_bytes(), u64::from(*n).to_le_bytes()].concat();
-        let id = format!("msg-{:016x}", inferscale_cluster::ring::hash64(&occurrence));
-        *n += 1;
-        units.push(MemoryUnit { id, speaker, text, ..Default::default() });
-    }
-    Ok(units)
 }
 
 /// A path's parameters, or the JSON 400 every other bad input gets (axum's
@@ -189,29 +149,38 @@ pub(crate) async fn list(
     query: RawQuery,
 ) -> Result<Json<serde_json::Value>> {
     let user = path(user)?;
-    let mut read = Read::new(&s, tenant(&s, &headers)?, &user)?;
     let (limit, cursor, scope) = page(query.0.as_deref())?;
-    let req = pb::ListMemoriesRequest { user: read.user.clone(), ids: Vec::new() };
-    let r = read.client.list_memories(request(req, s.defaults.deadline)).await.map_err(|e| read.error(e))?.into_inner();
-    let all = r
-        .units
+    let (units, window) = units(&s, tenant(&s, &headers)?, &user, Vec::new()).await?;
+    let all = units
         .into_iter()
-        .map(MemoryUnit::try_from)
-        .collect::<std::result::Result<Vec<_>, _>>()
-        .map_err(ApiError::Internal)?;
-    let all: Vec<MemoryUnit> = all.into_iter().filter(|u| scope.contains(u)).collect();
+        .map(|u| {
+            let (created_at, updated_at) = stamps(&u);
+            let unit = MemoryUnit::try_from(u).map_err(ApiError::Internal)?;
+            Ok((unit, created_at, updated_at))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let all: Vec<_> = all.into_iter().filter(|(u, ..)| scope.contains(u)).collect();
     let total = all.len();
     let start = match &cursor {
         None => 0,
-        Some(c) => all.iter().position(|u| &u.id == c).map(|i| i + 1).ok_or_else(|| ApiError::Param {
-            param: "cursor",
-            message: format!("{c:?} is not a unit of this user (deleted since the last page?)"),
+        Some(c) => all.iter().position(|(u, ..)| &u.id == c).map(|i| i + 1).ok_or_else(|| {
+            ApiError::param("cursor", format!("{c:?} is not a unit of this user (deleted since the last page?)"))
         })?,
     };
     let end = (start + limit).min(total);
-    let units = &all[start..end];
-    let next = (end < total).then(|| units.last().map(|u| u.id.clone())).flatten();
-    Ok(Json(json!({"user": user, "window": r.window, "total": total, "count": units.len(), "units": units,
+    let page = &all[start..end];
+    let next = (end < total).then(|| page.last().map(|(u, ..)| u.id.clone())).flatten();
+    // Each unit as stored, with when it was stored and last changed.
+    let units: Vec<serde_json::Value> = page
+        .iter()
+        .map(|(u, created_at, updated_at)| {
+            let mut v = json!(u);
+            v["created_at"] = created_at.clone();
+            v["updated_at"] = updated_at.clone();
+            v
+        })
+        .collect();
+    Ok(Json(json!({"user": user, "window": window, "total": total, "count": units.len(), "units": units,
                    "next_cursor": next})))
 }
 
@@ -226,10 +195,11 @@ fn page(query: Option<&str>) -> Result<(usize, Option<String>, Scope)> {
         })?;
         match key {
             "limit" => {
-                limit = value.parse().ok().filter(|n| (1..=1000).contains(n)).ok_or_else(|| ApiError::Param {
-                    param: "limit",
-                    message: format!("{value:?} is not a number in 1..=1000"),
-                })?
+                limit = value
+                    .parse()
+                    .ok()
+                    .filter(|n| (1..=1000).contains(n))
+                    .ok_or_else(|| ApiError::param("limit", format!("{value:?} is not a number in 1..=1000")))?
             }
             "cursor" if !value.is_empty() => cursor = Some(value),
             "agent_id" if !value.is_empty() => scope.agent_id = Some(value),
@@ -243,7 +213,7 @@ fn page(query: Option<&str>) -> Result<(usize, Option<String>, Scope)> {
 
 /// `%XX` escapes and `+` (a space) decoded; `None` for a bad escape or
 /// bytes that are not UTF-8.
-fn percent_decode(s: &str) -> Option<String> {
+pub(crate) fn percent_decode(s: &str) -> Option<String> {
     let b = s.as_bytes();
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
@@ -267,10 +237,11 @@ fn percent_decode(s: &str) -> Option<String> {
     String::from_utf8(out).ok()
 }
 
-async fn forget(s: &AppState, headers: &HeaderMap, user: &str, unit: String) -> Result<Json<serde_json::Value>> {
-    let tenant = tenant(s, headers)?;
-    openai::check_user(user)?;
-    let scoped_user = scoped(&tenant, user);
+/// Forgets one unit of `user` (`unit` empty: all of them) on every writer
+/// of the user.
+pub(crate) async fn forget(s: &AppState, tenant: &str, user: &str, unit: &str) -> Result<()> {
+    check_user(user)?;
+    let scoped_user = scoped(tenant, user);
     // A delete waits for a move to settle: sent to both ends of a copy in
     // flight, it could be undone by the copy.
     let until = Instant::now() + RETRY_FOR;
@@ -280,7 +251,7 @@ async fn forget(s: &AppState, headers: &HeaderMap, user: &str, unit: String) -> 
         }
         tokio::time::sleep(RETRY_PAUSE).await;
     }
-    let req = pb::ForgetRequest { user: scoped_user.clone(), unit_id: unit.clone() };
+    let req = pb::ForgetRequest { user: scoped_user.clone(), unit_id: unit.to_string() };
     let deadline = s.defaults.deadline;
     // A replica may not have (all of) the user yet; its "not found" is fine.
     let tolerate = |e: &tonic::Status| e.code() == tonic::Code::NotFound;
@@ -289,12 +260,8 @@ async fn forget(s: &AppState, headers: &HeaderMap, user: &str, unit: String) -> 
         async move { c.forget(req).await }
     })
     .await
-    .map_err(|e| e.unscope(&tenant))?;
-    Ok(Json(if unit.is_empty() {
-        json!({"user": user, "deleted": true})
-    } else {
-        json!({"user": user, "id": unit, "deleted": true})
-    }))
+    .map_err(|e| e.unscope(tenant))?;
+    Ok(())
 }
 
 pub(crate) async fn forget_user(
@@ -302,7 +269,9 @@ pub(crate) async fn forget_user(
     headers: HeaderMap,
     user: std::result::Result<Path<String>, PathRejection>,
 ) -> Result<Json<serde_json::Value>> {
-    forget(&s, &headers, &path(user)?, String::new()).await
+    let user = path(user)?;
+    forget(&s, &tenant(&s, &headers)?, &user, "").await?;
+    Ok(Json(json!({"user": user, "deleted": true})))
 }
 
 pub(crate) async fn forget_unit(
@@ -314,7 +283,8 @@ pub(crate) async fn forget_unit(
     if unit.is_empty() {
         return Err(ApiError::BadRequest("empty unit id".into()));
     }
-    forget(&s, &headers, &user, unit).await
+    forget(&s, &tenant(&s, &headers)?, &user, &unit).await?;
+    Ok(Json(json!({"user": user, "id": unit, "deleted": true})))
 }
 
 /// `GET /v1/memories/{user}/{id}`: one unit.
@@ -324,11 +294,9 @@ pub(crate) async fn get(
     p: std::result::Result<Path<(String, String)>, PathRejection>,
 ) -> Result<Json<serde_json::Value>> {
     let (user, id) = path(p)?;
-    let mut read = Read::new(&s, tenant(&s, &headers)?, &user)?;
-    let req = pb::ListMemoriesRequest { user: read.user.clone(), ids: vec![id] };
-    let r = read.client.list_memories(request(req, s.defaults.deadline)).await.map_err(|e| read.error(e))?.into_inner();
-    let unit = r.units.into_iter().next().ok_or_else(|| ApiError::Internal("the worker sent no unit".into()))?;
-    Ok(Json(unit_json(&user, MemoryUnit::try_from(unit).map_err(ApiError::Internal)?, None)))
+    let (units, _) = units(&s, tenant(&s, &headers)?, &user, vec![id]).await?;
+    let unit = units.into_iter().next().ok_or_else(|| ApiError::Internal("the worker sent no unit".into()))?;
+    Ok(Json(unit_json(&user, unit, None)?))
 }
 
 /// `POST /v1/memories/search`.
@@ -357,14 +325,13 @@ pub(crate) async fn search(
     b: std::result::Result<Bytes, BytesRejection>,
 ) -> Result<Json<serde_json::Value>> {
     let tenant = tenant(&s, &headers)?;
-    let r: SearchBody = openai::parse(&body(b, s.defaults.body_limit)?)?;
-    let mut read = Read::new(&s, tenant, &r.user)?;
+    let r: SearchBody = crate::validate::parse(&body(b, s.defaults.body_limit)?)?;
     let filters = match r.filters.is_empty() {
         true => String::new(),
         false => serde_json::Value::Object(r.filters).to_string(),
     };
     let req = pb::SearchMemoriesRequest {
-        user: read.user.clone(),
+        user: String::new(),
         query: r.query,
         top_k: r.top_k.unwrap_or(SEARCH_TOP_K),
         threshold: r.threshold,
@@ -372,13 +339,12 @@ pub(crate) async fn search(
         agent_id: r.agent_id.unwrap_or_default(),
         run_id: r.run_id.unwrap_or_default(),
     };
-    let hits = read.client.search_memories(request(req, s.defaults.deadline)).await.map_err(|e| read.error(e))?;
-    let hits = hits.into_inner().hits;
+    let hits = search_units(&s, tenant, &r.user, req).await?;
     let results = hits
         .into_iter()
         .map(|h| {
             let unit = h.unit.ok_or_else(|| ApiError::Internal("a search hit without its unit".into()))?;
-            Ok(unit_json(&r.user, MemoryUnit::try_from(unit).map_err(ApiError::Internal)?, Some(h.score)))
+            unit_json(&r.user, unit, Some(h.score))
         })
         .collect::<Result<Vec<_>>>()?;
     Ok(Json(json!({"results": results})))
@@ -403,30 +369,43 @@ pub(crate) async fn update(
 ) -> Result<Json<serde_json::Value>> {
     let (user, id) = path(p)?;
     let tenant = tenant(&s, &headers)?;
-    openai::check_user(&user)?;
-    let r: UpdateBody = openai::parse(&body(b, s.defaults.body_limit)?)?;
-    if r.text.is_none() && r.metadata.is_none() {
+    check_user(&user)?;
+    let r: UpdateBody = crate::validate::parse(&body(b, s.defaults.body_limit)?)?;
+    let resp = update_unit(&s, &tenant, &user, &id, r.text, r.metadata).await?;
+    Ok(Json(json!({"id": id, "user": user, "updated": resp.changed, "encoded_tokens": resp.encoded_tokens})))
+}
+
+/// Changes one unit of `user`: a new text (its KV re-encoded in the unit's
+/// place) and/or new metadata, on every writer of the user.
+pub(crate) async fn update_unit(
+    s: &AppState,
+    tenant: &str,
+    user: &str,
+    id: &str,
+    text: Option<String>,
+    metadata: Option<serde_json::Map<String, serde_json::Value>>,
+) -> Result<pb::UpdateMemoryResponse> {
+    if text.is_none() && metadata.is_none() {
         return Err(ApiError::BadRequest("nothing to update: send `text` and/or `metadata`".into()));
     }
-    let scoped_user = scoped(&tenant, &user);
+    let scoped_user = scoped(tenant, user);
     let req = pb::UpdateMemoryRequest {
         user: scoped_user.clone(),
-        id: id.clone(),
-        text: r.text,
-        metadata: r.metadata.map(|m| serde_json::Value::Object(m).to_string()),
+        id: id.to_string(),
+        text,
+        metadata: metadata.map(|m| serde_json::Value::Object(m).to_string()),
         defer_kv: false,
     };
     let deadline = s.defaults.deadline;
     // A replica that does not have the unit yet takes it with the update's
     // ingest's retry, or from the home on a move; its "not found" is fine.
     let tolerate = |e: &tonic::Status| e.code() == tonic::Code::NotFound;
-    let resp = write_all(&s, &scoped_user, tolerate, |mut c, home| {
+    write_all(s, &scoped_user, tolerate, |mut c, home| {
         let req = request(pb::UpdateMemoryRequest { defer_kv: !home, ..req.clone() }, deadline);
         async move { c.update_memory(req).await }
     })
     .await
-    .map_err(|e| e.unscope(&tenant))?;
-    Ok(Json(json!({"id": id, "user": user, "updated": resp.changed, "encoded_tokens": resp.encoded_tokens})))
+    .map_err(|e| e.unscope(tenant))
 }
 
 /// `GET /v1/memories/{user}/{id}/history`: the unit's adds and updates,
@@ -438,15 +417,12 @@ pub(crate) async fn history(
     p: std::result::Result<Path<(String, String)>, PathRejection>,
 ) -> Result<Json<serde_json::Value>> {
     let (user, id) = path(p)?;
-    let mut read = Read::new(&s, tenant(&s, &headers)?, &user)?;
-    let req = pb::UnitHistoryRequest { user: read.user.clone(), id: id.clone() };
-    let events = read.client.unit_history(request(req, s.defaults.deadline)).await.map_err(|e| read.error(e))?;
-    let events = events.into_inner().events;
+    let events = unit_history(&s, tenant(&s, &headers)?, &user, &id).await?;
     let meta = |m: &str| serde_json::from_str::<serde_json::Value>(m).unwrap_or(serde_json::Value::Null);
     let history: Vec<serde_json::Value> = events
         .iter()
         .map(|e| {
-            json!({"event": e.event, "created_at": rfc3339(e.at_ms), "at_ms": e.at_ms,
+            json!({"event": e.event, "created_at": inferscale_types::time::rfc3339(e.at_ms), "at_ms": e.at_ms,
                    "old_memory": e.old_text, "new_memory": e.new_text,
                    "old_metadata": e.old_metadata.as_deref().map(meta), "new_metadata": meta(&e.new_metadata)})
         })
@@ -454,28 +430,22 @@ pub(crate) async fn history(
     Ok(Json(json!({"id": id, "user": user, "history": history})))
 }
 
-/// Milliseconds since the Unix epoch as RFC 3339 UTC (`…T…Z`, milliseconds).
-fn rfc3339(ms: u64) -> String {
-    let (days, rest) = ((ms / 86_400_000) as i64, ms % 86_400_000);
-    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    let (h, m, sec, milli) = (rest / 3_600_000, rest / 60_000 % 60, rest / 1000 % 60, rest % 1000);
-    format!("{year:04}-{month:02}-{day:02}T{h:02}:{m:02}:{sec:02}.{milli:03}Z")
+/// When a unit read from a worker was stored and last changed, as RFC 3339
+/// (`null` when the store kept no history for it).
+pub(crate) fn stamps(u: &pb::MemoryUnit) -> (serde_json::Value, serde_json::Value) {
+    let at = |ms: u64| if ms == 0 { serde_json::Value::Null } else { json!(inferscale_types::time::rfc3339(ms)) };
+    (at(u.created_ms), at(u.updated_ms))
 }
 
 /// A unit as the memory API shows it: its fields, with Mem0's names
-/// (`memory` for the text, `user_id`) beside ours.
-fn unit_json(user: &str, u: MemoryUnit, score: Option<f32>) -> serde_json::Value {
+/// (`memory` for the text, `user_id`) beside ours, and when it was stored
+/// and last changed.
+fn unit_json(user: &str, unit: pb::MemoryUnit, score: Option<f32>) -> Result<serde_json::Value> {
+    let (created_at, updated_at) = stamps(&unit);
+    let u = MemoryUnit::try_from(unit).map_err(ApiError::Internal)?;
     let mut v = json!({"id": u.id, "memory": u.text, "text": u.text, "speaker": u.speaker, "time": u.time,
-                       "metadata": u.metadata, "user_id": user});
+                       "metadata": u.metadata, "user_id": user, "created_at": created_at,
+                       "updated_at": updated_at});
     for (k, s) in [("agent_id", &u.agent_id), ("run_id", &u.run_id)] {
         if !s.is_empty() {
             v[k] = json!(s);
@@ -487,43 +457,12 @@ fn unit_json(user: &str, u: MemoryUnit, score: Option<f32>) -> serde_json::Value
     if let Some(score) = score {
         v["score"] = json!(score);
     }
-    v
+    Ok(v)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn messages(v: serde_json::Value) -> Vec<openai::Message> {
-        serde_json::from_value(v).unwrap_or_else(|e| panic!("{e}"))
-    }
-
-    #[test]
-    fn messages_become_turns_with_stable_ids() {
-        let list = messages(json!([
-            {"role": "system", "content": "You are helpful."},
-            {"role": "user", "content": "I love hiking."},
-            {"role": "assistant", "name": "Coach", "content": "Great!"},
-            {"role": "user", "content": "I love hiking."},
-        ]));
-        let units = units_from_messages(&list).unwrap_or_else(|e| panic!("{e}"));
-        let speakers: Vec<&str> = units.iter().map(|u| u.speaker.as_str()).collect();
-        assert_eq!(speakers, ["User", "Coach", "User"]);
-        assert_eq!(units[2].text, "I love hiking.");
-        // Identical messages get distinct ids; the same list the same ids.
-        assert_ne!(units[0].id, units[2].id);
-        let again = units_from_messages(&list).unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!(units.iter().map(|u| &u.id).collect::<Vec<_>>(), again.iter().map(|u| &u.id).collect::<Vec<_>>());
-        let tool = messages(json!([{"role": "tool", "content": "x"}]));
-        assert!(units_from_messages(&tool).is_err());
-    }
-
-    #[test]
-    fn times_are_rfc3339_utc() {
-        assert_eq!(rfc3339(0), "1970-01-01T00:00:00.000Z");
-        assert_eq!(rfc3339(951_782_400_000), "2000-02-29T00:00:00.000Z");
-        assert_eq!(rfc3339(1_796_281_818_123), "2026-12-03T07:10:18.123Z");
-    }
 
     #[test]
     fn list_pages_parse_limit_and_cursor() {

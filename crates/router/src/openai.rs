@@ -1,32 +1,16 @@
-//! The OpenAI chat-completions schema (the subset we serve), our `memory`
-//! extension, the memory-ingestion bodies, and their validation.
+//! The OpenAI schema we serve (chat and text completions, embeddings, the
+//! response and usage shapes), our `memory` extension, and the
+//! memory-ingestion bodies. What a request may ask is checked in
+//! `validate.rs`.
 //!
 //! Unknown fields are ignored, as OpenAI-compatible servers do, so clients
 //! that send more than we use keep working; known fields of the wrong type
 //! are refused with the field's path in the message.
 
-use inferscale_types::{MemoryUnit, Mode};
-use serde::de::DeserializeOwned;
+use inferscale_types::{FactSources, MemoryUnit, Mode};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{ApiError, Result};
-
-/// Parses a JSON body, naming the offending field on error.
-pub fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T> {
-    if std::str::from_utf8(body).is_err() {
-        return Err(ApiError::BadRequest("request body is not valid UTF-8".into()));
-    }
-    let de = &mut serde_json::Deserializer::from_slice(body);
-    serde_path_to_error::deserialize(de).map_err(|e| {
-        let path = e.path().to_string();
-        let inner = e.into_inner();
-        if path == "." || path.is_empty() {
-            ApiError::BadRequest(format!("invalid JSON body: {inner}"))
-        } else {
-            ApiError::BadRequest(format!("invalid JSON body: field `{path}`: {inner}"))
-        }
-    })
-}
 
 #[derive(Debug, Deserialize)]
 pub struct ChatRequest {
@@ -38,15 +22,33 @@ pub struct ChatRequest {
     pub user: Option<String>,
     pub max_tokens: Option<u32>,
     pub max_completion_tokens: Option<u32>,
+    /// Return each token's log-probability (`top_logprobs` alternatives).
+    pub logprobs: Option<bool>,
+    pub top_logprobs: Option<u32>,
+    pub n: Option<u32>,
+    pub memory: Option<MemoryOptions>,
+}
+
+/// The sampling parameters chat and text completions share: OpenAI's and
+/// vLLM's extras (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`).
+/// Parsed from the same body as the request (a flattened struct would lose
+/// a bad field's name).
+#[derive(Debug, Deserialize, Default)]
+pub struct SamplingFields {
     pub temperature: Option<f32>,
     pub top_p: Option<f32>,
+    /// vLLM's: -1 (or 0) keeps every token.
+    pub top_k: Option<i64>,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
     pub seed: Option<u64>,
-    pub stop: Option<Stop>,
-    pub n: Option<u32>,
+    /// A string or a list of strings (checked in `validate.rs`).
+    pub stop: Option<serde_json::Value>,
     /// Keep generating past end-of-sequence tokens (as vLLM's extension;
     /// benchmarks and tests that need exactly `max_tokens`).
     pub ignore_eos: Option<bool>,
-    pub memory: Option<MemoryOptions>,
 }
 
 /// `POST /v1/completions`: a raw prompt (no chat template), with memory
@@ -60,12 +62,10 @@ pub struct CompletionRequest {
     pub stream_options: Option<StreamOptions>,
     pub user: Option<String>,
     pub max_tokens: Option<u32>,
-    pub temperature: Option<f32>,
-    pub top_p: Option<f32>,
-    pub seed: Option<u64>,
-    pub stop: Option<Stop>,
+    /// The legacy completions form: how many alternatives to report with
+    /// each token's log-probability.
+    pub logprobs: Option<u32>,
     pub n: Option<u32>,
-    pub ignore_eos: Option<bool>,
     pub memory: Option<MemoryOptions>,
 }
 
@@ -83,35 +83,10 @@ pub enum PromptInput {
     Tokens(serde::de::IgnoredAny),
 }
 
-impl CompletionRequest {
-    /// The prompt, and a chat request carrying the other parameters and no
-    /// messages, so that both endpoints validate alike.
-    pub fn split(self) -> Result<(String, ChatRequest)> {
-        let prompt = self.prompt.text()?;
-        let chat = ChatRequest {
-            model: self.model,
-            messages: Vec::new(),
-            stream: self.stream,
-            stream_options: self.stream_options,
-            user: self.user,
-            max_tokens: Some(self.max_tokens.unwrap_or(COMPLETION_MAX_TOKENS)),
-            max_completion_tokens: None,
-            temperature: self.temperature,
-            top_p: self.top_p,
-            seed: self.seed,
-            stop: self.stop,
-            n: self.n,
-            ignore_eos: self.ignore_eos,
-            memory: self.memory,
-        };
-        Ok((prompt, chat))
-    }
-}
-
 impl PromptInput {
     /// The one text prompt a request may carry.
     pub fn text(self) -> Result<String> {
-        let bad = |m: &str| ApiError::Param { param: "prompt", message: m.to_string() };
+        let bad = |m: &str| ApiError::param("prompt", m);
         match self {
             PromptInput::One(p) => Ok(p),
             PromptInput::Many(mut v) if v.len() == 1 => Ok(v.remove(0)),
@@ -134,7 +109,7 @@ pub struct EmbeddingsRequest {
 impl EmbeddingsRequest {
     /// The texts to embed.
     pub fn texts(&mut self) -> Result<Vec<String>> {
-        let bad = |m: &str| ApiError::Param { param: "input", message: m.to_string() };
+        let bad = |m: &str| ApiError::param("input", m);
         match std::mem::replace(&mut self.input, PromptInput::Many(Vec::new())) {
             PromptInput::One(t) => Ok(vec![t]),
             PromptInput::Many(v) => Ok(v),
@@ -162,54 +137,6 @@ pub fn base64(bytes: &[u8]) -> String {
     out
 }
 
-/// OpenAI chat parameters we do not implement. Unknown fields outside this
-/// list are ignored (clients send vendor extensions).
-const UNSUPPORTED: &[&str] = &[
-    "logprobs",
-    "top_logprobs",
-    "tools",
-    "tool_choice",
-    "parallel_tool_calls",
-    "functions",
-    "function_call",
-    "response_format",
-    "logit_bias",
-    "presence_penalty",
-    "frequency_penalty",
-    "audio",
-    "modalities",
-    "prediction",
-    "web_search_options",
-    "best_of",
-    "echo",
-    "suffix",
-];
-
-/// Refuses the first of [`UNSUPPORTED`] that a (parsed, so valid JSON)
-/// body sets to anything but its neutral value (null, false, 0, an empty
-/// list or object, `"auto"` or `"none"` tool choice, `{"type": "text"}`
-/// response format): a client that asks for what we do not do is told so,
-/// naming the parameter, rather than answered as if it had not asked.
-pub fn check_unsupported(body: &[u8]) -> Result<()> {
-    use serde_json::Value;
-    let Ok(other) = serde_json::from_slice::<serde_json::Map<String, Value>>(body) else { return Ok(()) };
-    for &name in UNSUPPORTED {
-        let Some(v) = other.get(name) else { continue };
-        let neutral = match v {
-            Value::Null | Value::Bool(false) => true,
-            Value::Number(n) => n.as_f64() == Some(0.0) || (name == "best_of" && n.as_f64() == Some(1.0)),
-            Value::Array(a) => a.is_empty(),
-            Value::Object(o) => o.is_empty() || (name == "response_format" && o.get("type") == Some(&"text".into())),
-            Value::String(s) => matches!((name, s.as_str()), ("tool_choice" | "function_call", "none" | "auto")),
-            Value::Bool(true) => false,
-        };
-        if !neutral {
-            return Err(ApiError::Unsupported(name.to_string()));
-        }
-    }
-    Ok(())
-}
-
 #[derive(Debug, Deserialize)]
 pub struct StreamOptions {
     #[serde(default)]
@@ -219,55 +146,18 @@ pub struct StreamOptions {
 #[derive(Debug, Deserialize)]
 pub struct Message {
     pub role: String,
-    pub content: Content,
+    /// A string or a list of text parts; null on an assistant message that
+    /// made tool calls (what SDKs send back). Checked in `validate.rs`.
+    #[serde(default)]
+    pub content: serde_json::Value,
     /// The participant's name (a speaker, when messages become memories).
     pub name: Option<String>,
 }
 
-/// A message's content: a string, or text parts.
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-pub enum Content {
-    Text(String),
-    Parts(Vec<Part>),
-}
-
-#[derive(Debug, Deserialize)]
-pub struct Part {
-    #[serde(rename = "type")]
-    pub kind: String,
-    pub text: Option<String>,
-}
-
-impl Content {
-    pub fn text(&self) -> Result<String> {
-        match self {
-            Content::Text(t) => Ok(t.clone()),
-            Content::Parts(parts) => parts
-                .iter()
-                .map(|p| match (p.kind.as_str(), &p.text) {
-                    ("text", Some(t)) => Ok(t.as_str()),
-                    (kind, _) => Err(ApiError::BadRequest(format!("content part of type {kind:?} is not supported"))),
-                })
-                .collect::<Result<Vec<_>>>()
-                .map(|t| t.concat()),
-        }
-    }
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-pub enum Stop {
-    One(String),
-    Many(Vec<String>),
-}
-
-impl Stop {
-    pub fn into_vec(self) -> Vec<String> {
-        match self {
-            Stop::One(s) => vec![s],
-            Stop::Many(v) => v,
-        }
+impl Message {
+    /// A user message of `text`.
+    pub fn user(text: String) -> Message {
+        Message { role: "user".into(), content: serde_json::Value::String(text), name: None }
     }
 }
 
@@ -278,8 +168,13 @@ pub struct MemoryOptions {
     pub mode: Option<Mode>,
     pub k: Option<u64>,
     pub window: Option<u32>,
-    /// `mode = "blend"`: the share of injected tokens recomputed (0..=1).
+    /// `mode = "blend"`: the share of injected tokens recomputed (0..=1),
+    /// and the share of those spent on the best facts' last tokens.
     pub blend_ratio: Option<f32>,
+    pub blend_focus: Option<f32>,
+    /// The words before the question in a memory mode (the server's
+    /// configured instruction when absent; `""` for none).
+    pub instruction: Option<String>,
     /// Retrieve only the units of this agent / run (Mem0's scoping).
     pub agent_id: Option<String>,
     pub run_id: Option<String>,
@@ -311,23 +206,6 @@ pub struct IngestBody {
     pub run_async: bool,
 }
 
-/// Longest user id, in bytes.
-pub const MAX_USER_BYTES: usize = 256;
-
-/// A user id is 1–256 bytes of printable text.
-pub fn check_user(user: &str) -> Result<()> {
-    if user.is_empty() {
-        return Err(ApiError::BadRequest("`user` is empty".into()));
-    }
-    if user.len() > MAX_USER_BYTES {
-        return Err(ApiError::BadRequest(format!("`user` is longer than {MAX_USER_BYTES} bytes")));
-    }
-    if user.chars().any(char::is_control) {
-        return Err(ApiError::BadRequest("`user` contains control characters".into()));
-    }
-    Ok(())
-}
-
 /// Chat response, non-streaming.
 #[derive(Debug, Serialize)]
 pub struct ChatResponse {
@@ -345,6 +223,8 @@ pub struct ChatResponse {
 pub struct Choice {
     pub index: u32,
     pub message: AssistantMessage,
+    /// `{"content": [...]}` when asked for (`logprobs: true`), else null.
+    pub logprobs: serde_json::Value,
     pub finish_reason: String,
 }
 
@@ -387,43 +267,9 @@ pub struct MemoryUsage {
     pub sources: Option<FactSources>,
 }
 
-/// Where the KV of a request's facts came from, in facts: cached on the
-/// GPU (`device`) or in pinned host memory (`host`), read from disk while
-/// the request waited (`disk`), or on disk only and so prefilled as text
-/// with the question (`prefilled`).
-#[derive(Debug, Serialize, Clone, Copy, PartialEq, Eq)]
-pub struct FactSources {
-    pub device: u32,
-    pub host: u32,
-    pub disk: u32,
-    pub prefilled: u32,
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn refused(body: &str) -> Option<String> {
-        match check_unsupported(body.as_bytes()) {
-            Ok(()) => None,
-            Err(ApiError::Unsupported(p)) => Some(p),
-            Err(e) => panic!("unexpected error {e}"),
-        }
-    }
-
-    #[test]
-    fn parameters_we_do_not_implement_are_refused_by_name_unless_neutral() {
-        assert_eq!(refused(r#"{"logprobs": true}"#).as_deref(), Some("logprobs"));
-        assert_eq!(refused(r#"{"tools": [{"type": "function"}]}"#).as_deref(), Some("tools"));
-        assert_eq!(refused(r#"{"presence_penalty": 0.5}"#).as_deref(), Some("presence_penalty"));
-        assert_eq!(refused(r#"{"response_format": {"type": "json_object"}}"#).as_deref(), Some("response_format"));
-        assert_eq!(refused(r#"{"tool_choice": "required"}"#).as_deref(), Some("tool_choice"));
-        // What a client sends when it does not ask for the feature.
-        assert_eq!(refused(r#"{"logprobs": false, "tools": [], "presence_penalty": 0, "tool_choice": "none"}"#), None);
-        assert_eq!(refused(r#"{"response_format": {"type": "text"}, "logit_bias": {}, "top_logprobs": null}"#), None);
-        // Unknown fields are vendor extensions: ignored.
-        assert_eq!(refused(r#"{"my_extension": true}"#), None);
-    }
 
     #[test]
     fn base64_matches_the_standard_alphabet_and_padding() {

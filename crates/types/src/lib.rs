@@ -1,6 +1,7 @@
 //! The words every crate shares, defined once: the memory unit a caller
-//! stores ([`MemoryUnit`]), how a request uses memory ([`Mode`]), and how
-//! our HTTP clients read an OpenAI-compatible stream ([`sse`]).
+//! stores ([`MemoryUnit`]), how a request uses memory ([`Mode`]), what a
+//! generation asks for and the rules it is admitted by ([`request`]), and
+//! how our HTTP clients read an OpenAI-compatible stream ([`sse`]).
 //!
 //! A leaf crate (serde only) so that the router, the load generator and
 //! the evaluation can speak them without the engine stack; the gRPC
@@ -8,7 +9,14 @@
 
 use serde::{Deserialize, Serialize};
 
+pub mod request;
 pub mod sse;
+pub mod time;
+
+pub use request::{
+    Blend, DEFAULT_BLEND_FOCUS, DEFAULT_BLEND_RATIO, FactSources, Generation, Input, Limits, MemoryRequest, Message,
+    Recall, Refusal, Role, Sampling, admit, check_blend_ratio, check_user,
+};
 
 /// A memory unit to remember: a conversation turn, or a fact the caller
 /// extracted from one (then `source_turn` names that turn). The JSON shape
@@ -63,6 +71,17 @@ impl Scope {
     }
 }
 
+/// A unit as reads return it: with when it was first stored and last
+/// changed, in milliseconds since the Unix epoch by the storing worker's
+/// clock (0 for units stored before the store kept their history). The
+/// times come from the store, never from the caller.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct StoredUnit {
+    pub unit: MemoryUnit,
+    pub created_ms: u64,
+    pub updated_ms: u64,
+}
+
 /// Largest `metadata` of one unit, as JSON text.
 pub const MAX_METADATA_BYTES: usize = 16 << 10;
 
@@ -101,20 +120,6 @@ impl Mode {
     /// Whether the facts' stored KV is injected (`kv`, `blend`).
     pub fn injects(self) -> bool {
         matches!(self, Mode::Kv | Mode::Blend)
-    }
-}
-
-/// The share of injected tokens `blend` recomputes when a request does not
-/// say: chosen on the LoCoMo dev split with Qwen2.5-Coder-1.5B
-/// (docs/locomo.md, "kv+blend").
-pub const DEFAULT_BLEND_RATIO: f32 = 0.15;
-
-/// Checks a blend ratio: a number in `0..=1`. The message names the field.
-pub fn check_blend_ratio(ratio: f32) -> Result<f32, String> {
-    if (0.0..=1.0).contains(&ratio) {
-        Ok(ratio)
-    } else {
-        Err(format!("blend_ratio = {ratio}: must be between 0 and 1 (the share of injected tokens recomputed)"))
     }
 }
 

@@ -23,6 +23,7 @@ use inferscale_memory::{
     Event, ImportReport, IngestReport, KvHeader, MemoryUnit, ShardRecord, StagedShard, UnitUpdate, UpdateReport,
 };
 use inferscale_model::ModelFiles;
+use inferscale_types::StoredUnit;
 use inferscale_worker::Result as WResult;
 use inferscale_worker::metrics::WorkerMetrics;
 use inferscale_worker::{
@@ -190,7 +191,7 @@ pub(crate) fn worker_error(e: ConnectorError) -> WorkerError {
         ConnectorError::Memory(m) => m.into(),
         ConnectorError::Engine(e) => e.into(),
         ConnectorError::Model(e) => e.into(),
-        ConnectorError::Invalid { what, reason } => WorkerError::Invalid(format!("invalid {what}: {reason}")),
+        ConnectorError::Invalid { what, reason } => WorkerError::InvalidMemory { what, reason },
         other => WorkerError::Internal(other.to_string()),
     }
 }
@@ -234,7 +235,7 @@ impl MemoryHost for Host {
         self.read(|g| Ok(each!(g, c => c.memory().history(user, id))?.to_vec()))
     }
 
-    fn search(&mut self, q: &SearchQuery) -> WResult<Vec<(MemoryUnit, f32)>> {
+    fn search(&mut self, q: &SearchQuery) -> WResult<Vec<(StoredUnit, f32)>> {
         self.read(|g| {
             Ok(each!(g, c => {
                 let hits = c.search(&q.user, &q.query, q.top_k, q.threshold, &q.filters, &q.scope)?;
@@ -249,6 +250,15 @@ impl MemoryHost for Host {
     }
 
     fn generate(&mut self, job: GenerateJob, events: Events) -> WResult<()> {
+        // vLLM's log-probabilities would need their own relay; refused,
+        // never silently dropped.
+        if job.params.logprobs.is_some() {
+            return Err(inferscale_types::Refusal::new(
+                "logprobs",
+                "log-probabilities need the native engine; this worker serves with vLLM",
+            )
+            .into());
+        }
         let in_flight = self.shared.in_flight.load(Ordering::SeqCst);
         if in_flight >= self.shared.cfg.max_in_flight {
             return Err(AdmitError::QueueFull(in_flight).into());
@@ -273,8 +283,8 @@ impl MemoryHost for Host {
         self.write(|g| each!(g, c => c.end_ingest(user, commit)))
     }
 
-    fn units(&self, user: &str) -> WResult<Vec<MemoryUnit>> {
-        self.read(|g| Ok(each!(g, c => c.memory().units(user))?))
+    fn units(&self, user: &str) -> WResult<Vec<StoredUnit>> {
+        self.read(|g| Ok(each!(g, c => c.memory().stored(user))?))
     }
 
     fn forget(&mut self, user: &str, unit: Option<&str>) -> WResult<()> {

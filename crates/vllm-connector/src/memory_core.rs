@@ -15,7 +15,7 @@ use std::sync::Arc;
 use inferscale_engine::bert::Bert;
 use inferscale_engine::{Backend, CpuBackend, Engine, EngineConfig, KvChunk};
 use inferscale_memory::{
-    Chat, ImportReport, IngestReport, Memory, MemoryUnit, Pinned, Prompts, Retriever, Scope, Session, ShardSpec,
+    Chat, ImportReport, IngestReport, Memory, MemoryUnit, Mode, Pinned, Prompts, Retriever, Scope, Session, ShardSpec,
     StagedShard,
 };
 use inferscale_model::{ModelFiles, RopeScaling, shapes};
@@ -260,18 +260,18 @@ impl<B: Backend> Core<B> {
     /// prompt-mode baseline is the same prompt with no plan: identical token
     /// ids at identical positions.
     ///
-    /// The header is always the configured system prompt's: vLLM loads KV
-    /// for a prefix of the prompt only, and the header leads it, so a
-    /// request's own system prompt is refused rather than silently dropped.
+    /// The header is always the configured system prompt's (a request's own
+    /// system prompt follows the memory block, docs/design.md §3): vLLM
+    /// loads KV for a prefix of the prompt only, and the header leads it.
+    /// A completion's raw prompt has no such header, so it is refused.
     pub fn compose(&mut self, user: &str, chat: &Chat, scope: &Scope, k: usize) -> Result<Composed> {
-        if !self.session.composer().is_default_header(chat) {
-            let what = if chat.raw { "a completion" } else { "a system message other than the server's system prompt" };
+        if chat.raw {
             return Err(ConnectorError::Invalid {
                 what: "request",
-                reason: format!("{what} needs the native engine; this worker serves with vLLM"),
+                reason: "a completion with memory needs the native engine; this worker serves with vLLM".into(),
             });
         }
-        let q_tokens = self.session.tail(chat)?;
+        let q_tokens = self.session.tail(chat, Mode::Kv)?;
         let best = if k > 0 { self.session.retrieve_in(user, &chat.question, k, scope)? } else { Vec::new() };
         let mut prompt = self.session.composer().header().to_vec();
         let mut chunks = vec![Chunk { fact: None, start: 0, len: prompt.len() }];
@@ -304,10 +304,34 @@ impl<B: Backend> Core<B> {
         Ok(Composed { prompt, plan, prompt_salt, fact_ids })
     }
 
-    /// [`Core::compose`], counting the memory tokens its loads write (for
-    /// the request's usage): [`Core::take_loaded`] reads and drops the count.
-    pub fn compose_tracked(&mut self, user: &str, chat: &Chat, scope: &Scope, k: usize) -> Result<Composed> {
-        let c = self.compose(user, chat, scope, k)?;
+    /// A request without memory: the chat as the model's template renders
+    /// the client's messages (a completion: its prompt), nothing added, and
+    /// a plan that loads nothing (it is never sent to vLLM).
+    pub fn compose_plain(&mut self, user: &str, chat: &Chat) -> Result<Composed> {
+        let prompt = self.session.tail(chat, Mode::None)?;
+        let generation = self.generation.get(user).copied().unwrap_or(0);
+        let plan = Plan {
+            v: PLAN_VERSION,
+            id: random_id()?,
+            user: user.to_string(),
+            fingerprint: self.fingerprint.clone(),
+            salt: salt(user, generation, &self.fingerprint, &[]),
+            digest: token_digest(&[]),
+            chunks: Vec::new(),
+        };
+        self.remember(plan.clone(), None);
+        let prompt_salt = prompt_salt(user, generation, &self.fingerprint);
+        Ok(Composed { prompt, plan, prompt_salt, fact_ids: Vec::new() })
+    }
+
+    /// [`Core::compose`] (`k` facts; `None`: [`Core::compose_plain`]),
+    /// counting the memory tokens its loads write (for the request's
+    /// usage): [`Core::take_loaded`] reads and drops the count.
+    pub fn compose_tracked(&mut self, user: &str, chat: &Chat, scope: &Scope, k: Option<usize>) -> Result<Composed> {
+        let c = match k {
+            Some(k) => self.compose(user, chat, scope, k)?,
+            None => self.compose_plain(user, chat)?,
+        };
         self.loaded.insert(c.plan.id.clone(), 0);
         Ok(c)
     }

@@ -128,8 +128,8 @@ impl Relay {
         events: &UnboundedSender<Event>,
         metrics: &WorkerMetrics,
     ) -> std::result::Result<Finished, Stop> {
-        let k = if job.mode == Mode::None { 0 } else { job.k };
-        let (user, chat, scope) = (job.user.clone(), job.chat.clone(), job.scope.clone());
+        let k = (job.mode() != Mode::None).then(|| job.k());
+        let (user, chat, scope) = (job.user().to_string(), job.chat.clone(), job.scope().clone());
         let composed: Composed = self
             .with_core(move |g| each!(g, c => c.compose_tracked(&user, &chat, &scope, k)).map_err(worker_error))
             .await?;
@@ -164,9 +164,9 @@ impl Relay {
             total_ms: ms(done - job.arrived),
         };
         if let Some(t) = first_token {
-            metrics.decoded(job.mode, generated.saturating_sub(1), (done - t).as_secs_f64());
+            metrics.decoded(job.mode(), generated.saturating_sub(1), (done - t).as_secs_f64());
         }
-        let injected = if job.mode == Mode::Prompt { 0 } else { loaded };
+        let injected = if job.mode().injects() { loaded } else { 0 };
         Ok(Finished {
             reason,
             usage: Usage {
@@ -204,13 +204,24 @@ impl Relay {
             "return_token_ids": true,
             // kv mode: the plan's salt (the scheduler side checks it); prompt
             // mode: the user's prompt namespace, never a block we injected.
-            "cache_salt": if job.mode == Mode::Prompt { &c.prompt_salt } else { &c.plan.salt },
+            "cache_salt": if job.mode().injects() { &c.plan.salt } else { &c.prompt_salt },
             "request_id": format!("inferscale-{}", c.plan.id),
         });
         if p.top_k > 0 {
             body["top_k"] = json!(p.top_k);
         }
-        if job.mode != Mode::Prompt {
+        // vLLM applies the same penalties and min-p (its sampler's own).
+        for (name, v, neutral) in [
+            ("min_p", p.min_p, 0.0),
+            ("repetition_penalty", p.repetition_penalty, 1.0),
+            ("presence_penalty", p.presence_penalty, 0.0),
+            ("frequency_penalty", p.frequency_penalty, 0.0),
+        ] {
+            if v != neutral {
+                body[name] = json!(v);
+            }
+        }
+        if job.mode().injects() {
             body["kv_transfer_params"] = c.plan.to_params();
         }
         body
@@ -243,7 +254,7 @@ impl Relay {
             let text = body.collect().await.map(|b| b.to_bytes()).unwrap_or_default();
             let message = error_message(&text);
             return Err(Stop::Failed(match status.is_client_error() {
-                true => WorkerError::Invalid(format!("vLLM refused the request ({status}): {message}")),
+                true => WorkerError::EngineRefused(format!("vLLM ({status}): {message}")),
                 false => WorkerError::Upstream(format!("vLLM failed the request ({status}): {message}")),
             }));
         }
@@ -288,7 +299,7 @@ impl Relay {
                         .ok_or_else(|| upstream(format!("vLLM streamed a token id that is not one: {id}")))?;
                     if first.is_none() {
                         let now = Instant::now();
-                        metrics.first_token(job.mode, (now - job.arrived).as_secs_f64());
+                        metrics.first_token(job.mode(), (now - job.arrived).as_secs_f64());
                         first = Some(now);
                     }
                     generated.push(id);
@@ -297,7 +308,7 @@ impl Relay {
                         Delta::Text(p) => (p, false),
                         Delta::Stop(p) => (p, true),
                     };
-                    if events.send(Event::Token { id, text: piece }).is_err() {
+                    if events.send(Event::Token { id, text: piece, logprobs: None }).is_err() {
                         return Err(Stop::Cancelled);
                     }
                     if stop {
@@ -318,7 +329,7 @@ impl Relay {
                     // The held-back text (an incomplete stop-string prefix).
                     let rest = text.finish(tok, &generated).map_err(WorkerError::from)?;
                     let id = generated.last().copied().unwrap_or(0);
-                    if !rest.is_empty() && events.send(Event::Token { id, text: rest }).is_err() {
+                    if !rest.is_empty() && events.send(Event::Token { id, text: rest, logprobs: None }).is_err() {
                         return Err(Stop::Cancelled);
                     }
                 }

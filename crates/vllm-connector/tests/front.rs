@@ -317,13 +317,8 @@ async fn generate_submits_the_composed_prompt_with_its_plan_and_relays_the_answe
         generate(&mut c, chat("ana", "Where does my sister live?", pb::MemoryMode::Blend)).await.expect_err("blend");
     assert_eq!(e.code(), Code::InvalidArgument);
     assert!(e.message().contains("needs the native engine"), "{}", e.message());
-    // So does a header other than the configured one: a request's own
-    // system prompt, or a completion's (vLLM loads a prefix of the prompt,
-    // which the header leads).
-    let mut req = chat("ana", "Where does my sister live?", pb::MemoryMode::Kv);
-    req.messages.insert(0, pb::ChatMessage { role: "system".into(), content: "Be terse.".into() });
-    let e = generate(&mut c, req).await.expect_err("system prompt");
-    assert!(e.code() == Code::InvalidArgument && e.message().contains("system message"), "{e:?}");
+    // So does a completion with memory: its raw prompt has no configured
+    // header to lead the prompt vLLM loads a prefix of.
     let mut req = chat("ana", "", pb::MemoryMode::Kv);
     (req.messages, req.prompt) = (Vec::new(), Some("My sister lives in".into()));
     let e = generate(&mut c, req).await.expect_err("completion");
@@ -348,6 +343,22 @@ async fn generate_submits_the_composed_prompt_with_its_plan_and_relays_the_answe
     };
     assert!(at("I am planning a trip.") < at("Where to?") && at("Where to?") < at("Where does my sister live?"));
 
+    // A request's own system prompt follows the memory block: the header the
+    // memory's KV was made after stays the configured one, so it is served.
+    let mut req = chat("ana", "Where does my sister live?", pb::MemoryMode::Kv);
+    req.messages.insert(0, pb::ChatMessage { role: "system".into(), content: "Be terse.".into() });
+    generate(&mut c, req).await.expect("with a system prompt of its own");
+    let body = s.seen.lock().expect("lock").last().cloned().expect("request");
+    let prompt: Vec<u32> = serde_json::from_value(body["prompt"].clone()).expect("ids");
+    let chunks = body["kv_transfer_params"]["inferscale"]["chunks"].as_array().cloned().expect("chunks");
+    let end = chunks.last().map(|c| c["start"].as_u64().unwrap_or(0) + c["len"].as_u64().unwrap_or(0)).unwrap_or(0);
+    let after_memory = &prompt[end as usize..];
+    let find = |text: &str| {
+        let ids: Vec<u32> = text.bytes().map(u32::from).collect();
+        after_memory.windows(ids.len()).position(|w| w == ids)
+    };
+    assert!(find("Be terse.").is_some_and(|i| Some(i) < find("Where does my sister live?")), "{after_memory:?}");
+
     // Embeddings come from the core's retrieval encoder.
     let e = c.embed(pb::EmbedRequest { model: "minilm".into(), input: vec!["a".into(), "b c".into()] }).await;
     let e = e.expect("embeds").into_inner();
@@ -355,7 +366,7 @@ async fn generate_submits_the_composed_prompt_with_its_plan_and_relays_the_answe
     assert!(!e.data[0].values.is_empty() && e.data[0].values.len() == e.data[1].values.len());
 
     let st = c.stats(pb::StatsRequest {}).await.expect("stats").into_inner();
-    assert_eq!((st.requests_finished, st.requests_failed, st.running), (4, 6, 0), "{st:?}");
+    assert_eq!((st.requests_finished, st.requests_failed, st.running), (5, 5, 0), "{st:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

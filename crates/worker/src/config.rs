@@ -26,9 +26,6 @@ pub struct WorkerConfig {
     pub prompts: Prompts,
     /// Most units one ingest request may carry.
     pub max_ingest_units: usize,
-    /// KV blocks kept for the headers of requests' own system prompts
-    /// (an LRU; taken from the scheduler's pool at start).
-    pub header_cache_blocks: usize,
     /// What a kv-mode request does with retrieved facts whose KV is on disk
     /// only.
     pub cold_kv: ColdKv,
@@ -95,9 +92,6 @@ pub enum ColdKv {
 /// reads in ≈ 27 ms on a reader thread (fp8, NVMe, docs/performance.md).
 pub const COLD_KV_WAIT: Duration = Duration::from_millis(100);
 
-/// Room for a few distinct system prompts' headers (16 tokens a block).
-pub const HEADER_CACHE_BLOCKS: usize = 64;
-
 impl Default for WorkerConfig {
     fn default() -> Self {
         WorkerConfig {
@@ -108,7 +102,6 @@ impl Default for WorkerConfig {
             ingest_tokens_per_unit: 2048,
             prompts: Prompts::default(),
             max_ingest_units: MAX_INGEST_UNITS,
-            header_cache_blocks: HEADER_CACHE_BLOCKS,
             cold_kv: ColdKv::default(),
             cold_kv_wait: COLD_KV_WAIT,
             prefix_cache: PrefixCache::default(),

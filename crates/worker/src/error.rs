@@ -2,14 +2,26 @@
 
 use inferscale_engine::EngineError;
 use inferscale_memory::MemoryError;
+use inferscale_types::Refusal;
 
 use crate::scheduler::AdmitError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
-    /// Bad caller input; nothing was stored or run.
-    #[error("{0}")]
-    Invalid(String),
+    /// A request parameter at fault (named, for OpenAI's `param`); nothing
+    /// was stored or run.
+    #[error(transparent)]
+    Refused(#[from] Refusal),
+
+    /// Memory units or their layout that the store refuses (an empty
+    /// text, an id too long, a unit that cannot fit the context); nothing
+    /// was stored.
+    #[error("invalid {what}: {reason}")]
+    InvalidMemory { what: &'static str, reason: String },
+
+    /// The engine a worker hands generation to (vLLM) refused the request.
+    #[error("the engine refused the request: {0}")]
+    EngineRefused(String),
 
     #[error("unknown user `{0}`")]
     UnknownUser(String),
@@ -81,7 +93,7 @@ pub enum WorkerError {
 impl From<MemoryError> for WorkerError {
     fn from(e: MemoryError) -> Self {
         match e {
-            MemoryError::Invalid { what, reason } => WorkerError::Invalid(format!("invalid {what}: {reason}")),
+            MemoryError::Invalid { what, reason } => WorkerError::InvalidMemory { what, reason },
             MemoryError::UnknownUser(u) => WorkerError::UnknownUser(u),
             MemoryError::UnknownFact { user, id } => WorkerError::UnknownUnit { user, id },
             MemoryError::UserDamaged(u) => WorkerError::Damaged(u),
@@ -98,7 +110,9 @@ impl From<WorkerError> for tonic::Status {
     fn from(e: WorkerError) -> Self {
         use tonic::Code;
         let code = match &e {
-            WorkerError::Invalid(_) => Code::InvalidArgument,
+            WorkerError::Refused(_) | WorkerError::InvalidMemory { .. } | WorkerError::EngineRefused(_) => {
+                Code::InvalidArgument
+            }
             WorkerError::UnknownUser(_) | WorkerError::UnknownUnit { .. } => Code::NotFound,
             WorkerError::Admit(AdmitError::QueueFull(_)) => Code::ResourceExhausted,
             WorkerError::Admit(AdmitError::TooLarge { .. }) | WorkerError::Admit(AdmitError::Empty(_)) => {
@@ -139,6 +153,7 @@ impl From<WorkerError> for tonic::Status {
         };
         let status = tonic::Status::new(code, message);
         match e {
+            WorkerError::Refused(r) => inferscale_proto::refused(&r),
             // The code alone reads as "worker down"; the kind tells a router
             // to retry without re-probing the worker's health.
             WorkerError::Moving(_) => inferscale_proto::ErrorKind::Moving.mark(status),

@@ -9,9 +9,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use inferscale_engine::Backend;
-use inferscale_engine::sampling::SamplingParams;
-use inferscale_memory::{Chat, EventKind, MemoryUnit, Mode, UnitUpdate};
-use inferscale_model::Message;
+use inferscale_memory::{EventKind, MemoryUnit, UnitUpdate};
 use inferscale_proto as pb;
 use inferscale_proto::tls::Security;
 use tokio::sync::{mpsc, oneshot};
@@ -25,12 +23,10 @@ use crate::error::{Result, WorkerError};
 use crate::link::Links;
 use crate::metrics::WorkerMetrics;
 use crate::protocol::{
-    Command, Event, GenerateJob, MemoryHost, Protocol, ProtocolConfig, SearchQuery, ShardCommand, finish_reason,
+    Command, Event, GenerateJob, MemoryHost, Protocol, ProtocolConfig, SearchQuery, ShardCommand, TokenLogprob,
+    finish_reason,
 };
 use inferscale_telemetry::propagate;
-
-/// Tokens generated when a request does not say.
-pub const DEFAULT_MAX_TOKENS: usize = 256;
 
 /// What a worker serves, for health answers.
 #[derive(Debug, Clone)]
@@ -238,57 +234,17 @@ impl WorkerService {
     }
 }
 
-fn mode(m: i32) -> std::result::Result<Mode, Status> {
-    pb::MemoryMode::try_from(m)
-        .map(pb::MemoryMode::to_mode)
-        .map_err(|_| Status::invalid_argument(format!("unknown memory mode {m}")))
-}
-
-/// The layout's view of a chat's messages (docs/design.md §3): system and
-/// developer messages, wherever they stand, form the header's system prompt
-/// (joined by blank lines); the last message is the question and must be
-/// the user's; the others are the history, `user` and `assistant` turns.
-fn chat(messages: Vec<pb::ChatMessage>) -> std::result::Result<Chat, Status> {
-    let mut system: Vec<String> = Vec::new();
-    let mut turns = Vec::with_capacity(messages.len());
-    for (i, m) in messages.into_iter().enumerate() {
-        match m.role.as_str() {
-            "system" | "developer" => system.push(m.content),
-            "user" | "assistant" => turns.push(Message { role: m.role, content: m.content }),
-            other => {
-                return Err(Status::invalid_argument(format!("messages[{i}].role {other:?} is not supported")));
-            }
-        }
-    }
-    let question = match turns.pop() {
-        Some(m) if m.role == "user" => m.content,
-        Some(m) => {
-            return Err(Status::invalid_argument(format!("the last message must be the user's, not {:?}", m.role)));
-        }
-        None => return Err(Status::invalid_argument("messages holds no user message")),
-    };
-    let system = (!system.is_empty()).then(|| system.join("\n\n"));
-    Ok(Chat { system, history: turns, question, raw: false })
-}
-
-fn sampling(s: Option<pb::Sampling>) -> SamplingParams {
-    let s = s.unwrap_or_default();
-    SamplingParams {
-        temperature: s.temperature,
-        top_k: s.top_k as usize,
-        // proto3 has no "unset" for floats: 0 means the default (no top-p cut).
-        top_p: if s.top_p == 0.0 { 1.0 } else { s.top_p },
-        seed: s.seed,
-        max_tokens: if s.max_tokens == 0 { DEFAULT_MAX_TOKENS } else { s.max_tokens as usize },
-        stop: s.stop,
-        ignore_eos: s.ignore_eos,
-    }
-}
-
 fn to_event(e: Event) -> std::result::Result<pb::GenerateEvent, Status> {
     use pb::generate_event::Event as E;
     let event = match e {
-        Event::Token { id, text } => E::Token(pb::Token { id, text }),
+        Event::Token { id, text, logprobs } => E::Token(pb::Token {
+            id,
+            text,
+            logprobs: logprobs.map(|l| {
+                let one = |t: TokenLogprob| pb::TokenLogprob { id: t.id, token: t.token, logprob: t.logprob };
+                pb::Logprobs { chosen: Some(one(l.chosen)), top: l.top.into_iter().map(one).collect() }
+            }),
+        }),
         Event::Finished(f) => E::Finished(pb::Finished {
             reason: finish_reason(f.reason).into(),
             usage: Some(pb::Usage {
@@ -298,12 +254,7 @@ fn to_event(e: Event) -> std::result::Result<pb::GenerateEvent, Status> {
                 completion_tokens: f.usage.completion_tokens as u32,
                 facts: f.usage.facts as u32,
                 recomputed_tokens: f.usage.recomputed_tokens as u32,
-                sources: f.usage.sources.map(|s| pb::FactSources {
-                    device: s.device as u32,
-                    host: s.host as u32,
-                    disk: s.disk as u32,
-                    prefilled: s.prefilled as u32,
-                }),
+                sources: f.usage.sources.map(pb::FactSources::from),
             }),
             timings: Some(pb::Timings {
                 queue_ms: f.timings.queue_ms,
@@ -353,38 +304,23 @@ impl pb::worker_server::Worker for WorkerService {
     async fn generate(&self, req: Request<pb::GenerateRequest>) -> std::result::Result<Response<EventStream>, Status> {
         let arrived = Instant::now();
         let r = req.get_ref();
-        let memory = mode(r.mode)?;
+        let mode = pb::MemoryMode::try_from(r.mode).map_or("unknown", |m| m.to_mode().as_str());
         // Ended when the engine thread lets go of the request.
         let span = info_span!(
             "generate",
             otel.kind = "server",
             otel.status_code = tracing::field::Empty,
-            mode = memory.as_str(),
+            mode,
             k = i64::from(r.k),
             finish_reason = tracing::field::Empty,
         );
         propagate::continue_from_metadata(&span, req.metadata());
         let r = req.into_inner();
-        let chat = match r.prompt {
-            Some(prompt) if r.messages.is_empty() => Chat { question: prompt, raw: true, ..Chat::default() },
-            Some(_) => return Err(Status::invalid_argument("a request has either a prompt or messages, not both")),
-            None => chat(r.messages)?,
-        };
-        let job = GenerateJob {
-            scope: pb::scope(&r.agent_id, &r.run_id),
-            user: r.user,
-            chat,
-            mode: memory,
-            k: r.k as usize,
-            window: r.window.map(|w| w as usize),
-            blend_ratio: r.blend_ratio.unwrap_or(inferscale_memory::DEFAULT_BLEND_RATIO),
-            params: sampling(r.sampling),
-            deadline: (r.deadline_ms > 0).then(|| Duration::from_millis(r.deadline_ms.into())),
-            arrived,
-            span,
-        };
+        let deadline = (r.deadline_ms > 0).then(|| Duration::from_millis(r.deadline_ms.into()));
+        let request = r.generation().map_err(|e| pb::refused(&e))?;
+        let job = GenerateJob::new(request, deadline, arrived, span);
         let (events, rx) = mpsc::unbounded_channel();
-        self.send(Command::Generate { job, events })?;
+        self.send(Command::Generate { job: Box::new(job), events })?;
         let stream = UnboundedReceiverStream::new(rx).map(to_event);
         Ok(Response::new(Box::pin(stream)))
     }
@@ -399,8 +335,8 @@ impl pb::worker_server::Worker for WorkerService {
         let units = match r.ids.is_empty() {
             true => units,
             false => {
-                let mut by_id: std::collections::HashMap<String, MemoryUnit> =
-                    units.into_iter().map(|u| (u.id.clone(), u)).collect();
+                let mut by_id: std::collections::HashMap<String, inferscale_types::StoredUnit> =
+                    units.into_iter().map(|u| (u.unit.id.clone(), u)).collect();
                 r.ids
                     .iter()
                     .map(|id| {

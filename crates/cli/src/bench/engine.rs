@@ -8,12 +8,12 @@ use anyhow::{Context, Result};
 use clap::Args;
 use inferscale_engine::cpu::matmul_bt;
 use inferscale_engine::sampling::Rng;
-use inferscale_engine::{GenerateRequest, SamplingParams, generate_batch};
+use inferscale_engine::{Backend, SamplingParams, Sequence, generate_sequences};
 use inferscale_model::ModelConfig;
 use serde::Serialize;
 
 use super::{median, random_prompt};
-use crate::runtime::{ModelArgs, load};
+use crate::runtime::{ModelArgs, load_on, on_backend};
 
 #[derive(Args, Debug)]
 pub struct EngineArgs {
@@ -23,7 +23,8 @@ pub struct EngineArgs {
     /// Decode batch sizes to measure.
     #[arg(long, value_delimiter = ',', default_value = "1,8")]
     decode_batch: Vec<usize>,
-    /// Tokens generated per sequence in the decode measurement.
+    /// Tokens generated per sequence in the decode measurement (timed from
+    /// the step after the prompts are prefilled: decode steps alone).
     #[arg(long, default_value_t = 64)]
     decode_tokens: usize,
     /// Prompt length of each sequence in the decode measurement.
@@ -107,10 +108,18 @@ fn gemm_rate(n: usize, reps: usize) -> GemmResult {
 }
 
 pub fn run(a: EngineArgs) -> Result<()> {
+    let m = a.model.clone();
+    on_backend!(m, run_on(a))
+}
+
+/// On any backend: prefill and decode steps as the engine runs them (on a
+/// device, each decode step includes its logits' copy to the host and the
+/// sampling there, as serving does); the reference GEMM is the host's.
+fn run_on<B: Backend>(a: EngineArgs, backend: B) -> Result<()> {
     let threads = rayon::current_num_threads();
     eprintln!("inferscale bench engine: reference GEMM {0}×{0}×{0} …", a.gemm_n);
     let gemm = gemm_rate(a.gemm_n, a.reps);
-    let mut m = load(&a.model)?;
+    let mut m = load_on(&a.model, backend)?;
     let cfg = m.files.config.clone();
     let mut rng = Rng::new(42);
 
@@ -141,18 +150,38 @@ pub fn run(a: EngineArgs) -> Result<()> {
         eprintln!("inferscale bench engine: decode at batch {batch} …");
         let mut rates = Vec::new();
         for _ in 0..a.reps.max(1) {
-            let reqs = (0..batch)
-                .map(|_| GenerateRequest {
-                    prompt: random_prompt(&mut rng, a.decode_prompt_tokens, cfg.vocab_size),
-                    params: SamplingParams { ignore_eos: true, ..SamplingParams::greedy(a.decode_tokens) },
-                })
-                .collect();
-            let outs = generate_batch(&mut m.engine, None, &[], reqs)?;
-            // All sequences decode in lockstep after the joint prefill: the
-            // slowest one's decode time covers every step.
-            let span = outs.iter().map(|o| o.decode_time.as_secs_f64()).fold(0.0, f64::max);
-            let steps = outs.iter().map(|o| o.tokens.len() - 1).max().unwrap_or(0);
-            rates.push((batch * steps) as f64 / span);
+            // Every prompt but its last token first, so that the timed part
+            // is decode steps alone, all sequences in lockstep (prefill of
+            // many long prompts takes several steps: timed from the first
+            // token, early sequences would count their neighbours' prefill).
+            let mut seqs = (0..batch)
+                .map(|_| m.engine.new_sequence(random_prompt(&mut rng, a.decode_prompt_tokens, cfg.vocab_size)))
+                .collect::<std::result::Result<Vec<_>, _>>()?;
+            while seqs.iter().any(|s| s.pending() > 1) {
+                let mut budget = m.engine.max_batch_tokens();
+                let take: Vec<usize> = seqs
+                    .iter()
+                    .map(|s| {
+                        let t = (s.pending() - 1).min(budget);
+                        budget -= t;
+                        t
+                    })
+                    .collect();
+                let mut refs: Vec<&mut Sequence> = seqs.iter_mut().collect();
+                m.engine.step_scheduled(&mut refs, &take, &vec![true; take.len()])?;
+            }
+            let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(a.decode_tokens) };
+            let t = Instant::now();
+            let outs = generate_sequences(
+                &mut m.engine,
+                None,
+                &[],
+                seqs.into_iter().map(|s| (s, params.clone())).collect(),
+                t,
+            )?;
+            let span = t.elapsed().as_secs_f64();
+            let tokens: usize = outs.iter().map(|o| o.tokens.len()).sum();
+            rates.push(tokens as f64 / span);
         }
         let rate = median(rates);
         decode.push(DecodeResult {

@@ -160,7 +160,7 @@ fn first_token<B: Backend>(
     seq.extend(question);
     if let Some(r) = c.blend_ratio {
         let injected = c.chunks.map_or(0, |cs| cs.iter().map(KvChunk::len).sum());
-        e.blend(&mut seq, injected, r)?;
+        e.blend(&mut seq, injected, r, inferscale_types::DEFAULT_BLEND_FOCUS)?;
     }
     std::hint::black_box(prefill_greedy(e, &mut seq)?);
     Ok((t.elapsed().as_secs_f64() * 1e3, seq.recomputed()))

@@ -31,7 +31,7 @@ use inferscale_engine::sampling::{SamplingParams, argmax};
 use inferscale_engine::{Backend, Engine, FinishReason, Sequence, generate_sequences};
 use inferscale_eval::locomo;
 use inferscale_eval::score::{copies_label, kl, locomo_f1, log_softmax, recall};
-use inferscale_memory::{KvFormat, Memory, Mode, Retriever, Session, ShardSpec, StoreOptions};
+use inferscale_memory::{Facts, KvFormat, Memory, Mode, Recall, Retriever, Session, ShardSpec, StoreOptions};
 use inferscale_model::progress::Progress;
 
 use crate::memory_cmd::{PromptArgs, parse_retriever};
@@ -71,7 +71,7 @@ pub struct LocomoArgs {
     /// Blend: shares of the recomputed tokens spent on the memory's last
     /// (best-ranked) tokens whatever their deviation, the rest chosen by
     /// deviation; each one a variant with each ratio.
-    #[arg(long, value_delimiter = ',', default_values_t = [inferscale_engine::BLEND_FOCUS], value_parser = blend_ratio)]
+    #[arg(long, value_delimiter = ',', default_values_t = [inferscale_types::DEFAULT_BLEND_FOCUS], value_parser = blend_ratio)]
     blend_focus: Vec<f32>,
     /// Facts retrieved per question; each k is a variant.
     #[arg(long, value_delimiter = ',', default_value = "5,20,50")]
@@ -139,6 +139,12 @@ struct Variant {
     /// share of those that are the memory's last tokens.
     blend_ratio: f32,
     blend_focus: f32,
+}
+
+impl Variant {
+    fn recall(&self) -> Recall {
+        Recall { mode: self.mode, blend: inferscale_types::Blend { ratio: self.blend_ratio, focus: self.blend_focus } }
+    }
 }
 
 /// A question with its retrieval done.
@@ -329,8 +335,7 @@ fn locomo_eval<B: Backend>(a: &LocomoArgs, backend: B) -> Result<()> {
                         Mode::None => Vec::new(),
                         _ => s.retrieve(q.sample, &q.qa.question, v.k)?,
                     };
-                    s.engine_mut().set_blend_focus(v.blend_focus)?;
-                    let mut p = s.prepare(q.sample, &top, v.mode, v.blend_ratio, &q.tokens)?;
+                    let mut p = s.prepare(Facts::new(q.sample, &top, v.recall()), &q.tokens)?;
                     let _first = argmax(&s.engine_mut().prefill(&mut p.seq)?);
                     Ok(start.elapsed().as_secs_f64() * 1e3)
                 })?;
@@ -402,8 +407,7 @@ impl AnswerPlan<'_> {
                 let ids = &q.top[..v.k.min(q.top.len())];
                 let names: Vec<&str> = ids.iter().map(|&i| fact_ids[i].as_str()).collect();
                 let p = on_memory(session, memories, v.memory, |s| {
-                    s.engine_mut().set_blend_focus(v.blend_focus)?;
-                    s.prepare(q.sample, ids, v.mode, v.blend_ratio, &q.tokens)
+                    s.prepare(Facts::new(q.sample, ids, v.recall()), &q.tokens)
                 })?;
                 seqs.push(p.seq);
                 rows.push((

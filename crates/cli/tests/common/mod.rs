@@ -134,8 +134,19 @@ pub fn json_call(addr: &str, method: &str, path: &str, body: &Value) -> (u16, Va
 /// Where the tests' Python packages are installed (`scripts/test.sh`
 /// fills it: the OpenAI client, the OTLP collectors).
 pub fn python_path() -> std::path::PathBuf {
-    let home = std::env::var_os("INFERSCALE_HOME")
+    cache_home().join("python")
+}
+
+/// Where scripts/test.sh installs Mem0's Python client (`mem0ai`, pinned,
+/// with what its import needs): apart from the openai client, whose
+/// dependencies it pins differently.
+#[allow(dead_code)] // not every test binary drives Mem0's client
+pub fn mem0_path() -> std::path::PathBuf {
+    cache_home().join("mem0")
+}
+
+fn cache_home() -> std::path::PathBuf {
+    std::env::var_os("INFERSCALE_HOME")
         .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| std::path::PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/inferscale"));
-    home.join("python")
+        .unwrap_or_else(|| std::path::PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/inferscale"))
 }

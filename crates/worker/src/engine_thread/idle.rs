@@ -1,0 +1,64 @@
+//! Work the engine thread does between and beside serving: the KV of
+//! facts stored without it (replicas, deferred ingests) encoded within the
+//! background share of its time, and the scrub of stored KV records.
+
+use super::*;
+
+impl<B: Backend> Core<B> {
+    /// While requests run: encodes stored facts' KV within the encoding
+    /// share of the thread's time, in slices of about one step — or not
+    /// at all while one fact takes longer than two steps (a CPU encoding a
+    /// windowed fact), which waits for idle time (`throttle.rs`).
+    pub(super) fn encode_beside_serving(&mut self, step: Duration) {
+        let n = self.encode_throttle.allowance(Instant::now(), true, step);
+        if n == 0 {
+            return;
+        }
+        let t = Instant::now();
+        let done = match self.session.encode_pending(n) {
+            Ok(done) => done,
+            Err(e) => {
+                eprintln!("inferscale worker: encoding stored facts beside serving: {e}");
+                0
+            }
+        };
+        if done > 0 {
+            self.encode_throttle.done(Instant::now(), done, t.elapsed(), true);
+        }
+    }
+
+    /// When idle: encodes a few facts still without KV (a replica's copy,
+    /// an import without KV, an ingest stored while requests ran), in a
+    /// slice a request that arrives need not wait long for. Returns
+    /// whether it did any.
+    pub(super) fn encode_pending(&mut self) -> bool {
+        let n = self.encode_throttle.allowance(Instant::now(), false, self.step_time.get());
+        let t = Instant::now();
+        match self.session.encode_pending(n) {
+            Ok(done) => {
+                if done > 0 {
+                    self.encode_throttle.done(Instant::now(), done, t.elapsed(), false);
+                }
+                done > 0
+            }
+            Err(e) => {
+                eprintln!("inferscale worker: encoding stored facts in the background: {e}");
+                false
+            }
+        }
+    }
+
+    /// When idle, at most once a second: checks the next stored KV records'
+    /// checksums (`Memory::scrub_step`), so that damage is found and
+    /// re-encoded before a request needs that KV.
+    pub(super) fn scrub(&mut self) {
+        if self.last_scrub.elapsed() < SCRUB_EVERY {
+            return;
+        }
+        self.last_scrub = Instant::now();
+        let failed = self.session.memory_mut().scrub_step(SCRUB_BYTES);
+        if failed > 0 {
+            eprintln!("inferscale worker: {failed} stored KV records failed their check; they are re-encoded");
+        }
+    }
+}

@@ -191,3 +191,6 @@ where
 }
 
 pub(crate) type WorkerClient = inferscale_proto::worker_client::WorkerClient<tonic::transport::Channel>;
+
+#[cfg(test)]
+mod tests;

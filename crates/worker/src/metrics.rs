@@ -13,7 +13,7 @@ use inferscale_telemetry::prom::worker::{
 };
 use inferscale_telemetry::prom::{self, Histogram};
 
-use crate::protocol::Stats;
+use crate::protocol::host::Stats;
 
 /// Rows (sequences) per forward step: powers of two up to the largest
 /// running batch.

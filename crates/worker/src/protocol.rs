@@ -22,8 +22,8 @@ use tokio::sync::oneshot;
 use crate::error::{Result, WorkerError};
 use crate::metrics::WorkerMetrics;
 
-mod host;
-mod job;
+pub(crate) mod host;
+pub(crate) mod job;
 mod moves;
 
 pub use host::{

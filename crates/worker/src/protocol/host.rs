@@ -10,7 +10,7 @@ use inferscale_memory::{
 };
 use inferscale_types::StoredUnit;
 
-use super::{Events, GenerateJob};
+use super::job::{Events, GenerateJob};
 use crate::error::Result;
 
 /// Counters and gauges of a worker.

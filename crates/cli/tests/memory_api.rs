@@ -67,6 +67,20 @@ fn messages_metadata_get_and_search() {
         {"id": "r2", "speaker": "Ana", "text": "My sister Eva lives in Porto and teaches maths."}],
         "metadata": {"topic": "family"}});
     assert_eq!(call(a, "POST", "/v1/memories", turns)["added"], 2);
+    // Mem0's names: `user_id` for `user`; `infer: true` (an LLM's extraction,
+    // not done here) refused naming it, never ignored; `infer: false` stored.
+    let mem0 = json!({"user_id": "m1", "infer": true, "messages": [{"role": "user", "content": "I like tea."}]});
+    let v = refused(a, "POST", "/v1/memories", mem0.clone(), 400, "infer");
+    assert_eq!(v["error"]["param"], "infer", "{v}");
+    let mut plain = mem0;
+    plain["infer"] = json!(false);
+    assert_eq!(call(a, "POST", "/v1/memories", plain.clone())["added"], 1);
+    call(
+        a,
+        "DELETE",
+        &format!("/v1/memories/m1/{}", call(a, "POST", "/v1/memories", plain)["ids"][0].as_str().unwrap()),
+        Value::Null,
+    );
 
     // Listing and getting one return the metadata; the speaker of a message is its role.
     let listed = call(a, "GET", "/v1/memories/m1", Value::Null);

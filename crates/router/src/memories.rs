@@ -98,6 +98,13 @@ pub(crate) async fn ingest(
     use axum::response::IntoResponse;
     let tenant = tenant(&s, &headers)?;
     let r: IngestBody = crate::validate::parse(&body(b, s.defaults.body_limit)?)?;
+    if r.infer == Some(true) {
+        return Err(ApiError::param(
+            "infer",
+            "this server stores units as they are and does not extract facts with a model: send \"infer\": false, \
+             or send extracted facts in `facts` with their `source_turn`",
+        ));
+    }
     check_user(&r.user)?;
     let from_messages = units_from_messages(&r.messages, 0)?;
     if r.turns.is_empty() && r.facts.is_empty() && from_messages.is_empty() {

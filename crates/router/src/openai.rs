@@ -183,7 +183,11 @@ pub struct MemoryOptions {
 /// `POST /v1/memories`.
 #[derive(Debug, Deserialize)]
 pub struct IngestBody {
+    #[serde(alias = "user_id")]
     pub user: String,
+    /// Mem0's `infer`: facts extracted by an LLM are not made here, so only
+    /// `false` (store as given) is taken; `true` is refused, not ignored.
+    pub infer: Option<bool>,
     pub window: Option<u32>,
     #[serde(default)]
     pub turns: Vec<MemoryUnit>,

@@ -6,28 +6,14 @@
 
 #![allow(clippy::unwrap_used)] // tests fail loudly on unexpected errors
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
-use inferscale_engine::bert::Bert;
-use inferscale_engine::{CpuBackend, Engine, EngineConfig};
-use inferscale_memory::{Composer, Encoders, Memory, MemoryError, MemoryUnit, Prompts, ShardSpec};
+use inferscale_engine::{CpuBackend, Engine};
+use inferscale_memory::{Memory, MemoryError, MemoryUnit, ShardSpec};
 
-struct Models {
-    files: inferscale_model::ModelFiles,
-    embedder: Bert<CpuBackend>,
-    composer: Composer,
-}
-
-fn models() -> Models {
-    let files = inferscale_model::open("smollm2").unwrap();
-    let embedder = Bert::load(&CpuBackend, inferscale_model::encoder::open("minilm").unwrap()).unwrap();
-    let composer = Composer::new(&files, &Prompts::default()).unwrap();
-    Models { files, embedder, composer }
-}
-
-fn engine(m: &Models) -> Engine<CpuBackend> {
-    Engine::new(CpuBackend, &m.files, EngineConfig { kv_blocks: 256, max_batch_tokens: 256 }).unwrap()
-}
+use common::{Models, models};
 
 fn open(dir: &Path, e: &Engine<CpuBackend>) -> (Memory<CpuBackend>, Vec<String>) {
     Memory::open(dir, ShardSpec { window: 1, fingerprint: "durability".into() }, e).unwrap()
@@ -48,7 +34,7 @@ fn units(prefix: &str, n: usize) -> Vec<MemoryUnit> {
 /// Stores `n` units for `user`, facts only (their KV is not what these
 /// tests are about).
 fn store(mem: &mut Memory<CpuBackend>, e: &mut Engine<CpuBackend>, m: &Models, user: &str, n: usize) {
-    let mut enc = Encoders { engine: e, embedder: &m.embedder, composer: &m.composer };
+    let mut enc = m.encoders(e);
     mem.ingest_deferred(user, &units(user, n), &mut enc).unwrap();
 }
 
@@ -65,8 +51,8 @@ fn user_dir(dir: &Path, user: &str) -> PathBuf {
 /// units were gone with a warning about a "torn tail".
 #[test]
 fn a_flipped_byte_in_a_fact_log_is_damage_and_repair_gets_every_unit_back() {
-    let m = models();
-    let mut e = engine(&m);
+    let m = models(256);
+    let mut e = m.engine();
     let dir = tempfile::tempdir().unwrap();
     let (mut mem, _) = open(dir.path(), &e);
     store(&mut mem, &mut e, &m, "alice", 21);
@@ -89,7 +75,7 @@ fn a_flipped_byte_in_a_fact_log_is_damage_and_repair_gets_every_unit_back() {
         assert!(matches!(err, MemoryError::UserDamaged(_)), "{err}");
         assert!(!err.to_string().contains('/'), "no server path for a client: {err}");
     }
-    let mut enc = Encoders { engine: &mut e, embedder: &m.embedder, composer: &m.composer };
+    let mut enc = m.encoders(&mut e);
     let refused = mem.ingest_deferred("alice", &units("late", 1), &mut enc).unwrap_err();
     assert!(matches!(refused, MemoryError::UserDamaged(_)), "never written over: {refused}");
     assert!(mem.has_user("alice"), "a damaged user is not an unknown one");
@@ -116,11 +102,11 @@ fn a_flipped_byte_in_a_fact_log_is_damage_and_repair_gets_every_unit_back() {
 /// which unit it was (the KV segment still names it).
 #[test]
 fn unrecoverable_damage_costs_one_record_and_is_named() {
-    let m = models();
-    let mut e = engine(&m);
+    let m = models(256);
+    let mut e = m.engine();
     let dir = tempfile::tempdir().unwrap();
     let (mut mem, _) = open(dir.path(), &e);
-    let mut enc = Encoders { engine: &mut e, embedder: &m.embedder, composer: &m.composer };
+    let mut enc = m.encoders(&mut e);
     mem.ingest("carol", &units("carol", 6), &mut enc).unwrap();
     let want = ids(&mem, "carol");
     drop(mem);
@@ -156,11 +142,11 @@ fn frame_starts(bytes: &[u8]) -> Vec<usize> {
 /// CPU), and a pass over everything twice finds nothing more.
 #[test]
 fn the_scrub_finds_a_damaged_kv_record_before_a_read() {
-    let m = models();
-    let mut e = engine(&m);
+    let m = models(256);
+    let mut e = m.engine();
     let dir = tempfile::tempdir().unwrap();
     let (mut mem, _) = open(dir.path(), &e);
-    let mut enc = Encoders { engine: &mut e, embedder: &m.embedder, composer: &m.composer };
+    let mut enc = m.encoders(&mut e);
     mem.ingest("dan", &units("dan", 5), &mut enc).unwrap();
     store(&mut mem, &mut e, &m, "eve", 2); // no KV: nothing to check
     let before: Vec<_> = (0..5).map(|i| mem.kv("dan", i).unwrap().unwrap().to_host(&CpuBackend).unwrap()).collect();
@@ -177,7 +163,7 @@ fn the_scrub_finds_a_damaged_kv_record_before_a_read() {
     assert!(!mem.has_kv("dan", 2).unwrap(), "the damaged record is dropped");
     assert_eq!(mem.scrub_step(u64::MAX), 0, "nothing more on the next pass");
     assert_eq!(mem.cache_stats().corrupt, 1);
-    let mut enc = Encoders { engine: &mut e, embedder: &m.embedder, composer: &m.composer };
+    let mut enc = m.encoders(&mut e);
     assert!(mem.encode_pending(10, &mut enc).unwrap() > 0, "re-encoded in idle time");
     let got = mem.fetch(&CpuBackend, "dan", &[0, 1, 2, 3, 4]).unwrap();
     assert!(got.missing.is_empty());

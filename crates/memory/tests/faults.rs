@@ -12,35 +12,19 @@
 
 #![allow(clippy::unwrap_used)] // tests fail loudly on unexpected errors
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use inferscale_engine::bert::Bert;
-use inferscale_engine::{CpuBackend, Engine, EngineConfig};
+use inferscale_engine::{CpuBackend, Engine};
 use inferscale_memory::faults::set_write_budget;
-use inferscale_memory::{
-    Composer, Encoders, Manifest, Memory, MemoryError, MemoryUnit, Prompts, ShardSpec, UnitUpdate,
-};
+use inferscale_memory::{Manifest, Memory, MemoryError, MemoryUnit, ShardSpec, UnitUpdate};
 
-struct Models {
-    files: inferscale_model::ModelFiles,
-    embedder: Bert<CpuBackend>,
-    composer: Composer,
-}
-
-fn models() -> Models {
-    let files = inferscale_model::open("smollm2").unwrap();
-    let embedder = Bert::load(&CpuBackend, inferscale_model::encoder::open("minilm").unwrap()).unwrap();
-    let composer = Composer::new(&files, &Prompts::default()).unwrap();
-    Models { files, embedder, composer }
-}
-
-fn engine(m: &Models) -> Engine<CpuBackend> {
-    Engine::new(CpuBackend, &m.files, EngineConfig { kv_blocks: 256, max_batch_tokens: 256 }).unwrap()
-}
+use common::{Models, models};
 
 fn open(dir: &Path, e: &Engine<CpuBackend>) -> (Memory<CpuBackend>, Vec<String>) {
     Memory::open(dir, ShardSpec { window: 1, fingerprint: "faults".into() }, e).unwrap()
@@ -213,10 +197,10 @@ impl Table {
 /// encoded), an update and a forget, and — with `pending` — an ingest of
 /// u1 that stored two of its units and was never committed.
 fn template(m: &Models, dir: &Path, pending: bool) -> Expected {
-    let mut e = engine(m);
+    let mut e = m.engine();
     let (mut mem, _) = open(dir, &e);
     let mut want = Expected::new();
-    let mut enc = Encoders { engine: &mut e, embedder: &m.embedder, composer: &m.composer };
+    let mut enc = m.encoders(&mut e);
     let (u0, u1, u2) = (units("a", 6), units("b", 5), units("c", 5));
     mem.ingest("u0", &u0, &mut enc).unwrap();
     mem.ingest_deferred("u1", &u1, &mut enc).unwrap();
@@ -242,8 +226,8 @@ fn template(m: &Models, dir: &Path, pending: bool) -> Expected {
 
 #[test]
 fn flipped_bits_in_every_file_kind_are_found_never_silently_lost() {
-    let m = models();
-    let e = engine(&m);
+    let m = models(256);
+    let e = m.engine();
     let root = tempfile::tempdir().unwrap();
     let (plain, with_pending) = (root.path().join("plain"), root.path().join("pending"));
     let want = template(&m, &plain, false);
@@ -290,8 +274,8 @@ fn flipped_bits_in_every_file_kind_are_found_never_silently_lost() {
                 let fetched = mem.fetch(&CpuBackend, "u0", &[i]).unwrap();
                 if !fetched.missing.is_empty() {
                     drop(fetched);
-                    let mut e2 = engine(&m);
-                    let mut enc = Encoders { engine: &mut e2, embedder: &m.embedder, composer: &m.composer };
+                    let mut e2 = m.engine();
+                    let mut enc = m.encoders(&mut e2);
                     mem.ensure_kv("u0", &mut enc).unwrap();
                     assert!(mem.fetch(&CpuBackend, "u0", &[i]).unwrap().missing.is_empty());
                 }
@@ -341,9 +325,9 @@ fn flipped_bits_in_every_file_kind_are_found_never_silently_lost() {
 /// (returned Ok; for an ingest, committed). A failed ingest is undone as a
 /// worker undoes it.
 fn write_op(m: &Models, dir: &Path, op: &str) -> bool {
-    let mut e = engine(m);
+    let mut e = m.engine();
     let (mut mem, _) = open(dir, &e);
-    let mut enc = Encoders { engine: &mut e, embedder: &m.embedder, composer: &m.composer };
+    let mut enc = m.encoders(&mut e);
     match op {
         "ingest (3 batches)" => {
             let new = units("new", 6);
@@ -387,10 +371,10 @@ const CHILD_ENV: &str = "INFERSCALE_FAULTS_CHILD";
 #[test]
 fn child_writes_until_killed() {
     let Ok(dir) = std::env::var(CHILD_ENV) else { return };
-    let m = models();
-    let mut e = engine(&m);
+    let m = models(256);
+    let mut e = m.engine();
     let (mut mem, _) = open(Path::new(&dir), &e);
-    let mut enc = Encoders { engine: &mut e, embedder: &m.embedder, composer: &m.composer };
+    let mut enc = m.encoders(&mut e);
     let mut rng = Rng(std::process::id() as u64);
     for i in 0..10_000 {
         match i % 3 {

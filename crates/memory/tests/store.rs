@@ -7,31 +7,15 @@
 
 #![allow(clippy::unwrap_used)] // tests fail loudly on unexpected errors
 
+mod common;
+
 use std::path::Path;
 
-use inferscale_engine::bert::Bert;
-use inferscale_engine::{CpuBackend, Engine, EngineConfig};
-use inferscale_memory::{
-    Budgets, Composer, Encoders, KvFormat, Memory, MemoryUnit, Prompts, ShardSpec, StoreOptions, Tier,
-};
-use inferscale_model::{HostTensor, ModelFiles};
+use inferscale_engine::{CpuBackend, Engine};
+use inferscale_memory::{Budgets, KvFormat, Memory, MemoryUnit, ShardSpec, StoreOptions, Tier};
+use inferscale_model::HostTensor;
 
-struct Models {
-    files: ModelFiles,
-    embedder: Bert<CpuBackend>,
-    composer: Composer,
-}
-
-fn models() -> Models {
-    let files = inferscale_model::open("smollm2").unwrap();
-    let embedder = Bert::load(&CpuBackend, inferscale_model::encoder::open("minilm").unwrap()).unwrap();
-    let composer = Composer::new(&files, &Prompts::default()).unwrap();
-    Models { files, embedder, composer }
-}
-
-fn engine(m: &Models) -> Engine<CpuBackend> {
-    Engine::new(CpuBackend, &m.files, EngineConfig { kv_blocks: 512, max_batch_tokens: 512 }).unwrap()
-}
+use common::{Models, models};
 
 fn turns(prefix: &str, n: usize) -> Vec<MemoryUnit> {
     (0..n)
@@ -50,7 +34,7 @@ fn open(dir: &Path, e: &Engine<CpuBackend>, options: StoreOptions) -> (Memory<Cp
 }
 
 fn ingest(mem: &mut Memory<CpuBackend>, e: &mut Engine<CpuBackend>, m: &Models, user: &str, n: usize) {
-    let mut enc = Encoders { engine: e, embedder: &m.embedder, composer: &m.composer };
+    let mut enc = m.encoders(e);
     mem.ingest(user, &turns(user, n), &mut enc).unwrap();
 }
 
@@ -72,8 +56,8 @@ fn max_abs_diff(a: &HostKv, b: &HostKv) -> (f32, f32) {
 
 #[test]
 fn a_memory_opens_without_its_kv_and_loads_a_fact_when_needed() {
-    let m = models();
-    let mut e = engine(&m);
+    let m = models(512);
+    let mut e = m.engine();
     let dir = tempfile::tempdir().unwrap();
     let (mut mem, _) = open(dir.path(), &e, StoreOptions::default());
     ingest(&mut mem, &mut e, &m, "alice", 6);
@@ -109,7 +93,7 @@ fn a_memory_opens_without_its_kv_and_loads_a_fact_when_needed() {
     assert!(mem.footprint().kv_resident_bytes > per_fact * 5 / 2);
     assert!(mem.cache_stats().over_budget > 0);
     drop(got);
-    let mut enc = Encoders { engine: &mut e, embedder: &m.embedder, composer: &m.composer };
+    let mut enc = m.encoders(&mut e);
     assert!(mem.ensure_kv("alice", &mut enc).unwrap() > 0);
 
     // Loads are bit for bit what was encoded (f32 segments on the CPU), and
@@ -131,8 +115,8 @@ fn a_memory_opens_without_its_kv_and_loads_a_fact_when_needed() {
 
 #[test]
 fn every_format_is_read_whatever_format_new_segments_get() {
-    let m = models();
-    let mut e = engine(&m);
+    let m = models(512);
+    let mut e = m.engine();
     let dir = tempfile::tempdir().unwrap();
     let with = |format| StoreOptions { format: Some(format), budgets: Budgets::default() };
 
@@ -183,8 +167,8 @@ fn every_format_is_read_whatever_format_new_segments_get() {
 fn cold_facts_are_read_off_the_engine_thread_and_pasted_meanwhile() {
     use inferscale_memory::{Facts, Mode, Recall, prepare};
     use inferscale_types::Blend;
-    let m = models();
-    let mut e = engine(&m);
+    let m = models(512);
+    let mut e = m.engine();
     let dir = tempfile::tempdir().unwrap();
     let (mut mem, _) = open(dir.path(), &e, StoreOptions::default());
     ingest(&mut mem, &mut e, &m, "ana", 4);
@@ -267,8 +251,8 @@ fn cold_facts_are_read_off_the_engine_thread_and_pasted_meanwhile() {
 /// there (every user's units must fit their own segment).
 #[test]
 fn the_longest_unit_follows_the_widest_segment_format() {
-    let m = models();
-    let mut e = engine(&m);
+    let m = models(512);
+    let mut e = m.engine();
     let header = m.composer.header().len();
     let with = |format| StoreOptions { format: Some(format), budgets: Budgets::default() };
     let limits: Vec<usize> = KvFormat::ALL
@@ -293,8 +277,8 @@ fn the_longest_unit_follows_the_widest_segment_format() {
 
 #[test]
 fn an_fp8_segment_of_the_first_layout_is_re_encoded_never_read() {
-    let m = models();
-    let mut e = engine(&m);
+    let m = models(512);
+    let mut e = m.engine();
     let dir = tempfile::tempdir().unwrap();
     let fp8 = StoreOptions { format: Some(KvFormat::Fp8), budgets: Budgets::default() };
     let (mut mem, _) = open(dir.path(), &e, fp8);
@@ -337,7 +321,7 @@ fn an_fp8_segment_of_the_first_layout_is_re_encoded_never_read() {
     assert!(warnings.iter().any(|w| w.contains("first fp8 layout") && w.contains("re-encoded")), "{warnings:?}");
     assert_eq!(mem.kv_format("old").unwrap(), KvFormat::Fp8);
     assert!((0..3).all(|i| !mem.has_kv("old", i).unwrap()), "no record of the old layout is indexed");
-    let mut enc = Encoders { engine: &mut e, embedder: &m.embedder, composer: &m.composer };
+    let mut enc = m.encoders(&mut e);
     assert!(mem.ensure_kv("old", &mut enc).unwrap() > 0);
     for (i, want) in fresh.iter().enumerate() {
         assert_eq!(&kv(&mut mem, "old", i), want, "fact {i}");

@@ -10,7 +10,7 @@ use inferscale_proto as pb;
 use serde_json::json;
 
 use crate::error::{ApiError, Result};
-use crate::openai::{self, EmbeddingsRequest};
+use crate::openai::EmbeddingsRequest;
 use crate::state::{Shared, body, tenant};
 use crate::workers::request;
 use inferscale_types::check_user;
@@ -53,7 +53,9 @@ pub(crate) async fn embeddings(
         .enumerate()
         .map(|(i, e)| {
             let embedding = match base64 {
-                true => json!(openai::base64(&e.values.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>())),
+                true => {
+                    json!(crate::b64::standard(&e.values.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>()))
+                }
                 false => json!(e.values),
             };
             json!({"object": "embedding", "index": i, "embedding": embedding})

@@ -37,10 +37,7 @@ pub(crate) async fn chat(
     headers: HeaderMap,
     b: std::result::Result<Bytes, BytesRejection>,
 ) -> Result<Response> {
-    let clock = Clock { start: Instant::now(), first: None, tokens: 0, log };
-    let (tenant, parsed, sampling) = openai_request(&s, &headers, b)?;
-    let v = validate::chat(&s, &tenant, parsed, &sampling)?;
-    generate(s, &tenant, v, clock).await
+    answer(s, log, &headers, b, validate::chat).await
 }
 
 /// `POST /v1/completions`.
@@ -50,9 +47,20 @@ pub(crate) async fn completions(
     headers: HeaderMap,
     b: std::result::Result<Bytes, BytesRejection>,
 ) -> Result<Response> {
+    answer(s, log, &headers, b, validate::completion).await
+}
+
+/// An OpenAI request of either endpoint: read, checked by `check`, run.
+async fn answer<T: serde::de::DeserializeOwned>(
+    s: Shared,
+    log: reqlog::Handle,
+    headers: &HeaderMap,
+    b: std::result::Result<Bytes, BytesRejection>,
+    check: fn(&AppState, &str, T, &SamplingFields) -> Result<Validated>,
+) -> Result<Response> {
     let clock = Clock { start: Instant::now(), first: None, tokens: 0, log };
-    let (tenant, parsed, sampling) = openai_request(&s, &headers, b)?;
-    let v = validate::completion(&s, &tenant, parsed, &sampling)?;
+    let (tenant, parsed, sampling) = openai_request(&s, headers, b)?;
+    let v = check(&s, &tenant, parsed, &sampling)?;
     generate(s, &tenant, v, clock).await
 }
 
@@ -64,10 +72,9 @@ fn openai_request<T: serde::de::DeserializeOwned>(
     b: std::result::Result<Bytes, BytesRejection>,
 ) -> Result<(String, T, SamplingFields)> {
     let tenant = tenant(s, headers)?;
-    let bytes = body(b, s.defaults.body_limit)?;
-    let parsed = validate::parse(&bytes)?;
-    let sampling = validate::parse(&bytes)?;
-    validate::check_unsupported(&bytes)?;
+    let v = validate::object(&body(b, s.defaults.body_limit)?)?;
+    let (parsed, sampling) = (validate::typed(&v)?, validate::typed(&v)?);
+    validate::check_unsupported(&v)?;
     Ok((tenant, parsed, sampling))
 }
 

@@ -6,6 +6,7 @@
 
 mod api;
 mod auth;
+mod b64;
 mod dispatch;
 mod embeddings;
 mod error;

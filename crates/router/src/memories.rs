@@ -195,12 +195,8 @@ pub(crate) async fn list(
 /// query string.
 fn page(query: Option<&str>) -> Result<(usize, Option<String>, Scope)> {
     let (mut limit, mut cursor, mut scope) = (LIST_LIMIT, None, Scope::default());
-    for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
-        let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
-        let value = percent_decode(value).ok_or_else(|| {
-            ApiError::BadRequest(format!("query parameter `{key}` is not valid percent-encoded UTF-8"))
-        })?;
-        match key {
+    for (key, value) in query_pairs(query)? {
+        match key.as_str() {
             "limit" => {
                 limit = value
                     .parse()
@@ -218,9 +214,25 @@ fn page(query: Option<&str>) -> Result<(usize, Option<String>, Scope)> {
     Ok((limit, cursor, scope))
 }
 
+/// A query string's `key=value` pairs, values decoded.
+pub(crate) fn query_pairs(query: Option<&str>) -> Result<Vec<(String, String)>> {
+    query
+        .unwrap_or("")
+        .split('&')
+        .filter(|p| !p.is_empty())
+        .map(|pair| {
+            let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+            let value = percent_decode(value).ok_or_else(|| {
+                ApiError::BadRequest(format!("query parameter `{key}` is not valid percent-encoded UTF-8"))
+            })?;
+            Ok((key.to_string(), value))
+        })
+        .collect()
+}
+
 /// `%XX` escapes and `+` (a space) decoded; `None` for a bad escape or
 /// bytes that are not UTF-8.
-pub(crate) fn percent_decode(s: &str) -> Option<String> {
+fn percent_decode(s: &str) -> Option<String> {
     let b = s.as_bytes();
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;

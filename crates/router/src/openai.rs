@@ -118,25 +118,6 @@ impl EmbeddingsRequest {
     }
 }
 
-/// Standard base64 with padding: `encoding_format: "base64"` (what the
-/// official client asks for by default) carries each embedding as its
-/// little-endian f32 bytes.
-pub fn base64(bytes: &[u8]) -> String {
-    const ABC: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
-    for chunk in bytes.chunks(3) {
-        let b = [chunk[0], chunk.get(1).copied().unwrap_or(0), chunk.get(2).copied().unwrap_or(0)];
-        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
-        for i in 0..4 {
-            match i <= chunk.len() {
-                true => out.push(ABC[((n >> (18 - 6 * i)) & 63) as usize] as char),
-                false => out.push('='),
-            }
-        }
-    }
-    out
-}
-
 #[derive(Debug, Deserialize)]
 pub struct StreamOptions {
     #[serde(default)]
@@ -269,19 +250,4 @@ pub struct MemoryUsage {
     /// `kv` and `blend` on the native engine: where the facts' KV came from.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sources: Option<FactSources>,
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn base64_matches_the_standard_alphabet_and_padding() {
-        assert_eq!(base64(b""), "");
-        assert_eq!(base64(b"M"), "TQ==");
-        assert_eq!(base64(b"Ma"), "TWE=");
-        assert_eq!(base64(b"Man"), "TWFu");
-        assert_eq!(base64(&[0xfb, 0xff, 0xbf]), "+/+/");
-        assert_eq!(base64(&1.0f32.to_le_bytes()), "AACAPw==");
-    }
 }

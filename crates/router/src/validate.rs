@@ -18,19 +18,26 @@ use crate::state::AppState;
 
 /// Parses a JSON body; an error names the offending field (as `param`).
 pub fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T> {
+    typed(&object(body)?)
+}
+
+/// A body as a JSON object, read once. Broken JSON, or JSON that is not an
+/// object, is the body's fault as a whole; only a well-formed value of the
+/// wrong kind is a field's ([`typed`]).
+pub fn object(body: &[u8]) -> Result<Value> {
     if std::str::from_utf8(body).is_err() {
         return Err(ApiError::BadRequest("request body is not valid UTF-8".into()));
     }
-    // Broken JSON, or JSON that is not an object, is the body's fault as a
-    // whole; only a well-formed value of the wrong kind is a field's.
-    if let Err(e) = serde_json::from_slice::<serde::de::IgnoredAny>(body) {
-        return Err(ApiError::BadRequest(format!("invalid JSON body: {e}")));
+    match serde_json::from_slice::<Value>(body) {
+        Ok(v @ Value::Object(_)) => Ok(v),
+        Ok(_) => Err(ApiError::BadRequest("invalid JSON body: expected a JSON object".into())),
+        Err(e) => Err(ApiError::BadRequest(format!("invalid JSON body: {e}"))),
     }
-    if !body.trim_ascii_start().starts_with(b"{") {
-        return Err(ApiError::BadRequest("invalid JSON body: expected a JSON object".into()));
-    }
-    let de = &mut serde_json::Deserializer::from_slice(body);
-    serde_path_to_error::deserialize(de).map_err(|e| {
+}
+
+/// `v` as a `T`; an error names the offending field (as `param`).
+pub fn typed<T: DeserializeOwned>(v: &Value) -> Result<T> {
+    serde_path_to_error::deserialize(v).map_err(|e| {
         let path = e.path().to_string();
         let inner = e.into_inner();
         match path.as_str() {
@@ -65,8 +72,8 @@ const UNSUPPORTED: &[&str] = &[
 /// list or object, `"auto"` or `"none"` tool choice, `{"type": "text"}`
 /// response format): a client that asks for what we do not do is told so,
 /// naming the parameter, rather than answered as if it had not asked.
-pub fn check_unsupported(body: &[u8]) -> Result<()> {
-    let Ok(other) = serde_json::from_slice::<serde_json::Map<String, Value>>(body) else { return Ok(()) };
+pub fn check_unsupported(body: &Value) -> Result<()> {
+    let Value::Object(other) = body else { return Ok(()) };
     for &name in UNSUPPORTED {
         let Some(v) = other.get(name) else { continue };
         let neutral = match v {
@@ -272,7 +279,7 @@ mod tests {
     use super::*;
 
     fn refused(body: &str) -> Option<String> {
-        match check_unsupported(body.as_bytes()) {
+        match object(body.as_bytes()).and_then(|v| check_unsupported(&v)) {
             Ok(()) => None,
             Err(ApiError::Unsupported(p)) => Some(p),
             Err(e) => panic!("unexpected error {e}"),

@@ -8,48 +8,20 @@
 //! it: it comes from the API key, so an id shown to one tenant names
 //! nothing in another's namespace.
 
+use crate::b64;
+
 const PREFIX: &str = "m1.";
-const ABC: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
 
 /// The Mem0 id of `user`'s unit `unit`.
 pub fn encode(user: &str, unit: &str) -> String {
-    format!("{PREFIX}{}.{}", b64(user.as_bytes()), b64(unit.as_bytes()))
+    format!("{PREFIX}{}.{}", b64::url(user.as_bytes()), b64::url(unit.as_bytes()))
 }
 
 /// The user and unit a Mem0 id names; `None` for a string that is not one.
 pub fn decode(id: &str) -> Option<(String, String)> {
     let (user, unit) = id.strip_prefix(PREFIX)?.split_once('.')?;
-    let text = |s: &str| String::from_utf8(unb64(s)?).ok().filter(|t| !t.is_empty());
+    let text = |s: &str| String::from_utf8(b64::from_url(s)?).ok().filter(|t| !t.is_empty());
     Some((text(user)?, text(unit)?))
-}
-
-fn b64(bytes: &[u8]) -> String {
-    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
-    for chunk in bytes.chunks(3) {
-        let b = [chunk[0], chunk.get(1).copied().unwrap_or(0), chunk.get(2).copied().unwrap_or(0)];
-        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
-        for i in 0..=chunk.len() {
-            out.push(ABC[((n >> (18 - 6 * i)) & 63) as usize] as char);
-        }
-    }
-    out
-}
-
-fn unb64(s: &str) -> Option<Vec<u8>> {
-    let digit = |c: u8| ABC.iter().position(|&a| a == c).map(|p| p as u32);
-    let mut out = Vec::with_capacity(s.len() * 3 / 4);
-    for chunk in s.as_bytes().chunks(4) {
-        if chunk.len() == 1 {
-            return None;
-        }
-        let mut n = 0u32;
-        for (i, &c) in chunk.iter().enumerate() {
-            n |= digit(c)? << (18 - 6 * i);
-        }
-        let bytes = n.to_be_bytes();
-        out.extend_from_slice(&bytes[1..chunk.len()]);
-    }
-    Some(out)
 }
 
 #[cfg(test)]

@@ -182,7 +182,7 @@ async fn add(
 /// A page of a list: 1-based number and size.
 fn paging(query: Option<&str>, body_page: Option<usize>, body_size: Option<usize>) -> Result<(usize, usize)> {
     let (mut page, mut size) = (body_page.unwrap_or(1), body_size.unwrap_or(PAGE_SIZE));
-    for (k, v) in query_pairs(query)? {
+    for (k, v) in memories::query_pairs(query)? {
         match k.as_str() {
             "page" => page = v.parse().map_err(|_| invalid("page", format!("{v:?} is not a page number")))?,
             "page_size" => size = v.parse().map_err(|_| invalid("page_size", format!("{v:?} is not a number")))?,
@@ -196,21 +196,6 @@ fn paging(query: Option<&str>, body_page: Option<usize>, body_size: Option<usize
         return Err(invalid("page_size", format!("{size} is outside 1..={MAX_PAGE_SIZE}")));
     }
     Ok((page, size))
-}
-
-/// A query string's `key=value` pairs, decoded.
-fn query_pairs(query: Option<&str>) -> Result<Vec<(String, String)>> {
-    query
-        .unwrap_or("")
-        .split('&')
-        .filter(|p| !p.is_empty())
-        .map(|pair| {
-            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-            let v = memories::percent_decode(v)
-                .ok_or_else(|| invalid(k, "is not valid percent-encoded UTF-8 in the query string"))?;
-            Ok((k.to_string(), v))
-        })
-        .collect()
 }
 
 #[derive(Debug, Deserialize)]
@@ -249,7 +234,7 @@ async fn list_v1(State(s): State<Shared>, headers: HeaderMap, query: RawQuery) -
 /// The `user_id`, `agent_id` and `run_id` of a query string as a filter.
 fn entity_filter(query: Option<&str>) -> Result<Filter> {
     let mut all = Map::new();
-    for (k, v) in query_pairs(query)? {
+    for (k, v) in memories::query_pairs(query)? {
         match k.as_str() {
             "user_id" | "agent_id" | "run_id" => {
                 all.insert(k, json!(v));
@@ -444,19 +429,29 @@ async fn search(
 /// The user and unit of a Mem0 id in a path, or a 404 naming it.
 fn memory_id(p: std::result::Result<Path<String>, PathRejection>) -> Result<(String, String, String)> {
     let Path(id) = p.map_err(|e| ApiError::BadRequest(format!("invalid path: {}", e.body_text())))?;
-    let (user, unit) = ids::decode(&id).ok_or_else(|| ApiError::NotFound(format!("memory `{id}` not found")))?;
+    let (user, unit) = ids::decode(&id).ok_or_else(|| missing(&id))?;
     Ok((id, user, unit))
 }
 
 /// One memory, or a 404 naming its id (whatever the worker's words).
 async fn read_one(s: &Shared, tenant: &str, id: &str, user: &str, unit: &str) -> Result<Read> {
-    match memories::units(s, tenant.to_string(), user, vec![unit.to_string()]).await {
-        Ok((units, _)) => match units.into_iter().next() {
-            Some(u) => Read::from_pb(user, u, None),
-            None => Err(ApiError::NotFound(format!("memory `{id}` not found")).into()),
-        },
-        Err(ApiError::NotFound(_)) => Err(ApiError::NotFound(format!("memory `{id}` not found")).into()),
-        Err(e) => Err(e.into()),
+    let (units, _) =
+        memories::units(s, tenant.to_string(), user, vec![unit.to_string()]).await.map_err(as_missing(id))?;
+    let u = units.into_iter().next().ok_or_else(|| missing(id))?;
+    Read::from_pb(user, u, None)
+}
+
+/// The 404 of memory `id`, whatever the worker's words (an unknown user or
+/// unit): Mem0 names the memory.
+fn missing(id: &str) -> ApiError {
+    ApiError::NotFound(format!("memory `{id}` not found"))
+}
+
+/// A worker's error on memory `id`, its "not found" as [`missing`].
+fn as_missing(id: &str) -> impl Fn(ApiError) -> ApiError + '_ {
+    move |e| match e {
+        ApiError::NotFound(_) => missing(id),
+        e => e,
     }
 }
 
@@ -490,11 +485,7 @@ async fn update(
     let tenant = tenant(&s, &headers)?;
     let (id, user, unit) = memory_id(p)?;
     let r: UpdateBody = crate::validate::parse(&body(b, s.defaults.body_limit)?)?;
-    match memories::update_unit(&s, &tenant, &user, &unit, r.text, r.metadata).await {
-        Ok(_) => {}
-        Err(ApiError::NotFound(_)) => return Err(ApiError::NotFound(format!("memory `{id}` not found")).into()),
-        Err(e) => return Err(e.into()),
-    }
+    memories::update_unit(&s, &tenant, &user, &unit, r.text, r.metadata).await.map_err(as_missing(&id))?;
     Ok(Json(read_one(&s, &tenant, &id, &user, &unit).await?.json()))
 }
 
@@ -506,8 +497,7 @@ async fn delete(
 ) -> Result<Json<Value>> {
     let tenant = tenant(&s, &headers)?;
     let (id, user, unit) = memory_id(p)?;
-    read_one(&s, &tenant, &id, &user, &unit).await?;
-    memories::forget(&s, &tenant, &user, &unit).await?;
+    memories::forget(&s, &tenant, &user, &unit).await.map_err(as_missing(&id))?;
     Ok(Json(json!({"message": "Memory deleted successfully!", "id": id})))
 }
 

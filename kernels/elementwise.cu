@@ -167,6 +167,44 @@ extern "C" __global__ void row_sq_distance(float* out, const bf16* a, const bf16
     if (threadIdx.x == 0) out[blockIdx.x] = acc;
 }
 
+// kv+blend's question rank. One block per (query row, head): the softmax
+// of scale·q·k over the n keys of the head's KV group (online max and sum
+// on the first pass, the dot products recomputed on the second), each
+// key's probability added to mass[key]. `mass` starts at zero; q is
+// [rows, heads·head_dim], k [n, kv_heads·head_dim], head_dim ≤ 256.
+extern "C" __global__ void attention_mass(float* mass, const bf16* q, const bf16* k, int n, int heads, int kv_heads,
+                                          int head_dim, float scale) {
+    __shared__ float scratch[32];
+    __shared__ float qs[256];
+    const int row = blockIdx.x / heads, h = blockIdx.x % heads;
+    const int g = h / (heads / kv_heads);
+    const bf16* qh = q + ((size_t)row * heads + h) * head_dim;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = __bfloat162float(qh[d]) * scale;
+    __syncthreads();
+    const size_t stride = (size_t)kv_heads * head_dim;
+    const bf16* kg = k + (size_t)g * head_dim;
+    float m = NEG_INF, s = 0.0f;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        const bf16* kj = kg + j * stride;
+        float l = 0.0f;
+        for (int d = 0; d < head_dim; d++) l += qs[d] * __bfloat162float(kj[d]);
+        if (l > m) {
+            s = s * __expf(m - l) + 1.0f;
+            m = l;
+        } else {
+            s += __expf(l - m);
+        }
+    }
+    const float M = block_max(m, scratch);
+    const float S = block_sum(m == NEG_INF ? 0.0f : s * __expf(m - M), scratch);
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        const bf16* kj = kg + j * stride;
+        float l = 0.0f;
+        for (int d = 0; d < head_dim; d++) l += qs[d] * __bfloat162float(kj[d]);
+        atomicAdd(&mass[j], __expf(l - M) / S);
+    }
+}
+
 extern "C" __global__ void argmax_rows(u32* out, const bf16* x, int cols) {
     __shared__ float sbest[32];
     __shared__ int sidx[32];

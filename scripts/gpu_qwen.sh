@@ -21,6 +21,13 @@
 #                                 windows 0,20, started like `eval` (`collect` waits)
 #   gpu_qwen.sh blend-bench OUT   inferscale check (random shapes, blend path included), then bench ttft
 #                                 prompt/kv/blend at each r: the Llama-3.1-8B shape and Qwen
+#   gpu_qwen.sh select-bench OUT  inferscale check (random shapes: the device's attention mass against the
+#                                 host's), then bench ttft kv/prompt/blend r 0.15 ranked by deviation and by
+#                                 the question, the Llama-3.1-8B shape and Qwen
+#   gpu_qwen.sh audit-bench OUT   bench serve, Qwen, kv k = 50 at 100 clients, with --audit-share 0 and 0.01
+#   gpu_qwen.sh blend-select      LoCoMo dev split for the blend selections: kv, prompt and blend at
+#                                 r 0.15/0.3 ranked by deviation, question and fact starts, k 20,50, window 20
+#                                 ($SELECT_WINDOWS overrides), started like `eval` (`collect` waits)
 #   gpu_qwen.sh fp8-eval          the fp8-fidelity measurement: bf16 vs fp8 segments, kv and prompt, k 20,50,
 #                                 window 20, by this build and — when its binary was stashed as
 #                                 inferscale-before — by the build before it, one after the other, started
@@ -142,7 +149,36 @@ fp8-collect)
     cat "$2/fp8-$r.md"
   done
   ;;
-blend-bench)
+blend-select-bench)
+  source scripts/gpu_env.sh
+  "$bin" check --json "$2/check.json" > "$2/check.txt" 2>&1 || { tail -20 "$2/check.txt"; exit 1; }
+  grep -i "blend\|attention_mass" "$2/check.txt"; tail -1 "$2/check.txt"
+  ttft=(--modes prompt,kv,blend --blend-ratio 0.15,0.3 --kv-cache-mb 16384 --max-batch-tokens 8192 --reps 10)
+  for sel in deviation question; do
+    "$bin" bench ttft --backend cuda --shape llama3.1-8b --random-weights --k 5,50,200 "${ttft[@]}" --blend-select $sel \
+      --json "$2/ttft-$sel-llama3.1-8b.json" 2>&1 | grep -v "^inferscale bench ttft: \(k=\|round\)" | tee "$2/ttft-$sel-8b.txt"
+    "$bin" bench ttft --backend cuda --model "$work/qwen.gguf" --k 5,20,50 "${ttft[@]}" --blend-select $sel \
+      --json "$2/ttft-$sel-qwen.json" 2>&1 | grep -v "^inferscale bench ttft: \(k=\|round\)" | tee "$2/ttft-$sel-qwen.txt"
+  done
+  ;;
+audit-bench)
+  source scripts/gpu_env.sh
+  for share in 0 0.01 0 0.01; do
+    "$bin" bench serve --backend cuda --model "$work/qwen.gguf" --embedder "$work/minilm" --window 0 \
+      --kv-cache-mb 40000 --max-batch-tokens 2048 --max-running 128 --max-queue 512 --audit-share $share \
+      --users 100 --modes kv --k 50 --max-tokens 32 --memory-users 10 --facts-per-user 50 \
+      --warmup-s 5 --duration-s 15 --json "$2/serve-audit-$share-$RANDOM.json" 2>&1 | tail -n 3 | tee -a "$2/serve-audit.txt"
+  done
+  ;;
+blend-select)
+  source scripts/gpu_env.sh
+  mkdir -p "$work/eval"
+  setsid nohup "$bin" eval locomo "${eval_common[@]}" --modes kv,blend,prompt --blend-ratio 0.15,0.3 \
+    --blend-select deviation,question,fact_starts --k 20,50 --window "${SELECT_WINDOWS:-20}" --batch 32 \
+    --ttft-questions 5 --out "$work/eval" > "$work/eval.log" 2>&1 < /dev/null &
+  echo "eval started (pid $!)"
+  ;;
+bench)
   source scripts/gpu_env.sh
   "$bin" check --json "$2/check.json" > "$2/check.txt" 2>&1 || { tail -20 "$2/check.txt"; exit 1; }
   grep -i "blend" "$2/check.txt"; tail -1 "$2/check.txt"

@@ -62,6 +62,12 @@ pub struct WorkerArgs {
     /// repeat one question).
     #[arg(long, env = "INFERSCALE_PREFIX_CACHE", value_parser = parse_prefix_cache)]
     pub(crate) prefix_cache: Option<PrefixCache>,
+    /// Share of kv and blend requests (0 to 1) whose first token is also
+    /// computed as prompt mode would, in the engine's spare time, and the
+    /// two compared: first-token KL and top-1 agreement as metrics and trace
+    /// attributes (docs/serving.md, "Auditing kv mode's answers"). 0: none.
+    #[arg(long, env = "INFERSCALE_AUDIT_SHARE", default_value_t = 0.0, value_parser = parse_share)]
+    pub(crate) audit_share: f64,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -324,6 +330,7 @@ where
         cold_kv: a.cold_kv,
         cold_kv_wait: std::time::Duration::from_millis(a.cold_kv_wait_ms),
         prefix_cache: a.prefix_cache.unwrap_or_default(),
+        audit_share: a.audit_share,
         ..Default::default()
     };
     let info = WorkerInfo {
@@ -345,6 +352,15 @@ fn parse_cold_kv(s: &str) -> std::result::Result<ColdKv, String> {
         "read" => Ok(ColdKv::Read),
         "wait" => Ok(ColdKv::Wait),
         other => Err(format!("{other:?}: choose prefill, read or wait")),
+    }
+}
+
+/// A share: a number in 0..=1.
+fn parse_share(s: &str) -> std::result::Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if (0.0..=1.0).contains(&v) => Ok(v),
+        Ok(v) => Err(format!("{v} is outside 0..=1")),
+        Err(_) => Err(format!("{s:?} is not a number")),
     }
 }
 

@@ -50,7 +50,7 @@ fn families(text: &str, what: &str) -> BTreeMap<String, String> {
             other => panic!("{what}: {name} has type {other}"),
         }
         if kind == "histogram" {
-            let units = ["_seconds", "_rows"];
+            let units = ["_seconds", "_rows", "_nats"];
             assert!(units.iter().any(|u| name.ends_with(u)), "{what}: histogram {name} does not name its unit");
         }
         // A quantity with a unit names it: bytes and seconds, never ms or kb.
@@ -163,4 +163,84 @@ fn router_and_worker_metrics_share_one_vocabulary_and_the_dashboard_renders_agai
         }
     }
     assert!(queries >= 20, "{queries} metric references in the dashboard");
+}
+
+/// The answer-quality audit (`--audit-share 1`: every kv and blend request):
+/// each request's first-token distribution against prompt mode's for the
+/// same facts, computed after it. Blend at ratio 1 recomputes every
+/// injected token with the question, which is prompt mode's prefill: its
+/// audits find KL ≈ 0 and the same greedy token. kv mode's facts were
+/// encoded apart: its audits find a larger KL. Plain chats (no memory)
+/// are not audited.
+#[test]
+fn audits_compare_served_first_tokens_with_prompt_mode() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let worker_http = format!("127.0.0.1:{port}");
+    let mem = dir.path().join("mem");
+    let mem = mem.to_str().unwrap();
+    let args = [
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--worker-http-listen",
+        &worker_http,
+        "--memory",
+        mem,
+        "--audit-share",
+        "1",
+    ];
+    let s = spawn(&args, "API on ");
+    let turns = json!({"user": "u1", "turns": [
+        {"id": "D1:1", "speaker": "Caroline", "text": "I adopted a grey cat named Miso last week.", "time": "8 May 2023"},
+        {"id": "D1:2", "speaker": "Melanie", "text": "I ran a charity race for mental health on Saturday.", "time": "8 May 2023"},
+        {"id": "D1:3", "speaker": "Caroline", "text": "I am moving to Lisbon to study counselling.", "time": "9 May 2023"},
+        {"id": "D1:4", "speaker": "Melanie", "text": "My kids and I went camping by the lake.", "time": "9 May 2023"}]});
+    assert_eq!(json_call(&s.addr, "POST", "/v1/memories", &turns).0, 200);
+    let ask = |question: &str, memory: serde_json::Value| {
+        let chat = json!({"model": "smollm2", "user": "u1", "max_tokens": 2, "temperature": 0, "memory": memory,
+                          "messages": [{"role": "user", "content": question}]});
+        let (status, v) = json_call(&s.addr, "POST", "/v1/chat/completions", &chat);
+        assert_eq!(status, 200, "{v}");
+    };
+    let questions = ["What is the cat's name?", "Where is Caroline moving?", "What did Melanie run?"];
+    for q in questions {
+        ask(q, json!({"mode": "kv", "k": 4}));
+        ask(q, json!({"mode": "blend", "k": 4, "blend_ratio": 1.0}));
+        ask(q, json!({"mode": "prompt", "k": 4}));
+        ask(q, json!({"mode": "none"}));
+    }
+    let value = |t: &str, key: &str| {
+        t.lines()
+            .find_map(|l| l.strip_prefix(key).and_then(|r| r.strip_prefix(' ')))
+            .and_then(|v| v.parse::<f64>().ok())
+    };
+    let count = |t: &str, mode: &str| value(t, &format!("inferscale_worker_audit_kl_nats_count{{mode=\"{mode}\"}}"));
+    // Audits run when the engine is idle: wait for all six.
+    let t0 = std::time::Instant::now();
+    let text = loop {
+        let t = String::from_utf8(http(&worker_http, "GET", "/metrics", b"").2).unwrap();
+        if count(&t, "kv") == Some(3.0) && count(&t, "blend") == Some(3.0) {
+            break t;
+        }
+        assert!(t0.elapsed() < std::time::Duration::from_secs(60), "audits not done: {t}");
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    };
+    let sum = |mode: &str| value(&text, &format!("inferscale_worker_audit_kl_nats_sum{{mode=\"{mode}\"}}")).unwrap();
+    let agreed =
+        |mode: &str| value(&text, &format!("inferscale_worker_audit_top1_agreed_total{{mode=\"{mode}\"}}")).unwrap();
+    let (blend_kl, kv_kl) = (sum("blend") / 3.0, sum("kv") / 3.0);
+    eprintln!("audits: kv mean KL {kv_kl:.4}, {} of 3 agreed; blend r=1 mean KL {blend_kl:.1e}", agreed("kv"));
+    assert!(blend_kl < 1e-4, "blend at ratio 1 is prompt mode: mean KL {blend_kl}");
+    assert_eq!(agreed("blend"), 3.0, "blend at ratio 1 is prompt mode: greedy tokens agree");
+    assert!(
+        kv_kl > 1e-3 && kv_kl > 100.0 * blend_kl,
+        "kv mode's injected facts differ from prompt mode's: mean KL {kv_kl}"
+    );
+    assert_eq!(value(&text, "inferscale_worker_audits_skipped_total"), Some(0.0));
+    // Prompt and none requests are not audited.
+    for mode in ["prompt", "none"] {
+        assert_eq!(count(&text, mode), None, "{mode} requests are not audited");
+    }
+    families(&text, "worker");
 }

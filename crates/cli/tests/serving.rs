@@ -95,6 +95,20 @@ fn bad_http_input_gets_clear_errors_and_changes_nothing() {
         400,
         "applies to memory.mode \"blend\"",
     );
+    let bad_select = chat(Some("u1"), "Hi?", json!({"mode": "blend", "blend_select": "magic"}));
+    assert_error(
+        "bad blend selection",
+        post(a, c, bad_select.to_string().as_bytes()),
+        400,
+        "`memory.blend_select`: \"magic\" is not a blend selection (deviation, question or fact_starts)",
+    );
+    let stray_select = chat(Some("u1"), "Hi?", json!({"mode": "prompt", "blend_select": "question"}));
+    assert_error(
+        "blend selection in prompt mode",
+        post(a, c, stray_select.to_string().as_bytes()),
+        400,
+        "blend_select",
+    );
     let mut utf8 = chat(Some("u1"), "Hi?", json!({})).to_string().into_bytes();
     let at = utf8.windows(3).position(|w| w == b"Hi?").unwrap();
     utf8[at] = 0xff;
@@ -197,6 +211,11 @@ fn bad_http_input_gets_clear_errors_and_changes_nothing() {
     assert_eq!((m["mode"].as_str(), m["injected_tokens"].as_u64()), (Some("blend"), Some(injected)), "{v}");
     let recomputed = m["recomputed_tokens"].as_u64().unwrap();
     assert!(recomputed >= injected / 4 && recomputed < injected / 2, "{v}");
+    // The same share chosen by the question's attention: as many tokens.
+    let ask = json!({"k": 2, "mode": "blend", "blend_ratio": 0.25, "blend_select": "question"});
+    let (status, v) = json_call(a, "POST", c, &chat(Some("u1"), "What is the name of Caroline's cat?", ask));
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["usage"]["memory"]["recomputed_tokens"].as_u64(), Some(recomputed), "{v}");
     let (status, v) = json_call(
         a,
         "POST",
@@ -209,7 +228,7 @@ fn bad_http_input_gets_clear_errors_and_changes_nothing() {
         - v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
     assert!(uncached > injected, "recomputed tokens are not cached: {v}");
     let metrics = String::from_utf8_lossy(&http(a, "GET", "/metrics", b"").2).to_string();
-    assert!(metrics.contains("inferscale_ttft_seconds_count{mode=\"blend\"} 2"), "{metrics}");
+    assert!(metrics.contains("inferscale_ttft_seconds_count{mode=\"blend\"} 3"), "{metrics}");
 
     // Forgetting one unit, then the user, is visible at once.
     let (s, _, _) = http(a, "DELETE", "/v1/memories/u1/D1:2", b"");

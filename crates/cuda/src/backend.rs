@@ -838,6 +838,33 @@ impl Backend for CudaBackend {
         self.launch(&self.k.copy_blocks, cfg, &[&kc, &vc, &pp, &le, &be])
     }
 
+    fn attention_mass(&self, q: &CudaTensor, k: &CudaTensor, shape: AttentionShape) -> Result<Vec<f32>> {
+        let _span = self.span("attention_mass");
+        let AttentionShape { num_heads, num_kv_heads, head_dim, scale } = shape;
+        if q.cols != num_heads * head_dim
+            || k.cols != num_kv_heads * head_dim
+            || head_dim > 256
+            || num_kv_heads == 0
+            || !num_heads.is_multiple_of(num_kv_heads)
+        {
+            return Err(shape_err(format!(
+                "attention_mass: q {}×{}, k {}×{} for {shape:?}",
+                q.rows, q.cols, k.rows, k.cols
+            )));
+        }
+        if k.rows == 0 {
+            return Ok(Vec::new());
+        }
+        let out = self.stream.alloc_zeros::<f32>(k.rows).cu()?;
+        if q.rows > 0 {
+            let (o, qp, kp) = (self.ptr(&out), self.tp(q), self.tp(k));
+            let (n, h, kvh, d) = (k.rows as i32, num_heads as i32, num_kv_heads as i32, head_dim as i32);
+            let cfg = Self::rows_cfg(q.rows * num_heads, 256);
+            self.launch(&self.k.attention_mass, cfg, &[&o, &qp, &kp, &n, &h, &kvh, &d, &scale])?;
+        }
+        self.stream.clone_dtoh(&out).cu()
+    }
+
     fn concat_rows(&self, parts: &[&CudaTensor]) -> Result<CudaTensor> {
         let _span = self.span("concat_rows");
         let cols = parts.first().map_or(0, |p| p.cols);

@@ -112,6 +112,7 @@ kernels!(
     select_rows,
     argmax_rows,
     row_sq_distance,
+    attention_mass,
     rms_norm,
     rms_norm_v8,
     add_rms_norm_v8,

@@ -386,6 +386,20 @@ pub trait Backend: Send + Sync + 'static {
             .collect())
     }
 
+    /// kv+blend's question-aware rank: for each row of `k` (rotated keys,
+    /// `[n, kv_heads·head_dim]`), the attention the rows of `q` (rotated
+    /// queries, `[m, heads·head_dim]`) pay it, each row and head's softmax
+    /// taken over `k`'s rows alone, summed ([`crate::blend::attention_mass`]).
+    /// The default reads both back; device backends reduce in place.
+    fn attention_mass(&self, q: &Self::Tensor, k: &Self::Tensor, shape: AttentionShape) -> Result<Vec<f32>> {
+        let (qc, kc) = (self.dims(q).1, self.dims(k).1);
+        if qc != shape.num_heads * shape.head_dim || kc != shape.num_kv_heads * shape.head_dim {
+            return Err(EngineError::Shape(format!("attention mass of q width {qc}, k width {kc} for {shape:?}")));
+        }
+        let (q, k) = (self.to_host(q)?, self.to_host(k)?);
+        Ok(crate::blend::attention_mass(&q.data, &k.data, shape))
+    }
+
     fn new_kv_store(&self, spec: KvSpec) -> Result<Self::KvStore>;
     /// Writes row `i` of `k` and `v` (`[n, kv_heads·head_dim]`) to cache slot `slots[i]` of `layer`.
     fn write_kv(

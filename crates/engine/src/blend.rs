@@ -5,9 +5,13 @@
 //! question, the injected tokens whose KV a full prefill would change most.
 //! Every injected token runs through the layers before [`SELECT_LAYER`] and
 //! into that layer's K and V (a little more than 1 of a real model's 24–32
-//! layers), where the distance of its freshly computed values from the
-//! injected ones ranks it; the top `ratio` share go on through that layer's
-//! attention and MLP and the remaining layers. A recomputed token writes its K and
+//! layers), where the request's selection ([`BlendSelect`]) ranks it: by the
+//! distance of its freshly computed values from the injected ones (the facts
+//! alone), by the attention the question's queries pay its fresh key (the
+//! question's layer-1 queries are exact, for layer 0 of an injected token
+//! is), or by how near it is to the start of its fact. The top `ratio`
+//! share go on through that layer's attention and MLP and the remaining
+//! layers. A recomputed token writes its K and
 //! V over the injected entries at its own cache index, layer by layer, and
 //! attends causally by position (`SeqSpan::row_ends`) over the header, the
 //! injected and the recomputed KV; the question's tokens come after it in
@@ -24,14 +28,18 @@
 //! recomputed at each layer (`tests/common/dense.rs`).
 //!
 //! Selection is per forward chunk: when a prefill is split into chunks of
-//! `max_batch_tokens`, each chunk of candidates keeps its own top share.
+//! `max_batch_tokens`, each chunk of candidates keeps its own top share; a
+//! chunk that does not hold the question ranks by deviation, for there are
+//! no queries yet to rank by.
 //! What a chunk computes is exactly what one pass with that selection
 //! would: earlier chunks' entries are already final when later ones read
 //! them, as in a single pass at each layer.
 
 use std::ops::Range;
 
-use crate::backend::{Backend, SeqSpan};
+use inferscale_types::{Blend, BlendSelect};
+
+use crate::backend::{AttentionShape, Backend, SeqSpan};
 use crate::engine::{Engine, Sequence};
 use crate::error::{EngineError, Result};
 use crate::llama::ForwardBatch;
@@ -40,14 +48,17 @@ use crate::llama::ForwardBatch;
 pub const SELECT_LAYER: usize = 1;
 
 /// Injected tokens of one sequence that its next steps recompute:
-/// `next..end` are still to go, each chunk keeping `ratio` of its share,
-/// and the last `tail` of them always.
+/// `next..end` are still to go, each chunk keeping `ratio` of its share
+/// ranked by `select`, and the last `tail` of them always.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct BlendPlan {
     pub next: usize,
     pub end: usize,
     pub ratio: f32,
     pub tail: usize,
+    pub select: BlendSelect,
+    /// Cache indices where the injected facts begin, ascending.
+    pub fact_starts: Vec<usize>,
 }
 
 impl BlendPlan {
@@ -62,13 +73,30 @@ impl BlendPlan {
         keep_count(self.ratio, n)
     }
 
-    /// The group of the next candidates, rows `rows` of a batch: how many
-    /// go on, and how many of its last rows must.
-    pub fn group(&self, rows: Range<usize>) -> BlendGroup {
+    /// The group of the next candidates, rows `rows` of a batch whose rows
+    /// `question` are the sequence's next tokens: how many go on, how many
+    /// of its last rows must, and what ranks the others.
+    pub fn group(&self, rows: Range<usize>, question: Range<usize>) -> BlendGroup {
         let n = rows.len();
         let tail_from = self.end - self.tail.min(self.end);
         let forced = (self.next + n).saturating_sub(tail_from.max(self.next)).min(n);
-        BlendGroup { rows, keep: self.keep(n).max(forced), forced }
+        let rank = match self.select {
+            BlendSelect::Deviation => Rank::Deviation,
+            BlendSelect::Question if question.is_empty() => Rank::Deviation,
+            BlendSelect::Question => Rank::Question(question),
+            // A candidate's score: minus its distance from its fact's start
+            // (`fact_starts` begins with the memory's first token).
+            BlendSelect::FactStarts => Rank::Given(
+                (self.next..self.next + n)
+                    .map(|i| {
+                        let at = self.fact_starts.partition_point(|&s| s <= i);
+                        let start = at.checked_sub(1).map_or(i, |a| self.fact_starts[a]);
+                        -((i - start) as f32)
+                    })
+                    .collect(),
+            ),
+        };
+        BlendGroup { rows, keep: self.keep(n).max(forced), forced, rank }
     }
 }
 
@@ -86,12 +114,25 @@ pub fn blend_rows(injected: usize, ratio: f32) -> usize {
 
 /// One sequence's rows of a blend pass: consecutive rows of the batch that
 /// recompute injected tokens, how many of them go past [`SELECT_LAYER`],
-/// and how many of the last ones go on whatever their deviation.
+/// how many of the last ones go on whatever their rank, and what ranks them.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BlendGroup {
     pub rows: Range<usize>,
     pub keep: usize,
     pub forced: usize,
+    pub rank: Rank,
+}
+
+/// What ranks a group's candidates at [`SELECT_LAYER`]; the largest go on.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Rank {
+    /// Distance of the recomputed values from the injected ones.
+    Deviation,
+    /// Attention mass the queries of these rows of the batch (the
+    /// sequence's question) pay each candidate's fresh key.
+    Question(Range<usize>),
+    /// Known before the pass, one per candidate.
+    Given(Vec<f32>),
 }
 
 /// The blend part of one forward pass, a group per sequence.
@@ -111,15 +152,57 @@ impl BlendRows {
         self.groups.iter().flat_map(|g| g.rows.clone()).collect()
     }
 
+    /// Whether some group ranks by deviation (which needs the injected
+    /// values read before the selection layer overwrites them).
+    pub fn ranks_by_deviation(&self) -> bool {
+        self.groups.iter().any(|g| g.rank == Rank::Deviation)
+    }
+
+    /// One score per candidate ([`BlendRows::rows`] order): `deviation`
+    /// (present when [`BlendRows::ranks_by_deviation`]) for groups ranked by
+    /// it, the attention mass of the question's rows of `q` over the
+    /// candidates' rows of `keys` (fresh, rotated: one row per candidate) for
+    /// groups ranked by the question, the given scores for the rest.
+    pub fn scores<B: Backend>(
+        &self,
+        be: &B,
+        q: &B::Tensor,
+        keys: &B::Tensor,
+        deviation: Option<&[f32]>,
+        shape: AttentionShape,
+    ) -> Result<Vec<f32>> {
+        let mut out = Vec::with_capacity(self.groups.iter().map(|g| g.rows.len()).sum());
+        for g in &self.groups {
+            let at = out.len();
+            let n = g.rows.len();
+            match &g.rank {
+                Rank::Deviation => {
+                    let d = deviation.ok_or_else(|| EngineError::Shape("blend deviation not computed".into()))?;
+                    out.extend_from_slice(d.get(at..at + n).ok_or_else(|| {
+                        EngineError::Shape(format!("{} deviations for candidates {at}..{}", d.len(), at + n))
+                    })?);
+                }
+                Rank::Question(rows) => {
+                    let q = be.select_rows(q, &rows.clone().collect::<Vec<_>>())?;
+                    let k = be.select_rows(keys, &(at..at + n).collect::<Vec<_>>())?;
+                    out.extend(be.attention_mass(&q, &k, shape)?);
+                }
+                Rank::Given(s) if s.len() == n => out.extend_from_slice(s),
+                Rank::Given(s) => return Err(EngineError::Shape(format!("{} scores for {n} candidates", s.len()))),
+            }
+        }
+        Ok(out)
+    }
+
     /// The rows of a `total`-row batch that go on past the selection layer, ascending:
     /// every row outside the groups, and in each group its forced last rows
-    /// and, up to `keep` in all, the rows whose `deviation` (one per
+    /// and, up to `keep` in all, the rows whose `score` (one per
     /// candidate, in [`BlendRows::rows`] order) is largest, ties to the
     /// lower row.
-    pub fn kept(&self, total: usize, deviation: &[f32]) -> Result<Vec<usize>> {
+    pub fn kept(&self, total: usize, score: &[f32]) -> Result<Vec<usize>> {
         let candidates: usize = self.groups.iter().map(|g| g.rows.len()).sum();
-        if deviation.len() != candidates {
-            return Err(EngineError::Shape(format!("{} deviations for {candidates} candidates", deviation.len())));
+        if score.len() != candidates {
+            return Err(EngineError::Shape(format!("{} scores for {candidates} candidates", score.len())));
         }
         let mut keep = vec![true; total];
         let mut at = 0;
@@ -128,10 +211,10 @@ impl BlendRows {
             if rows.end > total {
                 return Err(EngineError::Shape(format!("blend rows {rows:?} of a {total}-row batch")));
             }
-            let dev = &deviation[at..at + rows.len()];
+            let dev = &score[at..at + rows.len()];
             at += rows.len();
             let forced_from = rows.len() - g.forced.min(rows.len());
-            // Forced rows first, then by deviation; NaN (a broken value)
+            // Forced rows first, then by score; NaN (a broken value)
             // ranks with the forced: recomputing it is the cure.
             let key = |i: usize| if i >= forced_from || dev[i].is_nan() { f32::INFINITY } else { dev[i] };
             let mut order: Vec<usize> = (0..rows.len()).collect();
@@ -217,13 +300,15 @@ impl Narrowed {
 impl<B: Backend> Engine<B> {
     /// kv+blend: the steps that compute `seq`'s pending tokens first
     /// recompute its last `injected` computed tokens (just injected), keeping
-    /// `ratio` of them past [`SELECT_LAYER`]; see the module docs. Ratio 0
-    /// plans nothing (the sequence stays kv mode's); ratio 1 recomputes them
-    /// all (prompt mode's prefill). `focus` (0..=1) of the kept tokens are
-    /// the injected memory's last — the best-ranked facts, nearest the
-    /// question — whatever their deviation (1 keeps the last tokens only).
-    /// `seq` must have its question pending.
-    pub fn blend(&self, seq: &mut Sequence, injected: usize, ratio: f32, focus: f32) -> Result<()> {
+    /// `blend.ratio` of them past [`SELECT_LAYER`] as `blend.select` ranks
+    /// them; see the module docs. Ratio 0 plans nothing (the sequence stays
+    /// kv mode's); ratio 1 recomputes them all (prompt mode's prefill).
+    /// `blend.focus` (0..=1) of the kept tokens are the injected memory's
+    /// last — the best-ranked facts, nearest the question — whatever their
+    /// rank (1 keeps the last tokens only). `seq` must have its question
+    /// pending.
+    pub fn blend(&self, seq: &mut Sequence, injected: usize, blend: Blend) -> Result<()> {
+        let Blend { ratio, focus, select } = blend;
         if !(0.0..=1.0).contains(&ratio) {
             return Err(EngineError::Shape(format!("blend ratio {ratio} outside 0..=1")));
         }
@@ -240,10 +325,60 @@ impl<B: Backend> Engine<B> {
         }
         if blend_rows(injected, ratio) > 0 {
             let tail = (focus as f64 * keep_count(ratio, injected) as f64).round() as usize;
-            seq.blend = Some(BlendPlan { next: end - injected, end, ratio, tail });
+            let start = end - injected;
+            let fact_starts = std::iter::once(start)
+                .chain(seq.fact_starts().iter().copied().filter(|&s| s > start && s < end))
+                .collect();
+            seq.blend = Some(BlendPlan { next: start, end, ratio, tail, select, fact_starts });
         }
         Ok(())
     }
+}
+
+/// For each row of `k` (`[n, kv_heads·head_dim]`, rotated keys), the
+/// attention the rows of `q` (`[m, heads·head_dim]`, rotated queries) pay
+/// it: per query row and head, the softmax of `scale · q·k` over `k`'s rows
+/// alone, summed over rows and heads. kv+blend's question-aware rank, on
+/// the host (the default of [`Backend::attention_mass`]).
+pub fn attention_mass(q: &[f32], k: &[f32], shape: AttentionShape) -> Vec<f32> {
+    let AttentionShape { num_heads, num_kv_heads, head_dim: d, scale } = shape;
+    let (qw, kw) = (num_heads * d, num_kv_heads * d);
+    let (m, n) = (q.len() / qw.max(1), k.len() / kw.max(1));
+    let per_kv = (num_heads / num_kv_heads.max(1)).max(1);
+    let mut mass = vec![0f32; n];
+    let mut p = vec![0f32; n];
+    for r in 0..m {
+        for h in 0..num_heads {
+            let qh = &q[r * qw + h * d..][..d];
+            let g = h / per_kv;
+            for (j, pj) in p.iter_mut().enumerate() {
+                *pj = scale * dot(qh, &k[j * kw + g * d..][..d]);
+            }
+            let max = p.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0.0;
+            for pj in p.iter_mut() {
+                *pj = (*pj - max).exp();
+                sum += *pj;
+            }
+            for (mj, pj) in mass.iter_mut().zip(&p) {
+                *mj += pj / sum;
+            }
+        }
+    }
+    mass
+}
+
+/// `a · b`, in eight lanes (so that it vectorizes).
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ac.remainder().iter().zip(bc.remainder()).map(|(x, y)| x * y).sum();
+    for (x, y) in ac.zip(bc) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
 }
 
 #[cfg(test)]
@@ -252,7 +387,7 @@ mod tests {
 
     #[test]
     fn each_group_keeps_its_most_deviating_rows_in_row_order() {
-        let g = |rows, keep, forced| BlendGroup { rows, keep, forced };
+        let g = |rows, keep, forced| BlendGroup { rows, keep, forced, rank: Rank::Deviation };
         let b = BlendRows { groups: vec![g(1..5, 2, 0), g(6..9, 1, 0)] };
         assert!(b.narrows());
         assert_eq!(b.rows(), vec![1, 2, 3, 4, 6, 7, 8]);
@@ -276,23 +411,40 @@ mod tests {
     #[test]
     fn the_tail_is_forced_in_the_chunks_that_hold_it() {
         // 20 injected tokens (cache 10..30), 5 kept in all, the last 3 forced.
-        let plan = |next| BlendPlan { next, end: 30, ratio: 0.25, tail: 3 };
+        let plan = |next| BlendPlan {
+            next,
+            end: 30,
+            ratio: 0.25,
+            tail: 3,
+            select: BlendSelect::Deviation,
+            fact_starts: vec![10],
+        };
         // A chunk of the first 12 holds none of the tail.
-        assert_eq!(plan(10).group(0..12), BlendGroup { rows: 0..12, keep: 3, forced: 0 });
+        assert_eq!(plan(10).group(0..12, 0..0), BlendGroup { rows: 0..12, keep: 3, forced: 0, rank: Rank::Deviation });
         // The last 8 hold all three: they go on although 0.25 of 8 is 2.
-        assert_eq!(plan(22).group(4..12), BlendGroup { rows: 4..12, keep: 3, forced: 3 });
+        assert_eq!(
+            plan(22).group(4..12, 12..14),
+            BlendGroup { rows: 4..12, keep: 3, forced: 3, rank: Rank::Deviation }
+        );
         // All 20 in one chunk: 5 kept, 3 of them the tail.
-        assert_eq!(plan(10).group(0..20), BlendGroup { rows: 0..20, keep: 5, forced: 3 });
+        assert_eq!(plan(10).group(0..20, 0..0), BlendGroup { rows: 0..20, keep: 5, forced: 3, rank: Rank::Deviation });
         // A chunk ending where the tail starts (cache index 27), and ones
         // reaching into it.
-        assert_eq!(plan(10).group(0..17).forced, 0);
-        assert_eq!(plan(10).group(0..18).forced, 1);
-        assert_eq!(plan(10).group(0..19).forced, 2);
+        assert_eq!(plan(10).group(0..17, 0..0).forced, 0);
+        assert_eq!(plan(10).group(0..18, 0..0).forced, 1);
+        assert_eq!(plan(10).group(0..19, 0..0).forced, 2);
     }
 
     #[test]
     fn a_chunk_keeps_at_least_one_and_at_most_all() {
-        let p = |ratio| BlendPlan { next: 0, end: 10, ratio, tail: 0 };
+        let p = |ratio| BlendPlan {
+            next: 0,
+            end: 10,
+            ratio,
+            tail: 0,
+            select: BlendSelect::Deviation,
+            fact_starts: vec![0],
+        };
         assert_eq!((p(0.15).keep(100), p(0.15).keep(3), p(0.15).keep(0)), (15, 1, 0));
         assert_eq!((p(1.0).keep(7), p(0.001).keep(7), p(0.5).keep(7)), (7, 1, 4));
     }

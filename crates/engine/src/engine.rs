@@ -59,6 +59,9 @@ pub struct Sequence {
     pub(crate) blend: Option<BlendPlan>,
     /// Injected tokens recomputed through every layer so far (kv+blend).
     recomputed: usize,
+    /// Where each injected fact begins (token indices, ascending): what
+    /// kv+blend's fact-start selection ranks by.
+    fact_starts: Vec<usize>,
     /// The prefix cache's keys of its prompt's full blocks, when the
     /// sequence takes part (`Engine::reuse_prefix`).
     prefix: Option<PrefixChain>,
@@ -105,6 +108,11 @@ impl Sequence {
         self.recomputed
     }
 
+    /// Where each injected fact begins (token indices, ascending).
+    pub fn fact_starts(&self) -> &[usize] {
+        &self.fact_starts
+    }
+
     pub fn block_table(&self) -> &BlockTable {
         &self.table
     }
@@ -132,6 +140,11 @@ impl Sequence {
     pub fn extend_at(&mut self, tokens: &[u32], position: u32) {
         self.tokens.extend_from_slice(tokens);
         self.positions.extend(position..position + tokens.len() as u32);
+    }
+
+    /// Notes where injected facts begin (indices past those noted before).
+    pub(crate) fn record_fact_starts(&mut self, starts: impl IntoIterator<Item = usize>) {
+        self.fact_starts.extend(starts);
     }
 
     /// Drops tokens from index `len` on (never below what is computed).
@@ -223,6 +236,7 @@ impl<B: Backend> Engine<B> {
             table: BlockTable::new(&self.pool),
             blend: None,
             recomputed: 0,
+            fact_starts: Vec::new(),
             prefix: None,
         }
     }
@@ -240,6 +254,7 @@ impl<B: Backend> Engine<B> {
             table: BlockTable::new(&self.pool),
             blend: None,
             recomputed: 0,
+            fact_starts: Vec::new(),
             prefix: None,
         };
         seq.extend_at(&tokens, position);
@@ -284,6 +299,7 @@ impl<B: Backend> Engine<B> {
             table,
             blend: None,
             recomputed: 0,
+            fact_starts: Vec::new(),
             prefix: None,
         })
     }
@@ -472,7 +488,9 @@ impl<B: Backend> Engine<B> {
                 batch.slots.push(s.table.slot(p));
             }
             if let Some(plan) = s.blend.as_ref().filter(|_| b > 0) {
-                blend.groups.push(plan.group(q_start..q_start + b));
+                // The sequence's new rows follow its recomputed ones: its
+                // question, when this pass holds it.
+                blend.groups.push(plan.group(q_start..q_start + b, q_start + b..q_start + b + t));
             }
             if let Some(range) = capture.get(i) {
                 let lo = range.start.clamp(s.computed, s.computed + t);

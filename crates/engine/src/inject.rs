@@ -219,6 +219,7 @@ impl<B: Backend> Engine<B> {
         let (backend, kv, rope) = (&self.backend, &mut self.kv, self.model.rope());
         backend.run(|| backend.inject_kv(kv, &inject, rope))?;
         seq.mark_computed(seq.len() - start);
+        seq.record_fact_starts(spans.iter().filter(|r| !r.is_empty()).map(|r| r.start));
         Ok(())
     }
 

@@ -23,7 +23,7 @@ pub mod rope;
 pub mod sampling;
 
 pub use backend::Backend;
-pub use blend::{SELECT_LAYER as BLEND_SELECT_LAYER, blend_rows, keep_count as blend_keep_count};
+pub use blend::{SELECT_LAYER as BLEND_SELECT_LAYER, attention_mass, blend_rows, keep_count as blend_keep_count};
 pub use cpu::CpuBackend;
 pub use engine::{Engine, EngineConfig, NextToken, Sequence};
 pub use error::{EngineError, Result};

@@ -292,19 +292,22 @@ impl<B: Backend> Llama<B> {
             return Err(EngineError::Shape("a blend pass cannot capture KV".into()));
         }
         // Every candidate through the layers before the selection layer and
-        // into its K and V; the distance of its values there from the
-        // injected ones picks the rows that go on. Rows that stop need
-        // nothing more of that layer than their K and V: the selection
-        // layer's attention and MLP run on the kept rows only.
+        // into its K and V, where the request's rank (the distance of its
+        // values from the injected ones, or the question's attention to its
+        // key) picks the rows that go on. Rows that stop need nothing more
+        // of that layer than their K and V: the selection layer's attention
+        // and MLP run on the kept rows only.
         let s = SELECT_LAYER.min(self.blocks.len() - 1);
         self.layers(be, batch, 0..s, &mut x, &mut pending, &mut captured, kv)?;
         let slots: Vec<u32> = blend.rows().iter().map(|&r| batch.slots[r]).collect();
-        let (_, injected) = be.gather_kv(kv, s, &slots)?;
+        let injected = blend.ranks_by_deviation().then(|| be.gather_kv(kv, s, &slots)).transpose()?;
         let block = &self.blocks[s];
         let h = block.norm_in(be, &mut x, pending.take())?;
         let q = block.attn.write_kv(be, &h, &Step { batch, rope: &self.rope, layer: s }, kv)?;
-        let (_, fresh) = be.gather_kv(kv, s, &slots)?;
-        let kept = blend.kept(batch.tokens.len(), &be.row_sq_distance(&fresh, &injected)?)?;
+        let (fresh_k, fresh_v) = be.gather_kv(kv, s, &slots)?;
+        let deviation = injected.map(|(_, v)| be.row_sq_distance(&fresh_v, &v)).transpose()?;
+        let scores = blend.scores(be, &q, &fresh_k, deviation.as_deref(), block.attn.shape)?;
+        let kept = blend.kept(batch.tokens.len(), &scores)?;
         let narrowed = Narrowed::new(batch, &kept)?;
         let rest = narrowed.batch(batch);
         let mut x = be.select_rows(&x, &kept)?;

@@ -195,6 +195,16 @@ pub fn log_softmax(logits: &[f32]) -> Vec<f64> {
     logits.iter().map(|&x| x as f64 - lse).collect()
 }
 
+/// How far the first-token distribution of `logits` is from that of
+/// `reference` (logits over the same vocabulary): KL(reference ‖ logits),
+/// and whether the two greedy tokens agree. What kv mode's answer-quality
+/// audit reports against prompt mode.
+pub fn divergence(reference: &[f32], logits: &[f32]) -> (f64, bool) {
+    let (lp, lq) = (log_softmax(reference), log_softmax(logits));
+    let kl = lp.iter().zip(&lq).map(|(&p, &q)| p.exp() * (p - q)).sum::<f64>().max(0.0);
+    (kl, argmax(reference) == argmax(logits))
+}
+
 /// Picks the next token from `logits` under `params`, `seen` being what the
 /// penalties look at: penalties first, then greedy or — at a temperature —
 /// the top-k cut, the softmax, the min-p and top-p cuts, and a draw.
@@ -283,6 +293,23 @@ pub fn logprobs(logits: &[f32], chosen: u32, n: usize) -> TokenLogprobs {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn divergence_is_zero_for_the_same_distribution_and_kl_otherwise() {
+        let a = [1.0, 3.0, 0.5, -2.0];
+        assert_eq!(divergence(&a, &a), (0.0, true));
+        // Shifting every logit keeps the distribution.
+        let shifted: Vec<f32> = a.iter().map(|x| x + 7.0).collect();
+        let (kl, agree) = divergence(&a, &shifted);
+        assert!(kl < 1e-12 && agree, "{kl}");
+        // p = (0.5, 0.5), q = (0.8, 0.2): KL = 0.5 ln(0.5/0.8) + 0.5 ln(0.5/0.2) = 0.2231.
+        let (p, q) = ([0.0, 0.0], [4f32.ln(), 0.0]);
+        let (kl, agree) = divergence(&p, &q);
+        assert!((kl - 0.223_143_551).abs() < 1e-6, "{kl}");
+        assert!(agree, "a tie goes to the lowest id on both sides");
+        let (_, agree) = divergence(&q, &[0.0, 1.0]);
+        assert!(!agree);
+    }
 
     #[test]
     fn greedy_takes_lowest_index_on_ties() {

@@ -126,7 +126,7 @@ pub fn prepare<B: Backend>(
     seq.extend(question);
     if mode == Mode::Blend {
         // Ratio 0 plans nothing: the request is served exactly as kv mode.
-        engine.blend(&mut seq, memory_tokens, recall.blend.ratio, recall.blend.focus)?;
+        engine.blend(&mut seq, memory_tokens, recall.blend)?;
     }
     Ok(Prepared {
         seq,

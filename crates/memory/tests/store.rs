@@ -217,7 +217,7 @@ fn cold_facts_are_read_off_the_engine_thread_and_pasted_meanwhile() {
                 user: "ana",
                 order: &[3],
                 paste: &[3],
-                recall: Recall { mode: Mode::Blend, blend: Blend { ratio: 0.5, focus: 0.0 } }
+                recall: Recall { mode: Mode::Blend, blend: Blend { ratio: 0.5, ..Blend::default() } }
             },
             &question
         )

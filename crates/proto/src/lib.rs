@@ -84,6 +84,28 @@ impl From<inferscale_types::Mode> for MemoryMode {
     }
 }
 
+impl From<inferscale_types::BlendSelect> for BlendSelect {
+    fn from(s: inferscale_types::BlendSelect) -> Self {
+        match s {
+            inferscale_types::BlendSelect::Deviation => BlendSelect::Deviation,
+            inferscale_types::BlendSelect::Question => BlendSelect::Question,
+            inferscale_types::BlendSelect::FactStarts => BlendSelect::FactStarts,
+        }
+    }
+}
+
+impl BlendSelect {
+    /// The selection this names; unspecified is the default.
+    pub fn to_select(self) -> inferscale_types::BlendSelect {
+        match self {
+            BlendSelect::Unspecified => inferscale_types::BlendSelect::default(),
+            BlendSelect::Deviation => inferscale_types::BlendSelect::Deviation,
+            BlendSelect::Question => inferscale_types::BlendSelect::Question,
+            BlendSelect::FactStarts => inferscale_types::BlendSelect::FactStarts,
+        }
+    }
+}
+
 impl MemoryMode {
     /// The mode a request names; an unspecified mode is `kv`, the default.
     pub fn to_mode(self) -> inferscale_types::Mode {
@@ -134,6 +156,7 @@ impl GenerateRequest {
             deadline_ms,
             blend_ratio: (m.mode == types::Mode::Blend).then_some(m.blend.ratio),
             blend_focus: (m.mode == types::Mode::Blend).then_some(m.blend.focus),
+            blend_select: BlendSelect::from(m.blend.select).into(),
             prompt,
             agent_id: m.scope.agent_id.clone().unwrap_or_default(),
             run_id: m.scope.run_id.clone().unwrap_or_default(),
@@ -172,6 +195,14 @@ impl GenerateRequest {
                 blend: types::Blend {
                     ratio: self.blend_ratio.unwrap_or(types::DEFAULT_BLEND_RATIO),
                     focus: self.blend_focus.unwrap_or(types::DEFAULT_BLEND_FOCUS),
+                    select: BlendSelect::try_from(self.blend_select)
+                        .map_err(|_| {
+                            types::Refusal::new(
+                                "memory.blend_select",
+                                format!("{} is not a blend selection", self.blend_select),
+                            )
+                        })?
+                        .to_select(),
                 },
                 scope: scope(&self.agent_id, &self.run_id),
                 instruction: self.instruction,
@@ -296,7 +327,7 @@ mod tests {
                 mode: types::Mode::Blend,
                 k: 7,
                 window: Some(20),
-                blend: types::Blend { ratio: 0.3, focus: 0.5 },
+                blend: types::Blend { ratio: 0.3, focus: 0.5, select: types::BlendSelect::Question },
                 scope: types::Scope { agent_id: Some("bot".into()), run_id: None },
                 instruction: Some(String::new()),
             },

@@ -150,8 +150,10 @@ pub struct MemoryOptions {
     pub k: Option<u64>,
     pub window: Option<u32>,
     /// `mode = "blend"`: the share of injected tokens recomputed (0..=1),
-    /// and the share of those spent on the best facts' last tokens.
+    /// how they are chosen (`deviation`, `question`, `fact_starts`), and
+    /// the share of them spent on the best facts' last tokens.
     pub blend_ratio: Option<f32>,
+    pub blend_select: Option<String>,
     pub blend_focus: Option<f32>,
     /// The words before the question in a memory mode (the server's
     /// configured instruction when absent; `""` for none).

@@ -6,7 +6,7 @@
 //! names its parameter (OpenAI's `param`).
 
 use inferscale_types::{
-    Blend, Generation, Input, Limits, MemoryRequest, Message, Mode, Role, Sampling, Scope, check_user,
+    Blend, BlendSelect, Generation, Input, Limits, MemoryRequest, Message, Mode, Role, Sampling, Scope, check_user,
 };
 use serde::de::DeserializeOwned;
 use serde_json::Value;
@@ -192,9 +192,13 @@ fn memory(s: &AppState, m: Option<MemoryOptions>, user: Option<&str>) -> Result<
         (None, Some(_)) => s.defaults.mode,
     };
     if mode != Mode::Blend
-        && let Some((param, _)) = [("memory.blend_ratio", m.blend_ratio), ("memory.blend_focus", m.blend_focus)]
-            .into_iter()
-            .find(|(_, v)| v.is_some())
+        && let Some((param, _)) = [
+            ("memory.blend_ratio", m.blend_ratio.is_some()),
+            ("memory.blend_focus", m.blend_focus.is_some()),
+            ("memory.blend_select", m.blend_select.is_some()),
+        ]
+        .into_iter()
+        .find(|(_, set)| *set)
     {
         return Err(ApiError::param(param, format!("applies to memory.mode \"blend\", not \"{mode}\"")));
     }
@@ -205,6 +209,10 @@ fn memory(s: &AppState, m: Option<MemoryOptions>, user: Option<&str>) -> Result<
         blend: Blend {
             ratio: m.blend_ratio.unwrap_or(s.defaults.blend_ratio),
             focus: m.blend_focus.unwrap_or(inferscale_types::DEFAULT_BLEND_FOCUS),
+            select: match m.blend_select.as_deref() {
+                Some(name) => BlendSelect::parse(name, "memory.blend_select").map_err(ApiError::from)?,
+                None => BlendSelect::default(),
+            },
         },
         scope: Scope { agent_id: m.agent_id, run_id: m.run_id },
         instruction: m.instruction,

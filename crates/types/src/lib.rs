@@ -14,8 +14,8 @@ pub mod sse;
 pub mod time;
 
 pub use request::{
-    Blend, DEFAULT_BLEND_FOCUS, DEFAULT_BLEND_RATIO, FactSources, Generation, Input, Limits, MemoryRequest, Message,
-    Recall, Refusal, Role, Sampling, admit, check_blend_ratio, check_user,
+    Blend, BlendSelect, DEFAULT_BLEND_FOCUS, DEFAULT_BLEND_RATIO, FactSources, Generation, Input, Limits,
+    MemoryRequest, Message, Recall, Refusal, Role, Sampling, admit, check_blend_ratio, check_user,
 };
 
 /// A memory unit to remember: a conversation turn, or a fact the caller

@@ -84,13 +84,62 @@ impl Input {
 }
 
 /// kv+blend's parameters (docs/serving.md, "Memory modes"): the share of
-/// injected tokens recomputed with the question, and the share of those
-/// spent on the memory's last tokens — the best-ranked facts, nearest the
-/// question — whatever their deviation.
+/// injected tokens recomputed with the question, how they are chosen, and
+/// the share of them spent on the memory's last tokens — the best-ranked
+/// facts, nearest the question — whatever the selection says.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Blend {
     pub ratio: f32,
     pub focus: f32,
+    pub select: BlendSelect,
+}
+
+/// How kv+blend picks the injected tokens it recomputes (docs/design.md
+/// §1.2, docs/locomo.md "Which tokens to recompute").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum BlendSelect {
+    /// The tokens whose layer-1 values move most when recomputed with the
+    /// memory before them (CacheBlend's signal: the facts alone).
+    #[default]
+    Deviation,
+    /// The tokens the question attends to most at layer 1, where its
+    /// queries are already exact (layer 0 of an injected token is).
+    Question,
+    /// The first tokens of every fact, equally (EPIC's signal: where a
+    /// fact encoded alone differs most from one encoded in context).
+    FactStarts,
+}
+
+impl BlendSelect {
+    pub const ALL: [BlendSelect; 3] = [BlendSelect::Deviation, BlendSelect::Question, BlendSelect::FactStarts];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BlendSelect::Deviation => "deviation",
+            BlendSelect::Question => "question",
+            BlendSelect::FactStarts => "fact_starts",
+        }
+    }
+
+    /// The selection `name` names, or the refusal (for the request field `param`).
+    pub fn parse(name: &str, param: &str) -> Result<BlendSelect, Refusal> {
+        BlendSelect::ALL.into_iter().find(|s| s.as_str() == name).ok_or_else(|| {
+            Refusal::new(param, format!("{name:?} is not a blend selection (deviation, question or fact_starts)"))
+        })
+    }
+}
+
+impl std::fmt::Display for BlendSelect {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for BlendSelect {
+    type Err = Refusal;
+    fn from_str(s: &str) -> Result<Self, Refusal> {
+        BlendSelect::parse(s, "blend selection")
+    }
 }
 
 /// The share of injected tokens `blend` recomputes when a request does not
@@ -105,7 +154,7 @@ pub const DEFAULT_BLEND_FOCUS: f32 = 0.0;
 
 impl Default for Blend {
     fn default() -> Self {
-        Blend { ratio: DEFAULT_BLEND_RATIO, focus: DEFAULT_BLEND_FOCUS }
+        Blend { ratio: DEFAULT_BLEND_RATIO, focus: DEFAULT_BLEND_FOCUS, select: BlendSelect::Deviation }
     }
 }
 

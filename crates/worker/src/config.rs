@@ -34,6 +34,11 @@ pub struct WorkerConfig {
     pub cold_kv_wait: Duration,
     /// Which requests' prompts may reuse each other's computed KV blocks.
     pub prefix_cache: PrefixCache,
+    /// Share of kv and blend requests (0..=1) whose first token is also
+    /// computed as prompt mode would, in the engine's spare time, to report
+    /// what injection costs in answer quality (`engine_thread/audit.rs`);
+    /// 0, the default, audits none.
+    pub audit_share: f64,
 }
 
 /// Automatic prefix caching of computed prompt blocks (prompt and none
@@ -105,6 +110,7 @@ impl Default for WorkerConfig {
             cold_kv: ColdKv::default(),
             cold_kv_wait: COLD_KV_WAIT,
             prefix_cache: PrefixCache::default(),
+            audit_share: 0.0,
         }
     }
 }

@@ -41,6 +41,7 @@ use crate::throttle::{BACKGROUND_SHARE, RECENTLY_BUSY, StepTime, Throttle};
 use inferscale_types::{Refusal, StoredUnit};
 
 mod admission;
+mod audit;
 mod idle;
 mod layout;
 mod step;
@@ -90,6 +91,9 @@ struct Live<B: Backend> {
     pasted_tokens: usize,
     /// Where the facts' KV came from (kv and blend modes).
     sources: Option<FactSources>,
+    /// Sampled for the answer-quality audit (`audit.rs`): the retrieved
+    /// facts, best first, until its first token's logits are queued.
+    audit: Option<Vec<String>>,
 }
 
 /// A kv-mode request retrieved and sized, not yet queued: waiting for its
@@ -201,7 +205,7 @@ pub(crate) fn run<B: Backend>(
         ProtocolConfig { max_k: cfg.max_k, ingest_batch: cfg.ingest_batch, max_ingest_units: cfg.max_ingest_units },
         metrics.clone(),
     );
-    let cfg_ingest_batch = cfg.ingest_batch;
+    let (cfg_ingest_batch, cfg_audit_share) = (cfg.ingest_batch, cfg.audit_share);
     let mut core = Core {
         session,
         eos,
@@ -220,6 +224,7 @@ pub(crate) fn run<B: Backend>(
         encode_throttle: Throttle::new(BACKGROUND_SHARE, cfg_ingest_batch, false),
         last_busy: Instant::now() - RECENTLY_BUSY,
         last_scrub: Instant::now(),
+        audits: audit::Audits::new(cfg_audit_share),
     };
     loop {
         core.complete_reads();
@@ -228,7 +233,8 @@ pub(crate) fn run<B: Backend>(
         let quiet = core.last_busy.elapsed() >= RECENTLY_BUSY;
         let idle = core.live.is_empty() && !protocol.ingesting();
         if idle && quiet {
-            match core.encode_pending() {
+            // Audits first: each is one prefill, and its logits wait in memory.
+            match core.audit_some(false) || core.encode_pending() {
                 // Background work done; look for commands before more of it.
                 true => match rx.try_recv() {
                     Ok(c) => protocol.handle(&mut core, c),
@@ -283,6 +289,7 @@ pub(crate) fn run<B: Backend>(
         if busy {
             core.encode_beside_serving(step);
         }
+        core.audit_some(busy);
         core.step();
     }
 }
@@ -310,6 +317,8 @@ struct Core<B: Backend> {
     last_busy: Instant,
     /// When the idle-time scrub last ran.
     last_scrub: Instant,
+    /// The answer-quality audit's sampling and queue.
+    audits: audit::Audits,
 }
 
 /// The idle-time scrub's pace: this many bytes of KV records a second.

@@ -66,7 +66,17 @@ pub struct WorkerMetrics {
     pub shard_bytes_received: AtomicU64,
     /// Set when a write failed for a full disk, cleared when one succeeds.
     disk_full: AtomicBool,
+    /// The answer-quality audit (`--audit-share`), per injecting mode:
+    /// first-token KL(prompt ‖ served), and audits whose greedy first
+    /// tokens agreed; audits skipped (queue full, facts forgotten, no KV
+    /// blocks free).
+    audit_kl: [Histogram; 4],
+    audit_agreed: [AtomicU64; 4],
+    audit_skipped: AtomicU64,
 }
+
+/// First-token KL buckets: from bf16 noise (1e-4) to answers apart (4).
+const KL_BUCKETS: [f64; 10] = [1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 4.0];
 
 impl Default for WorkerMetrics {
     fn default() -> Self {
@@ -93,6 +103,9 @@ impl Default for WorkerMetrics {
             shards_received: AtomicU64::new(0),
             shard_bytes_received: AtomicU64::new(0),
             disk_full: AtomicBool::new(false),
+            audit_kl: std::array::from_fn(|_| Histogram::new(&KL_BUCKETS)),
+            audit_agreed: Default::default(),
+            audit_skipped: AtomicU64::new(0),
         }
     }
 }
@@ -157,6 +170,20 @@ impl WorkerMetrics {
     pub(crate) fn outcomes(&self) -> (u64, u64, u64) {
         let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
         (n(&self.finished), n(&self.cancelled), n(&self.failed))
+    }
+
+    /// An audited `mode` request: its first-token KL from prompt mode, and
+    /// whether the greedy first tokens agreed.
+    pub(crate) fn audited(&self, mode: Mode, kl: f64, agreed: bool) {
+        self.audit_kl[mode_index(mode)].observe(kl);
+        if agreed {
+            self.audit_agreed[mode_index(mode)].fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// A request sampled for the audit that was not audited.
+    pub(crate) fn audit_skipped(&self) {
+        self.audit_skipped.fetch_add(1, Ordering::Relaxed);
     }
 
     /// A read of facts' KV from disk took `seconds`.
@@ -290,6 +317,30 @@ impl WorkerMetrics {
             prom::header(&mut out, name, "counter", help);
             out.push_str(&format!("{name} {v}\n"));
         }
+        let name = "inferscale_worker_audit_kl_nats";
+        prom::header(
+            &mut out,
+            name,
+            "histogram",
+            "Audited requests (--audit-share): KL(prompt mode || served) of the first-token distributions, by memory mode.",
+        );
+        for (mode, h) in MODES.iter().zip(&self.audit_kl).filter(|(m, _)| m.injects()) {
+            h.render(&mut out, name, &format!("mode=\"{}\"", mode.as_str()));
+        }
+        let name = "inferscale_worker_audit_top1_agreed_total";
+        prom::header(
+            &mut out,
+            name,
+            "counter",
+            "Audited requests whose greedy first token is prompt mode's, by memory mode.",
+        );
+        for (mode, v) in MODES.iter().zip(&self.audit_agreed).filter(|(m, _)| m.injects()) {
+            out.push_str(&format!("{name}{{mode=\"{}\"}} {}\n", mode.as_str(), v.load(Ordering::Relaxed)));
+        }
+        let name = "inferscale_worker_audits_skipped_total";
+        let help = "Requests sampled for the audit and not audited (queue full, facts forgotten, no KV blocks free).";
+        prom::header(&mut out, name, "counter", help);
+        out.push_str(&format!("{name} {}\n", self.audit_skipped.load(Ordering::Relaxed)));
         let name = REQUESTS_TOTAL;
         prom::header(&mut out, name, "counter", "Requests that left the worker, by how.");
         for (status, v) in [("finished", stats.finished), ("cancelled", stats.cancelled), ("failed", stats.failed)] {

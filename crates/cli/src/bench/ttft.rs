@@ -55,6 +55,10 @@ pub struct TtftArgs {
     #[arg(long, value_delimiter = ',', default_values_t = [inferscale_types::DEFAULT_BLEND_RATIO],
           value_parser = crate::runtime::blend_ratio)]
     blend_ratio: Vec<f32>,
+    /// How blend picks the tokens it recomputes (`deviation`, `question`,
+    /// `fact_starts`).
+    #[arg(long, default_value_t = inferscale_types::BlendSelect::default())]
+    blend_select: inferscale_types::BlendSelect,
     /// Timed runs per (k, mode); the median is reported.
     #[arg(long, default_value_t = 20)]
     reps: usize,
@@ -95,6 +99,8 @@ struct Row {
     mode: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
     blend_ratio: Option<f32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    blend_select: Option<&'static str>,
     ttft_ms_median: f64,
     ttft_ms_min: f64,
     prompt_tokens: usize,
@@ -116,6 +122,7 @@ struct Cell<'a, B: Backend> {
     mode: &'static str,
     chunks: Option<&'a [KvChunk<B>]>,
     blend_ratio: Option<f32>,
+    blend_select: inferscale_types::BlendSelect,
 }
 
 /// The prompt pieces, as token ids.
@@ -160,7 +167,8 @@ fn first_token<B: Backend>(
     seq.extend(question);
     if let Some(r) = c.blend_ratio {
         let injected = c.chunks.map_or(0, |cs| cs.iter().map(KvChunk::len).sum());
-        e.blend(&mut seq, injected, r, inferscale_types::DEFAULT_BLEND_FOCUS)?;
+        let blend = inferscale_types::Blend { ratio: r, select: c.blend_select, ..Default::default() };
+        e.blend(&mut seq, injected, blend)?;
     }
     std::hint::black_box(prefill_greedy(e, &mut seq)?);
     Ok((t.elapsed().as_secs_f64() * 1e3, seq.recomputed()))
@@ -238,11 +246,17 @@ fn run_on<B: Backend>(a: TtftArgs, backend: B) -> Result<()> {
     for &k in &a.k {
         for (mode, stored) in [("prompt", None), ("kv", Some(&chunks[..k])), ("kv-host", hosted.get(..k))] {
             if a.modes.iter().any(|m| m == mode) {
-                cells.push(Cell { k, mode, chunks: stored, blend_ratio: None });
+                cells.push(Cell { k, mode, chunks: stored, blend_ratio: None, blend_select: a.blend_select });
             }
         }
         for &r in a.blend_ratio.iter().filter(|_| blend) {
-            cells.push(Cell { k, mode: "blend", chunks: Some(&chunks[..k]), blend_ratio: Some(r) });
+            cells.push(Cell {
+                k,
+                mode: "blend",
+                chunks: Some(&chunks[..k]),
+                blend_ratio: Some(r),
+                blend_select: a.blend_select,
+            });
         }
     }
     let mut ttft: Vec<Vec<f64>> = vec![Vec::with_capacity(a.reps); cells.len()];
@@ -301,6 +315,7 @@ fn run_on<B: Backend>(a: TtftArgs, backend: B) -> Result<()> {
                 k: c.k,
                 mode: c.mode,
                 blend_ratio: c.blend_ratio,
+                blend_select: c.blend_ratio.map(|_| c.blend_select.as_str()),
                 ttft_ms_min: ttft.iter().copied().fold(f64::INFINITY, f64::min),
                 ttft_ms_median: median(ttft),
                 prompt_tokens: h + fact_tokens + l.question.len(),

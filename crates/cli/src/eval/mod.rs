@@ -38,6 +38,8 @@ use crate::memory_cmd::{PromptArgs, parse_retriever};
 use crate::runtime::{ModelArgs, blend_ratio, load_on, on_backend};
 use report::{Answer, Ingest, Report};
 
+// Parsed once per process: the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// LoCoMo question answering from memory.
@@ -73,6 +75,10 @@ pub struct LocomoArgs {
     /// deviation; each one a variant with each ratio.
     #[arg(long, value_delimiter = ',', default_values_t = [inferscale_types::DEFAULT_BLEND_FOCUS], value_parser = blend_ratio)]
     blend_focus: Vec<f32>,
+    /// Blend: how the recomputed tokens are chosen (`deviation`,
+    /// `question`, `fact_starts`); each one a variant with each ratio and focus.
+    #[arg(long, value_delimiter = ',', default_values_t = [inferscale_types::BlendSelect::default()])]
+    blend_select: Vec<inferscale_types::BlendSelect>,
     /// Facts retrieved per question; each k is a variant.
     #[arg(long, value_delimiter = ',', default_value = "5,20,50")]
     k: Vec<usize>,
@@ -135,15 +141,13 @@ struct Variant {
     /// Index into the memories (one per window and format) for kv and
     /// blend mode.
     memory: usize,
-    /// Blend: the share of injected tokens recomputed (else 0), and the
-    /// share of those that are the memory's last tokens.
-    blend_ratio: f32,
-    blend_focus: f32,
+    /// Blend's parameters (ratio 0 in other modes).
+    blend: inferscale_types::Blend,
 }
 
 impl Variant {
     fn recall(&self) -> Recall {
-        Recall { mode: self.mode, blend: inferscale_types::Blend { ratio: self.blend_ratio, focus: self.blend_focus } }
+        Recall { mode: self.mode, blend: self.blend }
     }
 }
 
@@ -241,7 +245,8 @@ fn locomo_eval<B: Backend>(a: &LocomoArgs, backend: B) -> Result<()> {
     let k_max = *a.k.iter().max().context("--k")?;
     let want = |m: Mode| a.modes.contains(&m);
     let mut variants = Vec::new();
-    let plain = |mode, k, memory| Variant { mode, k, memory, blend_ratio: 0.0, blend_focus: 0.0 };
+    let no_blend = inferscale_types::Blend { ratio: 0.0, focus: 0.0, select: Default::default() };
+    let plain = |mode, k, memory| Variant { mode, k, memory, blend: no_blend };
     if want(Mode::None) {
         variants.push(plain(Mode::None, 0, 0));
     }
@@ -255,14 +260,15 @@ fn locomo_eval<B: Backend>(a: &LocomoArgs, backend: B) -> Result<()> {
                 variants.push(plain(Mode::Kv, k, memory));
             }
             if want(Mode::Blend) {
-                for &blend_focus in &a.blend_focus {
-                    variants.extend(a.blend_ratio.iter().map(|&blend_ratio| Variant {
-                        mode: Mode::Blend,
-                        k,
-                        memory,
-                        blend_ratio,
-                        blend_focus,
-                    }));
+                for &select in &a.blend_select {
+                    for &focus in &a.blend_focus {
+                        variants.extend(a.blend_ratio.iter().map(|&ratio| Variant {
+                            mode: Mode::Blend,
+                            k,
+                            memory,
+                            blend: inferscale_types::Blend { ratio, focus, select },
+                        }));
+                    }
                 }
             }
         }
@@ -417,8 +423,11 @@ impl AnswerPlan<'_> {
                         question: q.index,
                         category: q.qa.category,
                         mode: v.mode.as_str().into(),
-                        blend_ratio: (v.mode == Mode::Blend).then_some(v.blend_ratio),
-                        blend_focus: (v.mode == Mode::Blend && v.blend_focus > 0.0).then_some(v.blend_focus),
+                        blend_ratio: (v.mode == Mode::Blend).then_some(v.blend.ratio),
+                        blend_focus: (v.mode == Mode::Blend && v.blend.focus > 0.0).then_some(v.blend.focus),
+                        blend_select: (v.mode == Mode::Blend
+                            && v.blend.select != inferscale_types::BlendSelect::Deviation)
+                            .then(|| v.blend.select.to_string()),
                         window: v.mode.injects().then_some(window),
                         kv_format: format.filter(|_| v.mode.injects()).map(|f| f.to_string()),
                         k: v.k,

@@ -22,6 +22,9 @@ pub(super) struct Answer {
     /// recomputed tokens that were the memory's last ones.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(super) blend_focus: Option<f32>,
+    /// Blend rows ranked otherwise than by deviation (`--blend-select`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) blend_select: Option<String>,
     pub(super) window: Option<usize>,
     /// kv and blend rows when formats were chosen (`--kv-format`): the
     /// format the memory stored the KV in.
@@ -51,12 +54,18 @@ pub(super) struct Answer {
 }
 
 impl Answer {
-    /// The blend variant as text (ratio, and focus when set), to key by:
-    /// f32 has no order to sort by.
+    /// The blend variant as text (ratio, and focus and selection when
+    /// set), to key by: f32 has no order to sort by.
     pub(super) fn blend_key(&self) -> Option<String> {
-        self.blend_ratio.map(|r| match self.blend_focus {
-            Some(f) => format!("{r} f={f}"),
-            None => r.to_string(),
+        self.blend_ratio.map(|r| {
+            let mut key = r.to_string();
+            if let Some(f) = self.blend_focus {
+                key += &format!(" f={f}");
+            }
+            if let Some(s) = &self.blend_select {
+                key += &format!(" {s}");
+            }
+            key
         })
     }
 }
@@ -79,6 +88,8 @@ pub(super) struct Row {
     pub(super) blend_ratio: Option<f32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(super) blend_focus: Option<f32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) blend_select: Option<String>,
     pub(super) window: Option<usize>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(super) kv_format: Option<String>,
@@ -106,11 +117,14 @@ impl Row {
     /// The mode as tables and charts name it: `blend r=0.15` for blend,
     /// followed by the KV format when formats were chosen.
     fn mode_label(&self) -> String {
-        let mode = match (self.blend_ratio, self.blend_focus) {
+        let mut mode = match (self.blend_ratio, self.blend_focus) {
             (Some(r), Some(f)) => format!("{} r={r} f={f}", self.mode),
             (Some(r), None) => format!("{} r={r}", self.mode),
             _ => self.mode.clone(),
         };
+        if let Some(s) = &self.blend_select {
+            mode += &format!(" {s}");
+        }
         match &self.kv_format {
             Some(f) => format!("{mode} {f}"),
             None => mode,
@@ -205,6 +219,7 @@ pub(super) fn summarize(answers: &[Answer]) -> Vec<Row> {
                 mode,
                 blend_ratio: xs[0].blend_ratio,
                 blend_focus: xs[0].blend_focus,
+                blend_select: xs[0].blend_select.clone(),
                 window,
                 kv_format,
                 k,

@@ -169,8 +169,8 @@ pub(super) fn model_files<G: Backend + Clone>(
     Ok(out)
 }
 
-/// [`injected`] with `facts.len()` facts' tokens blended at `ratio`: the
-/// logits and the tokens recomputed.
+/// [`injected`] with `facts.len()` facts' tokens blended at `ratio` (ranked
+/// by deviation): the logits and the tokens recomputed.
 pub(super) fn blended<B: Backend>(
     e: &mut Engine<B>,
     header: &[u32],
@@ -179,7 +179,8 @@ pub(super) fn blended<B: Backend>(
     ratio: f32,
 ) -> R<(Vec<f32>, usize)> {
     let mut seq = injected(e, header, facts, question, KvSource::Kept)?;
-    e.blend(&mut seq, facts.iter().map(Vec::len).sum(), ratio, 0.0)?;
+    let blend = inferscale_types::Blend { ratio, focus: 0.0, select: inferscale_types::BlendSelect::Deviation };
+    e.blend(&mut seq, facts.iter().map(Vec::len).sum(), blend)?;
     Ok((e.prefill(&mut seq)?, seq.recomputed()))
 }
 

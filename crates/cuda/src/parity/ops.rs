@@ -353,6 +353,24 @@ pub fn ops<G: Backend>(gpu: &G) -> R<Report> {
         let error = if got.len() == want.len() { error } else { f64::INFINITY };
         out.push(Check { name: "row_sq_distance 300×256 (relative)".into(), error, tolerance: 1e-5, control: false });
     }
+    // kv+blend's question rank: the attention mass the question's rows pay
+    // each candidate key, on the device and on the host from the same
+    // (bf16) values; error relative to the mean mass. A Qwen2.5-1.5B head
+    // layout (12 heads over 2 KV heads) and a Llama-3.1-8B one (32 over 8).
+    for (m, n, heads, kv_heads) in [(30, 1300, 12, 2), (17, 3000, 32, 8)] {
+        let d = 128;
+        let shape =
+            AttentionShape { num_heads: heads, num_kv_heads: kv_heads, head_dim: d, scale: 1.0 / (d as f32).sqrt() };
+        let q = gpu.upload_rows(&host(15, &[m, heads * d], 1.0))?;
+        let k = gpu.upload_rows(&host(16, &[n, kv_heads * d], 1.0))?;
+        let got = gpu.attention_mass(&q, &k, shape)?;
+        let want = inferscale_engine::attention_mass(&gpu.to_host(&q)?.data, &gpu.to_host(&k)?.data, shape);
+        let mean = want.iter().sum::<f32>() / want.len().max(1) as f32;
+        let error = got.iter().zip(&want).map(|(g, w)| f64::from((g - w).abs() / mean)).fold(0.0, f64::max);
+        let error = if got.len() == want.len() { error } else { f64::INFINITY };
+        let name = format!("attention_mass {m} rows × {n} keys, {heads}/{kv_heads} heads (relative to the mean)");
+        out.push(Check { name, error, tolerance: 1e-3, control: false });
+    }
     // Retrieval: the device's GEMV and sort return exactly the host
     // reference's ids — ties (duplicated rows) to the lower row — through
     // the shared-memory sort and, past TOP_K_SORT_ROWS, the host ranking.

@@ -7,6 +7,18 @@ use inferscale_engine::cpu::matmul_bt;
 use inferscale_engine::rope::Rope;
 use inferscale_model::ModelFiles;
 
+/// What [`Dense::forward_blend`] computes.
+#[derive(Default)]
+pub struct BlendReference {
+    /// Stream B's logits, one row per token.
+    pub logits: Vec<Vec<f32>>,
+    /// Per layer, per token: `Σ (v_B − v_A)²`.
+    pub deviation: Vec<Vec<f32>>,
+    /// Per layer: stream B's rotated queries and keys, `[tokens, width]`.
+    pub q: Vec<Vec<f32>>,
+    pub k: Vec<Vec<f32>>,
+}
+
 /// Per-layer weights, as HostTensor data.
 struct Layer {
     ln1: Vec<f32>,
@@ -124,17 +136,19 @@ impl Dense {
     /// layer, the rows `recompute(layer, row)` names, attending causally
     /// over B's keys and values for those rows and A's for the others (the
     /// injected entries). Returns B's logits of every row and, per layer,
-    /// each row's `Σ (v_B − v_A)²` (the engine's ranking).
+    /// each row's `Σ (v_B − v_A)²` (the deviation rank) and B's rotated
+    /// queries and keys as computed, before any row is replaced by A's (what
+    /// the question rank reads).
     pub fn forward_blend(
         &self,
         tokens: &[u32],
         positions: &[u32],
         kv_mask: impl Fn(usize, usize) -> bool,
         recompute: impl Fn(usize, usize) -> bool,
-    ) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    ) -> BlendReference {
         let kd = self.files_cfg.kv_dim();
         let (mut xa, mut xb) = (self.embed(tokens), self.embed(tokens));
-        let mut deviation = Vec::new();
+        let mut r = BlendReference::default();
         for (li, l) in self.layers.iter().enumerate() {
             let (qa, ka, va) = self.qkv(l, &xa, positions);
             let att = self.attend(&qa, &ka, &va, &kv_mask);
@@ -145,7 +159,9 @@ impl Dense {
                     vb[j * kd..(j + 1) * kd].iter().zip(&va[j * kd..(j + 1) * kd]).map(|(b, a)| (b - a) * (b - a)).sum()
                 })
                 .collect();
-            deviation.push(dev);
+            r.deviation.push(dev);
+            r.q.push(qb.clone());
+            r.k.push(kb.clone());
             for j in (0..tokens.len()).filter(|&j| !recompute(li, j)) {
                 kb[j * kd..(j + 1) * kd].copy_from_slice(&ka[j * kd..(j + 1) * kd]);
                 vb[j * kd..(j + 1) * kd].copy_from_slice(&va[j * kd..(j + 1) * kd]);
@@ -153,7 +169,35 @@ impl Dense {
             let att = self.attend(&qb, &kb, &vb, &|i: usize, j: usize| j <= i);
             self.finish_layer(l, &mut xb, &att);
         }
-        (self.logits(&xb), deviation)
+        r.logits = self.logits(&xb);
+        r
+    }
+
+    /// The attention the query rows `queries` of `q` pay each key row of
+    /// `k` in `keys`: per row and head, a softmax over those keys alone,
+    /// summed (kv+blend's question rank, written out again).
+    pub fn attention_mass(&self, q: &[f32], k: &[f32], queries: &[usize], keys: &[usize]) -> Vec<f32> {
+        let c = &self.files_cfg;
+        let (d, qd, kd) = (c.head_dim, c.q_dim(), c.kv_dim());
+        let group = c.num_heads / c.num_kv_heads;
+        let scale = 1.0 / (d as f32).sqrt();
+        let mut mass = vec![0f32; keys.len()];
+        for &i in queries {
+            for head in 0..c.num_heads {
+                let qi = &q[i * qd + head * d..][..d];
+                let kh = head / group;
+                let logits: Vec<f32> = keys
+                    .iter()
+                    .map(|&j| qi.iter().zip(&k[j * kd + kh * d..][..d]).map(|(a, b)| a * b).sum::<f32>() * scale)
+                    .collect();
+                let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let sum: f32 = logits.iter().map(|x| (x - max).exp()).sum();
+                for (m, x) in mass.iter_mut().zip(&logits) {
+                    *m += (x - max).exp() / sum;
+                }
+            }
+        }
+        mass
     }
 
     fn embed(&self, tokens: &[u32]) -> Vec<f32> {

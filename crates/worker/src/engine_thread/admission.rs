@@ -211,6 +211,7 @@ impl<B: Backend> Core<B> {
                 paste: paste.iter().map(|&i| all[i].unit.id.clone()).collect(),
                 pasted_tokens,
                 sources,
+                audit: None,
             },
         );
         Ok(())

@@ -35,6 +35,9 @@ impl<B: Backend> Core<B> {
         };
         let paste: Vec<usize> =
             l.fact_ids.iter().zip(&facts).filter(|(id, _)| l.paste.contains(id)).map(|(_, &i)| i).collect();
+        if mode.injects() && !facts.is_empty() && self.audits.sample() {
+            l.audit = Some(l.fact_ids.clone());
+        }
         let placed = Facts { user: l.job.user(), order: &facts, paste: &paste, recall: l.job.recall() };
         let p = self.session.prepare_chat(&l.job.chat, placed, &l.tail)?;
         if mode.injects() {

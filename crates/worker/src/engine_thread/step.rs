@@ -29,13 +29,14 @@ impl<B: Backend> Core<B> {
         let mut seqs: Vec<&mut Sequence> = Vec::with_capacity(items.len());
         let mut by_id: HashMap<RequestId, &mut Live<B>> = self.live.iter_mut().map(|(&id, l)| (id, l)).collect();
         for item in items {
-            if let Some(l) = by_id.remove(&item.id)
-                && let Some(seq) = l.seq.as_mut()
-            {
-                ids.push(item.id);
-                takes.push(item.tokens);
-                greedy.push(!l.job.params.needs_logits());
-                seqs.push(seq);
+            if let Some(l) = by_id.remove(&item.id) {
+                let wants_logits = l.job.params.needs_logits() || l.audit_wants_logits();
+                if let Some(seq) = l.seq.as_mut() {
+                    ids.push(item.id);
+                    takes.push(item.tokens);
+                    greedy.push(!wants_logits);
+                    seqs.push(seq);
+                }
             }
         }
         let forward = Instant::now();
@@ -93,6 +94,11 @@ impl<B: Backend> Core<B> {
         let eos = &self.eos;
         let tokenizer = self.session.tokenizer();
         let Some(l) = self.live.get_mut(&id) else { return Ok(()) };
+        if let NextToken::Logits(logits) = &next
+            && l.audit_wants_logits()
+        {
+            Self::queue_audit(&mut self.audits, &self.metrics, l, logits);
+        }
         let (tok, lp) = match next {
             NextToken::Greedy(t) => (t, None),
             NextToken::Logits(logits) => {

@@ -161,6 +161,41 @@ impl<B: Backend> Session<B> {
         }
     }
 
+    /// Starts an all-or-nothing ingest of one request's `units` for `user`,
+    /// before its first batch (see [`Memory::begin_ingest`]): a crash before
+    /// [`Session::end_ingest`] commits it removes, at the next start, what
+    /// its batches stored.
+    pub fn begin_ingest(&mut self, user: &str, units: &[MemoryUnit]) -> Result<()> {
+        self.memory.begin_ingest(user, units)
+    }
+
+    /// Ends the ingest begun for `user`: `commit` keeps what its batches
+    /// stored; otherwise it is removed, with the KV derived from it. Returns
+    /// whether units went away — removed, or hidden by an undo that failed
+    /// and is retried ([`Memory::abort_ingest`]) — with the undo's error.
+    pub fn end_ingest(&mut self, user: &str, commit: bool) -> (bool, Result<()>) {
+        if commit {
+            return (false, self.memory.commit_ingest(user));
+        }
+        match self.memory.abort_ingest(user) {
+            Ok(removed) => (removed > 0, Ok(())),
+            Err(e) => (true, Err(e)),
+        }
+    }
+
+    /// Forgets one unit of `user`, or all of them.
+    pub fn forget(&mut self, user: &str, unit: Option<&str>) -> Result<()> {
+        self.memory.forget(user, unit)
+    }
+
+    /// Removes `user`, who moved away; nothing to do for a user not here.
+    pub fn drop_user(&mut self, user: &str) -> Result<()> {
+        match self.memory.has_user(user) {
+            true => self.memory.forget_user(user),
+            false => Ok(()),
+        }
+    }
+
     /// Changes one unit of `user` (see [`Memory::update`]); with
     /// `defer_kv` (a replica's copy) a new text's KV is encoded when first
     /// needed.

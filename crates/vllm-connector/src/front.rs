@@ -14,21 +14,16 @@
 //! the plan back from this same core.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
-use inferscale_memory::{
-    Event, ImportReport, IngestReport, KvHeader, MemoryUnit, ShardRecord, StagedShard, UnitUpdate, UpdateReport,
-};
 use inferscale_model::ModelFiles;
-use inferscale_types::StoredUnit;
 use inferscale_worker::Result as WResult;
 use inferscale_worker::metrics::WorkerMetrics;
 use inferscale_worker::{
-    AdmitError, Embedded, Events, GenerateJob, Holdings, Load, MemoryHost, ProtocolConfig, SearchQuery, WorkerError,
-    WorkerInfo, WorkerService, holdings, search_results,
+    AdmitError, Change, Events, GenerateJob, Load, MemoryHost, ProtocolConfig, Shard, WorkerError, WorkerInfo,
+    WorkerService,
 };
 use tokio::sync::oneshot;
 
@@ -86,8 +81,6 @@ pub(crate) struct Shared {
     pub(crate) files: Arc<ModelFiles>,
     /// The model's end-of-sequence ids.
     pub(crate) eos: Vec<u32>,
-    /// The context window the shard's KV is encoded with (fixed per shard).
-    pub(crate) window: usize,
     /// Generate requests handed to vLLM and not yet seen end.
     pub(crate) in_flight: AtomicUsize,
 }
@@ -134,9 +127,9 @@ pub fn serve(core: Arc<Mutex<AnyCore>>, cfg: FrontConfig) -> Result<Front> {
     let listener = std::net::TcpListener::bind(cfg.listen).map_err(|e| io(&format!("binding {}", cfg.listen), e))?;
     listener.set_nonblocking(true).map_err(|e| io("configuring the gRPC listener", e))?;
     let addr = listener.local_addr().map_err(|e| io("reading the bound address", e))?;
-    let (files, window, backend) = {
+    let (files, backend) = {
         let g = core.lock().map_err(|_| ConnectorError::Unsupported("the core was poisoned by a panic".into()))?;
-        (each!(&*g, c => c.files().clone()), each!(&*g, c => c.memory().spec().window), g.backend_name())
+        (each!(&*g, c => c.files().clone()), g.backend_name())
     };
     if files.tokenizer.is_none() {
         return Err(ConnectorError::Unsupported("the model has no tokenizer to render prompts and answers".into()));
@@ -155,7 +148,7 @@ pub fn serve(core: Arc<Mutex<AnyCore>>, cfg: FrontConfig) -> Result<Front> {
     let eos = files.eos_ids();
     let protocol =
         ProtocolConfig { max_k: cfg.max_k, ingest_batch: cfg.ingest_batch, max_ingest_units: cfg.max_ingest_units };
-    let shared = Arc::new(Shared { core, cfg, files, eos, window, in_flight: AtomicUsize::new(0) });
+    let shared = Arc::new(Shared { core, cfg, files, eos, in_flight: AtomicUsize::new(0) });
     let relay = Relay::new(shared.clone(), runtime.handle().clone())?;
     let (service, _commands) =
         inferscale_worker::spawn_host(move |metrics| Ok(Host { shared, relay, metrics }), protocol, info)
@@ -205,48 +198,11 @@ struct Host {
     metrics: Arc<WorkerMetrics>,
 }
 
-impl Host {
-    /// Runs `f` on the core, whichever backend it runs on.
-    fn read<T>(&self, f: impl FnOnce(&AnyCore) -> Result<T>) -> WResult<T> {
-        f(&*self.shared.lock()?).map_err(worker_error)
-    }
-
-    fn write<T>(&mut self, f: impl FnOnce(&mut AnyCore) -> Result<T>) -> WResult<T> {
-        f(&mut *self.shared.lock()?).map_err(worker_error)
-    }
-}
-
 impl MemoryHost for Host {
     /// vLLM computes the prompt in its own forward pass, which our blend
     /// cannot reach into.
     fn blends(&self) -> bool {
         false
-    }
-
-    fn window(&self) -> usize {
-        self.shared.window
-    }
-
-    fn update(&mut self, user: &str, id: &str, change: &UnitUpdate, defer_kv: bool) -> WResult<UpdateReport> {
-        self.write(|g| each!(g, c => c.update(user, id, change, defer_kv)))
-    }
-
-    fn history(&self, user: &str, id: &str) -> WResult<Vec<Event>> {
-        self.read(|g| Ok(each!(g, c => c.memory().history(user, id))?.to_vec()))
-    }
-
-    fn search(&mut self, q: &SearchQuery) -> WResult<Vec<(StoredUnit, f32)>> {
-        self.read(|g| {
-            Ok(each!(g, c => {
-                let hits = c.search(&q.user, &q.query, q.top_k, q.threshold, &q.filters, &q.scope)?;
-                search_results(c.memory(), &q.user, &hits)
-            }))
-        })
-    }
-
-    fn embed(&mut self, texts: &[String]) -> WResult<Embedded> {
-        let (vectors, tokens) = self.read(|g| Ok(each!(g, c => c.embed(texts))?))?;
-        Ok(Embedded { vectors, tokens })
     }
 
     fn generate(&mut self, job: GenerateJob, events: Events) -> WResult<()> {
@@ -267,30 +223,6 @@ impl MemoryHost for Host {
         Ok(())
     }
 
-    fn check_fits(&self, units: &[MemoryUnit]) -> WResult<()> {
-        self.read(|g| each!(g, c => c.check_fits(units)))
-    }
-
-    fn ingest(&mut self, user: &str, units: &[MemoryUnit], defer_kv: bool) -> WResult<IngestReport> {
-        self.write(|g| each!(g, c => c.ingest_with(user, units, defer_kv)))
-    }
-
-    fn begin_ingest(&mut self, user: &str, units: &[MemoryUnit]) -> WResult<()> {
-        self.write(|g| each!(g, c => c.begin_ingest(user, units)))
-    }
-
-    fn end_ingest(&mut self, user: &str, commit: bool) -> WResult<()> {
-        self.write(|g| each!(g, c => c.end_ingest(user, commit)))
-    }
-
-    fn units(&self, user: &str) -> WResult<Vec<StoredUnit>> {
-        self.read(|g| Ok(each!(g, c => c.memory().stored(user))?))
-    }
-
-    fn forget(&mut self, user: &str, unit: Option<&str>) -> WResult<()> {
-        self.write(|g| each!(g, c => c.forget(user, unit)))
-    }
-
     fn load(&self) -> Load {
         // vLLM owns the running batch, its queue and its cache: what this
         // worker knows is what it has handed vLLM and not yet seen end.
@@ -301,47 +233,20 @@ impl MemoryHost for Host {
         }
     }
 
-    fn holdings(&self, footprint: bool) -> Holdings {
-        self.read(|g| Ok(each!(g, c => holdings(c.memory(), footprint)))).unwrap_or_default()
+    /// The core's session, under the lock vLLM's loads also take.
+    fn with_shard<T>(&mut self, f: impl FnOnce(&mut dyn Shard) -> WResult<T>) -> WResult<T> {
+        let mut g = self.shared.lock()?;
+        each!(&mut *g, c => f(c.session_mut()))
     }
 
-    fn users(&self) -> Vec<(String, u64)> {
-        self.read(|g| Ok(each!(g, c => c.memory().digests().map(|(u, d)| (u.to_string(), d)).collect())))
-            .unwrap_or_default()
-    }
-
-    fn fact_ids(&self, user: &str) -> Vec<String> {
-        self.read(|g| Ok(each!(g, c => c.memory().fact_ids(user)))).unwrap_or_default()
-    }
-
-    fn export_begin(&self, user: &str) -> WResult<(KvHeader, Vec<String>)> {
-        self.read(|g| Ok(each!(g, c => c.memory().export_begin(user))?))
-    }
-
-    fn export(
-        &self,
-        user: &str,
-        ids: &[String],
-        with_kv: bool,
-        max_bytes: usize,
-    ) -> WResult<(Vec<ShardRecord>, usize)> {
-        self.read(|g| Ok(each!(g, c => c.memory().export(user, ids, with_kv, max_bytes))?))
-    }
-
-    fn import_target(&self) -> WResult<(PathBuf, KvHeader)> {
-        self.read(|g| Ok(each!(g, c => (c.memory().dir().to_path_buf(), c.memory().kv_header().clone()))))
-    }
-
-    fn commit_import(&mut self, user: &str, staged: StagedShard) -> WResult<ImportReport> {
-        self.write(|g| each!(g, c => c.commit_import(user, staged)))
-    }
-
-    fn drop_user(&mut self, user: &str) -> WResult<()> {
-        self.write(|g| {
-            each!(g, c => match c.memory().has_user(user) {
-                true => c.forget(user, None),
-                false => Ok(()),
-            })
-        })
+    /// A new memory generation for the user: vLLM's cached blocks of the
+    /// old memory are never hit again. Requests already handed to vLLM
+    /// carry their plans; vLLM holds no request between retrieval and
+    /// layout, so there is none to fail.
+    fn memory_changed(&mut self, user: &str, _change: Change) {
+        match self.shared.lock() {
+            Ok(mut g) => each!(&mut *g, c => c.memory_changed(user)),
+            Err(e) => eprintln!("inferscale-vllm: {user}'s memory changed, but the core is unavailable: {e}"),
+        }
     }
 }

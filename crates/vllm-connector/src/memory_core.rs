@@ -15,8 +15,7 @@ use std::sync::Arc;
 use inferscale_engine::bert::Bert;
 use inferscale_engine::{Backend, CpuBackend, Engine, EngineConfig, KvChunk};
 use inferscale_memory::{
-    Chat, ImportReport, IngestReport, Memory, MemoryUnit, Mode, Pinned, Prompts, Retriever, Scope, Session, ShardSpec,
-    StagedShard,
+    Chat, IngestReport, Memory, MemoryUnit, Mode, Pinned, Prompts, Retriever, Scope, Session, ShardSpec,
 };
 use inferscale_model::{ModelFiles, RopeScaling, shapes};
 
@@ -155,98 +154,34 @@ impl<B: Backend> Core<B> {
         self.session.engine().backend()
     }
 
-    /// A memory search (`/v1/memories/search`): see `Session::search`.
-    pub fn search(
-        &self,
-        user: &str,
-        query: &str,
-        top_k: usize,
-        threshold: Option<f32>,
-        filters: &serde_json::Map<String, serde_json::Value>,
-        scope: &Scope,
-    ) -> Result<Vec<inferscale_memory::Hit>> {
-        Ok(self.session.search(user, query, top_k, threshold, filters, scope)?)
-    }
-
-    /// Sentence embeddings by the retrieval encoder (`/v1/embeddings`).
-    pub fn embed(&self, texts: &[String]) -> Result<(Vec<Vec<f32>>, usize)> {
-        Ok(self.session.embed(texts)?)
+    /// The session the worker protocol carries memory commands out on
+    /// (`inferscale_worker::Shard`); the front reports each change of a
+    /// user's memory back through [`Core::memory_changed`].
+    pub fn session_mut(&mut self) -> &mut Session<B> {
+        &mut self.session
     }
 
     /// Stores `turns` for `user` (durably, before returning) and encodes their KV.
     pub fn ingest(&mut self, user: &str, turns: &[MemoryUnit]) -> Result<IngestReport> {
-        self.ingest_with(user, turns, false)
-    }
-
-    /// [`Core::ingest`], or with `defer_kv` the facts only (their KV is
-    /// encoded when a request first retrieves them: a replica's copy).
-    pub fn ingest_with(&mut self, user: &str, turns: &[MemoryUnit], defer_kv: bool) -> Result<IngestReport> {
-        let report = self.session.ingest(user, turns, defer_kv)?;
+        let report = self.session.ingest(user, turns, false)?;
         if report.added > 0 {
-            self.bump(user);
+            self.memory_changed(user);
         }
         Ok(report)
-    }
-
-    /// Starts an all-or-nothing ingest (`Memory::begin_ingest`).
-    pub fn begin_ingest(&mut self, user: &str, units: &[MemoryUnit]) -> Result<()> {
-        Ok(self.session.memory_mut().begin_ingest(user, units)?)
-    }
-
-    /// Commits, or removes what it stored (`Memory::abort_ingest`; a
-    /// removal starts a new generation, as a forget does).
-    pub fn end_ingest(&mut self, user: &str, commit: bool) -> Result<()> {
-        let memory = self.session.memory_mut();
-        if commit {
-            return Ok(memory.commit_ingest(user)?);
-        }
-        // The units are hidden also when the undo failed (it is retried).
-        let undone = memory.abort_ingest(user);
-        if undone.as_ref().is_ok_and(|&n| n > 0) || undone.is_err() {
-            self.bump(user);
-        }
-        undone.map(drop).map_err(Into::into)
-    }
-
-    /// Checks that `units` can be encoded and stored, storing nothing.
-    pub fn check_fits(&self, units: &[MemoryUnit]) -> Result<()> {
-        Ok(self.session.check_fits(units)?)
     }
 
     /// Forgets one fact of `user`, or all of them.
     pub fn forget(&mut self, user: &str, fact: Option<&str>) -> Result<()> {
-        self.session.memory_mut().forget(user, fact)?;
-        self.bump(user);
+        self.session.forget(user, fact)?;
+        self.memory_changed(user);
         Ok(())
     }
 
-    /// Changes one unit of `user` (`Memory::update`); a change starts a new
-    /// generation, so vLLM never reuses blocks cached from the old text.
-    pub fn update(
-        &mut self,
-        user: &str,
-        id: &str,
-        change: &inferscale_memory::UnitUpdate,
-        defer_kv: bool,
-    ) -> Result<inferscale_memory::UpdateReport> {
-        let report = self.session.update(user, id, change, defer_kv)?;
-        if report.changed {
-            self.bump(user);
-        }
-        Ok(report)
-    }
-
-    /// A new memory generation for `user`: plans of the old one no longer
-    /// match the salt, so vLLM's cached blocks of it are never hit again.
-    fn bump(&mut self, user: &str) {
+    /// A new memory generation for `user` (its units stored, changed,
+    /// removed or replaced): plans of the old one no longer match the salt,
+    /// so vLLM's cached blocks of it are never hit again.
+    pub fn memory_changed(&mut self, user: &str) {
         *self.generation.entry(user.to_string()).or_default() += 1;
-    }
-
-    /// Commits a staged shard in place of `user`'s copy here.
-    pub fn commit_import(&mut self, user: &str, staged: StagedShard) -> Result<ImportReport> {
-        let r = self.session.commit_import(user, staged)?;
-        self.bump(user);
-        Ok(r)
     }
 
     /// Facts `user` has.

@@ -11,7 +11,6 @@
 //! ([`crate::protocol`]), for which this thread is the [`MemoryHost`].
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::time::{Duration, Instant};
@@ -20,10 +19,7 @@ use inferscale_engine::bert::Bert;
 use inferscale_engine::kv_cache::BLOCK_SIZE;
 use inferscale_engine::sampling::{History, Rng, logprobs, sample};
 use inferscale_engine::{Backend, Engine, FinishReason, NextToken, Sequence, blend_rows};
-use inferscale_memory::{
-    Event as UnitEvent, Facts, ImportReport, IngestReport, KvHeader, Memory, MemoryUnit, Mode, Pinned, Session,
-    ShardRecord, StagedShard, UnitUpdate, UpdateReport,
-};
+use inferscale_memory::{Facts, Memory, Mode, Pinned, Session};
 use inferscale_model::ModelFiles;
 use tracing::{Span, field::Empty, info_span};
 
@@ -32,13 +28,13 @@ use crate::error::{Result, WorkerError};
 use crate::kv_reader::KvReader;
 use crate::metrics::WorkerMetrics;
 use crate::protocol::{
-    Command, Embedded, Event, Events, FactSources, Finished, GenerateJob, Holdings, Load, Logprobs, MemoryHost,
-    Protocol, ProtocolConfig, SearchQuery, Timings, TokenLogprob, Usage, finish_reason, holdings, search_results,
+    Change, Command, Event, Events, FactSources, Finished, GenerateJob, Load, Logprobs, MemoryHost, Protocol,
+    ProtocolConfig, Shard, Timings, TokenLogprob, Usage, finish_reason,
 };
 use crate::scheduler::{RequestId, RequestSpec, Scheduler, SchedulerConfig};
 use crate::text::{Delta, TextStream};
 use crate::throttle::{BACKGROUND_SHARE, RECENTLY_BUSY, StepTime, Throttle};
-use inferscale_types::{Refusal, StoredUnit};
+use inferscale_types::Refusal;
 
 mod admission;
 mod audit;
@@ -328,66 +324,8 @@ const SCRUB_EVERY: Duration = Duration::from_secs(1);
 /// The native engine's side of the protocol: the shard is this thread's,
 /// and generation is this thread's scheduler and engine.
 impl<B: Backend> MemoryHost for Core<B> {
-    fn window(&self) -> usize {
-        self.session.memory().spec().window
-    }
-
-    fn embed(&mut self, texts: &[String]) -> Result<Embedded> {
-        let (vectors, tokens) = self.session.embed(texts)?;
-        Ok(Embedded { vectors, tokens })
-    }
-
-    fn update(&mut self, user: &str, id: &str, change: &UnitUpdate, defer_kv: bool) -> Result<UpdateReport> {
-        Ok(self.session.update(user, id, change, defer_kv)?)
-    }
-
-    fn history(&self, user: &str, id: &str) -> Result<Vec<UnitEvent>> {
-        Ok(self.session.memory().history(user, id)?.to_vec())
-    }
-
-    fn search(&mut self, q: &SearchQuery) -> Result<Vec<(StoredUnit, f32)>> {
-        let hits = self.session.search(&q.user, &q.query, q.top_k, q.threshold, &q.filters, &q.scope)?;
-        Ok(search_results(self.session.memory(), &q.user, &hits))
-    }
-
     fn generate(&mut self, job: GenerateJob, events: Events) -> Result<()> {
         self.admit(job, events)
-    }
-
-    fn check_fits(&self, units: &[MemoryUnit]) -> Result<()> {
-        Ok(self.session.check_fits(units)?)
-    }
-
-    fn ingest(&mut self, user: &str, units: &[MemoryUnit], defer_kv: bool) -> Result<IngestReport> {
-        Ok(self.session.ingest(user, units, defer_kv)?)
-    }
-
-    fn begin_ingest(&mut self, user: &str, units: &[MemoryUnit]) -> Result<()> {
-        Ok(self.session.memory_mut().begin_ingest(user, units)?)
-    }
-
-    fn end_ingest(&mut self, user: &str, commit: bool) -> Result<()> {
-        let memory = self.session.memory_mut();
-        if commit {
-            return Ok(memory.commit_ingest(user)?);
-        }
-        // Requests that retrieved the removed units fail as for a forget
-        // (also when the undo failed: the units are hidden all the same).
-        let undone = memory.abort_ingest(user);
-        if undone.as_ref().is_ok_and(|&n| n > 0) || undone.is_err() {
-            self.drop_unstarted(user, WorkerError::Forgotten);
-        }
-        undone.map(drop).map_err(Into::into)
-    }
-
-    fn units(&self, user: &str) -> Result<Vec<StoredUnit>> {
-        Ok(self.session.memory().stored(user)?)
-    }
-
-    fn forget(&mut self, user: &str, unit: Option<&str>) -> Result<()> {
-        self.session.memory_mut().forget(user, unit)?;
-        self.drop_unstarted(user, WorkerError::Forgotten);
-        Ok(())
     }
 
     fn load(&self) -> Load {
@@ -400,43 +338,19 @@ impl<B: Backend> MemoryHost for Core<B> {
         }
     }
 
-    fn holdings(&self, footprint: bool) -> Holdings {
-        holdings(self.session.memory(), footprint)
+    fn with_shard<T>(&mut self, f: impl FnOnce(&mut dyn Shard) -> Result<T>) -> Result<T> {
+        f(&mut self.session)
     }
 
-    fn users(&self) -> Vec<(String, u64)> {
-        self.session.memory().digests().map(|(u, d)| (u.to_string(), d)).collect()
-    }
-
-    fn fact_ids(&self, user: &str) -> Vec<String> {
-        self.session.memory().fact_ids(user)
-    }
-
-    fn export_begin(&self, user: &str) -> Result<(KvHeader, Vec<String>)> {
-        Ok(self.session.memory().export_begin(user)?)
-    }
-
-    fn export(&self, user: &str, ids: &[String], with_kv: bool, max_bytes: usize) -> Result<(Vec<ShardRecord>, usize)> {
-        let s = &self.session;
-        Ok(s.memory().export(user, ids, with_kv, max_bytes)?)
-    }
-
-    fn import_target(&self) -> Result<(PathBuf, KvHeader)> {
-        let m = self.session.memory();
-        Ok((m.dir().to_path_buf(), m.kv_header().clone()))
-    }
-
-    fn commit_import(&mut self, user: &str, staged: StagedShard) -> Result<ImportReport> {
-        // Requests that retrieved from the old copy must not lay out from the new one.
-        self.drop_unstarted(user, WorkerError::Moving);
-        Ok(self.session.commit_import(user, staged)?)
-    }
-
-    fn drop_user(&mut self, user: &str) -> Result<()> {
-        self.drop_unstarted(user, WorkerError::Moving);
-        if self.session.memory().has_user(user) {
-            self.session.memory_mut().forget_user(user)?;
+    /// Requests that retrieved from the memory and are not laid out yet
+    /// fail: as forgotten when units went away, as moving when the user's
+    /// copy was replaced or dropped. Writes leave them be: they are laid
+    /// out from the memory as it is then.
+    fn memory_changed(&mut self, user: &str, change: Change) {
+        match change {
+            Change::Written => {}
+            Change::Removed => self.drop_unstarted(user, WorkerError::Forgotten),
+            Change::Moved => self.drop_unstarted(user, WorkerError::Moving),
         }
-        Ok(())
     }
 }

@@ -32,9 +32,9 @@ pub use error::{Result, WorkerError};
 /// How the worker API is secured (mutual TLS or plaintext), for hosts that serve it.
 pub use inferscale_proto::tls::{Security, TlsFiles};
 pub use protocol::{
-    Embedded, Event, Events, FactSources, Finished, GenerateJob, Holdings, Load, MAX_EMBED_INPUTS, MAX_INGEST_UNITS,
-    MAX_SEARCH_TOP_K, MemoryHost, ProtocolConfig, SearchQuery, Stats, Timings, Usage, finish_reason, holdings,
-    search_results,
+    Change, Embedded, Event, Events, FactSources, Finished, GenerateJob, Holdings, Load, MAX_EMBED_INPUTS,
+    MAX_INGEST_UNITS, MAX_SEARCH_TOP_K, MemoryHost, ProtocolConfig, SearchQuery, Shard, Stats, Timings, Usage,
+    finish_reason,
 };
 pub use scheduler::{AdmitError, RequestSpec, Scheduler, SchedulerConfig, Step, StepItem};
 pub use service::{WorkerInfo, WorkerService, spawn, spawn_host};

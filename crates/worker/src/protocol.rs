@@ -8,9 +8,11 @@
 //! in how an answer is generated and in where the memory shard lives, and
 //! nothing else; that difference is the [`MemoryHost`] trait. Everything
 //! a caller can observe beyond it — the admission checks and their error
-//! texts, ingests in bounded batches and their partial-failure report,
-//! forget, stats, and the freeze/release states of shard moves — is
-//! written once, here, so the two kinds of worker cannot drift apart.
+//! texts, every memory command (over the host's [`Shard`], a `Session`,
+//! in `shard.rs`), ingests in bounded batches and their all-or-nothing
+//! transaction, forget, stats, and the freeze/release states of shard
+//! moves — is written once, here, so the two kinds of worker cannot drift
+//! apart.
 
 use std::collections::VecDeque;
 
@@ -25,13 +27,12 @@ use crate::metrics::WorkerMetrics;
 pub(crate) mod host;
 pub(crate) mod job;
 mod moves;
+mod shard;
 
-pub use host::{
-    Embedded, Holdings, Load, MAX_EMBED_INPUTS, MAX_SEARCH_TOP_K, MemoryHost, SearchQuery, Stats, holdings,
-    search_results,
-};
+pub use host::{Change, Embedded, Holdings, Load, MAX_EMBED_INPUTS, MAX_SEARCH_TOP_K, MemoryHost, SearchQuery, Stats};
 pub use job::{Event, Events, Finished, GenerateJob, Logprobs, Timings, TokenLogprob, Usage, finish_reason};
 pub(crate) use moves::{Moves, ShardCommand};
+pub use shard::Shard;
 
 /// What the service asks of a worker.
 pub(crate) enum Command {
@@ -179,7 +180,7 @@ impl Protocol {
                     .and_then(|()| self.check_size(units.len()))
                     .and_then(|()| Ok(inferscale_memory::validate(&user, &units)?))
                     .and_then(|()| self.moves.check_write(&user))
-                    .and_then(|()| host.check_fits(&units));
+                    .and_then(|()| host.with_shard(|s| s.check_fits(&units)));
                 match check {
                     Err(e) => {
                         let _ = reply.send(Err(e));
@@ -195,10 +196,14 @@ impl Protocol {
                 }
             }
             Command::List { user, reply } => {
-                let _ = reply.send(host.units(&user).map(|units| (units, host.window())));
+                let _ = reply.send(host.with_shard(|s| Ok((s.units(&user)?, s.window()))));
             }
             Command::Forget { user, unit, reply } => {
-                let r = self.moves.check_write(&user).and_then(|()| host.forget(&user, unit.as_deref()));
+                let r =
+                    self.moves.check_write(&user).and_then(|()| host.with_shard(|s| s.forget(&user, unit.as_deref())));
+                if r.is_ok() {
+                    host.memory_changed(&user, Change::Removed);
+                }
                 self.metrics.wrote(&r);
                 if r.is_ok() && unit.is_none() {
                     // An ingest still queued would bring the user back after the delete.
@@ -215,19 +220,25 @@ impl Protocol {
                 let _ = reply.send(self.stats(host, memory_bytes));
             }
             Command::Embed { texts, reply } => {
-                let _ = reply.send(check_embed(&texts).and_then(|()| host.embed(&texts)));
+                let _ = reply.send(check_embed(&texts).and_then(|()| host.with_shard(|s| s.embed(&texts))));
             }
             Command::Update { user, id, change, defer_kv, reply } => {
-                let r = self.moves.check_write(&user).and_then(|()| host.update(&user, &id, &change, defer_kv));
+                let r = self
+                    .moves
+                    .check_write(&user)
+                    .and_then(|()| host.with_shard(|s| s.update(&user, &id, &change, defer_kv)));
+                if r.as_ref().is_ok_and(|r| r.changed) {
+                    host.memory_changed(&user, Change::Written);
+                }
                 self.metrics.wrote(&r);
                 let _ = reply.send(r);
             }
             Command::History { user, id, reply } => {
-                let _ = reply.send(host.history(&user, &id));
+                let _ = reply.send(host.with_shard(|s| s.history(&user, &id)));
             }
             Command::Search { query, reply } => {
                 let r = check_search(&query).and_then(|()| self.moves.check_read(&query.user));
-                let _ = reply.send(r.and_then(|()| host.search(&query)));
+                let _ = reply.send(r.and_then(|()| host.with_shard(|s| s.search(&query))));
             }
             Command::Shard(c) => self.shard(host, c),
         }
@@ -248,7 +259,7 @@ impl Protocol {
     /// The checks every request passes before its engine sees it: the
     /// rules the router applied too ([`inferscale_types::admit`], the same
     /// code and words), then what only this worker knows.
-    fn admit(&mut self, host: &impl MemoryHost, job: &GenerateJob) -> Result<()> {
+    fn admit(&mut self, host: &mut impl MemoryHost, job: &GenerateJob) -> Result<()> {
         inferscale_types::admit(&job.request, &Limits { max_k: self.cfg.max_k as u32 })?;
         job.params.validate()?;
         let memory = &job.request.memory;
@@ -283,7 +294,7 @@ impl Protocol {
         while self.ingests.front().is_some_and(|j| j.reply.is_closed()) {
             if let Some(job) = self.ingests.pop_front()
                 && job.next > 0
-                && let Err(e) = host.end_ingest(&job.user, false)
+                && let Err(e) = end_ingest(host, &job.user, false)
             {
                 tracing::warn!(user = job.user, error = %e, "removing a cancelled ingest failed: a restart removes it");
             }
@@ -295,10 +306,14 @@ impl Protocol {
         let end = (job.next + self.cfg.ingest_batch.min(max_units).max(1)).min(job.units.len());
         let handled = end - job.next;
         let begun = match job.next {
-            0 => host.begin_ingest(&job.user, &job.units),
+            0 => host.with_shard(|s| s.begin_ingest(&job.user, &job.units)),
             _ => Ok(()),
         };
-        let stored = begun.and_then(|()| host.ingest(&job.user, &job.units[job.next..end], job.defer_kv || defer_kv));
+        let batch = &job.units[job.next..end];
+        let stored = begun.and_then(|()| host.with_shard(|s| s.ingest(&job.user, batch, job.defer_kv || defer_kv)));
+        if stored.as_ref().is_ok_and(|r| r.added > 0) {
+            host.memory_changed(&job.user, Change::Written);
+        }
         let done = match stored {
             Ok(r) => {
                 job.report.added += r.added;
@@ -308,7 +323,7 @@ impl Protocol {
                 if job.next < job.units.len() {
                     return handled;
                 }
-                host.end_ingest(&job.user, true).map(|()| job.report)
+                end_ingest(host, &job.user, true).map(|()| job.report)
             }
             Err(e) => Err(e),
         };
@@ -321,7 +336,7 @@ impl Protocol {
                     // failed too has hidden what the request stored and is
                     // retried until it succeeds (the memory's `settle`):
                     // the request stays all or nothing either way.
-                    if let Err(undo) = host.end_ingest(&job.user, false) {
+                    if let Err(undo) = end_ingest(host, &job.user, false) {
                         tracing::warn!(user = job.user, error = %undo, "undoing a failed ingest failed; retrying it");
                     }
                     Err(e)
@@ -333,9 +348,9 @@ impl Protocol {
         handled
     }
 
-    fn stats(&self, host: &impl MemoryHost, memory_bytes: bool) -> Stats {
+    fn stats(&self, host: &mut impl MemoryHost, memory_bytes: bool) -> Stats {
         let load = host.load();
-        let held = host.holdings(memory_bytes);
+        let (held, window) = host.with_shard(|s| Ok((s.holdings(memory_bytes), s.window()))).unwrap_or_default();
         let (finished, cancelled, failed) = self.metrics.outcomes();
         let footprint = held.footprint.unwrap_or_default();
         Stats {
@@ -344,7 +359,7 @@ impl Protocol {
             facts: held.facts,
             damaged_users: held.damaged_users,
             unsettled_users: held.unsettled_users,
-            window: host.window(),
+            window,
             finished,
             cancelled,
             failed,
@@ -358,20 +373,20 @@ impl Protocol {
     fn shard(&mut self, host: &mut impl MemoryHost, c: ShardCommand) {
         match c {
             ShardCommand::ListUsers { reply } => {
-                let _ = reply.send(host.users());
+                let _ = reply.send(host.with_shard(|s| Ok(s.users())).unwrap_or_default());
             }
             ShardCommand::ExportBegin { user, reply } => {
-                let _ = reply.send(host.export_begin(&user));
+                let _ = reply.send(host.with_shard(|s| s.export_begin(&user)));
             }
             ShardCommand::Export { user, ids, with_kv, max_bytes, reply } => {
-                let _ = reply.send(host.export(&user, &ids, with_kv, max_bytes));
+                let _ = reply.send(host.with_shard(|s| s.export(&user, &ids, with_kv, max_bytes)));
             }
             ShardCommand::Freeze { user, reply } => {
                 self.moves.freeze(&user);
                 self.moves.freezing.push((user, reply));
                 self.settle_freezes(host);
             }
-            ShardCommand::ImportTarget { reply } => match host.import_target() {
+            ShardCommand::ImportTarget { reply } => match host.with_shard(|s| s.import_target()) {
                 Ok(target) => {
                     let _ = reply.send(target);
                 }
@@ -379,7 +394,9 @@ impl Protocol {
                 Err(e) => eprintln!("inferscale worker: no import target: {e}"),
             },
             ShardCommand::CommitImport { user, staged, reply } => {
-                let r = host.commit_import(&user, staged);
+                // Requests that retrieved from the old copy must not lay out from the new one.
+                host.memory_changed(&user, Change::Moved);
+                let r = host.with_shard(|s| s.commit_import(&user, staged));
                 if r.is_ok() {
                     self.moves.imported(&user);
                 }
@@ -387,7 +404,13 @@ impl Protocol {
             }
             ShardCommand::Release { user, drop, reply } => {
                 self.moves.release(&user, drop);
-                let r = if drop { host.drop_user(&user) } else { Ok(()) };
+                let r = match drop {
+                    true => {
+                        host.memory_changed(&user, Change::Moved);
+                        host.with_shard(|s| s.drop_user(&user))
+                    }
+                    false => Ok(()),
+                };
                 let _ = reply.send(r);
             }
         }
@@ -395,20 +418,32 @@ impl Protocol {
 
     /// Answers freezes whose user has no ingest left in the queue: a
     /// freeze must see every unit its user was sent before it.
-    fn settle_freezes(&mut self, host: &impl MemoryHost) {
+    fn settle_freezes(&mut self, host: &mut impl MemoryHost) {
         let pending = std::mem::take(&mut self.moves.freezing);
         for (user, reply) in pending {
             if self.ingests.iter().any(|j| j.user == user) {
                 self.moves.freezing.push((user, reply));
             } else {
-                let _ = reply.send(host.fact_ids(&user));
+                let _ = reply.send(host.with_shard(|s| Ok(s.fact_ids(&user))).unwrap_or_default());
             }
         }
     }
 }
 
-fn check_window(host: &impl MemoryHost, window: Option<usize>) -> Result<()> {
-    let ours = host.window();
+/// Ends the ingest begun for `user` (see [`Shard::end_ingest`]); units
+/// that went away are a change of the user's memory.
+fn end_ingest(host: &mut impl MemoryHost, user: &str, commit: bool) -> Result<()> {
+    let (removed, r) = host.with_shard(|s| Ok(s.end_ingest(user, commit)))?;
+    if removed {
+        // Requests that retrieved the removed units fail as for a forget
+        // (also when the undo failed: the units are hidden all the same).
+        host.memory_changed(user, Change::Removed);
+    }
+    r
+}
+
+fn check_window(host: &mut impl MemoryHost, window: Option<usize>) -> Result<()> {
+    let ours = host.with_shard(|s| Ok(s.window()))?;
     match window {
         Some(w) if w != ours => Err(Refusal::new(
             "window",

@@ -16,11 +16,18 @@ use super::*;
 
 #[derive(Default)]
 struct MapHost {
-    units: HashMap<String, Vec<MemoryUnit>>,
+    shard: MapShard,
     generated: Vec<String>,
-    dropped: Vec<String>,
     /// An engine that cannot blend (vLLM's).
     no_blend: bool,
+    /// The changes reported to the host, in order.
+    changes: Vec<(String, Change)>,
+}
+
+#[derive(Default)]
+struct MapShard {
+    units: HashMap<String, Vec<MemoryUnit>>,
+    dropped: Vec<String>,
     /// The ingest under way: its user and how many units it had.
     begun: Option<(String, usize)>,
     /// Ingests committed and aborted.
@@ -28,17 +35,33 @@ struct MapHost {
 }
 
 impl MemoryHost for MapHost {
-    fn window(&self) -> usize {
-        2
-    }
     fn blends(&self) -> bool {
         !self.no_blend
     }
-    fn embed(&mut self, texts: &[String]) -> Result<Embedded> {
+    fn generate(&mut self, job: GenerateJob, _events: Events) -> Result<()> {
+        self.generated.push(job.chat.question);
+        Ok(())
+    }
+    fn load(&self) -> Load {
+        Load { running: 1, max_queue: 8, ..Load::default() }
+    }
+    fn with_shard<T>(&mut self, f: impl FnOnce(&mut dyn Shard) -> Result<T>) -> Result<T> {
+        f(&mut self.shard)
+    }
+    fn memory_changed(&mut self, user: &str, change: Change) {
+        self.changes.push((user.into(), change));
+    }
+}
+
+impl Shard for MapShard {
+    fn window(&self) -> usize {
+        2
+    }
+    fn embed(&self, texts: &[String]) -> Result<Embedded> {
         let vectors = texts.iter().map(|t| vec![t.len() as f32]).collect();
         Ok(Embedded { vectors, tokens: texts.iter().map(String::len).sum() })
     }
-    fn search(&mut self, q: &SearchQuery) -> Result<Vec<(StoredUnit, f32)>> {
+    fn search(&self, q: &SearchQuery) -> Result<Vec<(StoredUnit, f32)>> {
         Ok(self.units(&q.user)?.into_iter().take(q.top_k).map(|u| (u, 1.0)).collect())
     }
     fn update(&mut self, _: &str, _: &str, change: &UnitUpdate, _: bool) -> Result<UpdateReport> {
@@ -46,10 +69,6 @@ impl MemoryHost for MapHost {
     }
     fn history(&self, _: &str, _: &str) -> Result<Vec<UnitEvent>> {
         Ok(Vec::new())
-    }
-    fn generate(&mut self, job: GenerateJob, _events: Events) -> Result<()> {
-        self.generated.push(job.chat.question);
-        Ok(())
     }
     fn check_fits(&self, units: &[MemoryUnit]) -> Result<()> {
         match units.iter().find(|u| u.text == "huge") {
@@ -70,14 +89,16 @@ impl MemoryHost for MapHost {
         self.begun = Some((user.into(), self.units.get(user).map_or(0, Vec::len)));
         Ok(())
     }
-    fn end_ingest(&mut self, user: &str, commit: bool) -> Result<()> {
+    fn end_ingest(&mut self, user: &str, commit: bool) -> (bool, Result<()>) {
         let (who, had) = self.begun.take().expect("an ingest was begun");
         assert_eq!(who, user);
+        let mut removed = false;
         if !commit && let Some(u) = self.units.get_mut(user) {
+            removed = u.len() > had;
             u.truncate(had);
         }
         self.ends.push(commit);
-        Ok(())
+        (removed, Ok(()))
     }
     fn units(&self, user: &str) -> Result<Vec<StoredUnit>> {
         let units = self.units.get(user).ok_or_else(|| WorkerError::UnknownUser(user.into()))?;
@@ -85,9 +106,6 @@ impl MemoryHost for MapHost {
     }
     fn forget(&mut self, user: &str, _unit: Option<&str>) -> Result<()> {
         self.units.remove(user).map(drop).ok_or_else(|| WorkerError::UnknownUser(user.into()))
-    }
-    fn load(&self) -> Load {
-        Load { running: 1, max_queue: 8, ..Load::default() }
     }
     fn holdings(&self, _footprint: bool) -> Holdings {
         let facts = self.units.values().map(Vec::len).sum();
@@ -236,13 +254,13 @@ fn ingests_go_in_batches_and_a_failure_stores_nothing_of_its_request() {
     let mut rx = ingest(&mut p, &mut host, "ana", units(&["a", "b", "c", "d", "e"]));
     assert_eq!(p.ingest_some(&mut host, usize::MAX, false), 2, "two of five stored");
     assert!(p.ingesting(), "more to go");
-    assert_eq!(host.fact_ids("ana"), ["a", "b"]);
+    assert_eq!(host.shard.fact_ids("ana"), ["a", "b"]);
     assert!(rx.try_recv().is_err(), "answered before it was stored");
     assert_eq!(p.ingest_some(&mut host, 1, false), 1, "a call stores at most what it is allowed");
     assert_eq!(p.ingest_some(&mut host, usize::MAX, false), 2);
     assert!(!p.ingesting(), "the last batch ends it");
     assert_eq!(rx.try_recv().expect("answered").expect("stored").added, 5);
-    assert_eq!(host.ends, [true], "committed once, after its last batch");
+    assert_eq!(host.shard.ends, [true], "committed once, after its last batch");
 
     let mut bad = units(&["f", "g", "h"]);
     bad[2].text = "boom".into();
@@ -251,8 +269,12 @@ fn ingests_go_in_batches_and_a_failure_stores_nothing_of_its_request() {
     let e = rx.try_recv().expect("answered").expect_err("failed");
     assert!(e.to_string().contains("injected failure"), "{e}");
     // The batch before the failing one was stored, then removed.
-    assert_eq!(host.ends, [true, false]);
-    assert_eq!(host.fact_ids("ana"), ["a", "b", "c", "d", "e"], "nothing of the failed request is left");
+    assert_eq!(host.shard.ends, [true, false]);
+    assert_eq!(host.shard.fact_ids("ana"), ["a", "b", "c", "d", "e"], "nothing of the failed request is left");
+    // The host heard of each batch stored and of the removal (its queued
+    // requests that retrieved the removed units fail as forgotten).
+    let changes: Vec<Change> = host.changes.iter().map(|(u, c)| if u == "ana" { *c } else { panic!("{u}") }).collect();
+    assert_eq!(changes, [Change::Written, Change::Written, Change::Written, Change::Written, Change::Removed]);
     // Refused whole: nothing of a request that fails validation is stored.
     let rx = ingest(&mut p, &mut host, "ana", units(&["x", "x"]));
     assert!(matches!(rx.blocking_recv(), Ok(Err(WorkerError::InvalidMemory { .. }))));
@@ -268,17 +290,17 @@ fn an_ingest_whose_caller_left_is_cancelled_and_removed() {
     let mut host = MapHost::default();
     let rx = ingest(&mut p, &mut host, "ana", units(&["a", "b", "c", "d", "e"]));
     assert_eq!(p.ingest_some(&mut host, usize::MAX, false), 2);
-    assert_eq!(host.fact_ids("ana"), ["a", "b"]);
+    assert_eq!(host.shard.fact_ids("ana"), ["a", "b"]);
     drop(rx);
     assert_eq!(p.ingest_some(&mut host, usize::MAX, false), 0, "nothing left to do");
-    assert_eq!(host.ends, [false]);
-    assert!(host.fact_ids("ana").is_empty(), "what it stored is gone");
+    assert_eq!(host.shard.ends, [false]);
+    assert!(host.shard.fact_ids("ana").is_empty(), "what it stored is gone");
     // One that had not started yet is dropped without touching the memory.
     let rx = ingest(&mut p, &mut host, "bo", units(&["x"]));
     drop(rx);
     assert_eq!(p.ingest_some(&mut host, usize::MAX, false), 0);
-    assert_eq!(host.ends, [false]);
-    assert!(host.fact_ids("bo").is_empty());
+    assert_eq!(host.shard.ends, [false]);
+    assert!(host.shard.fact_ids("bo").is_empty());
 }
 
 #[test]
@@ -291,11 +313,11 @@ fn a_request_is_refused_whole_when_one_unit_cannot_be_stored_or_it_is_too_large(
     assert!(
         matches!(rx.blocking_recv(), Ok(Err(WorkerError::InvalidMemory { reason, .. })) if reason.contains("\"c\" is too long"))
     );
-    assert!(!p.ingesting() && host.units.is_empty(), "nothing of it queued or stored");
+    assert!(!p.ingesting() && host.shard.units.is_empty(), "nothing of it queued or stored");
     let rx = ingest(&mut p, &mut host, "ana", units(&["1", "2", "3", "4", "5", "6", "7"]));
     let e = rx.blocking_recv().expect("answered").expect_err("too many units");
     assert!(e.to_string().contains("7 units in one ingest request; the limit is 6"), "{e}");
-    assert!(host.units.is_empty());
+    assert!(host.shard.units.is_empty());
 }
 
 #[test]
@@ -318,7 +340,8 @@ fn a_freeze_sees_every_queued_unit_then_writes_wait_until_release() {
     let (reply, released) = oneshot::channel();
     p.handle(&mut host, Command::Shard(ShardCommand::Release { user: "ana".into(), drop: true, reply }));
     assert!(released.blocking_recv().is_ok_and(|r| r.is_ok()));
-    assert_eq!(host.dropped, ["ana"]);
+    assert_eq!(host.shard.dropped, ["ana"]);
+    assert_eq!(host.changes.last(), Some(&("ana".to_string(), Change::Moved)), "its unstarted requests fail as moving");
     // Moved away: its requests are refused (retryably) rather than answered without memory.
     let e = generate(&mut p, &mut host, job("ana", "Where?", Mode::Kv, 5)).expect("refused");
     assert!(matches!(e, WorkerError::Moving(_)), "{e}");
@@ -336,7 +359,7 @@ fn forgetting_a_user_fails_its_queued_ingests() {
     // The rest of the ingest would bring the user back after the delete.
     assert!(matches!(first.blocking_recv(), Ok(Err(WorkerError::Forgotten(_)))));
     assert!(!p.ingesting());
-    assert!(host.units.is_empty());
+    assert!(host.shard.units.is_empty());
 
     let (reply, stats) = oneshot::channel();
     p.handle(&mut host, Command::Stats { memory_bytes: false, reply });

@@ -49,19 +49,7 @@ impl KvSpec {
     }
 }
 
-/// `(rows, cols)` of a 1-D (one row) or 2-D host tensor whose data fits its
-/// shape: what every backend's `upload` accepts.
-pub fn matrix_dims(t: &HostTensor) -> Result<(usize, usize)> {
-    let (rows, cols) = match t.shape.as_slice() {
-        [n] => (1, *n),
-        [r, c] => (*r, *c),
-        s => return Err(EngineError::Shape(format!("a {}-D tensor where a matrix is needed", s.len()))),
-    };
-    if rows * cols != t.data.len() {
-        return Err(EngineError::Shape(format!("shape {:?} for {} values", t.shape, t.data.len())));
-    }
-    Ok((rows, cols))
-}
+pub use crate::shape::matrix_dims;
 
 /// Prints a backend profiler's table to stderr: per op, its count, total
 /// and mean time and share, slowest first, under `inferscale {backend}
@@ -397,7 +385,7 @@ pub trait Backend: Send + Sync + 'static {
             return Err(EngineError::Shape(format!("attention mass of q width {qc}, k width {kc} for {shape:?}")));
         }
         let (q, k) = (self.to_host(q)?, self.to_host(k)?);
-        Ok(crate::blend::attention_mass(&q.data, &k.data, shape))
+        Ok(attention_mass(&q.data, &k.data, shape))
     }
 
     fn new_kv_store(&self, spec: KvSpec) -> Result<Self::KvStore>;
@@ -444,4 +432,51 @@ pub trait Backend: Send + Sync + 'static {
         shape: AttentionShape,
         spans: &[SeqSpan<'_>],
     ) -> Result<Self::Tensor>;
+}
+
+/// For each row of `k` (`[n, kv_heads·head_dim]`, rotated keys), the
+/// attention the rows of `q` (`[m, heads·head_dim]`, rotated queries) pay
+/// it: per query row and head, the softmax of `scale · q·k` over `k`'s rows
+/// alone, summed over rows and heads. kv+blend's question-aware rank, on
+/// the host (the default of [`Backend::attention_mass`], and the reference
+/// the device's is checked against).
+pub fn attention_mass(q: &[f32], k: &[f32], shape: AttentionShape) -> Vec<f32> {
+    let AttentionShape { num_heads, num_kv_heads, head_dim: d, scale } = shape;
+    let (qw, kw) = (num_heads * d, num_kv_heads * d);
+    let (m, n) = (q.len() / qw.max(1), k.len() / kw.max(1));
+    let per_kv = (num_heads / num_kv_heads.max(1)).max(1);
+    let mut mass = vec![0f32; n];
+    let mut p = vec![0f32; n];
+    for r in 0..m {
+        for h in 0..num_heads {
+            let qh = &q[r * qw + h * d..][..d];
+            let g = h / per_kv;
+            for (j, pj) in p.iter_mut().enumerate() {
+                *pj = scale * dot(qh, &k[j * kw + g * d..][..d]);
+            }
+            let max = p.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0.0;
+            for pj in p.iter_mut() {
+                *pj = (*pj - max).exp();
+                sum += *pj;
+            }
+            for (mj, pj) in mass.iter_mut().zip(&p) {
+                *mj += pj / sum;
+            }
+        }
+    }
+    mass
+}
+
+/// `a · b`, in eight lanes (so that it vectorizes).
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ac.remainder().iter().zip(bc.remainder()).map(|(x, y)| x * y).sum();
+    for (x, y) in ac.zip(bc) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
 }

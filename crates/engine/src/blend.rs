@@ -37,12 +37,10 @@
 
 use std::ops::Range;
 
-use inferscale_types::{Blend, BlendSelect};
+use inferscale_types::BlendSelect;
 
-use crate::backend::{AttentionShape, Backend, SeqSpan};
-use crate::engine::{Engine, Sequence};
+use crate::backend::{AttentionShape, Backend};
 use crate::error::{EngineError, Result};
-use crate::llama::ForwardBatch;
 
 /// The layer whose value deviation ranks the candidates (0-based).
 pub const SELECT_LAYER: usize = 1;
@@ -227,160 +225,6 @@ impl BlendRows {
     }
 }
 
-/// A forward batch after some rows stopped: the metadata of the rows that
-/// go on, with per-row ends for every span (its rows are no longer the
-/// cache's last entries). Owns what the narrowed [`ForwardBatch`] borrows.
-pub(crate) struct Narrowed {
-    positions: Vec<u32>,
-    slots: Vec<u32>,
-    logit_rows: Vec<usize>,
-    /// Per remaining span: (index in the original batch, first row, ends).
-    spans: Vec<(usize, usize, Vec<u32>)>,
-}
-
-impl Narrowed {
-    /// `kept`: ascending rows of `batch`, holding every logit row.
-    pub fn new(batch: &ForwardBatch<'_>, kept: &[usize]) -> Result<Self> {
-        let mut new_index = vec![usize::MAX; batch.tokens.len()];
-        for (i, &r) in kept.iter().enumerate() {
-            new_index[r] = i;
-        }
-        let logit_rows = batch
-            .logit_rows
-            .iter()
-            .map(|&r| match new_index[r] {
-                usize::MAX => Err(EngineError::Shape(format!("blend dropped logit row {r}"))),
-                i => Ok(i),
-            })
-            .collect::<Result<_>>()?;
-        let mut spans = Vec::new();
-        for (si, s) in batch.spans.iter().enumerate() {
-            let rows: Vec<usize> = (0..s.q_len).filter(|&r| new_index[s.q_start + r] != usize::MAX).collect();
-            if let Some(&first) = rows.first() {
-                let ends = rows.iter().map(|&r| s.row_end(r) as u32).collect();
-                spans.push((si, new_index[s.q_start + first], ends));
-            }
-        }
-        Ok(Narrowed {
-            positions: kept.iter().map(|&r| batch.positions[r]).collect(),
-            slots: kept.iter().map(|&r| batch.slots[r]).collect(),
-            logit_rows,
-            spans,
-        })
-    }
-
-    /// The narrowed batch (block tables and context lengths from `batch`).
-    pub fn batch<'a>(&'a self, batch: &ForwardBatch<'a>) -> ForwardBatch<'a> {
-        let spans = self
-            .spans
-            .iter()
-            .map(|(si, q_start, ends)| {
-                let s = &batch.spans[*si];
-                SeqSpan {
-                    q_start: *q_start,
-                    q_len: ends.len(),
-                    context_len: s.context_len,
-                    block_table: s.block_table,
-                    row_ends: Some(ends),
-                }
-            })
-            .collect();
-        ForwardBatch {
-            tokens: Vec::new(),
-            positions: self.positions.clone(),
-            slots: self.slots.clone(),
-            spans,
-            logit_rows: self.logit_rows.clone(),
-            capture: Vec::new(),
-            blend: None,
-        }
-    }
-}
-
-impl<B: Backend> Engine<B> {
-    /// kv+blend: the steps that compute `seq`'s pending tokens first
-    /// recompute its last `injected` computed tokens (just injected), keeping
-    /// `blend.ratio` of them past [`SELECT_LAYER`] as `blend.select` ranks
-    /// them; see the module docs. Ratio 0 plans nothing (the sequence stays
-    /// kv mode's); ratio 1 recomputes them all (prompt mode's prefill).
-    /// `blend.focus` (0..=1) of the kept tokens are the injected memory's
-    /// last — the best-ranked facts, nearest the question — whatever their
-    /// rank (1 keeps the last tokens only). `seq` must have its question
-    /// pending.
-    pub fn blend(&self, seq: &mut Sequence, injected: usize, blend: Blend) -> Result<()> {
-        let Blend { ratio, focus, select } = blend;
-        if !(0.0..=1.0).contains(&ratio) {
-            return Err(EngineError::Shape(format!("blend ratio {ratio} outside 0..=1")));
-        }
-        if !(0.0..=1.0).contains(&focus) {
-            return Err(EngineError::Shape(format!("blend focus {focus} outside 0..=1")));
-        }
-        let end = seq.computed();
-        if injected > end || seq.pending() == 0 || seq.blend.is_some() {
-            return Err(EngineError::Shape(format!(
-                "blend of {injected} tokens in a sequence of {end} computed, {} pending{}",
-                seq.pending(),
-                if seq.blend.is_some() { ", already blending" } else { "" }
-            )));
-        }
-        if blend_rows(injected, ratio) > 0 {
-            let tail = (focus as f64 * keep_count(ratio, injected) as f64).round() as usize;
-            let start = end - injected;
-            let fact_starts = std::iter::once(start)
-                .chain(seq.fact_starts().iter().copied().filter(|&s| s > start && s < end))
-                .collect();
-            seq.blend = Some(BlendPlan { next: start, end, ratio, tail, select, fact_starts });
-        }
-        Ok(())
-    }
-}
-
-/// For each row of `k` (`[n, kv_heads·head_dim]`, rotated keys), the
-/// attention the rows of `q` (`[m, heads·head_dim]`, rotated queries) pay
-/// it: per query row and head, the softmax of `scale · q·k` over `k`'s rows
-/// alone, summed over rows and heads. kv+blend's question-aware rank, on
-/// the host (the default of [`Backend::attention_mass`]).
-pub fn attention_mass(q: &[f32], k: &[f32], shape: AttentionShape) -> Vec<f32> {
-    let AttentionShape { num_heads, num_kv_heads, head_dim: d, scale } = shape;
-    let (qw, kw) = (num_heads * d, num_kv_heads * d);
-    let (m, n) = (q.len() / qw.max(1), k.len() / kw.max(1));
-    let per_kv = (num_heads / num_kv_heads.max(1)).max(1);
-    let mut mass = vec![0f32; n];
-    let mut p = vec![0f32; n];
-    for r in 0..m {
-        for h in 0..num_heads {
-            let qh = &q[r * qw + h * d..][..d];
-            let g = h / per_kv;
-            for (j, pj) in p.iter_mut().enumerate() {
-                *pj = scale * dot(qh, &k[j * kw + g * d..][..d]);
-            }
-            let max = p.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0.0;
-            for pj in p.iter_mut() {
-                *pj = (*pj - max).exp();
-                sum += *pj;
-            }
-            for (mj, pj) in mass.iter_mut().zip(&p) {
-                *mj += pj / sum;
-            }
-        }
-    }
-    mass
-}
-
-/// `a · b`, in eight lanes (so that it vectorizes).
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ac.remainder().iter().zip(bc.remainder()).map(|(x, y)| x * y).sum();
-    for (x, y) in ac.zip(bc) {
-        for i in 0..8 {
-            acc[i] += x[i] * y[i];
-        }
-    }
-    acc.iter().sum::<f32>() + tail
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -447,32 +291,5 @@ mod tests {
         };
         assert_eq!((p(0.15).keep(100), p(0.15).keep(3), p(0.15).keep(0)), (15, 1, 0));
         assert_eq!((p(1.0).keep(7), p(0.001).keep(7), p(0.5).keep(7)), (7, 1, 4));
-    }
-
-    #[test]
-    fn narrowing_keeps_row_ends_and_remaps_logit_rows() {
-        let table = [0u32, 1, 2];
-        let batch = ForwardBatch {
-            tokens: (0..8).collect(),
-            positions: (10..18).collect(),
-            slots: (20..28).collect(),
-            // Sequence A: 3 injected tokens recomputed in place (cache
-            // 4..7) then a 2-token question (7..9); sequence B: one decode.
-            spans: vec![
-                SeqSpan { q_start: 0, q_len: 5, context_len: 9, block_table: &table, row_ends: Some(&[5, 6, 7, 8, 9]) },
-                SeqSpan { q_start: 5, q_len: 3, context_len: 30, block_table: &table, row_ends: None },
-            ],
-            logit_rows: vec![4, 7],
-            capture: Vec::new(),
-            blend: None,
-        };
-        let n = Narrowed::new(&batch, &[1, 3, 4, 5, 6, 7]).unwrap();
-        let b = n.batch(&batch);
-        assert_eq!(b.positions, vec![11, 13, 14, 15, 16, 17]);
-        assert_eq!(b.slots, vec![21, 23, 24, 25, 26, 27]);
-        assert_eq!(b.logit_rows, vec![2, 5]);
-        assert_eq!((b.spans[0].q_start, b.spans[0].q_len, b.spans[0].row_ends), (0, 3, Some(&[6, 8, 9][..])));
-        assert_eq!((b.spans[1].q_start, b.spans[1].q_len, b.spans[1].row_ends), (3, 3, Some(&[28, 29, 30][..])));
-        assert!(Narrowed::new(&batch, &[0, 1, 2, 3, 5, 6, 7]).is_err(), "a logit row was dropped");
     }
 }

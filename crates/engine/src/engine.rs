@@ -11,9 +11,10 @@
 use std::ops::Range;
 
 use inferscale_model::ModelFiles;
+use inferscale_types::Blend;
 
 use crate::backend::{Backend, KvSpec, SeqSpan};
-use crate::blend::{BlendPlan, BlendRows};
+use crate::blend::{BlendPlan, BlendRows, blend_rows, keep_count};
 use crate::error::{EngineError, Result};
 use crate::kv_cache::{BLOCK_SIZE, BlockKey, BlockPool, BlockTable, block_keys};
 use crate::llama::{ForwardBatch, LayerKv, Llama};
@@ -615,5 +616,43 @@ impl<B: Backend> Engine<B> {
             }
         }
         Ok(parts)
+    }
+}
+
+impl<B: Backend> Engine<B> {
+    /// kv+blend: the steps that compute `seq`'s pending tokens first
+    /// recompute its last `injected` computed tokens (just injected), keeping
+    /// `blend.ratio` of them past [`SELECT_LAYER`] as `blend.select` ranks
+    /// them; see the module docs. Ratio 0 plans nothing (the sequence stays
+    /// kv mode's); ratio 1 recomputes them all (prompt mode's prefill).
+    /// `blend.focus` (0..=1) of the kept tokens are the injected memory's
+    /// last — the best-ranked facts, nearest the question — whatever their
+    /// rank (1 keeps the last tokens only). `seq` must have its question
+    /// pending.
+    pub fn blend(&self, seq: &mut Sequence, injected: usize, blend: Blend) -> Result<()> {
+        let Blend { ratio, focus, select } = blend;
+        if !(0.0..=1.0).contains(&ratio) {
+            return Err(EngineError::Shape(format!("blend ratio {ratio} outside 0..=1")));
+        }
+        if !(0.0..=1.0).contains(&focus) {
+            return Err(EngineError::Shape(format!("blend focus {focus} outside 0..=1")));
+        }
+        let end = seq.computed();
+        if injected > end || seq.pending() == 0 || seq.blend.is_some() {
+            return Err(EngineError::Shape(format!(
+                "blend of {injected} tokens in a sequence of {end} computed, {} pending{}",
+                seq.pending(),
+                if seq.blend.is_some() { ", already blending" } else { "" }
+            )));
+        }
+        if blend_rows(injected, ratio) > 0 {
+            let tail = (focus as f64 * keep_count(ratio, injected) as f64).round() as usize;
+            let start = end - injected;
+            let fact_starts = std::iter::once(start)
+                .chain(seq.fact_starts().iter().copied().filter(|&s| s > start && s < end))
+                .collect();
+            seq.blend = Some(BlendPlan { next: start, end, ratio, tail, select, fact_starts });
+        }
+        Ok(())
     }
 }

@@ -252,9 +252,9 @@ impl Fp8Tensor<'_> {
 /// `[rows, cols]`, `head_dim` columns a KV head), tensors in parallel.
 pub fn encode(k: &[HostTensor], v: &[HostTensor], head_dim: usize) -> Result<Vec<u8>> {
     let tensors: Vec<&HostTensor> = k.iter().chain(v).collect();
-    let (layers, first) = (k.len(), tensors.first().map(|t| crate::backend::matrix_dims(t)).transpose()?);
+    let (layers, first) = (k.len(), tensors.first().map(|t| crate::shape::matrix_dims(t)).transpose()?);
     let (rows, cols) = first.unwrap_or((0, 0));
-    let fits = |t: &&HostTensor| crate::backend::matrix_dims(t).is_ok_and(|d| d == (rows, cols));
+    let fits = |t: &&HostTensor| crate::shape::matrix_dims(t).is_ok_and(|d| d == (rows, cols));
     if v.len() != layers || !tensors.iter().all(fits) || head_dim == 0 || !cols.is_multiple_of(head_dim) {
         return Err(EngineError::Shape(format!(
             "fp8 encode: {} K and {} V tensors of [{rows}, {cols}], head width {head_dim}",
@@ -289,7 +289,7 @@ pub fn encode(k: &[HostTensor], v: &[HostTensor], head_dim: usize) -> Result<Vec
 /// Nothing stores it any more: it is kept to measure against (the gate's
 /// tests and `inferscale eval kv-error` show what it lost).
 pub fn first_layout_round_trip(t: &HostTensor, head_dim: usize) -> Result<HostTensor> {
-    let (_, cols) = crate::backend::matrix_dims(t)?;
+    let (_, cols) = crate::shape::matrix_dims(t)?;
     if head_dim == 0 || !cols.is_multiple_of(head_dim) {
         return Err(EngineError::Shape(format!("{cols} columns in heads of {head_dim}")));
     }

@@ -21,9 +21,11 @@ mod llama;
 pub mod retrieval;
 pub mod rope;
 pub mod sampling;
+mod shape;
 
 pub use backend::Backend;
-pub use blend::{SELECT_LAYER as BLEND_SELECT_LAYER, attention_mass, blend_rows, keep_count as blend_keep_count};
+pub use backend::attention_mass;
+pub use blend::{SELECT_LAYER as BLEND_SELECT_LAYER, blend_rows, keep_count as blend_keep_count};
 pub use cpu::CpuBackend;
 pub use engine::{Engine, EngineConfig, NextToken, Sequence};
 pub use error::{EngineError, Result};

@@ -8,7 +8,7 @@
 use inferscale_model::{HostTensor, ModelConfig, ModelFiles};
 
 use crate::backend::{AttentionShape, Backend, NewRows, SeqSpan};
-use crate::blend::{BlendRows, Narrowed, SELECT_LAYER};
+use crate::blend::{BlendRows, SELECT_LAYER};
 use crate::error::{EngineError, Result};
 use crate::rope::Rope;
 
@@ -362,5 +362,107 @@ impl<B: Backend> Llama<B> {
             Some(be.linear(&x, self.lm_head.as_ref().unwrap_or(&self.embed_tokens), None)?)
         };
         Ok(ForwardOutput { logits, captured, kept })
+    }
+}
+
+/// A forward batch after some rows stopped: the metadata of the rows that
+/// go on, with per-row ends for every span (its rows are no longer the
+/// cache's last entries). Owns what the narrowed [`ForwardBatch`] borrows.
+pub(crate) struct Narrowed {
+    positions: Vec<u32>,
+    slots: Vec<u32>,
+    logit_rows: Vec<usize>,
+    /// Per remaining span: (index in the original batch, first row, ends).
+    spans: Vec<(usize, usize, Vec<u32>)>,
+}
+
+impl Narrowed {
+    /// `kept`: ascending rows of `batch`, holding every logit row.
+    pub fn new(batch: &ForwardBatch<'_>, kept: &[usize]) -> Result<Self> {
+        let mut new_index = vec![usize::MAX; batch.tokens.len()];
+        for (i, &r) in kept.iter().enumerate() {
+            new_index[r] = i;
+        }
+        let logit_rows = batch
+            .logit_rows
+            .iter()
+            .map(|&r| match new_index[r] {
+                usize::MAX => Err(EngineError::Shape(format!("blend dropped logit row {r}"))),
+                i => Ok(i),
+            })
+            .collect::<Result<_>>()?;
+        let mut spans = Vec::new();
+        for (si, s) in batch.spans.iter().enumerate() {
+            let rows: Vec<usize> = (0..s.q_len).filter(|&r| new_index[s.q_start + r] != usize::MAX).collect();
+            if let Some(&first) = rows.first() {
+                let ends = rows.iter().map(|&r| s.row_end(r) as u32).collect();
+                spans.push((si, new_index[s.q_start + first], ends));
+            }
+        }
+        Ok(Narrowed {
+            positions: kept.iter().map(|&r| batch.positions[r]).collect(),
+            slots: kept.iter().map(|&r| batch.slots[r]).collect(),
+            logit_rows,
+            spans,
+        })
+    }
+
+    /// The narrowed batch (block tables and context lengths from `batch`).
+    pub fn batch<'a>(&'a self, batch: &ForwardBatch<'a>) -> ForwardBatch<'a> {
+        let spans = self
+            .spans
+            .iter()
+            .map(|(si, q_start, ends)| {
+                let s = &batch.spans[*si];
+                SeqSpan {
+                    q_start: *q_start,
+                    q_len: ends.len(),
+                    context_len: s.context_len,
+                    block_table: s.block_table,
+                    row_ends: Some(ends),
+                }
+            })
+            .collect();
+        ForwardBatch {
+            tokens: Vec::new(),
+            positions: self.positions.clone(),
+            slots: self.slots.clone(),
+            spans,
+            logit_rows: self.logit_rows.clone(),
+            capture: Vec::new(),
+            blend: None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn narrowing_keeps_row_ends_and_remaps_logit_rows() {
+        let table = [0u32, 1, 2];
+        let batch = ForwardBatch {
+            tokens: (0..8).collect(),
+            positions: (10..18).collect(),
+            slots: (20..28).collect(),
+            // Sequence A: 3 injected tokens recomputed in place (cache
+            // 4..7) then a 2-token question (7..9); sequence B: one decode.
+            spans: vec![
+                SeqSpan { q_start: 0, q_len: 5, context_len: 9, block_table: &table, row_ends: Some(&[5, 6, 7, 8, 9]) },
+                SeqSpan { q_start: 5, q_len: 3, context_len: 30, block_table: &table, row_ends: None },
+            ],
+            logit_rows: vec![4, 7],
+            capture: Vec::new(),
+            blend: None,
+        };
+        let n = Narrowed::new(&batch, &[1, 3, 4, 5, 6, 7]).unwrap();
+        let b = n.batch(&batch);
+        assert_eq!(b.positions, vec![11, 13, 14, 15, 16, 17]);
+        assert_eq!(b.slots, vec![21, 23, 24, 25, 26, 27]);
+        assert_eq!(b.logit_rows, vec![2, 5]);
+        assert_eq!((b.spans[0].q_start, b.spans[0].q_len, b.spans[0].row_ends), (0, 3, Some(&[6, 8, 9][..])));
+        assert_eq!((b.spans[1].q_start, b.spans[1].q_len, b.spans[1].row_ends), (3, 3, Some(&[28, 29, 30][..])));
+        assert!(Narrowed::new(&batch, &[0, 1, 2, 3, 5, 6, 7]).is_err(), "a logit row was dropped");
     }
 }

@@ -53,7 +53,7 @@ async fn readyz(State(svc): State<WorkerService>) -> Response {
 }
 
 async fn metrics(State(svc): State<WorkerService>) -> Response {
-    match svc.call(|reply| Command::Stats { memory_bytes: true, reply }).await {
+    match svc.handle().call(|reply| Command::Stats { memory_bytes: true, reply }).await {
         Ok(stats) => {
             let tier = if svc.info().backend == "cpu" { "host" } else { "device" };
             ([(header::CONTENT_TYPE, prom::CONTENT_TYPE)], svc.metrics().render(&stats, tier)).into_response()

@@ -15,6 +15,7 @@ mod config;
 mod engine_thread;
 mod error;
 mod frames;
+mod handle;
 pub mod http;
 mod kv_reader;
 pub mod link;

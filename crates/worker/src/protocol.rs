@@ -29,10 +29,10 @@ pub(crate) mod job;
 mod moves;
 mod shard;
 
-pub use host::{Change, Embedded, Holdings, Load, MAX_EMBED_INPUTS, MAX_SEARCH_TOP_K, MemoryHost, SearchQuery, Stats};
+pub use host::{Change, Load, MemoryHost, Stats};
 pub use job::{Event, Events, Finished, GenerateJob, Logprobs, Timings, TokenLogprob, Usage, finish_reason};
 pub(crate) use moves::{Moves, ShardCommand};
-pub use shard::Shard;
+pub use shard::{Embedded, Holdings, MAX_EMBED_INPUTS, MAX_SEARCH_TOP_K, SearchQuery, Shard};
 
 /// What the service asks of a worker.
 pub(crate) enum Command {

@@ -12,7 +12,7 @@ use inferscale_engine::Backend;
 use inferscale_memory::{EventKind, MemoryUnit, UnitUpdate};
 use inferscale_proto as pb;
 use inferscale_proto::tls::Security;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 use tokio_stream::{Stream, StreamExt, wrappers::UnboundedReceiverStream};
 use tonic::{Request, Response, Status};
 use tracing::{Instrument, info_span};
@@ -20,6 +20,7 @@ use tracing::{Instrument, info_span};
 use crate::config::WorkerConfig;
 use crate::engine_thread::{WorkerParts, run};
 use crate::error::{Result, WorkerError};
+use crate::handle::Handle;
 use crate::link::Links;
 use crate::metrics::WorkerMetrics;
 use crate::protocol::{
@@ -49,14 +50,11 @@ impl Drop for NotReadyOnDrop {
 /// The gRPC face of one engine thread; cheap to clone.
 #[derive(Clone)]
 pub struct WorkerService {
-    tx: std::sync::mpsc::Sender<Command>,
+    /// The way to the engine, and how the API is served and this worker
+    /// dials others (shard moves): plaintext or mutual TLS.
+    handle: Handle,
     info: WorkerInfo,
     ready: Arc<AtomicBool>,
-    metrics: Arc<WorkerMetrics>,
-    links: Option<Arc<dyn Links>>,
-    /// How the API is served and how this worker dials others (shard
-    /// moves): plaintext or mutual TLS.
-    security: Security,
 }
 
 /// Starts the engine thread: `load` builds the engine, embedder and memory
@@ -133,7 +131,8 @@ where
         })
         .map_err(|e| WorkerError::Startup(format!("starting thread {name}: {e}")))?;
     started_rx.recv().map_err(|_| WorkerError::Startup(format!("thread {name} exited while starting")))??;
-    Ok((WorkerService { tx, info, ready, metrics, links: None, security: Security::Plaintext }, thread))
+    let handle = Handle { tx, metrics, links: None, security: Security::Plaintext };
+    Ok((WorkerService { handle, info, ready }, thread))
 }
 
 impl WorkerService {
@@ -151,7 +150,7 @@ impl WorkerService {
                 let _ = tcp.set_nodelay(true);
             })
         });
-        let mut server = self.security.server().map_err(|e| WorkerError::Startup(e.to_string()))?;
+        let mut server = self.handle.security.server().map_err(|e| WorkerError::Startup(e.to_string()))?;
         server
             .add_service(self.into_server())
             .serve_with_incoming_shutdown(incoming, shutdown)
@@ -191,46 +190,30 @@ impl WorkerService {
     }
 
     pub fn metrics(&self) -> &WorkerMetrics {
-        &self.metrics
+        &self.handle.metrics
     }
 
     /// Lets this worker move shards' KV over device links (see
     /// [`crate::link`]).
     pub fn with_links(mut self, links: Arc<dyn Links>) -> WorkerService {
-        self.links = Some(links);
+        self.handle.links = Some(links);
         self
     }
 
     /// Serves with, and dials other workers with, `security`.
     pub fn with_security(mut self, security: Security) -> WorkerService {
-        self.security = security;
+        self.handle.security = security;
         self
     }
 
-    pub(crate) fn security(&self) -> &Security {
-        &self.security
+    /// The way to the engine (for the worker's HTTP side).
+    pub(crate) fn handle(&self) -> &Handle {
+        &self.handle
     }
 
     /// Whether the API is served with mutual TLS.
     pub fn is_tls(&self) -> bool {
-        self.security.is_tls()
-    }
-
-    pub(crate) fn links(&self) -> Option<&Arc<dyn Links>> {
-        self.links.as_ref()
-    }
-
-    pub(crate) fn send(&self, c: Command) -> std::result::Result<(), Status> {
-        self.tx.send(c).map_err(|_| Status::from(WorkerError::Shutdown))
-    }
-
-    pub(crate) async fn call<T>(
-        &self,
-        make: impl FnOnce(oneshot::Sender<T>) -> Command,
-    ) -> std::result::Result<T, Status> {
-        let (reply, rx) = oneshot::channel();
-        self.send(make(reply))?;
-        rx.await.map_err(|_| Status::from(WorkerError::Shutdown))
+        self.handle.security.is_tls()
     }
 }
 
@@ -290,8 +273,11 @@ impl pb::worker_server::Worker for WorkerService {
             .map_err(Status::invalid_argument)?;
         let window = r.window.map(|w| w as usize);
         let (user, defer_kv) = (r.user, r.defer_kv);
-        let report =
-            self.call(|reply| Command::Ingest { user, window, units, defer_kv, reply }).instrument(span).await??;
+        let report = self
+            .handle
+            .call(|reply| Command::Ingest { user, window, units, defer_kv, reply })
+            .instrument(span)
+            .await??;
         Ok(Response::new(pb::IngestResponse {
             added: report.added as u32,
             skipped: report.skipped as u32,
@@ -320,7 +306,7 @@ impl pb::worker_server::Worker for WorkerService {
         let request = r.generation().map_err(|e| pb::refused(&e))?;
         let job = GenerateJob::new(request, deadline, arrived, span);
         let (events, rx) = mpsc::unbounded_channel();
-        self.send(Command::Generate { job: Box::new(job), events })?;
+        self.handle.send(Command::Generate { job: Box::new(job), events })?;
         let stream = UnboundedReceiverStream::new(rx).map(to_event);
         Ok(Response::new(Box::pin(stream)))
     }
@@ -331,7 +317,7 @@ impl pb::worker_server::Worker for WorkerService {
     ) -> std::result::Result<Response<pb::ListMemoriesResponse>, Status> {
         let r = req.into_inner();
         let user = r.user.clone();
-        let (units, window) = self.call(|reply| Command::List { user, reply }).await??;
+        let (units, window) = self.handle.call(|reply| Command::List { user, reply }).await??;
         let units = match r.ids.is_empty() {
             true => units,
             false => {
@@ -365,7 +351,7 @@ impl pb::worker_server::Worker for WorkerService {
         };
         let change = UnitUpdate { text: r.text, metadata };
         let (user, id, defer_kv) = (r.user, r.id, r.defer_kv);
-        let report = self.call(|reply| Command::Update { user, id, change, defer_kv, reply }).await??;
+        let report = self.handle.call(|reply| Command::Update { user, id, change, defer_kv, reply }).await??;
         Ok(Response::new(pb::UpdateMemoryResponse {
             changed: report.changed,
             encoded_tokens: report.encoded_tokens as u64,
@@ -378,7 +364,7 @@ impl pb::worker_server::Worker for WorkerService {
     ) -> std::result::Result<Response<pb::UnitHistoryResponse>, Status> {
         let r = req.into_inner();
         let (user, id) = (r.user, r.id);
-        let events = self.call(|reply| Command::History { user, id, reply }).await??;
+        let events = self.handle.call(|reply| Command::History { user, id, reply }).await??;
         let json = |m: serde_json::Map<String, serde_json::Value>| serde_json::Value::Object(m).to_string();
         let events = events
             .into_iter()
@@ -415,7 +401,7 @@ impl pb::worker_server::Worker for WorkerService {
             threshold: r.threshold,
             filters,
         };
-        let hits = self.call(|reply| Command::Search { query, reply }).await??;
+        let hits = self.handle.call(|reply| Command::Search { query, reply }).await??;
         let hits = hits.into_iter().map(|(u, score)| pb::SearchHit { unit: Some(u.into()), score }).collect();
         Ok(Response::new(pb::SearchMemoriesResponse { hits }))
     }
@@ -426,7 +412,7 @@ impl pb::worker_server::Worker for WorkerService {
     ) -> std::result::Result<Response<pb::ForgetResponse>, Status> {
         let r = req.into_inner();
         let unit = (!r.unit_id.is_empty()).then_some(r.unit_id);
-        self.call(|reply| Command::Forget { user: r.user, unit, reply }).await??;
+        self.handle.call(|reply| Command::Forget { user: r.user, unit, reply }).await??;
         Ok(Response::new(pb::ForgetResponse {}))
     }
 
@@ -441,7 +427,7 @@ impl pb::worker_server::Worker for WorkerService {
             )));
         }
         let texts = r.input;
-        let out = self.call(|reply| Command::Embed { texts, reply }).await??;
+        let out = self.handle.call(|reply| Command::Embed { texts, reply }).await??;
         Ok(Response::new(pb::EmbedResponse {
             data: out.vectors.into_iter().map(|values| pb::Embedding { values }).collect(),
             prompt_tokens: out.tokens as u32,
@@ -458,7 +444,7 @@ impl pb::worker_server::Worker for WorkerService {
     }
 
     async fn stats(&self, _: Request<pb::StatsRequest>) -> std::result::Result<Response<pb::StatsResponse>, Status> {
-        let s = self.call(|reply| Command::Stats { memory_bytes: false, reply }).await?;
+        let s = self.handle.call(|reply| Command::Stats { memory_bytes: false, reply }).await?;
         Ok(Response::new(pb::StatsResponse {
             running: s.load.running as u32,
             waiting: s.load.waiting as u32,
@@ -473,7 +459,7 @@ impl pb::worker_server::Worker for WorkerService {
             max_queue: s.load.max_queue as u32,
             damaged_users: s.damaged_users as u32,
             unsettled_users: s.unsettled_users as u32,
-            disk_full: self.metrics.disk_full(),
+            disk_full: self.handle.metrics.disk_full(),
         }))
     }
 
@@ -481,7 +467,7 @@ impl pb::worker_server::Worker for WorkerService {
         &self,
         _: Request<pb::ListUsersRequest>,
     ) -> std::result::Result<Response<pb::ListUsersResponse>, Status> {
-        let held = self.call(|reply| Command::Shard(ShardCommand::ListUsers { reply })).await?;
+        let held = self.handle.call(|reply| Command::Shard(ShardCommand::ListUsers { reply })).await?;
         let (users, digests) = held.into_iter().unzip();
         Ok(Response::new(pb::ListUsersResponse { users, digests }))
     }
@@ -494,7 +480,7 @@ impl pb::worker_server::Worker for WorkerService {
     ) -> std::result::Result<Response<Self::ExportShardStream>, Status> {
         let span = info_span!("export_shard", otel.kind = "server", user = %req.get_ref().user);
         propagate::continue_from_metadata(&span, req.metadata());
-        Ok(Response::new(crate::transfer::export(self.clone(), req.into_inner(), span)))
+        Ok(Response::new(crate::transfer::export(self.handle.clone(), req.into_inner(), span)))
     }
 
     async fn import_shard(
@@ -503,7 +489,7 @@ impl pb::worker_server::Worker for WorkerService {
     ) -> std::result::Result<Response<pb::ImportShardResponse>, Status> {
         let span = info_span!("import_shard", otel.kind = "server", bytes = tracing::field::Empty);
         propagate::continue_from_metadata(&span, req.metadata());
-        let r = crate::transfer::import(self, req.into_inner()).instrument(span.clone()).await?;
+        let r = crate::transfer::import(&self.handle, req.into_inner()).instrument(span.clone()).await?;
         span.record("bytes", r.bytes as i64);
         Ok(Response::new(r))
     }
@@ -514,7 +500,7 @@ impl pb::worker_server::Worker for WorkerService {
     ) -> std::result::Result<Response<pb::SendShardResponse>, Status> {
         let span = info_span!("send_shard", otel.kind = "server", user = %req.get_ref().user, to = %req.get_ref().to);
         propagate::continue_from_metadata(&span, req.metadata());
-        Ok(Response::new(crate::transfer::send(self, req.into_inner()).instrument(span).await?))
+        Ok(Response::new(crate::transfer::send(&self.handle, req.into_inner()).instrument(span).await?))
     }
 
     async fn release_shard(
@@ -522,7 +508,7 @@ impl pb::worker_server::Worker for WorkerService {
         req: Request<pb::ReleaseShardRequest>,
     ) -> std::result::Result<Response<pb::ReleaseShardResponse>, Status> {
         let r = req.into_inner();
-        self.call(|reply| Command::Shard(ShardCommand::Release { user: r.user, drop: r.drop, reply })).await??;
+        self.handle.call(|reply| Command::Shard(ShardCommand::Release { user: r.user, drop: r.drop, reply })).await??;
         Ok(Response::new(pb::ReleaseShardResponse {}))
     }
 }

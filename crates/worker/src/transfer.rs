@@ -27,9 +27,9 @@ use tracing::Instrument;
 
 use crate::error::WorkerError;
 use crate::frames::{self, FrameError, Manifest, ManifestEntry, Reassembler};
+use crate::handle::Handle;
 use crate::link::{FrameLink, Links};
 use crate::protocol::{Command, ShardCommand};
-use crate::service::WorkerService;
 
 /// Bytes of records per chunk: large enough to amortise a round trip to
 /// the engine thread, small enough that fetching them (the KV read back
@@ -59,7 +59,7 @@ fn shard_records(records: Vec<ShardRecord>) -> Vec<pb::ShardRecord> {
 
 /// Streams `req.user`'s shard (see `ExportShard` in the proto), traced
 /// under `span`.
-pub fn export(svc: WorkerService, req: pb::ExportShardRequest, span: tracing::Span) -> ChunkStream {
+pub(crate) fn export(svc: Handle, req: pb::ExportShardRequest, span: tracing::Span) -> ChunkStream {
     let (tx, rx) = mpsc::channel(2);
     tokio::spawn(
         async move {
@@ -73,7 +73,7 @@ pub fn export(svc: WorkerService, req: pb::ExportShardRequest, span: tracing::Sp
 }
 
 async fn export_into(
-    svc: &WorkerService,
+    svc: &Handle,
     req: pb::ExportShardRequest,
     tx: &mpsc::Sender<Result<pb::ShardChunk, Status>>,
 ) -> Result<(), Status> {
@@ -183,11 +183,11 @@ struct Incoming {
 
 impl Incoming {
     /// Joins the link the shard's first chunk names, if it names one.
-    async fn join(svc: &WorkerService, first: &pb::ShardChunk) -> Result<Option<Incoming>, Status> {
+    async fn join(svc: &Handle, first: &pb::ShardChunk) -> Result<Option<Incoming>, Status> {
         if first.link_id.is_empty() {
             return Ok(None);
         }
-        let links: Arc<dyn Links> = svc.links().cloned().ok_or_else(|| Status::failed_precondition(NO_LINK))?;
+        let links: Arc<dyn Links> = svc.links.as_ref().cloned().ok_or_else(|| Status::failed_precondition(NO_LINK))?;
         let frame_bytes =
             usize::try_from(first.frame_bytes).ok().filter(|&f| f > 0 && f <= MAX_MESSAGE_BYTES).ok_or_else(|| {
                 Status::invalid_argument(format!("link frame size {} is out of range", first.frame_bytes))
@@ -227,8 +227,8 @@ impl Incoming {
 }
 
 /// Receives a shard (see `ImportShard` in the proto).
-pub async fn import(
-    svc: &WorkerService,
+pub(crate) async fn import(
+    svc: &Handle,
     mut stream: impl tokio_stream::Stream<Item = Result<pb::ShardChunk, Status>> + Unpin,
 ) -> Result<pb::ImportShardResponse, Status> {
     // Units this worker stores from here on arrived during the copy and
@@ -302,7 +302,7 @@ pub async fn import(
     if report.dropped > 0 {
         tracing::info!(user, dropped = report.dropped, "an import replaced a stale copy: units it lacked are gone");
     }
-    let m = svc.metrics();
+    let m = &svc.metrics;
     m.shards_received.fetch_add(1, Ordering::Relaxed);
     m.shard_bytes_received.fetch_add(report.bytes, Ordering::Relaxed);
     Ok(pb::ImportShardResponse {
@@ -386,14 +386,14 @@ impl Outgoing {
 }
 
 /// Sends a shard to another worker (see `SendShard` in the proto).
-pub async fn send(svc: &WorkerService, req: pb::SendShardRequest) -> Result<pb::SendShardResponse, Status> {
+pub(crate) async fn send(svc: &Handle, req: pb::SendShardRequest) -> Result<pb::SendShardResponse, Status> {
     let started = Instant::now();
     if req.to.is_empty() {
         return Err(Status::invalid_argument("SendShard needs the receiving worker's address in `to`"));
     }
     // The link's id is made before anything is exported, so a failure here
     // leaves the user untouched.
-    let links = match (req.nccl, svc.links()) {
+    let links = match (req.nccl, svc.links.as_ref()) {
         (false, _) => None,
         (true, Some(l)) => Some((l.clone(), l.new_id().map_err(|e| Status::unavailable(e.to_string()))?)),
         (true, None) => {
@@ -401,7 +401,7 @@ pub async fn send(svc: &WorkerService, req: pb::SendShardRequest) -> Result<pb::
         }
     };
     let channel = svc
-        .security()
+        .security
         .endpoint(&req.to)
         .map_err(|e| Status::invalid_argument(e.to_string()))?
         .tcp_nodelay(true)
@@ -460,7 +460,7 @@ pub async fn send(svc: &WorkerService, req: pb::SendShardRequest) -> Result<pb::
             Status::new(s.code(), format!("worker {} refused {:?}'s shard: {}", req.to, req.user, s.message()))
         })?
         .into_inner();
-    let m = svc.metrics();
+    let m = &svc.metrics;
     m.shards_sent.fetch_add(1, Ordering::Relaxed);
     m.shard_bytes_sent.fetch_add(imported.bytes, Ordering::Relaxed);
     Ok(pb::SendShardResponse { imported: Some(imported), seconds: started.elapsed().as_secs_f64() })

@@ -1,7 +1,7 @@
 //! What differs between the kinds of worker ([`MemoryHost`]), and what
-//! both report: stats, load, holdings.
+//! both report: stats and load.
 
-use inferscale_memory::{CacheStats, Footprint, Scope};
+use inferscale_memory::CacheStats;
 
 use super::job::{Events, GenerateJob};
 use super::shard::Shard;
@@ -39,47 +39,6 @@ pub struct Load {
     /// Requests beyond which new ones are refused as queue-full.
     pub max_queue: usize,
 }
-
-/// What a memory shard holds, for [`Stats`].
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Holdings {
-    pub users: usize,
-    pub facts: usize,
-    /// Users refused because their stored memory is damaged, and users
-    /// whose failed ingest is still being undone.
-    pub damaged_users: usize,
-    pub unsettled_users: usize,
-    /// Bytes per tier, when asked for (O(facts) to measure).
-    pub footprint: Option<Footprint>,
-}
-
-/// Sentence embeddings of a request's texts, in order, and the tokens the
-/// encoder read.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct Embedded {
-    pub vectors: Vec<Vec<f32>>,
-    pub tokens: usize,
-}
-
-/// A memory search (`/v1/memories/search`): `user`'s units for `query`.
-#[derive(Debug, Clone, Default)]
-pub struct SearchQuery {
-    pub user: String,
-    pub query: String,
-    pub top_k: usize,
-    /// Results score at least this (cosine similarity).
-    pub threshold: Option<f32>,
-    /// Metadata filters (`inferscale_memory::filter_matches`).
-    pub filters: serde_json::Map<String, serde_json::Value>,
-    /// Only units of this agent / run.
-    pub scope: Scope,
-}
-
-/// Most results one search may ask for.
-pub const MAX_SEARCH_TOP_K: usize = 1000;
-
-/// Most texts one embeddings request may carry (OpenAI's limit).
-pub const MAX_EMBED_INPUTS: usize = 2048;
 
 /// What a memory shard changed, for [`MemoryHost::memory_changed`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

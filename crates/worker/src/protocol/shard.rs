@@ -10,13 +10,53 @@ use std::path::PathBuf;
 
 use inferscale_engine::Backend;
 use inferscale_memory::{
-    Event as UnitEvent, ImportReport, IngestReport, KvHeader, MemoryUnit, Session, ShardRecord, StagedShard,
-    UnitUpdate, UpdateReport,
+    Event as UnitEvent, Footprint, ImportReport, IngestReport, KvHeader, MemoryUnit, Scope, Session, ShardRecord,
+    StagedShard, UnitUpdate, UpdateReport,
 };
 use inferscale_types::StoredUnit;
 
-use super::host::{Embedded, Holdings, SearchQuery};
 use crate::error::Result;
+
+/// What a memory shard holds, for [`Stats`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Holdings {
+    pub users: usize,
+    pub facts: usize,
+    /// Users refused because their stored memory is damaged, and users
+    /// whose failed ingest is still being undone.
+    pub damaged_users: usize,
+    pub unsettled_users: usize,
+    /// Bytes per tier, when asked for (O(facts) to measure).
+    pub footprint: Option<Footprint>,
+}
+
+/// Sentence embeddings of a request's texts, in order, and the tokens the
+/// encoder read.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Embedded {
+    pub vectors: Vec<Vec<f32>>,
+    pub tokens: usize,
+}
+
+/// A memory search (`/v1/memories/search`): `user`'s units for `query`.
+#[derive(Debug, Clone, Default)]
+pub struct SearchQuery {
+    pub user: String,
+    pub query: String,
+    pub top_k: usize,
+    /// Results score at least this (cosine similarity).
+    pub threshold: Option<f32>,
+    /// Metadata filters (`inferscale_memory::filter_matches`).
+    pub filters: serde_json::Map<String, serde_json::Value>,
+    /// Only units of this agent / run.
+    pub scope: Scope,
+}
+
+/// Most results one search may ask for.
+pub const MAX_SEARCH_TOP_K: usize = 1000;
+
+/// Most texts one embeddings request may carry (OpenAI's limit).
+pub const MAX_EMBED_INPUTS: usize = 2048;
 
 /// A memory shard as the protocol uses it (object-safe: a host may hold
 /// sessions of several backends). Every input has passed the protocol's

@@ -36,6 +36,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
+use inferscale_engine::backend::{KvUpload, KvUploadFp8};
 use inferscale_engine::{Backend, KvChunk};
 use inferscale_model::HostTensor;
 
@@ -338,6 +339,39 @@ impl<B: Backend> KvCache<B> {
             self.stats.evictions[tier.at()] += 1;
         }
         true
+    }
+}
+
+/// The backend's uploads that reader threads place what they read with,
+/// per tier.
+pub(crate) struct Uploads<T> {
+    pub(crate) device: TierUploads<T>,
+    pub(crate) host: TierUploads<T>,
+}
+
+/// One tier's uploads (`None`: the engine thread places it).
+pub(crate) struct TierUploads<T> {
+    pub(crate) bf: Option<KvUpload<T>>,
+    /// fp8 records kept as fp8 in that tier.
+    pub(crate) fp8: Option<KvUploadFp8<T>>,
+}
+
+impl<T> Clone for TierUploads<T> {
+    fn clone(&self) -> Self {
+        TierUploads { bf: self.bf.clone(), fp8: self.fp8.clone() }
+    }
+}
+
+impl<T> Uploads<T> {
+    pub(crate) fn of<B: Backend<Tensor = T>>(be: &B) -> Self {
+        let host = TierUploads { bf: be.host_tier_upload(), fp8: be.host_tier_upload_fp8() };
+        // Without a host tier, the "host tier" uploads place KV as any
+        // upload does: in the backend's (only) memory.
+        let device = match be.has_host_tier() {
+            true => TierUploads { bf: be.device_tier_upload(), fp8: be.device_tier_upload_fp8() },
+            false => host.clone(),
+        };
+        Uploads { device, host }
     }
 }
 

@@ -33,10 +33,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{MemoryError, Result, io};
 use crate::log::{RecordLog, sync_dir};
+use crate::manifest::PENDING;
 use crate::shard::Memory;
-
-/// The file of an ingest under way, in its user's directory.
-pub(crate) const PENDING: &str = "ingest.pending";
 
 /// What an unfinished ingest added, and where its user's logs ended before.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -8,9 +8,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use inferscale_engine::backend::{KvUpload, KvUploadFp8};
 use inferscale_engine::{Backend, KvChunk};
 
+use crate::cache::TierUploads;
 use crate::cache::{Admit, Source, Tier};
 use crate::error::{MemoryError, Result};
 use crate::kvseg::{KvFormat, KvHeader, StoredKv};
@@ -87,39 +87,6 @@ pub struct ReadJob<B: Backend> {
     reserved: u64,
     /// Places the KV in that tier (`None`: the engine thread places it).
     upload: TierUploads<B::Tensor>,
-}
-
-/// The backend's uploads that reader threads place what they read with,
-/// per tier.
-pub(crate) struct Uploads<T> {
-    device: TierUploads<T>,
-    host: TierUploads<T>,
-}
-
-/// One tier's uploads (`None`: the engine thread places it).
-pub(crate) struct TierUploads<T> {
-    bf: Option<KvUpload<T>>,
-    /// fp8 records kept as fp8 in that tier.
-    fp8: Option<KvUploadFp8<T>>,
-}
-
-impl<T> Clone for TierUploads<T> {
-    fn clone(&self) -> Self {
-        TierUploads { bf: self.bf.clone(), fp8: self.fp8.clone() }
-    }
-}
-
-impl<T> Uploads<T> {
-    pub(crate) fn of<B: Backend<Tensor = T>>(be: &B) -> Self {
-        let host = TierUploads { bf: be.host_tier_upload(), fp8: be.host_tier_upload_fp8() };
-        // Without a host tier, the "host tier" uploads place KV as any
-        // upload does: in the backend's (only) memory.
-        let device = match be.has_host_tier() {
-            true => TierUploads { bf: be.device_tier_upload(), fp8: be.device_tier_upload_fp8() },
-            false => host.clone(),
-        };
-        Uploads { device, host }
-    }
 }
 
 /// A finished [`ReadJob`], for [`Memory::complete_read`].

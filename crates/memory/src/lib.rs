@@ -10,6 +10,7 @@ mod fact;
 pub mod faults;
 mod fetch;
 pub mod fidelity;
+mod frame;
 mod kvseg;
 pub mod log;
 mod manifest;
@@ -36,7 +37,8 @@ pub use retrieval::{Query, Retriever};
 pub use search::matches as filter_matches;
 pub use session::{Hit, Session};
 pub use shard::{
-    Encoders, Footprint, IngestReport, Memory, ShardSpec, StoreOptions, UnitUpdate, UpdateReport, fingerprint, validate,
+    Footprint, IngestReport, Memory, ShardSpec, StoreOptions, UnitUpdate, UpdateReport, fingerprint, validate,
 };
 pub use transfer::{ImportReport, ShardRecord, StagedShard, Staging};
+pub use user::Encoders;
 pub use user::write_seq;

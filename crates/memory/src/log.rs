@@ -31,14 +31,9 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use crate::error::{self, MemoryError, Result};
+pub use crate::frame::MAX_RECORD_BYTES;
+pub(crate) use crate::frame::{FRAME_BYTES, HEADER, checksum};
 use crate::salvage::{Tail, classify};
-
-pub(crate) const HEADER: &[u8; 8] = b"ISLOG\0\0\x01";
-pub(crate) const FRAME_BYTES: usize = 8;
-
-/// The largest record accepted. A length field above it can only be a torn or
-/// corrupt frame, so replay never tries to allocate gigabytes for one.
-pub const MAX_RECORD_BYTES: usize = 64 << 20;
 
 /// What opening a log found.
 #[derive(Debug)]
@@ -489,13 +484,6 @@ fn encode(records: &[&[u8]], mut buf: Vec<u8>) -> Result<Vec<u8>> {
         buf.extend_from_slice(record);
     }
     Ok(buf)
-}
-
-pub(crate) fn checksum(len: [u8; 4], payload: &[u8]) -> u32 {
-    let mut hasher = crc32fast::Hasher::new();
-    hasher.update(&len);
-    hasher.update(payload);
-    hasher.finalize()
 }
 
 /// Decodes frames after the header: the intact records, the byte length of

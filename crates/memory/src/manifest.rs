@@ -118,6 +118,9 @@ pub fn check_unlocked(dir: &Path) -> Result<()> {
     }
 }
 
+/// The file of an ingest under way, in its user's directory.
+pub(crate) const PENDING: &str = "ingest.pending";
+
 #[cfg(test)]
 mod tests {
     use super::*;

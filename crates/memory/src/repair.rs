@@ -92,7 +92,7 @@ fn repair_user(dir: &Path, user: String) -> Result<UserRepair> {
     // does not fit its header is re-encoded), so any intact frame goes.
     let kv_path = dir.join("kv.log");
     let kv = mend(&kv_path, |_| true, false)?;
-    let pending_path = dir.join(crate::commit::PENDING);
+    let pending_path = dir.join(crate::manifest::PENDING);
     let pending = mend(&pending_path, |r| serde_json::from_slice::<serde_json::Value>(r).is_ok(), false)?;
     // An unfinished ingest's record that could not be recovered says
     // nothing a rollback could use: it goes, and its units (if any were
@@ -178,7 +178,7 @@ fn damaged(bytes: &[u8]) -> bool {
         let len = u32::from_le_bytes([head[0], head[1], head[2], head[3]]) as usize;
         let crc = u32::from_le_bytes([head[4], head[5], head[6], head[7]]);
         match bytes.get(at + 8..at + 8 + len) {
-            Some(p) if crate::log::checksum([head[0], head[1], head[2], head[3]], p) == crc => at += 8 + len,
+            Some(p) if crate::frame::checksum([head[0], head[1], head[2], head[3]], p) == crc => at += 8 + len,
             _ => break,
         }
     }

@@ -20,7 +20,7 @@
 //! the frame; see [`correct_one_byte`]). The caller checks that a
 //! corrected record still decodes.
 
-use crate::log::{FRAME_BYTES, HEADER, MAX_RECORD_BYTES, checksum};
+use crate::frame::{FRAME_BYTES, HEADER, MAX_RECORD_BYTES, checksum};
 
 /// What is past the last intact frame of a log's bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -9,14 +9,7 @@
 
 use inferscale_engine::Backend;
 
-use crate::shard::Memory;
-
-/// Where the scrub pass is: the next user (by name) and fact.
-#[derive(Debug, Default, Clone)]
-pub(crate) struct ScrubCursor {
-    user: String,
-    fact: usize,
-}
+use crate::shard::{Memory, ScrubCursor};
 
 impl<B: Backend> Memory<B> {
     /// Checks KV records until about `max_bytes` were read (at least one,

@@ -21,7 +21,8 @@ use crate::compose::{Chat, Composer, Prompts};
 use crate::error::{MemoryError, Result};
 use crate::fetch::{FetchReport, Fetched, Pinned, ReadDone};
 use crate::retrieval::Query;
-use crate::shard::{Encoders, IngestReport, Memory, UnitUpdate, UpdateReport};
+use crate::shard::{IngestReport, Memory, UnitUpdate, UpdateReport};
+use crate::user::Encoders;
 
 /// One search result: a fact (an index into [`Memory::facts`]) and its
 /// score, the cosine similarity of its embedding and the query's.

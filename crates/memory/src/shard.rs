@@ -15,7 +15,6 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use inferscale_engine::bert::Bert;
 use inferscale_engine::{Backend, Engine, KvChunk};
 use inferscale_types::MemoryUnit;
 
@@ -26,7 +25,7 @@ use crate::fact::{Event, Fact, Record};
 use crate::kvseg::{KvFormat, KvHeader};
 use crate::log::{MAX_RECORD_BYTES, sync_dir};
 use crate::retrieval::{self, Query, Retriever};
-use crate::user::UserShard;
+use crate::user::{Encoders, UserShard};
 
 /// Facts encoded per engine call by default (their forward passes are
 /// packed together); see [`Memory::set_encode_batch`].
@@ -48,13 +47,6 @@ impl ShardSpec {
     pub fn new(files: &inferscale_model::ModelFiles, window: usize, prompts: &Prompts) -> Result<Self> {
         Ok(ShardSpec { window, fingerprint: fingerprint(files)? + &prompts.kv_tag() })
     }
-}
-
-/// The models and prompt pieces that turn text into facts and KV.
-pub struct Encoders<'e, B: Backend> {
-    pub engine: &'e mut Engine<B>,
-    pub embedder: &'e Bert<B>,
-    pub composer: &'e Composer,
 }
 
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -187,7 +179,7 @@ pub struct Memory<B: Backend> {
     /// (`commit.rs`): their writes wait, [`Memory::settle`] retries.
     pub(crate) unsettled: std::collections::BTreeSet<String>,
     /// Where the idle-time pass over KV records is (`scrub.rs`).
-    pub(crate) scrub: crate::scrub::ScrubCursor,
+    pub(crate) scrub: ScrubCursor,
     /// Users that may have facts without KV (stored deferred, imported
     /// without it, or dropped as corrupt): [`Memory::encode_pending`]'s work.
     pub(crate) pending: std::collections::BTreeSet<String>,
@@ -198,7 +190,7 @@ pub struct Memory<B: Backend> {
     pub(crate) reading: std::collections::HashSet<u64>,
     /// The backend's uploads for reads to place what they read in the
     /// tier the cache chose, on their own thread (`fetch.rs`).
-    pub(crate) upload: crate::fetch::Uploads<B::Tensor>,
+    pub(crate) upload: crate::cache::Uploads<B::Tensor>,
     /// The model's context, in tokens: an encoding (header, window, fact)
     /// must fit it.
     context: usize,
@@ -306,7 +298,7 @@ impl<B: Backend> Memory<B> {
             Err(std::fs::TryLockError::WouldBlock) => return Err(MemoryError::Locked { path: dir.to_path_buf() }),
             Err(std::fs::TryLockError::Error(e)) => return Err(io(&lock_path)(e)),
         }
-        let mut warnings = crate::transfer::recover(dir)?;
+        let mut warnings = recover(dir)?;
         let (mut users, mut damaged) = (BTreeMap::new(), BTreeMap::new());
         let entries = std::fs::read_dir(&users_dir).map_err(io(&users_dir))?;
         for entry in entries {
@@ -319,7 +311,7 @@ impl<B: Backend> Memory<B> {
             // A directory without a fact log holds no user (an ingest that
             // stored nothing): opening it would create files, which a full
             // disk refuses.
-            if !entry.path().join("facts.log").exists() && !entry.path().join(crate::commit::PENDING).exists() {
+            if !entry.path().join("facts.log").exists() && !entry.path().join(crate::manifest::PENDING).exists() {
                 let _ = std::fs::remove_dir_all(entry.path());
                 continue;
             }
@@ -347,7 +339,7 @@ impl<B: Backend> Memory<B> {
             encode_batch: ENCODE_BATCH,
             cache: KvCache::new(be, options.budgets, c.num_layers, c.kv_dim()),
             reading: Default::default(),
-            upload: crate::fetch::Uploads::of(be),
+            upload: crate::cache::Uploads::of(be),
             context: c.max_position_embeddings,
             retriever: Retriever::default(),
             _lock: lock,
@@ -838,4 +830,39 @@ impl<B: Backend> Memory<B> {
         }
         Ok(())
     }
+}
+
+/// Where the scrub pass is: the next user (by name) and fact.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct ScrubCursor {
+    pub(crate) user: String,
+    pub(crate) fact: usize,
+}
+
+/// Run when a memory directory opens (under its lock): a user whose copy
+/// was moved to `trash/` by an import that crashed before the staged copy
+/// took its place gets it back; other leftovers of imports are removed.
+/// Returns what it did, as warnings.
+pub(crate) fn recover(memory_dir: &Path) -> Result<Vec<String>> {
+    let mut warnings = Vec::new();
+    let users = memory_dir.join("users");
+    let trash = memory_dir.join("trash");
+    if trash.is_dir() {
+        for entry in std::fs::read_dir(&trash).map_err(io(&trash))? {
+            let entry = entry.map_err(io(&trash))?;
+            let live = users.join(entry.file_name());
+            if live.exists() {
+                std::fs::remove_dir_all(entry.path()).map_err(io(&entry.path()))?;
+            } else {
+                std::fs::rename(entry.path(), &live).map_err(io(&entry.path()))?;
+                warnings.push(format!("{}: restored after an interrupted import", live.display()));
+            }
+        }
+        sync_dir(&users)?;
+    }
+    let staging = memory_dir.join("staging");
+    if staging.is_dir() {
+        std::fs::remove_dir_all(&staging).map_err(io(&staging))?;
+    }
+    Ok(warnings)
 }

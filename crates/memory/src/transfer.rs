@@ -345,31 +345,3 @@ impl Drop for StagedShard {
         }
     }
 }
-
-/// Run when a memory directory opens (under its lock): a user whose copy
-/// was moved to `trash/` by an import that crashed before the staged copy
-/// took its place gets it back; other leftovers of imports are removed.
-/// Returns what it did, as warnings.
-pub(crate) fn recover(memory_dir: &Path) -> Result<Vec<String>> {
-    let mut warnings = Vec::new();
-    let users = memory_dir.join("users");
-    let trash = memory_dir.join("trash");
-    if trash.is_dir() {
-        for entry in std::fs::read_dir(&trash).map_err(io(&trash))? {
-            let entry = entry.map_err(io(&trash))?;
-            let live = users.join(entry.file_name());
-            if live.exists() {
-                std::fs::remove_dir_all(entry.path()).map_err(io(&entry.path()))?;
-            } else {
-                std::fs::rename(entry.path(), &live).map_err(io(&entry.path()))?;
-                warnings.push(format!("{}: restored after an interrupted import", live.display()));
-            }
-        }
-        sync_dir(&users)?;
-    }
-    let staging = memory_dir.join("staging");
-    if staging.is_dir() {
-        std::fs::remove_dir_all(&staging).map_err(io(&staging))?;
-    }
-    Ok(warnings)
-}

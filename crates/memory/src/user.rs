@@ -9,15 +9,23 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use inferscale_engine::{Backend, EncodeItem};
+use inferscale_engine::bert::Bert;
+use inferscale_engine::{Backend, EncodeItem, Engine};
 
 use crate::cache::{Admit, KvCache, Source};
+use crate::compose::Composer;
 use crate::error::{MemoryError, Result, io};
 use crate::fact::{Fact, Record};
 use crate::kvseg::{KvHeader, StoredKv};
 use crate::log::{Frame, RecordLog};
 use crate::retrieval::{self, LexicalIndex};
-use crate::shard::Encoders;
+
+/// The models and prompt pieces that turn text into facts and KV.
+pub struct Encoders<'e, B: Backend> {
+    pub engine: &'e mut Engine<B>,
+    pub embedder: &'e Bert<B>,
+    pub composer: &'e Composer,
+}
 
 /// The process's write sequence: every batch of facts added to any user
 /// takes the next number. An import keeps the local units added after it

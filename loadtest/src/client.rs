@@ -15,8 +15,9 @@ use hyper::{Method, Request, Uri};
 use hyper_util::client::legacy::Client as Pool;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
+pub use inferscale_types::FactSources;
 use inferscale_types::sse::{DONE, SseParser, error_message};
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 use serde_json::Value;
 
 use crate::error::{Error, Result};
@@ -55,45 +56,6 @@ pub struct Sample {
     /// runner; zero outside a measured point): places the request in the
     /// point's timeline.
     pub sent: Duration,
-}
-
-/// Facts of a request (or summed over many) by where their KV came from,
-/// as the server's `usage.memory.sources` reports them.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct FactSources {
-    pub device: u64,
-    pub host: u64,
-    pub disk: u64,
-    pub prefilled: u64,
-}
-
-impl FactSources {
-    /// The request's class: the slowest place any of its facts came from
-    /// (`none` when it had no facts).
-    pub fn class(&self) -> &'static str {
-        if self.prefilled > 0 {
-            "prefilled"
-        } else if self.disk > 0 {
-            "disk"
-        } else if self.host > 0 {
-            "host"
-        } else if self.device > 0 {
-            "device"
-        } else {
-            "none"
-        }
-    }
-
-    pub fn total(&self) -> u64 {
-        self.device + self.host + self.disk + self.prefilled
-    }
-
-    pub fn add(&mut self, o: &FactSources) {
-        self.device += o.device;
-        self.host += o.host;
-        self.disk += o.disk;
-        self.prefilled += o.prefilled;
-    }
 }
 
 /// A request that failed, keyed for the report by `status`: the HTTP

@@ -157,7 +157,8 @@ impl Tiers {
             .collect();
         classes.sort_by_key(|c| order.iter().position(|o| *o == c.class));
         let total = facts.total();
-        let hit_rate = if total == 0 { 0.0 } else { (facts.device + facts.host) as f64 / total as f64 };
+        let hit_rate =
+            if total == 0 { 0.0 } else { (u64::from(facts.device) + u64::from(facts.host)) as f64 / total as f64 };
         Some(Tiers { facts, hit_rate, classes })
     }
 }
@@ -366,7 +367,7 @@ mod tests {
         })
     }
 
-    fn from(ttft_ms: u64, device: u64, host: u64, disk: u64, prefilled: u64) -> Outcome {
+    fn from(ttft_ms: u64, device: u32, host: u32, disk: u32, prefilled: u32) -> Outcome {
         let sources = Some(FactSources { device, host, disk, prefilled });
         match ok(ttft_ms, 2 * ttft_ms, 4) {
             Outcome::Ok(s) => Outcome::Ok(Sample { sources, ..s }),

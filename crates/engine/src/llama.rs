@@ -281,14 +281,14 @@ impl<B: Backend> Llama<B> {
     /// returns the logits of `batch.logit_rows` and the captured KV.
     pub fn forward(&self, be: &B, batch: &ForwardBatch<'_>, kv: &mut B::KvStore) -> Result<ForwardOutput<B>> {
         let mut x = be.embedding(&self.embed_tokens, &batch.tokens)?;
-        let mut captured = (!batch.capture.is_empty()).then(|| Vec::with_capacity(self.blocks.len()));
         let mut pending = None;
         let Some(blend) = batch.blend.as_ref().filter(|b| b.narrows()) else {
             let all = 0..self.blocks.len();
-            self.layers(be, batch, all, &mut x, &mut pending, &mut captured, kv)?;
+            let layer_kvs = self.layers(be, batch, all, &mut x, &mut pending, kv)?;
+            let captured = (!batch.capture.is_empty()).then_some(layer_kvs);
             return self.head(be, batch, x, pending, captured, None);
         };
-        if captured.is_some() {
+        if !batch.capture.is_empty() {
             return Err(EngineError::Shape("a blend pass cannot capture KV".into()));
         }
         // Every candidate through the layers before the selection layer and
@@ -298,7 +298,7 @@ impl<B: Backend> Llama<B> {
         // of that layer than their K and V: the selection layer's attention
         // and MLP run on the kept rows only.
         let s = SELECT_LAYER.min(self.blocks.len() - 1);
-        self.layers(be, batch, 0..s, &mut x, &mut pending, &mut captured, kv)?;
+        self.layers(be, batch, 0..s, &mut x, &mut pending, kv)?;
         let slots: Vec<u32> = blend.rows().iter().map(|&r| batch.slots[r]).collect();
         let injected = blend.ranks_by_deviation().then(|| be.gather_kv(kv, s, &slots)).transpose()?;
         let block = &self.blocks[s];
@@ -313,13 +313,13 @@ impl<B: Backend> Llama<B> {
         let mut x = be.select_rows(&x, &kept)?;
         let attn = block.attn.attend(be, &be.select_rows(&q, &kept)?, &rest.spans, s, kv)?;
         let mut pending = Some(block.finish(be, &mut x, &attn)?);
-        self.layers(be, &rest, s + 1..self.blocks.len(), &mut x, &mut pending, &mut captured, kv)?;
+        self.layers(be, &rest, s + 1..self.blocks.len(), &mut x, &mut pending, kv)?;
         self.head(be, &rest, x, pending, None, Some(kept))
     }
 
     /// Runs `batch` through `layers`, threading the residual stream `x` and
-    /// the last block's MLP output not yet added to it (`pending`).
-    #[allow(clippy::too_many_arguments)]
+    /// the last block's MLP output not yet added to it (`pending`); returns
+    /// the K and V each layer captured (none unless `batch.capture` asks).
     fn layers(
         &self,
         be: &B,
@@ -327,18 +327,16 @@ impl<B: Backend> Llama<B> {
         layers: std::ops::Range<usize>,
         x: &mut B::Tensor,
         pending: &mut Option<B::Tensor>,
-        captured: &mut Option<Vec<LayerKv<B>>>,
         kv: &mut B::KvStore,
-    ) -> Result<()> {
+    ) -> Result<Vec<LayerKv<B>>> {
+        let mut captured = Vec::new();
         for layer in layers {
             let step = Step { batch, rope: &self.rope, layer };
             let (mlp, layer_kv) = self.blocks[layer].forward(be, x, pending.take(), &step, kv)?;
             *pending = Some(mlp);
-            if let (Some(all), Some(kv)) = (captured.as_mut(), layer_kv) {
-                all.push(kv);
-            }
+            captured.extend(layer_kv);
         }
-        Ok(())
+        Ok(captured)
     }
 
     /// The final norm and the output head over `batch.logit_rows`.

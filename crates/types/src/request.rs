@@ -445,12 +445,44 @@ fn check_sampling(s: &Sampling) -> Result<(), Refusal> {
 /// GPU (`device`) or in pinned host memory (`host`), read from disk while
 /// the request waited (`disk`), or on disk only and so prefilled as text
 /// with the question (`prefilled`).
+/// Summed over many requests (the load test's report) it counts their
+/// facts the same way.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FactSources {
     pub device: u32,
     pub host: u32,
     pub disk: u32,
     pub prefilled: u32,
+}
+
+impl FactSources {
+    /// The request's class: the slowest place any of its facts came from
+    /// (`none` when it had no facts).
+    pub fn class(&self) -> &'static str {
+        if self.prefilled > 0 {
+            "prefilled"
+        } else if self.disk > 0 {
+            "disk"
+        } else if self.host > 0 {
+            "host"
+        } else if self.device > 0 {
+            "device"
+        } else {
+            "none"
+        }
+    }
+
+    pub fn total(&self) -> u64 {
+        [self.device, self.host, self.disk, self.prefilled].iter().map(|&n| u64::from(n)).sum()
+    }
+
+    /// Adds `o`'s counts (saturating: a sum over a long run stays a bound).
+    pub fn add(&mut self, o: &FactSources) {
+        self.device = self.device.saturating_add(o.device);
+        self.host = self.host.saturating_add(o.host);
+        self.disk = self.disk.saturating_add(o.disk);
+        self.prefilled = self.prefilled.saturating_add(o.prefilled);
+    }
 }
 
 #[cfg(test)]

@@ -18,7 +18,7 @@ use cudarc::driver::{
     PushKernelArg,
 };
 use half::bf16;
-use inferscale_engine::backend::{AttentionShape, Backend, InjectChunk, KvSpec, NewRows, SeqSpan, matrix_dims};
+use inferscale_engine::backend::{AttentionShape, KvSpec, SeqSpan, Tensors, matrix_dims};
 use inferscale_engine::rope::{Rope, TABLE_POSITIONS};
 use inferscale_engine::{EngineError, Result};
 use inferscale_model::HostTensor;
@@ -26,9 +26,8 @@ use rayon::prelude::*;
 
 use crate::error::CudaError;
 use crate::gemm::{Operands, Shape as GemmShape, TUNED_ROWS, Tuner};
-use crate::kernels::{ATTN_KEYS, ATTN_ROWS, ATTN_THREADS, Kernels, attention_smem_bytes};
+use crate::kernels::{ATTN_KEYS, ATTN_ROWS, Kernels};
 use crate::profile::{Profiler, Span};
-use crate::retrieval::CudaEmbeddings;
 use crate::tier::{DeviceFp8Rows, HostFp8Rows, HostRows, KeptRows, PinnedPool};
 
 /// Converts any CUDA-side error into the engine's.
@@ -422,18 +421,11 @@ macro_rules! scalar_arg {
     )*};
 }
 scalar_arg!(u64, u32, i32, f32, usize);
-
-impl Backend for CudaBackend {
+impl Tensors for CudaBackend {
     type Tensor = CudaTensor;
-    type KvStore = CudaKvStore;
-    type Embeddings = CudaEmbeddings;
 
     fn name(&self) -> &'static str {
         "cuda"
-    }
-
-    fn kv_bytes_per_value(&self) -> usize {
-        2
     }
 
     fn synchronize(&self) -> Result<()> {
@@ -449,53 +441,9 @@ impl Backend for CudaBackend {
         self.to_device(t)
     }
 
-    fn upload_rows_host_tier(&self, ts: &[&HostTensor]) -> Result<Vec<CudaTensor>> {
-        self.to_host_tier(ts)
-    }
-
-    fn upload_embeddings(&self, rows: &[f32], dim: usize) -> Result<CudaEmbeddings> {
-        self.embeddings(rows, dim)
-    }
-
-    fn top_k(&self, e: &CudaEmbeddings, query: &[f32], k: usize) -> Result<Vec<u32>> {
-        self.top_k_device(e, query, k)
-    }
-
     fn profile_phase(&self, name: &str) {
         if let Some(p) = &self.profiler {
             p.phase(name);
-        }
-    }
-
-    fn keep_kv(&self, t: CudaTensor) -> Result<CudaTensor> {
-        Ok(self.kept(t))
-    }
-
-    fn has_host_tier(&self) -> bool {
-        true
-    }
-
-    fn host_tier_upload(&self) -> Option<inferscale_engine::backend::KvUpload<CudaTensor>> {
-        Some(self.host_tier_uploader())
-    }
-
-    fn host_tier_upload_fp8(&self) -> Option<inferscale_engine::backend::KvUploadFp8<CudaTensor>> {
-        Some(self.host_tier_uploader_fp8())
-    }
-
-    fn device_tier_upload(&self) -> Option<inferscale_engine::backend::KvUpload<CudaTensor>> {
-        Some(self.device_tier_uploader())
-    }
-
-    fn device_tier_upload_fp8(&self) -> Option<inferscale_engine::backend::KvUploadFp8<CudaTensor>> {
-        Some(self.device_tier_uploader_fp8())
-    }
-
-    fn stored_bytes(&self, t: &CudaTensor) -> usize {
-        match &t.data {
-            Storage::HostFp8(h) => t.len() + h.parts.param_bytes(t.cols),
-            Storage::DeviceFp8(d) => t.len() + d.parts.param_bytes(t.cols),
-            _ => t.len() * 2,
         }
     }
 
@@ -713,18 +661,6 @@ impl Backend for CudaBackend {
         self.fused_add_rms_norm(x, y, weight, eps)
     }
 
-    fn qkv_rope_write(
-        &self,
-        qkv: &CudaTensor,
-        shape: AttentionShape,
-        rope: &Rope,
-        rows: NewRows<'_>,
-        store: &mut CudaKvStore,
-        layer: usize,
-    ) -> Result<CudaTensor> {
-        self.fused_qkv_rope_write(qkv, shape, rope, rows, store, layer)
-    }
-
     fn select_rows(&self, x: &CudaTensor, rows: &[usize]) -> Result<CudaTensor> {
         let _span = self.span("select_rows");
         if let Some(&r) = rows.iter().find(|&&r| r >= x.rows) {
@@ -763,79 +699,6 @@ impl Backend for CudaBackend {
         let (o, ap, bp, c) = (self.ptr(&out), self.tp(a), self.tp(b), a.cols as i32);
         self.launch(&self.k.row_sq_distance, Self::rows_cfg(a.rows, 256), &[&o, &ap, &bp, &c])?;
         self.stream.clone_dtoh(&out).cu()
-    }
-
-    fn new_kv_store(&self, spec: KvSpec) -> Result<CudaKvStore> {
-        if spec.head_dim != 64 && spec.head_dim != 128 {
-            return Err(CudaError::Unsupported(format!(
-                "head_dim {}: the CUDA attention kernels are built for 64 and 128",
-                spec.head_dim
-            ))
-            .into());
-        }
-        let layer_elems = spec.capacity() * spec.kv_dim();
-        let total = layer_elems * spec.num_layers;
-        let k = self.stream.alloc_zeros::<bf16>(total.max(1)).cu()?;
-        let v = self.stream.alloc_zeros::<bf16>(total.max(1)).cu()?;
-        let ready =
-            (0..spec.num_layers).map(|_| self.ctx.new_event(None)).collect::<std::result::Result<_, _>>().cu()?;
-        let pending = (0..spec.num_layers).map(|_| AtomicBool::new(false)).collect();
-        Ok(CudaKvStore { spec, k, v, layer_elems, ready, pending })
-    }
-
-    fn write_kv(
-        &self,
-        store: &mut CudaKvStore,
-        layer: usize,
-        k: &CudaTensor,
-        v: &CudaTensor,
-        slots: &[u32],
-    ) -> Result<()> {
-        let _span = self.span("write_kv");
-        let kv_dim = store.spec.kv_dim();
-        store.spec.check(layer, slots)?;
-        if k.rows != slots.len() || v.rows != slots.len() || k.cols != kv_dim || v.cols != kv_dim {
-            return Err(shape_err(format!("write_kv: {} slots for K [{}, {}]", slots.len(), k.rows, k.cols)));
-        }
-        let (kc, vc) = self.layer_ptrs(store, layer)?;
-        let s = self.meta(slots)?;
-        let (kp, vp, sp, d) = (self.tp(k), self.tp(v), self.ptr(&s), kv_dim as i32);
-        self.launch(&self.k.write_kv, Self::rows_cfg(slots.len(), 256), &[&kc, &vc, &kp, &vp, &sp, &d])
-    }
-
-    fn inject_kv(&self, store: &mut CudaKvStore, chunks: &[InjectChunk<'_, CudaTensor>], rope: &Rope) -> Result<()> {
-        self.inject(store, chunks, rope)
-    }
-
-    fn gather_kv(&self, store: &CudaKvStore, layer: usize, slots: &[u32]) -> Result<(CudaTensor, CudaTensor)> {
-        let _span = self.span("gather_kv");
-        store.spec.check(layer, slots)?;
-        let kv_dim = store.spec.kv_dim();
-        let (k, v) = (self.tensor(slots.len(), kv_dim)?, self.tensor(slots.len(), kv_dim)?);
-        let (kc, vc) = self.layer_ptrs(store, layer)?;
-        let s = self.meta(slots)?;
-        let (kp, vp, sp, d) = (self.tp(&k), self.tp(&v), self.ptr(&s), kv_dim as i32);
-        self.launch(&self.k.gather_kv, Self::rows_cfg(slots.len(), 256), &[&kp, &vp, &kc, &vc, &sp, &d])?;
-        Ok((k, v))
-    }
-
-    fn copy_blocks(&self, store: &mut CudaKvStore, pairs: &[(u32, u32)]) -> Result<()> {
-        let _span = self.span("copy_blocks");
-        let spec = store.spec;
-        if let Some(p) = pairs.iter().find(|(s, d)| *s as usize >= spec.num_blocks || *d as usize >= spec.num_blocks) {
-            return Err(shape_err(format!("copy_blocks: block pair {p:?} of {}", spec.num_blocks)));
-        }
-        self.await_all_layers(store)?;
-        let flat: Vec<u32> = pairs.iter().flat_map(|&(s, d)| [s, d]).collect();
-        let dev = self.stream.clone_htod(if flat.is_empty() { &[0u32][..] } else { &flat }).cu()?;
-        let (kc, vc, pp) = (self.ptr(&store.k), self.ptr(&store.v), self.ptr(&dev));
-        let (le, be) = (store.layer_elems, (spec.block_size * spec.kv_dim()) as i32);
-        let cfg = LaunchConfig {
-            grid_dim: (pairs.len() as u32, spec.num_layers as u32, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        self.launch(&self.k.copy_blocks, cfg, &[&kc, &vc, &pp, &le, &be])
     }
 
     fn attention_mass(&self, q: &CudaTensor, k: &CudaTensor, shape: AttentionShape) -> Result<Vec<f32>> {
@@ -921,83 +784,6 @@ impl Backend for CudaBackend {
         let (o, qp, kp, vp, rp) = (self.tp(&out), self.tp(q), self.tp(k), self.tp(v), self.ptr(&rs));
         let (h, d) = (shape.num_heads as i32, shape.head_dim as i32);
         self.launch(&self.k.attention_bidirectional, cfg, &[&o, &qp, &kp, &vp, &rp, &h, &d, &shape.scale])?;
-        Ok(out)
-    }
-
-    fn attention(
-        &self,
-        q: &CudaTensor,
-        store: &CudaKvStore,
-        layer: usize,
-        shape: AttentionShape,
-        spans: &[SeqSpan<'_>],
-    ) -> Result<CudaTensor> {
-        let _span = self.span("attention");
-        let spec = store.spec;
-        let d = shape.head_dim;
-        spec.check(layer, &[])?;
-        if d != spec.head_dim
-            || shape.num_kv_heads != spec.num_kv_heads
-            || !shape.num_heads.is_multiple_of(shape.num_kv_heads)
-        {
-            return Err(shape_err("attention: shape disagrees with the KV store".into()));
-        }
-        if q.cols != shape.num_heads * d {
-            return Err(shape_err(format!("attention: q width {} for {} heads", q.cols, shape.num_heads)));
-        }
-        let plan = plan_attention(spans, shape, q.rows, spec, 2 * self.sm_count)?;
-        let out = self.tensor(q.rows, q.cols)?;
-        let meta = self.meta(&plan.meta)?;
-        // Per query row, the cache entries it sees, only when some span's
-        // rows are scattered (kv+blend); the kernel derives them otherwise.
-        let row_ends = if spans.iter().any(|s| s.row_ends.is_some()) {
-            let mut ends = vec![0u32; q.rows];
-            for s in spans {
-                for r in 0..s.q_len {
-                    ends[s.q_start + r] = s.row_end(r) as u32;
-                }
-            }
-            Some(self.meta(&ends)?)
-        } else {
-            None
-        };
-        let rows = q.rows * shape.num_heads;
-        // Partial results only when keys are split across blocks.
-        let (part_o, part_ml) = if plan.splits > 1 {
-            // SAFETY: the kernel writes every (split, row) entry before the combine reads it.
-            unsafe {
-                (
-                    Some(self.stream.alloc::<f32>(plan.splits * rows * d).cu()?),
-                    Some(self.stream.alloc::<f32>(plan.splits * rows * 2).cu()?),
-                )
-            }
-        } else {
-            (None, None)
-        };
-        let (kc, vc) = self.layer_ptrs(store, layer)?;
-        let (o, qp, mp) = (self.tp(&out), self.tp(q), self.ptr(&meta));
-        let ep = row_ends.as_ref().map_or(0, |e| self.ptr(e));
-        let po = part_o.as_ref().map_or(0, |p| self.ptr(p));
-        let pm = part_ml.as_ref().map_or(0, |p| self.ptr(p));
-        let (wo, to) = (plan.works_off as u32, plan.tables_off as u32);
-        let (h, kvh, bs) = (shape.num_heads as i32, shape.num_kv_heads as i32, spec.block_size as i32);
-        let (kps, nt) = (plan.keys_per_split as u32, q.rows as u32);
-        let cfg = LaunchConfig {
-            grid_dim: (plan.works as u32, shape.num_kv_heads as u32, plan.splits as u32),
-            block_dim: (ATTN_THREADS, 1, 1),
-            shared_mem_bytes: attention_smem_bytes(d) as u32,
-        };
-        let f = if d == 64 { &self.k.paged_attention_d64 } else { &self.k.paged_attention_d128 };
-        self.launch(
-            f,
-            cfg,
-            &[&o, &po, &pm, &qp, &kc, &vc, &mp, &ep, &wo, &to, &h, &kvh, &bs, &shape.scale, &kps, &nt],
-        )?;
-        if plan.splits > 1 {
-            let (r, s, hd) = (rows as u32, plan.splits as i32, d as i32);
-            let cfg = LaunchConfig { shared_mem_bytes: (4 * plan.splits) as u32, ..Self::rows_cfg(rows, d as u32) };
-            self.launch(&self.k.attention_combine, cfg, &[&o, &po, &pm, &r, &s, &hd])?;
-        }
         Ok(out)
     }
 }

@@ -7,7 +7,7 @@
 use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
 use half::bf16;
 use inferscale_engine::Result;
-use inferscale_engine::backend::{Backend, InjectChunk, KvSpec};
+use inferscale_engine::backend::{InjectChunk, KvSpec, KvTiers, PagedKv, Tensors};
 use inferscale_engine::rope::Rope;
 use inferscale_model::HostTensor;
 

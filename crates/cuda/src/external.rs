@@ -177,7 +177,7 @@ fn layouts(b: usize, n: usize, h: usize, d: usize) -> [(&'static str, [usize; 4]
 /// control with positions off by one that must miss.
 pub fn check(be: &CudaBackend) -> Result<crate::parity::Report> {
     use inferscale_engine::CpuBackend;
-    use inferscale_engine::backend::{Backend, InjectChunk, KvSpec};
+    use inferscale_engine::backend::{InjectChunk, KvSpec, PagedKv, Tensors};
     use inferscale_model::{HostTensor, RopeScaling};
 
     use crate::parity::{Check, OP_TOL, host, rel, rope_for, upload_kv};

@@ -5,7 +5,7 @@
 //! engine's defaults spell those out), which `inferscale check` verifies.
 
 use inferscale_engine::Result;
-use inferscale_engine::backend::{AttentionShape, Backend, NewRows};
+use inferscale_engine::backend::{AttentionShape, NewRows, Tensors};
 use inferscale_engine::rope::{Rope, TABLE_POSITIONS};
 
 use crate::backend::{CudaBackend, CudaKvStore, CudaTensor, shape_err};
@@ -24,8 +24,8 @@ impl CudaBackend {
             return Err(shape_err(format!("add_rms_norm: [{}, {}] + [{}, {}]", x.rows, x.cols, y.rows, y.cols)));
         }
         if !x.cols.is_multiple_of(8) || x.cols > 8 * 1024 {
-            Backend::add_assign(self, x, y)?;
-            return Backend::rms_norm(self, x, weight, eps);
+            Tensors::add_assign(self, x, y)?;
+            return Tensors::rms_norm(self, x, weight, eps);
         }
         let out = self.tensor(x.rows, x.cols)?;
         let (o, xp, yp, w, c) = (self.tp(&out), self.tp(x), self.tp(y), self.tp(weight), x.cols as i32);

@@ -17,6 +17,7 @@ mod fused;
 mod gemm;
 pub mod kernels;
 pub mod nccl;
+mod paged;
 pub mod parity;
 mod profile;
 mod retrieval;

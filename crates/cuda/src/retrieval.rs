@@ -7,6 +7,7 @@
 
 use cudarc::driver::{CudaSlice, LaunchConfig};
 use inferscale_engine::Result;
+use inferscale_engine::backend::Retrieval;
 use inferscale_engine::retrieval::{check_query, check_rows, rank};
 
 use crate::backend::{Cu, CudaBackend};
@@ -52,5 +53,17 @@ impl CudaBackend {
         let (ip, np, kp) = (self.ptr(&ids), n as i32, k as i32);
         self.launch(&self.k.top_k_sorted, cfg, &[&ip, &sp, &r, &np, &kp])?;
         self.stream.clone_dtoh(&ids).cu()
+    }
+}
+
+impl Retrieval for CudaBackend {
+    type Embeddings = CudaEmbeddings;
+
+    fn upload_embeddings(&self, rows: &[f32], dim: usize) -> Result<CudaEmbeddings> {
+        self.embeddings(rows, dim)
+    }
+
+    fn top_k(&self, e: &CudaEmbeddings, query: &[f32], k: usize) -> Result<Vec<u32>> {
+        self.top_k_device(e, query, k)
     }
 }

@@ -30,7 +30,7 @@ use cudarc::driver::sys::{CU_MEMHOSTALLOC_DEVICEMAP, CU_MEMHOSTALLOC_PORTABLE};
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PinnedHostSlice};
 use half::bf16;
 use inferscale_engine::Result;
-use inferscale_engine::backend::{Fp8Kv, InjectChunk, matrix_dims};
+use inferscale_engine::backend::{Fp8Kv, InjectChunk, KvTiers, matrix_dims};
 use inferscale_engine::fp8::Fp8Tensor;
 use inferscale_engine::rope::{Rope, TABLE_POSITIONS};
 use inferscale_model::HostTensor;
@@ -622,6 +622,44 @@ pub(crate) fn table_words<'a>(
         }
     }
     table
+}
+
+impl KvTiers for CudaBackend {
+    fn upload_rows_host_tier(&self, ts: &[&HostTensor]) -> Result<Vec<CudaTensor>> {
+        self.to_host_tier(ts)
+    }
+
+    fn keep_kv(&self, t: CudaTensor) -> Result<CudaTensor> {
+        Ok(self.kept(t))
+    }
+
+    fn has_host_tier(&self) -> bool {
+        true
+    }
+
+    fn host_tier_upload(&self) -> Option<inferscale_engine::backend::KvUpload<CudaTensor>> {
+        Some(self.host_tier_uploader())
+    }
+
+    fn host_tier_upload_fp8(&self) -> Option<inferscale_engine::backend::KvUploadFp8<CudaTensor>> {
+        Some(self.host_tier_uploader_fp8())
+    }
+
+    fn device_tier_upload(&self) -> Option<inferscale_engine::backend::KvUpload<CudaTensor>> {
+        Some(self.device_tier_uploader())
+    }
+
+    fn device_tier_upload_fp8(&self) -> Option<inferscale_engine::backend::KvUploadFp8<CudaTensor>> {
+        Some(self.device_tier_uploader_fp8())
+    }
+
+    fn stored_bytes(&self, t: &CudaTensor) -> usize {
+        match &t.data {
+            Storage::HostFp8(h) => t.len() + h.parts.param_bytes(t.cols),
+            Storage::DeviceFp8(d) => t.len() + d.parts.param_bytes(t.cols),
+            _ => t.len() * 2,
+        }
+    }
 }
 
 #[cfg(test)]

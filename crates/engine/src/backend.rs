@@ -171,31 +171,18 @@ pub use crate::fp8::Fp8Kv;
 /// ([`Backend::host_tier_upload_fp8`], [`Backend::device_tier_upload_fp8`]).
 pub type KvUploadFp8<T> = std::sync::Arc<dyn Fn(&Fp8Kv<'_>) -> Result<Vec<T>> + Send + Sync>;
 
-/// Tensor operations over some device. Implementations know nothing of models.
-pub trait Backend: Send + Sync + 'static {
+/// Tensor operations over some device: uploads, the layers' ops, and
+/// reading results back. Implementations know nothing of models.
+pub trait Tensors: Send + Sync + 'static {
     type Tensor: Send + Sync;
-    /// Paged K and V for every layer.
-    type KvStore: Send;
-    /// A user's fact embeddings, where [`Backend::top_k`] searches them
-    /// (device memory on a GPU backend).
-    type Embeddings: Send + Sync;
 
     fn name(&self) -> &'static str;
-    /// Bytes one K or V element takes in the cache (sizes the block pool).
-    fn kv_bytes_per_value(&self) -> usize;
+
     /// Waits until all queued work is done (device backends queue work
     /// asynchronously; timing a region needs this at both ends).
     fn synchronize(&self) -> Result<()> {
         Ok(())
     }
-
-    /// Uploads `rows` (`[n, dim]` row-major unit vectors) for [`Backend::top_k`].
-    fn upload_embeddings(&self, rows: &[f32], dim: usize) -> Result<Self::Embeddings>;
-    /// The indices of the `k` rows of `e` with the largest inner product
-    /// with `query` (all rows if fewer), highest first, ties to the lower
-    /// index: exactly [`crate::retrieval::top_k_host`]'s order, with scores
-    /// summed in f32.
-    fn top_k(&self, e: &Self::Embeddings, query: &[f32], k: usize) -> Result<Vec<u32>>;
 
     /// Runs `f` — a forward pass, an injection — where the backend's
     /// operations are best issued from. Device backends run it as is; the
@@ -216,80 +203,29 @@ pub trait Backend: Send + Sync + 'static {
     /// Copies a weight to the device, in whatever layout the backend's
     /// matrix kernels want (only `linear` and `embedding` read weights).
     fn upload(&self, t: &HostTensor) -> Result<Self::Tensor>;
+
     /// Copies an activation-like tensor (e.g. stored KV) to the device as a
     /// plain row-major matrix, usable by every op.
     fn upload_rows(&self, t: &HostTensor) -> Result<Self::Tensor>;
-    /// Copies stored KV (each a plain row-major matrix) into the backend's
-    /// host tier — memory off the device that `inject_kv` reads directly,
-    /// for shards that do not fit beside the model — in one allocation.
-    /// Backends without such a tier place them as `upload_rows` does.
-    fn upload_rows_host_tier(&self, ts: &[&HostTensor]) -> Result<Vec<Self::Tensor>> {
-        ts.iter().map(|t| self.upload_rows(t)).collect()
-    }
-    /// Takes `t` over as stored KV: a memory shard's pre-RoPE K or V, kept
-    /// across requests and read by `inject_kv`. A backend may run an
-    /// injection asynchronously with the work queued after it; for such a
-    /// backend, a kept tensor's memory is released only after every
-    /// injection that read it. Backends that inject synchronously keep `t`
-    /// as it is.
-    fn keep_kv(&self, t: Self::Tensor) -> Result<Self::Tensor> {
-        Ok(t)
-    }
-    /// Whether `upload_rows_host_tier` puts tensors anywhere else than
-    /// `upload_rows` does (a device backend's host memory).
-    fn has_host_tier(&self) -> bool {
-        false
-    }
-    /// `upload_rows_host_tier` as a value any thread may own and call
-    /// (`None`: only the backend's own thread may upload). Filling pinned
-    /// memory — its allocation and the conversion into it — is host work:
-    /// the memory's disk readers do it, so that the thread driving the
-    /// device does not.
-    fn host_tier_upload(&self) -> Option<KvUpload<Self::Tensor>> {
-        None
-    }
-    /// Like [`Backend::host_tier_upload`], for fp8 records kept as fp8 in
-    /// the host tier — half of bf16's bytes there and on the bus — and
-    /// dequantized by [`Backend::inject_kv`] as it writes the cache. `None`:
-    /// fp8 records are decoded on the host and uploaded as any others.
-    fn host_tier_upload_fp8(&self) -> Option<KvUploadFp8<Self::Tensor>> {
-        None
-    }
-    /// Like [`Backend::host_tier_upload`], into device memory, for a backend
-    /// with a host tier: KV read from disk that the memory's cache places in
-    /// its device tier while that has room. The upload waits for its own
-    /// copy only (a stream of its own), not for the device's other work.
-    /// `None`: such reads go to the host tier.
-    fn device_tier_upload(&self) -> Option<KvUpload<Self::Tensor>> {
-        None
-    }
-    /// [`Backend::device_tier_upload`] for fp8 records, kept as fp8 in
-    /// device memory and dequantized by [`Backend::inject_kv`]. `None`: fp8
-    /// records bound for the device are decoded and go through
-    /// [`Backend::device_tier_upload`].
-    fn device_tier_upload_fp8(&self) -> Option<KvUploadFp8<Self::Tensor>> {
-        None
-    }
-    /// Bytes `t` holds where it lives (a tensor kept as fp8 holds about
-    /// half of bf16's): what the KV cache counts against its
-    /// budgets.
-    fn stored_bytes(&self, t: &Self::Tensor) -> usize {
-        let (rows, cols) = self.dims(t);
-        rows * cols * self.kv_bytes_per_value()
-    }
+
     /// Copies a tensor back as row-major f32.
     fn to_host(&self, t: &Self::Tensor) -> Result<HostTensor>;
+
     /// `(rows, cols)`.
     fn dims(&self, t: &Self::Tensor) -> (usize, usize);
 
     /// Rows of `table` picked by `ids`.
     fn embedding(&self, table: &Self::Tensor, ids: &[u32]) -> Result<Self::Tensor>;
+
     /// RMSNorm of each row, times `weight`.
     fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Tensor, eps: f32) -> Result<Self::Tensor>;
+
     /// `x · wᵀ (+ bias)`: `x [n, in]`, `w [out, in]`, result `[n, out]`.
     fn linear(&self, x: &Self::Tensor, w: &Self::Tensor, bias: Option<&Self::Tensor>) -> Result<Self::Tensor>;
+
     /// Rotates each `head_dim` slice of row `i` to `positions[i]` in place.
     fn rope(&self, x: &mut Self::Tensor, head_dim: usize, positions: &[u32], rope: &Rope) -> Result<()>;
+
     /// LayerNorm of each row: `(x − mean) / sqrt(var + eps) · weight + bias`.
     fn layer_norm(
         &self,
@@ -298,16 +234,21 @@ pub trait Backend: Send + Sync + 'static {
         bias: &Self::Tensor,
         eps: f32,
     ) -> Result<Self::Tensor>;
+
     /// GELU (the exact, erf-based form), elementwise.
     fn gelu(&self, x: &Self::Tensor) -> Result<Self::Tensor>;
+
     /// `silu(a) * b` elementwise, where each row of `gate_up` is `[a | b]`
     /// (the fused gate and up projections); the result has half the columns.
     fn silu_mul(&self, gate_up: &Self::Tensor) -> Result<Self::Tensor>;
+
     /// Consecutive column blocks of `x` of the given widths (e.g. Q, K and V
     /// out of one fused projection), as separate tensors.
     fn split_cols(&self, x: &Self::Tensor, widths: &[usize]) -> Result<Vec<Self::Tensor>>;
+
     /// `x += y`.
     fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
+
     /// `x += y`, then RMSNorm of each row of `x` times `weight`: a residual
     /// add and the norm after it, one kernel on devices.
     fn add_rms_norm(
@@ -320,31 +261,7 @@ pub trait Backend: Send + Sync + 'static {
         self.add_assign(x, y)?;
         self.rms_norm(x, weight, eps)
     }
-    /// A layer's attention inputs from its fused QKV projection (rows
-    /// `[Q | K | V]`, widths from `shape`): Q and K rotated to
-    /// `rows.positions`, K and V written to `rows.slots` of `layer`; returns
-    /// Q. Exactly `split_cols`, two `rope`s and `write_kv`, which devices
-    /// fuse into one kernel.
-    fn qkv_rope_write(
-        &self,
-        qkv: &Self::Tensor,
-        shape: AttentionShape,
-        rope: &Rope,
-        rows: NewRows<'_>,
-        store: &mut Self::KvStore,
-        layer: usize,
-    ) -> Result<Self::Tensor> {
-        let d = shape.head_dim;
-        let widths = [shape.num_heads * d, shape.num_kv_heads * d, shape.num_kv_heads * d];
-        let [mut q, mut k, v]: [Self::Tensor; 3] = self
-            .split_cols(qkv, &widths)?
-            .try_into()
-            .map_err(|_| EngineError::Shape("split_cols returned the wrong number of parts".into()))?;
-        self.rope(&mut q, d, rows.positions, rope)?;
-        self.rope(&mut k, d, rows.positions, rope)?;
-        self.write_kv(store, layer, &k, &v, rows.slots)?;
-        Ok(q)
-    }
+
     /// The listed rows of `x`, in order.
     fn select_rows(&self, x: &Self::Tensor, rows: &[usize]) -> Result<Self::Tensor>;
 
@@ -388,25 +305,6 @@ pub trait Backend: Send + Sync + 'static {
         Ok(attention_mass(&q.data, &k.data, shape))
     }
 
-    fn new_kv_store(&self, spec: KvSpec) -> Result<Self::KvStore>;
-    /// Writes row `i` of `k` and `v` (`[n, kv_heads·head_dim]`) to cache slot `slots[i]` of `layer`.
-    fn write_kv(
-        &self,
-        store: &mut Self::KvStore,
-        layer: usize,
-        k: &Self::Tensor,
-        v: &Self::Tensor,
-        slots: &[u32],
-    ) -> Result<()>;
-    /// Re-rotates pre-RoPE keys to their target positions and scatters K and
-    /// V into the cache, for every layer and chunk in one call (one fused
-    /// launch on devices that can).
-    fn inject_kv(&self, store: &mut Self::KvStore, chunks: &[InjectChunk<'_, Self::Tensor>], rope: &Rope)
-    -> Result<()>;
-    /// The K and V stored at `slots` of `layer` (`[n, kv_heads·head_dim]` each).
-    fn gather_kv(&self, store: &Self::KvStore, layer: usize, slots: &[u32]) -> Result<(Self::Tensor, Self::Tensor)>;
-    /// Copies whole blocks `(src, dst)` in every layer (copy-on-write of a shared prefix).
-    fn copy_blocks(&self, store: &mut Self::KvStore, pairs: &[(u32, u32)]) -> Result<()>;
     /// Stacks tensors of equal width row-wise.
     fn concat_rows(&self, parts: &[&Self::Tensor]) -> Result<Self::Tensor>;
 
@@ -421,6 +319,66 @@ pub trait Backend: Send + Sync + 'static {
         shape: AttentionShape,
         spans: &[(usize, usize)],
     ) -> Result<Self::Tensor>;
+}
+
+/// The paged KV cache: its store, writes of computed and injected K and
+/// V, reads for attention and for kv+blend's ranking, block copies.
+pub trait PagedKv: Tensors {
+    /// Paged K and V for every layer.
+    type KvStore: Send;
+
+    /// Bytes one K or V element takes in the cache (sizes the block pool).
+    fn kv_bytes_per_value(&self) -> usize;
+
+    /// A layer's attention inputs from its fused QKV projection (rows
+    /// `[Q | K | V]`, widths from `shape`): Q and K rotated to
+    /// `rows.positions`, K and V written to `rows.slots` of `layer`; returns
+    /// Q. Exactly `split_cols`, two `rope`s and `write_kv`, which devices
+    /// fuse into one kernel.
+    fn qkv_rope_write(
+        &self,
+        qkv: &Self::Tensor,
+        shape: AttentionShape,
+        rope: &Rope,
+        rows: NewRows<'_>,
+        store: &mut Self::KvStore,
+        layer: usize,
+    ) -> Result<Self::Tensor> {
+        let d = shape.head_dim;
+        let widths = [shape.num_heads * d, shape.num_kv_heads * d, shape.num_kv_heads * d];
+        let [mut q, mut k, v]: [Self::Tensor; 3] = self
+            .split_cols(qkv, &widths)?
+            .try_into()
+            .map_err(|_| EngineError::Shape("split_cols returned the wrong number of parts".into()))?;
+        self.rope(&mut q, d, rows.positions, rope)?;
+        self.rope(&mut k, d, rows.positions, rope)?;
+        self.write_kv(store, layer, &k, &v, rows.slots)?;
+        Ok(q)
+    }
+
+    fn new_kv_store(&self, spec: KvSpec) -> Result<Self::KvStore>;
+
+    /// Writes row `i` of `k` and `v` (`[n, kv_heads·head_dim]`) to cache slot `slots[i]` of `layer`.
+    fn write_kv(
+        &self,
+        store: &mut Self::KvStore,
+        layer: usize,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        slots: &[u32],
+    ) -> Result<()>;
+
+    /// Re-rotates pre-RoPE keys to their target positions and scatters K and
+    /// V into the cache, for every layer and chunk in one call (one fused
+    /// launch on devices that can).
+    fn inject_kv(&self, store: &mut Self::KvStore, chunks: &[InjectChunk<'_, Self::Tensor>], rope: &Rope)
+    -> Result<()>;
+
+    /// The K and V stored at `slots` of `layer` (`[n, kv_heads·head_dim]` each).
+    fn gather_kv(&self, store: &Self::KvStore, layer: usize, slots: &[u32]) -> Result<(Self::Tensor, Self::Tensor)>;
+
+    /// Copies whole blocks `(src, dst)` in every layer (copy-on-write of a shared prefix).
+    fn copy_blocks(&self, store: &mut Self::KvStore, pairs: &[(u32, u32)]) -> Result<()>;
 
     /// Causal attention of `q [n, heads·head_dim]` over the paged cache of
     /// `layer`, one span per sequence. Returns `[n, heads·head_dim]`.
@@ -433,6 +391,99 @@ pub trait Backend: Send + Sync + 'static {
         spans: &[SeqSpan<'_>],
     ) -> Result<Self::Tensor>;
 }
+
+/// Where a memory's stored KV lives between requests: the device, a host
+/// tier the injection reads directly, and uploads any thread may run.
+pub trait KvTiers: PagedKv {
+    /// Copies stored KV (each a plain row-major matrix) into the backend's
+    /// host tier — memory off the device that `inject_kv` reads directly,
+    /// for shards that do not fit beside the model — in one allocation.
+    /// Backends without such a tier place them as `upload_rows` does.
+    fn upload_rows_host_tier(&self, ts: &[&HostTensor]) -> Result<Vec<Self::Tensor>> {
+        ts.iter().map(|t| self.upload_rows(t)).collect()
+    }
+
+    /// Takes `t` over as stored KV: a memory shard's pre-RoPE K or V, kept
+    /// across requests and read by `inject_kv`. A backend may run an
+    /// injection asynchronously with the work queued after it; for such a
+    /// backend, a kept tensor's memory is released only after every
+    /// injection that read it. Backends that inject synchronously keep `t`
+    /// as it is.
+    fn keep_kv(&self, t: Self::Tensor) -> Result<Self::Tensor> {
+        Ok(t)
+    }
+
+    /// Whether `upload_rows_host_tier` puts tensors anywhere else than
+    /// `upload_rows` does (a device backend's host memory).
+    fn has_host_tier(&self) -> bool {
+        false
+    }
+
+    /// `upload_rows_host_tier` as a value any thread may own and call
+    /// (`None`: only the backend's own thread may upload). Filling pinned
+    /// memory — its allocation and the conversion into it — is host work:
+    /// the memory's disk readers do it, so that the thread driving the
+    /// device does not.
+    fn host_tier_upload(&self) -> Option<KvUpload<Self::Tensor>> {
+        None
+    }
+
+    /// Like [`Backend::host_tier_upload`], for fp8 records kept as fp8 in
+    /// the host tier — half of bf16's bytes there and on the bus — and
+    /// dequantized by [`Backend::inject_kv`] as it writes the cache. `None`:
+    /// fp8 records are decoded on the host and uploaded as any others.
+    fn host_tier_upload_fp8(&self) -> Option<KvUploadFp8<Self::Tensor>> {
+        None
+    }
+
+    /// Like [`Backend::host_tier_upload`], into device memory, for a backend
+    /// with a host tier: KV read from disk that the memory's cache places in
+    /// its device tier while that has room. The upload waits for its own
+    /// copy only (a stream of its own), not for the device's other work.
+    /// `None`: such reads go to the host tier.
+    fn device_tier_upload(&self) -> Option<KvUpload<Self::Tensor>> {
+        None
+    }
+
+    /// [`Backend::device_tier_upload`] for fp8 records, kept as fp8 in
+    /// device memory and dequantized by [`Backend::inject_kv`]. `None`: fp8
+    /// records bound for the device are decoded and go through
+    /// [`Backend::device_tier_upload`].
+    fn device_tier_upload_fp8(&self) -> Option<KvUploadFp8<Self::Tensor>> {
+        None
+    }
+
+    /// Bytes `t` holds where it lives (a tensor kept as fp8 holds about
+    /// half of bf16's): what the KV cache counts against its
+    /// budgets.
+    fn stored_bytes(&self, t: &Self::Tensor) -> usize {
+        let (rows, cols) = self.dims(t);
+        rows * cols * self.kv_bytes_per_value()
+    }
+}
+
+/// Fact retrieval's inner products and top-k over a user's embeddings.
+pub trait Retrieval: Tensors {
+    /// A user's fact embeddings, where [`Backend::top_k`] searches them
+    /// (device memory on a GPU backend).
+    type Embeddings: Send + Sync;
+
+    /// Uploads `rows` (`[n, dim]` row-major unit vectors) for [`Backend::top_k`].
+    fn upload_embeddings(&self, rows: &[f32], dim: usize) -> Result<Self::Embeddings>;
+
+    /// The indices of the `k` rows of `e` with the largest inner product
+    /// with `query` (all rows if fewer), highest first, ties to the lower
+    /// index: exactly [`crate::retrieval::top_k_host`]'s order, with scores
+    /// summed in f32.
+    fn top_k(&self, e: &Self::Embeddings, query: &[f32], k: usize) -> Result<Vec<u32>>;
+}
+
+/// A backend: every part of it, for the engine's generic code. Its parts
+/// are implemented separately ([`Tensors`], [`PagedKv`], [`KvTiers`],
+/// [`Retrieval`]); a type that implements all four is a backend.
+pub trait Backend: Tensors + PagedKv + KvTiers + Retrieval {}
+
+impl<T: Tensors + PagedKv + KvTiers + Retrieval> Backend for T {}
 
 /// For each row of `k` (`[n, kv_heads·head_dim]`, rotated keys), the
 /// attention the rows of `q` (`[m, heads·head_dim]`, rotated queries) pay

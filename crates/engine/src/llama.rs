@@ -7,7 +7,7 @@
 
 use inferscale_model::{HostTensor, ModelConfig, ModelFiles};
 
-use crate::backend::{AttentionShape, Backend, NewRows, SeqSpan};
+use crate::backend::{AttentionShape, Backend, NewRows, SeqSpan, Tensors};
 use crate::blend::{BlendRows, SELECT_LAYER};
 use crate::error::{EngineError, Result};
 use crate::rope::Rope;
@@ -159,7 +159,7 @@ impl<B: Backend> Attention<B> {
 }
 
 /// One layer's (K, V).
-pub type LayerKv<B> = (<B as Backend>::Tensor, <B as Backend>::Tensor);
+pub type LayerKv<B> = (<B as Tensors>::Tensor, <B as Tensors>::Tensor);
 
 struct Mlp<B: Backend> {
     /// gate_proj and up_proj stacked.

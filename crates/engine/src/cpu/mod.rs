@@ -16,7 +16,7 @@ use rayon::prelude::*;
 
 use kv_store::LayerChunk;
 
-use crate::backend::{AttentionShape, Backend, InjectChunk, KvSpec, SeqSpan, matrix_dims};
+use crate::backend::{AttentionShape, InjectChunk, KvSpec, KvTiers, PagedKv, Retrieval, SeqSpan, Tensors, matrix_dims};
 use crate::error::{EngineError, Result};
 use crate::retrieval::{HostEmbeddings, top_k_host};
 use crate::rope::Rope;
@@ -48,18 +48,11 @@ pub struct CpuBackend;
 fn shape_err(what: String) -> EngineError {
     EngineError::Shape(what)
 }
-
-impl Backend for CpuBackend {
+impl Tensors for CpuBackend {
     type Tensor = CpuTensor;
-    type KvStore = CpuKvStore;
-    type Embeddings = HostEmbeddings;
 
     fn name(&self) -> &'static str {
         "cpu"
-    }
-
-    fn kv_bytes_per_value(&self) -> usize {
-        4
     }
 
     /// On a rayon worker: every parallel operation inside `f` then forks
@@ -75,15 +68,6 @@ impl Backend for CpuBackend {
         profile::phase(name);
     }
 
-    fn upload_embeddings(&self, rows: &[f32], dim: usize) -> Result<HostEmbeddings> {
-        HostEmbeddings::new(rows.to_vec(), dim)
-    }
-
-    fn top_k(&self, e: &HostEmbeddings, query: &[f32], k: usize) -> Result<Vec<u32>> {
-        let _t = profile::span("top_k");
-        top_k_host(e, query, k)
-    }
-
     fn upload(&self, t: &HostTensor) -> Result<CpuTensor> {
         let (rows, cols) = matrix_dims(t)?;
         if t.shape.len() == 2 {
@@ -96,18 +80,6 @@ impl Backend for CpuBackend {
     fn upload_rows(&self, t: &HostTensor) -> Result<CpuTensor> {
         let (rows, cols) = matrix_dims(t)?;
         Ok(CpuTensor { rows, cols, data: t.data.clone(), packed: None })
-    }
-
-    fn host_tier_upload(&self) -> Option<crate::backend::KvUpload<CpuTensor>> {
-        Some(std::sync::Arc::new(|ts: &[&HostTensor]| ts.iter().map(|t| CpuBackend.upload_rows(t)).collect()))
-    }
-
-    /// The CPU computes in f32: fp8 records are dequantized as they are
-    /// placed, on the reader's thread (the same values as decoding them).
-    fn host_tier_upload_fp8(&self) -> Option<crate::backend::KvUploadFp8<CpuTensor>> {
-        Some(std::sync::Arc::new(|kv: &crate::fp8::Fp8Kv<'_>| {
-            kv.decode()?.iter().map(|t| CpuBackend.upload_rows(t)).collect()
-        }))
     }
 
     fn to_host(&self, t: &CpuTensor) -> Result<HostTensor> {
@@ -287,6 +259,39 @@ impl Backend for CpuBackend {
         Ok(out)
     }
 
+    fn concat_rows(&self, parts: &[&CpuTensor]) -> Result<CpuTensor> {
+        let _t = profile::span("concat_rows");
+        let cols = parts.first().map_or(0, |t| t.cols);
+        if parts.iter().any(|t| t.cols != cols) {
+            return Err(shape_err("concat_rows of different widths".into()));
+        }
+        let mut data = Vec::with_capacity(parts.iter().map(|t| t.data.len()).sum());
+        for t in parts {
+            data.extend_from_slice(&t.data);
+        }
+        Ok(CpuTensor { rows: parts.iter().map(|t| t.rows).sum(), cols, data, packed: None })
+    }
+
+    fn attention_bidirectional(
+        &self,
+        q: &CpuTensor,
+        k: &CpuTensor,
+        v: &CpuTensor,
+        shape: AttentionShape,
+        spans: &[(usize, usize)],
+    ) -> Result<CpuTensor> {
+        let _t = profile::span("attention_bidirectional");
+        attention::bidirectional(q, k, v, shape, spans)
+    }
+}
+
+impl PagedKv for CpuBackend {
+    type KvStore = CpuKvStore;
+
+    fn kv_bytes_per_value(&self) -> usize {
+        4
+    }
+
     fn new_kv_store(&self, spec: KvSpec) -> Result<CpuKvStore> {
         Ok(CpuKvStore::new(spec))
     }
@@ -411,31 +416,6 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn concat_rows(&self, parts: &[&CpuTensor]) -> Result<CpuTensor> {
-        let _t = profile::span("concat_rows");
-        let cols = parts.first().map_or(0, |t| t.cols);
-        if parts.iter().any(|t| t.cols != cols) {
-            return Err(shape_err("concat_rows of different widths".into()));
-        }
-        let mut data = Vec::with_capacity(parts.iter().map(|t| t.data.len()).sum());
-        for t in parts {
-            data.extend_from_slice(&t.data);
-        }
-        Ok(CpuTensor { rows: parts.iter().map(|t| t.rows).sum(), cols, data, packed: None })
-    }
-
-    fn attention_bidirectional(
-        &self,
-        q: &CpuTensor,
-        k: &CpuTensor,
-        v: &CpuTensor,
-        shape: AttentionShape,
-        spans: &[(usize, usize)],
-    ) -> Result<CpuTensor> {
-        let _t = profile::span("attention_bidirectional");
-        attention::bidirectional(q, k, v, shape, spans)
-    }
-
     fn attention(
         &self,
         q: &CpuTensor,
@@ -446,5 +426,32 @@ impl Backend for CpuBackend {
     ) -> Result<CpuTensor> {
         let _t = profile::span("attention");
         attention::paged_attention(q, store, layer, shape, spans)
+    }
+}
+
+impl KvTiers for CpuBackend {
+    fn host_tier_upload(&self) -> Option<crate::backend::KvUpload<CpuTensor>> {
+        Some(std::sync::Arc::new(|ts: &[&HostTensor]| ts.iter().map(|t| CpuBackend.upload_rows(t)).collect()))
+    }
+
+    /// The CPU computes in f32: fp8 records are dequantized as they are
+    /// placed, on the reader's thread (the same values as decoding them).
+    fn host_tier_upload_fp8(&self) -> Option<crate::backend::KvUploadFp8<CpuTensor>> {
+        Some(std::sync::Arc::new(|kv: &crate::fp8::Fp8Kv<'_>| {
+            kv.decode()?.iter().map(|t| CpuBackend.upload_rows(t)).collect()
+        }))
+    }
+}
+
+impl Retrieval for CpuBackend {
+    type Embeddings = HostEmbeddings;
+
+    fn upload_embeddings(&self, rows: &[f32], dim: usize) -> Result<HostEmbeddings> {
+        HostEmbeddings::new(rows.to_vec(), dim)
+    }
+
+    fn top_k(&self, e: &HostEmbeddings, query: &[f32], k: usize) -> Result<Vec<u32>> {
+        let _t = profile::span("top_k");
+        top_k_host(e, query, k)
     }
 }

@@ -336,3 +336,6 @@ impl Rebalancer {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests;

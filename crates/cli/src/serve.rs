@@ -48,11 +48,14 @@ pub struct WorkerArgs {
     /// only (not cached in the device or host tier): `prefill` them as text
     /// with the question while their KV is read for the next request (never
     /// a wait for the disk), `read` them on the engine thread before the
-    /// request runs, or `wait` up to --cold-kv-wait-ms for the reader
-    /// threads' reads (outside the engine) and prefill what is still unread.
+    /// request runs, `wait` up to --cold-kv-wait-ms for the reader threads'
+    /// reads (outside the engine) and prefill what is still unread, or
+    /// `auto`: per request, wait for the reads that cost less than their
+    /// prefill (from measured read and prefill times and the readers'
+    /// queue), up to --cold-kv-wait-ms, and prefill the rest.
     #[arg(long, env = "INFERSCALE_COLD_KV", default_value = "prefill", value_parser = parse_cold_kv)]
     pub(crate) cold_kv: ColdKv,
-    /// With --cold-kv wait: the most a request waits for its facts' reads.
+    /// With --cold-kv wait or auto: the most a request waits for its facts' reads.
     #[arg(long, env = "INFERSCALE_COLD_KV_WAIT_MS", default_value_t = inferscale_worker::COLD_KV_WAIT.as_millis() as u64)]
     pub(crate) cold_kv_wait_ms: u64,
     /// Which prompt- and none-mode requests may reuse each other's computed
@@ -351,7 +354,8 @@ fn parse_cold_kv(s: &str) -> std::result::Result<ColdKv, String> {
         "prefill" => Ok(ColdKv::Prefill),
         "read" => Ok(ColdKv::Read),
         "wait" => Ok(ColdKv::Wait),
-        other => Err(format!("{other:?}: choose prefill, read or wait")),
+        "auto" => Ok(ColdKv::Auto),
+        other => Err(format!("{other:?}: choose prefill, read, wait or auto")),
     }
 }
 

@@ -401,6 +401,34 @@ fn cold_facts_are_prefilled_while_their_kv_is_read() {
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["usage"]["memory"]["injected_tokens"], json!(0), "{v}");
     assert_eq!(v["usage"]["memory"]["sources"]["prefilled"], json!(2), "{v}");
+    drop(s);
+
+    // `auto`: with nothing measured yet the first cold request prefills, as
+    // `prefill` does; its reads and its prefill are then measured. A read
+    // of a SmolLM2 fact (~1 MB of f32 KV) takes milliseconds on the CPU, its
+    // ~25 tokens' prefill tens of them: the next cold request — another
+    // user's, so its facts are still on disk — waits for its reads.
+    let s = serve(&mem, &["--cold-kv", "auto"]);
+    let (status, v) =
+        json_call(&s.addr, "POST", "/v1/memories", &serde_json::from_str(&TURNS.replace("\"u1\"", "\"u2\"")).unwrap());
+    assert_eq!(status, 200, "{v}");
+    drop(s);
+    let s = serve(&mem, &["--cold-kv", "auto"]);
+    let (status, v) = json_call(&s.addr, "POST", c, &question);
+    assert_eq!(status, 200, "{v}");
+    let sources = json!({"device": 0, "host": 0, "disk": 0, "prefilled": 2});
+    assert_eq!(v["usage"]["memory"]["sources"], sources, "nothing measured yet: prefilled: {v}");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while json_call(&s.addr, "POST", c, &question).1["usage"]["memory"]["sources"]["device"] != json!(2) {
+        assert!(Instant::now() < deadline, "u1's facts were never read");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let other = chat(Some("u2"), "What is the name of Caroline's cat?", json!({"k": 2}));
+    let (status, v) = json_call(&s.addr, "POST", c, &other);
+    assert_eq!(status, 200, "{v}");
+    let sources = json!({"device": 0, "host": 0, "disk": 2, "prefilled": 0});
+    assert_eq!(v["usage"]["memory"]["sources"], sources, "reads cheaper than their prefill are waited for: {v}");
+    assert_eq!(v["usage"]["memory"]["injected_tokens"].as_u64(), Some(injected), "{v}");
 }
 
 /// Prompt mode's automatic prefix caching: a user's second identical

@@ -91,6 +91,13 @@ pub enum ColdKv {
     /// then are injected, the rest prefilled as with `Prefill`. The engine
     /// never waits, and a request waits at most that long beyond `Prefill`.
     Wait,
+    /// Per request, by cost (`crate::cold`): wait for the reads that come
+    /// soon enough to cost less than their prefill — from the measured time
+    /// of a read, the reads queued before this request's and the measured
+    /// time of a prefilled token — and prefill the rest; never longer than
+    /// [`WorkerConfig::cold_kv_wait`]. Until both times were measured it
+    /// prefills, as `Prefill` does.
+    Auto,
 }
 
 /// The default of [`WorkerConfig::cold_kv_wait`]: a fact of an 8B model

@@ -23,6 +23,7 @@ use inferscale_memory::{Facts, Memory, Mode, Pinned, Session};
 use inferscale_model::ModelFiles;
 use tracing::{Span, field::Empty, info_span};
 
+use crate::cold::{ColdCosts, Mean};
 use crate::config::{ColdKv, WorkerConfig};
 use crate::error::{Result, WorkerError};
 use crate::kv_reader::KvReader;
@@ -221,6 +222,8 @@ pub(crate) fn run<B: Backend>(
         last_busy: Instant::now() - RECENTLY_BUSY,
         last_scrub: Instant::now(),
         audits: audit::Audits::new(cfg_audit_share),
+        read_s: Mean::default(),
+        prefill_s_per_token: Mean::default(),
     };
     loop {
         core.complete_reads();
@@ -315,7 +318,14 @@ struct Core<B: Backend> {
     last_scrub: Instant,
     /// The answer-quality audit's sampling and queue.
     audits: audit::Audits,
+    /// Running means for `ColdKv::Auto`: one read on a reader thread, and
+    /// one prefilled token (from steps of at least [`PREFILL_SAMPLE_TOKENS`]).
+    read_s: Mean,
+    prefill_s_per_token: Mean,
 }
+
+/// Steps this long or longer in tokens measure the prefill rate.
+const PREFILL_SAMPLE_TOKENS: usize = 32;
 
 /// The idle-time scrub's pace: this many bytes of KV records a second.
 const SCRUB_BYTES: u64 = 16 << 20;

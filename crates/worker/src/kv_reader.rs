@@ -19,6 +19,8 @@ pub(crate) struct KvReader<B: Backend> {
     /// Jobs run here because the reader threads were gone (never expected:
     /// they end only with this value), so that every job is answered.
     inline: Vec<ReadDone<B>>,
+    /// Jobs queued or running (sent, not yet finished).
+    pending: usize,
 }
 
 impl<B: Backend> KvReader<B> {
@@ -42,16 +44,27 @@ impl<B: Backend> KvReader<B> {
                 }
             })?;
         }
-        Ok(KvReader { jobs, done, inline: Vec::new() })
+        Ok(KvReader { jobs, done, inline: Vec::new(), pending: 0 })
     }
 
     /// Queues `jobs` for the reader threads.
     pub(crate) fn read(&mut self, jobs: Vec<ReadJob<B>>) {
+        self.pending += jobs.len();
         for job in jobs {
             if let Err(gone) = self.jobs.send(job) {
                 self.inline.push(gone.0.run());
             }
         }
+    }
+
+    /// Reads queued or running.
+    pub(crate) fn pending(&self) -> usize {
+        self.pending
+    }
+
+    /// Reader threads.
+    pub(crate) fn threads(&self) -> usize {
+        READERS
     }
 
     /// Reads finished since the last call.
@@ -60,7 +73,10 @@ impl<B: Backend> KvReader<B> {
         loop {
             match self.done.try_recv() {
                 Ok(d) => out.push(d),
-                Err(TryRecvError::Empty | TryRecvError::Disconnected) => return out,
+                Err(TryRecvError::Empty | TryRecvError::Disconnected) => {
+                    self.pending = self.pending.saturating_sub(out.len());
+                    return out;
+                }
             }
         }
     }

@@ -11,6 +11,7 @@
 //! shard into fixed-size frames for device-to-device (NCCL) transfer over
 //! a [`link`]; [`http`] serves [`metrics`] and the health probes.
 
+mod cold;
 mod config;
 mod engine_thread;
 mod error;

@@ -31,6 +31,7 @@ impl<B: Backend> Core<B> {
         // mode, prefilled this time (or waited for, `ColdKv::Wait`);
         // otherwise read now, while the request waits for admission.
         let (mut pinned, mut cold, mut unencoded, mut sources) = (None, Vec::new(), Vec::new(), None);
+        let mut backlog = 0;
         if mode.injects() && !facts.is_empty() {
             self.complete_reads();
             let read_now = mode != Mode::Kv || self.cfg.cold_kv == ColdKv::Read;
@@ -51,6 +52,7 @@ impl<B: Backend> Core<B> {
                 prefilled: (got.cold.len() + got.missing.len()) as u32,
             });
             if !got.cold.is_empty() {
+                backlog = self.reader.pending();
                 let jobs = self.session.memory_mut().read_jobs(job.user(), &got.cold)?;
                 self.reader.read(jobs);
                 cold = got.cold;
@@ -62,6 +64,17 @@ impl<B: Backend> Core<B> {
         drop(retrieve);
         let wait = match self.cfg.cold_kv {
             ColdKv::Wait if !cold.is_empty() => self.cfg.cold_kv_wait,
+            ColdKv::Auto if !cold.is_empty() => {
+                let costs = ColdCosts {
+                    read_s: self.read_s.get(),
+                    readers: self.reader.threads(),
+                    backlog,
+                    prefill_s_per_token: self.prefill_s_per_token.get(),
+                };
+                let all = self.session.memory().facts(job.user())?;
+                let tokens: Vec<usize> = cold.iter().map(|&i| all.get(i).map_or(0, |f| f.tokens.len())).collect();
+                crate::cold::deadline(crate::cold::plan(&costs, &tokens).1).min(self.cfg.cold_kv_wait)
+            }
             _ => Duration::ZERO,
         };
         let arrival = Arrival {
@@ -280,6 +293,7 @@ impl<B: Backend> Core<B> {
     pub(super) fn complete_reads(&mut self) {
         for done in self.reader.finished() {
             self.metrics.kv_loaded(done.seconds);
+            self.read_s.observe(done.seconds);
             self.reads_cached = true;
             if let Err(e) = self.session.complete_read(done) {
                 eprintln!("inferscale worker: caching KV read from disk: {e}");

@@ -48,6 +48,10 @@ impl<B: Backend> Core<B> {
         if !seqs.is_empty() {
             self.metrics.stepped(seqs.len(), forward.elapsed().as_secs_f64());
             self.step_time.observe(forward.elapsed());
+            let tokens: usize = takes.iter().sum();
+            if tokens >= PREFILL_SAMPLE_TOKENS {
+                self.prefill_s_per_token.observe(forward.elapsed().as_secs_f64() / tokens as f64);
+            }
         }
         drop(seqs);
         let t2 = self.profile.add(|p| &mut p.forward, t1);

@@ -10,6 +10,8 @@ mod b64;
 mod dispatch;
 mod embeddings;
 mod error;
+#[cfg(test)]
+mod fake_worker;
 mod fence;
 mod generate;
 mod ingest;

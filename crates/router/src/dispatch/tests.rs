@@ -2,16 +2,14 @@
 //! worker answering from a script, so that every retry rule is pinned
 //! without a model or a cluster.
 
-use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use futures_util::Stream;
-use inferscale_proto::worker_server::{Worker, WorkerServer};
 use inferscale_types::Refusal;
-use tonic::{Request, Response, Status};
+use tonic::Status;
 
 use super::*;
+use crate::fake_worker::{Answer, Events, Scripted, serve};
 use crate::state::Defaults;
 use crate::workers::Workers;
 
@@ -45,80 +43,17 @@ impl Fake {
     }
 }
 
-type Stream_<T> = Pin<Box<dyn Stream<Item = std::result::Result<T, Status>> + Send>>;
-type Answer<T> = std::result::Result<Response<T>, Status>;
-
-fn unused<T>() -> Answer<T> {
-    Err(Status::unimplemented("not scripted"))
-}
-
 #[tonic::async_trait]
-impl Worker for Fake {
-    async fn ingest(&self, _: Request<pb::IngestRequest>) -> Answer<pb::IngestResponse> {
+impl Scripted for Fake {
+    async fn ingest(&self, _: pb::IngestRequest) -> Answer<pb::IngestResponse> {
         self.answer()?;
-        Ok(Response::new(pb::IngestResponse { added: 1, ..Default::default() }))
+        Ok(pb::IngestResponse { added: 1, ..Default::default() })
     }
 
-    type GenerateStream = Stream_<pb::GenerateEvent>;
-
-    async fn generate(&self, _: Request<pb::GenerateRequest>) -> Answer<Self::GenerateStream> {
+    async fn generate(&self, _: pb::GenerateRequest) -> Answer<Events> {
         self.answer()?;
         let done = pb::GenerateEvent { event: Some(pb::generate_event::Event::Finished(Default::default())) };
-        Ok(Response::new(Box::pin(futures_util::stream::iter([Ok(done)]))))
-    }
-
-    async fn list_memories(&self, _: Request<pb::ListMemoriesRequest>) -> Answer<pb::ListMemoriesResponse> {
-        unused()
-    }
-
-    async fn search_memories(&self, _: Request<pb::SearchMemoriesRequest>) -> Answer<pb::SearchMemoriesResponse> {
-        unused()
-    }
-
-    async fn update_memory(&self, _: Request<pb::UpdateMemoryRequest>) -> Answer<pb::UpdateMemoryResponse> {
-        unused()
-    }
-
-    async fn unit_history(&self, _: Request<pb::UnitHistoryRequest>) -> Answer<pb::UnitHistoryResponse> {
-        unused()
-    }
-
-    async fn forget(&self, _: Request<pb::ForgetRequest>) -> Answer<pb::ForgetResponse> {
-        unused()
-    }
-
-    async fn health(&self, _: Request<pb::HealthRequest>) -> Answer<pb::HealthResponse> {
-        Ok(Response::new(pb::HealthResponse { ready: true, model: "fake".into(), backend: "none".into() }))
-    }
-
-    async fn stats(&self, _: Request<pb::StatsRequest>) -> Answer<pb::StatsResponse> {
-        Ok(Response::new(pb::StatsResponse::default()))
-    }
-
-    async fn embed(&self, _: Request<pb::EmbedRequest>) -> Answer<pb::EmbedResponse> {
-        unused()
-    }
-
-    async fn list_users(&self, _: Request<pb::ListUsersRequest>) -> Answer<pb::ListUsersResponse> {
-        unused()
-    }
-
-    type ExportShardStream = Stream_<pb::ShardChunk>;
-
-    async fn export_shard(&self, _: Request<pb::ExportShardRequest>) -> Answer<Self::ExportShardStream> {
-        unused()
-    }
-
-    async fn import_shard(&self, _: Request<tonic::Streaming<pb::ShardChunk>>) -> Answer<pb::ImportShardResponse> {
-        unused()
-    }
-
-    async fn send_shard(&self, _: Request<pb::SendShardRequest>) -> Answer<pb::SendShardResponse> {
-        unused()
-    }
-
-    async fn release_shard(&self, _: Request<pb::ReleaseShardRequest>) -> Answer<pb::ReleaseShardResponse> {
-        unused()
+        Ok(Box::pin(futures_util::stream::iter([Ok(done)])))
     }
 }
 
@@ -128,14 +63,8 @@ async fn router(scripts: &[Script]) -> (AppState, Vec<(String, Arc<AtomicUsize>)
     let mut addrs = Vec::new();
     let mut calls = Vec::new();
     for &script in scripts {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap_or_else(|e| panic!("bind: {e}"));
-        let addr = listener.local_addr().unwrap_or_else(|e| panic!("{e}")).to_string();
         let count = Arc::new(AtomicUsize::new(0));
-        let fake = Fake { script, calls: count.clone() };
-        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
-        tokio::spawn(
-            tonic::transport::Server::builder().add_service(WorkerServer::new(fake)).serve_with_incoming(incoming),
-        );
+        let addr = serve(Fake { script, calls: count.clone() }).await;
         calls.push((addr.clone(), count));
         addrs.push(addr);
     }

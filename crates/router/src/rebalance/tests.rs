@@ -3,25 +3,24 @@
 //! and what a failed copy leaves behind. The plan itself is unit-tested in
 //! `inferscale_cluster::plan`; here it is carried out.
 
-use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
-use futures_util::Stream;
 use inferscale_cluster::embedded::Embedded;
 use inferscale_cluster::membership::{Registration, watch_view};
 use inferscale_proto::tls::Security;
-use inferscale_proto::worker_server::{Worker as WorkerApi, WorkerServer};
-use tonic::{Request, Response, Status};
+use tonic::Status;
 
 use super::*;
+use crate::fake_worker::{Answer, Scripted, serve};
 
 /// What the fake workers were asked, in order, as `"w1 send u to=ADDR"`.
 type Log = Arc<Mutex<Vec<String>>>;
 
 struct Fake {
     name: String,
-    holds: Vec<String>,
+    /// The users it says it holds (set once the test has chosen one).
+    holds: Arc<Mutex<Vec<String>>>,
     fail_send: bool,
     log: Log,
 }
@@ -34,85 +33,29 @@ impl Fake {
     }
 }
 
-type Stream_<T> = Pin<Box<dyn Stream<Item = std::result::Result<T, Status>> + Send>>;
-type Answer<T> = std::result::Result<Response<T>, Status>;
-
-fn unused<T>() -> Answer<T> {
-    Err(Status::unimplemented("not scripted"))
-}
-
 #[tonic::async_trait]
-impl WorkerApi for Fake {
-    async fn ingest(&self, _: Request<pb::IngestRequest>) -> Answer<pb::IngestResponse> {
-        unused()
+impl Scripted for Fake {
+    async fn forget(&self, r: pb::ForgetRequest) -> Answer<pb::ForgetResponse> {
+        self.note(format!("forget {}", r.user));
+        Ok(pb::ForgetResponse::default())
     }
 
-    type GenerateStream = Stream_<pb::GenerateEvent>;
-
-    async fn generate(&self, _: Request<pb::GenerateRequest>) -> Answer<Self::GenerateStream> {
-        unused()
+    async fn list_users(&self) -> Answer<pb::ListUsersResponse> {
+        let users = self.holds.lock().map(|h| h.clone()).unwrap_or_default();
+        Ok(pb::ListUsersResponse { users, digests: Vec::new() })
     }
 
-    async fn list_memories(&self, _: Request<pb::ListMemoriesRequest>) -> Answer<pb::ListMemoriesResponse> {
-        unused()
-    }
-
-    async fn search_memories(&self, _: Request<pb::SearchMemoriesRequest>) -> Answer<pb::SearchMemoriesResponse> {
-        unused()
-    }
-
-    async fn update_memory(&self, _: Request<pb::UpdateMemoryRequest>) -> Answer<pb::UpdateMemoryResponse> {
-        unused()
-    }
-
-    async fn unit_history(&self, _: Request<pb::UnitHistoryRequest>) -> Answer<pb::UnitHistoryResponse> {
-        unused()
-    }
-
-    async fn forget(&self, r: Request<pb::ForgetRequest>) -> Answer<pb::ForgetResponse> {
-        self.note(format!("forget {}", r.get_ref().user));
-        Ok(Response::new(pb::ForgetResponse::default()))
-    }
-
-    async fn health(&self, _: Request<pb::HealthRequest>) -> Answer<pb::HealthResponse> {
-        Ok(Response::new(pb::HealthResponse { ready: true, model: "fake".into(), backend: "none".into() }))
-    }
-
-    async fn stats(&self, _: Request<pb::StatsRequest>) -> Answer<pb::StatsResponse> {
-        Ok(Response::new(pb::StatsResponse::default()))
-    }
-
-    async fn embed(&self, _: Request<pb::EmbedRequest>) -> Answer<pb::EmbedResponse> {
-        unused()
-    }
-
-    async fn list_users(&self, _: Request<pb::ListUsersRequest>) -> Answer<pb::ListUsersResponse> {
-        Ok(Response::new(pb::ListUsersResponse { users: self.holds.clone(), digests: Vec::new() }))
-    }
-
-    type ExportShardStream = Stream_<pb::ShardChunk>;
-
-    async fn export_shard(&self, _: Request<pb::ExportShardRequest>) -> Answer<Self::ExportShardStream> {
-        unused()
-    }
-
-    async fn import_shard(&self, _: Request<tonic::Streaming<pb::ShardChunk>>) -> Answer<pb::ImportShardResponse> {
-        unused()
-    }
-
-    async fn send_shard(&self, r: Request<pb::SendShardRequest>) -> Answer<pb::SendShardResponse> {
-        let r = r.into_inner();
+    async fn send_shard(&self, r: pb::SendShardRequest) -> Answer<pb::SendShardResponse> {
         self.note(format!("send {} to={} freeze={} kv={}", r.user, r.to, r.freeze, r.with_kv));
         match self.fail_send {
             true => Err(Status::unavailable("the destination went away mid-copy")),
-            false => Ok(Response::new(pb::SendShardResponse::default())),
+            false => Ok(pb::SendShardResponse::default()),
         }
     }
 
-    async fn release_shard(&self, r: Request<pb::ReleaseShardRequest>) -> Answer<pb::ReleaseShardResponse> {
-        let r = r.into_inner();
+    async fn release_shard(&self, r: pb::ReleaseShardRequest) -> Answer<pb::ReleaseShardResponse> {
         self.note(format!("release {} drop={}", r.user, r.drop));
-        Ok(Response::new(pb::ReleaseShardResponse::default()))
+        Ok(pb::ReleaseShardResponse::default())
     }
 }
 
@@ -143,34 +86,19 @@ async fn cluster(fail_send: bool) -> Cluster {
     let keys = Keys::new("/test");
     let log: Log = Arc::default();
     let ttl = Duration::from_secs(5);
-    // Which user the ring homes on w2 is known once both are members; the
-    // fake w1 is told after (its list is read at each ListUsers).
+    // Which user the ring homes on w2 is known once both are members; w1
+    // says it holds that user from then on.
     let holds: Arc<Mutex<Vec<String>>> = Arc::default();
     let mut addrs = Vec::new();
     let mut registrations = Vec::new();
     for name in ["w1", "w2"] {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap_or_else(|e| panic!("bind: {e}"));
-        let addr = listener.local_addr().unwrap_or_else(|e| panic!("{e}")).to_string();
+        let held = if name == "w1" { holds.clone() } else { Arc::default() };
+        let addr = serve(Fake { name: name.into(), holds: held, fail_send, log: log.clone() }).await;
         addrs.push(addr.clone());
         let member = Member { name: name.into(), addr, state: MemberState::Active, gpu: None };
         let mut reg = Registration::spawn(store.clone(), keys.clone(), member, ttl);
         reg.registered().await;
         registrations.push(reg);
-        let (holds, log) = (holds.clone(), log.clone());
-        let name = name.to_string();
-        tokio::spawn(async move {
-            let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
-            // w1's holdings are fixed once the user is chosen (below).
-            while holds.lock().map(|h| h.is_empty()).unwrap_or(false) && name == "w1" {
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
-            let held = if name == "w1" { holds.lock().map(|h| h.clone()).unwrap_or_default() } else { Vec::new() };
-            let fake = Fake { name, holds: held, fail_send, log };
-            let _ = tonic::transport::Server::builder()
-                .add_service(WorkerServer::new(fake))
-                .serve_with_incoming(incoming)
-                .await;
-        });
     }
     let view = watch_view(store.clone(), keys.clone(), inferscale_cluster::DEFAULT_VNODES);
     let workers = Arc::new(Workers::new(view, 1.25, false, Security::Plaintext));

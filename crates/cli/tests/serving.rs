@@ -404,10 +404,15 @@ fn cold_facts_are_prefilled_while_their_kv_is_read() {
     drop(s);
 
     // `auto`: with nothing measured yet the first cold request prefills, as
-    // `prefill` does; its reads and its prefill are then measured. A read
-    // of a SmolLM2 fact (~1 MB of f32 KV) takes milliseconds on the CPU, its
-    // ~25 tokens' prefill tens of them: the next cold request — another
-    // user's, so its facts are still on disk — waits for its reads.
+    // `prefill` does; its reads and its prefill are then measured, and the
+    // next cold request — another user's, so its facts are still on disk —
+    // is planned from them (the rule's choices on fixed inputs are
+    // `crates/worker/src/cold.rs`'s tests; here, the wiring: every fact
+    // accounted for once, an injected fact injected whole). Which way it
+    // goes depends on this machine's load at that moment: a read of a
+    // SmolLM2 fact (~1 MB of f32 KV) takes milliseconds when idle and its
+    // ~25 tokens' prefill tens of them, but reads slow down more than the
+    // prefill when the tests beside this one load the disk.
     let s = serve(&mem, &["--cold-kv", "auto"]);
     let (status, v) =
         json_call(&s.addr, "POST", "/v1/memories", &serde_json::from_str(&TURNS.replace("\"u1\"", "\"u2\"")).unwrap());
@@ -426,9 +431,19 @@ fn cold_facts_are_prefilled_while_their_kv_is_read() {
     let other = chat(Some("u2"), "What is the name of Caroline's cat?", json!({"k": 2}));
     let (status, v) = json_call(&s.addr, "POST", c, &other);
     assert_eq!(status, 200, "{v}");
-    let sources = json!({"device": 0, "host": 0, "disk": 2, "prefilled": 0});
-    assert_eq!(v["usage"]["memory"]["sources"], sources, "reads cheaper than their prefill are waited for: {v}");
-    assert_eq!(v["usage"]["memory"]["injected_tokens"].as_u64(), Some(injected), "{v}");
+    let m = &v["usage"]["memory"];
+    let (disk, prefilled) = (m["sources"]["disk"].as_u64().unwrap(), m["sources"]["prefilled"].as_u64().unwrap());
+    assert_eq!(
+        (m["sources"]["device"].as_u64(), m["sources"]["host"].as_u64(), disk + prefilled),
+        (Some(0), Some(0), 2)
+    );
+    let injected_now = m["injected_tokens"].as_u64().unwrap();
+    match disk {
+        2 => assert_eq!(injected_now, injected, "both read in time: both injected: {v}"),
+        0 => assert_eq!(injected_now, 0, "none read in time: both pasted: {v}"),
+        _ => assert!(injected_now > 0 && injected_now < injected, "one of each: {v}"),
+    }
+    assert_eq!(v["usage"]["prompt_tokens"], prompt, "the same prompt whichever way its facts came: {v}");
 }
 
 /// Prompt mode's automatic prefix caching: a user's second identical

@@ -294,7 +294,7 @@ pub trait Tensors: Send + Sync + 'static {
     /// kv+blend's question-aware rank: for each row of `k` (rotated keys,
     /// `[n, kv_heads·head_dim]`), the attention the rows of `q` (rotated
     /// queries, `[m, heads·head_dim]`) pay it, each row and head's softmax
-    /// taken over `k`'s rows alone, summed ([`crate::blend::attention_mass`]).
+    /// taken over `k`'s rows alone, summed ([`attention_mass`]).
     /// The default reads both back; device backends reduce in place.
     fn attention_mass(&self, q: &Self::Tensor, k: &Self::Tensor, shape: AttentionShape) -> Result<Vec<f32>> {
         let (qc, kc) = (self.dims(q).1, self.dims(k).1);

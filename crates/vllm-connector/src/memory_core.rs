@@ -224,19 +224,7 @@ impl<B: Backend> Core<B> {
         }
         let end = prompt.len();
         prompt.extend_from_slice(&q_tokens);
-        let generation = self.generation.get(user).copied().unwrap_or(0);
-        let plan = Plan {
-            v: PLAN_VERSION,
-            id: random_id()?,
-            user: user.to_string(),
-            fingerprint: self.fingerprint.clone(),
-            salt: salt(user, generation, &self.fingerprint, &chunks),
-            digest: token_digest(&prompt[..end]),
-            chunks,
-        };
-        self.remember(plan.clone(), pinned);
-        let prompt_salt = prompt_salt(user, generation, &self.fingerprint);
-        Ok(Composed { prompt, plan, prompt_salt, fact_ids })
+        self.issue(user, prompt, end, chunks, pinned, fact_ids)
     }
 
     /// A request without memory: the chat as the model's template renders
@@ -244,19 +232,34 @@ impl<B: Backend> Core<B> {
     /// a plan that loads nothing (it is never sent to vLLM).
     pub fn compose_plain(&mut self, user: &str, chat: &Chat) -> Result<Composed> {
         let prompt = self.session.tail(chat, Mode::None)?;
+        self.issue(user, prompt, 0, Vec::new(), None, Vec::new())
+    }
+
+    /// Issues the plan for `prompt`, whose first `memory_end` tokens are
+    /// the injected prefix tiled by `chunks` (their KV pinned by `pinned`
+    /// until the plan finishes), salted with `user`'s memory generation.
+    fn issue(
+        &mut self,
+        user: &str,
+        prompt: Vec<u32>,
+        memory_end: usize,
+        chunks: Vec<Chunk>,
+        pinned: Option<Pinned<B>>,
+        fact_ids: Vec<String>,
+    ) -> Result<Composed> {
         let generation = self.generation.get(user).copied().unwrap_or(0);
         let plan = Plan {
             v: PLAN_VERSION,
             id: random_id()?,
             user: user.to_string(),
             fingerprint: self.fingerprint.clone(),
-            salt: salt(user, generation, &self.fingerprint, &[]),
-            digest: token_digest(&[]),
-            chunks: Vec::new(),
+            salt: salt(user, generation, &self.fingerprint, &chunks),
+            digest: token_digest(&prompt[..memory_end]),
+            chunks,
         };
-        self.remember(plan.clone(), None);
+        self.remember(plan.clone(), pinned);
         let prompt_salt = prompt_salt(user, generation, &self.fingerprint);
-        Ok(Composed { prompt, plan, prompt_salt, fact_ids: Vec::new() })
+        Ok(Composed { prompt, plan, prompt_salt, fact_ids })
     }
 
     /// [`Core::compose`] (`k` facts; `None`: [`Core::compose_plain`]),

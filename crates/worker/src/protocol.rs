@@ -442,15 +442,19 @@ fn end_ingest(host: &mut impl MemoryHost, user: &str, commit: bool) -> Result<()
     r
 }
 
+/// A request that names a context window must name the shard's. The shard
+/// is asked only then: the vLLM connector's is behind the lock its loads
+/// take, which a generate request should not contend for.
 fn check_window(host: &mut impl MemoryHost, window: Option<usize>) -> Result<()> {
+    let Some(w) = window else { return Ok(()) };
     let ours = host.with_shard(|s| Ok(s.window()))?;
-    match window {
-        Some(w) if w != ours => Err(Refusal::new(
+    match w == ours {
+        true => Ok(()),
+        false => Err(Refusal::new(
             "window",
             format!("{w}: this worker's memory is encoded with a context window of {ours} turns"),
         )
         .into()),
-        _ => Ok(()),
     }
 }
 

@@ -99,6 +99,7 @@ fn main() {
         std::process::exit(1);
     }
     let cli = Cli::parse();
+    runtime::raise_open_files_limit();
     let result = match cli.command {
         Command::Generate(a) => generate::run(a),
         Command::Demo(a) => demo::run(a),

@@ -213,20 +213,26 @@ pub(crate) const DEFAULT_WINDOW: usize = 20;
 /// Everything a memory command needs, loaded once.
 fn open<B: Backend>(a: &MemoryArgs, backend: B) -> Result<Session<B>> {
     let loaded = load_on(&a.model, backend)?;
-    let (embedder, memory) = open_memory(a, &loaded)?;
+    let (embedder, memory) = open_memory(a, &loaded, false)?;
     Ok(Session::new(Arc::new(loaded.files), loaded.engine, embedder, memory, &a.prompts())?)
 }
 
 /// The embedder (on the engine's backend) and the memory directory `a`
 /// names, for a loaded model; warnings about dropped data go to stderr.
-pub(crate) fn open_memory<B: Backend>(a: &MemoryArgs, loaded: &Loaded<B>) -> Result<(Bert<B>, Memory<B>)> {
+/// `lazy_users`: users are read when first used (a server; see
+/// [`StoreOptions::lazy_users`]), not all before this returns.
+pub(crate) fn open_memory<B: Backend>(
+    a: &MemoryArgs,
+    loaded: &Loaded<B>,
+    lazy_users: bool,
+) -> Result<(Bert<B>, Memory<B>)> {
     let files = inferscale_model::encoder::open(&a.embedder)
         .with_context(|| format!("loading the embedder {:?}", a.embedder))?;
     let embedder =
         Bert::load(loaded.engine.backend(), files).with_context(|| format!("loading the embedder {:?}", a.embedder))?;
     let dir = a.dir();
     let spec = ShardSpec::new(&loaded.files, a.window(), &a.prompts())?;
-    let options = StoreOptions { format: a.kv_format, budgets: budgets(a, loaded.engine.backend().name()) };
+    let options = StoreOptions { format: a.kv_format, budgets: budgets(a, loaded.engine.backend().name()), lazy_users };
     let t0 = std::time::Instant::now();
     let (mut memory, warnings) = Memory::open_with(&dir, spec, &loaded.engine, options)
         .with_context(|| format!("opening memory {}", dir.display()))?;
@@ -234,12 +240,14 @@ pub(crate) fn open_memory<B: Backend>(a: &MemoryArgs, loaded: &Loaded<B>) -> Res
     a.record(&dir)?;
     warnings.iter().for_each(|w| eprintln!("inferscale: warning: {w}"));
     // Opening reads facts and the KV records' index, never KV: its time
-    // should not grow with the KV stored (docs/serving.md).
+    // should not grow with the KV stored (docs/serving.md); read lazily, it
+    // lists the users and reads one.
+    let (users, unread) = (memory.users().count(), memory.unread_users());
     eprintln!(
-        "inferscale: opened memory {} in {:.0} ms: {} users, {:.1} GB on disk",
+        "inferscale: opened memory {} in {:.0} ms: {users} users ({} read, {:.1} GB on disk)",
         dir.display(),
         t0.elapsed().as_secs_f64() * 1e3,
-        memory.users().count(),
+        users - unread,
         memory.footprint().disk_bytes as f64 / 1e9
     );
     Ok((embedder, memory))

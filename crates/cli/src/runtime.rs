@@ -150,3 +150,21 @@ pub(crate) fn blend_ratio(s: &str) -> std::result::Result<f32, String> {
     let r: f32 = s.parse().map_err(|_| format!("{s:?} is not a number"))?;
     inferscale_types::check_blend_ratio(r).map_err(|e| e.message)
 }
+
+/// Raises this process's open-file limit to its hard limit. A memory keeps
+/// two files open per user it has read (its fact and KV logs), so a node
+/// of thousands of users outgrows the usual soft limit of 1,024; a
+/// descriptor that cannot be had fails that user's read (retried on its
+/// next use, never taken for damage), with "Too many open files".
+pub(crate) fn raise_open_files_limit() {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes the struct it is given, which lives here.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 || lim.rlim_cur >= lim.rlim_max {
+        return;
+    }
+    lim.rlim_cur = lim.rlim_max;
+    // SAFETY: setrlimit reads the struct it is given.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) } != 0 {
+        eprintln!("inferscale: warning: could not raise the open-file limit to {}", lim.rlim_max);
+    }
+}

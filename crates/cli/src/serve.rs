@@ -311,7 +311,7 @@ fn parts<B: Backend>(a: &WorkerArgs, backend: B) -> std::result::Result<WorkerPa
     let fail = |e: anyhow::Error| WorkerError::Startup(format!("{e:#}"));
     let loaded = load_on(&a.mem.model, backend).map_err(fail)?;
     let eos = loaded.eos_ids();
-    let (embedder, memory) = open_memory(&a.mem, &loaded).map_err(fail)?;
+    let (embedder, memory) = open_memory(&a.mem, &loaded, true).map_err(fail)?;
     let (dir, users) = (a.mem.dir(), memory.users().count());
     eprintln!("inferscale worker: memory {} ({users} users, window {})", dir.display(), a.mem.window());
     Ok(WorkerParts { files: loaded.files, engine: loaded.engine, embedder, memory, eos })

@@ -159,12 +159,13 @@ impl<B: Backend> Memory<B> {
         }
     }
 
-    /// At open: rolls back every user's unfinished ingest; a user left
+    /// At open: rolls back every user's unfinished ingest (those users are
+    /// read at open, lazily or not); a user left
     /// with nothing (the ingest created it) is removed.
     pub(crate) fn recover_ingests(&mut self, warnings: &mut Vec<String>) -> Result<()> {
         let users: Vec<(String, PathBuf)> = self
             .users
-            .iter()
+            .opened()
             .filter(|(_, s)| s.dir.join(PENDING).exists())
             .map(|(u, s)| (u.clone(), s.dir.clone()))
             .collect();

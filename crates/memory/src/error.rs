@@ -64,6 +64,19 @@ pub enum MemoryError {
 
 pub type Result<T> = std::result::Result<T, MemoryError>;
 
+impl MemoryError {
+    /// The process or the system has no file descriptor left (EMFILE,
+    /// ENFILE): nothing is wrong with the files, so the user whose files
+    /// could not be opened is not damaged — the open is retried on its
+    /// next use. (A server raises its own limit at start.)
+    pub fn out_of_files(&self) -> bool {
+        // EMFILE and ENFILE on Linux and the BSDs alike.
+        const EMFILE: i32 = 24;
+        const ENFILE: i32 = 23;
+        matches!(self, MemoryError::Io { source, .. } if matches!(source.raw_os_error(), Some(EMFILE | ENFILE)))
+    }
+}
+
 pub(crate) fn io(path: &std::path::Path) -> impl FnOnce(std::io::Error) -> MemoryError + '_ {
     move |source| MemoryError::Io { path: path.to_path_buf(), source }
 }

@@ -23,6 +23,7 @@ mod session;
 mod shard;
 mod transfer;
 mod user;
+mod users;
 
 pub use answer::{Facts, Prepared, prepare};
 pub use cache::{Budgets, CacheStats, Tier};

@@ -21,7 +21,7 @@ impl<B: Backend> Memory<B> {
         let mut failed = 0;
         let mut wrapped = false;
         while read < max_bytes.max(1) {
-            let next = self.users.range(self.scrub.user.clone()..).next().map(|(u, _)| u.clone());
+            let next = self.users.next_from(&self.scrub.user);
             let Some(user) = next else {
                 if wrapped || self.users.is_empty() {
                     break;
@@ -33,7 +33,11 @@ impl<B: Backend> Memory<B> {
             if user != self.scrub.user {
                 self.scrub = ScrubCursor { user: user.clone(), fact: 0 };
             }
-            let Some(shard) = self.users.get_mut(&user) else { break };
+            let Some(shard) = self.users.get_mut(&user) else {
+                // Unreadable (refused until repaired): the next user.
+                self.scrub = ScrubCursor { user: format!("{user}\0"), fact: 0 };
+                continue;
+            };
             let Some(kv) = shard.kv.get(self.scrub.fact) else {
                 // Past this user's last fact: the next user (names sort, and
                 // a NUL is below every character a user id may hold).

@@ -26,6 +26,7 @@ use crate::kvseg::{KvFormat, KvHeader};
 use crate::log::{MAX_RECORD_BYTES, sync_dir};
 use crate::retrieval::{self, Query, Retriever};
 use crate::user::{Encoders, UserShard};
+use crate::users::Users;
 
 /// Facts encoded per engine call by default (their forward passes are
 /// packed together); see [`Memory::set_encode_batch`].
@@ -170,10 +171,12 @@ pub struct Memory<B: Backend> {
     /// What this shard's KV segments must have been made with, in the
     /// format new segments are written in.
     pub(crate) header: KvHeader,
-    pub(crate) users: BTreeMap<String, UserShard<B>>,
+    /// Every user, read from disk when first used (`users.rs`).
+    pub(crate) users: Users<B>,
     /// Users whose stored memory failed to open as damaged (not a torn
     /// tail), with what was found: refused until repaired, never served
-    /// as if empty.
+    /// as if empty. (A user found unreadable when first used is refused
+    /// alike: [`Users::failures`].)
     pub(crate) damaged: BTreeMap<String, String>,
     /// Users whose unfinished ingest could not be rolled back yet
     /// (`commit.rs`): their writes wait, [`Memory::settle`] retries.
@@ -205,13 +208,14 @@ pub struct Memory<B: Backend> {
 /// (so that the caller may use the memory's other fields meanwhile): an
 /// error for a damaged or unknown user.
 pub(crate) fn shard_mut<'a, B: Backend>(
-    users: &'a mut BTreeMap<String, UserShard<B>>,
+    users: &'a mut Users<B>,
     damaged: &BTreeMap<String, String>,
     user: &str,
 ) -> Result<&'a mut UserShard<B>> {
     if damaged.contains_key(user) {
         return Err(MemoryError::UserDamaged(user.to_string()));
     }
+    users.open_now(user)?;
     users.get_mut(user).ok_or_else(|| MemoryError::UnknownUser(user.to_string()))
 }
 
@@ -251,6 +255,13 @@ pub struct StoreOptions {
     pub format: Option<KvFormat>,
     /// Bytes of KV the device and host tiers may cache.
     pub budgets: Budgets,
+    /// Read each user when first used (and in idle time,
+    /// [`Memory::open_some`]) rather than all of them before the memory
+    /// opens: what a server does, so that a node of thousands of users
+    /// answers within a second of a restart (`users.rs`). What reading a
+    /// user later finds (a dropped tail, damage) is logged then, not
+    /// returned by the open.
+    pub lazy_users: bool,
 }
 
 impl<B: Backend> Memory<B> {
@@ -299,7 +310,7 @@ impl<B: Backend> Memory<B> {
             Err(std::fs::TryLockError::Error(e)) => return Err(io(&lock_path)(e)),
         }
         let mut warnings = recover(dir)?;
-        let (mut users, mut damaged) = (BTreeMap::new(), BTreeMap::new());
+        let (mut listed, mut now) = (Vec::new(), Vec::new());
         let entries = std::fs::read_dir(&users_dir).map_err(io(&users_dir))?;
         for entry in entries {
             let entry = entry.map_err(io(&users_dir))?;
@@ -311,14 +322,31 @@ impl<B: Backend> Memory<B> {
             // A directory without a fact log holds no user (an ingest that
             // stored nothing): opening it would create files, which a full
             // disk refuses.
-            if !entry.path().join("facts.log").exists() && !entry.path().join(crate::manifest::PENDING).exists() {
+            let pending = entry.path().join(crate::manifest::PENDING).exists();
+            if !pending && !entry.path().join("facts.log").exists() {
                 let _ = std::fs::remove_dir_all(entry.path());
                 continue;
             }
-            match UserShard::open(&entry.path(), &kv_header, &mut warnings) {
-                Ok(shard) => {
-                    users.insert(user, shard);
-                }
+            // An unfinished ingest is rolled back before anything is served.
+            match options.lazy_users && !pending {
+                true => listed.push(user),
+                false => now.push(user),
+            }
+        }
+        listed.sort();
+        // Read lazily, one user is still read now: a memory made with
+        // another model is refused at open, not at its users' first use.
+        if let Some(first) = listed.first().filter(|_| now.is_empty()) {
+            now.push(first.clone());
+            listed.remove(0);
+        }
+        let mut users = Users::listed(users_dir.clone(), kv_header.clone(), listed);
+        let mut damaged = BTreeMap::new();
+        for user in now {
+            match UserShard::open(&users_dir.join(user_dir_name(&user)), &kv_header, &mut warnings) {
+                Ok(shard) => users.insert(user, shard),
+                // Out of file descriptors is the node's state, not damage.
+                Err(e) if e.out_of_files() => return Err(e),
                 // Damage to one user's files costs that user, not the node.
                 Err(e @ (MemoryError::Damaged { .. } | MemoryError::Corrupt { .. } | MemoryError::Io { .. })) => {
                     warnings.push(format!("user {user:?} is unavailable until repaired: {e}"));
@@ -331,7 +359,7 @@ impl<B: Backend> Memory<B> {
             dir: dir.to_path_buf(),
             spec,
             header: kv_header,
-            pending: users.keys().cloned().collect(),
+            pending: users.opened().map(|(u, _)| u.clone()).collect(),
             users,
             damaged,
             unsettled: Default::default(),
@@ -360,22 +388,56 @@ impl<B: Backend> Memory<B> {
         &self.spec
     }
 
+    /// Every user (read or not yet; not those found unreadable).
     pub fn users(&self) -> impl Iterator<Item = &str> {
         self.users.keys().map(String::as_str)
     }
 
+    /// Users not read from disk yet (see [`StoreOptions::lazy_users`]).
+    pub fn unread_users(&self) -> usize {
+        self.users.unread()
+    }
+
+    /// Reads up to `max` users not read yet (idle-time work of a memory
+    /// opened with [`StoreOptions::lazy_users`]); returns how many it read.
+    /// What the reading found is acted on (`absorb_opened`).
+    pub fn open_some(&mut self, max: usize) -> usize {
+        let n = self.users.open_some(max);
+        self.absorb_opened();
+        n
+    }
+
+    /// Acts on what reading users through shared borrows found: warnings
+    /// logged, facts without KV queued for background encoding, users
+    /// found unreadable refused as damaged.
+    pub(crate) fn absorb_opened(&mut self) {
+        let opened = self.users.take_opened();
+        for w in opened.warnings {
+            tracing::warn!("{w}");
+        }
+        self.pending.extend(opened.need_kv);
+        let failed: Vec<(String, String)> =
+            self.users.failures().map(|(u, why)| (u.to_string(), why.to_string())).collect();
+        for (user, why) in failed {
+            self.users.remove(&user);
+            self.damaged.insert(user, why);
+        }
+    }
+
     /// Every user with the digest of its units (equal on two workers
     /// exactly when both hold the same units, up to a 64-bit collision).
+    /// Reads every user not read yet.
     pub fn digests(&self) -> impl Iterator<Item = (&str, u64)> {
         self.users.iter().map(|(u, s)| (u.as_str(), s.digest))
     }
 
     /// Bytes held per tier. O(users): meant for a scrape, not a hot path.
+    /// The disk's bytes are those of the users read so far.
     pub fn footprint(&self) -> Footprint {
         Footprint {
             kv_resident_bytes: self.cache.bytes(Tier::Device),
             kv_host_tier_bytes: self.cache.bytes(Tier::Host),
-            disk_bytes: self.users.values().map(|u| u.log.len() + u.kv_log.len()).sum(),
+            disk_bytes: self.users.opened().map(|(_, u)| u.log.len() + u.kv_log.len()).sum(),
             cache: self.cache.stats,
         }
     }
@@ -411,9 +473,10 @@ impl<B: Backend> Memory<B> {
         Ok(self.facts(user)?.iter().map(Fact::stored).collect())
     }
 
-    /// Facts stored here, over all users.
+    /// Facts stored here, over the users read so far (every user, unless
+    /// the memory was opened with [`StoreOptions::lazy_users`] moments ago).
     pub fn fact_count(&self) -> usize {
-        self.users.values().map(|s| s.facts.len()).sum()
+        self.users.opened().map(|(_, s)| s.facts.len()).sum()
     }
 
     /// The longest fact line a unit may make, in tokens: its encoding
@@ -427,7 +490,7 @@ impl<B: Backend> Memory<B> {
         // layer, in its segment's format (fp8 adds scales per record); the
         // widest format of this memory's segments, old ones included, bounds
         // every unit. The fact id and framing take the rest of the reserve.
-        let widest = self.users.values().map(|u| &u.seg).chain([&self.header]).max_by_key(|h| h.tensor_bytes(1));
+        let widest = self.users.opened().map(|(_, u)| &u.seg).chain([&self.header]).max_by_key(|h| h.tensor_bytes(1));
         let widest = widest.unwrap_or(&self.header);
         let fixed = widest.tensor_bytes(0);
         let per_token = 4 + widest.tensor_bytes(1) - fixed;
@@ -473,17 +536,18 @@ impl<B: Backend> Memory<B> {
 
     /// An error when `user`'s memory is damaged: a damaged user is neither
     /// read nor written (nor created anew over its files) until repaired.
+    /// A user not read yet is read now, to know.
     pub(crate) fn check_intact(&self, user: &str) -> Result<()> {
         match self.damaged.contains_key(user) {
             true => Err(MemoryError::UserDamaged(user.to_string())),
-            false => Ok(()),
+            false => self.users.open_now(user),
         }
     }
 
     /// Users whose memory is damaged, with what was found (for operators:
     /// logs, `cluster status`; it names files).
     pub fn damaged(&self) -> impl Iterator<Item = (&str, &str)> {
-        self.damaged.iter().map(|(u, why)| (u.as_str(), why.as_str()))
+        self.damaged.iter().map(|(u, why)| (u.as_str(), why.as_str())).chain(self.users.failures())
     }
 
     /// The KV of fact `idx` of `user`, if it is cached (see
@@ -512,7 +576,7 @@ impl<B: Backend> Memory<B> {
 
     /// Whether `user` has any memory (a damaged one included).
     pub fn has_user(&self, user: &str) -> bool {
-        self.users.contains_key(user) || self.damaged.contains_key(user)
+        self.users.listed_user(user) || self.damaged.contains_key(user)
     }
 
     /// Stores `turns` for `user`: facts are durable (fsynced) before this
@@ -611,8 +675,10 @@ impl<B: Backend> Memory<B> {
     /// over a user (or a user whose KV was dropped) answers at full speed.
     /// Returns the facts encoded (0: nothing is pending).
     pub fn encode_pending(&mut self, max_facts: usize, enc: &mut Encoders<'_, B>) -> Result<usize> {
-        // Idle time also retries the rollbacks that failed (cheap if none).
+        // Idle time also retries the rollbacks that failed (cheap if none),
+        // and takes on what reading users found.
         self.settle();
+        self.absorb_opened();
         let (window, batch, context) = (self.spec.window, self.encode_batch, self.context);
         while let Some(user) = self.pending.first().cloned() {
             let Some(shard) = self.users.get_mut(&user) else {
@@ -694,6 +760,9 @@ impl<B: Backend> Memory<B> {
     /// Removes `user` from memory and from disk — a damaged user's files
     /// too (deleting needs nothing of them read).
     pub fn forget_user(&mut self, user: &str) -> Result<()> {
+        // A user not read yet that proves unreadable is damaged: its files go too.
+        let _ = self.users.open_now(user);
+        self.absorb_opened();
         let dir = match (self.take_user(user), self.damaged.remove(user)) {
             (Some(shard), _) => shard.dir.clone(),
             (None, Some(_)) => self.user_dir(user),

@@ -76,7 +76,7 @@ fn a_memory_opens_without_its_kv_and_loads_a_fact_when_needed() {
 
     // A device budget of a bit more than two facts.
     let budgets = Budgets { device: Some(per_fact * 5 / 2), host: None };
-    let (mut mem, warnings) = open(dir.path(), &e, StoreOptions { format: None, budgets });
+    let (mut mem, warnings) = open(dir.path(), &e, StoreOptions { format: None, budgets, ..StoreOptions::default() });
     assert!(warnings.is_empty(), "{warnings:?}");
     assert_eq!(mem.footprint().kv_resident_bytes, 0, "no KV is read at open");
     assert!((0..6).all(|i| mem.has_kv("alice", i).unwrap()), "every record is indexed");
@@ -118,7 +118,7 @@ fn every_format_is_read_whatever_format_new_segments_get() {
     let m = models(512);
     let mut e = m.engine();
     let dir = tempfile::tempdir().unwrap();
-    let with = |format| StoreOptions { format: Some(format), budgets: Budgets::default() };
+    let with = |format| StoreOptions { format: Some(format), ..StoreOptions::default() };
 
     // f32, the CPU's own values: the reference.
     let (mut mem, _) = open(dir.path(), &e, with(KvFormat::F32));
@@ -254,7 +254,7 @@ fn the_longest_unit_follows_the_widest_segment_format() {
     let m = models(512);
     let mut e = m.engine();
     let header = m.composer.header().len();
-    let with = |format| StoreOptions { format: Some(format), budgets: Budgets::default() };
+    let with = |format| StoreOptions { format: Some(format), ..StoreOptions::default() };
     let limits: Vec<usize> = KvFormat::ALL
         .iter()
         .map(|&f| {
@@ -280,7 +280,7 @@ fn an_fp8_segment_of_the_first_layout_is_re_encoded_never_read() {
     let m = models(512);
     let mut e = m.engine();
     let dir = tempfile::tempdir().unwrap();
-    let fp8 = StoreOptions { format: Some(KvFormat::Fp8), budgets: Budgets::default() };
+    let fp8 = StoreOptions { format: Some(KvFormat::Fp8), ..StoreOptions::default() };
     let (mut mem, _) = open(dir.path(), &e, fp8);
     ingest(&mut mem, &mut e, &m, "old", 3);
     let fresh: Vec<HostKv> = (0..3).map(|i| kv(&mut mem, "old", i)).collect();
@@ -327,6 +327,6 @@ fn an_fp8_segment_of_the_first_layout_is_re_encoded_never_read() {
         assert_eq!(&kv(&mut mem, "old", i), want, "fact {i}");
     }
     drop(mem);
-    let (_, warnings) = open(dir.path(), &e, StoreOptions { format: Some(KvFormat::Fp8), budgets: Budgets::default() });
+    let (_, warnings) = open(dir.path(), &e, StoreOptions { format: Some(KvFormat::Fp8), ..StoreOptions::default() });
     assert!(warnings.is_empty(), "rewritten in the current layout: {warnings:?}");
 }

@@ -233,7 +233,7 @@ pub(crate) fn run<B: Backend>(
         let idle = core.live.is_empty() && !protocol.ingesting();
         if idle && quiet {
             // Audits first: each is one prefill, and its logits wait in memory.
-            match core.audit_some(false) || core.encode_pending() {
+            match core.audit_some(false) || core.encode_pending() || core.open_users() {
                 // Background work done; look for commands before more of it.
                 true => match rx.try_recv() {
                     Ok(c) => protocol.handle(&mut core, c),

@@ -5,6 +5,12 @@
 //! the same again finds them cached (a hit). Side by side per format:
 //! bytes on disk, open time, a request's disk read, a hit.
 //!
+//! Then the memory is reopened as a server opens it (`lazy_users`: users
+//! listed, each read when first used): its open time, the first request's
+//! facts (that user read, its k facts read from disk) and the idle-time
+//! reading of every other user — what a restart of a node of many users
+//! costs before its first answer, beside the eager open.
+//!
 //! The disk reads go through the page cache, which holds the segments just
 //! written: the miss column is then a read of records from memory plus
 //! their checks, decode and caching, a lower bound on a cold NVMe read.
@@ -25,7 +31,7 @@ use clap::Args;
 use inferscale_engine::bert::Bert;
 use inferscale_engine::{Backend, Engine};
 use inferscale_loadtest::synthetic::synthetic_facts;
-use inferscale_memory::{Budgets, Composer, Encoders, KvFormat, Memory, MemoryUnit, Prompts, ShardSpec, StoreOptions};
+use inferscale_memory::{Composer, Encoders, KvFormat, Memory, MemoryUnit, Prompts, ShardSpec, StoreOptions};
 use inferscale_model::HostTensor;
 use serde::Serialize;
 
@@ -43,6 +49,17 @@ pub struct StoreBenchArgs {
     /// Facts per request.
     #[arg(long, default_value_t = 20)]
     k: usize,
+    /// Copies of each ingested user added before reopening (`--users` ×
+    /// `--copies` users in all): a user's files name none of its ids, so a
+    /// copied directory is another user with the same facts — a store of
+    /// thousands of users for the restart columns without encoding each.
+    #[arg(long, default_value_t = 1)]
+    copies: usize,
+    /// Keep only each synthetic fact's first N words (0: whole, ≈ 126
+    /// tokens): small facts make a store of many users quick to build when
+    /// what is measured is its open and restart.
+    #[arg(long, default_value_t = 0)]
+    fact_words: usize,
     /// Segment formats compared.
     #[arg(long, value_delimiter = ',', default_value = "f32,bf16,fp8")]
     formats: Vec<KvFormat>,
@@ -77,6 +94,12 @@ struct Row {
     cached_in: String,
     /// Whether read-back KV was checked bit for bit against the encoding's.
     checked_exact: bool,
+    /// Reopened lazily: the open, the first request's k facts (its user
+    /// read, the facts read from disk), and reading every other user in
+    /// idle-time slices afterwards.
+    lazy_open_ms: f64,
+    lazy_first_request_ms: f64,
+    lazy_read_all_s: f64,
 }
 
 pub fn run(a: StoreBenchArgs) -> Result<()> {
@@ -91,9 +114,10 @@ fn request(a: &StoreBenchArgs, u: usize) -> Vec<usize> {
 }
 
 fn run_on<B: Backend>(a: &StoreBenchArgs, backend: B) -> Result<()> {
-    if a.users == 0 || a.facts == 0 || a.k == 0 || a.k > a.facts || a.formats.is_empty() {
-        bail!("--users, --facts, --k (at most --facts) and --formats must be positive");
+    if a.users == 0 || a.copies == 0 || a.facts == 0 || a.k == 0 || a.k > a.facts || a.formats.is_empty() {
+        bail!("--users, --copies, --facts, --k (at most --facts) and --formats must be positive");
     }
+    let all_users = a.users * a.copies;
     let tmp = tempfile::tempdir()?;
     let root = a.dir.clone().unwrap_or_else(|| tmp.path().to_path_buf());
     let loaded = load_on(&a.model, backend)?;
@@ -105,26 +129,33 @@ fn run_on<B: Backend>(a: &StoreBenchArgs, backend: B) -> Result<()> {
     let units: Vec<MemoryUnit> = synthetic_facts(a.facts)
         .into_iter()
         .enumerate()
-        .map(|(i, text)| MemoryUnit { id: format!("f{i}"), text, ..Default::default() })
+        .map(|(i, text)| {
+            let text = match a.fact_words {
+                0 => text,
+                n => text.split_whitespace().take(n).collect::<Vec<_>>().join(" "),
+            };
+            MemoryUnit { id: format!("f{i}"), text, ..Default::default() }
+        })
         .collect();
     let mut rows = Vec::new();
     println!(
         "{} on {} · {} users × {} facts · k = {} · window {}{}",
         a.model.shape.as_deref().unwrap_or(a.model.model()),
         e.backend().name(),
-        a.users,
+        all_users,
         a.facts,
         a.k,
         a.window,
         if a.drop_caches { " · page cache dropped before reopening" } else { "" }
     );
     println!(
-        "| format | KV on disk MB | ingest s | open ms | miss: k facts from disk, ms | MB/s | hit ms | cached in | read back |"
+        "| format | KV on disk MB | ingest s | open ms | miss: k facts from disk, ms | MB/s | hit ms | cached in | read back \
+         | lazy open ms | its first request ms | every user read s |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     for &format in &a.formats {
         let dir = root.join(format.name());
-        let options = StoreOptions { format: Some(format), budgets: Budgets::default() };
+        let options = StoreOptions { format: Some(format), ..StoreOptions::default() };
         let (mut memory, _) = Memory::open_with(&dir, spec.clone(), &e, options)?;
         let t0 = Instant::now();
         for u in 0..a.users {
@@ -143,6 +174,8 @@ fn run_on<B: Backend>(a: &StoreBenchArgs, backend: B) -> Result<()> {
             false => Vec::new(),
         };
         drop(memory);
+        copy_users(&dir, a)?;
+        let disk = disk * a.copies as u64;
         if a.drop_caches {
             drop_page_cache()?;
         }
@@ -154,7 +187,7 @@ fn run_on<B: Backend>(a: &StoreBenchArgs, backend: B) -> Result<()> {
             bail!("reopening {}: {warnings:?}", dir.display());
         }
         let (mut misses, mut hits, mut loaded_bytes, mut miss_s) = (Vec::new(), Vec::new(), 0u64, 0.0);
-        for u in 0..a.users {
+        for u in 0..all_users {
             let user = format!("user{u}");
             let idxs = request(a, u);
             let t0 = Instant::now();
@@ -181,9 +214,11 @@ fn run_on<B: Backend>(a: &StoreBenchArgs, backend: B) -> Result<()> {
             }
         }
         let tier = memory.tier("user0", request(a, 0)[0])?;
+        drop(memory);
+        let (lazy_open_ms, lazy_first_request_ms, lazy_read_all_s) = restart(a, &dir, &spec, options, &e)?;
         let row = Row {
             format: format.name().to_string(),
-            facts: a.users * a.facts,
+            facts: all_users * a.facts,
             kv_disk_mb: disk as f64 / 1e6,
             ingest_s,
             open_ms,
@@ -192,9 +227,12 @@ fn run_on<B: Backend>(a: &StoreBenchArgs, backend: B) -> Result<()> {
             hit_ms_median: median(hits),
             cached_in: tier.map_or("–".to_string(), |t| format!("{t:?}").to_lowercase()),
             checked_exact: lossless,
+            lazy_open_ms,
+            lazy_first_request_ms,
+            lazy_read_all_s,
         };
         println!(
-            "| {} | {:.0} | {:.1} | {:.1} | {:.2} | {:.0} | {:.3} | {} | {} |",
+            "| {} | {:.0} | {:.1} | {:.1} | {:.2} | {:.0} | {:.3} | {} | {} | {:.1} | {:.2} | {:.2} |",
             row.format,
             row.kv_disk_mb,
             row.ingest_s,
@@ -203,7 +241,10 @@ fn run_on<B: Backend>(a: &StoreBenchArgs, backend: B) -> Result<()> {
             row.miss_mb_per_s,
             row.hit_ms_median,
             row.cached_in,
-            if lossless { "= encoded, bit for bit" } else { "(lossy format)" }
+            if lossless { "= encoded, bit for bit" } else { "(lossy format)" },
+            row.lazy_open_ms,
+            row.lazy_first_request_ms,
+            row.lazy_read_all_s,
         );
         rows.push(row);
     }
@@ -211,6 +252,63 @@ fn run_on<B: Backend>(a: &StoreBenchArgs, backend: B) -> Result<()> {
         std::fs::write(path, serde_json::to_vec_pretty(&rows)?)?;
     }
     Ok(())
+}
+
+/// Adds `--copies` − 1 copies of each of the `--users` users of the memory
+/// at `dir` (closed): user `u`'s copy `c` is user `u + c × users`.
+fn copy_users(dir: &std::path::Path, a: &StoreBenchArgs) -> Result<()> {
+    let hex = |u: usize| format!("user{u}").bytes().map(|b| format!("{b:02x}")).collect::<String>();
+    let users = dir.join("users");
+    for c in 1..a.copies {
+        for u in 0..a.users {
+            let (from, to) = (users.join(hex(u)), users.join(hex(u + c * a.users)));
+            std::fs::create_dir(&to)?;
+            for f in std::fs::read_dir(&from)? {
+                let f = f?;
+                std::fs::copy(f.path(), to.join(f.file_name()))?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The memory at `dir` reopened as a server opens it (page cache dropped
+/// first with `--drop-caches`): the open's time, then from the open's end
+/// the first request's k facts of the middle user (reading that user and
+/// the facts), then every other user read in the engine's idle-time slices.
+fn restart<B: Backend>(
+    a: &StoreBenchArgs,
+    dir: &std::path::Path,
+    spec: &ShardSpec,
+    options: StoreOptions,
+    e: &Engine<B>,
+) -> Result<(f64, f64, f64)> {
+    if a.drop_caches {
+        drop_page_cache()?;
+    }
+    let t0 = Instant::now();
+    let lazy = StoreOptions { lazy_users: true, ..options };
+    let (mut memory, warnings) = Memory::open_with(dir, spec.clone(), e, lazy)?;
+    let open_ms = t0.elapsed().as_secs_f64() * 1e3;
+    if !warnings.is_empty() {
+        bail!("reopening {} lazily: {warnings:?}", dir.display());
+    }
+    let (all_users, u) = (a.users * a.copies, a.users * a.copies / 2);
+    let t0 = Instant::now();
+    let got = memory.fetch(e.backend(), &format!("user{u}"), &request(a, u))?;
+    e.backend().synchronize()?;
+    let first_ms = t0.elapsed().as_secs_f64() * 1e3;
+    if got.report.loaded != a.k {
+        bail!("user{u}: {} of {} facts read from disk after the lazy reopen", got.report.loaded, a.k);
+    }
+    drop(got);
+    let t0 = Instant::now();
+    while memory.open_some(8) > 0 {}
+    let all_s = t0.elapsed().as_secs_f64();
+    if memory.users().count() != all_users || memory.fact_count() != all_users * a.facts {
+        bail!("after reading every user: {} users, {} facts", memory.users().count(), memory.fact_count());
+    }
+    Ok((open_ms, first_ms, all_s))
 }
 
 type HostKv = (Vec<HostTensor>, Vec<HostTensor>);

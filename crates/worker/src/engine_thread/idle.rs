@@ -4,6 +4,10 @@
 
 use super::*;
 
+/// Users read per idle slice: a few milliseconds each from a cold disk, so
+/// that a request arriving meanwhile waits tens of milliseconds at most.
+const OPEN_USERS: usize = 8;
+
 impl<B: Backend> Core<B> {
     /// While requests run: encodes stored facts' KV within the encoding
     /// share of the thread's time, in slices of about one step — or not
@@ -46,6 +50,14 @@ impl<B: Backend> Core<B> {
                 false
             }
         }
+    }
+
+    /// When idle: reads a few of the users a memory opened lazily has not
+    /// read yet (a restart serves before it has read them all), so that the
+    /// background encoding, the scrub and the holdings' counts reach every
+    /// user soon after a start. Returns whether it read any.
+    pub(super) fn open_users(&mut self) -> bool {
+        self.session.memory_mut().open_some(OPEN_USERS) > 0
     }
 
     /// When idle, at most once a second: checks the next stored KV records'

@@ -151,11 +151,12 @@ pub(crate) fn blend_ratio(s: &str) -> std::result::Result<f32, String> {
     inferscale_types::check_blend_ratio(r).map_err(|e| e.message)
 }
 
-/// Raises this process's open-file limit to its hard limit. A memory keeps
-/// two files open per user it has read (its fact and KV logs), so a node
-/// of thousands of users outgrows the usual soft limit of 1,024; a
-/// descriptor that cannot be had fails that user's read (retried on its
-/// next use, never taken for damage), with "Too many open files".
+/// Raises this process's open-file limit to its hard limit: a server holds
+/// a socket per client connection beside the logs each memory operation
+/// opens, and the usual soft limit of 1,024 is near what a loaded node
+/// uses. A descriptor that cannot be had fails the operation with "Too many
+/// open files" (a user's first read is retried on its next use, never taken
+/// for damage).
 pub(crate) fn raise_open_files_limit() {
     let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
     // SAFETY: getrlimit writes the struct it is given, which lives here.

@@ -63,11 +63,13 @@ pub struct FrameIndex {
     pub reason: Option<String>,
 }
 
+/// An open log. It holds no file descriptor between calls: a node keeps
+/// two logs per user it has read, thousands of users, and descriptors are
+/// a per-process limit (1,024 by default on many systems); each call opens
+/// the file, microseconds beside the read or fsync it does.
 #[derive(Debug)]
 pub struct RecordLog {
     path: PathBuf,
-    /// Opened with O_APPEND, so a write after a truncation lands at the new end.
-    file: File,
     /// Length of the intact prefix; a failed append truncates back to it.
     len: u64,
     /// Set when a failed append could not be rolled back: the file may end in a
@@ -119,7 +121,7 @@ impl RecordLog {
             // sync_all, not sync_data: the new length is the point of the call.
             file.set_len(intact as u64).and_then(|()| file.sync_all()).map_err(error::io(path))?;
         }
-        let log = RecordLog { path: path.to_path_buf(), file, len: intact as u64, broken: false };
+        let log = RecordLog { path: path.to_path_buf(), len: intact as u64, broken: false };
         Ok((log, Recovery { records, truncated_bytes, reason }))
     }
 
@@ -198,21 +200,28 @@ impl RecordLog {
         if truncated_bytes > 0 {
             file.set_len(at).and_then(|()| file.sync_all()).map_err(error::io(path))?;
         }
-        let log = RecordLog { path: path.to_path_buf(), file, len: at, broken: false };
+        let log = RecordLog { path: path.to_path_buf(), len: at, broken: false };
         Ok((log, FrameIndex { frames, truncated_bytes, reason }))
     }
 
     /// The payload of `frame`, checked against its CRC (an error names the
     /// record's offset when it does not match).
     pub fn read(&self, frame: Frame) -> Result<Vec<u8>> {
-        read_frame(&self.file, &self.path, frame)
+        read_frame_at(&self.path, frame)
+    }
+
+    /// The log opened for appending (O_APPEND: a write after a truncation
+    /// lands at the new end).
+    fn appender(&self) -> Result<File> {
+        OpenOptions::new().append(true).open(&self.path).map_err(error::io(&self.path))
     }
 
     /// The first `n` bytes of `frame`'s payload, unchecked (the CRC covers
     /// the whole payload): for reading a record's head.
     pub fn read_head(&self, frame: Frame, n: usize) -> Result<Vec<u8>> {
         let mut buf = vec![0u8; n.min(frame.len as usize)];
-        self.file.read_exact_at(&mut buf, frame.offset).map_err(error::io(&self.path))?;
+        let file = File::open(&self.path).map_err(error::io(&self.path))?;
+        file.read_exact_at(&mut buf, frame.offset).map_err(error::io(&self.path))?;
         Ok(buf)
     }
 
@@ -239,14 +248,15 @@ impl RecordLog {
         if buf.is_empty() {
             return Ok(Vec::new());
         }
+        let file = self.appender()?;
         let written = match crate::faults::charge(buf.len()) {
-            Ok(()) => (&self.file).write_all(&buf).and_then(|()| self.file.sync_data()),
-            Err(part) => (&self.file).write_all(&buf[..part]).and_then(|()| Err(crate::faults::full())),
+            Ok(()) => (&file).write_all(&buf).and_then(|()| file.sync_data()),
+            Err(part) => (&file).write_all(&buf[..part]).and_then(|()| Err(crate::faults::full())),
         };
         if let Err(e) = written {
             // Without this, later appends would land behind a torn frame, where
             // replay never reaches them: acknowledged records would be lost.
-            self.broken = self.file.set_len(self.len).and_then(|()| self.file.sync_all()).is_err();
+            self.broken = file.set_len(self.len).and_then(|()| file.sync_all()).is_err();
             return Err(error::io(&self.path)(e));
         }
         let frames = frames_from(self.len, records.iter().map(|r| r.len()));
@@ -268,7 +278,7 @@ impl RecordLog {
     pub fn rewrite_frames(&mut self, records: &[Vec<u8>]) -> Result<Vec<Frame>> {
         let refs: Vec<&[u8]> = records.iter().map(Vec::as_slice).collect();
         let bytes = encode(&refs, HEADER.to_vec())?;
-        self.file = replace(&self.path, &bytes)?;
+        replace(&self.path, &bytes)?;
         self.len = bytes.len() as u64;
         self.broken = false;
         sync_dir(parent_dir(&self.path))?;
@@ -282,7 +292,8 @@ impl RecordLog {
             let why = format!("cannot cut a log of {} bytes back to {len}", self.len);
             return Err(error::io(&self.path)(std::io::Error::other(why)));
         }
-        self.file.set_len(len).and_then(|()| self.file.sync_all()).map_err(error::io(&self.path))?;
+        let file = self.appender()?;
+        file.set_len(len).and_then(|()| file.sync_all()).map_err(error::io(&self.path))?;
         self.len = len;
         self.broken = false;
         Ok(())
@@ -296,7 +307,8 @@ impl RecordLog {
             return Ok(None);
         }
         let mut bytes = vec![0u8; (self.len - offset) as usize];
-        self.file.read_exact_at(&mut bytes, offset).map_err(error::io(&self.path))?;
+        let file = File::open(&self.path).map_err(error::io(&self.path))?;
+        file.read_exact_at(&mut bytes, offset).map_err(error::io(&self.path))?;
         let mut out = Vec::new();
         let mut at = 0;
         while at < bytes.len() {

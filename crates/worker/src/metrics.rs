@@ -267,6 +267,12 @@ impl WorkerMetrics {
                 n(stats.damaged_users),
             ),
             (
+                "inferscale_worker_unread_users",
+                "Users not read from disk since the worker started (read on first use, the rest in idle time); \
+                 the memory-unit count and disk bytes cover the others.",
+                n(stats.unread_users),
+            ),
+            (
                 "inferscale_worker_unsettled_users",
                 "Users whose failed ingest is still being undone (their writes wait).",
                 n(stats.unsettled_users),

@@ -359,6 +359,7 @@ impl Protocol {
             facts: held.facts,
             damaged_users: held.damaged_users,
             unsettled_users: held.unsettled_users,
+            unread_users: held.unread_users,
             window,
             finished,
             cancelled,

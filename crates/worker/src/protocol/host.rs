@@ -15,6 +15,9 @@ pub struct Stats {
     pub facts: usize,
     pub damaged_users: usize,
     pub unsettled_users: usize,
+    /// Users not read from disk since the start (read on first use and in
+    /// idle time).
+    pub unread_users: usize,
     pub finished: u64,
     pub cancelled: u64,
     pub failed: u64,

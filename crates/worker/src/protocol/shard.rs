@@ -26,6 +26,9 @@ pub struct Holdings {
     /// whose failed ingest is still being undone.
     pub damaged_users: usize,
     pub unsettled_users: usize,
+    /// Users not read from disk yet (a memory opened lazily): `facts` and
+    /// the footprint's disk bytes count the others.
+    pub unread_users: usize,
     /// Bytes per tier, when asked for (O(facts) to measure).
     pub footprint: Option<Footprint>,
 }
@@ -183,6 +186,7 @@ impl<B: Backend> Shard for Session<B> {
             facts: memory.fact_count(),
             damaged_users: memory.damaged().count(),
             unsettled_users: memory.unsettled_count(),
+            unread_users: memory.unread_users(),
             footprint: footprint.then(|| memory.footprint()),
         }
     }

@@ -17,7 +17,9 @@
 #
 # Environment (defaults): USERS=400 FACTS=8 K=8 FORMAT=fp8 DEVICE_MB=2048
 # HOST_MB=8192 ZIPF=1.0 DURATION_S=60 STORE_DIR=/tmp/inferscale-tiers
-# COLD_KV=prefill (or wait, with COLD_KV_WAIT_MS=100) MODES=kv,prompt
+# COLD_KV=prefill (or read, wait or auto, with COLD_KV_WAIT_MS=100)
+# PROMOTE_AFTER=0 (--kv-promote-after: host-tier hits before a fact is read
+# again onto the device; 0 = never) MODES=kv,prompt
 # HOT=1 (0: no 10-hottest-users point).
 #
 # The prefix cache is off: a synthetic user has FACTS questions and popular
@@ -35,6 +37,7 @@ serve() {
     --backend cuda --shape llama3.1-8b --random-weights --embedder random --window 0 \
     --kv-format "$format" --kv-device-mb "${DEVICE_MB:-2048}" --kv-host-mb "${HOST_MB:-8192}" \
     --cold-kv "${COLD_KV:-prefill}" --cold-kv-wait-ms "${COLD_KV_WAIT_MS:-100}" --prefix-cache off \
+    --kv-promote-after "${PROMOTE_AFTER:-0}" \
     --kv-cache-mb 40000 --max-batch-tokens 2048 --max-running 128 --max-queue 512 --deadline-s 600 \
     >>"$out/serve.log" 2>&1 &
   srv=$!

@@ -54,6 +54,13 @@ pub struct MemoryArgs {
     /// tier.
     #[arg(long, env = "INFERSCALE_KV_HOST_MB")]
     pub(crate) kv_host_mb: Option<u64>,
+    /// Promote a fact whose KV is in the host tier onto the device after
+    /// this many hits there (read again from its segment by a reader
+    /// thread; the device's least recently used facts leave for the disk),
+    /// so that the device tier turns over to the facts asked for most
+    /// (0: never, the default until measured; needs --kv-device-mb).
+    #[arg(long, env = "INFERSCALE_KV_PROMOTE_AFTER", default_value_t = 0)]
+    pub(crate) kv_promote_after: u32,
     /// How new KV segments store values: f32, bf16 or fp8 (e4m3 with a
     /// scale per fact, layer and KV head, keys relative to per-channel
     /// offsets; docs/design.md §2.1). Default: the backend's own
@@ -232,7 +239,12 @@ pub(crate) fn open_memory<B: Backend>(
         Bert::load(loaded.engine.backend(), files).with_context(|| format!("loading the embedder {:?}", a.embedder))?;
     let dir = a.dir();
     let spec = ShardSpec::new(&loaded.files, a.window(), &a.prompts())?;
-    let options = StoreOptions { format: a.kv_format, budgets: budgets(a, loaded.engine.backend().name()), lazy_users };
+    let options = StoreOptions {
+        format: a.kv_format,
+        budgets: budgets(a, loaded.engine.backend().name()),
+        promote_after: a.kv_promote_after,
+        lazy_users,
+    };
     let t0 = std::time::Instant::now();
     let (mut memory, warnings) = Memory::open_with(&dir, spec, &loaded.engine, options)
         .with_context(|| format!("opening memory {}", dir.display()))?;

@@ -28,7 +28,17 @@
 //! host-tier hit promoted, a device victim demoted) was measured on the
 //! H200 at 30–45 ms per fact of the 8B shape through the backend's
 //! per-layer copies (`bench store`, 2026-12-03), far more than the bus
-//! reads it saves, so the cache does not move facts. KV a request holds
+//! reads it saves, so the engine thread never moves facts. A device tier
+//! that turns over instead promotes by reading again: with
+//! `promote_after` = N (off by default until measured), a host-tier fact
+//! hit N times there is read from its segment again by a reader thread,
+//! onto the device through the readers' own upload (`fetch.rs`,
+//! [`crate::Memory::promotion_jobs`]), and takes its place in the device
+//! tier's LRU order there, the device's least recently used unpinned facts
+//! leaving for the disk (demoted as far as the disk: the copy down would
+//! be the device-to-host copy measured above). A promotion reserves its
+//! device bytes like a read bound there, and is not started when pinned
+//! facts leave it no room. KV a request holds
 //! (an [`Arc`] clone: a pin, from admission to layout) is never evicted;
 //! when pins leave no room, the fact is placed past the budget rather than
 //! refused, and counted.
@@ -79,6 +89,8 @@ pub struct CacheStats {
     pub over_budget: u64,
     /// Records that failed their checksum when read (re-encoded).
     pub corrupt: u64,
+    /// Host-tier facts read again onto the device (promoted).
+    pub promoted: u64,
 }
 
 struct Entry<B: Backend> {
@@ -86,6 +98,10 @@ struct Entry<B: Backend> {
     tier: Tier,
     stamp: u64,
     bytes: u64,
+    /// Hits since it was placed in its tier.
+    hits: u32,
+    /// A promotion of it was asked for ([`KvCache::promotion_due`]).
+    promoting: bool,
 }
 
 impl<B: Backend> Entry<B> {
@@ -130,6 +146,8 @@ pub(crate) struct KvCache<B: Backend> {
     bytes_per_value: u64,
     /// Per token: 2 (K, V) × layers × kv_dim values.
     values_per_token: u64,
+    /// Host-tier hits after which a fact is promoted (0: never).
+    promote_after: u32,
     pub(crate) stats: CacheStats,
 }
 
@@ -137,6 +155,12 @@ impl<B: Backend> KvCache<B> {
     /// A cache for `be`'s KV of a model of `layers` × `kv_dim`.
     pub(crate) fn new(be: &B, budgets: Budgets, layers: usize, kv_dim: usize) -> Self {
         Self::with_tiers(budgets, be.has_host_tier(), be.kv_bytes_per_value(), layers, kv_dim)
+    }
+
+    /// Promotes host-tier facts after `n` hits there (0: never); see the
+    /// module doc.
+    pub(crate) fn set_promote_after(&mut self, n: u32) {
+        self.promote_after = n;
     }
 
     fn with_tiers(budgets: Budgets, host_tier: bool, bytes_per_value: usize, layers: usize, kv_dim: usize) -> Self {
@@ -150,6 +174,7 @@ impl<B: Backend> KvCache<B> {
             reserved: 0,
             bytes_per_value: bytes_per_value as u64,
             values_per_token: (2 * layers * kv_dim) as u64,
+            promote_after: 0,
             stats: CacheStats::default(),
         }
     }
@@ -212,10 +237,55 @@ impl<B: Backend> KvCache<B> {
         Some(tier)
     }
 
+    /// Whether `key`, just hit, is due for promotion: in the host tier, hit
+    /// there `promote_after` times, under a device budget, and not asked
+    /// for already. Answers yes once per placement.
+    pub(crate) fn promotion_due(&mut self, key: u64) -> bool {
+        let (after, device_budget) = (self.promote_after, self.budgets.device.is_some());
+        match self.entries.get_mut(&key) {
+            Some(e) if after > 0 && device_budget && e.tier == Tier::Host && !e.promoting && e.hits >= after => {
+                e.promoting = true;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Reserves device room for promoting `key` (still in the host tier)
+    /// at `per_value` bytes a value there: the bytes reserved, or `None`
+    /// when the device cannot take it — a fact larger than the budget, or
+    /// pinned facts holding the room the least recently used would free.
+    /// [`KvCache::release`] frees the reservation.
+    pub(crate) fn reserve_promotion(&mut self, key: u64, per_value: u64) -> Option<u64> {
+        let e = self.entries.get(&key).filter(|e| e.tier == Tier::Host)?;
+        let bytes = e.chunk.len() as u64 * self.values_per_token * per_value;
+        let budget = self.budgets.device?;
+        let unpinned: u64 = self.lru[Tier::Device.at()]
+            .values()
+            .map(|k| &self.entries[k])
+            .filter(|e| !e.pinned())
+            .map(|e| e.bytes)
+            .sum();
+        let held = self.bytes[Tier::Device.at()] - unpinned + self.reserved;
+        match held.saturating_add(bytes) <= budget {
+            true => {
+                self.reserved += bytes;
+                Some(bytes)
+            }
+            false => {
+                // Asked again after its next hits.
+                if let Some(e) = self.entries.get_mut(&key) {
+                    (e.hits, e.promoting) = (0, false);
+                }
+                None
+            }
+        }
+    }
+
     /// Caches `source` under `key` (replacing what it held); returns the
     /// tier it went to, or `None` when [`Admit::Fill`] found no room.
     pub(crate) fn insert(&mut self, be: &B, key: u64, source: Source<B>, admit: Admit) -> Result<Option<Tier>> {
-        self.remove(key);
+        let was = self.take(key).map(|e| e.tier);
         let bytes = match &source {
             // What it holds where the reader put it (fp8 kept as fp8: half).
             Source::Uploaded(c, _) => c.k.iter().chain(&c.v).map(|t| be.stored_bytes(t) as u64).sum(),
@@ -255,6 +325,9 @@ impl<B: Backend> KvCache<B> {
             (Source::Host { tokens, k, v }, Tier::Host) => KvChunk::from_host_tier(be, tokens, &k, &v)?,
         };
         self.put(key, chunk, tier, bytes);
+        if (was, tier) == (Some(Tier::Host), Tier::Device) {
+            self.stats.promoted += 1;
+        }
         Ok(Some(tier))
     }
 
@@ -286,7 +359,8 @@ impl<B: Backend> KvCache<B> {
         self.clock += 1;
         self.lru[tier.at()].insert(self.clock, key);
         self.bytes[tier.at()] += bytes;
-        self.entries.insert(key, Entry { chunk: Arc::new(chunk), tier, stamp: self.clock, bytes });
+        let entry = Entry { chunk: Arc::new(chunk), tier, stamp: self.clock, bytes, hits: 0, promoting: false };
+        self.entries.insert(key, entry);
     }
 
     fn touch(&mut self, key: u64) {
@@ -294,6 +368,7 @@ impl<B: Backend> KvCache<B> {
         if let Some(e) = self.entries.get_mut(&key) {
             self.lru[e.tier.at()].remove(&e.stamp);
             e.stamp = self.clock;
+            e.hits = e.hits.saturating_add(1);
             self.lru[e.tier.at()].insert(self.clock, key);
         }
     }
@@ -470,6 +545,72 @@ mod tests {
         // Without a device budget reads go to the host tier, however small.
         let mut unbounded = KvCache::<CpuBackend>::with_tiers(Budgets { device: None, host: None }, true, 4, 1, 2);
         assert_eq!(unbounded.read_target(1, Some(1)), (Host, 0));
+    }
+
+    #[test]
+    fn host_tier_hits_promote_onto_the_device_whose_unpinned_least_recently_used_facts_leave() {
+        let be = CpuBackend;
+        use Tier::*;
+        // Room for two one-token facts (16 bytes) in each tier.
+        let mut c = KvCache::with_tiers(Budgets { device: Some(32), host: Some(32) }, true, 4, 1, 2);
+        c.set_promote_after(2);
+        let placed = |c: &mut KvCache<CpuBackend>, key: u64, to: Tier| {
+            let Source::Host { tokens, k, v } = fact(1, key as f32) else { unreachable!() };
+            let chunk = KvChunk::from_host(&be, tokens, &k, &v).unwrap();
+            c.insert(&be, key, Source::Uploaded(chunk, to), Admit::Demand).unwrap()
+        };
+        placed(&mut c, 0, Device);
+        placed(&mut c, 1, Device);
+        placed(&mut c, 2, Host);
+        // One host hit is not enough, the second is — and is asked for once.
+        c.hit(2);
+        assert!(!c.promotion_due(2));
+        c.hit(2);
+        assert!(c.promotion_due(2));
+        assert!(!c.promotion_due(2), "asked for once");
+        // A device fact is never due.
+        c.hit(0);
+        c.hit(0);
+        assert!(!c.promotion_due(0));
+        // 0 is pinned, 1 (least recently used) is not: room for the promotion.
+        let pin0 = c.get(0).unwrap().clone();
+        assert_eq!(c.reserve_promotion(2, 4), Some(16));
+        // Reads bound for the device see the room as taken meanwhile.
+        assert_eq!(c.read_target(1, Some(4)), (Host, 0));
+        // The read lands: 2 moves to the device, 1 leaves it, the pinned 0 stays.
+        c.release(16);
+        assert_eq!(placed(&mut c, 2, Device), Some(Device));
+        assert_eq!(tiers(&c, 0..3), [Some(Device), None, Some(Device)]);
+        assert_eq!((c.stats.promoted, c.stats.evictions, c.bytes(Host)), (1, [1, 0], 0));
+
+        // Every device fact pinned: no promotion starts, and the fact is
+        // asked for again only after as many hits again.
+        placed(&mut c, 3, Host);
+        let pin2 = c.get(2).unwrap().clone();
+        c.hit(3);
+        c.hit(3);
+        assert!(c.promotion_due(3));
+        assert_eq!(c.reserve_promotion(3, 4), None);
+        assert_eq!(c.reserve_promotion(2, 4), None, "only host-tier facts are promoted");
+        c.hit(3);
+        assert!(!c.promotion_due(3));
+        c.hit(3);
+        assert!(c.promotion_due(3));
+        drop((pin0, pin2));
+        assert_eq!(c.reserve_promotion(3, 4), Some(16));
+        assert_eq!(tiers(&c, 0..4), [Some(Device), None, Some(Device), Some(Host)], "nothing moved yet");
+
+        // Off (the default), or without a device budget: never due.
+        let mut off = KvCache::<CpuBackend>::with_tiers(Budgets { device: Some(32), host: Some(32) }, true, 4, 1, 2);
+        let mut unbudgeted = KvCache::<CpuBackend>::with_tiers(Budgets { device: None, host: Some(32) }, true, 4, 1, 2);
+        unbudgeted.set_promote_after(1);
+        for c in [&mut off, &mut unbudgeted] {
+            c.insert(&be, 9, fact(1, 9.0), Admit::Demand).unwrap();
+            for _ in 0..3 {
+                c.hit(9);
+            }
+            assert!(!c.promotion_due(9));
+        }
     }
 
     #[test]

@@ -250,7 +250,12 @@ impl<B: Backend> Memory<B> {
             let key = shard.kv[i].key;
             match self.cache.hit(key) {
                 Some(Tier::Device) => out.report.device_hits += 1,
-                Some(Tier::Host) => out.report.host_hits += 1,
+                Some(Tier::Host) => {
+                    out.report.host_hits += 1;
+                    if self.promote.len() < MAX_PROMOTIONS_QUEUED && self.cache.promotion_due(key) {
+                        self.promote.push_back((user.to_string(), i, key));
+                    }
+                }
                 None if shard.kv[i].at.is_some() => out.cold.push(i),
                 None => out.missing.push(i),
             }
@@ -282,6 +287,48 @@ impl<B: Backend> Memory<B> {
             }
         }
         Ok(jobs)
+    }
+
+    /// Reads that promote host-tier facts onto the device (see `cache.rs`:
+    /// facts hit `promote_after` times in the host tier), at most `max`,
+    /// for the reader threads; cached by [`Memory::complete_read`] like any
+    /// read. Empty unless the backend can place reads on the device from
+    /// another thread and a promotion is due.
+    pub fn promotion_jobs(&mut self, max: usize) -> Vec<ReadJob<B>> {
+        let mut jobs = Vec::new();
+        while jobs.len() < max
+            && let Some((user, i, key)) = self.promote.pop_front()
+        {
+            if self.cache.tier(key) != Some(Tier::Host) || self.reading.contains(&key) {
+                continue;
+            }
+            let Some(shard) = self.users.get(&user) else { continue };
+            let Some((fact, kv)) = shard.facts.get(i).zip(shard.kv.get(i)).filter(|(_, kv)| kv.key == key) else {
+                continue;
+            };
+            let Some(frame) = kv.at else { continue };
+            let device = &self.upload.device;
+            let per_value = match (shard.seg.dtype, &device.fp8) {
+                (KvFormat::Fp8, Some(_)) => 1,
+                _ if device.bf.is_some() => self.cache.bytes_per_value(),
+                _ => continue,
+            };
+            let Some(reserved) = self.cache.reserve_promotion(key, per_value) else { continue };
+            self.reading.insert(key);
+            jobs.push(ReadJob {
+                upload: device.clone(),
+                to: Tier::Device,
+                reserved,
+                user: user.clone(),
+                key,
+                frame,
+                path: shard.kv_log.path().to_path_buf(),
+                seg: shard.seg.clone(),
+                fact_id: fact.unit.id.clone(),
+                tokens: fact.tokens.clone(),
+            });
+        }
+        jobs
     }
 
     /// Caches what a [`ReadJob`] read, if its fact still has that record
@@ -323,6 +370,10 @@ impl<B: Backend> Memory<B> {
         Ok(())
     }
 }
+
+/// Promotions waiting for [`Memory::promotion_jobs`] at most: a caller
+/// that never asks (a CLI command) holds no more than this.
+const MAX_PROMOTIONS_QUEUED: usize = 256;
 
 /// Runs `jobs` several at once, in order: a device queue (NVMe) reaches
 /// its bandwidth only with many reads in flight, and decoding a compact

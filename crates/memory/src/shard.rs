@@ -191,6 +191,9 @@ pub struct Memory<B: Backend> {
     pub(crate) cache: KvCache<B>,
     /// Cache keys of facts being read off the engine thread (`fetch.rs`).
     pub(crate) reading: std::collections::HashSet<u64>,
+    /// Host-tier facts due for promotion (user, fact, cache key), for
+    /// [`Memory::promotion_jobs`].
+    pub(crate) promote: std::collections::VecDeque<(String, usize, u64)>,
     /// The backend's uploads for reads to place what they read in the
     /// tier the cache chose, on their own thread (`fetch.rs`).
     pub(crate) upload: crate::cache::Uploads<B::Tensor>,
@@ -255,6 +258,9 @@ pub struct StoreOptions {
     pub format: Option<KvFormat>,
     /// Bytes of KV the device and host tiers may cache.
     pub budgets: Budgets,
+    /// Promote a host-tier fact onto the device after this many hits in
+    /// the host tier (0: never; `cache.rs`).
+    pub promote_after: u32,
     /// Read each user when first used (and in idle time,
     /// [`Memory::open_some`]) rather than all of them before the memory
     /// opens: what a server does, so that a node of thousands of users
@@ -365,8 +371,13 @@ impl<B: Backend> Memory<B> {
             unsettled: Default::default(),
             scrub: Default::default(),
             encode_batch: ENCODE_BATCH,
-            cache: KvCache::new(be, options.budgets, c.num_layers, c.kv_dim()),
+            cache: {
+                let mut cache = KvCache::new(be, options.budgets, c.num_layers, c.kv_dim());
+                cache.set_promote_after(options.promote_after);
+                cache
+            },
             reading: Default::default(),
+            promote: Default::default(),
             upload: crate::cache::Uploads::of(be),
             context: c.max_position_embeddings,
             retriever: Retriever::default(),

@@ -227,6 +227,7 @@ pub(crate) fn run<B: Backend>(
     };
     loop {
         core.complete_reads();
+        core.start_promotions();
         core.release_waiting();
         // Idle-time encoding waits until no request ran for a moment.
         let quiet = core.last_busy.elapsed() >= RECENTLY_BUSY;

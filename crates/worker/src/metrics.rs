@@ -308,6 +308,11 @@ impl WorkerMetrics {
         }
         for (name, help, v) in [
             ("inferscale_worker_kv_cache_misses_total", "Facts a request read from disk.", c.misses),
+            (
+                "inferscale_worker_kv_cache_promotions_total",
+                "Host-tier facts read again onto the device (--kv-promote-after).",
+                c.promoted,
+            ),
             ("inferscale_worker_kv_cache_loaded_bytes_total", "KV record bytes read from disk.", c.loaded_bytes),
             (
                 "inferscale_worker_kv_cache_over_budget_total",

@@ -289,6 +289,17 @@ impl<B: Backend> Core<B> {
         }
     }
 
+    /// Hands the promotions due (host-tier facts hit often, `cache.rs`) to
+    /// reader threads that have nothing else: never ahead of a request's
+    /// cold reads.
+    pub(super) fn start_promotions(&mut self) {
+        let free = self.reader.threads().saturating_sub(self.reader.pending());
+        if free > 0 {
+            let jobs = self.session.memory_mut().promotion_jobs(free);
+            self.reader.read(jobs);
+        }
+    }
+
     /// Caches the KV the reader threads have read since the last call.
     pub(super) fn complete_reads(&mut self) {
         for done in self.reader.finished() {

@@ -345,8 +345,11 @@ impl<B: Backend> Memory<B> {
         };
         match result {
             Ok(source) => {
-                self.cache.stats.misses += 1;
-                self.cache.stats.loaded_bytes += job.frame.len as u64;
+                // A promotion's fact is cached already (in the host tier): no miss.
+                if self.cache.tier(job.key).is_none() {
+                    self.cache.stats.misses += 1;
+                    self.cache.stats.loaded_bytes += job.frame.len as u64;
+                }
                 Ok(self.cache.insert(be, job.key, source, Admit::Demand)?.is_some())
             }
             Err(e) => {

@@ -8,12 +8,12 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use inferscale_engine::{CpuBackend, Engine};
 use inferscale_memory::{Memory, MemoryError, MemoryUnit, ShardSpec};
 
-use common::{Models, models};
+use common::{Models, models, user_dir};
 
 fn open(dir: &Path, e: &Engine<CpuBackend>) -> (Memory<CpuBackend>, Vec<String>) {
     Memory::open(dir, ShardSpec { window: 1, fingerprint: "durability".into() }, e).unwrap()
@@ -40,10 +40,6 @@ fn store(mem: &mut Memory<CpuBackend>, e: &mut Engine<CpuBackend>, m: &Models, u
 
 fn ids(mem: &Memory<CpuBackend>, user: &str) -> Vec<String> {
     mem.units(user).unwrap().into_iter().map(|u| u.id).collect()
-}
-
-fn user_dir(dir: &Path, user: &str) -> PathBuf {
-    dir.join("users").join(user.bytes().map(|b| format!("{b:02x}")).collect::<String>())
 }
 
 /// The repro: one byte flipped a third of the way into a user's

@@ -24,7 +24,7 @@ use inferscale_engine::{CpuBackend, Engine};
 use inferscale_memory::faults::set_write_budget;
 use inferscale_memory::{Manifest, Memory, MemoryError, MemoryUnit, ShardSpec, UnitUpdate};
 
-use common::{Models, models};
+use common::{Models, models, user_dir};
 
 fn open(dir: &Path, e: &Engine<CpuBackend>) -> (Memory<CpuBackend>, Vec<String>) {
     Memory::open(dir, ShardSpec { window: 1, fingerprint: "faults".into() }, e).unwrap()
@@ -71,10 +71,6 @@ impl Rng {
     fn below(&mut self, n: u64) -> u64 {
         self.next() % n.max(1)
     }
-}
-
-fn user_dir(dir: &Path, user: &str) -> PathBuf {
-    dir.join("users").join(user.bytes().map(|b| format!("{b:02x}")).collect::<String>())
 }
 
 fn copy_dir(from: &Path, to: &Path) {

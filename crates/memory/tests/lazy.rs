@@ -9,12 +9,12 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use inferscale_engine::{CpuBackend, Engine};
 use inferscale_memory::{Memory, MemoryError, MemoryUnit, ShardSpec, StoreOptions};
 
-use common::models;
+use common::{models, user_dir};
 
 fn units(prefix: &str, n: usize) -> Vec<MemoryUnit> {
     (0..n)
@@ -32,8 +32,29 @@ fn open(dir: &Path, e: &Engine<CpuBackend>, lazy_users: bool) -> (Memory<CpuBack
     Memory::open_with(dir, spec, e, StoreOptions { lazy_users, ..StoreOptions::default() }).unwrap()
 }
 
-fn user_dir(dir: &Path, user: &str) -> PathBuf {
-    dir.join("users").join(user.bytes().map(|b| format!("{b:02x}")).collect::<String>())
+/// A memory of `users`, two units each stored without KV, closed; with the
+/// engine that made it.
+fn stored(users: &[&str]) -> (Engine<CpuBackend>, tempfile::TempDir) {
+    let m = models(256);
+    let mut e = m.engine();
+    let dir = tempfile::tempdir().unwrap();
+    let (mut mem, _) = open(dir.path(), &e, false);
+    let mut enc = m.encoders(&mut e);
+    for user in users {
+        mem.ingest_deferred(user, &units(user, 2), &mut enc).unwrap();
+    }
+    drop(mem);
+    (e, dir)
+}
+
+/// Flips a byte `at` of the way into `user`'s fact log; returns the file as written.
+fn flip(dir: &Path, user: &str, at: f64) -> Vec<u8> {
+    let log = user_dir(dir, user).join("facts.log");
+    let mut bytes = std::fs::read(&log).unwrap();
+    let i = (bytes.len() as f64 * at) as usize;
+    bytes[i] ^= 0x5a;
+    std::fs::write(&log, &bytes).unwrap();
+    bytes
 }
 
 #[test]
@@ -56,11 +77,8 @@ fn a_lazy_memory_reads_each_user_when_first_used_and_serves_what_an_eager_one_do
     drop(mem);
 
     // A flipped byte inside bob's first fact record: damage, found when read.
+    let bytes = flip(dir.path(), "bob", 0.25);
     let log = user_dir(dir.path(), "bob").join("facts.log");
-    let mut bytes = std::fs::read(&log).unwrap();
-    let at = bytes.len() / 4;
-    bytes[at] ^= 0x5a;
-    std::fs::write(&log, &bytes).unwrap();
 
     let (mut mem, warnings) = open(dir.path(), &e, true);
     // eve (an unfinished ingest) is read and rolled back at open — and so
@@ -123,20 +141,8 @@ fn a_lazy_memory_reads_each_user_when_first_used_and_serves_what_an_eager_one_do
 /// its files go (reading it is what finds the damage).
 #[test]
 fn a_damaged_user_not_yet_read_is_forgotten_with_its_files() {
-    let m = models(256);
-    let mut e = m.engine();
-    let dir = tempfile::tempdir().unwrap();
-    let (mut mem, _) = open(dir.path(), &e, false);
-    let mut enc = m.encoders(&mut e);
-    for user in ["amy", "zed"] {
-        mem.ingest_deferred(user, &units(user, 2), &mut enc).unwrap();
-    }
-    drop(mem);
-    let log = user_dir(dir.path(), "zed").join("facts.log");
-    let mut bytes = std::fs::read(&log).unwrap();
-    let at = bytes.len() / 3;
-    bytes[at] ^= 0x33;
-    std::fs::write(&log, &bytes).unwrap();
+    let (e, dir) = stored(&["amy", "zed"]);
+    flip(dir.path(), "zed", 0.33);
 
     let (mut mem, _) = open(dir.path(), &e, true);
     assert_eq!(mem.unread_users(), 1, "amy is read at open (the model check), zed is not");
@@ -153,15 +159,7 @@ fn a_damaged_user_not_yet_read_is_forgotten_with_its_files() {
 /// test's alone.)
 #[test]
 fn a_read_without_file_descriptors_is_an_error_not_damage() {
-    let m = models(256);
-    let mut e = m.engine();
-    let dir = tempfile::tempdir().unwrap();
-    let (mut mem, _) = open(dir.path(), &e, false);
-    let mut enc = m.encoders(&mut e);
-    for user in ["amy", "kim"] {
-        mem.ingest_deferred(user, &units(user, 2), &mut enc).unwrap();
-    }
-    drop(mem);
+    let (e, dir) = stored(&["amy", "kim"]);
     let (mem, _) = open(dir.path(), &e, true);
     assert_eq!(mem.unread_users(), 1);
 

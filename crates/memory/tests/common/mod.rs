@@ -33,3 +33,9 @@ impl Models {
         Encoders { engine, embedder: &self.embedder, composer: &self.composer }
     }
 }
+
+/// Where `user`'s files are in the memory directory `dir`.
+#[allow(dead_code)] // not every test file looks at a user's files
+pub fn user_dir(dir: &std::path::Path, user: &str) -> std::path::PathBuf {
+    dir.join("users").join(user.bytes().map(|b| format!("{b:02x}")).collect::<String>())
+}

@@ -467,8 +467,7 @@ impl pb::worker_server::Worker for WorkerService {
         &self,
         _: Request<pb::ListUsersRequest>,
     ) -> std::result::Result<Response<pb::ListUsersResponse>, Status> {
-        let held = self.handle.call(|reply| Command::Shard(ShardCommand::ListUsers { reply })).await?;
-        let (users, digests) = held.into_iter().unzip();
+        let (users, digests) = self.handle.call(|reply| Command::Shard(ShardCommand::ListUsers { reply })).await?;
         Ok(Response::new(pb::ListUsersResponse { users, digests }))
     }
 

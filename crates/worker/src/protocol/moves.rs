@@ -34,9 +34,9 @@ const FREEZE_TTL: Duration = Duration::from_secs(60);
 const MOVED_TTL: Duration = Duration::from_secs(120);
 
 pub(crate) enum ShardCommand {
-    /// Every user held, with the digest of its units.
+    /// Every user held and the digests of their units ([`super::shard::Shard::users`]).
     ListUsers {
-        reply: oneshot::Sender<Vec<(String, u64)>>,
+        reply: oneshot::Sender<(Vec<String>, Vec<u64>)>,
     },
     /// The KV header and the user's fact ids, in order.
     ExportBegin {

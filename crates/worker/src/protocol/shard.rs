@@ -106,9 +106,12 @@ pub trait Shard {
     /// What the shard holds (with its bytes per tier when `footprint`).
     fn holdings(&self, footprint: bool) -> Holdings;
 
-    /// Every user held here, with the digest of its units (the leader
-    /// replaces a replica whose digest differs from the home's).
-    fn users(&self) -> Vec<(String, u64)>;
+    /// Every user held here and, in the same order, the digest of each
+    /// one's units (the leader replaces a replica whose digest differs from
+    /// the home's) — no digests while a restarted memory still has users
+    /// it has not read: reading them all at once would hold up serving, and
+    /// the leader waits for digests it lacks rather than guess.
+    fn users(&self) -> (Vec<String>, Vec<u64>);
 
     /// `user`'s fact ids in order (empty for an unknown user).
     fn fact_ids(&self, user: &str) -> Vec<String>;
@@ -191,8 +194,12 @@ impl<B: Backend> Shard for Session<B> {
         }
     }
 
-    fn users(&self) -> Vec<(String, u64)> {
-        self.memory().digests().map(|(u, d)| (u.to_string(), d)).collect()
+    fn users(&self) -> (Vec<String>, Vec<u64>) {
+        let memory = self.memory();
+        match memory.unread_users() {
+            0 => memory.digests().map(|(u, d)| (u.to_string(), d)).unzip(),
+            _ => (memory.users().map(str::to_string).collect(), Vec::new()),
+        }
     }
 
     fn fact_ids(&self, user: &str) -> Vec<String> {

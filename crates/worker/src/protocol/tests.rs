@@ -111,8 +111,8 @@ impl Shard for MapShard {
         let facts = self.units.values().map(Vec::len).sum();
         Holdings { users: self.units.len(), facts, footprint: None, ..Default::default() }
     }
-    fn users(&self) -> Vec<(String, u64)> {
-        self.units.iter().map(|(u, us)| (u.clone(), us.len() as u64)).collect()
+    fn users(&self) -> (Vec<String>, Vec<u64>) {
+        self.units.iter().map(|(u, us)| (u.clone(), us.len() as u64)).unzip()
     }
     fn fact_ids(&self, user: &str) -> Vec<String> {
         self.units.get(user).map_or_else(Vec::new, |u| u.iter().map(|u| u.id.clone()).collect())

@@ -18,6 +18,7 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 use inferscale_engine::Backend;
@@ -55,14 +56,19 @@ pub(crate) struct Users<B: Backend> {
     header: KvHeader,
     /// Where [`Users::open_some`] goes on from.
     cursor: String,
+    /// Slots not read yet (kept, so that idle time and scrapes need not
+    /// count them).
+    unread: AtomicUsize,
     opened: Mutex<Opened>,
 }
 
 impl<B: Backend> Users<B> {
     /// A table of `listed` users under `dir` (`users/`), none read yet.
     pub(crate) fn listed(dir: PathBuf, header: KvHeader, listed: impl IntoIterator<Item = String>) -> Self {
-        let slots = listed.into_iter().map(|u| (u, Slot { shard: OnceLock::new() })).collect();
-        Users { slots, dir, header, cursor: String::new(), opened: Default::default() }
+        let slots: BTreeMap<String, Slot<B>> =
+            listed.into_iter().map(|u| (u, Slot { shard: OnceLock::new() })).collect();
+        let unread = AtomicUsize::new(slots.len());
+        Users { slots, dir, header, cursor: String::new(), unread, opened: Default::default() }
     }
 
     /// `slot`'s shard, reading `user` if it was not read yet; an error
@@ -90,7 +96,9 @@ impl<B: Backend> Users<B> {
             }
         };
         // The memory is used by one thread at a time: nothing else set it.
-        let _ = slot.shard.set(read);
+        if slot.shard.set(read).is_ok() {
+            self.unread.fetch_sub(1, Ordering::Relaxed);
+        }
         Ok(slot.shard.get().and_then(|r| r.as_ref().ok()))
     }
 
@@ -126,7 +134,11 @@ impl<B: Backend> Users<B> {
     }
 
     pub(crate) fn insert(&mut self, user: String, shard: UserShard<B>) {
-        self.slots.insert(user, Slot::opened(shard));
+        if let Some(old) = self.slots.insert(user, Slot::opened(shard))
+            && old.shard.get().is_none()
+        {
+            self.unread.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 
     /// Takes `user` out of the table: its shard if it was readable (read
@@ -163,13 +175,16 @@ impl<B: Backend> Users<B> {
 
     /// Users listed but not read yet.
     pub(crate) fn unread(&self) -> usize {
-        self.slots.values().filter(|s| s.shard.get().is_none()).count()
+        self.unread.load(Ordering::Relaxed)
     }
 
     /// Reads up to `max` users not read yet, in name order from where the
     /// last call stopped (wrapping around); returns how many it read.
     pub(crate) fn open_some(&mut self, max: usize) -> usize {
         use std::ops::Bound::{Excluded, Included, Unbounded};
+        if self.unread() == 0 {
+            return 0;
+        }
         let start = std::mem::take(&mut self.cursor);
         let after = self.slots.range::<str, _>((Included(start.as_str()), Unbounded));
         let before = self.slots.range::<str, _>((Unbounded, Excluded(start.as_str())));

@@ -5,6 +5,7 @@ mod answer;
 mod cache;
 pub(crate) mod commit;
 mod compose;
+mod edit;
 mod error;
 mod fact;
 pub mod faults;
@@ -28,6 +29,7 @@ mod users;
 pub use answer::{Facts, Prepared, prepare};
 pub use cache::{Budgets, CacheStats, Tier};
 pub use compose::{ANSWER_INSTRUCTION, Chat, Composer, MemoryTurn, Prompts, SYSTEM_PROMPT, USER_TURN_SYSTEM_PROMPT};
+pub use edit::{UnitUpdate, UpdateReport};
 pub use error::{MemoryError, Result};
 pub use fact::{Event, EventKind, Fact};
 pub use fetch::{FetchReport, Fetched, Pinned, ReadDone, ReadJob};
@@ -37,9 +39,7 @@ pub use manifest::{MANIFEST, Manifest, check_unlocked, recorded_window};
 pub use retrieval::{Query, Retriever};
 pub use search::matches as filter_matches;
 pub use session::{Hit, Session};
-pub use shard::{
-    Footprint, IngestReport, Memory, ShardSpec, StoreOptions, UnitUpdate, UpdateReport, fingerprint, validate,
-};
+pub use shard::{Footprint, IngestReport, Memory, ShardSpec, StoreOptions, fingerprint, validate};
 pub use transfer::{ImportReport, ShardRecord, StagedShard, Staging};
 pub use user::Encoders;
 pub use user::write_seq;

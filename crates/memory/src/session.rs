@@ -18,10 +18,11 @@ use inferscale_types::{MemoryUnit, Mode, Scope};
 
 use crate::answer::{Facts, Prepared, prepare};
 use crate::compose::{Chat, Composer, Prompts};
+use crate::edit::{UnitUpdate, UpdateReport};
 use crate::error::{MemoryError, Result};
 use crate::fetch::{FetchReport, Fetched, Pinned, ReadDone};
 use crate::retrieval::Query;
-use crate::shard::{IngestReport, Memory, UnitUpdate, UpdateReport};
+use crate::shard::{IngestReport, Memory};
 use crate::user::Encoders;
 
 /// One search result: a fact (an index into [`Memory::facts`]) and its

@@ -58,20 +58,6 @@ pub struct IngestReport {
     pub encoded_tokens: usize,
 }
 
-/// A change to one stored unit: a new text, new metadata, or both.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct UnitUpdate {
-    pub text: Option<String>,
-    pub metadata: Option<serde_json::Map<String, serde_json::Value>>,
-}
-
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct UpdateReport {
-    /// False when the unit already was as asked (a retried update).
-    pub changed: bool,
-    pub encoded_tokens: usize,
-}
-
 /// Checks `turns` as [`Memory::ingest`] would, storing nothing: a caller
 /// that ingests in several calls validates the whole request first.
 pub fn validate(user: &str, turns: &[MemoryUnit]) -> Result<()> {
@@ -138,7 +124,7 @@ pub fn validate(user: &str, turns: &[MemoryUnit]) -> Result<()> {
 /// short, this bounds them generously.
 const RECORD_RESERVE: usize = 64 << 10;
 
-fn check_length(u: &MemoryUnit, tokens: usize, max: usize) -> Result<()> {
+pub(crate) fn check_length(u: &MemoryUnit, tokens: usize, max: usize) -> Result<()> {
     match tokens <= max {
         true => Ok(()),
         false => Err(MemoryError::Invalid {
@@ -186,7 +172,7 @@ pub struct Memory<B: Backend> {
     /// Users that may have facts without KV (stored deferred, imported
     /// without it, or dropped as corrupt): [`Memory::encode_pending`]'s work.
     pub(crate) pending: std::collections::BTreeSet<String>,
-    encode_batch: usize,
+    pub(crate) encode_batch: usize,
     /// The facts' KV held in memory, by tier (`cache.rs`).
     pub(crate) cache: KvCache<B>,
     /// Cache keys of facts being read off the engine thread (`fetch.rs`).
@@ -199,7 +185,7 @@ pub struct Memory<B: Backend> {
     pub(crate) upload: crate::cache::Uploads<B::Tensor>,
     /// The model's context, in tokens: an encoding (header, window, fact)
     /// must fit it.
-    context: usize,
+    pub(crate) context: usize,
     /// How [`Memory::retrieve`] ranks facts.
     retriever: Retriever,
     /// Exclusive lock on `dir/LOCK`, held while this value lives: a second
@@ -758,157 +744,6 @@ impl<B: Backend> Memory<B> {
 
     pub fn retriever(&self) -> Retriever {
         self.retriever
-    }
-
-    /// Forgets one fact of `user` (`Some(id)`), or all of them.
-    pub fn forget(&mut self, user: &str, fact: Option<&str>) -> Result<()> {
-        match fact {
-            Some(id) => self.forget_fact(user, id),
-            None => self.forget_user(user),
-        }
-    }
-
-    /// Removes `user` from memory and from disk — a damaged user's files
-    /// too (deleting needs nothing of them read).
-    pub fn forget_user(&mut self, user: &str) -> Result<()> {
-        // A user not read yet that proves unreadable is damaged: its files go too.
-        let _ = self.users.open_now(user);
-        self.absorb_opened();
-        let dir = match (self.take_user(user), self.damaged.remove(user)) {
-            (Some(shard), _) => shard.dir.clone(),
-            (None, Some(_)) => self.user_dir(user),
-            (None, None) => return Err(MemoryError::UnknownUser(user.to_string())),
-        };
-        std::fs::remove_dir_all(&dir).map_err(io(&dir))?;
-        sync_dir(&self.dir.join("users"))
-    }
-
-    /// Changes one unit of `user` in place: a new text gets new tokens, a
-    /// new embedding and new KV, encoded in the unit's place (the same
-    /// context window; with `encode` false, when first needed), new
-    /// metadata replaces the old; the change is added to the unit's history.
-    /// The old KV is dropped (the KV log rewritten) before the fact log is
-    /// rewritten, so a crash between leaves the unit as it was with its KV
-    /// re-encoded when needed, and no KV made from the old text behind.
-    /// An update that changes nothing does nothing (retries are safe). The
-    /// KV of later units whose window held the old text is re-encoded with
-    /// the new one, as the unit's own is.
-    pub fn update(
-        &mut self,
-        user: &str,
-        id: &str,
-        change: &UnitUpdate,
-        enc: &mut Encoders<'_, B>,
-        encode: bool,
-    ) -> Result<UpdateReport> {
-        let max = self.max_fact_tokens(enc.composer.header().len());
-        let unknown = || MemoryError::UnknownFact { user: user.to_string(), id: id.to_string() };
-        if !self.user(user)?.by_id.contains_key(id) {
-            return Err(unknown());
-        }
-        // An ingest under way rolls back by id once a log is rewritten.
-        self.before_rewrite(user)?;
-        let shard = shard_mut(&mut self.users, &self.damaged, user)?;
-        let idx = *shard.by_id.get(id).ok_or_else(unknown)?;
-        let old = &shard.facts[idx];
-        let mut unit = old.unit.clone();
-        if let Some(text) = &change.text {
-            unit.text.clone_from(text);
-        }
-        if let Some(metadata) = &change.metadata {
-            unit.metadata.clone_from(metadata);
-        }
-        if unit == old.unit {
-            return Ok(UpdateReport::default());
-        }
-        validate(user, std::slice::from_ref(&unit))?;
-        let retext = unit.text != old.unit.text;
-        let (tokens, embedding) = match retext {
-            false => (old.tokens.clone(), old.embedding.clone()),
-            true => {
-                let line = Composer::turn_text(&unit.speaker, &unit.time, &unit.text);
-                let tokens = enc.composer.fact(&line)?;
-                check_length(&unit, tokens.len(), max)?;
-                let embedding = enc.embedder.embed(enc.engine.backend(), &[line.as_str()])?.pop().unwrap_or_default();
-                (tokens, embedding)
-            }
-        };
-        let mut history = old.history.clone();
-        history.push(Event::updated(&old.unit, &unit));
-        let digest = crate::user::unit_digest(&old.unit) ^ crate::user::unit_digest(&unit);
-        let fact = Fact { unit, tokens, embedding, history };
-        if retext {
-            // The KV made from the old text goes first (a crash then leaves
-            // the old text with its KV re-encoded), to be made again from
-            // the new.
-            shard.drop_kv_from(idx, self.spec.window, &mut self.cache)?;
-        }
-        // Durable first: a failed rewrite leaves the unit as it was, in
-        // memory as on disk.
-        let records: Vec<Vec<u8>> =
-            shard.facts.iter().enumerate().map(|(i, f)| Record::encode_put(if i == idx { &fact } else { f })).collect();
-        shard.log.rewrite(&records)?;
-        shard.facts[idx] = fact;
-        shard.digest ^= digest;
-        shard.facts_changed();
-        let mut report = UpdateReport { changed: true, encoded_tokens: 0 };
-        if retext {
-            // The update is durable: KV that cannot be made now (a full
-            // disk, say) is made later, and the update stands.
-            let (window, batch, context) = (self.spec.window, self.encode_batch, self.context);
-            match encode.then(|| shard.encode_missing(window, batch, usize::MAX, context, enc, &mut self.cache)) {
-                Some(Ok(tokens)) => report.encoded_tokens = tokens,
-                Some(Err(e)) => {
-                    tracing::warn!(user, error = %e, "encoding an updated unit's KV failed; it is encoded later");
-                    self.pending.insert(user.to_string());
-                }
-                None => {
-                    self.pending.insert(user.to_string());
-                }
-            }
-        }
-        Ok(report)
-    }
-
-    /// What happened to one unit of `user`, oldest first.
-    pub fn history(&self, user: &str, id: &str) -> Result<&[Event]> {
-        let shard = self.user(user)?;
-        let idx = shard
-            .by_id
-            .get(id)
-            .ok_or_else(|| MemoryError::UnknownFact { user: user.to_string(), id: id.to_string() })?;
-        Ok(&shard.facts[*idx].history)
-    }
-
-    /// Removes one fact of `user` from memory and from disk (both logs are
-    /// rewritten without it), and with it every stored tensor derived from
-    /// its text: the KV of the facts whose context window held it (and of
-    /// those it was the source turn of) is dropped too and re-encoded from
-    /// the remaining units when next needed, or in idle time
-    /// ([`Memory::encode_pending`]) — the KV an ingest of the remaining
-    /// units would have made. The KV log is rewritten first: a crash before
-    /// the fact log is leaves the fact stored (the forget was not
-    /// acknowledged) with that KV re-encoded when needed, never KV derived
-    /// from a forgotten unit.
-    pub fn forget_fact(&mut self, user: &str, id: &str) -> Result<()> {
-        let window = self.spec.window;
-        let unknown = || MemoryError::UnknownFact { user: user.to_string(), id: id.to_string() };
-        if !self.user(user)?.by_id.contains_key(id) {
-            return Err(unknown());
-        }
-        self.before_rewrite(user)?;
-        let shard = shard_mut(&mut self.users, &self.damaged, user)?;
-        let idx = *shard.by_id.get(id).ok_or_else(unknown)?;
-        let cascades = shard.drop_kv_from(idx, window, &mut self.cache)?;
-        // Durable first: a failed rewrite leaves the unit stored and served.
-        let records: Vec<Vec<u8>> =
-            shard.facts.iter().enumerate().filter(|&(i, _)| i != idx).map(|(_, f)| Record::encode_put(f)).collect();
-        shard.log.rewrite(&records)?;
-        shard.remove_fact(idx, &mut self.cache);
-        if cascades {
-            self.pending.insert(user.to_string());
-        }
-        Ok(())
     }
 }
 

@@ -11,7 +11,7 @@ use std::time::Instant;
 use inferscale_engine::{Backend, KvChunk};
 
 use crate::cache::TierUploads;
-use crate::cache::{Admit, Source, Tier};
+use crate::cache::{Admit, KvCache, Source, Tier};
 use crate::error::{MemoryError, Result};
 use crate::kvseg::{KvFormat, KvHeader, StoredKv};
 use crate::log::{Frame, read_frame_at};
@@ -152,10 +152,16 @@ impl<B: Backend> ReadJob<B> {
 }
 
 impl<B: Backend> Memory<B> {
-    /// The read of `user`'s fact `i`'s record (`None`: it has none), bound
-    /// for the tier the cache picks (`KvCache::read_target`): the device
-    /// while it has room, else the host tier.
-    fn read_job(&mut self, user: &str, i: usize) -> Option<ReadJob<B>> {
+    /// The read of `user`'s fact `i`'s record (`None`: it has none, or
+    /// `place` declined), bound for the tier `place` picks from the fact's
+    /// tokens and the bytes a value takes in device memory (`None`: readers
+    /// cannot place there), with the device bytes it reserved.
+    fn read_job(
+        &mut self,
+        user: &str,
+        i: usize,
+        place: impl FnOnce(&mut KvCache<B>, usize, Option<u64>) -> Option<(Tier, u64)>,
+    ) -> Option<ReadJob<B>> {
         let shard = self.users.get(user)?;
         let (fact, kv) = (shard.facts.get(i)?, shard.kv.get(i)?);
         let frame = kv.at?;
@@ -166,7 +172,7 @@ impl<B: Backend> Memory<B> {
             (KvFormat::Fp8, Some(_)) => Some(1),
             _ => device.bf.as_ref().map(|_| self.cache.bytes_per_value()),
         };
-        let (to, reserved) = self.cache.read_target(fact.tokens.len(), per_value);
+        let (to, reserved) = place(&mut self.cache, fact.tokens.len(), per_value)?;
         let upload = match to {
             Tier::Device => device.clone(),
             Tier::Host => self.upload.host.clone(),
@@ -183,6 +189,13 @@ impl<B: Backend> Memory<B> {
             fact_id: fact.unit.id.clone(),
             tokens: fact.tokens.clone(),
         })
+    }
+
+    /// [`Memory::read_job`] bound for the tier the cache picks
+    /// (`KvCache::read_target`): the device while it has room, else the
+    /// host tier.
+    fn cache_read_job(&mut self, user: &str, i: usize) -> Option<ReadJob<B>> {
+        self.read_job(user, i, |cache, tokens, per_value| Some(cache.read_target(tokens, per_value)))
     }
 }
 
@@ -207,7 +220,7 @@ impl<B: Backend> Memory<B> {
             return Err(MemoryError::UnknownUser(user.to_string()));
         }
         let jobs: Vec<(usize, ReadJob<B>)> =
-            cold.iter().filter_map(|&i| self.read_job(user, i).map(|job| (i, job))).collect();
+            cold.iter().filter_map(|&i| self.cache_read_job(user, i).map(|job| (i, job))).collect();
         let t0 = Instant::now();
         let (idx, jobs): (Vec<usize>, Vec<ReadJob<B>>) = jobs.into_iter().unzip();
         for (i, done) in idx.into_iter().zip(run_parallel(jobs)) {
@@ -281,7 +294,7 @@ impl<B: Backend> Memory<B> {
             if self.cache.get(key).is_some() || self.reading.contains(&key) {
                 continue;
             }
-            if let Some(job) = self.read_job(user, i) {
+            if let Some(job) = self.cache_read_job(user, i) {
                 self.reading.insert(key);
                 jobs.push(job);
             }
@@ -302,31 +315,16 @@ impl<B: Backend> Memory<B> {
             if self.cache.tier(key) != Some(Tier::Host) || self.reading.contains(&key) {
                 continue;
             }
-            let Some(shard) = self.users.get(&user) else { continue };
-            let Some((fact, kv)) = shard.facts.get(i).zip(shard.kv.get(i)).filter(|(_, kv)| kv.key == key) else {
+            if self.users.get(&user).and_then(|s| s.kv.get(i)).is_none_or(|kv| kv.key != key) {
                 continue;
+            }
+            let place = |cache: &mut KvCache<B>, _, per_value: Option<u64>| {
+                Some((Tier::Device, cache.reserve_promotion(key, per_value?)?))
             };
-            let Some(frame) = kv.at else { continue };
-            let device = &self.upload.device;
-            let per_value = match (shard.seg.dtype, &device.fp8) {
-                (KvFormat::Fp8, Some(_)) => 1,
-                _ if device.bf.is_some() => self.cache.bytes_per_value(),
-                _ => continue,
-            };
-            let Some(reserved) = self.cache.reserve_promotion(key, per_value) else { continue };
-            self.reading.insert(key);
-            jobs.push(ReadJob {
-                upload: device.clone(),
-                to: Tier::Device,
-                reserved,
-                user: user.clone(),
-                key,
-                frame,
-                path: shard.kv_log.path().to_path_buf(),
-                seg: shard.seg.clone(),
-                fact_id: fact.unit.id.clone(),
-                tokens: fact.tokens.clone(),
-            });
+            if let Some(job) = self.read_job(&user, i, place) {
+                self.reading.insert(key);
+                jobs.push(job);
+            }
         }
         jobs
     }

@@ -413,9 +413,7 @@ impl<B: Backend> Memory<B> {
             tracing::warn!("{w}");
         }
         self.pending.extend(opened.need_kv);
-        let failed: Vec<(String, String)> =
-            self.users.failures().map(|(u, why)| (u.to_string(), why.to_string())).collect();
-        for (user, why) in failed {
+        for (user, why) in opened.failed {
             self.users.remove(&user);
             self.damaged.insert(user, why);
         }

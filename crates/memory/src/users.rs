@@ -46,6 +46,8 @@ pub(crate) struct Opened {
     pub(crate) warnings: Vec<String>,
     /// Users read with facts whose KV is missing (background encoding's work).
     pub(crate) need_kv: Vec<String>,
+    /// Users found unreadable, with why.
+    pub(crate) failed: Vec<(String, String)>,
 }
 
 pub(crate) struct Users<B: Backend> {
@@ -92,6 +94,7 @@ impl<B: Backend> Users<B> {
             }
             Err(e) => {
                 opened.warnings.push(format!("user {user:?} is unavailable until repaired: {e}"));
+                opened.failed.push((user.to_string(), e.to_string()));
                 Err(e.to_string())
             }
         };

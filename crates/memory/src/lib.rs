@@ -39,7 +39,7 @@ pub use manifest::{MANIFEST, Manifest, check_unlocked, recorded_window};
 pub use retrieval::{Query, Retriever};
 pub use search::matches as filter_matches;
 pub use session::{Hit, Session};
-pub use shard::{Footprint, IngestReport, Memory, ShardSpec, StoreOptions, fingerprint, validate};
+pub use shard::{Footprint, IngestReport, Memory, ShardSpec, StoreOptions, fingerprint, user_dir_name, validate};
 pub use transfer::{ImportReport, ShardRecord, StagedShard, Staging};
 pub use user::Encoders;
 pub use user::write_seq;

@@ -208,7 +208,9 @@ pub(crate) fn shard_mut<'a, B: Backend>(
     users.get_mut(user).ok_or_else(|| MemoryError::UnknownUser(user.to_string()))
 }
 
-pub(crate) fn user_dir_name(user: &str) -> String {
+/// The name of `user`'s directory under `users/`: its id's bytes in hex
+/// (any id is a valid file name, and ids stay apart).
+pub fn user_dir_name(user: &str) -> String {
     user.bytes().map(|b| format!("{b:02x}")).collect()
 }
 

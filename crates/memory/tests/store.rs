@@ -15,7 +15,7 @@ use inferscale_engine::{CpuBackend, Engine};
 use inferscale_memory::{Budgets, KvFormat, Memory, MemoryUnit, ShardSpec, StoreOptions, Tier};
 use inferscale_model::HostTensor;
 
-use common::{Models, models};
+use common::{Models, models, user_dir};
 
 fn turns(prefix: &str, n: usize) -> Vec<MemoryUnit> {
     (0..n)
@@ -155,7 +155,7 @@ fn every_format_is_read_whatever_format_new_segments_get() {
     }
     // Segment sizes follow the format.
     let size = |user: &str| {
-        let d = dir.path().join("users").join(user.bytes().map(|b| format!("{b:02x}")).collect::<String>());
+        let d = user_dir(dir.path(), user);
         std::fs::metadata(d.join("kv.log")).unwrap().len() as f64
     };
     let (f32_bytes, bf16_bytes, fp8_bytes) = (size("f32"), size("bf16"), size("fp8"));

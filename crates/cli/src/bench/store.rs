@@ -257,7 +257,7 @@ fn run_on<B: Backend>(a: &StoreBenchArgs, backend: B) -> Result<()> {
 /// Adds `--copies` − 1 copies of each of the `--users` users of the memory
 /// at `dir` (closed): user `u`'s copy `c` is user `u + c × users`.
 fn copy_users(dir: &std::path::Path, a: &StoreBenchArgs) -> Result<()> {
-    let hex = |u: usize| format!("user{u}").bytes().map(|b| format!("{b:02x}")).collect::<String>();
+    let hex = |u: usize| inferscale_memory::user_dir_name(&format!("user{u}"));
     let users = dir.join("users");
     for c in 1..a.copies {
         for u in 0..a.users {

@@ -37,5 +37,5 @@ impl Models {
 /// Where `user`'s files are in the memory directory `dir`.
 #[allow(dead_code)] // not every test file looks at a user's files
 pub fn user_dir(dir: &std::path::Path, user: &str) -> std::path::PathBuf {
-    dir.join("users").join(user.bytes().map(|b| format!("{b:02x}")).collect::<String>())
+    dir.join("users").join(inferscale_memory::user_dir_name(user))
 }

@@ -149,7 +149,7 @@ fp8-collect)
     cat "$2/fp8-$r.md"
   done
   ;;
-blend-select-bench)
+select-bench)
   source scripts/gpu_env.sh
   "$bin" check --json "$2/check.json" > "$2/check.txt" 2>&1 || { tail -20 "$2/check.txt"; exit 1; }
   grep -i "blend\|attention_mass" "$2/check.txt"; tail -1 "$2/check.txt"
@@ -178,7 +178,7 @@ blend-select)
     --ttft-questions 5 --out "$work/eval" > "$work/eval.log" 2>&1 < /dev/null &
   echo "eval started (pid $!)"
   ;;
-bench)
+blend-bench)
   source scripts/gpu_env.sh
   "$bin" check --json "$2/check.json" > "$2/check.txt" 2>&1 || { tail -20 "$2/check.txt"; exit 1; }
   grep -i "blend" "$2/check.txt"; tail -1 "$2/check.txt"

@@ -24,7 +24,7 @@
 #   gpu_qwen.sh select-bench OUT  inferscale check (random shapes: the device's attention mass against the
 #                                 host's), then bench ttft kv/prompt/blend r 0.15 ranked by deviation and by
 #                                 the question, the Llama-3.1-8B shape and Qwen
-#   gpu_qwen.sh audit-bench OUT   bench serve, Qwen, kv k = 50 at 100 clients, with --audit-share 0 and 0.01
+#   gpu_qwen.sh audit-bench OUT   bench serve, Qwen, kv k = 50 at 100 clients, --audit-shares 0,0.01 in turn, 4 rounds
 #   gpu_qwen.sh blend-select      LoCoMo dev split for the blend selections: kv, prompt and blend at
 #                                 r 0.15/0.3 ranked by deviation, question and fact starts, k 20,50, window 20
 #                                 ($SELECT_WINDOWS overrides), started like `eval` (`collect` waits)
@@ -163,12 +163,12 @@ select-bench)
   ;;
 audit-bench)
   source scripts/gpu_env.sh
-  for share in 0 0.01 0 0.01; do
-    "$bin" bench serve --backend cuda --model "$work/qwen.gguf" --embedder "$work/minilm" --window 0 \
-      --kv-cache-mb 40000 --max-batch-tokens 2048 --max-running 128 --max-queue 512 --audit-share $share \
-      --users 100 --modes kv --k 50 --max-tokens 32 --memory-users 10 --facts-per-user 50 \
-      --warmup-s 5 --duration-s 15 --json "$2/serve-audit-$share-$RANDOM.json" 2>&1 | tail -n 3 | tee -a "$2/serve-audit.txt"
-  done
+  # Both shares on one warm worker, in turn, four rounds: the audit's cost
+  # beside the spread between rounds of the same share.
+  "$bin" bench serve --backend cuda --model "$work/qwen.gguf" --embedder "$work/minilm" --window 0 \
+    --kv-cache-mb 40000 --max-batch-tokens 2048 --max-running 128 --max-queue 512 --audit-shares 0,0.01 \
+    --rounds 4 --users 100 --modes kv --k 50 --max-tokens 32 --memory-users 10 --facts-per-user 50 \
+    --warmup-s 3 --duration-s 15 --json "$2/serve-audit.json" 2>&1 | tail -n 16 | tee "$2/serve-audit.txt"
   ;;
 blend-select)
   source scripts/gpu_env.sh

@@ -158,6 +158,63 @@ fn bench_ttft_reports_both_modes_with_their_token_counts() {
     }
 }
 
+/// `bench serve --audit-shares 0,1 --rounds 2` on the CPU: four points on
+/// one worker, in order; a share-0 point audits nothing, a share-1 point
+/// audits or skips every kv request it sent (each one is sampled) and
+/// has run its audits before the next point starts.
+#[test]
+fn bench_serve_measures_each_audit_share_on_one_worker() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("serve.json");
+    let o = inferscale(&[
+        "bench",
+        "serve",
+        "--users",
+        "2",
+        "--modes",
+        "kv",
+        "--k",
+        "2",
+        "--memory-users",
+        "1",
+        "--facts-per-user",
+        "2",
+        "--max-tokens",
+        "2",
+        "--warmup-s",
+        "0",
+        "--duration-s",
+        "1",
+        "--audit-shares",
+        "0,1",
+        "--rounds",
+        "2",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let points = report["results"].as_array().unwrap();
+    let order: Vec<(u64, f64)> =
+        points.iter().map(|p| (p["round"].as_u64().unwrap(), p["audit_share"].as_f64().unwrap())).collect();
+    assert_eq!(order, [(0, 0.0), (0, 1.0), (1, 0.0), (1, 1.0)], "{report}");
+    for p in points {
+        let (requests, audited, skipped) =
+            (p["requests"].as_u64().unwrap(), p["audited"].as_u64().unwrap(), p["audits_skipped"].as_u64().unwrap());
+        assert!(requests > 0, "{p}");
+        if p["audit_share"].as_f64() == Some(0.0) {
+            assert_eq!((audited, skipped), (0, 0), "share 0 audits nothing: {p}");
+        } else {
+            assert!(audited >= 1 && audited + skipped >= requests, "share 1 samples every kv request: {p}");
+        }
+    }
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("÷ first"), "the by-share summary is printed: {out}");
+    // Shares outside 0..=1 are refused before the model loads.
+    let o = inferscale(&["bench", "serve", "--audit-shares", "0,2"]);
+    assert!(!o.status.success() && stderr(&o).contains("--audit-shares"), "{}", stderr(&o));
+}
+
 #[test]
 fn worker_engine_vllm_configures_vllm_with_the_connector_and_refuses_what_it_cannot_run() {
     let dir = tempfile::tempdir().unwrap();

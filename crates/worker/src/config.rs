@@ -3,6 +3,7 @@
 //! ([`ColdKv`]) and who may reuse whose computed prompt blocks
 //! ([`PrefixCache`]).
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use inferscale_memory::Prompts;
@@ -39,6 +40,28 @@ pub struct WorkerConfig {
     /// what injection costs in answer quality (`engine_thread/audit.rs`);
     /// 0, the default, audits none.
     pub audit_share: f64,
+}
+
+/// The share of injecting requests audited, read at each one: it starts at
+/// [`WorkerConfig::audit_share`] and can change while the worker serves
+/// ([`crate::WorkerService::set_audit_share`]), so that an operator turns the
+/// audit on or off without a restart and a benchmark measures several
+/// shares on one warm worker.
+#[derive(Debug)]
+pub(crate) struct AuditShare(AtomicU64);
+
+impl AuditShare {
+    pub(crate) fn new(share: f64) -> AuditShare {
+        AuditShare(AtomicU64::new(share.clamp(0.0, 1.0).to_bits()))
+    }
+
+    pub(crate) fn get(&self) -> f64 {
+        f64::from_bits(self.0.load(Ordering::Relaxed))
+    }
+
+    pub(crate) fn set(&self, share: f64) {
+        self.0.store(share.clamp(0.0, 1.0).to_bits(), Ordering::Relaxed);
+    }
 }
 
 /// Automatic prefix caching of computed prompt blocks (prompt and none

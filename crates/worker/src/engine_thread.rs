@@ -24,7 +24,7 @@ use inferscale_model::ModelFiles;
 use tracing::{Span, field::Empty, info_span};
 
 use crate::cold::{ColdCosts, Mean};
-use crate::config::{ColdKv, WorkerConfig};
+use crate::config::{AuditShare, ColdKv, WorkerConfig};
 use crate::error::{Result, WorkerError};
 use crate::kv_reader::KvReader;
 use crate::metrics::WorkerMetrics;
@@ -173,6 +173,7 @@ fn ms(d: Duration) -> f64 {
 pub(crate) fn run<B: Backend>(
     parts: WorkerParts<B>,
     cfg: WorkerConfig,
+    audit_share: Arc<AuditShare>,
     rx: Receiver<Command>,
     metrics: Arc<WorkerMetrics>,
 ) -> Result<()> {
@@ -202,7 +203,7 @@ pub(crate) fn run<B: Backend>(
         ProtocolConfig { max_k: cfg.max_k, ingest_batch: cfg.ingest_batch, max_ingest_units: cfg.max_ingest_units },
         metrics.clone(),
     );
-    let (cfg_ingest_batch, cfg_audit_share) = (cfg.ingest_batch, cfg.audit_share);
+    let cfg_ingest_batch = cfg.ingest_batch;
     let mut core = Core {
         session,
         eos,
@@ -221,7 +222,7 @@ pub(crate) fn run<B: Backend>(
         encode_throttle: Throttle::new(BACKGROUND_SHARE, cfg_ingest_batch, false),
         last_busy: Instant::now() - RECENTLY_BUSY,
         last_scrub: Instant::now(),
-        audits: audit::Audits::new(cfg_audit_share),
+        audits: audit::Audits::new(audit_share),
         read_s: Mean::default(),
         prefill_s_per_token: Mean::default(),
     };

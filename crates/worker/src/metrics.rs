@@ -73,6 +73,20 @@ pub struct WorkerMetrics {
     audit_kl: [Histogram; 4],
     audit_agreed: [AtomicU64; 4],
     audit_skipped: AtomicU64,
+    /// Audits queued or running.
+    audit_waiting: AtomicU64,
+}
+
+/// The audit's counts so far (see [`WorkerMetrics::audits`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AuditCounts {
+    /// Requests audited (every injecting mode).
+    pub audited: u64,
+    /// Requests sampled for the audit and not audited.
+    pub skipped: u64,
+    /// Audits queued or running: none once every sampled request's audit
+    /// has its outcome counted.
+    pub waiting: u64,
 }
 
 /// First-token KL buckets: from bf16 noise (1e-4) to answers apart (4).
@@ -106,6 +120,7 @@ impl Default for WorkerMetrics {
             audit_kl: std::array::from_fn(|_| Histogram::new(&KL_BUCKETS)),
             audit_agreed: Default::default(),
             audit_skipped: AtomicU64::new(0),
+            audit_waiting: AtomicU64::new(0),
         }
     }
 }
@@ -184,6 +199,24 @@ impl WorkerMetrics {
     /// A request sampled for the audit that was not audited.
     pub(crate) fn audit_skipped(&self) {
         self.audit_skipped.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// `n` audits are queued or running.
+    pub(crate) fn audits_waiting(&self, n: usize) {
+        // Release: the outcomes counted before it are seen by whoever
+        // reads this value (`audits`).
+        self.audit_waiting.store(n as u64, Ordering::Release);
+    }
+
+    /// The audit's counts so far: what a benchmark reads around a point to
+    /// say how many of its requests were audited.
+    pub fn audits(&self) -> AuditCounts {
+        let waiting = self.audit_waiting.load(Ordering::Acquire);
+        AuditCounts {
+            audited: self.audit_kl.iter().map(Histogram::count).sum(),
+            skipped: self.audit_skipped.load(Ordering::Relaxed),
+            waiting,
+        }
     }
 
     /// A read of facts' KV from disk took `seconds`.
@@ -352,6 +385,9 @@ impl WorkerMetrics {
         let help = "Requests sampled for the audit and not audited (queue full, facts forgotten, no KV blocks free).";
         prom::header(&mut out, name, "counter", help);
         out.push_str(&format!("{name} {}\n", self.audit_skipped.load(Ordering::Relaxed)));
+        let name = "inferscale_worker_audits_waiting";
+        prom::header(&mut out, name, "gauge", "Audits queued or running (they run in the engine's spare time).");
+        out.push_str(&format!("{name} {}\n", self.audit_waiting.load(Ordering::Relaxed)));
         let name = REQUESTS_TOTAL;
         prom::header(&mut out, name, "counter", "Requests that left the worker, by how.");
         for (status, v) in [("finished", stats.finished), ("cancelled", stats.cancelled), ("failed", stats.failed)] {

@@ -17,7 +17,7 @@ use tokio_stream::{Stream, StreamExt, wrappers::UnboundedReceiverStream};
 use tonic::{Request, Response, Status};
 use tracing::{Instrument, info_span};
 
-use crate::config::WorkerConfig;
+use crate::config::{AuditShare, WorkerConfig};
 use crate::engine_thread::{WorkerParts, run};
 use crate::error::{Result, WorkerError};
 use crate::handle::Handle;
@@ -28,6 +28,7 @@ use crate::protocol::{
     finish_reason,
 };
 use inferscale_telemetry::propagate;
+use inferscale_types::Refusal;
 
 /// What a worker serves, for health answers.
 #[derive(Debug, Clone)]
@@ -55,6 +56,9 @@ pub struct WorkerService {
     handle: Handle,
     info: WorkerInfo,
     ready: Arc<AtomicBool>,
+    /// The audited share the engine thread reads; `None` for a worker whose
+    /// generation is another engine's (nothing to audit).
+    audit_share: Option<Arc<AuditShare>>,
 }
 
 /// Starts the engine thread: `load` builds the engine, embedder and memory
@@ -65,16 +69,19 @@ where
     B: Backend,
     F: FnOnce() -> Result<WorkerParts<B>> + Send + 'static,
 {
-    start(
+    let audit_share = Arc::new(AuditShare::new(cfg.audit_share));
+    let read_by_engine = audit_share.clone();
+    let (service, thread) = start(
         "inferscale-engine",
         info,
         move |_| load(),
         move |parts, rx, metrics| {
-            if let Err(e) = run(parts, cfg, rx, metrics) {
+            if let Err(e) = run(parts, cfg, read_by_engine, rx, metrics) {
                 eprintln!("inferscale worker: engine thread stopped: {e}");
             }
         },
-    )
+    )?;
+    Ok((WorkerService { audit_share: Some(audit_share), ..service }, thread))
 }
 
 /// Starts a thread that carries out the service's commands on a host of
@@ -132,7 +139,7 @@ where
         .map_err(|e| WorkerError::Startup(format!("starting thread {name}: {e}")))?;
     started_rx.recv().map_err(|_| WorkerError::Startup(format!("thread {name} exited while starting")))??;
     let handle = Handle { tx, metrics, links: None, security: Security::Plaintext };
-    Ok((WorkerService { handle, info, ready }, thread))
+    Ok((WorkerService { handle, info, ready, audit_share: None }, thread))
 }
 
 impl WorkerService {
@@ -191,6 +198,21 @@ impl WorkerService {
 
     pub fn metrics(&self) -> &WorkerMetrics {
         &self.handle.metrics
+    }
+
+    /// Audits the share `share` (0..=1) of kv and blend requests from the
+    /// next one laid out on (`WorkerConfig::audit_share` was the first).
+    pub fn set_audit_share(&self, share: f64) -> Result<()> {
+        if !(0.0..=1.0).contains(&share) {
+            return Err(Refusal::new("audit_share", format!("an audit share is between 0 and 1, not {share}")).into());
+        }
+        let Some(s) = &self.audit_share else {
+            return Err(
+                Refusal::new("audit_share", "this worker's generation is another engine's: nothing to audit").into()
+            );
+        };
+        s.set(share);
+        Ok(())
     }
 
     /// Lets this worker move shards' KV over device links (see

@@ -20,6 +20,12 @@
 //! an ingest of N new turns for another user runs on the same worker — what
 //! a large ingest does to chats' time to first token and time between
 //! tokens (ITL), side by side.
+//!
+//! With `--audit-shares 0,0.01`, each point is measured at each share of
+//! requests audited (the worker's `--audit-share`, changed between points on
+//! the same warm worker), and with `--rounds R` the whole grid R times over:
+//! what the answer audit costs, against a spread measured in the same run.
+//! A point counts its requests audited, waiting after it for their audits.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -32,7 +38,7 @@ use inferscale_memory::Mode;
 use inferscale_model::progress::Progress;
 use inferscale_proto as pb;
 use inferscale_proto::worker_client::WorkerClient;
-use inferscale_worker::PrefixCache;
+use inferscale_worker::{PrefixCache, WorkerService};
 use serde::Serialize;
 use tokio::net::TcpListener;
 use tokio::sync::Mutex;
@@ -77,6 +83,15 @@ pub struct ServeBenchArgs {
     /// another user) runs on the worker (0: idle only).
     #[arg(long, default_value_t = 0)]
     ingest_turns: usize,
+    /// Audit shares (0..=1) to measure each point at, in turn on the same
+    /// worker (empty: the worker's `--audit-share` for every point).
+    #[arg(long, value_delimiter = ',')]
+    audit_shares: Vec<f64>,
+    /// Times the whole grid of points is measured, one round after another:
+    /// the spread between rounds is what a difference between points must
+    /// beat.
+    #[arg(long, default_value_t = 1)]
+    rounds: usize,
     /// Write results as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -88,6 +103,13 @@ pub struct ServeBenchArgs {
 struct Point {
     mode: Mode,
     users: usize,
+    /// The round the point was measured in, from 0.
+    round: usize,
+    /// The worker's audited share during the point, and how many of the
+    /// point's requests (warm-up included) were audited and skipped.
+    audit_share: f64,
+    audited: u64,
+    audits_skipped: u64,
     requests: usize,
     errors: usize,
     requests_per_s: f64,
@@ -224,7 +246,22 @@ async fn ingest_during(addr: String, user: String, turns: usize, until: Instant)
     Ok((stored, t0.elapsed().as_secs_f64()))
 }
 
-async fn measure(a: &ServeBenchArgs, addr: &str, mode: Mode, users: usize, ingest: Option<String>) -> Result<Point> {
+/// One point of the grid: what `measure` runs.
+struct PointSpec {
+    mode: Mode,
+    users: usize,
+    round: usize,
+    audit_share: f64,
+    /// The user an ingest runs for during the point, if one does.
+    ingest: Option<String>,
+}
+
+/// How long a point waits after its last request for the audits it queued.
+const AUDIT_DRAIN: Duration = Duration::from_secs(120);
+
+async fn measure(a: &ServeBenchArgs, addr: &str, worker: &WorkerService, spec: PointSpec) -> Result<Point> {
+    let PointSpec { mode, users, round, audit_share, ingest } = spec;
+    let audits_before = worker.metrics().audits();
     let pmode = pb::MemoryMode::from(mode);
     let start = Instant::now();
     let from = start + Duration::from_secs_f64(a.warmup_s);
@@ -288,6 +325,16 @@ async fn measure(a: &ServeBenchArgs, addr: &str, mode: Mode, users: usize, inges
             (true, stored as f64 / secs.max(1e-9))
         }
     };
+    // The engine runs queued audits once the clients stop: wait for them,
+    // so that this point's audits are counted here and run in no other.
+    let t = Instant::now();
+    while worker.metrics().audits().waiting > 0 {
+        if t.elapsed() > AUDIT_DRAIN {
+            bail!("the audits of a point still wait {} s after its last request", AUDIT_DRAIN.as_secs());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let audits = worker.metrics().audits();
     let mut s = std::mem::take(&mut *sample.lock().await);
     s.ttft.sort_by(f64::total_cmp);
     s.latency.sort_by(f64::total_cmp);
@@ -297,6 +344,10 @@ async fn measure(a: &ServeBenchArgs, addr: &str, mode: Mode, users: usize, inges
     Ok(Point {
         mode,
         users,
+        round,
+        audit_share,
+        audited: audits.audited - audits_before.audited,
+        audits_skipped: audits.skipped - audits_before.skipped,
         requests: n,
         errors: s.errors,
         requests_per_s: n as f64 / a.duration_s,
@@ -324,6 +375,9 @@ pub fn run(mut a: ServeBenchArgs) -> Result<()> {
     if !(a.duration_s > 0.0 && a.warmup_s >= 0.0) {
         bail!("--duration-s must be positive and --warmup-s not negative");
     }
+    if a.rounds == 0 || a.audit_shares.iter().any(|s| !(0.0..=1.0).contains(s)) {
+        bail!("need --rounds ≥ 1 and every --audit-shares value between 0 and 1");
+    }
     let mut tmp = None;
     if a.worker.mem.memory.is_none() {
         let dir = tempfile_dir()?;
@@ -340,7 +394,7 @@ pub fn run(mut a: ServeBenchArgs) -> Result<()> {
     let report = rt.block_on(async {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?.to_string();
-        tokio::spawn(serve_grpc(listener, service));
+        tokio::spawn(serve_grpc(listener, service.clone()));
         let mut client = WorkerClient::connect(format!("http://{addr}")).await?;
         let facts = fact_texts(&a, byte_level);
         let t0 = Instant::now();
@@ -371,20 +425,37 @@ pub fn run(mut a: ServeBenchArgs) -> Result<()> {
         );
         let mut results = Vec::new();
         let passes: Vec<bool> = if a.ingest_turns > 0 { vec![false, true] } else { vec![false] };
-        let points = (a.modes.len() * a.users.len() * passes.len()) as u64;
+        // None: the share the worker started with, left alone.
+        let shares: Vec<Option<f64>> =
+            if a.audit_shares.is_empty() { vec![None] } else { a.audit_shares.iter().copied().map(Some).collect() };
+        let points = (a.rounds * a.modes.len() * a.users.len() * passes.len() * shares.len()) as u64;
         let mut progress = Progress::new("inferscale bench serve", points, "points");
-        for &mode in &a.modes {
-            for &users in &a.users {
-                for &during in &passes {
-                    let what = if during { ", during an ingest" } else { "" };
-                    progress.set(results.len() as u64, &format!("{mode}, {users} users{what}"));
-                    let ingest_user = during.then(|| format!("bench-ingest-{}", results.len()));
-                    let p = measure(&a, &addr, mode, users, ingest_user).await?;
-                    eprintln!(
-                        "inferscale bench serve: {mode:>6} users {users:>4}{what}: {:.2} req/s, TTFT p50 {:.1} ms p99 {:.1} ms, ITL p50 {:.1} ms p99 {:.1} ms",
-                        p.requests_per_s, p.ttft_ms_p50, p.ttft_ms_p99, p.itl_ms_p50, p.itl_ms_p99
-                    );
-                    results.push(p);
+        for round in 0..a.rounds {
+            for &mode in &a.modes {
+                for &users in &a.users {
+                    for &during in &passes {
+                        for &share in &shares {
+                            if let Some(s) = share {
+                                service.set_audit_share(s)?;
+                            }
+                            let audit_share = share.unwrap_or(a.worker.audit_share);
+                            let what = format!(
+                                "{}{}{}",
+                                if during { ", during an ingest" } else { "" },
+                                if share.is_some() { format!(", audit share {audit_share}") } else { String::new() },
+                                if a.rounds > 1 { format!(", round {}", round + 1) } else { String::new() },
+                            );
+                            progress.set(results.len() as u64, &format!("{mode}, {users} users{what}"));
+                            let ingest = during.then(|| format!("bench-ingest-{}", results.len()));
+                            let spec = PointSpec { mode, users, round, audit_share, ingest };
+                            let p = measure(&a, &addr, &service, spec).await?;
+                            eprintln!(
+                                "inferscale bench serve: {mode:>6} users {users:>4}{what}: {:.2} req/s, TTFT p50 {:.1} ms p99 {:.1} ms, ITL p50 {:.1} ms p99 {:.1} ms, {} audited",
+                                p.requests_per_s, p.ttft_ms_p50, p.ttft_ms_p99, p.itl_ms_p50, p.itl_ms_p99, p.audited
+                            );
+                            results.push(p);
+                        }
+                    }
                 }
             }
         }
@@ -392,16 +463,20 @@ pub fn run(mut a: ServeBenchArgs) -> Result<()> {
         progress.finish("");
         anyhow::Ok(results)
     })?;
-    // Dropping the runtime drops the service; the engine thread then ends
-    // and drops its backend (which prints INFERSCALE_CUDA_PROFILE's table).
+    // Dropping the runtime and this handle drops the last of the service;
+    // the engine thread then ends and drops its backend (which prints
+    // INFERSCALE_CUDA_PROFILE's table).
     drop(rt);
+    drop(service);
     let _ = engine.join();
     let model = a.worker.mem.model.shape.clone().unwrap_or_else(|| a.worker.mem.model.model().to_string());
     println!(
-        "{:>6} {:>6} {:>8} {:>9} {:>10} {:>10} {:>10} {:>9} {:>9} {:>11} {:>8} {:>7}",
+        "{:>6} {:>6} {:>8} {:>6} {:>8} {:>9} {:>10} {:>10} {:>10} {:>9} {:>9} {:>11} {:>8} {:>7}",
         "mode",
         "users",
         "ingest",
+        "audit",
+        "audited",
         "req/s",
         "tok/s",
         "TTFT p50",
@@ -415,10 +490,12 @@ pub fn run(mut a: ServeBenchArgs) -> Result<()> {
     for p in &report {
         let ingest = if p.during_ingest { format!("{:.1}/s", p.ingest_turns_per_s) } else { "-".into() };
         println!(
-            "{:>6} {:>6} {:>8} {:>9.2} {:>10.1} {:>10.1} {:>10.1} {:>9.1} {:>9.1} {:>11.1} {:>8.0} {:>7}",
+            "{:>6} {:>6} {:>8} {:>6} {:>8} {:>9.2} {:>10.1} {:>10.1} {:>10.1} {:>9.1} {:>9.1} {:>11.1} {:>8.0} {:>7}",
             p.mode.as_str(),
             p.users,
             ingest,
+            p.audit_share,
+            p.audited,
             p.requests_per_s,
             p.output_tokens_per_s,
             p.ttft_ms_p50,
@@ -429,6 +506,9 @@ pub fn run(mut a: ServeBenchArgs) -> Result<()> {
             p.prompt_tokens_mean,
             p.errors
         );
+    }
+    if a.rounds > 1 || a.audit_shares.len() > 1 {
+        print_by_share(&report);
     }
     if let Some(path) = &a.json {
         let r = Report {
@@ -449,6 +529,47 @@ pub fn run(mut a: ServeBenchArgs) -> Result<()> {
         std::fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;
     }
     Ok(())
+}
+
+/// Per (mode, users, ingest, audit share), over the rounds: the mean
+/// requests/s, their range, and the mean over the first share's at the same
+/// point — the audit's cost beside the spread between rounds.
+fn print_by_share(report: &[Point]) {
+    let key = |p: &Point| (p.mode, p.users, p.during_ingest, p.audit_share.to_bits());
+    let mut groups: Vec<(&Point, Vec<&Point>)> = Vec::new();
+    for p in report {
+        match groups.iter_mut().find(|(first, _)| key(first) == key(p)) {
+            Some((_, ps)) => ps.push(p),
+            None => groups.push((p, vec![p])),
+        }
+    }
+    let mean = |ps: &[&Point]| ps.iter().map(|p| p.requests_per_s).sum::<f64>() / ps.len() as f64;
+    println!(
+        "\n{:>6} {:>6} {:>8} {:>6} {:>6} {:>9} {:>19} {:>8} {:>8}",
+        "mode", "users", "ingest", "audit", "rounds", "req/s", "range", "÷ first", "audited"
+    );
+    for (p, ps) in &groups {
+        // The first share measured at this (mode, users, ingest).
+        let base = groups
+            .iter()
+            .find(|(q, _)| (q.mode, q.users, q.during_ingest) == (p.mode, p.users, p.during_ingest))
+            .map_or(f64::NAN, |(_, qs)| mean(qs));
+        let (lo, hi) = ps.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), q| {
+            (lo.min(q.requests_per_s), hi.max(q.requests_per_s))
+        });
+        println!(
+            "{:>6} {:>6} {:>8} {:>6} {:>6} {:>9.2} {:>19} {:>8.3} {:>8}",
+            p.mode.as_str(),
+            p.users,
+            if p.during_ingest { "yes" } else { "-" },
+            p.audit_share,
+            ps.len(),
+            mean(ps),
+            format!("{lo:.2}–{hi:.2}"),
+            mean(ps) / base,
+            ps.iter().map(|q| q.audited).sum::<u64>(),
+        );
+    }
 }
 
 /// A fresh memory directory under the system's temporary directory.

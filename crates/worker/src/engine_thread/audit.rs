@@ -42,7 +42,7 @@ pub(super) struct AuditJob {
 
 /// Which requests are audited, and those waiting.
 pub(super) struct Audits {
-    share: f64,
+    share: Arc<AuditShare>,
     /// Sampling by accumulation: each injecting request adds `share`, and
     /// one is audited each time the sum passes a whole number, so exactly
     /// that share is audited, evenly spread, with no random draw to test.
@@ -53,16 +53,17 @@ pub(super) struct Audits {
 }
 
 impl Audits {
-    pub(super) fn new(share: f64) -> Audits {
-        Audits { share: share.clamp(0.0, 1.0), credit: 0.0, queue: VecDeque::new(), next: Instant::now() }
+    pub(super) fn new(share: Arc<AuditShare>) -> Audits {
+        Audits { share, credit: 0.0, queue: VecDeque::new(), next: Instant::now() }
     }
 
     /// Whether the injecting request being laid out is to be audited.
     pub(super) fn sample(&mut self) -> bool {
-        if self.share <= 0.0 {
+        let share = self.share.get();
+        if share <= 0.0 {
             return false;
         }
-        self.credit += self.share;
+        self.credit += share;
         if self.credit >= 1.0 - 1e-9 {
             self.credit -= 1.0;
             return true;
@@ -96,6 +97,7 @@ impl<B: Backend> Core<B> {
             served: served.to_vec(),
             request: l.job.span.clone(),
         });
+        metrics.audits_waiting(audits.queue.len());
     }
 
     /// Runs the next waiting audit if its time has come: at once when idle,
@@ -130,6 +132,9 @@ impl<B: Backend> Core<B> {
                 self.metrics.audit_skipped();
             }
         }
+        // Counted as waiting until its outcome is: whoever sees none
+        // waiting sees every audit's outcome.
+        self.metrics.audits_waiting(self.audits.queue.len());
         if busy {
             self.audits.next = Instant::now() + t.elapsed().mul_f64(1.0 / AUDIT_TIME_SHARE - 1.0);
         }

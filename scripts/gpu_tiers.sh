@@ -17,10 +17,14 @@
 #
 # Environment (defaults): USERS=400 FACTS=8 K=8 FORMAT=fp8 DEVICE_MB=2048
 # HOST_MB=8192 ZIPF=1.0 DURATION_S=60 STORE_DIR=/tmp/inferscale-tiers
-# COLD_KV=prefill (or read, wait or auto, with COLD_KV_WAIT_MS=100)
+# COLD_KV=auto (the server's default; or prefill, read or wait; COLD_KV_WAIT_MS=100)
 # PROMOTE_AFTER=0 (--kv-promote-after: host-tier hits before a fact is read
 # again onto the device; 0 = never) MODES=kv,prompt
 # HOT=1 (0: no 10-hottest-users point).
+# MODEL=PATH: a real model (a GGUF, e.g. the Qwen2.5-Coder-1.5B that
+# scripts/gpu_qwen.sh assembles in /tmp/qwen) instead of the Llama-3.1-8B
+# shape with random weights; at its 14 KB of fp8 KV a token, scale USERS up
+# or the budgets down to keep the store far larger than they are.
 #
 # The prefix cache is off: a synthetic user has FACTS questions and popular
 # users ask them over and over, so prompt mode would find whole prompts
@@ -30,13 +34,14 @@ step=$1 bin=$2 out=$3
 users=${USERS:-400} facts=${FACTS:-8} k=${K:-8} format=${FORMAT:-fp8}
 mem=${STORE_DIR:-/tmp/inferscale-tiers}
 source "$(dirname "$0")/gpu_env.sh"
+if [ -n "${MODEL:-}" ]; then model_args=(--model "$MODEL"); else model_args=(--shape llama3.1-8b --random-weights); fi
 mkdir -p "$out"
 
 serve() {
   "$bin" serve --listen 127.0.0.1:8080 --worker-http-listen 127.0.0.1:9090 --memory "$mem" \
-    --backend cuda --shape llama3.1-8b --random-weights --embedder random --window 0 \
+    --backend cuda "${model_args[@]}" --embedder random --window 0 \
     --kv-format "$format" --kv-device-mb "${DEVICE_MB:-2048}" --kv-host-mb "${HOST_MB:-8192}" \
-    --cold-kv "${COLD_KV:-prefill}" --cold-kv-wait-ms "${COLD_KV_WAIT_MS:-100}" --prefix-cache off \
+    --cold-kv "${COLD_KV:-auto}" --cold-kv-wait-ms "${COLD_KV_WAIT_MS:-100}" --prefix-cache off \
     --kv-promote-after "${PROMOTE_AFTER:-0}" \
     --kv-cache-mb 40000 --max-batch-tokens 2048 --max-running 128 --max-queue 512 --deadline-s 600 \
     >>"$out/serve.log" 2>&1 &

@@ -50,10 +50,10 @@ pub struct WorkerArgs {
     /// a wait for the disk), `read` them on the engine thread before the
     /// request runs, `wait` up to --cold-kv-wait-ms for the reader threads'
     /// reads (outside the engine) and prefill what is still unread, or
-    /// `auto`: per request, wait for the reads that cost less than their
-    /// prefill (from measured read and prefill times and the readers'
-    /// queue), up to --cold-kv-wait-ms, and prefill the rest.
-    #[arg(long, env = "INFERSCALE_COLD_KV", default_value = "prefill", value_parser = parse_cold_kv)]
+    /// `auto` (the default): per request, wait for the reads that cost less
+    /// than their prefill (from measured read and prefill times and the
+    /// readers' queue), up to --cold-kv-wait-ms, and prefill the rest.
+    #[arg(long, env = "INFERSCALE_COLD_KV", default_value = "auto", value_parser = parse_cold_kv)]
     pub(crate) cold_kv: ColdKv,
     /// With --cold-kv wait or auto: the most a request waits for its facts' reads.
     #[arg(long, env = "INFERSCALE_COLD_KV_WAIT_MS", default_value_t = inferscale_worker::COLD_KV_WAIT.as_millis() as u64)]

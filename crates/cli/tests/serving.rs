@@ -326,11 +326,12 @@ fn mem0_python_client_works_by_changing_the_host() {
     assert!(out.status.success(), "Mem0 client script failed:\n{}", String::from_utf8_lossy(&out.stderr));
 }
 
-/// A worker opens its memory without reading any KV: after a restart, the
-/// first kv request pastes the facts it retrieved (their KV is on disk only)
-/// and is prefilled like prompt mode, while their KV is read in the
-/// background; a later request injects them. Usage says which path served
-/// each. With `--cold-kv read` the first request reads them and injects.
+/// A worker opens its memory without reading any KV: after a restart, with
+/// `--cold-kv prefill` the first kv request pastes the facts it retrieved
+/// (their KV is on disk only) and is prefilled like prompt mode, while their
+/// KV is read in the background; a later request injects them. Usage says
+/// which path served each. With `--cold-kv read` the first request reads
+/// them and injects; `wait` and `auto` (the default) below.
 #[test]
 fn cold_facts_are_prefilled_while_their_kv_is_read() {
     let dir = tempfile::tempdir().unwrap();
@@ -349,7 +350,7 @@ fn cold_facts_are_prefilled_while_their_kv_is_read() {
     };
     assert!(injected > 20, "freshly encoded KV is cached and injected");
 
-    let s = serve(&mem, &[]);
+    let s = serve(&mem, &["--cold-kv", "prefill"]);
     let (status, v) = json_call(&s.addr, "POST", c, &question);
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["usage"]["memory"]["facts"], json!(2), "{v}");

@@ -104,7 +104,6 @@ pub enum ColdKv {
     /// Prefill them as text with the question (what prompt mode costs for
     /// them, never a wait for the disk) while reader threads read their KV
     /// into the cache for the next request.
-    #[default]
     Prefill,
     /// Read them on the engine thread at the request's arrival (every
     /// retrieved fact injected; the engine waits for the disk).
@@ -119,7 +118,11 @@ pub enum ColdKv {
     /// of a read, the reads queued before this request's and the measured
     /// time of a prefilled token — and prefill the rest; never longer than
     /// [`WorkerConfig::cold_kv_wait`]. Until both times were measured it
-    /// prefills, as `Prefill` does.
+    /// prefills, as `Prefill` does. The default: on the tiered-store Zipf
+    /// stream (docs/performance.md, H100, 2026-12-05) it and `Wait` served
+    /// 27–31 % more than `Prefill`, and unlike `Wait` it stops waiting where
+    /// reads cost more than the prefill they save (a slow disk).
+    #[default]
     Auto,
 }
 

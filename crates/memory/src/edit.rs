@@ -69,14 +69,8 @@ impl<B: Backend> Memory<B> {
         encode: bool,
     ) -> Result<UpdateReport> {
         let max = self.max_fact_tokens(enc.composer.header().len());
-        let unknown = || MemoryError::UnknownFact { user: user.to_string(), id: id.to_string() };
-        if !self.user(user)?.by_id.contains_key(id) {
-            return Err(unknown());
-        }
-        // An ingest under way rolls back by id once a log is rewritten.
-        self.before_rewrite(user)?;
+        let idx = self.index_for_rewrite(user, id)?;
         let shard = shard_mut(&mut self.users, &self.damaged, user)?;
-        let idx = *shard.by_id.get(id).ok_or_else(unknown)?;
         let old = &shard.facts[idx];
         let mut unit = old.unit.clone();
         if let Some(text) = &change.text {
@@ -139,12 +133,24 @@ impl<B: Backend> Memory<B> {
 
     /// What happened to one unit of `user`, oldest first.
     pub fn history(&self, user: &str, id: &str) -> Result<&[Event]> {
-        let shard = self.user(user)?;
-        let idx = shard
-            .by_id
-            .get(id)
-            .ok_or_else(|| MemoryError::UnknownFact { user: user.to_string(), id: id.to_string() })?;
-        Ok(&shard.facts[*idx].history)
+        let idx = self.stored_index(user, id)?;
+        Ok(&self.user(user)?.facts[idx].history)
+    }
+
+    /// Where `user`'s unit `id` stands ([`Memory::fact_index`]); an
+    /// unknown unit is an error.
+    fn stored_index(&self, user: &str, id: &str) -> Result<usize> {
+        self.fact_index(user, id)?
+            .ok_or_else(|| MemoryError::UnknownFact { user: user.to_string(), id: id.to_string() })
+    }
+
+    /// [`Memory::stored_index`] for a change that rewrites the user's logs:
+    /// an ingest under way is rolled back first (it rolls back by id, which a
+    /// rewrite would lose), and the unit looked up again after it.
+    fn index_for_rewrite(&mut self, user: &str, id: &str) -> Result<usize> {
+        self.stored_index(user, id)?;
+        self.before_rewrite(user)?;
+        self.stored_index(user, id)
     }
 
     /// Removes one fact of `user` from memory and from disk (both logs are
@@ -159,13 +165,8 @@ impl<B: Backend> Memory<B> {
     /// from a forgotten unit.
     pub fn forget_fact(&mut self, user: &str, id: &str) -> Result<()> {
         let window = self.spec.window;
-        let unknown = || MemoryError::UnknownFact { user: user.to_string(), id: id.to_string() };
-        if !self.user(user)?.by_id.contains_key(id) {
-            return Err(unknown());
-        }
-        self.before_rewrite(user)?;
+        let idx = self.index_for_rewrite(user, id)?;
         let shard = shard_mut(&mut self.users, &self.damaged, user)?;
-        let idx = *shard.by_id.get(id).ok_or_else(unknown)?;
         let cascades = shard.drop_kv_from(idx, window, &mut self.cache)?;
         // Durable first: a failed rewrite leaves the unit stored and served.
         let records: Vec<Vec<u8>> =

@@ -158,6 +158,7 @@ __device__ __forceinline__ void attend_tile(float (&o)[D / 8][4], float (&m)[2],
 // .. context_len and see every position up to their own — unless `row_ends`
 // is set: then query row i sees cache entries 0 .. row_ends[i] (rows
 // recomputed in place among injected ones, ascending within a span).
+// Split z takes keys [z·keys_per_split, (z + 1)·keys_per_split).
 template <int D>
 __device__ void paged_attention(bf16* out, float* part_o, float* part_ml, const bf16* q, const bf16* kc,
                                 const bf16* vc, const u32* meta, const u32* row_ends, u32 works_off,
@@ -178,7 +179,12 @@ __device__ void paged_attention(bf16* out, float* part_o, float* part_ml, const 
     const u32 rows_total = q_len * G, past = ctx - q_len;
     const u32 r_last = min(r0 + BR, rows_total) - 1;
     const u32 k_limit = row_ends ? row_ends[q_start + r_last / G] : past + r_last / G + 1;
-    const u32 k_begin = z * keys_per_split, k_end = min(k_limit, k_begin + keys_per_split);
+    // keys_per_split 0 (a decode graph, whose grid is fixed while context
+    // lengths change): this span's keys evenly over the splits, in tiles,
+    // at least two tiles a split (as `plan_attention` chooses); the splits
+    // past the span's keys write empty partial results.
+    const u32 kps = keys_per_split ? keys_per_split : max(((ctx + splits - 1) / splits + BK - 1) / BK * BK, (u32)(2 * BK));
+    const u32 k_begin = z * kps, k_end = min(k_limit, k_begin + kps);
 
     // Decode-like: every warp takes the block's first 16 rows and a quarter
     // of each tile's keys.

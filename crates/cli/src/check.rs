@@ -173,7 +173,8 @@ fn device(a: &Args) -> Result<()> {
     if let (Some(model), Some(golden)) = (&a.model, &a.golden) {
         let files = inferscale_model::open(model).with_context(|| format!("loading model `{model}`"))?;
         let cases = golden_cases(golden)?;
-        let checks = parity::real_model(&be, model, &files).context("E1–E4 on the model")?;
+        let mut checks = parity::real_model(&be, model, &files).context("E1–E4 on the model")?;
+        checks.extend(parity::decode_graphs(&be, model, &files).context("decode graphs on the model")?);
         checks.iter().for_each(print_check);
         report.extend(checks);
         greedy_rows = parity::greedy(&be, &files, &cases).context("greedy decoding on both backends")?;

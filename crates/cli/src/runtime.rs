@@ -40,6 +40,11 @@ pub struct ModelArgs {
     /// Most tokens per forward pass (prefill chunk size).
     #[arg(long, default_value_t = 1024)]
     pub max_batch_tokens: usize,
+    /// Decode steps as captured CUDA graphs: `on` replays a step in one
+    /// launch (a graph per batch size, captured at its first step), `off`
+    /// launches every op from the host. Only the CUDA backend has graphs.
+    #[arg(long, env = "INFERSCALE_CUDA_GRAPHS", default_value = "off", value_parser = ["on", "off"])]
+    pub cuda_graphs: String,
 }
 
 impl ModelArgs {
@@ -107,10 +112,13 @@ pub fn load_on<B: Backend>(args: &ModelArgs, backend: B) -> Result<Loaded<B>> {
         args.max_batch_tokens,
         backend.kv_bytes_per_value(),
     );
-    let engine = Engine::new(backend, &files, cfg).context("building the engine")?;
+    let mut engine = Engine::new(backend, &files, cfg).context("building the engine")?;
+    if args.cuda_graphs == "on" && !engine.enable_decode_graphs().context("setting up decode graphs")? {
+        bail!("--cuda-graphs on: the {} backend has no decode graphs", args.backend);
+    }
     let c = &files.config;
     eprintln!(
-        "inferscale: loaded {} ({:?}, {} layers, {}/{} heads, vocab {}) on {} in {:.2}s; KV cache {} blocks",
+        "inferscale: loaded {} ({:?}, {} layers, {}/{} heads, vocab {}) on {} in {:.2}s; KV cache {} blocks{}",
         files.path.display(),
         c.family,
         c.num_layers,
@@ -119,7 +127,8 @@ pub fn load_on<B: Backend>(args: &ModelArgs, backend: B) -> Result<Loaded<B>> {
         c.vocab_size,
         args.backend,
         t0.elapsed().as_secs_f64(),
-        cfg.kv_blocks
+        cfg.kv_blocks,
+        if engine.decode_graphs() { ", decode graphs on" } else { "" }
     );
     Ok(Loaded { files, engine })
 }

@@ -26,6 +26,7 @@ use rayon::prelude::*;
 
 use crate::error::CudaError;
 use crate::gemm::{Operands, Shape as GemmShape, TUNED_ROWS, Tuner};
+use crate::graphs::Capture;
 use crate::kernels::{ATTN_KEYS, ATTN_ROWS, Kernels};
 use crate::profile::{Profiler, Span};
 use crate::tier::{DeviceFp8Rows, HostFp8Rows, HostRows, KeptRows, PinnedPool};
@@ -130,7 +131,7 @@ impl CudaKvStore {
 
 /// cuBLAS handle. The handle is bound to our one stream and only used under
 /// the mutex, which is all cuBLAS asks of a handle shared between threads.
-struct Blas(CudaBlas);
+pub(crate) struct Blas(pub(crate) CudaBlas);
 // SAFETY: see above — never used by two threads at once.
 unsafe impl Send for Blas {}
 
@@ -158,13 +159,16 @@ const META_ENTRIES: usize = 8;
 pub struct CudaBackend {
     pub(crate) ctx: Arc<CudaContext>,
     pub(crate) stream: Arc<CudaStream>,
-    blas: Arc<Mutex<Blas>>,
+    pub(crate) blas: Arc<Mutex<Blas>>,
     pub(crate) k: Arc<Kernels>,
     pub(crate) sm_count: usize,
     device_name: String,
     ropes: Arc<Mutex<Vec<Arc<DeviceRope>>>>,
     meta: Arc<Mutex<MetaCache>>,
-    profiler: Option<Arc<Profiler>>,
+    pub(crate) profiler: Option<Arc<Profiler>>,
+    /// Set only on the clone a decode graph is captured with (`graphs.rs`):
+    /// where that step's metadata lives on the device.
+    pub(crate) capture: Option<Arc<Capture>>,
     /// Pinned host memory that `to_host` copies through.
     staging: Arc<Mutex<Option<PinnedHostSlice<bf16>>>>,
     /// Where injections of stored KV run (non-blocking, so it never
@@ -227,6 +231,7 @@ impl CudaBackend {
             ropes: Arc::new(Mutex::new(Vec::new())),
             meta: Arc::new(Mutex::new(MetaCache::default())),
             profiler,
+            capture: None,
             staging: Arc::new(Mutex::new(None)),
             side,
             upload,
@@ -234,6 +239,12 @@ impl CudaBackend {
             inject_fence,
             tuner,
         })
+    }
+
+    /// This backend issuing to `stream` through `blas`, with `capture`'s
+    /// metadata and no profiling: what a decode graph is recorded with.
+    pub(crate) fn for_capture(&self, stream: Arc<CudaStream>, blas: Arc<Mutex<Blas>>, capture: Capture) -> Self {
+        CudaBackend { stream, blas, capture: Some(Arc::new(capture)), profiler: None, ..self.clone() }
     }
 
     /// The device's name as the driver reports it.
@@ -314,6 +325,14 @@ impl CudaBackend {
 
     /// `data` on the device, reusing a recent upload of equal contents.
     pub(crate) fn meta(&self, data: &[u32]) -> Result<Arc<CudaSlice<u32>>> {
+        if let Some(c) = &self.capture {
+            // A graph replays its copies' sources, so a capture may read
+            // only the buffers its step's inputs are copied into.
+            return c.input(data).ok_or_else(|| {
+                CudaError::Unsupported("a decode graph's forward reads metadata that is not among its inputs".into())
+                    .into()
+            });
+        }
         let mut cache = lock(&self.meta);
         if let Some(i) = cache.entries.iter().position(|(h, _)| h.as_slice() == data) {
             let e = cache.entries.remove(i);

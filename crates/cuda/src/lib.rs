@@ -15,6 +15,7 @@ mod error;
 pub mod external;
 mod fused;
 mod gemm;
+mod graphs;
 pub mod kernels;
 pub mod nccl;
 mod paged;

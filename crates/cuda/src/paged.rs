@@ -7,12 +7,14 @@ use std::sync::atomic::AtomicBool;
 use cudarc::driver::LaunchConfig;
 use half::bf16;
 use inferscale_engine::Result;
-use inferscale_engine::backend::{AttentionShape, InjectChunk, KvSpec, NewRows, PagedKv, SeqSpan};
+use inferscale_engine::backend::{
+    AttentionShape, DecodeGraphs, DecodeStep, InjectChunk, KvSpec, NewRows, PagedKv, SeqSpan, StepForward,
+};
 use inferscale_engine::rope::Rope;
 
 use crate::backend::*;
 use crate::error::CudaError;
-use crate::kernels::{ATTN_THREADS, attention_smem_bytes};
+use crate::kernels::{ATTN_ROWS, ATTN_THREADS, attention_smem_bytes};
 
 impl PagedKv for CudaBackend {
     type KvStore = CudaKvStore;
@@ -106,6 +108,20 @@ impl PagedKv for CudaBackend {
         self.launch(&self.k.copy_blocks, cfg, &[&kc, &vc, &pp, &le, &be])
     }
 
+    fn decode_graph_rows(&self, rows: usize) -> Option<usize> {
+        self.graph_rows(rows)
+    }
+
+    fn run_decode_graph(
+        &self,
+        graphs: &mut DecodeGraphs,
+        store: &mut CudaKvStore,
+        step: &DecodeStep<'_>,
+        forward: &mut StepForward<'_, Self>,
+    ) -> Result<CudaTensor> {
+        self.decode_graph(graphs, store, step, forward)
+    }
+
     fn attention(
         &self,
         q: &CudaTensor,
@@ -127,8 +143,30 @@ impl PagedKv for CudaBackend {
         if q.cols != shape.num_heads * d {
             return Err(shape_err(format!("attention: q width {} for {} heads", q.cols, shape.num_heads)));
         }
+        if let Some(c) = &self.capture {
+            // A decode graph's step: its plan was uploaded before the
+            // capture (one work per sequence), and the kernel sizes each
+            // sequence's key splits from its own context length.
+            if spans.len() != c.rows || q.rows != c.rows || shape.num_heads / shape.num_kv_heads > ATTN_ROWS {
+                return Err(shape_err(format!(
+                    "attention: a decode graph of {} rows for {} spans",
+                    c.rows,
+                    spans.len()
+                )));
+            }
+            let (rows, meta) = (c.rows, self.ptr(&c.plan));
+            let plan = AttnLaunch {
+                meta,
+                row_ends: 0,
+                works_off: 4 * rows,
+                tables_off: 6 * rows,
+                works: rows,
+                splits: c.splits,
+                keys_per_split: 0,
+            };
+            return self.launch_attention(q, store, layer, shape, &plan);
+        }
         let plan = plan_attention(spans, shape, q.rows, spec, 2 * self.sm_count)?;
-        let out = self.tensor(q.rows, q.cols)?;
         let meta = self.meta(&plan.meta)?;
         // Per query row, the cache entries it sees, only when some span's
         // rows are scattered (kv+blend); the kernel derives them otherwise.
@@ -143,6 +181,43 @@ impl PagedKv for CudaBackend {
         } else {
             None
         };
+        let launch = AttnLaunch {
+            meta: self.ptr(&meta),
+            row_ends: row_ends.as_ref().map_or(0, |e| self.ptr(e)),
+            works_off: plan.works_off,
+            tables_off: plan.tables_off,
+            works: plan.works,
+            splits: plan.splits,
+            keys_per_split: plan.keys_per_split,
+        };
+        self.launch_attention(q, store, layer, shape, &launch)
+    }
+}
+
+/// Where one paged-attention launch finds its metadata, and its grid.
+struct AttnLaunch {
+    meta: u64,
+    /// 0: rows end where the kernel derives.
+    row_ends: u64,
+    works_off: usize,
+    tables_off: usize,
+    works: usize,
+    splits: usize,
+    /// 0: each span's keys split evenly over `splits` (decode graphs).
+    keys_per_split: usize,
+}
+
+impl CudaBackend {
+    fn launch_attention(
+        &self,
+        q: &CudaTensor,
+        store: &CudaKvStore,
+        layer: usize,
+        shape: AttentionShape,
+        plan: &AttnLaunch,
+    ) -> Result<CudaTensor> {
+        let (d, spec) = (shape.head_dim, store.spec);
+        let out = self.tensor(q.rows, q.cols)?;
         let rows = q.rows * shape.num_heads;
         // Partial results only when keys are split across blocks.
         let (part_o, part_ml) = if plan.splits > 1 {
@@ -157,8 +232,7 @@ impl PagedKv for CudaBackend {
             (None, None)
         };
         let (kc, vc) = self.layer_ptrs(store, layer)?;
-        let (o, qp, mp) = (self.tp(&out), self.tp(q), self.ptr(&meta));
-        let ep = row_ends.as_ref().map_or(0, |e| self.ptr(e));
+        let (o, qp, mp, ep) = (self.tp(&out), self.tp(q), plan.meta, plan.row_ends);
         let po = part_o.as_ref().map_or(0, |p| self.ptr(p));
         let pm = part_ml.as_ref().map_or(0, |p| self.ptr(p));
         let (wo, to) = (plan.works_off as u32, plan.tables_off as u32);

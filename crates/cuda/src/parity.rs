@@ -20,9 +20,11 @@ use inferscale_engine::sampling::{argmax, logprobs, top2_margin};
 use inferscale_engine::{CpuBackend, Engine, EngineConfig, EngineError, KvChunk, Sequence};
 use inferscale_model::{Family, HostTensor, ModelConfig, ModelFiles, RopeConfig, RopeScaling};
 
+mod graphs;
 mod model;
 mod ops;
 
+pub use graphs::decode_graphs;
 pub use model::{GreedyRow, LOGPROB_TOP, greedy, model, real_model, shapes};
 pub use ops::ops;
 pub(crate) use ops::rope_for;
@@ -133,6 +135,7 @@ pub fn run<G: Backend + Clone>(gpu: &G) -> R<Report> {
     let mut out = ops(gpu)?;
     for (name, config) in shapes() {
         out.extend(model(gpu, name, &config)?);
+        out.extend(decode_graphs(gpu, name, &ModelFiles::random(name, config, 11))?);
     }
     Ok(out)
 }

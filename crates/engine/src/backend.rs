@@ -390,6 +390,67 @@ pub trait PagedKv: Tensors {
         shape: AttentionShape,
         spans: &[SeqSpan<'_>],
     ) -> Result<Self::Tensor>;
+
+    /// The batch size a replayed decode step of `rows` sequences runs at
+    /// (the engine pads the batch up to it), or `None` where the backend
+    /// replays no captured steps — the default — or `rows` is past its
+    /// largest graph.
+    fn decode_graph_rows(&self, _rows: usize) -> Option<usize> {
+        None
+    }
+
+    /// A decode step (one new token per sequence, `step` padded to
+    /// [`PagedKv::decode_graph_rows`]) run as a captured graph: the first
+    /// time a batch size is seen, `forward` runs as is (its result is this
+    /// step's) and is then captured; later steps of that size copy `step`'s
+    /// rows into the graph's inputs and replay it, with no launch of their
+    /// own. `forward` must run the model with the backend and store it is
+    /// given. Returns the logits of the first `step.rows` rows. Device
+    /// backends implement it where launches, not bytes, bound a step.
+    fn run_decode_graph(
+        &self,
+        _graphs: &mut DecodeGraphs,
+        _store: &mut Self::KvStore,
+        _step: &DecodeStep<'_>,
+        _forward: &mut StepForward<'_, Self>,
+    ) -> Result<Self::Tensor> {
+        Err(EngineError::Backend { backend: self.name(), reason: "no captured decode steps".into() })
+    }
+}
+
+/// The forward pass a decode graph runs (and records): the model on the
+/// backend and store it is handed, returning the step's logits.
+pub type StepForward<'f, B> = dyn FnMut(&B, &mut <B as PagedKv>::KvStore) -> Result<<B as Tensors>::Tensor> + 'f;
+
+/// What a captured decode step reads that changes from one step to the
+/// next: one row per sequence (its new token, position and cache slot) and
+/// each sequence's cache, padded to the graph's batch size.
+#[derive(Debug, Clone, Copy)]
+pub struct DecodeStep<'a> {
+    /// Rows that are real sequences (the rest pad the batch).
+    pub rows: usize,
+    pub tokens: &'a [u32],
+    pub positions: &'a [u32],
+    pub slots: &'a [u32],
+    pub spans: &'a [SeqSpan<'a>],
+}
+
+/// A backend's captured decode steps, owned by the engine whose KV store
+/// they address (they are dropped with it), and how they were used.
+#[derive(Default)]
+pub struct DecodeGraphs {
+    /// The backend's own state, opaque to the engine.
+    pub state: Option<Box<dyn std::any::Any + Send>>,
+    /// Graphs captured so far (a batch size's first step, or a recapture).
+    pub captured: u64,
+    /// Steps replayed from a graph.
+    pub replayed: u64,
+}
+
+impl std::fmt::Debug for DecodeGraphs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DecodeGraphs").field("captured", &self.captured).field("replayed", &self.replayed).finish()
+    }
 }
 
 /// Where a memory's stored KV lives between requests: the device, a host

@@ -13,11 +13,11 @@ use std::ops::Range;
 use inferscale_model::ModelFiles;
 use inferscale_types::Blend;
 
-use crate::backend::{Backend, KvSpec, SeqSpan};
+use crate::backend::{Backend, DecodeGraphs, DecodeStep, KvSpec, SeqSpan};
 use crate::blend::{BlendPlan, BlendRows, blend_rows, keep_count};
 use crate::error::{EngineError, Result};
 use crate::kv_cache::{BLOCK_SIZE, BlockKey, BlockPool, BlockTable, block_keys};
-use crate::llama::{ForwardBatch, LayerKv, Llama};
+use crate::llama::{ForwardBatch, ForwardOutput, LayerKv, Llama};
 
 /// Sizing of an engine.
 #[derive(Debug, Clone, Copy)]
@@ -171,6 +171,15 @@ pub struct Engine<B: Backend> {
     pub(crate) kv: B::KvStore,
     pool: BlockPool,
     max_batch_tokens: usize,
+    /// Decode steps replayed as captured graphs ([`Engine::enable_decode_graphs`]).
+    graphs: Option<Graphs>,
+}
+
+/// The engine's side of captured decode steps: the block its padding rows
+/// write to and read (never part of a sequence), and the backend's graphs.
+struct Graphs {
+    scratch: u32,
+    cache: DecodeGraphs,
 }
 
 /// Per-layer pre-RoPE K and V captured from forward passes, in row order.
@@ -202,7 +211,49 @@ impl<B: Backend> Engine<B> {
             num_kv_heads: c.num_kv_heads,
             head_dim: c.head_dim,
         })?;
-        Ok(Engine { backend, model, kv, pool: BlockPool::new(cfg.kv_blocks), max_batch_tokens: cfg.max_batch_tokens })
+        Ok(Engine {
+            backend,
+            model,
+            kv,
+            pool: BlockPool::new(cfg.kv_blocks),
+            max_batch_tokens: cfg.max_batch_tokens,
+            graphs: None,
+        })
+    }
+
+    /// Runs decode steps — every sequence of the step computing one token,
+    /// none capturing KV or recomputing injected rows — as graphs the
+    /// backend captured, where it can ([`PagedKv::decode_graph_rows`]): a
+    /// step of a small model is hundreds of kernels whose launches, not
+    /// their bytes, set its time. A batch is padded up to the graph's size
+    /// with rows that write and read one block set aside here. Returns
+    /// whether graphs are on (false where the backend has none).
+    ///
+    /// [`PagedKv::decode_graph_rows`]: crate::backend::PagedKv::decode_graph_rows
+    pub fn enable_decode_graphs(&mut self) -> Result<bool> {
+        if self.graphs.is_some() {
+            return Ok(true);
+        }
+        if self.backend.decode_graph_rows(1).is_none() {
+            return Ok(false);
+        }
+        let scratch = self.pool.allocate(1).and_then(|b| b.first().copied()).ok_or(EngineError::OutOfBlocks {
+            needed: 1,
+            free: self.pool.free_blocks(),
+            total: self.pool.total_blocks(),
+        })?;
+        self.graphs = Some(Graphs { scratch, cache: DecodeGraphs::default() });
+        Ok(true)
+    }
+
+    /// Whether decode steps replay captured graphs.
+    pub fn decode_graphs(&self) -> bool {
+        self.graphs.is_some()
+    }
+
+    /// Graphs captured and steps replayed so far (`None`: graphs are off).
+    pub fn decode_graph_counts(&self) -> Option<(u64, u64)> {
+        self.graphs.as_ref().map(|g| (g.cache.captured, g.cache.replayed))
     }
 
     pub fn model(&self) -> &Llama<B> {
@@ -525,8 +576,13 @@ impl<B: Backend> Engine<B> {
         if batch.tokens.is_empty() {
             return Ok(((None, finishing), captured));
         }
-        let (model, backend, kv) = (&self.model, &self.backend, &mut self.kv);
-        let fwd = backend.run(|| model.forward(backend, &batch, kv))?;
+        let fwd = match self.graph_rows(&batch, want_logits) {
+            Some(rows) => self.forward_graphed(&batch, rows)?,
+            None => {
+                let (model, backend, kv) = (&self.model, &self.backend, &mut self.kv);
+                backend.run(|| model.forward(backend, &batch, kv))?
+            }
+        };
         let logits = fwd.logits;
         if let Some(layers) = fwd.captured {
             let owners: Vec<usize> = (0..seqs.len()).filter(|&i| !captured_rows[i].is_empty()).collect();
@@ -566,6 +622,70 @@ impl<B: Backend> Engine<B> {
             }
         }
         Ok(((logits, finishing), captured))
+    }
+
+    /// The graph batch size for `batch` if it is a decode step a captured
+    /// graph can run: one new row per sequence, in order, each wanting its
+    /// logits, nothing captured or recomputed.
+    fn graph_rows(&self, batch: &ForwardBatch<'_>, want_logits: bool) -> Option<usize> {
+        self.graphs.as_ref()?;
+        let n = batch.tokens.len();
+        let decode = want_logits
+            && batch.capture.is_empty()
+            && batch.blend.is_none()
+            && batch.spans.len() == n
+            && batch.spans.iter().enumerate().all(|(i, s)| s.q_start == i && s.q_len == 1 && s.row_ends.is_none())
+            && batch.logit_rows.iter().copied().eq(0..n);
+        if decode { self.backend.decode_graph_rows(n) } else { None }
+    }
+
+    /// `batch` (a decode step, [`Engine::graph_rows`]) padded to `rows` and
+    /// run by the backend's graph of that size: padding rows take token 0
+    /// at position 0 in the scratch block, each a sequence of one token.
+    fn forward_graphed(&mut self, batch: &ForwardBatch<'_>, rows: usize) -> Result<ForwardOutput<B>> {
+        let Some(g) = self.graphs.as_mut() else {
+            return Err(EngineError::Shape("a graphed step without graphs".into()));
+        };
+        let n = batch.tokens.len();
+        let table = [g.scratch];
+        let slot = g.scratch * BLOCK_SIZE as u32;
+        let pad = |v: &[u32], with: u32| {
+            let mut v = v.to_vec();
+            v.resize(rows, with);
+            v
+        };
+        let mut spans: Vec<SeqSpan<'_>> = batch.spans.clone();
+        spans.extend((n..rows).map(|i| SeqSpan {
+            q_start: i,
+            q_len: 1,
+            context_len: 1,
+            block_table: &table,
+            row_ends: None,
+        }));
+        let padded = ForwardBatch {
+            tokens: pad(&batch.tokens, 0),
+            positions: pad(&batch.positions, 0),
+            slots: pad(&batch.slots, slot),
+            spans,
+            logit_rows: (0..rows).collect(),
+            capture: Vec::new(),
+            blend: None,
+        };
+        let step = DecodeStep {
+            rows: n,
+            tokens: &padded.tokens,
+            positions: &padded.positions,
+            slots: &padded.slots,
+            spans: &padded.spans,
+        };
+        let model = &self.model;
+        let logits = self.backend.run_decode_graph(&mut g.cache, &mut self.kv, &step, &mut |be, kv| {
+            model
+                .forward(be, &padded, kv)?
+                .logits
+                .ok_or_else(|| EngineError::Shape("a decode step without logits".into()))
+        })?;
+        Ok(ForwardOutput { logits: Some(logits), captured: None, kept: None })
     }
 
     /// Computes all pending tokens of one sequence; returns the last logits.

@@ -355,7 +355,9 @@ impl<B: Backend> Llama<B> {
             if let Some(p) = pending {
                 be.add_assign(&mut x, &p)?;
             }
-            let x = be.select_rows(&x, &batch.logit_rows)?;
+            // Every row in order (a decode step) needs no selection.
+            let every_row = batch.logit_rows.iter().copied().eq(0..be.dims(&x).0);
+            let x = if every_row { x } else { be.select_rows(&x, &batch.logit_rows)? };
             let x = be.rms_norm(&x, &self.norm, self.config.rms_norm_eps)?;
             Some(be.linear(&x, self.lm_head.as_ref().unwrap_or(&self.embed_tokens), None)?)
         };

@@ -16,11 +16,13 @@
 #   gpu_peer_bench.sh BIN OUT
 #
 # Environment (defaults): PEERS="native vllm", USERS=1,10,50,100,
-# DURATION_S=20, MEMORIES=5, K=50; native: KV_CACHE_MB=40000,
+# DURATION_S=20, MEMORIES=5, K=50, KV_CACHE_MB=40000 (the paged KV cache
+# of both engines, MiB: ours `--kv-cache-mb`, vLLM's
+# `--kv-cache-memory-bytes`, which overrides its memory-utilization
+# sizing — the same KV bytes, so the same sequences fit); native:
 # PREFIX_CACHE=user (as in vLLM mode, whose prompt-mode requests carry a
-# salt of their user: like for like); vllm: VLLM_GPU_UTIL=0.55,
-# VLLM_MAX_LEN=8192; MODEL_FLAGS (the model flags of both, default the
-# 8B shape on CUDA). The vLLM part needs vLLM and its
+# salt of their user: like for like); vllm: VLLM_MAX_LEN=8192;
+# MODEL_FLAGS (the model flags of both, default the 8B shape on CUDA). The vLLM part needs vLLM and its
 # dependencies under /tmp/site (scripts/gpu_vllm_prepare.sh, steps 1–3).
 set -uo pipefail
 bin=$1 out=$2
@@ -29,6 +31,8 @@ source "$(dirname "$0")/gpu_env.sh"
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || uname -n; } | tee "$out/gpu.txt"
 model=${MODEL_FLAGS:---backend cuda --shape llama3.1-8b --random-weights --embedder random}
 users=${USERS:-1,10,50,100} duration=${DURATION_S:-20} memories=${MEMORIES:-5} k=${K:-50}
+kv_mb=${KV_CACHE_MB:-40000}
+echo "paged KV cache of each engine: $kv_mb MiB ($((kv_mb << 20)) bytes)" | tee "$out/kv-bytes.txt"
 
 wait_ready() { # URL LIMIT_S PID
   for _ in $(seq 1 "$2"); do
@@ -52,7 +56,7 @@ for peer in ${PEERS:-native vllm}; do
   case $peer in
   native)
     "$bin" serve --listen 127.0.0.1:8080 --worker-http-listen 127.0.0.1:9090 --memory "$mem" \
-      $model --window 0 --kv-cache-mb "${KV_CACHE_MB:-40000}" --max-batch-tokens 2048 --max-running 128 --max-queue 512 \
+      $model --window 0 --kv-cache-mb "$kv_mb" --max-batch-tokens 2048 --max-running 128 --max-queue 512 \
       --deadline-s 600 --prefix-cache "${PREFIX_CACHE:-user}" >"$out/serve-native.log" 2>&1 &
     pids=$!
     wait_ready http://127.0.0.1:8080/readyz 300 "$pids" && loadtest native
@@ -62,7 +66,7 @@ for peer in ${PEERS:-native vllm}; do
     export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 INFERSCALE_HOME=/tmp/ishome
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     "$bin" worker --engine vllm --listen 127.0.0.1:50051 --memory "$mem" $model --window 0 --kv-cache-mb 2048 \
-      --vllm-arg=--gpu-memory-utilization="${VLLM_GPU_UTIL:-0.55}" \
+      --vllm-arg=--kv-cache-memory-bytes="$((kv_mb << 20))" --vllm-arg=--gpu-memory-utilization=0.9 \
       --vllm-arg=--max-model-len="${VLLM_MAX_LEN:-8192}" >"$out/worker-vllm.log" 2>&1 &
     worker=$!
     "$bin" router --worker 127.0.0.1:50051 --listen 127.0.0.1:8080 --deadline-s 600 >"$out/router-vllm.log" 2>&1 &

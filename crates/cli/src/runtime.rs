@@ -40,10 +40,11 @@ pub struct ModelArgs {
     /// Most tokens per forward pass (prefill chunk size).
     #[arg(long, default_value_t = 1024)]
     pub max_batch_tokens: usize,
-    /// Decode steps as captured CUDA graphs: `on` replays a step in one
-    /// launch (a graph per batch size, captured at its first step), `off`
-    /// launches every op from the host. Only the CUDA backend has graphs.
-    #[arg(long, env = "INFERSCALE_CUDA_GRAPHS", default_value = "off", value_parser = ["on", "off"])]
+    /// Decode steps as captured CUDA graphs: a step replayed in one launch
+    /// (a graph per batch size, captured at its first step) instead of every
+    /// op launched from the host. `auto`: where the backend has them (CUDA);
+    /// `on`: refuse a backend without; `off`: never.
+    #[arg(long, env = "INFERSCALE_CUDA_GRAPHS", default_value = "auto", value_parser = ["auto", "on", "off"])]
     pub cuda_graphs: String,
 }
 
@@ -113,7 +114,10 @@ pub fn load_on<B: Backend>(args: &ModelArgs, backend: B) -> Result<Loaded<B>> {
         backend.kv_bytes_per_value(),
     );
     let mut engine = Engine::new(backend, &files, cfg).context("building the engine")?;
-    if args.cuda_graphs == "on" && !engine.enable_decode_graphs().context("setting up decode graphs")? {
+    if args.cuda_graphs != "off"
+        && !engine.enable_decode_graphs().context("setting up decode graphs")?
+        && args.cuda_graphs == "on"
+    {
         bail!("--cuda-graphs on: the {} backend has no decode graphs", args.backend);
     }
     let c = &files.config;

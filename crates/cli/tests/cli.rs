@@ -75,6 +75,12 @@ fn bad_inputs_are_clear_errors() {
     assert!(!o.status.success());
     assert!(stderr(&o).contains("top_p"), "{}", stderr(&o));
 
+    // Decode graphs are the CUDA backend's: asked for on the CPU, a clear
+    // refusal (the default, `auto`, runs the CPU without them).
+    let o = inferscale(&["generate", "--prompt", "hi", "--cuda-graphs", "on"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("--cuda-graphs on: the cpu backend has no decode graphs"), "{}", stderr(&o));
+
     // Server settings out of range are refused at start, naming the flag,
     // not blamed on every client request later.
     for (flag, value) in

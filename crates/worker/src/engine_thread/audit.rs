@@ -21,7 +21,12 @@ use inferscale_memory::{Chat, Recall};
 use super::*;
 
 /// The most of the engine thread's time audits take while requests run.
-pub(super) const AUDIT_TIME_SHARE: f64 = 0.05;
+/// An audit is a prompt-mode prefill, several kv requests' worth of device
+/// time: at 1 % sampling on the Llama-3.1-8B shape (k = 50, 100 clients,
+/// H100) audits wanted about 4 % of the time, and under a 5 % cap cost
+/// 4.3 % of the throughput. 2 % keeps the cost within 2 % whatever the
+/// share asked; sampled requests beyond it wait, then are skipped (counted).
+pub(super) const AUDIT_TIME_SHARE: f64 = 0.02;
 
 /// Audits waiting at most; a sampled request beyond is counted as skipped.
 pub(super) const AUDIT_QUEUE: usize = 16;

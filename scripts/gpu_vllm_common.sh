@@ -6,7 +6,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 INFERSCALE_HOME=/tmp/ishome
 . scripts/gpu_env.sh
 OUT=${OUT:-/tmp/out}
-BIN=target/release/inferscale
+BIN=${BIN:-target/release/inferscale}
 
 # start_worker LOG TIMEOUT_S ARGS…: runs `inferscale worker --engine vllm
 # ARGS…` logging to LOG, sets WORKER to its pid and returns once it serves;

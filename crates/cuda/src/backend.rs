@@ -159,7 +159,7 @@ const META_ENTRIES: usize = 8;
 pub struct CudaBackend {
     pub(crate) ctx: Arc<CudaContext>,
     pub(crate) stream: Arc<CudaStream>,
-    pub(crate) blas: Arc<Mutex<Blas>>,
+    blas: Arc<Mutex<Blas>>,
     pub(crate) k: Arc<Kernels>,
     pub(crate) sm_count: usize,
     device_name: String,

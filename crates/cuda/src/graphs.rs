@@ -41,7 +41,9 @@ use half::bf16;
 use inferscale_engine::backend::{AttentionShape, DecodeGraphs, DecodeStep, StepForward, Tensors};
 use inferscale_engine::{EngineError, Result};
 
-use crate::backend::{Blas, Cu, CudaBackend, CudaKvStore, CudaTensor, Storage, plan_attention, shape_err};
+use crate::backend::{
+    AttentionPlan, Blas, Cu, CudaBackend, CudaKvStore, CudaTensor, Storage, plan_attention, shape_err,
+};
 use crate::error::CudaError;
 
 /// Batch sizes with a graph: a step runs at the first at least its rows.
@@ -59,21 +61,31 @@ const BLAS_WORKSPACE: usize = 32 << 20;
 
 /// What a capture reads its step's metadata from (see the module doc).
 pub(crate) struct Capture {
-    /// The step's host arrays, by address and length, and the device
-    /// buffers holding their contents.
-    inputs: Vec<(usize, usize, Arc<CudaSlice<u32>>)>,
-    /// The attention plan (spans, works, block tables; `plan_attention`'s
-    /// layout for one work per sequence).
+    /// The step's host arrays ([`host_key`]) and the device buffers
+    /// holding their contents.
+    inputs: Vec<(HostKey, Arc<CudaSlice<u32>>)>,
+    /// The attention plan (spans, works, block tables: `plan_attention`'s
+    /// layout for one work per sequence) and where its parts start.
     pub(crate) plan: Arc<CudaSlice<u32>>,
+    pub(crate) works_off: usize,
+    pub(crate) tables_off: usize,
     pub(crate) rows: usize,
     pub(crate) splits: usize,
+}
+
+/// A host array by address and length: which of a step's inputs an op
+/// was handed.
+type HostKey = (usize, usize);
+
+fn host_key(data: &[u32]) -> HostKey {
+    (data.as_ptr() as usize, data.len())
 }
 
 impl Capture {
     /// The device copy of `data`, if it is one of the step's inputs.
     pub(crate) fn input(&self, data: &[u32]) -> Option<Arc<CudaSlice<u32>>> {
-        let key = (data.as_ptr() as usize, data.len());
-        self.inputs.iter().find(|(p, n, _)| (*p, *n) == key).map(|(_, _, d)| d.clone())
+        let key = host_key(data);
+        self.inputs.iter().find(|(k, _)| *k == key).map(|(_, d)| d.clone())
     }
 }
 
@@ -199,7 +211,7 @@ impl CudaBackend {
         let out = forward(self, store)?;
         if !g.failed.contains(&rows) {
             g.buckets.remove(&rows);
-            match self.record(g, store, step, &plan.meta, out.cols, forward) {
+            match self.record(g, store, step, &plan, out.cols, forward) {
                 Ok(b) => {
                     g.buckets.insert(rows, b);
                     graphs.captured += 1;
@@ -219,7 +231,7 @@ impl CudaBackend {
         g: &mut Graphs,
         store: &mut CudaKvStore,
         step: &DecodeStep<'_>,
-        plan: &[u32],
+        plan: &AttentionPlan,
         vocab: usize,
         forward: &mut StepForward<'_, CudaBackend>,
     ) -> Result<Bucket> {
@@ -233,19 +245,20 @@ impl CudaBackend {
             (upload(step.tokens, rows)?, upload(step.positions, rows)?, upload(step.slots, rows)?);
         // Room for block tables twice as long as this step's, and at least
         // 64 blocks (1,024 tokens) a sequence.
-        let plan_room = (2 * plan.len()).max(6 * rows + 64 * rows);
-        let plan_buf = upload(plan, plan_room)?;
+        let plan_room = (2 * plan.meta.len()).max(plan.tables_off + 64 * rows);
+        let plan_buf = upload(&plan.meta, plan_room)?;
         let logits = self.stream.alloc_zeros::<bf16>(rows * vocab).cu()?;
         let blocks = rows * store.spec.num_kv_heads;
         let splits = (2 * self.sm_count).div_ceil(blocks).clamp(1, MAX_SPLITS);
-        let at = |a: &[u32]| (a.as_ptr() as usize, a.len());
         let capture = Capture {
             inputs: vec![
-                (at(step.tokens).0, rows, tokens.clone()),
-                (at(step.positions).0, rows, positions.clone()),
-                (at(step.slots).0, rows, slots.clone()),
+                (host_key(step.tokens), tokens.clone()),
+                (host_key(step.positions), positions.clone()),
+                (host_key(step.slots), slots.clone()),
             ],
             plan: plan_buf.clone(),
+            works_off: plan.works_off,
+            tables_off: plan.tables_off,
             rows,
             splits,
         };

@@ -154,13 +154,12 @@ impl PagedKv for CudaBackend {
                     spans.len()
                 )));
             }
-            let (rows, meta) = (c.rows, self.ptr(&c.plan));
             let plan = AttnLaunch {
-                meta,
+                meta: self.ptr(&c.plan),
                 row_ends: 0,
-                works_off: 4 * rows,
-                tables_off: 6 * rows,
-                works: rows,
+                works_off: c.works_off,
+                tables_off: c.tables_off,
+                works: c.rows,
                 splits: c.splits,
                 keys_per_split: 0,
             };

@@ -447,12 +447,6 @@ pub struct DecodeGraphs {
     pub replayed: u64,
 }
 
-impl std::fmt::Debug for DecodeGraphs {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DecodeGraphs").field("captured", &self.captured).field("replayed", &self.replayed).finish()
-    }
-}
-
 /// Where a memory's stored KV lives between requests: the device, a host
 /// tier the injection reads directly, and uploads any thread may run.
 pub trait KvTiers: PagedKv {

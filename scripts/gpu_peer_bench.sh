@@ -69,10 +69,17 @@ for peer in ${PEERS:-native vllm}; do
       --vllm-arg=--kv-cache-memory-bytes="$((kv_mb << 20))" --vllm-arg=--gpu-memory-utilization=0.9 \
       --vllm-arg=--max-model-len="${VLLM_MAX_LEN:-8192}" >"$out/worker-vllm.log" 2>&1 &
     worker=$!
+    pids=$worker
+    # vLLM takes minutes to start, longer than the router waits for a
+    # healthy worker: start the router once the worker serves gRPC.
+    for _ in $(seq 600); do
+      grep -q "gRPC on" "$out/worker-vllm.log" && break
+      kill -0 "$worker" 2>/dev/null || break
+      sleep 1
+    done
     "$bin" router --worker 127.0.0.1:50051 --listen 127.0.0.1:8080 --deadline-s 600 >"$out/router-vllm.log" 2>&1 &
     pids="$! $worker"
-    # The router is ready once its worker serves: vLLM takes minutes to start.
-    wait_ready http://127.0.0.1:8080/readyz 600 "$worker" && loadtest vllm
+    wait_ready http://127.0.0.1:8080/readyz 120 "$!" && loadtest vllm
     ;;
   *)
     echo "unknown peer $peer (native, vllm)" >&2

@@ -1,15 +1,14 @@
 //! `inferscale bench engine`: prefill and decode throughput next to the rate
-//! of a plain large GEMM on the same machine.
+//! of a plain large GEMM on the same backend.
 
 use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use inferscale_engine::cpu::matmul_bt;
 use inferscale_engine::sampling::Rng;
 use inferscale_engine::{Backend, SamplingParams, Sequence, generate_sequences};
-use inferscale_model::ModelConfig;
+use inferscale_model::{HostTensor, ModelConfig};
 use serde::Serialize;
 
 use super::{median, random_prompt};
@@ -33,7 +32,7 @@ pub struct EngineArgs {
     /// Repetitions (the median is reported).
     #[arg(long, default_value_t = 3)]
     reps: usize,
-    /// Size n of the reference n×n×n GEMM.
+    /// Size n of the reference n×n×n GEMM (run on the benchmarked backend).
     #[arg(long, default_value_t = 2048)]
     gemm_n: usize,
     /// Write results as JSON here.
@@ -91,20 +90,25 @@ fn prefill_flops(c: &ModelConfig, n: usize) -> f64 {
     linear + attention + lm_head
 }
 
-fn gemm_rate(n: usize, reps: usize) -> GemmResult {
-    let a: Vec<f32> = (0..n * n).map(|i| ((i % 97) as f32 - 48.0) * 0.01).collect();
-    let b: Vec<f32> = (0..n * n).map(|i| ((i % 89) as f32 - 44.0) * 0.01).collect();
-    let mut out = vec![0f32; n * n];
-    matmul_bt(&mut out, &a, &b, n, n, n); // warm-up
-    let rates: Vec<f64> = (0..reps.max(3))
-        .map(|_| {
-            let t = Instant::now();
-            matmul_bt(&mut out, &a, &b, n, n, n);
-            2.0 * (n as f64).powi(3) / t.elapsed().as_secs_f64() / 1e9
-        })
-        .collect();
+/// The backend's own n×n×n GEMM (`linear` of n rows by an n×n weight, as
+/// prefill's linear layers run), so that prefill's share of it compares
+/// like with like on every backend.
+fn gemm_rate<B: Backend>(backend: &B, n: usize, reps: usize) -> Result<GemmResult> {
+    let x = HostTensor { shape: vec![n, n], data: (0..n * n).map(|i| ((i % 97) as f32 - 48.0) * 0.01).collect() };
+    let w = HostTensor { shape: vec![n, n], data: (0..n * n).map(|i| ((i % 89) as f32 - 44.0) * 0.01).collect() };
+    let (x, w) = (backend.upload_rows(&x)?, backend.upload(&w)?);
+    backend.linear(&x, &w, None)?; // warm-up (and the device's GEMM tuning)
+    backend.synchronize()?;
+    let mut rates = Vec::new();
+    for _ in 0..reps.max(3) {
+        let t = Instant::now();
+        let y = backend.linear(&x, &w, None)?;
+        backend.synchronize()?;
+        rates.push(2.0 * (n as f64).powi(3) / t.elapsed().as_secs_f64() / 1e9);
+        drop(y);
+    }
     let best = rates.iter().copied().fold(0.0, f64::max);
-    GemmResult { n, gflops_median: median(rates), gflops_best: best }
+    Ok(GemmResult { n, gflops_median: median(rates), gflops_best: best })
 }
 
 pub fn run(a: EngineArgs) -> Result<()> {
@@ -114,11 +118,12 @@ pub fn run(a: EngineArgs) -> Result<()> {
 
 /// On any backend: prefill and decode steps as the engine runs them (on a
 /// device, each decode step includes its logits' copy to the host and the
-/// sampling there, as serving does); the reference GEMM is the host's.
+/// sampling there, as serving does); the reference GEMM runs on the same
+/// backend.
 fn run_on<B: Backend>(a: EngineArgs, backend: B) -> Result<()> {
     let threads = rayon::current_num_threads();
-    eprintln!("inferscale bench engine: reference GEMM {0}×{0}×{0} …", a.gemm_n);
-    let gemm = gemm_rate(a.gemm_n, a.reps);
+    eprintln!("inferscale bench engine: reference GEMM {0}×{0}×{0} on {1} …", a.gemm_n, backend.name());
+    let gemm = gemm_rate(&backend, a.gemm_n, a.reps)?;
     let mut m = load_on(&a.model, backend)?;
     let cfg = m.files.config.clone();
     let mut rng = Rng::new(42);

@@ -11,8 +11,9 @@
 #   chart        helm lint --strict (which applies values.schema.json) with
 #                values.yaml (GPU, the default), values-cpu.yaml,
 #                ci/external-values.yaml, ci/features-values.yaml (the
-#                optional features on) and ci/vllm-values.yaml (vLLM workers),
-#                under Helm 3 and Helm 4; helm template of the same five, checked by kubernetes-validate --strict
+#                optional features on), ci/vllm-values.yaml (vLLM workers'
+#                settings changed) and ci/native-values.yaml (our engine on the GPU),
+#                under Helm 3 and Helm 4; helm template of the same six, checked by kubernetes-validate --strict
 #                against Kubernetes $K8S_VERSION (built-in kinds; the custom
 #                resources, which it has no schema for, by rendered_test.py);
 #                deploy/helm/tests/rendered_test.py on the rendered manifests;
@@ -280,13 +281,14 @@ say "== deploy/helm/inferscale"
 # values files: label, then the helm arguments. ci/features-values.yaml turns
 # the optional features on (ServiceMonitors, Ingress, KEDA, models from an
 # image, classes, a ClusterIssuer) so that they are rendered and checked too.
-VARIANTS=(default cpu external features vllm)
+VARIANTS=(default cpu external features vllm native)
 declare -A VALUES_ARGS=(
     [default]=""
     [cpu]="-f $CHART/values-cpu.yaml"
     [external]="-f $CHART/ci/external-values.yaml"
     [features]="-f $CHART/ci/features-values.yaml"
     [vllm]="-f $CHART/ci/vllm-values.yaml"
+    [native]="-f $CHART/ci/native-values.yaml"
 )
 declare -A VALUES_NAME=(
     [default]="values.yaml (GPU)"
@@ -294,6 +296,7 @@ declare -A VALUES_NAME=(
     [external]="ci/external-values.yaml"
     [features]="ci/features-values.yaml"
     [vllm]="ci/vllm-values.yaml"
+    [native]="ci/native-values.yaml"
 )
 RENDERED="$WORK/rendered"
 mkdir -p "$RENDERED"
@@ -396,7 +399,7 @@ check "helm3/helm4 template refuse bad values (20 cases, 7 by the schema alone)"
 # checkov on the rendered manifests. The dev values run with IfNotPresent
 # (images loaded into kind/minikube by hand are not in any registry), so
 # CKV_K8S_15 "pull policy Always" is skipped there, and only there.
-for v in default external features vllm; do
+for v in default external features vllm native; do
     mkdir -p "$RENDERED/checkov-$v"
     cp "$RENDERED/helm4-$v.yaml" "$RENDERED/checkov-$v/"
     check "checkov kubernetes: rendered ${VALUES_NAME[$v]}" \

@@ -179,6 +179,8 @@ resource "helm_release" "inferscale" {
       image        = { tag = var.image_tag }
       replicaCount = var.worker_replicas
       backend      = "cuda"
+      engine       = var.worker_engine
+      vllm         = { image = { tag = var.image_tag } }
       model        = var.worker_model
       kvCacheMb    = var.worker_kv_cache_mb
       persistence = {

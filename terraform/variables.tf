@@ -243,7 +243,7 @@ variable "namespace" {
 }
 
 variable "image_registry" {
-  description = "Registry prefix of the inferscale-router and inferscale-worker images. Empty: the ECR repositories this configuration creates."
+  description = "Registry prefix of the inferscale-router, inferscale-worker and inferscale-worker-vllm images. Empty: the ECR repositories this configuration creates."
   type        = string
   default     = ""
 
@@ -286,8 +286,19 @@ variable "worker_model" {
   }
 }
 
+variable "worker_engine" {
+  description = "What generates on the workers: vllm (vLLM with InferScale's KV connector, from the inferscale-worker-vllm image; the chart's default) or native (InferScale's engine, from inferscale-worker). docs/deploy.md, Engines."
+  type        = string
+  default     = "vllm"
+
+  validation {
+    condition     = contains(["vllm", "native"], var.worker_engine)
+    error_message = "worker_engine must be vllm or native."
+  }
+}
+
 variable "worker_kv_cache_mb" {
-  description = "Paged KV cache per worker in MiB of GPU memory (an H100 has 80 GiB, an H200 141 GiB)."
+  description = "Paged KV cache per native worker in MiB of GPU memory (an H100 has 80 GiB, an H200 141 GiB); vLLM workers size theirs from the chart's worker.vllm.gpuMemoryUtilization."
   type        = number
   default     = 65536
 

@@ -207,6 +207,11 @@ pub fn worker(a: WorkerCmd, security: Security, etcd: EtcdOptions) -> Result<()>
     if a.http_listen.is_some() {
         bail!("--engine vllm: --http-listen is for native workers (vLLM serves its own /metrics on --vllm-port)");
     }
+    if a.worker.audit_share > 0.0 {
+        bail!(
+            "--engine vllm: --audit-share is for native workers (the audit reruns requests in prompt mode on our engine)"
+        );
+    }
     if a.worker.mem.model.backend == "cpu" {
         eprintln!(
             "inferscale worker: warning: --backend cpu puts the connector's core on the CPU, which loads only into \

@@ -281,4 +281,7 @@ fn worker_engine_vllm_configures_vllm_with_the_connector_and_refuses_what_it_can
     let o = run(&["--vllm-model", "x", "--http-listen", "127.0.0.1:9100"]);
     assert!(!o.status.success());
     assert!(stderr(&o).contains("--http-listen"), "{}", stderr(&o));
+    let o = run(&["--vllm-model", "x", "--audit-share", "0.01"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("--audit-share is for native workers"), "{}", stderr(&o));
 }

@@ -2,9 +2,10 @@
 """Assertions on the chart's rendered manifests (what kubeconform-style schema
 checks cannot see): wiring between the components, probes, drain, security.
 
-Usage: rendered_test.py DIR, where DIR holds default.yaml (values.yaml, GPU),
-cpu.yaml (values-cpu.yaml), external.yaml (ci/external-values.yaml),
-features.yaml (ci/features-values.yaml) and vllm.yaml (ci/vllm-values.yaml), each the output of
+Usage: rendered_test.py DIR, where DIR holds default.yaml (values.yaml, GPU,
+vLLM workers), cpu.yaml (values-cpu.yaml), external.yaml (ci/external-values.yaml),
+features.yaml (ci/features-values.yaml), vllm.yaml (ci/vllm-values.yaml) and
+native.yaml (ci/native-values.yaml), each the output of
 `helm template inferscale deploy/helm/inferscale -n inferscale` with those
 values (scripts/check_deploy.sh makes them). Needs PyYAML.
 
@@ -108,9 +109,10 @@ class Rendered(unittest.TestCase):
         cls.external = load("external.yaml")
         cls.features = load("features.yaml")
         cls.vllm = load("vllm.yaml")
+        cls.native = load("native.yaml")
         cls.all = {
             "default": cls.default, "cpu": cls.cpu, "external": cls.external, "features": cls.features,
-            "vllm": cls.vllm,
+            "vllm": cls.vllm, "native": cls.native,
         }
 
     def test_every_object_is_namespaced_and_labelled(self):
@@ -178,9 +180,10 @@ class Rendered(unittest.TestCase):
         self.assertIn("inferscale-api-keys", [v.get("secret", {}).get("secretName") for v in vols])
 
     def test_worker(self):
-        sts = one(self.default, "StatefulSet", f"{RELEASE}-worker")
+        # Our engine on the GPU: its own HTTP port for probes and metrics.
+        sts = one(self.native, "StatefulSet", f"{RELEASE}-worker")
         spec = sts["spec"]
-        headless = one(self.default, "Service", spec["serviceName"])
+        headless = one(self.native, "Service", spec["serviceName"])
         self.assertEqual(headless["spec"]["clusterIP"], "None")
         self.assertTrue(headless["spec"]["publishNotReadyAddresses"])
         pod = spec["template"]["spec"]
@@ -213,8 +216,33 @@ class Rendered(unittest.TestCase):
         claim = spec["volumeClaimTemplates"][0]
         self.assertEqual(claim["metadata"]["name"], "data")
         self.assertIn({"name": "data", "mountPath": "/data"}, c["volumeMounts"])
-        pdb = one(self.default, "PodDisruptionBudget", f"{RELEASE}-worker")
+        pdb = one(self.native, "PodDisruptionBudget", f"{RELEASE}-worker")
         self.assertEqual(pdb["spec"]["selector"]["matchLabels"], spec["selector"]["matchLabels"])
+        self.assertEqual(env["INFERSCALE_ENGINE"], "native")
+        self.assertNotIn("initContainers", pod)
+
+    def test_vllm_is_the_gpu_default(self):
+        # The peer benchmark's winner at 100 users (docs/deploy.md, "Engines").
+        sts = one(self.default, "StatefulSet", f"{RELEASE}-worker")
+        pod = sts["spec"]["template"]["spec"]
+        c = pod["containers"][0]
+        env = env_of(c)
+        self.assertEqual(env["INFERSCALE_ENGINE"], "vllm")
+        self.assertEqual(env["INFERSCALE_BACKEND"], "cuda")
+        self.assertTrue(c["image"].startswith("inferscale-worker-vllm:"), c["image"])
+        args = c["args"]
+        self.assertIn("--vllm-arg=--gpu-memory-utilization=0.8", args)
+        self.assertFalse([a for a in args if a.startswith("--vllm-arg=--max-model-len")], args)
+        self.assertIn("export-hf", [i["name"] for i in pod["initContainers"]])
+        self.assertEqual(c["resources"]["limits"]["nvidia.com/gpu"], 1)
+        self.assertEqual(pod["nodeSelector"], {"nvidia.com/gpu.present": "true"})
+        # Drain and the shard volume as with our engine.
+        hook = " ".join(c["lifecycle"]["preStop"]["exec"]["command"])
+        self.assertIn('inferscale cluster drain "$POD_NAME"', hook)
+        self.assertIn({"name": "data", "mountPath": "/data"}, c["volumeMounts"])
+        # The CPU values run our engine (vLLM needs CUDA).
+        cpu = one(self.cpu, "StatefulSet", f"{RELEASE}-worker")["spec"]["template"]["spec"]["containers"][0]
+        self.assertEqual(env_of(cpu)["INFERSCALE_ENGINE"], "native")
 
     def test_vllm_worker(self):
         sts = one(self.vllm, "StatefulSet", f"{RELEASE}-worker")
@@ -258,10 +286,6 @@ class Rendered(unittest.TestCase):
         tmp = volumes_of(pod)["tmp"]
         self.assertEqual(tmp["emptyDir"]["sizeLimit"], "16Gi")
         self.assertEqual(c["resources"]["limits"]["nvidia.com/gpu"], 1)
-        # The native default keeps its HTTP port and probes.
-        native = one(self.default, "StatefulSet", f"{RELEASE}-worker")["spec"]["template"]["spec"]
-        self.assertEqual(env_of(native["containers"][0])["INFERSCALE_ENGINE"], "native")
-        self.assertNotIn("initContainers", native)
 
     def test_cpu_worker_has_no_gpu(self):
         sts = one(self.cpu, "StatefulSet", f"{RELEASE}-worker")
@@ -317,17 +341,25 @@ class Rendered(unittest.TestCase):
         self.assertEqual(sources(pols[f"{RELEASE}-etcd"], "client"), {"router", "worker", "etcd"})
         self.assertEqual(sources(pols[f"{RELEASE}-etcd"], "peer"), {"etcd"})
         self.assertEqual(sources(pols[f"{RELEASE}-jaeger"], "otlp-grpc"), {"router", "worker"})
-        # Every named port a policy admits exists on the pods it selects.
-        for p in pols.values():
-            workload = next(
-                d for d in self.default
-                if d["kind"] in ("Deployment", "StatefulSet")
-                and d["spec"]["selector"]["matchLabels"] == p["spec"]["podSelector"]["matchLabels"]
-            )
-            names = {port["name"] for c in workload["spec"]["template"]["spec"]["containers"] for port in c["ports"]}
-            for rule in p["spec"]["ingress"]:
-                for port in rule["ports"]:
-                    self.assertIn(port["port"], names, p["metadata"]["name"])
+        # Our engine's metrics port, admitted where it exists.
+        native = {p["metadata"]["name"]: p for p in find(self.native, "NetworkPolicy")}
+        self.assertEqual(sources(native[f"{RELEASE}-worker"], "http"), {"anyone"})
+        self.assertEqual(sources(pols[f"{RELEASE}-worker"], "http"), set())
+        # Every named port a policy admits exists on the pods it selects,
+        # with either engine.
+        for variant in ("default", "native", "vllm", "features", "external"):
+            docs = self.all[variant]
+            for p in find(docs, "NetworkPolicy"):
+                workload = next(
+                    d for d in docs
+                    if d["kind"] in ("Deployment", "StatefulSet")
+                    and d["spec"]["selector"]["matchLabels"] == p["spec"]["podSelector"]["matchLabels"]
+                )
+                names = {port["name"] for c in workload["spec"]["template"]["spec"]["containers"] for port in c["ports"]}
+                for rule in p["spec"]["ingress"]:
+                    for port in rule["ports"]:
+                        with self.subTest(variant=variant, policy=p["metadata"]["name"]):
+                            self.assertIn(port["port"], names)
 
     def test_tracing(self):
         jaeger_svc = one(self.default, "Service", f"{RELEASE}-jaeger")
@@ -353,10 +385,15 @@ class Rendered(unittest.TestCase):
         # models.source=volume: the PVC, read-only, is the worker's INFERSCALE_HOME.
         self.assertEqual(volumes_of(pod)["models"]["persistentVolumeClaim"], {"claimName": "inferscale-models", "readOnly": True})
         self.assertEqual(env_of(c)["INFERSCALE_HOME"], "/models")
-        self.assertNotIn("initContainers", pod)
+        # Nothing fetched: the one init container (vLLM, the default engine)
+        # exports the volume's model as an HF directory into the shard volume.
+        (export,) = pod["initContainers"]
+        self.assertEqual(export["name"], "export-hf")
+        self.assertEqual(env_of(export)["INFERSCALE_MODEL"], "/models/Llama-3.1-8B-Instruct")
+        self.assertIn({"name": "models", "mountPath": "/models", "readOnly": True}, export["volumeMounts"])
         self.assertEqual(env_of(c)["INFERSCALE_MODEL"], "/models/Llama-3.1-8B-Instruct")
         self.assertEqual(c["args"][1:3], ["--embedder", "/models/all-minilm-l6-v2"])
-        self.assertTrue(c["image"].startswith("registry.example.com/inferscale/inferscale-worker:"))
+        self.assertTrue(c["image"].startswith("registry.example.com/inferscale/inferscale-worker-vllm:"))
         self.assertEqual(pod["imagePullSecrets"], [{"name": "regcred"}])
 
     # ------------------------------------------------------------ TLS
@@ -618,11 +655,13 @@ class Rendered(unittest.TestCase):
         c = p["containers"][0]
         self.assertEqual(mounts_of(c)["/models"], {"name": "models", "mountPath": "/models", "readOnly": True})
         self.assertEqual(env_of(c)["INFERSCALE_HOME"], "/models")
-        # The default downloads into the shard volume at first start.
-        d = pod(self.default, "StatefulSet", f"{RELEASE}-worker")
-        self.assertEqual(env_of(d["containers"][0])["INFERSCALE_HOME"], "/data/cache")
-        self.assertNotIn("models", volumes_of(d))
-        self.assertNotIn("initContainers", d)
+        # The default downloads into the shard volume at first start (no
+        # models volume, no copy; vLLM's HF export is the only init container).
+        for variant in ("default", "native"):
+            d = pod(self.all[variant], "StatefulSet", f"{RELEASE}-worker")
+            self.assertEqual(env_of(d["containers"][0])["INFERSCALE_HOME"], "/data/cache")
+            self.assertNotIn("models", volumes_of(d))
+            self.assertEqual([i["name"] for i in d.get("initContainers", [])], ["export-hf"] if variant == "default" else [])
 
     def test_runtime_and_priority_classes(self):
         expected = {

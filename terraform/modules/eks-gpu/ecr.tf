@@ -1,7 +1,8 @@
-# Image repositories for the two images (deploy/docker). Tags are immutable:
-# push a new tag per build and set image_tag.
+# Image repositories for the three images (deploy/docker: the router, our
+# engine's worker, the vLLM worker). Tags are immutable: push a new tag per
+# build and set image_tag.
 resource "aws_ecr_repository" "this" {
-  for_each = toset(["inferscale-router", "inferscale-worker"])
+  for_each = toset(["inferscale-router", "inferscale-worker", "inferscale-worker-vllm"])
 
   name                 = "${var.cluster_name}/${each.value}"
   image_tag_mutability = "IMMUTABLE"

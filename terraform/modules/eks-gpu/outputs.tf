@@ -34,7 +34,7 @@ output "ecr_registry" {
 }
 
 output "ecr_repository_urls" {
-  description = "URLs of the router and worker image repositories."
+  description = "URLs of the router, worker and vLLM worker image repositories."
   value       = { for name, repo in aws_ecr_repository.this : name => repo.repository_url }
 }
 

@@ -190,7 +190,7 @@ fn bench_serve_measures_each_audit_share_on_one_worker() {
         "--warmup-s",
         "0",
         "--duration-s",
-        "1",
+        "2",
         "--audit-shares",
         "0,1",
         "--rounds",

@@ -63,22 +63,16 @@ for peer in ${PEERS:-native vllm}; do
     curl -s http://127.0.0.1:9090/metrics >"$out/worker-metrics-native.txt"
     ;;
   vllm)
-    export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 INFERSCALE_HOME=/tmp/ishome
-    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-    "$bin" worker --engine vllm --listen 127.0.0.1:50051 --memory "$mem" $model --window 0 --kv-cache-mb 2048 \
-      --vllm-arg=--kv-cache-memory-bytes="$((kv_mb << 20))" --vllm-arg=--gpu-memory-utilization=0.9 \
-      --vllm-arg=--max-model-len="${VLLM_MAX_LEN:-8192}" >"$out/worker-vllm.log" 2>&1 &
-    worker=$!
-    pids=$worker
-    # vLLM takes minutes to start, longer than the router waits for a
-    # healthy worker: start the router once the worker serves gRPC.
-    for _ in $(seq 600); do
-      grep -q "gRPC on" "$out/worker-vllm.log" && break
-      kill -0 "$worker" 2>/dev/null || break
-      sleep 1
-    done
+    # vLLM's environment, and start_worker: vLLM takes minutes to start,
+    # longer than the router waits for a healthy worker, so the router
+    # starts once the worker serves gRPC.
+    BIN=$bin
+    source "$(dirname "$0")/gpu_vllm_common.sh"
+    start_worker "$out/worker-vllm.log" 600 --listen 127.0.0.1:50051 --memory "$mem" $model --window 0 \
+      --kv-cache-mb 2048 --vllm-arg=--kv-cache-memory-bytes="$((kv_mb << 20))" \
+      --vllm-arg=--gpu-memory-utilization=0.9 --vllm-arg=--max-model-len="${VLLM_MAX_LEN:-8192}"
     "$bin" router --worker 127.0.0.1:50051 --listen 127.0.0.1:8080 --deadline-s 600 >"$out/router-vllm.log" 2>&1 &
-    pids="$! $worker"
+    pids="$! $WORKER"
     wait_ready http://127.0.0.1:8080/readyz 120 "$!" && loadtest vllm
     ;;
   *)

@@ -4,7 +4,7 @@
 # `inferscale worker --engine vllm` in the background.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 INFERSCALE_HOME=/tmp/ishome
-. scripts/gpu_env.sh
+. "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 OUT=${OUT:-/tmp/out}
 BIN=${BIN:-target/release/inferscale}
 

@@ -114,10 +114,8 @@ pub fn load_on<B: Backend>(args: &ModelArgs, backend: B) -> Result<Loaded<B>> {
         backend.kv_bytes_per_value(),
     );
     let mut engine = Engine::new(backend, &files, cfg).context("building the engine")?;
-    if args.cuda_graphs != "off"
-        && !engine.enable_decode_graphs().context("setting up decode graphs")?
-        && args.cuda_graphs == "on"
-    {
+    let graphs = args.cuda_graphs != "off" && engine.enable_decode_graphs().context("setting up decode graphs")?;
+    if args.cuda_graphs == "on" && !graphs {
         bail!("--cuda-graphs on: the {} backend has no decode graphs", args.backend);
     }
     let c = &files.config;

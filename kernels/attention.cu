@@ -324,6 +324,7 @@ __device__ void paged_attention(bf16* out, float* part_o, float* part_ml, const 
         const u32* row_ends, u32 works_off, u32 tables_off, int heads, int kv_heads, int block_size, float scale, \
         u32 keys_per_split, u32 n_tokens) {                                                                       \
         extern __shared__ __align__(128) unsigned char paged_smem[];                                              \
+        pdl_begin();                                                                                              \
         paged_attention<D>(out, part_o, part_ml, q, kc, vc, meta, row_ends, works_off, tables_off, heads, kv_heads, \
                            block_size, scale, keys_per_split, n_tokens, paged_smem);                             \
     }
@@ -341,6 +342,7 @@ PAGED_ATTENTION(128)
 // split saw no key), so empty splits weigh 0 and add nothing.
 extern "C" __global__ void attention_combine(bf16* out, const float* part_o, const float* part_ml, u32 rows,
                                              int splits, int head_dim) {
+    pdl_begin();
     extern __shared__ float weight[];
     __shared__ float scratch[32];
     const size_t row = blockIdx.x;

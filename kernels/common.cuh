@@ -22,6 +22,21 @@ __device__ __forceinline__ void rope_cos_sin(u32 position, int i, int half, cons
     }
 }
 
+// Programmatic dependent launch (sm_90 and newer; no-ops before). A kernel
+// launched with it (`launch_pdl` in crates/cuda/src/pdl.rs) may start while
+// the kernel before it in the stream still runs: it must call `pdl_begin`
+// before it reads what earlier kernels wrote or writes anything, and may
+// only read what no kernel writes (weights) before that. `pdl_begin` waits
+// for the earlier grid to finish and its writes to be visible, then lets the
+// next grid's blocks start (they then run their own prologue while this one
+// works). A kernel launched without it runs as any other.
+__device__ __forceinline__ void pdl_begin() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;

@@ -2,6 +2,7 @@
 // residual adds, row selection. Activations are bf16; arithmetic is f32.
 
 extern "C" __global__ void embedding_gather(bf16* out, const bf16* table, const u32* ids, int cols) {
+    pdl_begin();
     const bf16* src = table + (size_t)ids[blockIdx.x] * cols;
     bf16* dst = out + (size_t)blockIdx.x * cols;
     for (int c = threadIdx.x; c < cols; c += blockDim.x) dst[c] = src[c];
@@ -48,6 +49,7 @@ __device__ __forceinline__ void rms_norm8_store(float* f, bool live, int cols, f
 // rms_norm for widths that are multiples of 8 and at most 8192: one thread
 // per 8 values, held in registers between the reduction and the write.
 extern "C" __global__ void rms_norm_v8(bf16* out, const bf16* x, const bf16* w, int cols, float eps) {
+    pdl_begin();
     __shared__ float scratch[32];
     const bool live = threadIdx.x * 8 < cols;
     float f[8];
@@ -58,6 +60,7 @@ extern "C" __global__ void rms_norm_v8(bf16* out, const bf16* x, const bf16* w, 
 // The residual add and the norm after it, fused: x += y (in bf16, as
 // add_assign rounds it), then out = rms_norm_v8(x). Same widths as rms_norm_v8.
 extern "C" __global__ void add_rms_norm_v8(bf16* out, bf16* x, const bf16* y, const bf16* w, int cols, float eps) {
+    pdl_begin();
     __shared__ float scratch[32];
     const int v = threadIdx.x;
     const bool live = v * 8 < cols;
@@ -106,6 +109,7 @@ extern "C" __global__ void gelu(bf16* out, const bf16* x, size_t n) {
 // Rows of `gate_up` are [gate | up], `half` wide each; out = silu(gate) · up.
 // Grid (column blocks, rows), two columns per thread (`half` is even).
 extern "C" __global__ void silu_mul(bf16* out, const bf16* gate_up, int half) {
+    pdl_begin();
     const __nv_bfloat162* g2 = (const __nv_bfloat162*)(gate_up + (size_t)blockIdx.y * 2 * half);
     const __nv_bfloat162* u2 = (const __nv_bfloat162*)(gate_up + (size_t)blockIdx.y * 2 * half + half);
     __nv_bfloat162* o2 = (__nv_bfloat162*)(out + (size_t)blockIdx.y * half);
@@ -131,6 +135,7 @@ extern "C" __global__ void copy_cols(bf16* out, const bf16* x, int width, int x_
 
 // x += y over n elements (n even: activations have even widths).
 extern "C" __global__ void add_assign(bf16* x, const bf16* y, size_t n) {
+    pdl_begin();
     __nv_bfloat162* x2 = (__nv_bfloat162*)x;
     const __nv_bfloat162* y2 = (const __nv_bfloat162*)y;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n / 2; i += (size_t)gridDim.x * blockDim.x)
@@ -139,6 +144,7 @@ extern "C" __global__ void add_assign(bf16* x, const bf16* y, size_t n) {
 
 // x[r, c] += b[c] for every row.
 extern "C" __global__ void add_bias(bf16* x, const bf16* b, size_t n, int cols) {
+    pdl_begin();
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
         x[i] = __float2bfloat16(__bfloat162float(x[i]) + __bfloat162float(b[i % cols]));
 }
@@ -205,25 +211,11 @@ extern "C" __global__ void attention_mass(float* mass, const bf16* q, const bf16
     }
 }
 
-extern "C" __global__ void argmax_rows(u32* out, const bf16* x, int cols) {
+// The (value, index) pair of the largest value among this block's threads,
+// lowest index on ties, in thread 0.
+__device__ void block_argmax(float& best, int& idx) {
     __shared__ float sbest[32];
     __shared__ int sidx[32];
-    const bf16* row = x + (size_t)blockIdx.x * cols;
-    float best = NEG_INF;
-    int idx = 0x7fffffff;
-    if ((cols & 7) == 0) {
-        // Rows of whole 16-byte words (a vocabulary's logits): eight values
-        // per load, so that one block reads a 128k-entry row in a few
-        // microseconds rather than tens.
-        for (int c8 = threadIdx.x; c8 * 8 < cols; c8 += blockDim.x) {
-            float f[8];
-            unpack8(((const uint4*)row)[c8], f);
-#pragma unroll
-            for (int i = 0; i < 8; i++) argmax_merge(best, idx, f[i], c8 * 8 + i);
-        }
-    } else {
-        for (int c = threadIdx.x; c < cols; c += blockDim.x) argmax_merge(best, idx, __bfloat162float(row[c]), c);
-    }
     for (int o = 16; o > 0; o >>= 1)
         argmax_merge(best, idx, __shfl_down_sync(0xffffffff, best, o), __shfl_down_sync(0xffffffff, idx, o));
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
@@ -237,6 +229,47 @@ extern "C" __global__ void argmax_rows(u32* out, const bf16* x, int cols) {
         idx = lane < warps ? sidx[lane] : 0x7fffffff;
         for (int o = 16; o > 0; o >>= 1)
             argmax_merge(best, idx, __shfl_down_sync(0xffffffff, best, o), __shfl_down_sync(0xffffffff, idx, o));
-        if (lane == 0) out[blockIdx.x] = idx == 0x7fffffff ? 0u : (u32)idx;
     }
+}
+
+// A row's argmax in two steps, so that a vocabulary's row is read by many
+// blocks at once (one block reading 150k logits alone spent ~25 µs, most of
+// it waiting on memory): block (p, row) reduces columns [p·chunk, (p+1)·chunk)
+// into part_best/part_idx[row · parts + p]; `argmax_merge_parts` then takes
+// the best part of each row. `chunk` is a multiple of 8 when `cols` is
+// (16-byte loads).
+extern "C" __global__ void argmax_parts(float* part_best, int* part_idx, const bf16* x, int cols, int chunk) {
+    pdl_begin();
+    const int row = blockIdx.y, parts = gridDim.x, begin = blockIdx.x * chunk, end = min(cols, begin + chunk);
+    const bf16* r = x + (size_t)row * cols;
+    float best = NEG_INF;
+    int idx = 0x7fffffff;
+    if ((cols & 7) == 0) {
+        for (int c8 = begin / 8 + threadIdx.x; c8 * 8 < end; c8 += blockDim.x) {
+            float f[8];
+            unpack8(((const uint4*)r)[c8], f);
+#pragma unroll
+            for (int i = 0; i < 8; i++) argmax_merge(best, idx, f[i], c8 * 8 + i);
+        }
+    } else {
+        for (int c = begin + threadIdx.x; c < end; c += blockDim.x) argmax_merge(best, idx, __bfloat162float(r[c]), c);
+    }
+    block_argmax(best, idx);
+    if (threadIdx.x == 0) {
+        part_best[(size_t)row * parts + blockIdx.x] = best;
+        part_idx[(size_t)row * parts + blockIdx.x] = idx;
+    }
+}
+
+// One block per row: the best of the row's `parts` partial results (an
+// index of 0x7fffffff — a part that saw only −inf or NaN — is read as 0, as
+// the host's argmax of such a row).
+extern "C" __global__ void argmax_merge_parts(u32* out, const float* part_best, const int* part_idx, int parts) {
+    pdl_begin();
+    float best = NEG_INF;
+    int idx = 0x7fffffff;
+    for (int p = threadIdx.x; p < parts; p += blockDim.x)
+        argmax_merge(best, idx, part_best[(size_t)blockIdx.x * parts + p], part_idx[(size_t)blockIdx.x * parts + p]);
+    block_argmax(best, idx);
+    if (threadIdx.x == 0) out[blockIdx.x] = idx == 0x7fffffff ? 0u : (u32)idx;
 }

@@ -37,6 +37,7 @@ extern "C" __global__ void qkv_rope_write(bf16* out_q, bf16* kc, bf16* vc, const
                                           const u32* slots, int q_cols, int kv_cols, int head_dim, int rot,
                                           const float* cos_t, const float* sin_t, const float* inv_freq,
                                           u32 table_positions) {
+    pdl_begin();
     const bf16* row = qkv + (size_t)blockIdx.x * (q_cols + 2 * kv_cols);
     bf16* q = out_q + (size_t)blockIdx.x * q_cols;
     bf16* k = kc + (size_t)slots[blockIdx.x] * kv_cols;

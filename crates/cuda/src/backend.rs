@@ -25,7 +25,7 @@ use inferscale_model::HostTensor;
 use rayon::prelude::*;
 
 use crate::error::CudaError;
-use crate::gemm::{Operands, Shape as GemmShape, TUNED_ROWS, Tuner};
+use crate::gemm::{Kernels as GemmKernels, Operands, Ran, Shape as GemmShape, TUNED_ROWS, Tuner};
 use crate::graphs::Capture;
 use crate::kernels::{ATTN_KEYS, ATTN_ROWS, Kernels};
 use crate::profile::{Profiler, Span};
@@ -183,10 +183,12 @@ pub struct CudaBackend {
     /// Host-tier buffers for reuse (`tier.rs`).
     pub(crate) pinned_pool: Arc<PinnedPool>,
     /// Per-shape GEMM choices for few rows (`gemm.rs`); `None` without libcublasLt.
-    tuner: Option<Arc<Mutex<Tuner>>>,
+    pub(crate) tuner: Option<Arc<Mutex<Tuner>>>,
+    /// Whether `launch_pdl` launches early (`pdl.rs`).
+    pub(crate) pdl: bool,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -206,6 +208,7 @@ impl CudaBackend {
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.default_stream();
         let k = Kernels::load(&ctx)?;
+        let pdl = crate::pdl::enabled(ctx.compute_capability()?.0);
         let blas = CudaBlas::new(stream.clone())?;
         let sm_count = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
@@ -238,6 +241,7 @@ impl CudaBackend {
             pinned_pool,
             inject_fence,
             tuner,
+            pdl,
         })
     }
 
@@ -428,6 +432,8 @@ impl CudaBackend {
 /// A kernel argument (scalars by value, device pointers as `u64`).
 pub(crate) trait Arg {
     fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>);
+    /// Where the value lies, for `cuLaunchKernelEx`'s parameter array.
+    fn param(&self) -> *mut c_void;
 }
 
 macro_rules! scalar_arg {
@@ -435,6 +441,9 @@ macro_rules! scalar_arg {
         impl Arg for $t {
             fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>) {
                 b.arg(self);
+            }
+            fn param(&self) -> *mut c_void {
+                self as *const $t as *mut c_void
             }
         }
     )*};
@@ -511,7 +520,7 @@ impl Tensors for CudaBackend {
         let out = self.tensor(ids.len(), table.cols)?;
         let dev = self.meta(ids)?;
         let (o, t, i, c) = (self.tp(&out), self.tp(table), self.ptr(&dev), table.cols as i32);
-        self.launch(&self.k.embedding_gather, Self::rows_cfg(ids.len(), 256), &[&o, &t, &i, &c])?;
+        self.launch_pdl(&self.k.embedding_gather, Self::rows_cfg(ids.len(), 256), &[&o, &t, &i, &c])?;
         Ok(out)
     }
 
@@ -524,7 +533,7 @@ impl Tensors for CudaBackend {
         let (o, xi, w, c) = (self.tp(&out), self.tp(x), self.tp(weight), x.cols as i32);
         if x.cols.is_multiple_of(8) && x.cols <= 8 * 1024 {
             let threads = (x.cols / 8).div_ceil(32) * 32;
-            self.launch(&self.k.rms_norm_v8, Self::rows_cfg(x.rows, threads as u32), &[&o, &xi, &w, &c, &eps])?;
+            self.launch_pdl(&self.k.rms_norm_v8, Self::rows_cfg(x.rows, threads as u32), &[&o, &xi, &w, &c, &eps])?;
         } else {
             self.launch(&self.k.rms_norm, Self::rows_cfg(x.rows, 256), &[&o, &xi, &w, &c, &eps])?;
         }
@@ -574,18 +583,26 @@ impl Tensors for CudaBackend {
                 .cu()?;
                 Ok(())
             };
-            match &self.tuner {
+            let ours = |split| self.gemv(&out, x, w, bias, split);
+            let ran = match &self.tuner {
                 Some(t) if x.rows <= TUNED_ROWS => {
                     let shape = GemmShape { rows: x.rows, n: w.rows, k: x.cols };
                     let ops = Operands { x: self.tp(x), w: self.tp(w), out: self.tp(&out) };
-                    lock(t).run(&self.ctx, &self.stream, shape, ops, &cublas)?
+                    let ours = self.gemv_applies(x, w).then_some(&ours as &dyn Fn(u32) -> Result<()>);
+                    lock(t).run(&self.ctx, &self.stream, shape, ops, GemmKernels { cublas: &cublas, ours })?
                 }
-                _ => cublas()?,
+                _ => {
+                    cublas()?;
+                    Ran::Library
+                }
+            };
+            if ran == Ran::Ours {
+                return Ok(out);
             }
         }
         if let Some(b) = bias {
             let (o, bi, n, c) = (self.tp(&out), self.tp(b), out.len(), w.rows as i32);
-            self.launch(&self.k.add_bias, self.elementwise_cfg(n), &[&o, &bi, &n, &c])?;
+            self.launch_pdl(&self.k.add_bias, self.elementwise_cfg(n), &[&o, &bi, &n, &c])?;
         }
         Ok(out)
     }
@@ -641,8 +658,22 @@ impl Tensors for CudaBackend {
         }
         let out = self.tensor(gate_up.rows, half)?;
         let (o, g, h) = (self.tp(&out), self.tp(gate_up), half as i32);
-        self.launch(&self.k.silu_mul, Self::row_blocks_cfg(gate_up.rows, half / 2), &[&o, &g, &h])?;
+        self.launch_pdl(&self.k.silu_mul, Self::row_blocks_cfg(gate_up.rows, half / 2), &[&o, &g, &h])?;
         Ok(out)
+    }
+
+    fn linear_silu_mul(&self, x: &CudaTensor, w: &CudaTensor, bias: Option<&CudaTensor>) -> Result<CudaTensor> {
+        // Fused where our kernel is the tuned choice for the gate and up
+        // projections' shape (few rows); else the two ops.
+        match self.gemv_choice(x, w) {
+            Some(split) if w.rows.is_multiple_of(2) => {
+                let _span = self.span("linear_silu_mul");
+                let out = self.tensor(x.rows, w.rows / 2)?;
+                self.gemv_silu(&out, x, w, bias, split)?;
+                Ok(out)
+            }
+            _ => self.silu_mul(&self.linear(x, w, bias)?),
+        }
     }
 
     fn split_cols(&self, x: &CudaTensor, widths: &[usize]) -> Result<Vec<CudaTensor>> {
@@ -673,7 +704,7 @@ impl Tensors for CudaBackend {
             return Err(shape_err(format!("add_assign of an odd size {}", x.len())));
         }
         let (xp, yp, n) = (self.tp(x), self.tp(y), x.len());
-        self.launch(&self.k.add_assign, self.elementwise_cfg(n / 2), &[&xp, &yp, &n])
+        self.launch_pdl(&self.k.add_assign, self.elementwise_cfg(n / 2), &[&xp, &yp, &n])
     }
 
     fn add_rms_norm(&self, x: &mut CudaTensor, y: &CudaTensor, weight: &CudaTensor, eps: f32) -> Result<CudaTensor> {
@@ -698,10 +729,25 @@ impl Tensors for CudaBackend {
         if x.rows == 0 {
             return Ok(Vec::new());
         }
-        // SAFETY: the kernel writes one id per row (block), every row.
-        let out = unsafe { self.stream.alloc::<u32>(x.rows) }.cu()?;
-        let (o, xi, c) = (self.ptr(&out), self.tp(x), x.cols as i32);
-        self.launch(&self.k.argmax_rows, Self::rows_cfg(x.rows, 1024), &[&o, &xi, &c])?;
+        // Parts of ARGMAX_CHUNK columns (8 per thread of a 256-thread block,
+        // 16-byte loads): a 150k vocabulary is read by ~75 blocks a row.
+        const ARGMAX_CHUNK: usize = 256 * 8;
+        let parts = x.cols.div_ceil(ARGMAX_CHUNK).max(1);
+        // SAFETY: `argmax_parts` writes every (row, part) entry and
+        // `argmax_merge_parts` one id per row before anything reads them.
+        let (best, idx, out) = unsafe {
+            (
+                self.stream.alloc::<f32>(x.rows * parts).cu()?,
+                self.stream.alloc::<i32>(x.rows * parts).cu()?,
+                self.stream.alloc::<u32>(x.rows).cu()?,
+            )
+        };
+        let (bp, ip, o, xi) = (self.ptr(&best), self.ptr(&idx), self.ptr(&out), self.tp(x));
+        let (c, chunk, n) = (x.cols as i32, ARGMAX_CHUNK as i32, parts as i32);
+        let cfg =
+            LaunchConfig { grid_dim: (parts as u32, x.rows as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        self.launch_pdl(&self.k.argmax_parts, cfg, &[&bp, &ip, &xi, &c, &chunk])?;
+        self.launch_pdl(&self.k.argmax_merge_parts, Self::rows_cfg(x.rows, 128), &[&o, &bp, &ip, &n])?;
         self.stream.clone_dtoh(&out).cu()
     }
 

@@ -30,7 +30,11 @@ impl CudaBackend {
         let out = self.tensor(x.rows, x.cols)?;
         let (o, xp, yp, w, c) = (self.tp(&out), self.tp(x), self.tp(y), self.tp(weight), x.cols as i32);
         let threads = (x.cols / 8).div_ceil(32) * 32;
-        self.launch(&self.k.add_rms_norm_v8, Self::rows_cfg(x.rows, threads as u32), &[&o, &xp, &yp, &w, &c, &eps])?;
+        self.launch_pdl(
+            &self.k.add_rms_norm_v8,
+            Self::rows_cfg(x.rows, threads as u32),
+            &[&o, &xp, &yp, &w, &c, &eps],
+        )?;
         Ok(out)
     }
 
@@ -74,7 +78,7 @@ impl CudaBackend {
         let (qp, src, pp, sp) = (self.tp(&q), self.tp(qkv), self.ptr(&pos), self.ptr(&slots));
         let (qc, kvc, hd, rot) = (q_cols as i32, kv_cols as i32, d as i32, rope.dim() as i32);
         let (cs, sn, inv, tp) = (self.ptr(&r.cos), self.ptr(&r.sin), self.ptr(&r.inv_freq), TABLE_POSITIONS as u32);
-        self.launch(
+        self.launch_pdl(
             &self.k.qkv_rope_write,
             Self::rows_cfg(qkv.rows, 128),
             &[&qp, &kc, &vc, &src, &pp, &sp, &qc, &kvc, &hd, &rot, &cs, &sn, &inv, &tp],

@@ -14,7 +14,10 @@
 //! little inside one), so a server whose decode batches take every size
 //! tunes each weight about thirteen times, not 256; a bucket's algorithm is
 //! checked against each new row count (`cublasLtMatmulAlgoCheck`) before it
-//! runs it. Tuning a shape costs a few milliseconds, once.
+//! runs it. Tuning a shape costs a few milliseconds, once. For at most
+//! [`GEMV_ROWS`](crate::kernels::GEMV_ROWS) rows our own kernel (gemv.cu) is
+//! a candidate too, kept only where it is the fastest; it adds the bias in
+//! the same pass.
 //! Candidates compute the same products with different summation orders,
 //! so results may differ in the last bits from cuBLAS's choice (each
 //! algorithm is deterministic; `inferscale check` holds them to the CPU).
@@ -31,11 +34,12 @@ use cudarc::cublaslt::sys::{
     cudaDataType,
 };
 use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, LaunchConfig};
 use inferscale_engine::Result;
 
-use crate::backend::Cu;
+use crate::backend::{Cu, CudaBackend, CudaTensor, shape_err};
 use crate::error::CudaError;
+use crate::kernels::{GEMV_ROWS, GEMV_THREADS};
 
 /// Most rows for which shapes are tuned (beyond, cuBLAS's choice stands).
 pub const TUNED_ROWS: usize = 256;
@@ -43,6 +47,8 @@ pub const TUNED_ROWS: usize = 256;
 const WORKSPACE_BYTES: usize = 32 << 20;
 /// Candidates asked of cuBLASLt per shape.
 const CANDIDATES: usize = 16;
+/// Warps a column our kernel is timed with (gemv.cu).
+pub(crate) const GEMV_SPLITS: [u32; 4] = [1, 2, 4, 8];
 /// Timed calls per candidate (after one warm-up).
 const TIMED: usize = 5;
 /// Bytes written between timed calls to evict the L2 cache (50 MB on an
@@ -70,11 +76,31 @@ pub fn row_bucket(rows: usize) -> usize {
     if rows <= 16 { rows.next_power_of_two() } else { rows.next_multiple_of(32) }
 }
 
-/// A bucket's choice: cuBLAS's own, or a cuBLASLt algorithm.
+/// A bucket's choice: cuBLAS's own, a cuBLASLt algorithm, or our kernel.
 #[derive(Clone, Copy)]
 enum Choice {
     Cublas,
     Lt(cublasLtMatmulAlgo_t, usize),
+    /// Ours, with this many warps a column.
+    Ours(u32),
+}
+
+/// The kernels one call may run: cuBLAS's own choice, and ours where it
+/// applies to the operands (few rows, aligned, `k` a multiple of 8).
+pub(crate) struct Kernels<'a> {
+    pub cublas: &'a dyn Fn() -> Result<()>,
+    /// Ours with the given warps a column (one of [`GEMV_SPLITS`]), the
+    /// call's bias (if any) added in the same pass.
+    pub ours: Option<&'a dyn Fn(u32) -> Result<()>>,
+}
+
+/// Which kernel a call ran.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Ran {
+    /// cuBLAS or cuBLASLt: the bias is still to be added.
+    Library,
+    /// Ours: the bias is in.
+    Ours,
 }
 
 /// What a tuned shape runs.
@@ -82,6 +108,7 @@ enum Plan {
     /// cuBLAS's own choice won (or no candidate applied).
     Cublas,
     Lt(LtPlan),
+    Ours(u32),
 }
 
 /// A cuBLASLt matmul: its descriptors and the chosen algorithm.
@@ -139,30 +166,39 @@ impl Tuner {
         Ok(Tuner { handle, workspace, log, flush: None, choices: HashMap::new(), plans: HashMap::new() })
     }
 
-    /// Runs the GEMM: with the shape's plan, tuning it first if new. `cublas`
-    /// runs cuBLAS's own choice on the same operands.
+    /// The split of our kernel if it is the plan of shape `s`.
+    pub(crate) fn ours(&self, s: Shape) -> Option<u32> {
+        match self.plans.get(&s) {
+            Some(&Plan::Ours(split)) => Some(split),
+            _ => None,
+        }
+    }
+
+    /// Runs the GEMM: with the shape's plan, tuning it first if new.
     pub(crate) fn run(
         &mut self,
         ctx: &std::sync::Arc<CudaContext>,
         stream: &std::sync::Arc<CudaStream>,
         s: Shape,
         o: Operands,
-        cublas: &dyn Fn() -> Result<()>,
-    ) -> Result<()> {
+        k: Kernels<'_>,
+    ) -> Result<Ran> {
         if !self.plans.contains_key(&s) {
             let bucket = Shape { rows: row_bucket(s.rows), ..s };
             let plan = match self.choices.get(&bucket) {
                 Some(&Choice::Lt(algo, ws)) => self.checked(s, algo, ws)?,
                 Some(Choice::Cublas) => Plan::Cublas,
+                Some(&Choice::Ours(split)) => Plan::Ours(split),
                 None => {
                     if self.flush.is_none() {
                         // SAFETY: only ever written, never read.
                         self.flush = Some(unsafe { stream.alloc::<u8>(FLUSH_BYTES) }.cu()?);
                     }
-                    let plan = self.tune(ctx, stream, s, o, cublas)?;
+                    let plan = self.tune(ctx, stream, s, o, &k)?;
                     let choice = match &plan {
                         Plan::Lt(p) => Choice::Lt(p.algo, p.workspace),
                         Plan::Cublas => Choice::Cublas,
+                        Plan::Ours(split) => Choice::Ours(*split),
                     };
                     self.choices.insert(bucket, choice);
                     plan
@@ -170,9 +206,12 @@ impl Tuner {
             };
             self.plans.insert(s, plan);
         }
-        match self.plans.get(&s) {
-            Some(Plan::Lt(p)) => self.matmul(stream, p, o),
-            _ => cublas(),
+        match (self.plans.get(&s), k.ours) {
+            (Some(Plan::Lt(p)), _) => self.matmul(stream, p, o).map(|()| Ran::Library),
+            // Ours won for the shape but does not apply to these operands
+            // (a misaligned view): cuBLAS's choice.
+            (Some(&Plan::Ours(split)), Some(ours)) => ours(split).map(|()| Ran::Ours),
+            _ => (k.cublas)().map(|()| Ran::Library),
         }
     }
 
@@ -182,7 +221,7 @@ impl Tuner {
         stream: &CudaStream,
         s: Shape,
         o: Operands,
-        cublas: &dyn Fn() -> Result<()>,
+        k: &Kernels<'_>,
     ) -> Result<Plan> {
         let flush = match &self.flush {
             Some(f) => cudarc::driver::DevicePtr::device_ptr(f, stream).0,
@@ -202,30 +241,49 @@ impl Tuner {
             }
             Ok(total)
         };
-        let cublas_ms = time(cublas)?;
-        let mut best = (cublas_ms, None);
+        let cublas_ms = time(k.cublas)?;
+        let mut best = (cublas_ms, Plan::Cublas);
         for candidate in self.candidates(s)? {
             // A candidate that fails to run is skipped, not fatal.
             if let Ok(t) = time(&|| self.matmul(stream, &candidate, o))
                 && t < best.0
             {
-                best = (t, Some(candidate));
+                best = (t, Plan::Lt(candidate));
             }
+        }
+        let mut ours_ms: Option<(f32, u32)> = None;
+        for split in GEMV_SPLITS {
+            let Some(ours) = k.ours else { break };
+            let t = time(&|| ours(split))?;
+            if ours_ms.is_none_or(|(best, _)| t < best) {
+                ours_ms = Some((t, split));
+            }
+        }
+        if let Some((t, split)) = ours_ms
+            && t < best.0
+        {
+            best = (t, Plan::Ours(split));
         }
         if self.log {
             let us = |ms: f32| ms * 1e3 / TIMED as f32;
+            let name = match best.1 {
+                Plan::Cublas => "cuBLAS",
+                Plan::Lt(_) => "cuBLASLt",
+                Plan::Ours(_) => "ours",
+            };
             eprintln!(
-                "inferscale cuda gemm: rows {} n {} k {}: cuBLAS {:.1} µs, chosen {} {:.1} µs ({:.0} GB/s of weight)",
+                "inferscale cuda gemm: rows {} n {} k {}: cuBLAS {:.1} µs, ours {}, chosen {name} {:.1} µs \
+                 ({:.0} GB/s of weight)",
                 s.rows,
                 s.n,
                 s.k,
                 us(cublas_ms),
-                if best.1.is_some() { "cuBLASLt" } else { "cuBLAS" },
+                ours_ms.map_or("–".to_string(), |(t, split)| format!("{:.1} µs (split {split})", us(t))),
                 us(best.0),
                 (s.n * s.k * 2) as f32 / (us(best.0) * 1e3)
             );
         }
-        Ok(best.1.map_or(Plan::Cublas, Plan::Lt))
+        Ok(best.1)
     }
 
     /// The bucket's algorithm for the exact shape `s`, if cuBLASLt accepts
@@ -378,6 +436,108 @@ impl LtPlan {
 
 fn blas(e: cudarc::cublaslt::result::CublasError) -> inferscale_engine::EngineError {
     CudaError::Unsupported(format!("cuBLASLt: {e:?}")).into()
+}
+
+impl CudaBackend {
+    /// Whether `gemv` applies to `x · wᵀ`: few rows, rows of whole 16-byte
+    /// words, both operands 16-byte aligned.
+    pub(crate) fn gemv_applies(&self, x: &CudaTensor, w: &CudaTensor) -> bool {
+        (1..=GEMV_ROWS).contains(&x.rows)
+            && x.cols == w.cols
+            && x.cols.is_multiple_of(8)
+            && self.tp(x).is_multiple_of(16)
+            && self.tp(w).is_multiple_of(16)
+            && w.rows <= i32::MAX as usize
+    }
+
+    /// `out = x · wᵀ (+ bias)` by our kernel (gemv.cu), `split` warps a
+    /// column (one of [`GEMV_SPLITS`]).
+    pub(crate) fn gemv(
+        &self,
+        out: &CudaTensor,
+        x: &CudaTensor,
+        w: &CudaTensor,
+        bias: Option<&CudaTensor>,
+        split: u32,
+    ) -> Result<()> {
+        self.gemv_launch(out, x, w, bias, split, false)
+    }
+
+    /// `out = silu(g) · u` where `[g | u] = x · wᵀ (+ bias)` (w stacks the
+    /// gate and up projections): the same bits as [`Self::gemv`] then
+    /// `silu_mul`, in one kernel.
+    pub(crate) fn gemv_silu(
+        &self,
+        out: &CudaTensor,
+        x: &CudaTensor,
+        w: &CudaTensor,
+        bias: Option<&CudaTensor>,
+        split: u32,
+    ) -> Result<()> {
+        self.gemv_launch(out, x, w, bias, split, true)
+    }
+
+    fn gemv_launch(
+        &self,
+        out: &CudaTensor,
+        x: &CudaTensor,
+        w: &CudaTensor,
+        bias: Option<&CudaTensor>,
+        split: u32,
+        gated: bool,
+    ) -> Result<()> {
+        let n = if gated { w.rows / 2 } else { w.rows };
+        if !GEMV_SPLITS.contains(&split) {
+            return Err(shape_err(format!("gemv: {split} warps a column")));
+        }
+        if !self.gemv_applies(x, w)
+            || (gated && !w.rows.is_multiple_of(2))
+            || (out.rows, out.cols) != (x.rows, n)
+            || bias.is_some_and(|b| b.len() != w.rows)
+        {
+            return Err(shape_err(format!(
+                "gemv{}: x [{}, {}] · w [{}, {}]ᵀ into [{}, {}]",
+                if gated { " (gated)" } else { "" },
+                x.rows,
+                x.cols,
+                w.rows,
+                w.cols,
+                out.rows,
+                out.cols
+            )));
+        }
+        let k = &self.k;
+        let f = match (x.rows.next_power_of_two(), gated) {
+            (1, false) => &k.gemv_r1,
+            (2, false) => &k.gemv_r2,
+            (4, false) => &k.gemv_r4,
+            (_, false) => &k.gemv_r8,
+            (1, true) => &k.gemv_silu_r1,
+            (2, true) => &k.gemv_silu_r2,
+            (4, true) => &k.gemv_silu_r4,
+            (_, true) => &k.gemv_silu_r8,
+        };
+        let per_block = (GEMV_THREADS / 32 / split) as usize;
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(per_block) as u32, 1, 1),
+            block_dim: (GEMV_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (o, xp, wp, bp) = (self.tp(out), self.tp(x), self.tp(w), bias.map_or(0, |b| self.tp(b)));
+        let (rows, n, k, split) = (x.rows as i32, n as i32, x.cols as i32, split as i32);
+        self.launch_pdl(f, cfg, &[&o, &xp, &wp, &bp, &rows, &n, &k, &split])
+    }
+
+    /// The split our kernel runs `x · wᵀ` with, if the tuner chose it for
+    /// this shape and it applies to these operands (`None` before the
+    /// shape's first `linear`, which tunes it).
+    pub(crate) fn gemv_choice(&self, x: &CudaTensor, w: &CudaTensor) -> Option<u32> {
+        if !self.gemv_applies(x, w) {
+            return None;
+        }
+        let tuner = self.tuner.as_ref()?;
+        crate::backend::lock(tuner).ours(Shape { rows: x.rows, n: w.rows, k: x.cols })
+    }
 }
 
 #[cfg(test)]

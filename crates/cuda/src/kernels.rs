@@ -16,6 +16,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("elementwise.cu", include_str!("../../../kernels/elementwise.cu")),
     ("kv.cu", include_str!("../../../kernels/kv.cu")),
     ("attention.cu", include_str!("../../../kernels/attention.cu")),
+    ("gemv.cu", include_str!("../../../kernels/gemv.cu")),
     ("retrieval.cu", include_str!("../../../kernels/retrieval.cu")),
 ];
 
@@ -24,6 +25,11 @@ pub const ATTN_ROWS: usize = 64;
 pub const ATTN_KEYS: usize = 64;
 /// Threads of a `paged_attention` block (four warps of sixteen rows).
 pub const ATTN_THREADS: u32 = 128;
+
+/// Most rows `gemv_r*` (gemv.cu) takes, and its threads a block (a warp
+/// per output column).
+pub const GEMV_ROWS: usize = 8;
+pub const GEMV_THREADS: u32 = 256;
 
 /// Dynamic shared memory of `paged_attention_d{head_dim}`: two stages
 /// (double buffering) of a K and a V tile, each `[keys, head_dim + 8]` bf16.
@@ -110,7 +116,8 @@ macro_rules! kernels {
 kernels!(
     embedding_gather,
     select_rows,
-    argmax_rows,
+    argmax_parts,
+    argmax_merge_parts,
     row_sq_distance,
     attention_mass,
     rms_norm,
@@ -135,6 +142,14 @@ kernels!(
     paged_attention_d64,
     paged_attention_d128,
     attention_combine,
+    gemv_r1,
+    gemv_r2,
+    gemv_r4,
+    gemv_r8,
+    gemv_silu_r1,
+    gemv_silu_r2,
+    gemv_silu_r4,
+    gemv_silu_r8,
     inner_products,
     top_k_sorted,
 );

@@ -20,6 +20,7 @@ pub mod kernels;
 pub mod nccl;
 mod paged;
 pub mod parity;
+mod pdl;
 mod profile;
 mod retrieval;
 mod tier;

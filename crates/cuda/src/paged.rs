@@ -243,7 +243,7 @@ impl CudaBackend {
             shared_mem_bytes: attention_smem_bytes(d) as u32,
         };
         let f = if d == 64 { &self.k.paged_attention_d64 } else { &self.k.paged_attention_d128 };
-        self.launch(
+        self.launch_pdl(
             f,
             cfg,
             &[&o, &po, &pm, &qp, &kc, &vc, &mp, &ep, &wo, &to, &h, &kvh, &bs, &shape.scale, &kps, &nt],
@@ -251,7 +251,7 @@ impl CudaBackend {
         if plan.splits > 1 {
             let (r, s, hd) = (rows as u32, plan.splits as i32, d as i32);
             let cfg = LaunchConfig { shared_mem_bytes: (4 * plan.splits) as u32, ..Self::rows_cfg(rows, d as u32) };
-            self.launch(&self.k.attention_combine, cfg, &[&o, &po, &pm, &r, &s, &hd])?;
+            self.launch_pdl(&self.k.attention_combine, cfg, &[&o, &po, &pm, &r, &s, &hd])?;
         }
         Ok(out)
     }

@@ -26,8 +26,8 @@ mod ops;
 
 pub use graphs::decode_graphs;
 pub use model::{GreedyRow, LOGPROB_TOP, greedy, model, real_model, shapes};
-pub use ops::ops;
 pub(crate) use ops::rope_for;
+pub use ops::{gemv, ops};
 
 pub const OP_TOL: f64 = 1e-2;
 pub const MODEL_TOL: f64 = 5e-2;

@@ -19,7 +19,10 @@ fn cuda_matches_cpu_and_keeps_e1_to_e4() {
         Ok(be) => be,
         Err(e) => panic!("opening device 0: {e}"),
     };
-    let report = match parity::run(&be) {
+    let report = match parity::run(&be).and_then(|mut r| {
+        r.extend(parity::gemv(&be)?);
+        Ok(r)
+    }) {
         Ok(r) => r,
         Err(e) => panic!("{e}"),
     };

@@ -242,6 +242,13 @@ pub trait Tensors: Send + Sync + 'static {
     /// (the fused gate and up projections); the result has half the columns.
     fn silu_mul(&self, gate_up: &Self::Tensor) -> Result<Self::Tensor>;
 
+    /// `silu_mul(linear(x, w, bias))`: the MLP's gate and up projections and
+    /// its activation, which devices fuse where it pays (a decode step's few
+    /// rows).
+    fn linear_silu_mul(&self, x: &Self::Tensor, w: &Self::Tensor, bias: Option<&Self::Tensor>) -> Result<Self::Tensor> {
+        self.silu_mul(&self.linear(x, w, bias)?)
+    }
+
     /// Consecutive column blocks of `x` of the given widths (e.g. Q, K and V
     /// out of one fused projection), as separate tensors.
     fn split_cols(&self, x: &Self::Tensor, widths: &[usize]) -> Result<Vec<Self::Tensor>>;

@@ -184,8 +184,8 @@ impl<B: Backend> Mlp<B> {
     }
 
     fn forward(&self, be: &B, x: &B::Tensor) -> Result<B::Tensor> {
-        let gate_up = self.gate_up_proj.forward(be, x)?;
-        self.down_proj.forward(be, &be.silu_mul(&gate_up)?)
+        let act = be.linear_silu_mul(x, &self.gate_up_proj.w, self.gate_up_proj.b.as_ref())?;
+        self.down_proj.forward(be, &act)
     }
 }
 

@@ -550,3 +550,72 @@ pub(super) fn fp8_read_back<G: Backend>(gpu: &G, hd: usize) -> R<f64> {
     }
     Ok(worst)
 }
+
+/// Our few-row GEMM kernel (gemv.cu) against the CPU's `linear`, whatever
+/// the tuner would pick for the shape: every row bucket (and row counts
+/// between them), weights of few and many columns, with and without a bias,
+/// each case's error the largest over the kernel's splits (warps a column).
+/// The control adds another bias, which must miss.
+pub fn gemv(gpu: &crate::CudaBackend) -> R<Report> {
+    let cpu = CpuBackend;
+    let mut out = Report::new();
+    let worst = |x: &HostTensor, w: &HostTensor, b: Option<&HostTensor>, want: &[f32]| -> R<f64> {
+        let (xt, wt) = (gpu.upload_rows(x)?, gpu.upload(w)?);
+        let bt = b.map(|b| gpu.upload(b)).transpose()?;
+        let mut worst = 0.0f64;
+        for split in crate::gemm::GEMV_SPLITS {
+            let o = gpu.tensor(x.shape[0], w.shape[0])?;
+            gpu.gemv(&o, &xt, &wt, bt.as_ref(), split)?;
+            worst = worst.max(rel(&gpu.to_host(&o)?.data, want));
+        }
+        Ok(worst)
+    };
+    for (rows, inp, outs) in [(1, 1536, 2048), (2, 8960, 200), (3, 320, 37), (5, 4096, 1000), (8, 8, 75)] {
+        let x = host(rows as u64 + 20, &[rows, inp], 1.0);
+        let (w, b) = (host(21, &[outs, inp], 0.05), host(22, &[outs], 0.5));
+        let cpu_linear = |b: Option<&HostTensor>| -> R<Vec<f32>> {
+            let b = b.map(|b| cpu.upload(b)).transpose()?;
+            Ok(cpu.to_host(&cpu.linear(&cpu.upload_rows(&x)?, &cpu.upload(&w)?, b.as_ref())?)?.data)
+        };
+        let (want, plain) = (cpu_linear(Some(&b))?, cpu_linear(None)?);
+        let name = format!("gemv {rows}×{inp} · ({outs}×{inp})ᵀ + bias, every split");
+        out.push(Check { name, error: worst(&x, &w, Some(&b), &want)?, tolerance: OP_TOL, control: false });
+        let name = format!("gemv {rows}×{inp} · ({outs}×{inp})ᵀ, every split");
+        out.push(Check { name, error: worst(&x, &w, None, &plain)?, tolerance: OP_TOL, control: false });
+        if outs % 4 == 0 {
+            // Gated (the MLP's gate and up, then silu_mul): the same bits as
+            // the plain kernel and silu_mul, and near the CPU's.
+            let (xt, wt, bt) = (gpu.upload_rows(&x)?, gpu.upload(&w)?, gpu.upload(&b)?);
+            let cpu_act = cpu.to_host(
+                &cpu.silu_mul(&cpu.upload_rows(&HostTensor { shape: vec![rows, outs], data: want.clone() })?)?,
+            )?;
+            let (mut differ, mut worst) = (0.0f64, 0.0f64);
+            for split in crate::gemm::GEMV_SPLITS {
+                let (plain, fused) = (gpu.tensor(rows, outs)?, gpu.tensor(rows, outs / 2)?);
+                gpu.gemv(&plain, &xt, &wt, Some(&bt), split)?;
+                gpu.gemv_silu(&fused, &xt, &wt, Some(&bt), split)?;
+                let (two, one) = (gpu.to_host(&gpu.silu_mul(&plain)?)?.data, gpu.to_host(&fused)?.data);
+                differ = differ.max(bit_error(&one, &two));
+                worst = worst.max(rel(&one, &cpu_act.data));
+            }
+            let name = format!("gemv silu {rows}×{inp} · ({outs}×{inp})ᵀ + bias = gemv, silu_mul, bit for bit");
+            out.push(Check { name, error: differ, tolerance: 0.0, control: false });
+            let name = format!("gemv silu {rows}×{inp} · ({outs}×{inp})ᵀ + bias, every split");
+            out.push(Check { name, error: worst, tolerance: OP_TOL, control: false });
+        }
+        if rows == 1 {
+            // The smallest error over the splits must still miss.
+            let other = host(23, &[outs], 0.5);
+            let (xt, wt, ot) = (gpu.upload_rows(&x)?, gpu.upload(&w)?, gpu.upload(&other)?);
+            let mut least = f64::INFINITY;
+            for split in crate::gemm::GEMV_SPLITS {
+                let o = gpu.tensor(rows, outs)?;
+                gpu.gemv(&o, &xt, &wt, Some(&ot), split)?;
+                least = least.min(rel(&gpu.to_host(&o)?.data, &want));
+            }
+            let name = format!("gemv {rows}×{inp} · ({outs}×{inp})ᵀ, control: another bias");
+            out.push(Check { name, error: least, tolerance: OP_TOL, control: true });
+        }
+    }
+    Ok(out)
+}

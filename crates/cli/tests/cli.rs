@@ -164,6 +164,51 @@ fn bench_ttft_reports_both_modes_with_their_token_counts() {
     }
 }
 
+/// `bench engine` on the CPU: prefill and decode rows as asked, each decode
+/// row with every timed repetition's step time beside their median (an
+/// untimed pass per batch size runs first, so no repetition carries a
+/// batch size's one-time costs).
+#[test]
+fn bench_engine_reports_each_repetition_of_each_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("engine.json");
+    let o = inferscale(&[
+        "bench",
+        "engine",
+        "--shape",
+        "smollm2-135m",
+        "--random-weights",
+        "--prompt-tokens",
+        "8",
+        "--decode-batch",
+        "1,2",
+        "--decode-prompt-tokens",
+        "6",
+        "--decode-tokens",
+        "3",
+        "--reps",
+        "2",
+        "--gemm-n",
+        "64",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(report["prefill"]["tokens"].as_u64(), Some(8), "{report}");
+    let rows = report["decode"].as_array().unwrap();
+    let batches: Vec<u64> = rows.iter().map(|r| r["batch"].as_u64().unwrap()).collect();
+    assert_eq!(batches, [1, 2], "{report}");
+    for r in rows {
+        assert_eq!((r["prompt_tokens"].as_u64(), r["new_tokens"].as_u64()), (Some(6), Some(3)), "{r}");
+        let reps: Vec<f64> = r["ms_per_step_reps"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
+        assert_eq!(reps.len(), 2, "{r}");
+        let ms = r["ms_per_step"].as_f64().unwrap();
+        let (lo, hi) = (reps.iter().copied().fold(f64::INFINITY, f64::min), reps.iter().copied().fold(0.0, f64::max));
+        assert!(lo > 0.0 && lo <= ms * (1.0 + 1e-9) && ms <= hi * (1.0 + 1e-9), "median {ms} outside {reps:?}: {r}");
+    }
+}
+
 /// `bench serve --audit-shares 0,1 --rounds 2` on the CPU: four points on
 /// one worker, in order; a share-0 point audits nothing, a share-1 point
 /// audits or skips every kv request it sent (each one is sampled) and

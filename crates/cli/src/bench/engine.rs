@@ -75,6 +75,8 @@ struct DecodeResult {
     new_tokens: usize,
     tokens_per_s: f64,
     ms_per_step: f64,
+    /// Each timed repetition's, in order (the spread behind the median).
+    ms_per_step_reps: Vec<f64>,
 }
 
 /// Useful floating-point work of prefilling `n` tokens (logits for the last
@@ -152,41 +154,15 @@ fn run_on<B: Backend>(a: EngineArgs, backend: B) -> Result<()> {
     let mut decode = Vec::new();
     for &batch in &a.decode_batch {
         eprintln!("inferscale bench engine: decode at batch {batch} …");
+        // An untimed pass first: a batch size's first steps tune its GEMMs
+        // and capture its decode graph, once per process — in the first
+        // timed repetition they would weigh on its median when reps ≤ 2.
+        decode_rate(&mut m.engine, &mut rng, batch, &a, cfg.vocab_size, DECODE_WARMUP_TOKENS.min(a.decode_tokens))?;
         let mut rates = Vec::new();
         for _ in 0..a.reps.max(1) {
-            // Every prompt but its last token first, so that the timed part
-            // is decode steps alone, all sequences in lockstep (prefill of
-            // many long prompts takes several steps: timed from the first
-            // token, early sequences would count their neighbours' prefill).
-            let mut seqs = (0..batch)
-                .map(|_| m.engine.new_sequence(random_prompt(&mut rng, a.decode_prompt_tokens, cfg.vocab_size)))
-                .collect::<std::result::Result<Vec<_>, _>>()?;
-            while seqs.iter().any(|s| s.pending() > 1) {
-                let mut budget = m.engine.max_batch_tokens();
-                let take: Vec<usize> = seqs
-                    .iter()
-                    .map(|s| {
-                        let t = (s.pending() - 1).min(budget);
-                        budget -= t;
-                        t
-                    })
-                    .collect();
-                let mut refs: Vec<&mut Sequence> = seqs.iter_mut().collect();
-                m.engine.step_scheduled(&mut refs, &take, &vec![true; take.len()])?;
-            }
-            let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(a.decode_tokens) };
-            let t = Instant::now();
-            let outs = generate_sequences(
-                &mut m.engine,
-                None,
-                &[],
-                seqs.into_iter().map(|s| (s, params.clone())).collect(),
-                t,
-            )?;
-            let span = t.elapsed().as_secs_f64();
-            let tokens: usize = outs.iter().map(|o| o.tokens.len()).sum();
-            rates.push(tokens as f64 / span);
+            rates.push(decode_rate(&mut m.engine, &mut rng, batch, &a, cfg.vocab_size, a.decode_tokens)?);
         }
+        let ms_per_step_reps = rates.iter().map(|r| batch as f64 / r * 1e3).collect();
         let rate = median(rates);
         decode.push(DecodeResult {
             batch,
@@ -194,6 +170,7 @@ fn run_on<B: Backend>(a: EngineArgs, backend: B) -> Result<()> {
             new_tokens: a.decode_tokens,
             tokens_per_s: rate,
             ms_per_step: batch as f64 / rate * 1e3,
+            ms_per_step_reps,
         });
     }
 
@@ -212,6 +189,48 @@ fn run_on<B: Backend>(a: EngineArgs, backend: B) -> Result<()> {
         eprintln!("inferscale bench engine: wrote {}", path.display());
     }
     Ok(())
+}
+
+/// Tokens of the untimed decode pass before a batch size's timed ones.
+const DECODE_WARMUP_TOKENS: usize = 4;
+
+/// Decode throughput (tokens a second, all sequences together) of `batch`
+/// fresh sequences of `a.decode_prompt_tokens` random tokens (of a
+/// `vocab`-token vocabulary) generating `tokens` each.
+fn decode_rate<B: Backend>(
+    engine: &mut inferscale_engine::Engine<B>,
+    rng: &mut Rng,
+    batch: usize,
+    a: &EngineArgs,
+    vocab: usize,
+    tokens: usize,
+) -> Result<f64> {
+    // Every prompt but its last token first, so that the timed part is
+    // decode steps alone, all sequences in lockstep (prefill of many long
+    // prompts takes several steps: timed from the first token, early
+    // sequences would count their neighbours' prefill).
+    let mut seqs = (0..batch)
+        .map(|_| engine.new_sequence(random_prompt(rng, a.decode_prompt_tokens, vocab)))
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    while seqs.iter().any(|s| s.pending() > 1) {
+        let mut budget = engine.max_batch_tokens();
+        let take: Vec<usize> = seqs
+            .iter()
+            .map(|s| {
+                let t = (s.pending() - 1).min(budget);
+                budget -= t;
+                t
+            })
+            .collect();
+        let mut refs: Vec<&mut Sequence> = seqs.iter_mut().collect();
+        engine.step_scheduled(&mut refs, &take, &vec![true; take.len()])?;
+    }
+    let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(tokens) };
+    let t = Instant::now();
+    let outs = generate_sequences(engine, None, &[], seqs.into_iter().map(|s| (s, params.clone())).collect(), t)?;
+    let span = t.elapsed().as_secs_f64();
+    let generated: usize = outs.iter().map(|o| o.tokens.len()).sum();
+    Ok(generated as f64 / span)
 }
 
 fn print_engine(r: &EngineReport) {

@@ -1,9 +1,10 @@
 // GEMMs of at most eight rows — a decode step of a few sequences — are a
 // read of the weight and little else: out[r, c] = Σ_k x[r, k] · w[c, k]
-// (+ bias[c]). cuBLAS's kernels for them reach 50–60 % of HBM bandwidth on
-// the weights of a 1.5B model (a 1,536 × 1,536 weight is 4.7 MB: a handful
-// of blocks, few loads in flight); the tuner (crates/cuda/src/gemm.rs) times
-// this kernel beside them and keeps it only for shapes where it wins.
+// (+ bias[c]). cuBLAS's kernels read the small weights of a 1.5B model at a
+// quarter of HBM bandwidth (ncu on an H100: a 1,536 × 1,536 weight, 4.7 MB,
+// at 0.67 TB/s — a few dozen blocks, few loads in flight); the tuner
+// (crates/cuda/src/gemm.rs) times this kernel beside them and keeps it only
+// for shapes where it wins.
 //
 // `split` warps per output column c: each lane streams 16-byte words of w's
 // row c (consecutive lanes, consecutive words: one 512-byte read per warp

@@ -5,11 +5,14 @@
 //! microseconds each; between two of them the device drains one grid,
 //! launches the next and waits for its first loads — a gap that a CUDA graph
 //! does not remove. Launched with `PROGRAMMATIC_STREAM_SERIALIZATION`
-//! (Hopper and newer), a kernel's blocks start as soon as the previous
-//! kernel's have all begun; each of ours then waits (`pdl_begin` in
-//! kernels/common.cuh) for that kernel to finish before touching its output,
-//! and the GEMV (gemv.cu) has its weight's first words already in flight by
-//! then. Only kernels that call `pdl_begin` before any dependent read or any
+//! (Hopper and newer), a kernel's blocks may start once every block of the
+//! kernel before it has passed its own `pdl_begin` (kernels/common.cuh);
+//! each then waits, in its `pdl_begin`, for that kernel to finish before
+//! touching its output — and the GEMV (gemv.cu) has its weight's first
+//! words in flight by then. Measured (docs/performance.md): a step run op
+//! by op gains ~12 %; a graphed one little, as a capture puts an allocation
+//! node between each two kernels and a programmatic edge joins only
+//! adjacent kernels. Only kernels that call `pdl_begin` before any dependent read or any
 //! write may be launched this way: [`CudaBackend::launch_pdl`]'s callers.
 //! `INFERSCALE_CUDA_PDL=0` launches them as any other kernel.
 

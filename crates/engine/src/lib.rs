@@ -14,6 +14,7 @@ pub mod cpu;
 mod engine;
 mod error;
 pub mod fp8;
+pub mod fp8_cache;
 mod generate;
 mod inject;
 pub mod kv_cache;

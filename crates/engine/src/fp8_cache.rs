@@ -1,0 +1,219 @@
+//! The row format of an fp8 paged KV cache (docs/design.md §2.2), shared by
+//! the backends that will hold one: the arithmetic and its invariants here,
+//! beside their tests, so that the CPU store and the device kernels compute
+//! the same thing.
+//!
+//! The cache holds keys after RoPE, and a key of Qwen2.5 has channels far
+//! from zero in every token (its k_proj bias): rounded as they are, those
+//! channels swamp everything that tells one token from another, and the
+//! model's answers change (§2.2's table: 8–10 % kept). Each layer therefore
+//! has one offset per KV channel `o` — the channel means, before RoPE, of a
+//! calibration write of at least [`CALIBRATION_TOKENS`] tokens — and a key
+//! at position `p` is stored as the e4m3 codes of `R(p)·k − R(p)·o` with one
+//! scale per (token, KV head) (§2.2: 78–85 % of answers kept, as rounding
+//! before RoPE keeps). Attention reads `code · scale` and adds `q · R(p)·o`
+//! to the score, which [`OffsetScore`] gives from two coefficients per RoPE
+//! pair computed once per query row. Values have no offset channels and are
+//! rows of codes with a scale alone.
+
+use crate::fp8::{E4M3_MAX, e4m3_table, f32_to_e4m3};
+
+/// Fewest tokens of the write a layer's key offsets are calibrated on.
+pub const CALIBRATION_TOKENS: usize = 16;
+
+/// A layer's key offsets: each KV channel's mean over `keys` (`[rows,
+/// kv_dim]`, before RoPE), or `None` when they are fewer than
+/// [`CALIBRATION_TOKENS`] rows (or any mean is not finite).
+pub fn key_offsets(keys: &[f32], kv_dim: usize) -> Option<Vec<f32>> {
+    let rows = keys.len() / kv_dim.max(1);
+    if rows < CALIBRATION_TOKENS {
+        return None;
+    }
+    let mut sum = vec![0f64; kv_dim];
+    for row in keys.chunks_exact(kv_dim) {
+        sum.iter_mut().zip(row).for_each(|(s, &x)| *s += x as f64);
+    }
+    let means: Vec<f32> = sum.into_iter().map(|s| (s / rows as f64) as f32).collect();
+    means.iter().all(|m| m.is_finite()).then_some(means)
+}
+
+/// `row` as e4m3 codes with one scale (its largest magnitude over 448; 1
+/// for a row of zeros): returns the scale.
+pub fn encode_row(row: &[f32], codes: &mut [u8]) -> f32 {
+    let amax = row.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let scale = if amax > 0.0 && amax.is_finite() { amax / E4M3_MAX } else { 1.0 };
+    codes.iter_mut().zip(row).for_each(|(c, &x)| *c = f32_to_e4m3(x / scale));
+    scale
+}
+
+/// A key head after RoPE (`rotated`, at some position p) as codes of its
+/// difference from the offset rotated to the same position
+/// (`rotated_offset` = R(p)·o): returns the scale.
+pub fn encode_key_row(rotated: &[f32], rotated_offset: &[f32], codes: &mut [u8]) -> f32 {
+    let residual: Vec<f32> = rotated.iter().zip(rotated_offset).map(|(k, o)| k - o).collect();
+    encode_row(&residual, codes)
+}
+
+/// `codes · scale` into `out`.
+pub fn decode_row(codes: &[u8], scale: f32, out: &mut [f32]) {
+    let table = e4m3_table();
+    out.iter_mut().zip(codes).for_each(|(x, &c)| *x = table[c as usize] * scale);
+}
+
+/// `q · R(p)·o` for one query head `q` and a KV head's offset `o`, at any
+/// key position p. RoPE turns pair (i, i + d/2) of the first `rot_dim`
+/// channels by p·θᵢ, so
+/// `q · R(p)·o = Σᵢ aᵢ cos(p·θᵢ) + bᵢ sin(p·θᵢ) + Σ_tail q_j o_j` with
+/// `aᵢ = qᵢ oᵢ + q_{i+h} o_{i+h}` and `bᵢ = q_{i+h} oᵢ − qᵢ o_{i+h}`
+/// (h = rot_dim / 2): d multiply-adds a key, from per-row coefficients.
+#[derive(Debug, Clone)]
+pub struct OffsetScore {
+    a: Vec<f32>,
+    b: Vec<f32>,
+    /// The channels RoPE leaves alone (partial rotary): their dot product.
+    tail: f32,
+}
+
+impl OffsetScore {
+    pub fn new(q: &[f32], o: &[f32], rot_dim: usize) -> Self {
+        let h = rot_dim / 2;
+        let (a, b) = (0..h).map(|i| (q[i] * o[i] + q[i + h] * o[i + h], q[i + h] * o[i] - q[i] * o[i + h])).unzip();
+        let tail = q[rot_dim..].iter().zip(&o[rot_dim..]).map(|(x, y)| x * y).sum();
+        OffsetScore { a, b, tail }
+    }
+
+    /// The term at the position whose (cos, sin) per frequency are given
+    /// (as [`crate::rope::Rope::cos_sin`] makes them).
+    pub fn at(&self, cos: &[f32], sin: &[f32]) -> f32 {
+        let pairs: f32 =
+            self.a.iter().zip(&self.b).zip(cos.iter().zip(sin)).map(|((a, b), (c, s))| a * c + b * s).sum();
+        pairs + self.tail
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use inferscale_model::{RopeConfig, RopeScaling};
+
+    use super::*;
+    use crate::rope::{Rope, TABLE_POSITIONS};
+
+    fn values(seed: u64, n: usize, scale: f32) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+            })
+            .collect()
+    }
+
+    fn dot(a: &[f32], b: &[f32]) -> f32 {
+        a.iter().zip(b).map(|(x, y)| x * y).sum()
+    }
+
+    fn rotated(rope: &Rope, x: &[f32], position: u32) -> Vec<f32> {
+        let (mut c, mut s) = (Vec::new(), Vec::new());
+        rope.cos_sin(position, &mut c, &mut s);
+        let mut y = x.to_vec();
+        rope.rotate(&mut y, &c, &s);
+        y
+    }
+
+    fn cos_sin(rope: &Rope, position: u32) -> (Vec<f32>, Vec<f32>) {
+        let (mut c, mut s) = (Vec::new(), Vec::new());
+        rope.cos_sin(position, &mut c, &mut s);
+        (c, s)
+    }
+
+    #[test]
+    fn offsets_need_a_calibration_write_of_sixteen_tokens() {
+        let dim = 4;
+        let keys: Vec<f32> = (0..CALIBRATION_TOKENS * dim).map(|i| (i % dim) as f32 + (i / dim) as f32).collect();
+        assert_eq!(key_offsets(&keys[..(CALIBRATION_TOKENS - 1) * dim], dim), None);
+        // Channel c of row r is c + r: means c + 7.5.
+        assert_eq!(key_offsets(&keys, dim), Some(vec![7.5, 8.5, 9.5, 10.5]));
+        let mut bad = keys.clone();
+        bad[1] = f32::NAN;
+        assert_eq!(key_offsets(&bad, dim), None);
+    }
+
+    /// The offset's term equals the dot product with the offset rotated to
+    /// the key's position: from the table and past it, with channels RoPE
+    /// leaves alone (partial rotary).
+    #[test]
+    fn offset_score_is_the_dot_product_with_the_rotated_offset() {
+        for (head_dim, rot_dim) in [(64, 64), (64, 32)] {
+            let rope = Rope::new(&RopeConfig { theta: 1_000_000.0, dim: rot_dim, scaling: RopeScaling::None });
+            let (q, o) = (values(1, head_dim, 1.0), values(2, head_dim, 300.0));
+            let term = OffsetScore::new(&q, &o, rot_dim);
+            for p in [0, 1, 7, 1000, TABLE_POSITIONS as u32 + 5] {
+                let (c, s) = cos_sin(&rope, p);
+                let want = dot(&q, &rotated(&rope, &o, p));
+                let got = term.at(&c, &s);
+                assert!((got - want).abs() <= 1e-4 * want.abs().max(1.0), "p {p}: {got} vs {want}");
+            }
+        }
+    }
+
+    /// A key with an offset channel (Qwen2.5's layer-0 keys hold one near
+    /// −355 that varies by ±1.2): stored as codes of R(p)·(k − o) and scored
+    /// as `q · code·scale + q · R(p)·o`, its score is within the residual's
+    /// rounding — while the same key rounded as it is (one scale for the
+    /// row) misses by the offset channel's rounding step, far more.
+    #[test]
+    fn a_key_scores_through_its_offset_within_the_residuals_rounding() {
+        let (head_dim, tokens) = (64, CALIBRATION_TOKENS);
+        let rope = Rope::new(&RopeConfig { theta: 1_000_000.0, dim: head_dim, scaling: RopeScaling::None });
+        let mut keys = values(3, tokens * head_dim, 1.0);
+        for (t, row) in keys.chunks_exact_mut(head_dim).enumerate() {
+            row[5] = -355.0 + 1.2 * ((t as f32) * 0.7).sin();
+        }
+        let o = key_offsets(&keys, head_dim).unwrap_or_else(|| panic!("16 tokens calibrate"));
+        let q = values(4, head_dim, 1.0);
+        let (mut offset_err, mut plain_err) = (0f32, 0f32);
+        let mut codes = vec![0u8; head_dim];
+        let mut back = vec![0f32; head_dim];
+        for (t, k) in keys.chunks_exact(head_dim).enumerate() {
+            let p = 100 + t as u32;
+            let (c, s) = cos_sin(&rope, p);
+            let rk = rotated(&rope, k, p);
+            let want = dot(&q, &rk);
+
+            let scale = encode_key_row(&rk, &rotated(&rope, &o, p), &mut codes);
+            decode_row(&codes, scale, &mut back);
+            let got = dot(&q, &back) + OffsetScore::new(&q, &o, head_dim).at(&c, &s);
+            offset_err = offset_err.max((got - want).abs());
+
+            let scale = encode_row(&rk, &mut codes);
+            decode_row(&codes, scale, &mut back);
+            plain_err = plain_err.max((dot(&q, &back) - want).abs());
+        }
+        // The residual is ~1 per channel: e4m3 keeps it to a few hundredths
+        // (measured: 0.17 against 6.6 for plain rounding).
+        assert!(offset_err < 0.5, "offset form: score error {offset_err}");
+        assert!(plain_err > 10.0 * offset_err, "plain rounding {plain_err} against offset form {offset_err}");
+    }
+
+    #[test]
+    fn rows_round_trip_within_e4m3_precision() {
+        let row = values(5, 128, 3.0);
+        let mut codes = vec![0u8; 128];
+        let scale = encode_row(&row, &mut codes);
+        let mut back = vec![0f32; 128];
+        decode_row(&codes, scale, &mut back);
+        let amax = row.iter().fold(0f32, |m, x| m.max(x.abs()));
+        for (x, y) in row.iter().zip(&back) {
+            // Three mantissa bits: at most half a step, 1/16 of the value,
+            // or half the smallest subnormal step at the bottom.
+            assert!((x - y).abs() <= x.abs() / 16.0 + scale * 2f32.powi(-10), "{x} -> {y}");
+        }
+        let back_max = back.iter().fold(0f32, |m, x| m.max(x.abs()));
+        assert!((back_max - amax).abs() <= 1e-6 * amax, "the largest value maps to 448: {back_max} vs {amax}");
+        let mut zeros = vec![7u8; 4];
+        assert_eq!(encode_row(&[0.0; 4], &mut zeros), 1.0);
+        assert_eq!(zeros, [0; 4]);
+    }
+}

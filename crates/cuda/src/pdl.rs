@@ -10,9 +10,9 @@
 //! each then waits, in its `pdl_begin`, for that kernel to finish before
 //! touching its output — and the GEMV (gemv.cu) has its weight's first
 //! words in flight by then. Measured (docs/performance.md): a step run op
-//! by op gains ~12 %; a graphed one little, as a capture puts an allocation
-//! node between each two kernels and a programmatic edge joins only
-//! adjacent kernels. Only kernels that call `pdl_begin` before any dependent read or any
+//! by op gains ~12 %; a graphed one little — likely because a capture puts
+//! an allocation node between each two kernels, and a programmatic edge
+//! joins only adjacent kernels. Only kernels that call `pdl_begin` before any dependent read or any
 //! write may be launched this way: [`CudaBackend::launch_pdl`]'s callers.
 //! `INFERSCALE_CUDA_PDL=0` launches them as any other kernel.
 

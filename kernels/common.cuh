@@ -23,7 +23,7 @@ __device__ __forceinline__ void rope_cos_sin(u32 position, int i, int half, cons
 }
 
 // Programmatic dependent launch (sm_90 and newer; no-ops before). A kernel
-// launched with it (`launch_pdl` in crates/cuda/src/pdl.rs) may start while
+// launched with it (`launch_pdl` in crates/cuda/src/launch.rs) may start while
 // the kernel before it in the stream still runs: it must call `pdl_begin`
 // before it reads what earlier kernels wrote or writes anything, and may
 // only read what no kernel writes (weights) before that. `pdl_begin` waits

@@ -13,12 +13,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::cublas::CudaBlas;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t};
-use cudarc::driver::{
-    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PinnedHostSlice,
-    PushKernelArg,
-};
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PinnedHostSlice};
 use half::bf16;
-use inferscale_engine::backend::{AttentionShape, KvSpec, SeqSpan, Tensors, matrix_dims};
+use inferscale_engine::backend::{AttentionShape, KvSpec, Tensors, matrix_dims};
 use inferscale_engine::rope::{Rope, TABLE_POSITIONS};
 use inferscale_engine::{EngineError, Result};
 use inferscale_model::HostTensor;
@@ -27,7 +24,7 @@ use rayon::prelude::*;
 use crate::error::CudaError;
 use crate::gemm::{Kernels as GemmKernels, Operands, Ran, Shape as GemmShape, TUNED_ROWS, Tuner};
 use crate::graphs::Capture;
-use crate::kernels::{ATTN_KEYS, ATTN_ROWS, Kernels};
+use crate::kernels::Kernels;
 use crate::profile::{Profiler, Span};
 use crate::tier::{DeviceFp8Rows, HostFp8Rows, HostRows, KeptRows, PinnedPool};
 
@@ -184,7 +181,7 @@ pub struct CudaBackend {
     pub(crate) pinned_pool: Arc<PinnedPool>,
     /// Per-shape GEMM choices for few rows (`gemm.rs`); `None` without libcublasLt.
     pub(crate) tuner: Option<Arc<Mutex<Tuner>>>,
-    /// Whether `launch_pdl` launches early (`pdl.rs`).
+    /// Whether `launch_pdl` launches early (`launch.rs`).
     pub(crate) pdl: bool,
 }
 
@@ -208,7 +205,7 @@ impl CudaBackend {
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.default_stream();
         let k = Kernels::load(&ctx)?;
-        let pdl = crate::pdl::enabled(ctx.compute_capability()?.0);
+        let pdl = crate::launch::pdl_enabled(ctx.compute_capability()?.0);
         let blas = CudaBlas::new(stream.clone())?;
         let sm_count = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
@@ -376,51 +373,6 @@ impl CudaBackend {
         Ok(CudaTensor { data: Storage::Device(data), rows, cols })
     }
 
-    /// A grid-stride elementwise launch over `n` elements.
-    fn elementwise_cfg(&self, n: usize) -> LaunchConfig {
-        LaunchConfig {
-            grid_dim: (n.div_ceil(256).clamp(1, self.sm_count * 16) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        }
-    }
-
-    /// Grid (column blocks, rows) covering `cols` threads per row.
-    fn row_blocks_cfg(rows: usize, cols: usize) -> LaunchConfig {
-        LaunchConfig {
-            grid_dim: (cols.div_ceil(256).max(1) as u32, rows as u32, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        }
-    }
-
-    pub(crate) fn rows_cfg(rows: usize, threads: u32) -> LaunchConfig {
-        LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }
-    }
-
-    pub(crate) fn launch(&self, f: &CudaFunction, cfg: LaunchConfig, args: &[&dyn Arg]) -> Result<()> {
-        self.launch_on(&self.stream, f, cfg, args)
-    }
-
-    pub(crate) fn launch_on(
-        &self,
-        stream: &CudaStream,
-        f: &CudaFunction,
-        cfg: LaunchConfig,
-        args: &[&dyn Arg],
-    ) -> Result<()> {
-        if cfg.grid_dim.0 == 0 || cfg.grid_dim.1 == 0 || cfg.grid_dim.2 == 0 {
-            return Ok(());
-        }
-        let mut b = stream.launch_builder(f);
-        for a in args {
-            a.push(&mut b);
-        }
-        // SAFETY: each call site passes the argument list its kernel declares,
-        // with device pointers to live buffers of the sizes the kernel indexes.
-        unsafe { b.launch(cfg) }.map(|_| ()).cu()
-    }
-
     /// Layer `layer` of the store's K and V, once any injection into it is done.
     pub(crate) fn layer_ptrs(&self, store: &CudaKvStore, layer: usize) -> Result<(u64, u64)> {
         self.await_layer(store, layer)?;
@@ -429,26 +381,6 @@ impl CudaBackend {
     }
 }
 
-/// A kernel argument (scalars by value, device pointers as `u64`).
-pub(crate) trait Arg {
-    fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>);
-    /// Where the value lies, for `cuLaunchKernelEx`'s parameter array.
-    fn param(&self) -> *mut c_void;
-}
-
-macro_rules! scalar_arg {
-    ($($t:ty),*) => {$(
-        impl Arg for $t {
-            fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>) {
-                b.arg(self);
-            }
-            fn param(&self) -> *mut c_void {
-                self as *const $t as *mut c_void
-            }
-        }
-    )*};
-}
-scalar_arg!(u64, u32, i32, f32, usize);
 impl Tensors for CudaBackend {
     type Tensor = CudaTensor;
 
@@ -851,73 +783,4 @@ impl Tensors for CudaBackend {
         self.launch(&self.k.attention_bidirectional, cfg, &[&o, &qp, &kp, &vp, &rp, &h, &d, &shape.scale])?;
         Ok(out)
     }
-}
-
-/// How one attention call is cut into blocks (see `paged_attention` in
-/// kernels/attention.cu for the layout of `meta`).
-#[derive(Debug, PartialEq, Eq)]
-pub(crate) struct AttentionPlan {
-    pub meta: Vec<u32>,
-    pub works_off: usize,
-    pub tables_off: usize,
-    pub works: usize,
-    pub splits: usize,
-    pub keys_per_split: usize,
-}
-
-/// Packs the spans into 64-row works and, when that leaves the device
-/// under-filled (few query rows: decode, short questions), splits each
-/// sequence's keys so that about `target` blocks run (at least two key
-/// tiles per split, which the kernel's double buffering overlaps). The
-/// kernel's registers and shared memory fit two blocks per multiprocessor,
-/// so the caller asks for two per multiprocessor: one wave (measured on the
-/// H200: four or eight per multiprocessor, in two or more waves, were slower
-/// at 5,000 keys).
-pub(crate) fn plan_attention(
-    spans: &[SeqSpan<'_>],
-    shape: AttentionShape,
-    rows: usize,
-    spec: KvSpec,
-    target: usize,
-) -> Result<AttentionPlan> {
-    let group = shape.num_heads / shape.num_kv_heads;
-    let mut meta = Vec::with_capacity(4 * spans.len());
-    let mut works = Vec::new();
-    let mut tables = Vec::new();
-    let mut max_ctx = 0;
-    for (i, s) in spans.iter().enumerate() {
-        s.check()?;
-        let blocks_needed = s.context_len.div_ceil(spec.block_size);
-        if s.q_len == 0 || s.q_len > s.context_len || s.q_start + s.q_len > rows || s.block_table.len() < blocks_needed
-        {
-            return Err(shape_err(format!(
-                "attention span {i}: {} new of {} tokens at row {} ({} rows, {} blocks)",
-                s.q_len,
-                s.context_len,
-                s.q_start,
-                rows,
-                s.block_table.len()
-            )));
-        }
-        if let Some(b) = s.block_table[..blocks_needed].iter().find(|&&b| b as usize >= spec.num_blocks) {
-            return Err(shape_err(format!("attention span {i}: block {b} of {}", spec.num_blocks)));
-        }
-        meta.extend([s.q_start as u32, s.q_len as u32, s.context_len as u32, tables.len() as u32]);
-        tables.extend_from_slice(&s.block_table[..blocks_needed]);
-        for r0 in (0..s.q_len * group).step_by(ATTN_ROWS) {
-            works.extend([i as u32, r0 as u32]);
-        }
-        max_ctx = max_ctx.max(s.context_len);
-    }
-    let n_works = works.len() / 2;
-    let blocks = n_works * shape.num_kv_heads;
-    let mut splits = if blocks >= target { 1 } else { target.div_ceil(blocks.max(1)) };
-    splits = splits.min(max_ctx.div_ceil(2 * ATTN_KEYS)).max(1);
-    let keys_per_split = max_ctx.div_ceil(splits).div_ceil(ATTN_KEYS) * ATTN_KEYS;
-    let splits = max_ctx.div_ceil(keys_per_split.max(1)).max(1);
-    let works_off = meta.len();
-    meta.extend(works);
-    let tables_off = meta.len();
-    meta.extend(tables);
-    Ok(AttentionPlan { meta, works_off, tables_off, works: n_works, splits, keys_per_split })
 }

@@ -145,7 +145,7 @@ impl CudaBackend {
                 block_dim: ((kv_dim / 8).clamp(32, 256) as u32, 1, 1),
                 shared_mem_bytes: 0,
             };
-            let args: [&dyn crate::backend::Arg; 17] =
+            let args: [&dyn crate::launch::Arg; 17] =
                 [&bp, &tb, &tt, &nc, &nl, &bs, &sb, &ss, &sh, &skv, &d, &hd, &rot, &cs, &sn, &inv, &tp];
             let kernel = if fp8 == 1 { &self.k.inject_kv_strided_fp8 } else { &self.k.inject_kv_strided };
             self.launch_on(&theirs, kernel, cfg, &args)?;

@@ -41,10 +41,9 @@ use half::bf16;
 use inferscale_engine::backend::{AttentionShape, DecodeGraphs, DecodeStep, StepForward, Tensors};
 use inferscale_engine::{EngineError, Result};
 
-use crate::backend::{
-    AttentionPlan, Blas, Cu, CudaBackend, CudaKvStore, CudaTensor, Storage, plan_attention, shape_err,
-};
+use crate::backend::{Blas, Cu, CudaBackend, CudaKvStore, CudaTensor, Storage, shape_err};
 use crate::error::CudaError;
+use crate::paged::{AttentionPlan, plan_attention};
 
 /// Batch sizes with a graph: a step runs at the first at least its rows.
 /// Steps of more rows run as they are (at that size launches are a small

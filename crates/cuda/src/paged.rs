@@ -14,7 +14,7 @@ use inferscale_engine::rope::Rope;
 
 use crate::backend::*;
 use crate::error::CudaError;
-use crate::kernels::{ATTN_ROWS, ATTN_THREADS, attention_smem_bytes};
+use crate::kernels::{ATTN_KEYS, ATTN_ROWS, ATTN_THREADS, attention_smem_bytes};
 
 impl PagedKv for CudaBackend {
     type KvStore = CudaKvStore;
@@ -255,4 +255,73 @@ impl CudaBackend {
         }
         Ok(out)
     }
+}
+
+/// How one attention call is cut into blocks (see `paged_attention` in
+/// kernels/attention.cu for the layout of `meta`).
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct AttentionPlan {
+    pub meta: Vec<u32>,
+    pub works_off: usize,
+    pub tables_off: usize,
+    pub works: usize,
+    pub splits: usize,
+    pub keys_per_split: usize,
+}
+
+/// Packs the spans into 64-row works and, when that leaves the device
+/// under-filled (few query rows: decode, short questions), splits each
+/// sequence's keys so that about `target` blocks run (at least two key
+/// tiles per split, which the kernel's double buffering overlaps). The
+/// kernel's registers and shared memory fit two blocks per multiprocessor,
+/// so the caller asks for two per multiprocessor: one wave (measured on the
+/// H200: four or eight per multiprocessor, in two or more waves, were slower
+/// at 5,000 keys).
+pub(crate) fn plan_attention(
+    spans: &[SeqSpan<'_>],
+    shape: AttentionShape,
+    rows: usize,
+    spec: KvSpec,
+    target: usize,
+) -> Result<AttentionPlan> {
+    let group = shape.num_heads / shape.num_kv_heads;
+    let mut meta = Vec::with_capacity(4 * spans.len());
+    let mut works = Vec::new();
+    let mut tables = Vec::new();
+    let mut max_ctx = 0;
+    for (i, s) in spans.iter().enumerate() {
+        s.check()?;
+        let blocks_needed = s.context_len.div_ceil(spec.block_size);
+        if s.q_len == 0 || s.q_len > s.context_len || s.q_start + s.q_len > rows || s.block_table.len() < blocks_needed
+        {
+            return Err(shape_err(format!(
+                "attention span {i}: {} new of {} tokens at row {} ({} rows, {} blocks)",
+                s.q_len,
+                s.context_len,
+                s.q_start,
+                rows,
+                s.block_table.len()
+            )));
+        }
+        if let Some(b) = s.block_table[..blocks_needed].iter().find(|&&b| b as usize >= spec.num_blocks) {
+            return Err(shape_err(format!("attention span {i}: block {b} of {}", spec.num_blocks)));
+        }
+        meta.extend([s.q_start as u32, s.q_len as u32, s.context_len as u32, tables.len() as u32]);
+        tables.extend_from_slice(&s.block_table[..blocks_needed]);
+        for r0 in (0..s.q_len * group).step_by(ATTN_ROWS) {
+            works.extend([i as u32, r0 as u32]);
+        }
+        max_ctx = max_ctx.max(s.context_len);
+    }
+    let n_works = works.len() / 2;
+    let blocks = n_works * shape.num_kv_heads;
+    let mut splits = if blocks >= target { 1 } else { target.div_ceil(blocks.max(1)) };
+    splits = splits.min(max_ctx.div_ceil(2 * ATTN_KEYS)).max(1);
+    let keys_per_split = max_ctx.div_ceil(splits).div_ceil(ATTN_KEYS) * ATTN_KEYS;
+    let splits = max_ctx.div_ceil(keys_per_split.max(1)).max(1);
+    let works_off = meta.len();
+    meta.extend(works);
+    let tables_off = meta.len();
+    meta.extend(tables);
+    Ok(AttentionPlan { meta, works_off, tables_off, works: n_works, splits, keys_per_split })
 }

@@ -416,7 +416,7 @@ impl CudaBackend {
             for (kernel, table, n, nc, _) in &launches {
                 let table_dev = self.stream.clone_htod(table).cu()?;
                 let (tb, l0, tt) = (self.ptr(&table_dev), 0u32, *n as u32);
-                let args: [&dyn crate::backend::Arg; 15] =
+                let args: [&dyn crate::launch::Arg; 15] =
                     [&kc, &vc, &tb, &tt, nc, &l0, &nl, &le, &d, &hd, &rot, &cs, &sn, &inv, &tp];
                 self.launch(kernel, cfg(n.div_ceil(INJECT_TOKENS), layers), &args)?;
             }
@@ -438,7 +438,7 @@ impl CudaBackend {
             let l0 = g.start as u32;
             for ((kernel, _, n, nc, fp8), table_dev) in launches.iter().zip(&tables) {
                 let (tb, tt) = (self.ptr(table_dev), *n as u32);
-                let args: [&dyn crate::backend::Arg; 15] =
+                let args: [&dyn crate::launch::Arg; 15] =
                     [&kc, &vc, &tb, &tt, nc, &l0, &nl, &le, &d, &hd, &rot, &cs, &sn, &inv, &tp];
                 // fp8 loads are half as wide: twice the blocks keep as many
                 // bytes in flight on the bus.

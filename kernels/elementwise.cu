@@ -149,9 +149,10 @@ extern "C" __global__ void add_bias(bf16* x, const bf16* b, size_t n, int cols) 
         x[i] = __float2bfloat16(__bfloat162float(x[i]) + __bfloat162float(b[i % cols]));
 }
 
-// One block per row: the index of the row's largest value, the lowest index
-// on ties (as the CPU's argmax), so greedy decoding copies one id per row to
-// the host instead of the whole vocabulary.
+// Greedy decoding reduces each row of logits to the index of its largest
+// value on the device, the lowest index on ties (as the CPU's argmax), and
+// copies one id per row to the host instead of the whole vocabulary. This
+// keeps the better of two (value, index) pairs by that rule.
 __device__ __forceinline__ void argmax_merge(float& best, int& idx, float ob, int oi) {
     if (ob > best || (ob == best && oi < idx)) {
         best = ob;

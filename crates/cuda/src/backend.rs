@@ -22,7 +22,7 @@ use inferscale_model::HostTensor;
 use rayon::prelude::*;
 
 use crate::error::CudaError;
-use crate::gemm::{Kernels as GemmKernels, Operands, Ran, Shape as GemmShape, TUNED_ROWS, Tuner};
+use crate::gemm::{GemvOut, Kernels as GemmKernels, Operands, Ran, Shape as GemmShape, TUNED_ROWS, Tuner};
 use crate::graphs::Capture;
 use crate::kernels::Kernels;
 use crate::profile::{Profiler, Span};
@@ -515,7 +515,7 @@ impl Tensors for CudaBackend {
                 .cu()?;
                 Ok(())
             };
-            let ours = |split| self.gemv(&out, x, w, bias, split);
+            let ours = |split| self.gemv(&out, x, w, bias, split, GemvOut::Product);
             let ran = match &self.tuner {
                 Some(t) if x.rows <= TUNED_ROWS => {
                     let shape = GemmShape { rows: x.rows, n: w.rows, k: x.cols };
@@ -601,7 +601,7 @@ impl Tensors for CudaBackend {
             Some(split) if w.rows.is_multiple_of(2) => {
                 let _span = self.span("linear_silu_mul");
                 let out = self.tensor(x.rows, w.rows / 2)?;
-                self.gemv_silu(&out, x, w, bias, split)?;
+                self.gemv(&out, x, w, bias, split, GemvOut::SiluMul)?;
                 Ok(out)
             }
             _ => self.silu_mul(&self.linear(x, w, bias)?),

@@ -94,6 +94,15 @@ pub(crate) struct Kernels<'a> {
     pub ours: Option<&'a dyn Fn(u32) -> Result<()>>,
 }
 
+/// What our GEMV writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum GemvOut {
+    /// The product (plus the bias).
+    Product,
+    /// `silu(g) · u` of the product's two halves: the MLP's activation.
+    SiluMul,
+}
+
 /// Which kernel a call ran.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Ran {
@@ -451,7 +460,9 @@ impl CudaBackend {
     }
 
     /// `out = x · wᵀ (+ bias)` by our kernel (gemv.cu), `split` warps a
-    /// column (one of [`GEMV_SPLITS`]).
+    /// column (one of [`GEMV_SPLITS`]) — or, for [`GemvOut::SiluMul`] (w
+    /// stacks the gate and up projections), `out = silu(g) · u` of its two
+    /// halves `[g | u]`: the same bits as the product then `silu_mul`.
     pub(crate) fn gemv(
         &self,
         out: &CudaTensor,
@@ -459,33 +470,9 @@ impl CudaBackend {
         w: &CudaTensor,
         bias: Option<&CudaTensor>,
         split: u32,
+        what: GemvOut,
     ) -> Result<()> {
-        self.gemv_launch(out, x, w, bias, split, false)
-    }
-
-    /// `out = silu(g) · u` where `[g | u] = x · wᵀ (+ bias)` (w stacks the
-    /// gate and up projections): the same bits as [`Self::gemv`] then
-    /// `silu_mul`, in one kernel.
-    pub(crate) fn gemv_silu(
-        &self,
-        out: &CudaTensor,
-        x: &CudaTensor,
-        w: &CudaTensor,
-        bias: Option<&CudaTensor>,
-        split: u32,
-    ) -> Result<()> {
-        self.gemv_launch(out, x, w, bias, split, true)
-    }
-
-    fn gemv_launch(
-        &self,
-        out: &CudaTensor,
-        x: &CudaTensor,
-        w: &CudaTensor,
-        bias: Option<&CudaTensor>,
-        split: u32,
-        gated: bool,
-    ) -> Result<()> {
+        let gated = what == GemvOut::SiluMul;
         let n = if gated { w.rows / 2 } else { w.rows };
         if !GEMV_SPLITS.contains(&split) {
             return Err(shape_err(format!("gemv: {split} warps a column")));

@@ -157,10 +157,11 @@ fn run_on<B: Backend>(a: EngineArgs, backend: B) -> Result<()> {
         // An untimed pass first: a batch size's first steps tune its GEMMs
         // and capture its decode graph, once per process — in the first
         // timed repetition they would weigh on its median when reps ≤ 2.
-        decode_rate(&mut m.engine, &mut rng, batch, &a, cfg.vocab_size, DECODE_WARMUP_TOKENS.min(a.decode_tokens))?;
+        let (prompt, vocab) = (a.decode_prompt_tokens, cfg.vocab_size);
+        decode_rate(&mut m.engine, &mut rng, batch, prompt, vocab, DECODE_WARMUP_TOKENS.min(a.decode_tokens))?;
         let mut rates = Vec::new();
         for _ in 0..a.reps.max(1) {
-            rates.push(decode_rate(&mut m.engine, &mut rng, batch, &a, cfg.vocab_size, a.decode_tokens)?);
+            rates.push(decode_rate(&mut m.engine, &mut rng, batch, prompt, vocab, a.decode_tokens)?);
         }
         let ms_per_step_reps = rates.iter().map(|r| batch as f64 / r * 1e3).collect();
         let rate = median(rates);
@@ -195,13 +196,13 @@ fn run_on<B: Backend>(a: EngineArgs, backend: B) -> Result<()> {
 const DECODE_WARMUP_TOKENS: usize = 4;
 
 /// Decode throughput (tokens a second, all sequences together) of `batch`
-/// fresh sequences of `a.decode_prompt_tokens` random tokens (of a
-/// `vocab`-token vocabulary) generating `tokens` each.
+/// fresh sequences of `prompt` random tokens (of a `vocab`-token
+/// vocabulary) generating `tokens` each.
 fn decode_rate<B: Backend>(
     engine: &mut inferscale_engine::Engine<B>,
     rng: &mut Rng,
     batch: usize,
-    a: &EngineArgs,
+    prompt: usize,
     vocab: usize,
     tokens: usize,
 ) -> Result<f64> {
@@ -210,7 +211,7 @@ fn decode_rate<B: Backend>(
     // prompts takes several steps: timed from the first token, early
     // sequences would count their neighbours' prefill).
     let mut seqs = (0..batch)
-        .map(|_| engine.new_sequence(random_prompt(rng, a.decode_prompt_tokens, vocab)))
+        .map(|_| engine.new_sequence(random_prompt(rng, prompt, vocab)))
         .collect::<std::result::Result<Vec<_>, _>>()?;
     while seqs.iter().any(|s| s.pending() > 1) {
         let mut budget = engine.max_batch_tokens();

@@ -3,6 +3,7 @@
 //! format, retrieval, sampling reductions) with their controls.
 
 use super::*;
+use crate::gemm::GemvOut;
 
 /// Runs `f` on both backends and compares the host results.
 fn both<G: Backend, F>(cpu: &CpuBackend, gpu: &G, name: &str, f: F, out: &mut Report) -> R<()>
@@ -565,7 +566,7 @@ pub fn gemv(gpu: &crate::CudaBackend) -> R<Report> {
         let mut worst = 0.0f64;
         for split in crate::gemm::GEMV_SPLITS {
             let o = gpu.tensor(x.shape[0], w.shape[0])?;
-            gpu.gemv(&o, &xt, &wt, bt.as_ref(), split)?;
+            gpu.gemv(&o, &xt, &wt, bt.as_ref(), split, GemvOut::Product)?;
             worst = worst.max(rel(&gpu.to_host(&o)?.data, want));
         }
         Ok(worst)
@@ -592,8 +593,8 @@ pub fn gemv(gpu: &crate::CudaBackend) -> R<Report> {
             let (mut differ, mut worst) = (0.0f64, 0.0f64);
             for split in crate::gemm::GEMV_SPLITS {
                 let (plain, fused) = (gpu.tensor(rows, outs)?, gpu.tensor(rows, outs / 2)?);
-                gpu.gemv(&plain, &xt, &wt, Some(&bt), split)?;
-                gpu.gemv_silu(&fused, &xt, &wt, Some(&bt), split)?;
+                gpu.gemv(&plain, &xt, &wt, Some(&bt), split, GemvOut::Product)?;
+                gpu.gemv(&fused, &xt, &wt, Some(&bt), split, GemvOut::SiluMul)?;
                 let (two, one) = (gpu.to_host(&gpu.silu_mul(&plain)?)?.data, gpu.to_host(&fused)?.data);
                 differ = differ.max(bit_error(&one, &two));
                 worst = worst.max(rel(&one, &cpu_act.data));
@@ -610,7 +611,7 @@ pub fn gemv(gpu: &crate::CudaBackend) -> R<Report> {
             let mut least = f64::INFINITY;
             for split in crate::gemm::GEMV_SPLITS {
                 let o = gpu.tensor(rows, outs)?;
-                gpu.gemv(&o, &xt, &wt, Some(&ot), split)?;
+                gpu.gemv(&o, &xt, &wt, Some(&ot), split, GemvOut::Product)?;
                 least = least.min(rel(&gpu.to_host(&o)?.data, &want));
             }
             let name = format!("gemv {rows}×{inp} · ({outs}×{inp})ᵀ, control: another bias");

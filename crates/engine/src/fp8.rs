@@ -43,24 +43,30 @@ pub fn head_scales(data: &[f32], dim: usize, head_dim: usize) -> Vec<f32> {
             *m = m.max(x.abs());
         }
     }
-    amax.into_iter().map(|a| if a > 0.0 && a.is_finite() { a / E4M3_MAX } else { 1.0 }).collect()
+    amax.into_iter().map(scale_for).collect()
 }
 
-/// Each column's mean over the rows of a `[rows, dim]` tensor, rounded to
-/// bf16 (the offset a key channel is stored relative to; 0 where the mean
-/// is not finite).
-pub fn channel_offsets(data: &[f32], dim: usize) -> Vec<u16> {
+/// The e4m3 scale of values whose largest magnitude is `amax`: it maps to
+/// 448; 1 where `amax` is 0 or not finite.
+pub fn scale_for(amax: f32) -> f32 {
+    if amax > 0.0 && amax.is_finite() { amax / E4M3_MAX } else { 1.0 }
+}
+
+/// Each column's mean over the rows of a `[rows, dim]` tensor (summed in
+/// f64).
+pub fn channel_means(data: &[f32], dim: usize) -> Vec<f32> {
     let rows = (data.len() / dim.max(1)).max(1) as f64;
     let mut sum = vec![0f64; dim];
     for row in data.chunks_exact(dim) {
         sum.iter_mut().zip(row).for_each(|(s, &x)| *s += x as f64);
     }
-    sum.into_iter()
-        .map(|s| {
-            let mean = (s / rows) as f32;
-            f32_to_bf16(if mean.is_finite() { mean } else { 0.0 })
-        })
-        .collect()
+    sum.into_iter().map(|s| (s / rows) as f32).collect()
+}
+
+/// [`channel_means`] rounded to bf16 (the offset a key channel is stored
+/// relative to; 0 where the mean is not finite).
+pub fn channel_offsets(data: &[f32], dim: usize) -> Vec<u16> {
+    channel_means(data, dim).into_iter().map(|m| f32_to_bf16(if m.is_finite() { m } else { 0.0 })).collect()
 }
 
 /// bf16 by rounding to nearest, ties to even (NaN stays NaN).

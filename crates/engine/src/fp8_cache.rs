@@ -16,7 +16,7 @@
 //! pair computed once per query row. Values have no offset channels and are
 //! rows of codes with a scale alone.
 
-use crate::fp8::{E4M3_MAX, e4m3_table, f32_to_e4m3};
+use crate::fp8::{channel_means, e4m3_table, f32_to_e4m3, scale_for};
 
 /// Fewest tokens of the write a layer's key offsets are calibrated on.
 pub const CALIBRATION_TOKENS: usize = 16;
@@ -25,23 +25,17 @@ pub const CALIBRATION_TOKENS: usize = 16;
 /// kv_dim]`, before RoPE), or `None` when they are fewer than
 /// [`CALIBRATION_TOKENS`] rows (or any mean is not finite).
 pub fn key_offsets(keys: &[f32], kv_dim: usize) -> Option<Vec<f32>> {
-    let rows = keys.len() / kv_dim.max(1);
-    if rows < CALIBRATION_TOKENS {
+    if keys.len() / kv_dim.max(1) < CALIBRATION_TOKENS {
         return None;
     }
-    let mut sum = vec![0f64; kv_dim];
-    for row in keys.chunks_exact(kv_dim) {
-        sum.iter_mut().zip(row).for_each(|(s, &x)| *s += x as f64);
-    }
-    let means: Vec<f32> = sum.into_iter().map(|s| (s / rows as f64) as f32).collect();
+    let means = channel_means(keys, kv_dim);
     means.iter().all(|m| m.is_finite()).then_some(means)
 }
 
 /// `row` as e4m3 codes with one scale (its largest magnitude over 448; 1
 /// for a row of zeros): returns the scale.
 pub fn encode_row(row: &[f32], codes: &mut [u8]) -> f32 {
-    let amax = row.iter().fold(0f32, |m, x| m.max(x.abs()));
-    let scale = if amax > 0.0 && amax.is_finite() { amax / E4M3_MAX } else { 1.0 };
+    let scale = scale_for(row.iter().fold(0f32, |m, x| m.max(x.abs())));
     codes.iter_mut().zip(row).for_each(|(c, &x)| *c = f32_to_e4m3(x / scale));
     scale
 }

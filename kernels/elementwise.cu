@@ -235,7 +235,7 @@ __device__ void block_argmax(float& best, int& idx) {
 
 // A row's argmax in two steps, so that a vocabulary's row is read by many
 // blocks at once (one block reading 150k logits alone took 13 µs on an
-// H100, most of it waiting on memory; ~75 blocks and the merge take 6): block (p, row) reduces columns [p·chunk, (p+1)·chunk)
+// H100, most of it waiting on memory; ~75 blocks and the merge take 7): block (p, row) reduces columns [p·chunk, (p+1)·chunk)
 // into part_best/part_idx[row · parts + p]; `argmax_merge_parts` then takes
 // the best part of each row. `chunk` is a multiple of 8 when `cols` is
 // (16-byte loads).

@@ -125,12 +125,17 @@ pub fn wait_until(what: &str, limit: Duration, mut f: impl FnMut() -> bool) -> D
     t0.elapsed()
 }
 
-/// Settled: `n` workers in the ring of every router, no placement record
-/// (every user at its ring home), the view connected.
+/// Settled: `n` workers in the ring of every router and answering its
+/// health probes, no placement record (every user at its ring home), the
+/// view connected. Health matters: a router sends a user's reads to its
+/// replica while it counts the home down (a probe that failed as the worker
+/// was starting, or under load), so until every router has seen every
+/// worker answer, "where a user is read" is not yet "where it lives".
 pub fn settled(routers: &[&str], n: usize) -> bool {
     routers.iter().all(|r| {
         metric(r, "inferscale_cluster_ring_workers") == n as f64
             && metric(r, "inferscale_cluster_members") == n as f64
+            && metric(r, "inferscale_workers_healthy") == n as f64
             && metric(r, "inferscale_cluster_placement_records") == 0.0
             && metric(r, "inferscale_cluster_view_connected") == 1.0
     })

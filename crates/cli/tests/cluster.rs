@@ -309,8 +309,8 @@ fn a_cluster_rebalances_fails_over_and_survives_etcd_restarts_under_load() {
     let moved: Vec<usize> = (0..USERS).filter(|&i| after[i].1 != before[i].1).collect();
     let expected: Vec<usize> = (0..USERS).filter(|&i| home(i) == new_worker).collect();
     assert_eq!(moved, expected, "moved users against those the ring of four homes on the new worker {new_worker}");
-    for i in 0..USERS {
-        assert_eq!(after[i].1, home(i), "{} is read from a worker other than its ring home", user(i));
+    for (i, (_, w)) in after.iter().enumerate() {
+        assert_eq!(*w, home(i), "{} is read from a worker other than its ring home", user(i));
     }
     for i in 0..USERS {
         assert_eq!(after[i].0, before[i].0, "{}'s greedy answer changed", user(i));

@@ -5,8 +5,9 @@
 //! against the CPU, and every stored KV format's answers against the KV as
 //! computed (the format gate, `inferscale_memory::fidelity`). Run it on a
 //! GPU node before serving from it; it exits non-zero when any comparison
-//! misses its tolerance. `--backend cpu` runs the format gate alone, on
-//! the CPU (there is no device to compare).
+//! misses its tolerance. `--backend cpu` runs the format gate and the fp8
+//! paged cache's (`--kv-cache-dtype fp8` against the f32 cache, the same
+//! prompts and tolerance) on the CPU alone (there is no device to compare).
 
 use std::path::PathBuf;
 
@@ -76,10 +77,15 @@ fn cpu_formats(a: &Args) -> Result<()> {
         bail!("--backend cpu checks the stored KV formats of a model: give --model and --golden");
     };
     let files = inferscale_model::open(model).with_context(|| format!("loading model `{model}`"))?;
-    let rows = format_gate(inferscale_engine::CpuBackend, &files, &golden_cases(golden)?)?;
+    let cases = golden_cases(golden)?;
+    let rows = format_gate(inferscale_engine::CpuBackend, &files, &cases)?;
     print_formats(model, "cpu", &rows);
+    let cache = cache_gate(&files, &cases)?;
+    let cache_passed = fidelity::store_passed(&cache, CACHE_FP8, fidelity::kl_tolerance(KvFormat::Fp8));
+    print_cache(model, &cache, cache_passed);
     if let Some(path) = &a.json {
-        let doc = serde_json::json!({"device": "cpu", "formats": formats_json(&rows)});
+        let doc = serde_json::json!({"device": "cpu", "formats": formats_json(&rows),
+            "paged_cache_fp8": cache_json(&cache, cache_passed)});
         std::fs::write(path, serde_json::to_string_pretty(&doc)?)
             .with_context(|| format!("writing {}", path.display()))?;
     }
@@ -87,8 +93,65 @@ fn cpu_formats(a: &Args) -> Result<()> {
     if failed > 0 {
         bail!("{failed} of {} stored formats failed the gate", KvFormat::ALL.len());
     }
-    eprintln!("inferscale check: every stored format passed on the CPU");
+    if !cache_passed {
+        bail!("the fp8 paged cache failed the gate");
+    }
+    eprintln!("inferscale check: every stored format and the fp8 paged cache passed on the CPU");
     Ok(())
+}
+
+/// The name of the fp8 paged cache's rows.
+const CACHE_FP8: &str = "cache fp8";
+
+/// The fp8 paged cache (`--kv-cache-dtype fp8`, docs/design.md §2.2) through
+/// the format gate's prompts: the same memory injected into an engine with
+/// an fp8 cache and one with the f32 cache, question and answer computed in
+/// each (the CPU's cache; the CUDA cache is bf16 only so far).
+fn cache_gate(
+    files: &inferscale_model::ModelFiles,
+    cases: &[(String, Vec<u32>, usize)],
+) -> Result<Vec<fidelity::Fidelity>> {
+    use inferscale_engine::{CpuBackend, Engine, EngineConfig, backend::KvCacheDtype};
+    let cfg = EngineConfig { kv_blocks: 512, max_batch_tokens: 512 };
+    let mut reference = Engine::new(CpuBackend, files, cfg)?;
+    let mut fp8 = Engine::with_cache(CpuBackend, files, cfg, KvCacheDtype::Fp8)?;
+    Ok(fidelity::check_cache(&mut reference, &mut fp8, &fidelity_cases(cases), CACHE_FP8)?)
+}
+
+fn print_cache(model: &str, rows: &[fidelity::Fidelity], passed: bool) {
+    println!("\nthe fp8 paged cache of {model} on cpu, against the f32 cache (first-token KL, greedy)");
+    for r in rows {
+        let margin = r.margin_at_divergence.map_or("-".into(), |m| format!("{m:.4}"));
+        println!("{:<24} {:<10} {:>10.2e} {:>5}/{:<2} {:>22}", r.case, r.store, r.kl, r.agreed, r.steps, margin);
+    }
+    println!(
+        "{:<24} {:<10} {:>10.2e}  mean KL (tolerance {:.0e}; no divergence at a margin ≥ {})  {}",
+        "all prompts",
+        CACHE_FP8,
+        fidelity::mean_kl(rows, CACHE_FP8),
+        fidelity::kl_tolerance(KvFormat::Fp8),
+        fidelity::CONFIDENT_MARGIN,
+        if passed { "ok" } else { "FAILED" }
+    );
+}
+
+fn cache_json(rows: &[fidelity::Fidelity], passed: bool) -> serde_json::Value {
+    let per: Vec<serde_json::Value> = rows
+        .iter()
+        .map(|r| {
+            serde_json::json!({"name": r.case, "kl": r.kl, "steps": r.steps, "agreed": r.agreed,
+                "margin_at_divergence": r.margin_at_divergence})
+        })
+        .collect();
+    serde_json::json!({"rows": per, "mean_kl": fidelity::mean_kl(rows, CACHE_FP8),
+        "tolerance": fidelity::kl_tolerance(KvFormat::Fp8), "passed": passed})
+}
+
+fn fidelity_cases(cases: &[(String, Vec<u32>, usize)]) -> Vec<fidelity::Case> {
+    cases
+        .iter()
+        .map(|(name, tokens, steps)| fidelity::Case { name: name.clone(), tokens: tokens.clone(), steps: *steps })
+        .collect()
 }
 
 /// Every stored KV format's answers on the golden prompts against the KV
@@ -110,11 +173,7 @@ fn format_gate<B: inferscale_engine::Backend>(
         head_dim: c.head_dim,
         layout: 0,
     };
-    let cases: Vec<fidelity::Case> = cases
-        .iter()
-        .map(|(name, tokens, steps)| fidelity::Case { name: name.clone(), tokens: tokens.clone(), steps: *steps })
-        .collect();
-    Ok(fidelity::check_formats(&mut engine, &header, &cases)?)
+    Ok(fidelity::check_formats(&mut engine, &header, &fidelity_cases(cases))?)
 }
 
 fn print_formats(model: &str, device: &str, rows: &[fidelity::Fidelity]) {

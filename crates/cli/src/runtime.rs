@@ -4,6 +4,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
+use inferscale_engine::backend::KvCacheDtype;
 use inferscale_engine::{Backend, CpuBackend, Engine, EngineConfig};
 use inferscale_model::{ModelFiles, fetch, shapes};
 
@@ -37,6 +38,14 @@ pub struct ModelArgs {
     /// Memory for the paged KV cache, in MiB.
     #[arg(long, env = "INFERSCALE_KV_CACHE_MB", default_value_t = 1024)]
     pub kv_cache_mb: usize,
+    /// What the paged KV cache holds: `auto`, the backend's precision (f32
+    /// on the CPU, bf16 on CUDA); `fp8`, e4m3 with a scale per token and
+    /// head, keys relative to per-layer offsets calibrated at load
+    /// (docs/design.md §2.2): a quarter of the CPU's bytes, so four times
+    /// the tokens in --kv-cache-mb, at a small cost in fidelity (CPU only
+    /// so far).
+    #[arg(long, env = "INFERSCALE_KV_CACHE_DTYPE", default_value = "auto", value_parser = ["auto", "fp8"])]
+    pub kv_cache_dtype: String,
     /// Most tokens per forward pass (prefill chunk size).
     #[arg(long, default_value_t = 1024)]
     pub max_batch_tokens: usize,
@@ -107,20 +116,28 @@ pub fn load(args: &ModelArgs) -> Result<Loaded> {
 pub fn load_on<B: Backend>(args: &ModelArgs, backend: B) -> Result<Loaded<B>> {
     let t0 = Instant::now();
     let files = open_files(args)?;
-    let cfg = EngineConfig::with_kv_bytes(
+    let dtype = match args.kv_cache_dtype.as_str() {
+        "fp8" if args.backend != "cpu" => {
+            bail!("--kv-cache-dtype fp8: the {} backend's paged cache is bf16 only so far", args.backend)
+        }
+        "fp8" => KvCacheDtype::Fp8,
+        _ => KvCacheDtype::Native,
+    };
+    let cfg = EngineConfig::for_cache(
         &files,
         args.kv_cache_mb << 20,
         args.max_batch_tokens,
+        dtype,
         backend.kv_bytes_per_value(),
     );
-    let mut engine = Engine::new(backend, &files, cfg).context("building the engine")?;
+    let mut engine = Engine::with_cache(backend, &files, cfg, dtype).context("building the engine")?;
     let graphs = args.cuda_graphs != "off" && engine.enable_decode_graphs().context("setting up decode graphs")?;
     if args.cuda_graphs == "on" && !graphs {
         bail!("--cuda-graphs on: the {} backend has no decode graphs", args.backend);
     }
     let c = &files.config;
     eprintln!(
-        "inferscale: loaded {} ({:?}, {} layers, {}/{} heads, vocab {}) on {} in {:.2}s; KV cache {} blocks{}",
+        "inferscale: loaded {} ({:?}, {} layers, {}/{} heads, vocab {}) on {} in {:.2}s; KV cache {} blocks{}{}",
         files.path.display(),
         c.family,
         c.num_layers,
@@ -130,6 +147,7 @@ pub fn load_on<B: Backend>(args: &ModelArgs, backend: B) -> Result<Loaded<B>> {
         args.backend,
         t0.elapsed().as_secs_f64(),
         cfg.kv_blocks,
+        if dtype == KvCacheDtype::Fp8 { " (fp8)" } else { "" },
         if engine.decode_graphs() { ", decode graphs on" } else { "" }
     );
     Ok(Loaded { files, engine })

@@ -39,6 +39,18 @@ fn the_demo_answers_from_the_stored_facts() {
     assert_eq!(kv, prompt, "injected and pasted facts answer alike");
 }
 
+/// The same with the fp8 paged cache (`--kv-cache-dtype fp8`): calibrated
+/// at load, said so in the load line, and the stored fact still answers.
+#[test]
+fn the_demo_answers_from_an_fp8_kv_cache() {
+    let o = inferscale(&["demo", "--kv-cache-dtype", "fp8"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("blocks (fp8)"), "{}", stderr(&o));
+    let out = String::from_utf8(o.stdout.clone()).unwrap();
+    let kv = out.lines().find(|l| l.starts_with("[    kv]")).unwrap_or_else(|| panic!("{out}"));
+    assert!(kv.contains("Miso"), "{out}");
+}
+
 #[test]
 fn sampling_is_reproducible_with_a_seed() {
     let args = ["generate", "--prompt", "Once upon a time", "--max-tokens", "8", "--temperature", "0.9", "--seed", "7"];

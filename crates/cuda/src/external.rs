@@ -177,7 +177,7 @@ fn layouts(b: usize, n: usize, h: usize, d: usize) -> [(&'static str, [usize; 4]
 /// control with positions off by one that must miss.
 pub fn check(be: &CudaBackend) -> Result<crate::parity::Report> {
     use inferscale_engine::CpuBackend;
-    use inferscale_engine::backend::{InjectChunk, KvSpec, PagedKv, Tensors};
+    use inferscale_engine::backend::{InjectChunk, KvCacheDtype, KvSpec, PagedKv, Tensors};
     use inferscale_model::{HostTensor, RopeScaling};
 
     use crate::parity::{Check, OP_TOL, host, rel, rope_for, upload_kv};
@@ -186,7 +186,14 @@ pub fn check(be: &CudaBackend) -> Result<crate::parity::Report> {
     let mut out = Vec::new();
     for (hd, heads) in [(64usize, 4usize), (128, 2)] {
         let (layers, blocks, bs) = (3usize, 12usize, 16usize);
-        let spec = KvSpec { num_layers: layers, num_blocks: blocks, block_size: bs, num_kv_heads: heads, head_dim: hd };
+        let spec = KvSpec {
+            num_layers: layers,
+            num_blocks: blocks,
+            block_size: bs,
+            num_kv_heads: heads,
+            head_dim: hd,
+            dtype: KvCacheDtype::Native,
+        };
         let kv_dim = heads * hd;
         let rope = rope_for(hd, RopeScaling::None);
         // Two chunks; the second's positions pass the RoPE table.

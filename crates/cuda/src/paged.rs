@@ -8,7 +8,7 @@ use cudarc::driver::LaunchConfig;
 use half::bf16;
 use inferscale_engine::Result;
 use inferscale_engine::backend::{
-    AttentionShape, DecodeGraphs, DecodeStep, InjectChunk, KvSpec, NewRows, PagedKv, SeqSpan, StepForward,
+    AttentionShape, DecodeGraphs, DecodeStep, InjectChunk, KvCacheDtype, KvSpec, NewRows, PagedKv, SeqSpan, StepForward,
 };
 use inferscale_engine::rope::Rope;
 
@@ -36,6 +36,12 @@ impl PagedKv for CudaBackend {
     }
 
     fn new_kv_store(&self, spec: KvSpec) -> Result<CudaKvStore> {
+        if spec.dtype != KvCacheDtype::Native {
+            return Err(CudaError::Unsupported(
+                "--kv-cache-dtype fp8: the CUDA paged cache is bf16 only so far (the CPU backend has fp8)".into(),
+            )
+            .into());
+        }
         if spec.head_dim != 64 && spec.head_dim != 128 {
             return Err(CudaError::Unsupported(format!(
                 "head_dim {}: the CUDA attention kernels are built for 64 and 128",
@@ -59,9 +65,11 @@ impl PagedKv for CudaBackend {
         layer: usize,
         k: &CudaTensor,
         v: &CudaTensor,
-        slots: &[u32],
+        rows: NewRows<'_>,
+        _rope: &Rope,
     ) -> Result<()> {
         let _span = self.span("write_kv");
+        let slots = rows.slots;
         let kv_dim = store.spec.kv_dim();
         store.spec.check(layer, slots)?;
         if k.rows != slots.len() || v.rows != slots.len() || k.cols != kv_dim || v.cols != kv_dim {

@@ -12,7 +12,9 @@
 //! carries a control that must miss by far more than its tolerance (keys
 //! one position off), so the checks can fail.
 
-use inferscale_engine::backend::{AttentionShape, Backend, InjectChunk, KvSpec, NewRows, SeqSpan, Tensors};
+use inferscale_engine::backend::{
+    AttentionShape, Backend, InjectChunk, KvCacheDtype, KvSpec, NewRows, SeqSpan, Tensors,
+};
 use inferscale_engine::fp8;
 use inferscale_engine::retrieval::{HostEmbeddings, top_k_host};
 use inferscale_engine::rope::Rope;

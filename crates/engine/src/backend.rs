@@ -11,6 +11,31 @@ use inferscale_model::HostTensor;
 use crate::error::{EngineError, Result};
 use crate::rope::Rope;
 
+/// What the paged cache holds per element (`--kv-cache-dtype`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvCacheDtype {
+    /// The backend's own precision (f32 on the CPU, bf16 on CUDA).
+    #[default]
+    Native,
+    /// e4m3 codes with a scale per (token, KV head); keys relative to a
+    /// per-layer channel offset rotated with them (docs/design.md §2.2,
+    /// [`crate::fp8_cache`]). A quarter of the CPU's bytes.
+    Fp8,
+}
+
+impl KvCacheDtype {
+    /// Bytes one token's K and V take in every layer of a cache of this
+    /// dtype, `native` bytes per element where it is [`KvCacheDtype::Native`]
+    /// (fp8: a byte per element, an f32 scale per head row, and the slot's
+    /// position, which reads need to rotate its key's offset).
+    pub fn bytes_per_token(self, num_layers: usize, num_kv_heads: usize, head_dim: usize, native: usize) -> usize {
+        match self {
+            KvCacheDtype::Native => 2 * num_layers * num_kv_heads * head_dim * native,
+            KvCacheDtype::Fp8 => 2 * num_layers * num_kv_heads * (head_dim + 4) + 4,
+        }
+    }
+}
+
 /// Shape of the paged KV store a backend allocates.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvSpec {
@@ -19,6 +44,7 @@ pub struct KvSpec {
     pub block_size: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
+    pub dtype: KvCacheDtype,
 }
 
 impl KvSpec {
@@ -359,20 +385,35 @@ pub trait PagedKv: Tensors {
             .map_err(|_| EngineError::Shape("split_cols returned the wrong number of parts".into()))?;
         self.rope(&mut q, d, rows.positions, rope)?;
         self.rope(&mut k, d, rows.positions, rope)?;
-        self.write_kv(store, layer, &k, &v, rows.slots)?;
+        self.write_kv(store, layer, &k, &v, rows, rope)?;
         Ok(q)
     }
 
+    /// A store of `spec`; a backend without a cache of `spec.dtype` refuses.
     fn new_kv_store(&self, spec: KvSpec) -> Result<Self::KvStore>;
 
-    /// Writes row `i` of `k` and `v` (`[n, kv_heads·head_dim]`) to cache slot `slots[i]` of `layer`.
+    /// Sets the per-layer key offsets (`[kv_heads·head_dim]` each, before
+    /// RoPE) of a store that keeps keys relative to them (fp8), and the
+    /// rotation it turns them with. Calibrate before the first write: keys
+    /// written earlier were stored against other offsets. Stores of native
+    /// precision keep keys exactly and ignore it (the default).
+    fn calibrate_kv(&self, _store: &mut Self::KvStore, _offsets: &[Vec<f32>], _rope: &Rope) -> Result<()> {
+        Ok(())
+    }
+
+    /// Writes row `i` of `k` and `v` (`[n, kv_heads·head_dim]`, keys
+    /// already rotated to `rows.positions[i]` by `rope`) to cache slot
+    /// `rows.slots[i]` of `layer`. A store of native precision needs only
+    /// the slots; an fp8 store rounds each key relative to its offset
+    /// rotated to the key's position.
     fn write_kv(
         &self,
         store: &mut Self::KvStore,
         layer: usize,
         k: &Self::Tensor,
         v: &Self::Tensor,
-        slots: &[u32],
+        rows: NewRows<'_>,
+        rope: &Rope,
     ) -> Result<()>;
 
     /// Re-rotates pre-RoPE keys to their target positions and scatters K and

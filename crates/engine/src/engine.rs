@@ -13,9 +13,10 @@ use std::ops::Range;
 use inferscale_model::ModelFiles;
 use inferscale_types::Blend;
 
-use crate::backend::{Backend, DecodeGraphs, DecodeStep, KvSpec, SeqSpan};
+use crate::backend::{Backend, DecodeGraphs, DecodeStep, KvCacheDtype, KvSpec, SeqSpan};
 use crate::blend::{BlendPlan, BlendRows, blend_rows, keep_count};
 use crate::error::{EngineError, Result};
+use crate::fp8_cache::{self, calibration_tokens};
 use crate::kv_cache::{BLOCK_SIZE, BlockKey, BlockPool, BlockTable, block_keys};
 use crate::llama::{ForwardBatch, ForwardOutput, LayerKv, Llama};
 
@@ -38,8 +39,20 @@ impl EngineConfig {
         max_batch_tokens: usize,
         bytes_per_value: usize,
     ) -> Self {
+        Self::for_cache(files, kv_cache_bytes, max_batch_tokens, KvCacheDtype::Native, bytes_per_value)
+    }
+
+    /// [`EngineConfig::with_kv_bytes`] for a cache of `dtype` (`native`
+    /// bytes per element where it is the backend's own).
+    pub fn for_cache(
+        files: &ModelFiles,
+        kv_cache_bytes: usize,
+        max_batch_tokens: usize,
+        dtype: KvCacheDtype,
+        native: usize,
+    ) -> Self {
         let c = &files.config;
-        let per_token = 2 * c.num_layers * c.kv_dim() * bytes_per_value;
+        let per_token = dtype.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, native);
         EngineConfig { kv_blocks: (kv_cache_bytes / (per_token * BLOCK_SIZE)).max(1), max_batch_tokens }
     }
 }
@@ -199,26 +212,75 @@ pub enum NextToken {
 
 impl<B: Backend> Engine<B> {
     pub fn new(backend: B, files: &ModelFiles, cfg: EngineConfig) -> Result<Self> {
+        Self::with_cache(backend, files, cfg, KvCacheDtype::Native)
+    }
+
+    /// An engine whose paged cache holds `dtype`. An fp8 cache is
+    /// calibrated here, before anything is written to it: its key offsets
+    /// are the channel means of the keys of [`fp8_cache::CALIBRATION_TEXT`] (token ids
+    /// spread over the vocabulary where the files have no tokenizer),
+    /// computed in a small cache of the backend's own precision.
+    pub fn with_cache(backend: B, files: &ModelFiles, cfg: EngineConfig, dtype: KvCacheDtype) -> Result<Self> {
         if cfg.max_batch_tokens == 0 {
             return Err(EngineError::Shape("max_batch_tokens must be positive".into()));
         }
         let model = Llama::load(&backend, files)?;
         let c = model.config();
-        let kv = backend.new_kv_store(KvSpec {
+        let spec = KvSpec {
             num_layers: c.num_layers,
             num_blocks: cfg.kv_blocks,
             block_size: BLOCK_SIZE,
             num_kv_heads: c.num_kv_heads,
             head_dim: c.head_dim,
-        })?;
-        Ok(Engine {
+            dtype,
+        };
+        let calibration = match dtype {
+            KvCacheDtype::Native => None,
+            KvCacheDtype::Fp8 => Some(calibration_tokens(files)?),
+        };
+        let first = match &calibration {
+            Some(tokens) => {
+                KvSpec { num_blocks: tokens.len().div_ceil(BLOCK_SIZE), dtype: KvCacheDtype::Native, ..spec }
+            }
+            None => spec,
+        };
+        let kv = backend.new_kv_store(first)?;
+        let mut engine = Engine {
             backend,
             model,
             kv,
-            pool: BlockPool::new(cfg.kv_blocks),
+            pool: BlockPool::new(first.num_blocks),
             max_batch_tokens: cfg.max_batch_tokens,
             graphs: None,
-        })
+        };
+        if let Some(tokens) = calibration {
+            let offsets = engine.key_offsets(tokens)?;
+            let mut kv = engine.backend.new_kv_store(spec)?;
+            engine.backend.calibrate_kv(&mut kv, &offsets, engine.model.rope())?;
+            engine.kv = kv;
+            engine.pool = BlockPool::new(spec.num_blocks);
+        }
+        Ok(engine)
+    }
+
+    /// Each layer's key offsets (fp8 cache): the channel means of the
+    /// pre-RoPE keys a prefill of `tokens` computes.
+    fn key_offsets(&mut self, tokens: Vec<u32>) -> Result<Vec<Vec<f32>>> {
+        let n = tokens.len();
+        let mut seq = self.new_sequence(tokens)?;
+        let (_, parts) = self.prefill_capturing(&mut seq, 0..n, false)?;
+        let c = self.model.config();
+        (0..c.num_layers)
+            .map(|layer| {
+                let mut keys = Vec::with_capacity(n * c.kv_dim());
+                for part in &parts {
+                    keys.extend(self.backend.to_host(&part[layer].0)?.data);
+                }
+                fp8_cache::key_offsets(&keys, c.kv_dim()).ok_or_else(|| {
+                    EngineError::Shape(format!("fp8 KV cache: layer {layer}'s calibration keys give no offsets"))
+                })
+            })
+            .collect()
     }
 
     /// Runs decode steps — every sequence of the step computing one token,

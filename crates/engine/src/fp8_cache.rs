@@ -16,10 +16,43 @@
 //! pair computed once per query row. Values have no offset channels and are
 //! rows of codes with a scale alone.
 
+use inferscale_model::ModelFiles;
+
+use crate::error::{EngineError, Result};
 use crate::fp8::{channel_means, e4m3_table, f32_to_e4m3, scale_for};
 
 /// Fewest tokens of the write a layer's key offsets are calibrated on.
 pub const CALIBRATION_TOKENS: usize = 16;
+
+/// The text an fp8 cache's key offsets are calibrated on, once per engine:
+/// ordinary conversational English of the kind a memory holds (names,
+/// times, places, numbers). What the offsets must capture — channels a
+/// model's k_proj bias holds far from zero in every token — does not depend
+/// on the text; the rest of each mean only centres what is rounded.
+pub const CALIBRATION_TEXT: &str = "Last spring I adopted a grey cat and named her Pepper. On Saturday \
+    morning we walked to the market, bought apples, bread and two kinds of cheese, and talked about my \
+    plan to study nursing in Lisbon this autumn. My brother called at 7 pm to say that his flight to Denver \
+    was delayed by two hours, so we moved dinner to Sunday. What do you remember about my week?";
+
+/// The tokens of [`CALIBRATION_TEXT`], or — for model files without a
+/// tokenizer (random-weight shapes) — 64 token ids spread over the
+/// vocabulary.
+pub fn calibration_tokens(files: &ModelFiles) -> Result<Vec<u32>> {
+    let tokens = match &files.tokenizer {
+        Some(t) => t.encode(CALIBRATION_TEXT, false)?,
+        None => {
+            let vocab = files.config.vocab_size.max(1) as u64;
+            (0..64u64).map(|i| ((i * 7919 + 11) % vocab) as u32).collect()
+        }
+    };
+    if tokens.len() < CALIBRATION_TOKENS {
+        return Err(EngineError::Shape(format!(
+            "fp8 KV cache: the calibration text is {} tokens, fewer than {CALIBRATION_TOKENS}",
+            tokens.len()
+        )));
+    }
+    Ok(tokens)
+}
 
 /// A layer's key offsets: each KV channel's mean over `keys` (`[rows,
 /// kv_dim]`, before RoPE), or `None` when they are fewer than

@@ -137,7 +137,7 @@ impl<B: Backend> Attention<B> {
         let captured = Some((be.select_rows(&k, &batch.capture)?, be.select_rows(&v, &batch.capture)?));
         be.rope(&mut q, d, &batch.positions, rope)?;
         be.rope(&mut k, d, &batch.positions, rope)?;
-        be.write_kv(kv, layer, &k, &v, &batch.slots)?;
+        be.write_kv(kv, layer, &k, &v, NewRows { positions: &batch.positions, slots: &batch.slots }, rope)?;
         let y = be.attention(&q, kv, layer, self.shape, &batch.spans)?;
         Ok((self.o_proj.forward(be, &y)?, captured))
     }

@@ -76,6 +76,63 @@ pub fn check_formats<B: Backend>(engine: &mut Engine<B>, header: &KvHeader, case
     compare(engine, cases, &named)
 }
 
+/// The paged cache of `cached` (an fp8 cache: docs/design.md §2.2)
+/// against `reference`'s, on every case, as rows of the store `name`: the
+/// same memory (computed once, by `reference`) injected into each, the
+/// question prefilled and the answer decoded in each — so what differs is
+/// what the cache keeps of injected, prefilled and decoded keys and values.
+/// The same tolerance as a stored fp8 segment's applies.
+pub fn check_cache<B: Backend>(
+    reference: &mut Engine<B>,
+    cached: &mut Engine<B>,
+    cases: &[Case],
+    name: &str,
+) -> Result<Vec<Fidelity>> {
+    let mut out = Vec::new();
+    for case in cases {
+        let (computed, question) = memory_of(reference, case)?;
+        let want = answer(reference, &computed, question, case.steps, None)?;
+        let got = answer(cached, &computed, question, case.steps, Some(&want.tokens))?;
+        out.push(row(case, name, &want, &got));
+    }
+    Ok(out)
+}
+
+/// A case's memory encoded as facts (each with every token before it as
+/// context), and its question.
+fn memory_of<'c, B: Backend>(engine: &mut Engine<B>, case: &'c Case) -> Result<(Vec<KvChunk<B>>, &'c [u32])> {
+    let n = case.tokens.len();
+    if n < 2 {
+        return Err(MemoryError::Invalid {
+            what: "fidelity case",
+            reason: format!("{}: {n} tokens, at least 2 needed", case.name),
+        });
+    }
+    let asked = (n / 4).clamp(1, 8);
+    let (memory, question) = case.tokens.split_at(n - asked);
+    let mut computed = Vec::new();
+    for start in (0..memory.len()).step_by(FACT_TOKENS) {
+        let fact = &memory[start..(start + FACT_TOKENS).min(memory.len())];
+        computed.push(engine.encode(&memory[..start], fact, start as u32)?);
+    }
+    Ok((computed, question))
+}
+
+/// The row comparing `got` with the reference answer `want`.
+fn row(case: &Case, store: &str, want: &Answer, got: &Answer) -> Fidelity {
+    let (p, q) = (log_softmax(&want.first), log_softmax(&got.first));
+    let kl = p.iter().zip(&q).map(|(&lp, &lq)| lp.exp() * (lp - lq)).sum::<f64>().max(0.0);
+    let agreed = want.tokens.iter().zip(&got.tokens).take_while(|(a, b)| a == b).count();
+    Fidelity {
+        case: case.name.clone(),
+        store: store.to_string(),
+        kl,
+        steps: case.steps,
+        agreed,
+        margin_at_divergence: want.margins.get(agreed).copied().filter(|_| agreed < case.steps),
+    }
+}
+
 /// Each of `stores` against the KV as computed, on every case. Prompts
 /// need at least two tokens.
 pub fn compare<B: Backend>(
@@ -85,35 +142,12 @@ pub fn compare<B: Backend>(
 ) -> Result<Vec<Fidelity>> {
     let mut out = Vec::new();
     for case in cases {
-        let n = case.tokens.len();
-        if n < 2 {
-            return Err(MemoryError::Invalid {
-                what: "fidelity case",
-                reason: format!("{}: {n} tokens, at least 2 needed", case.name),
-            });
-        }
-        let asked = (n / 4).clamp(1, 8);
-        let (memory, question) = case.tokens.split_at(n - asked);
-        let mut computed = Vec::new();
-        for start in (0..memory.len()).step_by(FACT_TOKENS) {
-            let fact = &memory[start..(start + FACT_TOKENS).min(memory.len())];
-            computed.push(engine.encode(&memory[..start], fact, start as u32)?);
-        }
+        let (computed, question) = memory_of(engine, case)?;
         let reference = answer(engine, &computed, question, case.steps, None)?;
         for (name, store) in stores {
             let stored = computed.iter().map(|c| store(engine.backend(), c)).collect::<Result<Vec<_>>>()?;
             let got = answer(engine, &stored, question, case.steps, Some(&reference.tokens))?;
-            let (p, q) = (log_softmax(&reference.first), log_softmax(&got.first));
-            let kl = p.iter().zip(&q).map(|(&lp, &lq)| lp.exp() * (lp - lq)).sum::<f64>().max(0.0);
-            let agreed = reference.tokens.iter().zip(&got.tokens).take_while(|(a, b)| a == b).count();
-            out.push(Fidelity {
-                case: case.name.clone(),
-                store: name.clone(),
-                kl,
-                steps: case.steps,
-                agreed,
-                margin_at_divergence: reference.margins.get(agreed).copied().filter(|_| agreed < case.steps),
-            });
+            out.push(row(case, name, &reference, &got));
         }
     }
     Ok(out)

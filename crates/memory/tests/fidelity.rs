@@ -3,13 +3,15 @@
 //! offset key channels — what Qwen2.5's layer-0 keys have — fp8 passes,
 //! while the first fp8 layout (one scale per KV head, no key offsets: the
 //! layout that wrecked Qwen2.5's answers) fails it by far; and on SmolLM2,
-//! the real model CI has, every format passes.
+//! the real model CI has, every format passes, and so does the fp8 paged
+//! cache (`--kv-cache-dtype fp8`).
 
 #![allow(clippy::unwrap_used)] // tests fail loudly on unexpected errors
 
 #[path = "../../engine/tests/common/mod.rs"]
 mod common;
 
+use inferscale_engine::backend::KvCacheDtype;
 use inferscale_engine::fp8::first_layout_round_trip;
 use inferscale_engine::{CpuBackend, Engine, EngineConfig, KvChunk};
 use inferscale_memory::fidelity::{self, Case, Fidelity, Store};
@@ -51,6 +53,57 @@ fn first_fp8_layout(
     Ok(KvChunk::from_host(be, c.tokens.clone(), &q(&k)?, &q(&v)?)?)
 }
 
+/// The prompts of a real model's golden file (tests/golden/NAME.json), each
+/// answered for `steps` tokens.
+fn golden_cases(name: &str, steps: usize) -> Vec<Case> {
+    let path = common::golden_dir().join(format!("{name}.json"));
+    let golden: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    golden["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| Case {
+            name: c["name"].as_str().unwrap().into(),
+            tokens: c["input_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect(),
+            steps,
+        })
+        .collect()
+}
+
+/// The fp8 paged cache (`--kv-cache-dtype fp8`) through the same gate: the
+/// memory injected into an engine with an fp8 cache and one with the f32
+/// cache, the question and answer computed in each; returns the rows and
+/// the mean KL.
+fn cache_gate(files: &ModelFiles, cases: &[Case]) -> (Vec<Fidelity>, f64) {
+    let cfg = EngineConfig { kv_blocks: 256, max_batch_tokens: 256 };
+    let mut reference = Engine::new(CpuBackend, files, cfg).unwrap();
+    let mut fp8 = Engine::with_cache(CpuBackend, files, cfg, KvCacheDtype::Fp8).unwrap();
+    let rows = fidelity::check_cache(&mut reference, &mut fp8, cases, "cache fp8").unwrap();
+    print(&rows);
+    let mean = fidelity::mean_kl(&rows, "cache fp8");
+    (rows, mean)
+}
+
+#[test]
+fn the_fp8_paged_cache_passes_the_gate_on_smollm2() {
+    let files = inferscale_model::open("smollm2").unwrap();
+    let (rows, mean) = cache_gate(&files, &golden_cases("smollm2", 8));
+    eprintln!("smollm2, fp8 paged cache: mean KL {mean:.2e}");
+    assert!(fidelity::store_passed(&rows, "cache fp8", fidelity::kl_tolerance(KvFormat::Fp8)), "mean KL {mean:.2e}");
+    assert!(mean > 0.0, "an fp8 cache is lossy: a KL of 0 means nothing was compared");
+}
+
+/// The fp8 paged cache on Qwen2.5-Coder-1.5B, whose keys have the offset
+/// channels the cache's calibration is for (`-- --ignored`, as above).
+#[test]
+#[ignore = "needs Qwen2.5-Coder-1.5B (inferscale fetch qwen2.5-coder-1.5b)"]
+fn qwen_fp8_paged_cache_passes_the_gate() {
+    let files = inferscale_model::open("qwen2.5-coder-1.5b").unwrap();
+    let (rows, mean) = cache_gate(&files, &golden_cases("qwen2.5-coder-1.5b", 12));
+    eprintln!("qwen2.5-coder-1.5b, fp8 paged cache: mean KL {mean:.2e}");
+    assert!(fidelity::store_passed(&rows, "cache fp8", fidelity::kl_tolerance(KvFormat::Fp8)), "mean KL {mean:.2e}");
+}
+
 /// Deterministic token ids below the tiny models' vocabulary of 256.
 fn tokens(seed: u32, n: usize) -> Vec<u32> {
     (0..n as u32).map(|i| (i.wrapping_mul(37).wrapping_add(seed * 101 + 11)) % 256).collect()
@@ -62,22 +115,8 @@ fn fp8_keeps_planted_offset_key_channels_where_the_first_layout_lost_them() {
     let dir = tempfile::tempdir().unwrap();
     // Qwen2.5's layer-0 keys hold channels near −355 that vary by about ±1
     // from token to token (the k_proj bias), which queries meet with large
-    // values of their own (the q_proj bias): planted here in a slowly
-    // rotating channel (7 of 16: RoPE barely turns it) of each KV head, and
-    // of each query head, in both layers. The tiny model's logits are made
-    // sharper (lm_head × 6) so that what attention reads shows in them.
-    let head_dim =
-        g.config["hidden_size"].as_u64().unwrap() as usize / g.config["num_attention_heads"].as_u64().unwrap() as usize;
-    common::write_tiny_model_with(&g, dir.path(), |name, data| {
-        if name.ends_with("k_proj.bias") {
-            data[7] = -355.0;
-            data[head_dim + 7] = 240.0;
-        } else if name.ends_with("q_proj.bias") {
-            (0..data.len() / head_dim).for_each(|h| data[h * head_dim + 7] = 4.0);
-        } else if name == "lm_head.weight" {
-            data.iter_mut().for_each(|x| *x *= 6.0);
-        }
-    });
+    // values of their own (the q_proj bias): planted in the tiny model.
+    common::write_tiny_with_offset_channels(&g, dir.path());
     let files = ModelFiles::open(dir.path()).unwrap();
     let hd = files.config.head_dim;
     let mut e = Engine::new(CpuBackend, &files, EngineConfig { kv_blocks: 256, max_batch_tokens: 256 }).unwrap();
@@ -107,18 +146,7 @@ fn fp8_keeps_planted_offset_key_channels_where_the_first_layout_lost_them() {
 #[test]
 fn every_format_passes_the_gate_on_smollm2() {
     let files = inferscale_model::open("smollm2").unwrap();
-    let golden: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(common::golden_dir().join("smollm2.json")).unwrap()).unwrap();
-    let cases: Vec<Case> = golden["cases"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| Case {
-            name: c["name"].as_str().unwrap().into(),
-            tokens: c["input_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect(),
-            steps: 8,
-        })
-        .collect();
+    let cases = golden_cases("smollm2", 8);
     let mut e = Engine::new(CpuBackend, &files, EngineConfig { kv_blocks: 256, max_batch_tokens: 256 }).unwrap();
     let rows = fidelity::check_formats(&mut e, &header(&files), &cases).unwrap();
     print(&rows);
@@ -151,18 +179,7 @@ fn a_prompt_too_short_to_split_is_refused() {
 #[ignore = "needs Qwen2.5-Coder-1.5B (inferscale fetch qwen2.5-coder-1.5b)"]
 fn qwen_fp8_passes_the_gate_and_the_first_layout_fails_it() {
     let files = inferscale_model::open("qwen2.5-coder-1.5b").unwrap();
-    let path = common::golden_dir().join("qwen2.5-coder-1.5b.json");
-    let golden: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    let cases: Vec<Case> = golden["cases"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| Case {
-            name: c["name"].as_str().unwrap().into(),
-            tokens: c["input_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect(),
-            steps: 12,
-        })
-        .collect();
+    let cases = golden_cases("qwen2.5-coder-1.5b", 12);
     let mut e = Engine::new(CpuBackend, &files, EngineConfig { kv_blocks: 256, max_batch_tokens: 256 }).unwrap();
     let (h, hd) = (header(&files), files.config.head_dim);
     let current =

@@ -49,6 +49,7 @@ pub fn run(a: InjectBenchArgs) -> Result<()> {
         block_size: BLOCK_SIZE,
         num_kv_heads: c.num_kv_heads,
         head_dim: c.head_dim,
+        dtype: Default::default(),
     };
     let rope = Rope::new(&c.rope);
     println!(

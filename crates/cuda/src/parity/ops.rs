@@ -159,13 +159,16 @@ impl<B: Backend> Ops for Dyn<'_, B> {
         let mut store = be.new_kv_store(c.spec)?;
         let kv_dim = c.spec.kv_dim();
         let bs = c.spec.block_size;
+        let rope = Rope::new(&RopeConfig { theta: 10_000.0, dim: c.spec.head_dim, scaling: RopeScaling::None });
         let mut spans = Vec::new();
         let mut q_rows = 0;
         for (i, (ctx, q_len, table)) in c.seqs.iter().enumerate() {
             let slots: Vec<u32> = (0..*ctx).map(|t| table[t / bs] * bs as u32 + (t % bs) as u32).collect();
             let k = be.upload_rows(&host(c.seed + 10 * i as u64, &[*ctx, kv_dim], 1.0))?;
             let v = be.upload_rows(&host(c.seed + 10 * i as u64 + 1, &[*ctx, kv_dim], 1.0))?;
-            be.write_kv(&mut store, 0, &k, &v, &slots)?;
+            // Keys written as they are: the rotation is not what is checked.
+            let positions: Vec<u32> = (0..*ctx as u32).collect();
+            be.write_kv(&mut store, 0, &k, &v, NewRows { positions: &positions, slots: &slots }, &rope)?;
             spans.push((q_rows, *q_len, *ctx, table.as_slice()));
             q_rows += q_len;
         }
@@ -214,7 +217,7 @@ impl<B: Backend> Ops for Dyn<'_, B> {
             let mut q = parts.pop().ok_or_else(|| inferscale_engine::EngineError::Shape("split".into()))?;
             be.rope(&mut q, d, &c.positions, &c.rope)?;
             be.rope(&mut k, d, &c.positions, &c.rope)?;
-            be.write_kv(&mut store, 1, &k, &v, &c.slots)?;
+            be.write_kv(&mut store, 1, &k, &v, rows, &c.rope)?;
             q
         };
         let (k, v) = be.gather_kv(&store, 1, &c.slots)?;
@@ -413,7 +416,14 @@ pub fn ops<G: Backend>(gpu: &G) -> R<Report> {
         exact(gpu, &name, |be, fused| be.add_norm(&x, &y, &w, fused), &mut out)?;
     }
     for (hd, heads, kv_heads, rot) in [(128, 32, 8, 128), (64, 9, 3, 64), (64, 4, 2, 32)] {
-        let spec = KvSpec { num_layers: 2, num_blocks: 8, block_size: 16, num_kv_heads: kv_heads, head_dim: hd };
+        let spec = KvSpec {
+            num_layers: 2,
+            num_blocks: 8,
+            block_size: 16,
+            num_kv_heads: kv_heads,
+            head_dim: hd,
+            dtype: KvCacheDtype::Native,
+        };
         let shape =
             AttentionShape { num_heads: heads, num_kv_heads: kv_heads, head_dim: hd, scale: (hd as f32).powf(-0.5) };
         let rope = Rope::new(&RopeConfig { theta: 10_000.0, dim: rot, scaling: RopeScaling::None });
@@ -431,7 +441,14 @@ pub fn ops<G: Backend>(gpu: &G) -> R<Report> {
     both(&cpu, gpu, "attention_bidirectional", |be| be.bidir(&q, &k, &v, s, &[(0, 15), (15, 25)]), &mut out)?;
 
     for (hd, heads, kv_heads) in [(64, 9, 3), (128, 32, 8), (128, 4, 4)] {
-        let spec = KvSpec { num_layers: 2, num_blocks: 160, block_size: 16, num_kv_heads: kv_heads, head_dim: hd };
+        let spec = KvSpec {
+            num_layers: 2,
+            num_blocks: 160,
+            block_size: 16,
+            num_kv_heads: kv_heads,
+            head_dim: hd,
+            dtype: KvCacheDtype::Native,
+        };
         let shape =
             AttentionShape { num_heads: heads, num_kv_heads: kv_heads, head_dim: hd, scale: (hd as f32).powf(-0.5) };
         // Scattered, non-monotonic block tables.

@@ -190,15 +190,35 @@ fn run_task(t: &Task, s: &SeqSpan<'_>, ctx: &TaskCtx<'_>) -> Partial {
     // row of the task; those from it on (at most a row chunk when the rows
     // are consecutive, more when they are scattered) are masked below.
     let all_see = s.row_end(t.r0).clamp(t.k0, t.k1);
-    // Each piece's keys and values, in place: (first key, keys, values).
-    let runs: Vec<(usize, &[f32], &[f32])> = pieces(s.block_table, store.spec().block_size, t.k0, t.k1, all_see)
+    let cut = pieces(s.block_table, store.spec().block_size, t.k0, t.k1, all_see);
+    // An fp8 cache's keys and values of the task, decoded to f32 in key
+    // order (buffers reused from the thread's last task).
+    let mut decoded = DECODED.with_borrow_mut(std::mem::take);
+    if let Some(f) = &store.fp8 {
+        let (dk, dv) = (grown(&mut decoded.0, n_keys * d), grown(&mut decoded.1, n_keys * d));
+        let bs = store.spec().block_size;
+        for &(a, z) in &cut {
+            let first = s.block_table[a / bs] as usize * bs + a % bs;
+            let span = (a - t.k0) * d..(z - t.k0) * d;
+            f.decode_run(store.spec(), (layer, t.kv_head), first, &mut dk[span.clone()], &mut dv[span]);
+        }
+    }
+    // Each piece's keys and values (first key, keys, values): in place, or
+    // decoded.
+    let runs: Vec<(usize, &[f32], &[f32])> = cut
         .into_iter()
-        .map(|(a, z)| {
-            let (keys, values) = key_run(store, layer, s.block_table, t.kv_head, a, z);
-            (a, keys, values)
+        .map(|(a, z)| match store.fp8 {
+            None => {
+                let (keys, values) = key_run(store, layer, s.block_table, t.kv_head, a, z);
+                (a, keys, values)
+            }
+            Some(_) => {
+                let span = (a - t.k0) * d..(z - t.k0) * d;
+                (a, &decoded.0[span.clone()], &decoded.1[span])
+            }
         })
         .collect();
-    SCRATCH.with_borrow_mut(|Scratch { qt, scores }| {
+    let partial = SCRATCH.with_borrow_mut(|Scratch { qt, scores }| {
         // Qᵀ of the group's query heads, scaled: column j·rows + r is head
         // kv_head·group + j at query row r0 + r.
         let rows_at: Vec<usize> = (0..group)
@@ -240,7 +260,10 @@ fn run_task(t: &Task, s: &SeqSpan<'_>, ctx: &TaskCtx<'_>) -> Partial {
         max.truncate(stacked);
         sum.truncate(stacked);
         Partial { o, max, sum }
-    })
+    });
+    drop(runs);
+    DECODED.with_borrow_mut(|b| *b = decoded);
+    partial
 }
 
 /// Buffers a task reuses from the previous task on its thread: packed
@@ -254,6 +277,8 @@ struct Scratch {
 
 thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::default();
+    /// An fp8 cache's keys and values of one task, decoded.
+    static DECODED: RefCell<(Vec<f32>, Vec<f32>)> = RefCell::default();
 }
 
 /// The first `n` elements of `buf`, grown (never shrunk) to hold them: tasks
@@ -400,6 +425,7 @@ mod tests {
                 block_size: 16,
                 num_kv_heads: kv_heads,
                 head_dim: d,
+                dtype: Default::default(),
             };
             let mut store = CpuKvStore::new(spec);
             // (q_len, context_len, blocks, row ends): blocks scattered and

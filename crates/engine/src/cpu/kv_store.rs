@@ -15,7 +15,8 @@ use std::ops::{Deref, DerefMut};
 
 use rayon::prelude::*;
 
-use crate::backend::KvSpec;
+use super::kv_fp8::Fp8Store;
+use crate::backend::{KvCacheDtype, KvSpec};
 use crate::rope::Rope;
 
 /// One cache line of floats.
@@ -74,21 +75,27 @@ impl std::fmt::Debug for LineBuf {
 
 /// Paged K/V: per layer, `[kv_heads, num_blocks, block_size, head_dim]`, so a
 /// head's block is one contiguous run, and so are consecutive block ids —
-/// attention reads such runs in place instead of gathering them.
+/// attention reads such runs in place instead of gathering them. An fp8
+/// store keeps codes in the same layout (`fp8`) and no f32 buffers.
 #[derive(Debug)]
 pub struct CpuKvStore {
     pub(crate) spec: KvSpec,
     pub(crate) k: Vec<LineBuf>,
     pub(crate) v: Vec<LineBuf>,
+    pub(crate) fp8: Option<Fp8Store>,
 }
 
 impl CpuKvStore {
     pub(crate) fn new(spec: KvSpec) -> Self {
+        if spec.dtype == KvCacheDtype::Fp8 {
+            return CpuKvStore { spec, k: Vec::new(), v: Vec::new(), fp8: Some(Fp8Store::new(spec)) };
+        }
         let per_layer = spec.capacity() * spec.kv_dim();
         CpuKvStore {
             spec,
             k: (0..spec.num_layers).map(|_| LineBuf::zeroed(per_layer)).collect(),
             v: (0..spec.num_layers).map(|_| LineBuf::zeroed(per_layer)).collect(),
+            fp8: None,
         }
     }
 
@@ -235,7 +242,14 @@ mod tests {
     #[test]
     fn streaming_injection_is_bit_identical_to_the_portable_one() {
         for (d, rot) in [(64, 64), (128, 128), (64, 32), (32, 32), (16, 16)] {
-            let spec = KvSpec { num_layers: 1, num_blocks: 6, block_size: 4, num_kv_heads: 2, head_dim: d };
+            let spec = KvSpec {
+                num_layers: 1,
+                num_blocks: 6,
+                block_size: 4,
+                num_kv_heads: 2,
+                head_dim: d,
+                dtype: Default::default(),
+            };
             let rope = Rope::new(&RopeConfig { theta: 10_000.0, dim: rot, scaling: RopeScaling::None });
             let n = 5;
             let k: Vec<f32> = (0..n * spec.kv_dim()).map(|i| (i as f32 * 0.37).sin()).collect();

@@ -5,6 +5,7 @@
 
 mod attention;
 mod attn_kernel;
+mod kv_fp8;
 mod kv_store;
 mod matmul;
 mod packed;
@@ -16,7 +17,9 @@ use rayon::prelude::*;
 
 use kv_store::LayerChunk;
 
-use crate::backend::{AttentionShape, InjectChunk, KvSpec, KvTiers, PagedKv, Retrieval, SeqSpan, Tensors, matrix_dims};
+use crate::backend::{
+    AttentionShape, InjectChunk, KvSpec, KvTiers, NewRows, PagedKv, Retrieval, SeqSpan, Tensors, matrix_dims,
+};
 use crate::error::{EngineError, Result};
 use crate::retrieval::{HostEmbeddings, top_k_host};
 use crate::rope::Rope;
@@ -296,27 +299,42 @@ impl PagedKv for CpuBackend {
         Ok(CpuKvStore::new(spec))
     }
 
+    fn calibrate_kv(&self, store: &mut CpuKvStore, offsets: &[Vec<f32>], rope: &Rope) -> Result<()> {
+        let spec = store.spec;
+        match &mut store.fp8 {
+            Some(f) => f.calibrate(spec, offsets, rope),
+            None => Ok(()),
+        }
+    }
+
     fn write_kv(
         &self,
         store: &mut CpuKvStore,
         layer: usize,
         k: &CpuTensor,
         v: &CpuTensor,
-        slots: &[u32],
+        rows: NewRows<'_>,
+        rope: &Rope,
     ) -> Result<()> {
         let _t = profile::span("write_kv");
         let s = store.spec;
         let width = s.kv_dim();
+        let slots = rows.slots;
         s.check(layer, slots)?;
-        if k.cols != width || v.cols != width || k.rows != slots.len() || v.rows != slots.len() {
+        let n = slots.len();
+        if k.cols != width || v.cols != width || k.rows != n || v.rows != n || rows.positions.len() != n {
             return Err(shape_err(format!(
-                "write_kv: k [{}, {}], v [{}, {}], {} slots, layer {layer}",
+                "write_kv: k [{}, {}], v [{}, {}], {n} slots, {} positions, layer {layer}",
                 k.rows,
                 k.cols,
                 v.rows,
                 v.cols,
-                slots.len()
+                rows.positions.len()
             )));
+        }
+        if let Some(f) = &mut store.fp8 {
+            f.write(s, layer, &k.data, &v.data, slots, rows.positions, rope);
+            return Ok(());
         }
         for (i, &slot) in slots.iter().enumerate() {
             let slot = slot as usize;
@@ -362,8 +380,8 @@ impl PagedKv for CpuBackend {
                 (cos, sin)
             })
             .collect();
-        store.k.par_iter_mut().zip(store.v.par_iter_mut()).enumerate().for_each(|(layer, (kl, vl))| {
-            let layer_chunks: Vec<LayerChunk<'_>> = chunks
+        let layer_chunks = |layer: usize| -> Vec<LayerChunk<'_>> {
+            chunks
                 .iter()
                 .zip(&tables)
                 .map(|(c, (cos, sin))| LayerChunk {
@@ -373,8 +391,17 @@ impl PagedKv for CpuBackend {
                     cos,
                     sin,
                 })
-                .collect();
-            kv_store::inject_layer(s, kl, vl, &layer_chunks, rope);
+                .collect()
+        };
+        if let Some(f) = &mut store.fp8 {
+            for c in chunks {
+                f.set_positions(c.slots, c.positions);
+            }
+            f.inject(s, (0..s.num_layers).map(layer_chunks).collect(), rope);
+            return Ok(());
+        }
+        store.k.par_iter_mut().zip(store.v.par_iter_mut()).enumerate().for_each(|(layer, (kl, vl))| {
+            kv_store::inject_layer(s, kl, vl, &layer_chunks(layer), rope);
         });
         Ok(())
     }
@@ -386,6 +413,10 @@ impl PagedKv for CpuBackend {
         s.check(layer, slots)?;
         let mut k = CpuTensor::zeros(slots.len(), width);
         let mut v = CpuTensor::zeros(slots.len(), width);
+        if let Some(f) = &store.fp8 {
+            f.gather(s, layer, slots, &mut k.data, &mut v.data);
+            return Ok((k, v));
+        }
         for (i, &slot) in slots.iter().enumerate() {
             for h in 0..s.num_kv_heads {
                 let src = store.offset(slot as usize, h);
@@ -403,6 +434,10 @@ impl PagedKv for CpuBackend {
         let block = s.block_size * s.head_dim;
         if let Some(p) = pairs.iter().find(|(a, b)| *a as usize >= s.num_blocks || *b as usize >= s.num_blocks) {
             return Err(shape_err(format!("copy_blocks {p:?} beyond {} blocks", s.num_blocks)));
+        }
+        if let Some(f) = &mut store.fp8 {
+            f.copy_blocks(s, pairs);
+            return Ok(());
         }
         for buf in store.k.iter_mut().chain(store.v.iter_mut()) {
             for h in 0..s.num_kv_heads {

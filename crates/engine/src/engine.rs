@@ -217,50 +217,72 @@ impl<B: Backend> Engine<B> {
 
     /// An engine whose paged cache holds `dtype`. An fp8 cache is
     /// calibrated here, before anything is written to it: its key offsets
-    /// are the channel means of the keys of [`fp8_cache::CALIBRATION_TEXT`] (token ids
-    /// spread over the vocabulary where the files have no tokenizer),
-    /// computed in a small cache of the backend's own precision.
+    /// are the channel means of the keys of [`fp8_cache::CALIBRATION_TEXT`]
+    /// (token ids spread over the vocabulary where the files have no
+    /// tokenizer), computed in a small cache of the backend's own precision.
     pub fn with_cache(backend: B, files: &ModelFiles, cfg: EngineConfig, dtype: KvCacheDtype) -> Result<Self> {
+        let mut engine = Self::build(backend, files, cfg, dtype)?;
+        if dtype == KvCacheDtype::Fp8 {
+            let offsets = engine.key_offsets(calibration_tokens(files)?)?;
+            engine.install_fp8_cache(cfg.kv_blocks, &offsets)?;
+        }
+        Ok(engine)
+    }
+
+    /// An engine with an fp8 cache whose key offsets (per layer,
+    /// `[kv_heads·head_dim]`) are given rather than calibrated: offsets
+    /// measured elsewhere, or zeros — keys rounded as they are, the control
+    /// docs/design.md §2.2 measured against.
+    pub fn with_fp8_offsets(backend: B, files: &ModelFiles, cfg: EngineConfig, offsets: &[Vec<f32>]) -> Result<Self> {
+        let mut engine = Self::build(backend, files, cfg, KvCacheDtype::Fp8)?;
+        engine.install_fp8_cache(cfg.kv_blocks, offsets)?;
+        Ok(engine)
+    }
+
+    /// The model loaded, with a cache of `dtype` — for an fp8 cache a
+    /// placeholder of the backend's own precision, large enough for the
+    /// calibration prefill, until [`Engine::install_fp8_cache`].
+    fn build(backend: B, files: &ModelFiles, cfg: EngineConfig, dtype: KvCacheDtype) -> Result<Self> {
         if cfg.max_batch_tokens == 0 {
             return Err(EngineError::Shape("max_batch_tokens must be positive".into()));
         }
         let model = Llama::load(&backend, files)?;
-        let c = model.config();
-        let spec = KvSpec {
+        let blocks = match dtype {
+            KvCacheDtype::Native => cfg.kv_blocks,
+            KvCacheDtype::Fp8 => calibration_tokens(files)?.len().div_ceil(BLOCK_SIZE),
+        };
+        let spec = Self::spec_for(model.config(), blocks, KvCacheDtype::Native);
+        let kv = backend.new_kv_store(spec)?;
+        Ok(Engine {
+            backend,
+            model,
+            kv,
+            pool: BlockPool::new(blocks),
+            max_batch_tokens: cfg.max_batch_tokens,
+            graphs: None,
+        })
+    }
+
+    fn spec_for(c: &inferscale_model::ModelConfig, num_blocks: usize, dtype: KvCacheDtype) -> KvSpec {
+        KvSpec {
             num_layers: c.num_layers,
-            num_blocks: cfg.kv_blocks,
+            num_blocks,
             block_size: BLOCK_SIZE,
             num_kv_heads: c.num_kv_heads,
             head_dim: c.head_dim,
             dtype,
-        };
-        let calibration = match dtype {
-            KvCacheDtype::Native => None,
-            KvCacheDtype::Fp8 => Some(calibration_tokens(files)?),
-        };
-        let first = match &calibration {
-            Some(tokens) => {
-                KvSpec { num_blocks: tokens.len().div_ceil(BLOCK_SIZE), dtype: KvCacheDtype::Native, ..spec }
-            }
-            None => spec,
-        };
-        let kv = backend.new_kv_store(first)?;
-        let mut engine = Engine {
-            backend,
-            model,
-            kv,
-            pool: BlockPool::new(first.num_blocks),
-            max_batch_tokens: cfg.max_batch_tokens,
-            graphs: None,
-        };
-        if let Some(tokens) = calibration {
-            let offsets = engine.key_offsets(tokens)?;
-            let mut kv = engine.backend.new_kv_store(spec)?;
-            engine.backend.calibrate_kv(&mut kv, &offsets, engine.model.rope())?;
-            engine.kv = kv;
-            engine.pool = BlockPool::new(spec.num_blocks);
         }
-        Ok(engine)
+    }
+
+    /// Replaces the cache (and its pool) with an fp8 cache of `blocks`
+    /// blocks calibrated with `offsets`, before anything is written to it.
+    fn install_fp8_cache(&mut self, blocks: usize, offsets: &[Vec<f32>]) -> Result<()> {
+        let spec = Self::spec_for(self.model.config(), blocks, KvCacheDtype::Fp8);
+        let mut kv = self.backend.new_kv_store(spec)?;
+        self.backend.calibrate_kv(&mut kv, offsets, self.model.rope())?;
+        self.kv = kv;
+        self.pool = BlockPool::new(blocks);
+        Ok(())
     }
 
     /// Each layer's key offsets (fp8 cache): the channel means of the

@@ -4,7 +4,8 @@
 //! for fp8 segments, §2.1) on the Qwen2 tiny shape with planted offset key
 //! channels and on SmolLM2, and E2 — injecting a prefix's exact KV equals
 //! prefilling it — holds on an fp8 cache within a stated bound. Each check
-//! is paired with a control that must miss by far more.
+//! is paired with a control that must miss by far more (the same cache
+//! without its key offsets, another prompt, facts in another order).
 
 #![allow(clippy::unwrap_used)] // tests fail loudly on unexpected errors
 
@@ -53,8 +54,8 @@ fn logits(e: &mut Engine<CpuBackend>, tokens: &[u32], forced: &[u32]) -> Vec<Vec
 /// Mean KL of the fp8 cache's distributions from the f32 cache's over
 /// every prompt and forced step, and the same for a control: the f32
 /// reference against the fp8 cache's logits of the *next* prompt.
-fn compare(files: &ModelFiles, prompts: &[Vec<u32>], steps: usize) -> (f64, f64) {
-    let (mut reference, mut fp8) = (engine(files, KvCacheDtype::Native), engine(files, KvCacheDtype::Fp8));
+fn compare(files: &ModelFiles, fp8: &mut Engine<CpuBackend>, prompts: &[Vec<u32>], steps: usize) -> (f64, f64) {
+    let mut reference = engine(files, KvCacheDtype::Native);
     let mut runs = Vec::new();
     for p in prompts {
         let mut seq = reference.new_sequence(p.clone()).unwrap();
@@ -65,7 +66,7 @@ fn compare(files: &ModelFiles, prompts: &[Vec<u32>], steps: usize) -> (f64, f64)
             seq.push(argmax(&last));
             last = reference.prefill(&mut seq).unwrap();
         }
-        runs.push((logits(&mut reference, p, &forced), logits(&mut fp8, p, &forced)));
+        runs.push((logits(&mut reference, p, &forced), logits(fp8, p, &forced)));
     }
     let (mut sum, mut control, mut n) = (0.0, 0.0, 0);
     for (i, (want, got)) in runs.iter().enumerate() {
@@ -83,24 +84,29 @@ fn tokens(seed: u32, n: usize) -> Vec<u32> {
     (0..n as u32).map(|i| (i.wrapping_mul(37).wrapping_add(seed * 101 + 11)) % 256).collect()
 }
 
-/// Qwen2.5's keys hold channels near −355 (the k_proj bias), met by large
-/// query values (the q_proj bias): planted in the tiny Qwen2 shape as
-/// `crates/memory/tests/fidelity.rs` plants them for fp8 segments. The fp8
-/// cache keeps the distributions with the calibrated offsets taken out.
-/// (A scale per token and head already keeps this tiny model's keys apart
-/// without offsets — measured: mean KL 2.3e-3 either way — so that offsets
-/// matter is shown on keys themselves, in `cpu/kv_fp8.rs`, and on the real
-/// model in docs/design.md §2.2, not here.)
+/// Qwen2.5's keys hold channels far from zero in every token — in layer 0
+/// −355 and +318 in one head — met by large query values: planted in the
+/// tiny Qwen2 shape, two such channels in each KV head. The fp8 cache with
+/// its calibrated offsets keeps the distributions; the same cache with zero
+/// offsets (keys rounded as they are, a scale per token and head) loses
+/// them: the largest channel of a row is exact, the second is rounded in
+/// steps of 16, far more than it varies.
 #[test]
 fn an_fp8_cache_keeps_the_distributions_where_keys_sit_far_from_zero() {
     let g = load_tiny("tiny_qwen2_bias");
     let dir = tempfile::tempdir().unwrap();
-    write_tiny_with_offset_channels(&g, dir.path());
+    let keys = [(0, 7, -355.0), (0, 6, 300.0), (1, 7, -355.0), (1, 6, 300.0)];
+    write_tiny_with_offset_channels(&g, dir.path(), &keys);
     let files = ModelFiles::open(dir.path()).unwrap();
     let prompts: Vec<Vec<u32>> = (0..4).map(|i| tokens(i, 24 + 13 * i as usize)).collect();
-    let (mean, control) = compare(&files, &prompts, 8);
-    eprintln!("tiny_qwen2_bias with offset channels: mean KL {mean:.2e} (control {control:.2e})");
+    let (mean, control) = compare(&files, &mut engine(&files, KvCacheDtype::Fp8), &prompts, 8);
+    let zeros = vec![vec![0.0; files.config.kv_dim()]; files.config.num_layers];
+    let cfg = EngineConfig { kv_blocks: 256, max_batch_tokens: 64 };
+    let mut plain = Engine::with_fp8_offsets(CpuBackend, &files, cfg, &zeros).unwrap();
+    let (without, _) = compare(&files, &mut plain, &prompts, 8);
+    eprintln!("tiny_qwen2_bias, two offset channels a head: mean KL {mean:.2e}, without offsets {without:.2e}");
     assert!(mean < KL_TOL, "fp8 cache: mean KL {mean:.2e} from the f32 cache");
+    assert!(without > 10.0 * KL_TOL, "without offsets the fp8 cache should fail: mean KL {without:.2e}");
     assert!(control > 10.0 * KL_TOL, "control: another prompt's logits, mean KL {control:.2e}");
 }
 
@@ -125,7 +131,7 @@ fn on_smollm2_an_fp8_cache_keeps_the_distributions_and_e2() {
     all.extend(&question);
 
     let prompts = vec![all.clone(), enc("The capital of France is Paris. The capital of Italy is")];
-    let (mean, control) = compare(&files, &prompts, 6);
+    let (mean, control) = compare(&files, &mut engine(&files, KvCacheDtype::Fp8), &prompts, 6);
     eprintln!("smollm2: mean KL {mean:.2e} (control {control:.2e})");
     assert!(mean < KL_TOL, "fp8 cache: mean KL {mean:.2e} from the f32 cache");
     assert!(control > 10.0 * KL_TOL, "control: another prompt's logits, mean KL {control:.2e}");

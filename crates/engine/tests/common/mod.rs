@@ -101,20 +101,22 @@ pub fn write_tiny_model_with(g: &TinyGolden, dir: &Path, edit: impl Fn(&str, &mu
 }
 
 /// The tiny Qwen2 golden model (`g`) written with the offset channels of
-/// Qwen2.5's keys planted: a key channel near −355 (the k_proj bias) met by
-/// large query values (the q_proj bias), in a slowly rotating channel (7 of
-/// 16: RoPE barely turns it) of each KV head and of each query head, in
-/// both layers; logits made sharper (lm_head × 6) so that what attention
-/// reads shows in them.
-pub fn write_tiny_with_offset_channels(g: &TinyGolden, dir: &Path) {
+/// Qwen2.5's keys planted: each `(kv head, channel, value)` of `keys` held
+/// at `value` by the k_proj bias (Qwen2.5's layer 0 has −355 and +318 in
+/// one head), met by large query values in the same channels of every
+/// query head (the q_proj bias: 4), in both layers; channels 6 and 7 of 16
+/// barely turn under RoPE. Logits are made sharper (lm_head × 6) so that
+/// what attention reads shows in them.
+pub fn write_tiny_with_offset_channels(g: &TinyGolden, dir: &Path, keys: &[(usize, usize, f32)]) {
     let head_dim =
         g.config["hidden_size"].as_u64().unwrap() as usize / g.config["num_attention_heads"].as_u64().unwrap() as usize;
     write_tiny_model_with(g, dir, |name, data| {
         if name.ends_with("k_proj.bias") {
-            data[7] = -355.0;
-            data[head_dim + 7] = 240.0;
+            keys.iter().for_each(|&(h, c, x)| data[h * head_dim + c] = x);
         } else if name.ends_with("q_proj.bias") {
-            (0..data.len() / head_dim).for_each(|h| data[h * head_dim + 7] = 4.0);
+            for h in 0..data.len() / head_dim {
+                keys.iter().for_each(|&(_, c, _)| data[h * head_dim + c] = 4.0);
+            }
         } else if name == "lm_head.weight" {
             data.iter_mut().for_each(|x| *x *= 6.0);
         }

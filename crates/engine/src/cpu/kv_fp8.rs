@@ -16,8 +16,7 @@ use rayon::prelude::*;
 use super::kv_store::LayerChunk;
 use crate::backend::KvSpec;
 use crate::error::{EngineError, Result};
-use crate::fp8::e4m3_table;
-use crate::fp8_cache::encode_row;
+use crate::fp8_cache::{decode_row_adding, encode_row};
 use crate::rope::Rope;
 
 #[derive(Debug)]
@@ -187,7 +186,6 @@ impl Fp8Store {
         v: &mut [f32],
     ) {
         let (d, cap) = (spec.head_dim, spec.capacity());
-        let table = e4m3_table();
         let plain = self.plain(layer);
         let o = &self.offsets[layer][head * d..(head + 1) * d];
         let (mut cos, mut sin, mut ro) = (Vec::new(), Vec::new(), vec![0f32; d]);
@@ -195,9 +193,9 @@ impl Fp8Store {
             let row = head * cap + first + i;
             let (ks, vs) = (self.k_scale[layer][row], self.v_scale[layer][row]);
             let (kc, vc) = (&self.k[layer][row * d..(row + 1) * d], &self.v[layer][row * d..(row + 1) * d]);
-            vr.iter_mut().zip(vc).for_each(|(x, &c)| *x = table[c as usize] * vs);
+            decode_row_adding(vc, vs, None, vr);
             if plain {
-                kr.iter_mut().zip(kc).for_each(|(x, &c)| *x = table[c as usize] * ks);
+                decode_row_adding(kc, ks, None, kr);
                 continue;
             }
             if let Some(rope) = &self.rope {
@@ -207,7 +205,7 @@ impl Fp8Store {
                 ro.copy_from_slice(o);
                 rope.rotate(&mut ro, &cos, &sin);
             }
-            kr.iter_mut().zip(kc).zip(&ro).for_each(|((x, &c), &r)| *x = table[c as usize] * ks + r);
+            decode_row_adding(kc, ks, Some(&ro), kr);
         }
     }
 

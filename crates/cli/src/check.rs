@@ -78,9 +78,11 @@ fn cpu_formats(a: &Args) -> Result<()> {
     };
     let files = inferscale_model::open(model).with_context(|| format!("loading model `{model}`"))?;
     let cases = golden_cases(golden)?;
-    let rows = format_gate(inferscale_engine::CpuBackend, &files, &cases)?;
+    // One engine with the f32 cache is the reference of both gates.
+    let mut reference = gate_engine(inferscale_engine::CpuBackend, &files)?;
+    let rows = format_gate(&mut reference, &files, &cases)?;
     print_formats(model, "cpu", &rows);
-    let cache = cache_gate(&files, &cases)?;
+    let cache = cache_gate(&mut reference, &files, &cases)?;
     let cache_passed = fidelity::store_passed(&cache, CACHE_FP8, fidelity::kl_tolerance(KvFormat::Fp8));
     print_cache(model, &cache, cache_passed);
     if let Some(path) = &a.json {
@@ -108,22 +110,18 @@ const CACHE_FP8: &str = "cache fp8";
 /// an fp8 cache and one with the f32 cache, question and answer computed in
 /// each (the CPU's cache; the CUDA cache is bf16 only so far).
 fn cache_gate(
+    reference: &mut inferscale_engine::Engine<inferscale_engine::CpuBackend>,
     files: &inferscale_model::ModelFiles,
     cases: &[(String, Vec<u32>, usize)],
 ) -> Result<Vec<fidelity::Fidelity>> {
-    use inferscale_engine::{CpuBackend, Engine, EngineConfig, backend::KvCacheDtype};
-    let cfg = EngineConfig { kv_blocks: 512, max_batch_tokens: 512 };
-    let mut reference = Engine::new(CpuBackend, files, cfg)?;
-    let mut fp8 = Engine::with_cache(CpuBackend, files, cfg, KvCacheDtype::Fp8)?;
-    Ok(fidelity::check_cache(&mut reference, &mut fp8, &fidelity_cases(cases), CACHE_FP8)?)
+    use inferscale_engine::{CpuBackend, Engine, backend::KvCacheDtype};
+    let mut fp8 = Engine::with_cache(CpuBackend, files, GATE_ENGINE, KvCacheDtype::Fp8)?;
+    Ok(fidelity::check_cache(reference, &mut fp8, &fidelity_cases(cases), CACHE_FP8)?)
 }
 
 fn print_cache(model: &str, rows: &[fidelity::Fidelity], passed: bool) {
     println!("\nthe fp8 paged cache of {model} on cpu, against the f32 cache (first-token KL, greedy)");
-    for r in rows {
-        let margin = r.margin_at_divergence.map_or("-".into(), |m| format!("{m:.4}"));
-        println!("{:<24} {:<10} {:>10.2e} {:>5}/{:<2} {:>22}", r.case, r.store, r.kl, r.agreed, r.steps, margin);
-    }
+    print_rows(rows);
     println!(
         "{:<24} {:<10} {:>10.2e}  mean KL (tolerance {:.0e}; no divergence at a margin ≥ {})  {}",
         "all prompts",
@@ -136,14 +134,7 @@ fn print_cache(model: &str, rows: &[fidelity::Fidelity], passed: bool) {
 }
 
 fn cache_json(rows: &[fidelity::Fidelity], passed: bool) -> serde_json::Value {
-    let per: Vec<serde_json::Value> = rows
-        .iter()
-        .map(|r| {
-            serde_json::json!({"name": r.case, "kl": r.kl, "steps": r.steps, "agreed": r.agreed,
-                "margin_at_divergence": r.margin_at_divergence})
-        })
-        .collect();
-    serde_json::json!({"rows": per, "mean_kl": fidelity::mean_kl(rows, CACHE_FP8),
+    serde_json::json!({"rows": rows_json(rows), "mean_kl": fidelity::mean_kl(rows, CACHE_FP8),
         "tolerance": fidelity::kl_tolerance(KvFormat::Fp8), "passed": passed})
 }
 
@@ -154,15 +145,25 @@ fn fidelity_cases(cases: &[(String, Vec<u32>, usize)]) -> Vec<fidelity::Case> {
         .collect()
 }
 
-/// Every stored KV format's answers on the golden prompts against the KV
-/// as computed, on `backend`.
-fn format_gate<B: inferscale_engine::Backend>(
+/// The sizing of the gates' engines.
+const GATE_ENGINE: inferscale_engine::EngineConfig =
+    inferscale_engine::EngineConfig { kv_blocks: 512, max_batch_tokens: 512 };
+
+/// An engine for the gates on `backend`, with the backend's own cache.
+fn gate_engine<B: inferscale_engine::Backend>(
     backend: B,
+    files: &inferscale_model::ModelFiles,
+) -> Result<inferscale_engine::Engine<B>> {
+    Ok(inferscale_engine::Engine::new(backend, files, GATE_ENGINE)?)
+}
+
+/// Every stored KV format's answers on the golden prompts against the KV
+/// as computed, on `engine`.
+fn format_gate<B: inferscale_engine::Backend>(
+    engine: &mut inferscale_engine::Engine<B>,
     files: &inferscale_model::ModelFiles,
     cases: &[(String, Vec<u32>, usize)],
 ) -> Result<Vec<fidelity::Fidelity>> {
-    let cfg = inferscale_engine::EngineConfig { kv_blocks: 512, max_batch_tokens: 512 };
-    let mut engine = inferscale_engine::Engine::new(backend, files, cfg)?;
     let c = &files.config;
     let header = KvHeader {
         fingerprint: "check".into(),
@@ -173,7 +174,16 @@ fn format_gate<B: inferscale_engine::Backend>(
         head_dim: c.head_dim,
         layout: 0,
     };
-    Ok(fidelity::check_formats(&mut engine, &header, &fidelity_cases(cases))?)
+    Ok(fidelity::check_formats(engine, &header, &fidelity_cases(cases))?)
+}
+
+/// A gate's rows: prompt, store, first-token KL, greedy tokens agreed, and
+/// the reference's top-2 margin where they diverged.
+fn print_rows(rows: &[fidelity::Fidelity]) {
+    for r in rows {
+        let margin = r.margin_at_divergence.map_or("-".into(), |m| format!("{m:.4}"));
+        println!("{:<24} {:<10} {:>10.2e} {:>5}/{:<2} {:>22}", r.case, r.store, r.kl, r.agreed, r.steps, margin);
+    }
 }
 
 fn print_formats(model: &str, device: &str, rows: &[fidelity::Fidelity]) {
@@ -182,10 +192,7 @@ fn print_formats(model: &str, device: &str, rows: &[fidelity::Fidelity]) {
 stored KV formats of {model} on {device}, against the KV as computed (first-token KL, greedy)"
     );
     println!("{:<24} {:<10} {:>10} {:>8} {:>22}", "prompt", "format", "KL", "agreed", "top-2 margin there");
-    for r in rows {
-        let margin = r.margin_at_divergence.map_or("-".into(), |m| format!("{m:.4}"));
-        println!("{:<24} {:<10} {:>10.2e} {:>5}/{:<2} {:>22}", r.case, r.store, r.kl, r.agreed, r.steps, margin);
-    }
+    print_rows(rows);
     for f in KvFormat::ALL {
         let verdict = if fidelity::passed(rows, f) { "ok" } else { "FAILED" };
         println!(
@@ -199,14 +206,18 @@ stored KV formats of {model} on {device}, against the KV as computed (first-toke
     }
 }
 
-fn formats_json(rows: &[fidelity::Fidelity]) -> serde_json::Value {
-    let per: Vec<serde_json::Value> = rows
-        .iter()
+/// A gate's rows as JSON.
+fn rows_json(rows: &[fidelity::Fidelity]) -> Vec<serde_json::Value> {
+    rows.iter()
         .map(|r| {
             serde_json::json!({"name": r.case, "format": r.store, "kl": r.kl, "steps": r.steps,
                 "agreed": r.agreed, "margin_at_divergence": r.margin_at_divergence})
         })
-        .collect();
+        .collect()
+}
+
+fn formats_json(rows: &[fidelity::Fidelity]) -> serde_json::Value {
+    let per = rows_json(rows);
     let summary: Vec<serde_json::Value> = KvFormat::ALL
         .iter()
         .map(|&f| {
@@ -258,7 +269,8 @@ fn device(a: &Args) -> Result<()> {
                 r.name, r.steps, r.agreed, margin, r.worst_logits, r.worst_logprobs, r.worst_logprob_abs
             );
         }
-        format_rows = format_gate(be.clone(), &files, &cases).context("the stored-format gate")?;
+        let mut engine = gate_engine(be.clone(), &files)?;
+        format_rows = format_gate(&mut engine, &files, &cases).context("the stored-format gate")?;
         print_formats(model, be.device_name(), &format_rows);
     }
     if let Some(path) = &a.json {

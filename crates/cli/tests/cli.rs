@@ -184,27 +184,11 @@ fn bench_ttft_reports_both_modes_with_their_token_counts() {
 fn bench_engine_reports_each_repetition_of_each_batch() {
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("engine.json");
-    let o = inferscale(&[
-        "bench",
-        "engine",
-        "--shape",
-        "smollm2-135m",
-        "--random-weights",
-        "--prompt-tokens",
-        "8",
-        "--decode-batch",
-        "1,2",
-        "--decode-prompt-tokens",
-        "6",
-        "--decode-tokens",
-        "3",
-        "--reps",
-        "2",
-        "--gemm-n",
-        "64",
-        "--json",
-        json.to_str().unwrap(),
-    ]);
+    let flags = "bench engine --shape smollm2-135m --random-weights --prompt-tokens 8 --decode-batch 1,2 \
+                 --decode-prompt-tokens 6 --decode-tokens 3 --reps 2 --gemm-n 64 --json";
+    let mut args: Vec<&str> = flags.split_whitespace().collect();
+    args.push(json.to_str().unwrap());
+    let o = inferscale(&args);
     assert!(o.status.success(), "{}", stderr(&o));
     let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     assert_eq!(report["prefill"]["tokens"].as_u64(), Some(8), "{report}");

@@ -221,11 +221,13 @@ impl<B: Backend> Engine<B> {
     /// (token ids spread over the vocabulary where the files have no
     /// tokenizer), computed in a small cache of the backend's own precision.
     pub fn with_cache(backend: B, files: &ModelFiles, cfg: EngineConfig, dtype: KvCacheDtype) -> Result<Self> {
-        let mut engine = Self::build(backend, files, cfg, dtype)?;
-        if dtype == KvCacheDtype::Fp8 {
-            let offsets = engine.key_offsets(calibration_tokens(files)?)?;
-            engine.install_fp8_cache(cfg.kv_blocks, &offsets)?;
+        if dtype == KvCacheDtype::Native {
+            return Self::build(backend, files, cfg, cfg.kv_blocks);
         }
+        let tokens = calibration_tokens(files)?;
+        let mut engine = Self::build(backend, files, cfg, tokens.len().div_ceil(BLOCK_SIZE))?;
+        let offsets = engine.key_offsets(tokens)?;
+        engine.install_fp8_cache(cfg.kv_blocks, &offsets)?;
         Ok(engine)
     }
 
@@ -234,23 +236,20 @@ impl<B: Backend> Engine<B> {
     /// measured elsewhere, or zeros — keys rounded as they are, the control
     /// docs/design.md §2.2 measured against.
     pub fn with_fp8_offsets(backend: B, files: &ModelFiles, cfg: EngineConfig, offsets: &[Vec<f32>]) -> Result<Self> {
-        let mut engine = Self::build(backend, files, cfg, KvCacheDtype::Fp8)?;
+        let mut engine = Self::build(backend, files, cfg, 1)?;
         engine.install_fp8_cache(cfg.kv_blocks, offsets)?;
         Ok(engine)
     }
 
-    /// The model loaded, with a cache of `dtype` — for an fp8 cache a
-    /// placeholder of the backend's own precision, large enough for the
-    /// calibration prefill, until [`Engine::install_fp8_cache`].
-    fn build(backend: B, files: &ModelFiles, cfg: EngineConfig, dtype: KvCacheDtype) -> Result<Self> {
+    /// The model loaded, with a cache of the backend's own precision of
+    /// `blocks` blocks — the engine's, or a placeholder for an fp8 cache
+    /// (large enough for the calibration prefill) until
+    /// [`Engine::install_fp8_cache`].
+    fn build(backend: B, files: &ModelFiles, cfg: EngineConfig, blocks: usize) -> Result<Self> {
         if cfg.max_batch_tokens == 0 {
             return Err(EngineError::Shape("max_batch_tokens must be positive".into()));
         }
         let model = Llama::load(&backend, files)?;
-        let blocks = match dtype {
-            KvCacheDtype::Native => cfg.kv_blocks,
-            KvCacheDtype::Fp8 => calibration_tokens(files)?.len().div_ceil(BLOCK_SIZE),
-        };
         let spec = Self::spec_for(model.config(), blocks, KvCacheDtype::Native);
         let kv = backend.new_kv_store(spec)?;
         Ok(Engine {

@@ -103,10 +103,11 @@ pub fn decode_row_adding(codes: &[u8], scale: f32, add: Option<&[f32]>, out: &mu
 
 /// A key head after RoPE (`rotated`, at some position p) as codes of its
 /// difference from the offset rotated to the same position
-/// (`rotated_offset` = R(p)·o): returns the scale.
-pub fn encode_key_row(rotated: &[f32], rotated_offset: &[f32], codes: &mut [u8]) -> f32 {
-    let residual: Vec<f32> = rotated.iter().zip(rotated_offset).map(|(k, o)| k - o).collect();
-    encode_row(&residual, codes)
+/// (`rotated_offset` = R(p)·o; zeros round the key as it is), computed in
+/// `residual` (scratch of the row's length): returns the scale.
+pub fn encode_key_row(rotated: &[f32], rotated_offset: &[f32], residual: &mut [f32], codes: &mut [u8]) -> f32 {
+    residual.iter_mut().zip(rotated).zip(rotated_offset).for_each(|((r, &k), &o)| *r = k - o);
+    encode_row(residual, codes)
 }
 
 /// `codes · scale` into `out`.
@@ -298,7 +299,7 @@ mod tests {
             let rk = rotated(&rope, k, p);
             let want = dot(&q, &rk);
 
-            let scale = encode_key_row(&rk, &rotated(&rope, &o, p), &mut codes);
+            let scale = encode_key_row(&rk, &rotated(&rope, &o, p), &mut back, &mut codes);
             decode_row(&codes, scale, &mut back);
             let got = dot(&q, &back) + OffsetScore::new(&q, &o, head_dim).at(&c, &s);
             offset_err = offset_err.max((got - want).abs());

@@ -33,7 +33,6 @@ mod common;
 
 use common::dense::Dense;
 use common::*;
-use inferscale_engine::sampling::argmax;
 use inferscale_engine::{CpuBackend, Engine, KvChunk, Sequence};
 use inferscale_model::{Message, ModelFiles};
 
@@ -171,15 +170,7 @@ fn e2(name: &str, files: &ModelFiles, l: &Layout, tol: &Tol) {
     assert!(d < tol.logits_abs, "{name} E2: max |Δlogit| {d:.2e}");
     assert_eq!(seq.tokens(), &all[..], "{name} E2: the injected sequence holds the prompt's tokens");
     // Greedy continuations agree for a few steps.
-    let mut a = argmax(&got);
-    let mut b = argmax(&want);
-    for _ in 0..4 {
-        assert_eq!(a, b, "{name} E2: greedy continuation");
-        seq.push(a);
-        full.push(b);
-        a = argmax(&e.prefill(&mut seq).unwrap());
-        b = argmax(&e.prefill(&mut full).unwrap());
-    }
+    assert_same_continuations(&mut e, (&mut seq, &got), (&mut full, &want), 4, &format!("{name} E2"));
     // Injecting the facts in another order must change the answer's logits.
     let swapped: Vec<&KvChunk<CpuBackend>> = vec![refs[1], refs[0], refs[2]];
     let (bad, _) = inject_then_ask(&mut e, l, &swapped);

@@ -39,16 +39,23 @@ fn kl(p: &[f32], q: &[f32]) -> f64 {
 }
 
 /// The last logits of a prefill of `tokens`, then after each of `steps`
-/// tokens taken from `forced` (greedy on the reference, so both caches see
-/// the same text).
-fn logits(e: &mut Engine<CpuBackend>, tokens: &[u32], forced: &[u32]) -> Vec<Vec<f32>> {
+/// tokens — greedy, or taken from `forced` (the reference's greedy tokens,
+/// so that both caches see the same text) — and the tokens taken.
+fn logits(
+    e: &mut Engine<CpuBackend>,
+    tokens: &[u32],
+    steps: usize,
+    forced: Option<&[u32]>,
+) -> (Vec<Vec<f32>>, Vec<u32>) {
     let mut seq = e.new_sequence(tokens.to_vec()).unwrap();
-    let mut out = vec![e.prefill(&mut seq).unwrap()];
-    for &t in forced {
+    let (mut out, mut taken) = (vec![e.prefill(&mut seq).unwrap()], Vec::with_capacity(steps));
+    for i in 0..steps {
+        let t = forced.map_or_else(|| argmax(&out[i]), |f| f[i]);
+        taken.push(t);
         seq.push(t);
         out.push(e.prefill(&mut seq).unwrap());
     }
-    out
+    (out, taken)
 }
 
 /// Mean KL of the fp8 cache's distributions from the f32 cache's over
@@ -58,15 +65,8 @@ fn compare(files: &ModelFiles, fp8: &mut Engine<CpuBackend>, prompts: &[Vec<u32>
     let mut reference = engine(files, KvCacheDtype::Native);
     let mut runs = Vec::new();
     for p in prompts {
-        let mut seq = reference.new_sequence(p.clone()).unwrap();
-        let mut forced = Vec::new();
-        let mut last = reference.prefill(&mut seq).unwrap();
-        for _ in 0..steps {
-            forced.push(argmax(&last));
-            seq.push(argmax(&last));
-            last = reference.prefill(&mut seq).unwrap();
-        }
-        runs.push((logits(&mut reference, p, &forced), logits(fp8, p, &forced)));
+        let (want, forced) = logits(&mut reference, p, steps, None);
+        runs.push((want, logits(fp8, p, steps, Some(&forced)).0));
     }
     let (mut sum, mut control, mut n) = (0.0, 0.0, 0);
     for (i, (want, got)) in runs.iter().enumerate() {
@@ -162,14 +162,7 @@ fn on_smollm2_an_fp8_cache_keeps_the_distributions_and_e2() {
     let divergence = kl(&want, &got);
     eprintln!("smollm2 fp8 E2: max |Δlogit| {d:.2e}, KL {divergence:.2e}");
     assert!(d < E2_ABS && divergence < KL_TOL / 10.0, "fp8 E2: max |Δlogit| {d:.2e}, KL {divergence:.2e}");
-    let (mut a, mut b) = (argmax(&got), argmax(&want));
-    for _ in 0..4 {
-        assert_eq!(a, b, "fp8 E2: greedy continuation");
-        seq.push(a);
-        full.push(b);
-        a = argmax(&e.prefill(&mut seq).unwrap());
-        b = argmax(&e.prefill(&mut full).unwrap());
-    }
+    assert_same_continuations(&mut e, (&mut seq, &got), (&mut full, &want), 4, "fp8 E2");
     let (bad, _) = ask(&mut e, &[&chunks[1], &chunks[0], &chunks[2]]);
     let (wrong, wrong_kl) = (max_abs_diff(&bad, &want), kl(&want, &bad));
     eprintln!("smollm2 fp8 E2 control (facts reordered): max |Δlogit| {wrong:.2e}, KL {wrong_kl:.2e}");

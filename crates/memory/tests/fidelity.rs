@@ -74,17 +74,22 @@ fn golden_cases(name: &str, steps: usize) -> Vec<Case> {
 /// memory injected into an engine with an fp8 cache and one with the f32
 /// cache, the question and answer computed in each; returns the rows and
 /// the mean KL.
-fn cache_gate(files: &ModelFiles, cases: &[Case]) -> (Vec<Fidelity>, f64) {
-    let cfg = EngineConfig { kv_blocks: 256, max_batch_tokens: 256 };
-    let fp8 = Engine::with_cache(CpuBackend, files, cfg, KvCacheDtype::Fp8).unwrap();
-    cache_rows(files, fp8, cases)
+fn cache_gate(reference: &mut Engine<CpuBackend>, files: &ModelFiles, cases: &[Case]) -> (Vec<Fidelity>, f64) {
+    let fp8 = Engine::with_cache(CpuBackend, files, GATE, KvCacheDtype::Fp8).unwrap();
+    cache_rows(reference, fp8, cases)
 }
 
-/// The gate's rows (and mean KL) of the cache of `cached` against an f32 cache.
-fn cache_rows(files: &ModelFiles, mut cached: Engine<CpuBackend>, cases: &[Case]) -> (Vec<Fidelity>, f64) {
-    let cfg = EngineConfig { kv_blocks: 256, max_batch_tokens: 256 };
-    let mut reference = Engine::new(CpuBackend, files, cfg).unwrap();
-    let rows = fidelity::check_cache(&mut reference, &mut cached, cases, "cache fp8").unwrap();
+/// The sizing of the cache gate's engines.
+const GATE: EngineConfig = EngineConfig { kv_blocks: 256, max_batch_tokens: 256 };
+
+/// The gate's rows (and mean KL) of the cache of `cached` against
+/// `reference`'s f32 cache.
+fn cache_rows(
+    reference: &mut Engine<CpuBackend>,
+    mut cached: Engine<CpuBackend>,
+    cases: &[Case],
+) -> (Vec<Fidelity>, f64) {
+    let rows = fidelity::check_cache(reference, &mut cached, cases, "cache fp8").unwrap();
     print(&rows);
     let mean = fidelity::mean_kl(&rows, "cache fp8");
     (rows, mean)
@@ -93,7 +98,8 @@ fn cache_rows(files: &ModelFiles, mut cached: Engine<CpuBackend>, cases: &[Case]
 #[test]
 fn the_fp8_paged_cache_passes_the_gate_on_smollm2() {
     let files = inferscale_model::open("smollm2").unwrap();
-    let (rows, mean) = cache_gate(&files, &golden_cases("smollm2", 8));
+    let mut reference = Engine::new(CpuBackend, &files, GATE).unwrap();
+    let (rows, mean) = cache_gate(&mut reference, &files, &golden_cases("smollm2", 8));
     eprintln!("smollm2, fp8 paged cache: mean KL {mean:.2e}");
     assert!(fidelity::store_passed(&rows, "cache fp8", fidelity::kl_tolerance(KvFormat::Fp8)), "mean KL {mean:.2e}");
     assert!(mean > 0.0, "an fp8 cache is lossy: a KL of 0 means nothing was compared");
@@ -111,11 +117,11 @@ fn the_fp8_paged_cache_passes_the_gate_on_smollm2() {
 fn qwen_fp8_paged_cache_passes_the_gate() {
     let files = inferscale_model::open("qwen2.5-coder-1.5b").unwrap();
     let cases = golden_cases("qwen2.5-coder-1.5b", 12);
-    let (rows, mean) = cache_gate(&files, &cases);
+    let mut reference = Engine::new(CpuBackend, &files, GATE).unwrap();
+    let (rows, mean) = cache_gate(&mut reference, &files, &cases);
     let zeros = vec![vec![0.0; files.config.kv_dim()]; files.config.num_layers];
-    let cfg = EngineConfig { kv_blocks: 256, max_batch_tokens: 256 };
-    let plain = Engine::with_fp8_offsets(CpuBackend, &files, cfg, &zeros).unwrap();
-    let (_, without) = cache_rows(&files, plain, &cases);
+    let plain = Engine::with_fp8_offsets(CpuBackend, &files, GATE, &zeros).unwrap();
+    let (_, without) = cache_rows(&mut reference, plain, &cases);
     eprintln!("qwen2.5-coder-1.5b, fp8 paged cache: mean KL {mean:.2e}, without offsets {without:.2e}");
     assert!(fidelity::store_passed(&rows, "cache fp8", fidelity::kl_tolerance(KvFormat::Fp8)), "mean KL {mean:.2e}");
     assert!(without > 5.0 * mean, "offsets should cut the KL by far: {without:.2e} → {mean:.2e}");

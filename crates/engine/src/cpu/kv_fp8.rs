@@ -16,7 +16,7 @@ use rayon::prelude::*;
 use super::kv_store::LayerChunk;
 use crate::backend::KvSpec;
 use crate::error::{EngineError, Result};
-use crate::fp8_cache::{decode_row_adding, encode_row};
+use crate::fp8_cache::{decode_row_adding, encode_key_row, encode_row};
 use crate::rope::Rope;
 
 #[derive(Debug)]
@@ -116,6 +116,7 @@ impl Fp8Store {
         self.written = true;
         self.set_positions(slots, positions);
         let (d, width, cap) = (spec.head_dim, spec.kv_dim(), spec.capacity());
+        // The rotated offset stays zero where there is none to rotate.
         let plain = self.plain(layer);
         let (mut cos, mut sin, mut ro) = (Vec::new(), Vec::new(), vec![0f32; width]);
         let mut residual = vec![0f32; d];
@@ -128,11 +129,9 @@ impl Fp8Store {
             }
             for h in 0..spec.num_kv_heads {
                 let (src, row) = (i * width + h * d, h * cap + slot as usize);
-                let key = &k[src..src + d];
-                residual.iter_mut().zip(key).zip(&ro[h * d..(h + 1) * d]).for_each(|((r, &x), &o)| {
-                    *r = if plain { x } else { x - o };
-                });
-                self.k_scale[layer][row] = encode_row(&residual, &mut self.k[layer][row * d..(row + 1) * d]);
+                let codes = &mut self.k[layer][row * d..(row + 1) * d];
+                self.k_scale[layer][row] =
+                    encode_key_row(&k[src..src + d], &ro[h * d..(h + 1) * d], &mut residual, codes);
                 self.v_scale[layer][row] = encode_row(&v[src..src + d], &mut self.v[layer][row * d..(row + 1) * d]);
             }
         }
@@ -153,20 +152,20 @@ impl Fp8Store {
         parts.zip(layers).enumerate().for_each(|(layer, (((kl, vl), (ks, vs)), chunks))| {
             let o = &offsets[layer];
             let half = rope.dim() / 2;
-            let (mut residual, mut ro) = (vec![0f32; d], vec![0f32; d]);
+            // The rotated offset stays zero where there is none to rotate.
+            let (mut rk, mut ro, mut residual) = (vec![0f32; d], vec![0f32; d], vec![0f32; d]);
             for c in &chunks {
                 for (i, &slot) in c.slots.iter().enumerate() {
                     let (cos, sin) = (&c.cos[i * half..(i + 1) * half], &c.sin[i * half..(i + 1) * half]);
                     for h in 0..spec.num_kv_heads {
                         let (src, row) = (i * width + h * d, h * cap + slot as usize);
-                        residual.copy_from_slice(&c.k[src..src + d]);
-                        rope.rotate(&mut residual, cos, sin);
+                        rk.copy_from_slice(&c.k[src..src + d]);
+                        rope.rotate(&mut rk, cos, sin);
                         if !plain[layer] {
                             ro.copy_from_slice(&o[h * d..(h + 1) * d]);
                             rope.rotate(&mut ro, cos, sin);
-                            residual.iter_mut().zip(&ro).for_each(|(r, &x)| *r -= x);
                         }
-                        ks[row] = encode_row(&residual, &mut kl[row * d..(row + 1) * d]);
+                        ks[row] = encode_key_row(&rk, &ro, &mut residual, &mut kl[row * d..(row + 1) * d]);
                         vs[row] = encode_row(&c.v[src..src + d], &mut vl[row * d..(row + 1) * d]);
                     }
                 }

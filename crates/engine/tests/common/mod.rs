@@ -9,7 +9,8 @@ pub mod dense;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use inferscale_engine::{CpuBackend, Engine, EngineConfig};
+use inferscale_engine::sampling::argmax;
+use inferscale_engine::{CpuBackend, Engine, EngineConfig, Sequence};
 use inferscale_model::ModelFiles;
 use serde::Deserialize;
 
@@ -130,6 +131,26 @@ pub fn open_tiny(name: &str) -> (TinyGolden, ModelFiles, tempfile::TempDir) {
     write_tiny_model(&g, dir.path());
     let files = ModelFiles::open(dir.path()).unwrap();
     (g, files, dir)
+}
+
+/// Greedy continuations of two sequences, from the logits each has just
+/// given (`got` for `seq`, `want` for `full`), are the same for `steps`
+/// tokens.
+pub fn assert_same_continuations(
+    e: &mut Engine<CpuBackend>,
+    (seq, got): (&mut Sequence, &[f32]),
+    (full, want): (&mut Sequence, &[f32]),
+    steps: usize,
+    what: &str,
+) {
+    let (mut a, mut b) = (argmax(got), argmax(want));
+    for _ in 0..steps {
+        assert_eq!(a, b, "{what}: greedy continuation");
+        seq.push(a);
+        full.push(b);
+        a = argmax(&e.prefill(seq).unwrap());
+        b = argmax(&e.prefill(full).unwrap());
+    }
 }
 
 pub fn cpu_engine(files: &ModelFiles, max_batch_tokens: usize) -> Engine<CpuBackend> {

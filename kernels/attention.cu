@@ -135,6 +135,21 @@ __device__ __forceinline__ void attend_tile(float (&o)[D / 8][4], float (&m)[2],
     }
 }
 
+// Where an fp8 cache's scales, slot positions and key offsets are (this
+// layer's; null offsets: none), with the RoPE tables the offsets turn with.
+// Unused (zeros) over a bf16 cache.
+struct Fp8Read {
+    const float* ks;
+    const float* vs;
+    const u32* kpos;
+    const float* offsets;
+    const float* cos_t;
+    const float* sin_t;
+    const float* inv_freq;
+    u32 table_positions;
+    int rot;
+};
+
 // Causal attention over the paged cache, FlashAttention-2 style: a block of
 // four warps takes 64 packed rows (consecutive tokens × the query heads that
 // share one KV head) of one sequence; each warp keeps its 16 rows' Q, scores
@@ -159,14 +174,26 @@ __device__ __forceinline__ void attend_tile(float (&o)[D / 8][4], float (&m)[2],
 // is set: then query row i sees cache entries 0 .. row_ends[i] (rows
 // recomputed in place among injected ones, ascending within a span).
 // Split z takes keys [z·keys_per_split, (z + 1)·keys_per_split).
-template <int D>
+//
+// Over an fp8 cache (FP8; kv_fp8.cu), `kc`/`vc` are codes: the next tile's
+// codes, scales and positions are copied with cp.async into one of two code
+// stages while this one is decoded into the single bf16 stage (code · scale,
+// plus for keys the head's offset rotated to the key's position) and
+// attended as above.
+template <int D, bool FP8>
 __device__ void paged_attention(bf16* out, float* part_o, float* part_ml, const bf16* q, const bf16* kc,
                                 const bf16* vc, const u32* meta, const u32* row_ends, u32 works_off,
                                 u32 tables_off, int heads,
                                 int kv_heads, int block_size, float scale, u32 keys_per_split, u32 n_tokens,
-                                unsigned char* smem) {
+                                const Fp8Read& f8, unsigned char* smem) {
     constexpr int LK = D + 8, V8 = D / 8, STAGE = 2 * BK * LK;
-    bf16* tiles = (bf16*)smem;  // 2 stages × (K [BK][LK], V [BK][LK])
+    bf16* tiles = (bf16*)smem;  // 2 stages × (K [BK][LK], V [BK][LK]); fp8: one stage
+    // fp8: after the bf16 stage, two stages of (K codes [BK][D], V codes
+    // [BK][D], K scales [BK], V scales [BK], positions [BK]), then the
+    // head's key offsets [D].
+    constexpr int CODE_STAGE = 2 * BK * D + 3 * BK * 4;
+    unsigned char* code_stages = smem + STAGE * 2;
+    float* head_offsets = (float*)(code_stages + 2 * CODE_STAGE);
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, r = lane >> 2, q4 = lane & 3;
     const u32 g = blockIdx.y, z = blockIdx.z, splits = gridDim.z;
@@ -231,6 +258,107 @@ __device__ void paged_attention(bf16* out, float* part_o, float* part_ml, const 
         }
         cp_async_commit();
     };
+    if constexpr (FP8) {
+        const unsigned char* kcodes = (const unsigned char*)kc;
+        const unsigned char* vcodes = (const unsigned char*)vc;
+        for (int c = tid; c < D; c += blockDim.x) head_offsets[c] = f8.offsets ? f8.offsets[g * D + c] : 0.0f;
+        // Starts copying the codes of keys [kt, kt + BK) into code stage `st`; keys past the end read as zeros.
+        auto load_codes = [&](u32 kt, int st) {
+            unsigned char* Kc = code_stages + st * CODE_STAGE;
+            unsigned char* Vc = Kc + BK * D;
+            float* ksc = (float*)(Vc + BK * D);
+            float* vsc = ksc + BK;
+            u32* pos = (u32*)(vsc + BK);
+            constexpr int C16 = D / 16;
+            for (int i = tid; i < BK * C16; i += blockDim.x) {
+                int j = i / C16, c16 = i % C16;
+                u32 key = kt + j;
+                bool full = key < k_end;
+                size_t off = 0;
+                if (full) off = ((size_t)table[key / block_size] * block_size + key % block_size) * kv_dim + g * D + c16 * 16;
+                cp_async16(Kc + j * D + c16 * 16, kcodes + off, full);
+                cp_async16(Vc + j * D + c16 * 16, vcodes + off, full);
+            }
+            for (int j = tid; j < BK; j += blockDim.x) {
+                u32 key = kt + j;
+                bool full = key < k_end;
+                size_t slot = full ? (size_t)table[key / block_size] * block_size + key % block_size : 0;
+                cp_async4(ksc + j, f8.ks + slot * kv_heads + g, full);
+                cp_async4(vsc + j, f8.vs + slot * kv_heads + g, full);
+                cp_async4(pos + j, f8.kpos + slot, full);
+            }
+            cp_async_commit();
+        };
+        // Code stage `st` decoded into the bf16 stage, 8 dimensions of one key a thread.
+        auto decode = [&](int st) {
+            const unsigned char* Kc = code_stages + st * CODE_STAGE;
+            const unsigned char* Vc = Kc + BK * D;
+            const float* ksc = (const float*)(Vc + BK * D);
+            const float* vsc = ksc + BK;
+            const u32* pos = (const u32*)(vsc + BK);
+            const int rot = f8.rot, half = rot / 2;
+            for (int i = tid; i < BK * V8; i += blockDim.x) {
+                const int j = i / V8, d0 = (i % V8) * 8;
+                const uint2 kw = *(const uint2*)(Kc + j * D + d0), vw = *(const uint2*)(Vc + j * D + d0);
+                const float ks = ksc[j], vs = vsc[j];
+                float kf[8], vf[8];
+#pragma unroll
+                for (int e = 0; e < 8; e++) {
+                    const int sh = 8 * (e & 3);
+                    kf[e] = __fmul_rn(e4m3_to_float(((e < 4 ? kw.x : kw.y) >> sh) & 0xff), ks);
+                    vf[e] = __fmul_rn(e4m3_to_float(((e < 4 ? vw.x : vw.y) >> sh) & 0xff), vs);
+                }
+                if (f8.offsets) {
+                    __align__(16) float cs[8] = {};
+                    __align__(16) float sn[8] = {};
+                    if (d0 < rot) {
+                        const u32 p = pos[j];
+                        const int i0 = d0 < half ? d0 : d0 - half;
+                        if (p < f8.table_positions) {
+                            // 32-byte aligned: half and i0 are multiples of 8.
+                            const float4* ct = (const float4*)(f8.cos_t + (size_t)p * half + i0);
+                            const float4* st = (const float4*)(f8.sin_t + (size_t)p * half + i0);
+                            *(float4*)cs = ct[0];
+                            *(float4*)(cs + 4) = ct[1];
+                            *(float4*)sn = st[0];
+                            *(float4*)(sn + 4) = st[1];
+                        } else {
+#pragma unroll
+                            for (int e = 0; e < 8; e++)
+                                rope_cos_sin(p, i0 + e, half, f8.cos_t, f8.sin_t, f8.inv_freq, f8.table_positions,
+                                             &cs[e], &sn[e]);
+                        }
+                    }
+#pragma unroll
+                    for (int e = 0; e < 8; e++)
+                        kf[e] = __fadd_rn(kf[e], rotated_offset_at(head_offsets, d0 + e, half, rot, cs[e], sn[e]));
+                }
+                *(uint4*)(tiles + j * LK + d0) = pack8(kf);
+                *(uint4*)(tiles + BK * LK + j * LK + d0) = pack8(vf);
+            }
+        };
+        if (k_begin < k_end) load_codes(k_begin, 0);
+        int stage = 0;
+        for (u32 kt = k_begin; kt < k_end; kt += BK, stage ^= 1) {
+            // Every warp is done with the bf16 stage (the previous tile).
+            __syncthreads();
+            if (kt + BK < k_end) {
+                load_codes(kt + BK, stage ^ 1);
+                cp_async_wait<1>();
+            } else {
+                cp_async_wait<0>();
+            }
+            __syncthreads();
+            decode(stage);
+            __syncthreads();
+            if (!active) continue;
+            if (split)
+                attend_tile<D, BK / 4>(o, m, l, qa, tiles, tiles + BK * LK, kt, warp * (BK / 4), k_end, limit, scale,
+                                       lane);
+            else
+                attend_tile<D, BK>(o, m, l, qa, tiles, tiles + BK * LK, kt, 0, k_end, limit, scale, lane);
+        }
+    } else {
     if (k_begin < k_end) load(k_begin, 0);
     int stage = 0;
     for (u32 kt = k_begin; kt < k_end; kt += BK, stage ^= 1) {
@@ -251,6 +379,7 @@ __device__ void paged_attention(bf16* out, float* part_o, float* part_ml, const 
             attend_tile<D, BK / 4>(o, m, l, qa, Ks, Vs, kt, warp * (BK / 4), k_end, limit, scale, lane);
         else
             attend_tile<D, BK>(o, m, l, qa, Ks, Vs, kt, 0, k_end, limit, scale, lane);
+    }
     }
 
     if (split) {
@@ -325,12 +454,33 @@ __device__ void paged_attention(bf16* out, float* part_o, float* part_ml, const 
         u32 keys_per_split, u32 n_tokens) {                                                                       \
         extern __shared__ __align__(128) unsigned char paged_smem[];                                              \
         pdl_begin();                                                                                              \
-        paged_attention<D>(out, part_o, part_ml, q, kc, vc, meta, row_ends, works_off, tables_off, heads, kv_heads, \
-                           block_size, scale, keys_per_split, n_tokens, paged_smem);                             \
+        paged_attention<D, false>(out, part_o, part_ml, q, kc, vc, meta, row_ends, works_off, tables_off, heads,  \
+                                  kv_heads, block_size, scale, keys_per_split, n_tokens, Fp8Read{}, paged_smem);  \
     }
 
 PAGED_ATTENTION(64)
 PAGED_ATTENTION(128)
+
+// The same over an fp8 cache: its codes, and where its scales, positions
+// and (this layer's, or null) key offsets are, with the RoPE tables they
+// turn with.
+#define PAGED_ATTENTION_FP8(D)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(128) paged_attention_fp8_d##D(                                   \
+        bf16* out, float* part_o, float* part_ml, const bf16* q, const u8* kc, const u8* vc, const u32* meta,     \
+        const u32* row_ends, u32 works_off, u32 tables_off, int heads, int kv_heads, int block_size, float scale, \
+        u32 keys_per_split, u32 n_tokens, const float* ks, const float* vs, const u32* kpos,                     \
+        const float* offsets, const float* cos_t, const float* sin_t, const float* inv_freq,                     \
+        u32 table_positions, int rot) {                                                                           \
+        extern __shared__ __align__(128) unsigned char paged_smem[];                                              \
+        pdl_begin();                                                                                              \
+        const Fp8Read f8{ks, vs, kpos, offsets, cos_t, sin_t, inv_freq, table_positions, rot};                    \
+        paged_attention<D, true>(out, part_o, part_ml, q, (const bf16*)kc, (const bf16*)vc, meta, row_ends,       \
+                                 works_off, tables_off, heads, kv_heads, block_size, scale, keys_per_split,       \
+                                 n_tokens, f8, paged_smem);                                                       \
+    }
+
+PAGED_ATTENTION_FP8(64)
+PAGED_ATTENTION_FP8(128)
 
 // Merges key splits: row (token, head) = blockIdx.x, one thread per
 // dimension. The splits' (max, sum) pairs are read by as many threads at

@@ -24,8 +24,15 @@ def weight_bytes(shape):
     return 2 * (layers * per_layer + vocab * h)
 
 
-def kv_bytes_per_token(shape):
+HEAD_DIM = 128
+
+
+def kv_bytes_per_token(shape, dtype="auto"):
+    """bf16 K and V; fp8: a byte a value, an f32 scale per head row, and the
+    slot's position (crates/engine/src/backend.rs, KvCacheDtype)."""
     h, q, kv, inter, layers, vocab = SHAPES[shape]
+    if dtype == "fp8":
+        return 2 * layers * (kv + 4 * kv // HEAD_DIM) + 4
     return layers * 2 * kv * 2
 
 
@@ -33,19 +40,20 @@ def main(d):
     d = pathlib.Path(d)
     bw = json.loads((d / "copy-bandwidth.json").read_text())["gb_per_s"] * 1e9
     print(f"device copy bandwidth {bw / 1e9:.0f} GB/s (read + write)\n")
-    print("| shape | batch | context | ms/step | floor ms | × floor | tokens/s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| shape | cache | batch | context | ms/step | floor ms | × floor | tokens/s |")
+    print("|---|---|---|---|---|---|---|---|")
     rows = []
     for f in sorted(d.glob("engine-*.json")):
         r = json.loads(f.read_text())
         shape = r["model"].removeprefix("random:")
+        dtype = r.get("kv_cache_dtype", "auto")
         for s in r["decode"]:
             # Mean context over the measured steps.
             ctx = s["prompt_tokens"] + s["new_tokens"] / 2
-            floor = (weight_bytes(shape) + s["batch"] * ctx * kv_bytes_per_token(shape)) / bw * 1e3
-            rows.append({"shape": shape, "batch": s["batch"], "context": ctx, "ms_per_step": s["ms_per_step"],
+            floor = (weight_bytes(shape) + s["batch"] * ctx * kv_bytes_per_token(shape, dtype)) / bw * 1e3
+            rows.append({"shape": shape, "kv_cache_dtype": dtype, "batch": s["batch"], "context": ctx, "ms_per_step": s["ms_per_step"],
                          "floor_ms": floor, "times_floor": s["ms_per_step"] / floor, "tokens_per_s": s["tokens_per_s"]})
-            print(f"| {shape} | {s['batch']} | {ctx:.0f} | {s['ms_per_step']:.2f} | {floor:.2f} | "
+            print(f"| {shape} | {dtype} | {s['batch']} | {ctx:.0f} | {s['ms_per_step']:.2f} | {floor:.2f} | "
                   f"{s['ms_per_step'] / floor:.2f} | {s['tokens_per_s']:.0f} |")
     (d / "decode-floor.json").write_text(json.dumps({"copy_gb_per_s": bw / 1e9, "rows": rows}, indent=1))
 

@@ -1,9 +1,11 @@
 //! `inferscale check`: verifies a device backend against the CPU reference
 //! on this machine — every backend op on random data, then small models of
 //! each supported shape (logits against the CPU backend, and E1–E4 on the
-//! device) — and, with `--model`, a real model: E1–E4, greedy decoding
-//! against the CPU, and every stored KV format's answers against the KV as
-//! computed (the format gate, `inferscale_memory::fidelity`). Run it on a
+//! device, the fp8 paged cache's kernels among them) — and, with `--model`,
+//! a real model: E1–E4, greedy decoding against the CPU, every stored KV
+//! format's answers against the KV as computed (the format gate,
+//! `inferscale_memory::fidelity`) and the fp8 paged cache's against the
+//! bf16 cache's. Run it on a
 //! GPU node before serving from it; it exits non-zero when any comparison
 //! misses its tolerance. `--backend cpu` runs the format gate and the fp8
 //! paged cache's (`--kv-cache-dtype fp8` against the f32 cache, the same
@@ -84,7 +86,7 @@ fn cpu_formats(a: &Args) -> Result<()> {
     print_formats(model, "cpu", &rows);
     let cache = cache_gate(&mut reference, &files, &cases)?;
     let cache_passed = fidelity::store_passed(&cache, CACHE_FP8, fidelity::kl_tolerance(KvFormat::Fp8));
-    print_cache(model, &cache, cache_passed);
+    print_cache(model, "cpu", &cache, cache_passed);
     if let Some(path) = &a.json {
         let doc = serde_json::json!({"device": "cpu", "formats": formats_json(&rows),
             "paged_cache_fp8": cache_json(&cache, cache_passed)});
@@ -107,20 +109,22 @@ const CACHE_FP8: &str = "cache fp8";
 
 /// The fp8 paged cache (`--kv-cache-dtype fp8`, docs/design.md §2.2) through
 /// the format gate's prompts: the same memory injected into an engine with
-/// an fp8 cache and one with the f32 cache, question and answer computed in
-/// each (the CPU's cache; the CUDA cache is bf16 only so far).
-fn cache_gate(
-    reference: &mut inferscale_engine::Engine<inferscale_engine::CpuBackend>,
+/// an fp8 cache and one with the backend's own cache (`reference`),
+/// question and answer computed in each.
+fn cache_gate<B: inferscale_engine::Backend + Clone>(
+    reference: &mut inferscale_engine::Engine<B>,
     files: &inferscale_model::ModelFiles,
     cases: &[(String, Vec<u32>, usize)],
 ) -> Result<Vec<fidelity::Fidelity>> {
-    use inferscale_engine::{CpuBackend, Engine, backend::KvCacheDtype};
-    let mut fp8 = Engine::with_cache(CpuBackend, files, GATE_ENGINE, KvCacheDtype::Fp8)?;
+    use inferscale_engine::{Engine, backend::KvCacheDtype};
+    let backend = reference.backend().clone();
+    let mut fp8 = Engine::with_cache(backend, files, GATE_ENGINE, KvCacheDtype::Fp8)?;
     Ok(fidelity::check_cache(reference, &mut fp8, &fidelity_cases(cases), CACHE_FP8)?)
 }
 
-fn print_cache(model: &str, rows: &[fidelity::Fidelity], passed: bool) {
-    println!("\nthe fp8 paged cache of {model} on cpu, against the f32 cache (first-token KL, greedy)");
+fn print_cache(model: &str, device: &str, rows: &[fidelity::Fidelity], passed: bool) {
+    let native = if device == "cpu" { "f32" } else { "bf16" };
+    println!("\nthe fp8 paged cache of {model} on {device}, against the {native} cache (first-token KL, greedy)");
     print_rows(rows);
     println!(
         "{:<24} {:<10} {:>10.2e}  mean KL (tolerance {:.0e}; no divergence at a margin ≥ {})  {}",
@@ -240,7 +244,9 @@ fn device(a: &Args) -> Result<()> {
         "check (relative L2 error, CUDA vs CPU unless noted)", "error", "tolerance"
     );
     report.iter().for_each(print_check);
-    let (mut greedy_rows, mut format_rows) = (Vec::new(), Vec::new());
+    let (mut greedy_rows, mut format_rows, mut cache_rows) = (Vec::new(), Vec::new(), Vec::new());
+    // `None` without a model to gate.
+    let mut cache_passed = None;
     if let (Some(model), Some(golden)) = (&a.model, &a.golden) {
         let files = inferscale_model::open(model).with_context(|| format!("loading model `{model}`"))?;
         let cases = golden_cases(golden)?;
@@ -272,6 +278,9 @@ fn device(a: &Args) -> Result<()> {
         let mut engine = gate_engine(be.clone(), &files)?;
         format_rows = format_gate(&mut engine, &files, &cases).context("the stored-format gate")?;
         print_formats(model, be.device_name(), &format_rows);
+        cache_rows = cache_gate(&mut engine, &files, &cases).context("the fp8 paged cache's gate")?;
+        cache_passed = Some(fidelity::store_passed(&cache_rows, CACHE_FP8, fidelity::kl_tolerance(KvFormat::Fp8)));
+        print_cache(model, be.device_name(), &cache_rows, cache_passed == Some(true));
     }
     if let Some(path) = &a.json {
         let rows: Vec<serde_json::Value> = report
@@ -290,15 +299,18 @@ fn device(a: &Args) -> Result<()> {
             })
             .collect();
         let formats = formats_json(&format_rows);
-        let doc = serde_json::json!({"device": be.device_name(), "checks": rows, "greedy": greedy, "formats": formats});
+        let cache = cache_passed.map(|passed| cache_json(&cache_rows, passed));
+        let doc = serde_json::json!({"device": be.device_name(), "checks": rows, "greedy": greedy, "formats": formats,
+            "paged_cache_fp8": cache});
         std::fs::write(path, serde_json::to_string_pretty(&doc)?)
             .with_context(|| format!("writing {}", path.display()))?;
     }
     let formats = if format_rows.is_empty() { Vec::new() } else { KvFormat::ALL.to_vec() };
     let failed = report.iter().filter(|c| !c.passed()).count()
         + greedy_rows.iter().filter(|r| !r.passed()).count()
-        + formats.iter().filter(|&&f| !fidelity::passed(&format_rows, f)).count();
-    let total = report.len() + greedy_rows.len() + formats.len();
+        + formats.iter().filter(|&&f| !fidelity::passed(&format_rows, f)).count()
+        + usize::from(cache_passed == Some(false));
+    let total = report.len() + greedy_rows.len() + formats.len() + usize::from(cache_passed.is_some());
     if failed > 0 {
         bail!("{failed} of {total} checks failed");
     }

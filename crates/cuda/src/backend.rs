@@ -25,6 +25,7 @@ use crate::error::CudaError;
 use crate::gemm::{GemvOut, Kernels as GemmKernels, Operands, Ran, Shape as GemmShape, TUNED_ROWS, Tuner};
 use crate::graphs::Capture;
 use crate::kernels::Kernels;
+use crate::paged_fp8::Fp8Cache;
 use crate::profile::{Profiler, Span};
 use crate::tier::{DeviceFp8Rows, HostFp8Rows, HostRows, KeptRows, PinnedPool};
 
@@ -90,7 +91,8 @@ impl CudaTensor {
     }
 }
 
-/// Paged K and V: one buffer each, `[layers, slots, kv_heads·head_dim]`.
+/// Paged K and V: one buffer each, `[layers, slots, kv_heads·head_dim]`,
+/// bf16 or fp8 codes with their scales (`paged_fp8.rs`).
 ///
 /// Injection from the host tier runs on a second stream, layer by layer, so
 /// that the bus transfer overlaps the prefill after it; `ready[l]` marks
@@ -98,23 +100,30 @@ impl CudaTensor {
 /// for it. Every op that touches a layer of the store waits first.
 pub struct CudaKvStore {
     pub(crate) spec: KvSpec,
-    pub(crate) k: CudaSlice<bf16>,
-    pub(crate) v: CudaSlice<bf16>,
+    pub(crate) cache: KvBuffers,
+    /// Elements (bf16 values or fp8 codes) of one layer of K.
     pub(crate) layer_elems: usize,
     pub(crate) ready: Vec<CudaEvent>,
     pub(crate) pending: Vec<AtomicBool>,
+    /// The main stream, which frees the buffers.
+    pub(crate) stream: Arc<CudaStream>,
+}
+
+/// What a [`CudaKvStore`] keeps its K and V in.
+pub(crate) enum KvBuffers {
+    Bf16 { k: CudaSlice<bf16>, v: CudaSlice<bf16> },
+    Fp8(Box<Fp8Cache>),
 }
 
 impl Drop for CudaKvStore {
     /// The buffers are freed in the main stream's order: it first waits for
     /// any injection still writing them from the side stream.
     fn drop(&mut self) {
-        let stream = self.k.stream().clone();
         for (ready, pending) in self.ready.iter().zip(&self.pending) {
             if pending.swap(false, Ordering::AcqRel) {
                 // Nothing to report to in a destructor; a failed wait leaves
                 // the device in an error state the next call reports.
-                let _ = stream.wait(ready);
+                let _ = self.stream.wait(ready);
             }
         }
     }
@@ -373,11 +382,21 @@ impl CudaBackend {
         Ok(CudaTensor { data: Storage::Device(data), rows, cols })
     }
 
-    /// Layer `layer` of the store's K and V, once any injection into it is done.
+    /// Layer `layer` of a bf16 store's K and V, once any injection into it is done.
     pub(crate) fn layer_ptrs(&self, store: &CudaKvStore, layer: usize) -> Result<(u64, u64)> {
         self.await_layer(store, layer)?;
+        let (k, v) = self.kv_ptrs(store)?;
         let off = (layer * store.layer_elems * 2) as u64;
-        Ok((self.ptr(&store.k) + off, self.ptr(&store.v) + off))
+        Ok((k + off, v + off))
+    }
+
+    /// Where a bf16 store's K and V begin (the ops that take a bf16 cache
+    /// refuse an fp8 one).
+    pub(crate) fn kv_ptrs(&self, store: &CudaKvStore) -> Result<(u64, u64)> {
+        match &store.cache {
+            KvBuffers::Bf16 { k, v } => Ok((self.ptr(k), self.ptr(v))),
+            KvBuffers::Fp8(_) => Err(shape_err("a bf16 op on an fp8 KV cache".into())),
+        }
     }
 }
 

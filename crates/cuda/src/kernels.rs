@@ -15,6 +15,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("common.cuh", include_str!("../../../kernels/common.cuh")),
     ("elementwise.cu", include_str!("../../../kernels/elementwise.cu")),
     ("kv.cu", include_str!("../../../kernels/kv.cu")),
+    ("kv_fp8.cu", include_str!("../../../kernels/kv_fp8.cu")),
     ("attention.cu", include_str!("../../../kernels/attention.cu")),
     ("gemv.cu", include_str!("../../../kernels/gemv.cu")),
     ("retrieval.cu", include_str!("../../../kernels/retrieval.cu")),
@@ -35,6 +36,14 @@ pub const GEMV_THREADS: u32 = 256;
 /// (double buffering) of a K and a V tile, each `[keys, head_dim + 8]` bf16.
 pub fn attention_smem_bytes(head_dim: usize) -> usize {
     2 * 2 * ATTN_KEYS * (head_dim + 8) * 2
+}
+
+/// Dynamic shared memory of `paged_attention_fp8_d{head_dim}`: one stage of
+/// bf16 K and V tiles, two stages of codes (K and V, `[keys, head_dim]`
+/// bytes each) with their scales and positions (4 bytes a key each), and
+/// the head's key offsets (f32).
+pub fn attention_fp8_smem_bytes(head_dim: usize) -> usize {
+    2 * ATTN_KEYS * (head_dim + 8) * 2 + 2 * (2 * ATTN_KEYS * head_dim + 3 * ATTN_KEYS * 4) + 4 * head_dim
 }
 
 /// Most rows `top_k_sorted` sorts in shared memory (8 bytes a row); a
@@ -138,9 +147,17 @@ kernels!(
     inject_kv_strided,
     inject_kv_fp8,
     inject_kv_strided_fp8,
+    qkv_rope_write_fp8,
+    write_kv_fp8,
+    gather_kv_fp8,
+    copy_blocks_fp8,
+    inject_kv_to_fp8,
+    inject_kv_fp8_to_fp8,
     attention_bidirectional,
     paged_attention_d64,
     paged_attention_d128,
+    paged_attention_fp8_d64,
+    paged_attention_fp8_d128,
     attention_combine,
     gemv_r1,
     gemv_r2,
@@ -167,11 +184,13 @@ impl Kernels {
         let ptx = compile(&format!("sm_{major}{minor}"), &include)?;
         let module = ctx.load_module(ptx)?;
         let k = Kernels::load_all(&module)?;
-        for (f, d) in [(&k.paged_attention_d64, 64), (&k.paged_attention_d128, 128)] {
-            f.set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                attention_smem_bytes(d) as i32,
-            )?;
+        for (f, bytes) in [
+            (&k.paged_attention_d64, attention_smem_bytes(64)),
+            (&k.paged_attention_d128, attention_smem_bytes(128)),
+            (&k.paged_attention_fp8_d64, attention_fp8_smem_bytes(64)),
+            (&k.paged_attention_fp8_d128, attention_fp8_smem_bytes(128)),
+        ] {
+            f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)?;
         }
         k.top_k_sorted.set_attribute(
             CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,

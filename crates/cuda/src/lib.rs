@@ -20,6 +20,7 @@ pub mod kernels;
 mod launch;
 pub mod nccl;
 mod paged;
+mod paged_fp8;
 pub mod parity;
 mod profile;
 mod retrieval;

@@ -14,7 +14,7 @@ use inferscale_engine::rope::Rope;
 
 use crate::backend::*;
 use crate::error::CudaError;
-use crate::kernels::{ATTN_KEYS, ATTN_ROWS, ATTN_THREADS, attention_smem_bytes};
+use crate::kernels::{ATTN_KEYS, ATTN_ROWS, ATTN_THREADS, attention_fp8_smem_bytes, attention_smem_bytes};
 
 impl PagedKv for CudaBackend {
     type KvStore = CudaKvStore;
@@ -32,16 +32,13 @@ impl PagedKv for CudaBackend {
         store: &mut CudaKvStore,
         layer: usize,
     ) -> Result<CudaTensor> {
-        self.fused_qkv_rope_write(qkv, shape, rope, rows, store, layer)
+        match store.cache {
+            KvBuffers::Bf16 { .. } => self.fused_qkv_rope_write(qkv, shape, rope, rows, store, layer),
+            KvBuffers::Fp8(_) => self.fp8_qkv_rope_write(qkv, shape, rope, rows, store, layer),
+        }
     }
 
     fn new_kv_store(&self, spec: KvSpec) -> Result<CudaKvStore> {
-        if spec.dtype != KvCacheDtype::Native {
-            return Err(CudaError::Unsupported(
-                "--kv-cache-dtype fp8: the CUDA paged cache is bf16 only so far (the CPU backend has fp8)".into(),
-            )
-            .into());
-        }
         if spec.head_dim != 64 && spec.head_dim != 128 {
             return Err(CudaError::Unsupported(format!(
                 "head_dim {}: the CUDA attention kernels are built for 64 and 128",
@@ -51,12 +48,21 @@ impl PagedKv for CudaBackend {
         }
         let layer_elems = spec.capacity() * spec.kv_dim();
         let total = layer_elems * spec.num_layers;
-        let k = self.stream.alloc_zeros::<bf16>(total.max(1)).cu()?;
-        let v = self.stream.alloc_zeros::<bf16>(total.max(1)).cu()?;
+        let cache = match spec.dtype {
+            KvCacheDtype::Native => KvBuffers::Bf16 {
+                k: self.stream.alloc_zeros::<bf16>(total.max(1)).cu()?,
+                v: self.stream.alloc_zeros::<bf16>(total.max(1)).cu()?,
+            },
+            KvCacheDtype::Fp8 => KvBuffers::Fp8(Box::new(self.new_fp8_cache(spec)?)),
+        };
         let ready =
             (0..spec.num_layers).map(|_| self.ctx.new_event(None)).collect::<std::result::Result<_, _>>().cu()?;
         let pending = (0..spec.num_layers).map(|_| AtomicBool::new(false)).collect();
-        Ok(CudaKvStore { spec, k, v, layer_elems, ready, pending })
+        Ok(CudaKvStore { spec, cache, layer_elems, ready, pending, stream: self.stream.clone() })
+    }
+
+    fn calibrate_kv(&self, store: &mut CudaKvStore, offsets: &[Vec<f32>], rope: &Rope) -> Result<()> {
+        self.calibrate_fp8(store, offsets, rope)
     }
 
     fn write_kv(
@@ -66,8 +72,11 @@ impl PagedKv for CudaBackend {
         k: &CudaTensor,
         v: &CudaTensor,
         rows: NewRows<'_>,
-        _rope: &Rope,
+        rope: &Rope,
     ) -> Result<()> {
+        if let KvBuffers::Fp8(_) = store.cache {
+            return self.fp8_write_kv(store, layer, k, v, rows, rope);
+        }
         let _span = self.span("write_kv");
         let slots = rows.slots;
         let kv_dim = store.spec.kv_dim();
@@ -86,6 +95,9 @@ impl PagedKv for CudaBackend {
     }
 
     fn gather_kv(&self, store: &CudaKvStore, layer: usize, slots: &[u32]) -> Result<(CudaTensor, CudaTensor)> {
+        if let KvBuffers::Fp8(_) = store.cache {
+            return self.fp8_gather_kv(store, layer, slots);
+        }
         let _span = self.span("gather_kv");
         store.spec.check(layer, slots)?;
         let kv_dim = store.spec.kv_dim();
@@ -103,10 +115,14 @@ impl PagedKv for CudaBackend {
         if let Some(p) = pairs.iter().find(|(s, d)| *s as usize >= spec.num_blocks || *d as usize >= spec.num_blocks) {
             return Err(shape_err(format!("copy_blocks: block pair {p:?} of {}", spec.num_blocks)));
         }
+        if let KvBuffers::Fp8(_) = store.cache {
+            return self.fp8_copy_blocks(store, pairs);
+        }
         self.await_all_layers(store)?;
         let flat: Vec<u32> = pairs.iter().flat_map(|&(s, d)| [s, d]).collect();
         let dev = self.stream.clone_htod(if flat.is_empty() { &[0u32][..] } else { &flat }).cu()?;
-        let (kc, vc, pp) = (self.ptr(&store.k), self.ptr(&store.v), self.ptr(&dev));
+        let (kc, vc) = self.kv_ptrs(store)?;
+        let pp = self.ptr(&dev);
         let (le, be) = (store.layer_elems, (spec.block_size * spec.kv_dim()) as i32);
         let cfg = LaunchConfig {
             grid_dim: (pairs.len() as u32, spec.num_layers as u32, 1),
@@ -238,24 +254,62 @@ impl CudaBackend {
         } else {
             (None, None)
         };
-        let (kc, vc) = self.layer_ptrs(store, layer)?;
         let (o, qp, mp, ep) = (self.tp(&out), self.tp(q), plan.meta, plan.row_ends);
         let po = part_o.as_ref().map_or(0, |p| self.ptr(p));
         let pm = part_ml.as_ref().map_or(0, |p| self.ptr(p));
         let (wo, to) = (plan.works_off as u32, plan.tables_off as u32);
         let (h, kvh, bs) = (shape.num_heads as i32, shape.num_kv_heads as i32, spec.block_size as i32);
         let (kps, nt) = (plan.keys_per_split as u32, q.rows as u32);
-        let cfg = LaunchConfig {
-            grid_dim: (plan.works as u32, shape.num_kv_heads as u32, plan.splits as u32),
-            block_dim: (ATTN_THREADS, 1, 1),
-            shared_mem_bytes: attention_smem_bytes(d) as u32,
-        };
-        let f = if d == 64 { &self.k.paged_attention_d64 } else { &self.k.paged_attention_d128 };
-        self.launch_pdl(
-            f,
-            cfg,
-            &[&o, &po, &pm, &qp, &kc, &vc, &mp, &ep, &wo, &to, &h, &kvh, &bs, &shape.scale, &kps, &nt],
-        )?;
+        let grid_dim = (plan.works as u32, shape.num_kv_heads as u32, plan.splits as u32);
+        let block_dim = (ATTN_THREADS, 1, 1);
+        match store.cache {
+            KvBuffers::Bf16 { .. } => {
+                let (kc, vc) = self.layer_ptrs(store, layer)?;
+                let cfg = LaunchConfig { grid_dim, block_dim, shared_mem_bytes: attention_smem_bytes(d) as u32 };
+                let f = if d == 64 { &self.k.paged_attention_d64 } else { &self.k.paged_attention_d128 };
+                self.launch_pdl(
+                    f,
+                    cfg,
+                    &[&o, &po, &pm, &qp, &kc, &vc, &mp, &ep, &wo, &to, &h, &kvh, &bs, &shape.scale, &kps, &nt],
+                )?;
+            }
+            KvBuffers::Fp8(_) => {
+                let a = self.fp8_attention_args(store, layer)?;
+                let cfg = LaunchConfig { grid_dim, block_dim, shared_mem_bytes: attention_fp8_smem_bytes(d) as u32 };
+                let f = if d == 64 { &self.k.paged_attention_fp8_d64 } else { &self.k.paged_attention_fp8_d128 };
+                self.launch_pdl(
+                    f,
+                    cfg,
+                    &[
+                        &o,
+                        &po,
+                        &pm,
+                        &qp,
+                        &a.k,
+                        &a.v,
+                        &mp,
+                        &ep,
+                        &wo,
+                        &to,
+                        &h,
+                        &kvh,
+                        &bs,
+                        &shape.scale,
+                        &kps,
+                        &nt,
+                        &a.k_scale,
+                        &a.v_scale,
+                        &a.positions,
+                        &a.offsets,
+                        &a.cos,
+                        &a.sin,
+                        &a.inv_freq,
+                        &a.table_positions,
+                        &a.rot,
+                    ],
+                )?;
+            }
+        }
         if plan.splits > 1 {
             let (r, s, hd) = (rows as u32, plan.splits as i32, d as i32);
             let cfg = LaunchConfig { shared_mem_bytes: (4 * plan.splits) as u32, ..Self::rows_cfg(rows, d as u32) };

@@ -36,7 +36,7 @@ use inferscale_engine::rope::{Rope, TABLE_POSITIONS};
 use inferscale_model::HostTensor;
 use rayon::prelude::*;
 
-use crate::backend::{Cu, CudaBackend, CudaKvStore, CudaTensor, Storage, shape_err};
+use crate::backend::{Cu, CudaBackend, CudaKvStore, CudaTensor, KvBuffers, Storage, shape_err};
 use crate::error::CudaError;
 
 /// Tokens per block of `inject_kv` (`INJECT_TOKENS` in kernels/kv.cu).
@@ -389,6 +389,23 @@ impl CudaBackend {
             }
             kinds[usize::from(fp8)].push((0, c.k, c.v, c.positions, c.slots));
         }
+        // Into an fp8 cache: its own kernels (they encode what they rotate).
+        let dest = match &store.cache {
+            KvBuffers::Bf16 { k, v } => InjectDest::Bf16 { k: self.ptr(k), v: self.ptr(v) },
+            KvBuffers::Fp8(c) => InjectDest::Fp8 {
+                k: self.ptr(&c.k),
+                v: self.ptr(&c.v),
+                k_scale: self.ptr(&c.k_scale),
+                v_scale: self.ptr(&c.v_scale),
+                positions: self.ptr(&c.positions),
+                offsets: c.offsets_ptr(self),
+                layer_scales: spec.capacity() * spec.num_kv_heads,
+            },
+        };
+        if let KvBuffers::Fp8(c) = &mut store.cache {
+            c.written = true;
+        }
+        let to_fp8 = matches!(dest, InjectDest::Fp8 { .. });
         // (kernel, table, tokens, chunks, fp8) of each kind present.
         let launches: Vec<(&cudarc::driver::CudaFunction, Vec<u32>, usize, u32, bool)> = kinds
             .iter()
@@ -396,29 +413,71 @@ impl CudaBackend {
             .filter(|(cs, _)| !cs.is_empty())
             .map(|(cs, fp8)| {
                 let (table, n) = self.kind_table(cs, fp8);
-                let kernel = if fp8 { &self.k.inject_kv_fp8 } else { &self.k.inject_kv };
+                let kernel = match (fp8, to_fp8) {
+                    (false, false) => &self.k.inject_kv,
+                    (true, false) => &self.k.inject_kv_fp8,
+                    (false, true) => &self.k.inject_kv_to_fp8,
+                    (true, true) => &self.k.inject_kv_fp8_to_fp8,
+                };
                 (kernel, table, n, cs.len() as u32, fp8)
             })
             .collect();
         let r = self.rope_tables(rope)?;
-        let (kc, vc) = (self.ptr(&store.k), self.ptr(&store.v));
         let nl = layers as u32;
         let (le, d, hd, rot) = (store.layer_elems, kv_dim as i32, spec.head_dim as i32, rope.dim() as i32);
         let (cs, sn, inv, tp) = (self.ptr(&r.cos), self.ptr(&r.sin), self.ptr(&r.inv_freq), TABLE_POSITIONS as u32);
+        // The fp8 kernels reduce over a head's lanes: whole warps.
+        let threads = if to_fp8 { (kv_dim / 8).div_ceil(32) * 32 } else { kv_dim / 8 };
         let cfg = |blocks: usize, group: usize| LaunchConfig {
             grid_dim: (blocks as u32, group as u32, 1),
-            block_dim: ((kv_dim / 8).clamp(32, 256) as u32, 1, 1),
+            block_dim: (threads.clamp(32, 256) as u32, 1, 1),
             shared_mem_bytes: 0,
+        };
+        // One launch: the destination's arguments, then the table's and the rotation's.
+        let launch = |stream: &CudaStream, kernel, cfg, tb: u64, tt: u32, nc: u32, l0: u32| -> Result<()> {
+            match &dest {
+                InjectDest::Bf16 { k, v } => self.launch_on(
+                    stream,
+                    kernel,
+                    cfg,
+                    &[k, v, &tb, &tt, &nc, &l0, &nl, &le, &d, &hd, &rot, &cs, &sn, &inv, &tp],
+                ),
+                InjectDest::Fp8 { k, v, k_scale, v_scale, positions, offsets, layer_scales } => self.launch_on(
+                    stream,
+                    kernel,
+                    cfg,
+                    &[
+                        k,
+                        v,
+                        k_scale,
+                        v_scale,
+                        positions,
+                        offsets,
+                        &tb,
+                        &tt,
+                        &nc,
+                        &l0,
+                        &nl,
+                        &le,
+                        layer_scales,
+                        &d,
+                        &hd,
+                        &rot,
+                        &cs,
+                        &sn,
+                        &inv,
+                        &tp,
+                    ],
+                ),
+            }
         };
         if !stored {
             let _span = self.span("inject_kv");
             self.await_all_layers(store)?;
             for (kernel, table, n, nc, _) in &launches {
                 let table_dev = self.stream.clone_htod(table).cu()?;
-                let (tb, l0, tt) = (self.ptr(&table_dev), 0u32, *n as u32);
-                let args: [&dyn crate::launch::Arg; 15] =
-                    [&kc, &vc, &tb, &tt, nc, &l0, &nl, &le, &d, &hd, &rot, &cs, &sn, &inv, &tp];
-                self.launch(kernel, cfg(n.div_ceil(INJECT_TOKENS), layers), &args)?;
+                let (tb, tt) = (self.ptr(&table_dev), *n as u32);
+                launch(&self.stream, kernel, cfg(n.div_ceil(INJECT_TOKENS), layers), tb, tt, *nc, 0)?;
             }
             return Ok(());
         }
@@ -438,13 +497,11 @@ impl CudaBackend {
             let l0 = g.start as u32;
             for ((kernel, _, n, nc, fp8), table_dev) in launches.iter().zip(&tables) {
                 let (tb, tt) = (self.ptr(table_dev), *n as u32);
-                let args: [&dyn crate::launch::Arg; 15] =
-                    [&kc, &vc, &tb, &tt, nc, &l0, &nl, &le, &d, &hd, &rot, &cs, &sn, &inv, &tp];
                 // fp8 loads are half as wide: twice the blocks keep as many
                 // bytes in flight on the bus.
                 let host_blocks = if *fp8 { 2 * HOST_TIER_BLOCKS } else { HOST_TIER_BLOCKS };
                 let blocks = n.div_ceil(INJECT_TOKENS).min(if hosted { host_blocks } else { self.sm_count });
-                self.launch_on(&self.side, kernel, cfg(blocks, g.len()), &args)?;
+                launch(&self.side, kernel, cfg(blocks, g.len()), tb, tt, *nc, l0)?;
             }
             for l in g {
                 store.ready[l].record(&self.side).cu()?;
@@ -453,6 +510,13 @@ impl CudaBackend {
         }
         self.inject_fence.record(&self.side).cu()
     }
+}
+
+/// The cache an injection writes: bf16 values, or fp8 codes with their
+/// scales, the slots' positions and the key offsets (0: none; all layers').
+enum InjectDest {
+    Bf16 { k: u64, v: u64 },
+    Fp8 { k: u64, v: u64, k_scale: u64, v_scale: u64, positions: u64, offsets: u64, layer_scales: usize },
 }
 
 /// How a tier keeps an fp8 record in one allocation: its scales, then its

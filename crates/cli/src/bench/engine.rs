@@ -46,6 +46,8 @@ pub struct EngineArgs {
 struct EngineReport {
     backend: String,
     model: String,
+    /// `auto` (the backend's precision) or `fp8`.
+    kv_cache_dtype: String,
     threads: usize,
     gemm: GemmResult,
     prefill: PrefillResult,
@@ -178,6 +180,7 @@ fn run_on<B: Backend>(a: EngineArgs, backend: B) -> Result<()> {
     let report = EngineReport {
         backend: a.model.backend.clone(),
         model: m.files.path.display().to_string(),
+        kv_cache_dtype: a.model.kv_cache_dtype.clone(),
         threads,
         gemm,
         prefill,

@@ -166,6 +166,23 @@ pub(super) fn model_files<G: Backend + Clone>(
     let worst =
         a.0.iter().zip(&b.0).chain(a.1.iter().zip(&b.1)).map(|(x, y)| rel(&y.data, &x.data)).fold(0f64, f64::max);
     push(&mut out, "E4 offset 0 vs 1000, stored K/V", worst, keys_tol, false);
+
+    // The fp8 paged cache (each engine calibrates its own key offsets):
+    // prompt logits against the CPU's fp8 cache, and E2 and E3 on it.
+    let mut cf = Engine::with_cache(CpuBackend, files, cfg, KvCacheDtype::Fp8)?;
+    let mut gf = Engine::with_cache(gpu.clone(), files, cfg, KvCacheDtype::Fp8)?;
+    let lgf = prefill(&mut gf, &prompt)?;
+    push(
+        &mut out,
+        "fp8 cache: prompt logits vs the CPU's fp8 cache",
+        rel(&lgf, &prefill(&mut cf, &prompt)?),
+        logits_tol,
+        false,
+    );
+    push(&mut out, "fp8 cache: E2 injected = prompt logits", rel(&e2(&mut gf)?, &lgf), logits_tol, false);
+    let e3cf = inject_independent(&mut cf, &header, &facts, &question, KvSource::Kept)?;
+    let e3gf = inject_independent(&mut gf, &header, &facts, &question, KvSource::Kept)?;
+    push(&mut out, "fp8 cache: E3 independent chunks, logits vs CPU", rel(&e3gf, &e3cf), logits_tol, false);
     Ok(out)
 }
 

@@ -80,6 +80,29 @@ pub(super) fn with_offset_channels(mut t: HostTensor, head_dim: usize) -> HostTe
 
 struct Dyn<'a, B>(&'a B);
 
+/// Key offsets for an fp8 store of `spec` in the checks: one channel a
+/// head far from zero (as Qwen2.5's keys hold), small values elsewhere.
+fn fp8_offsets(spec: KvSpec) -> Vec<Vec<f32>> {
+    (0..spec.num_layers)
+        .map(|l| {
+            let mut o = values(300 + l as u64, spec.kv_dim(), 0.05);
+            for h in 0..spec.num_kv_heads {
+                o[h * spec.head_dim + 3] = 150.0 + 20.0 * h as f32 - 30.0 * l as f32;
+            }
+            o
+        })
+        .collect()
+}
+
+/// A store of `spec` on `be`; an fp8 one calibrated with [`fp8_offsets`].
+fn new_store<B: Backend>(be: &B, spec: KvSpec, rope: &Rope) -> R<B::KvStore> {
+    let mut store = be.new_kv_store(spec)?;
+    if spec.dtype == KvCacheDtype::Fp8 {
+        be.calibrate_kv(&mut store, &fp8_offsets(spec), rope)?;
+    }
+    Ok(store)
+}
+
 /// A fused-QKV case: `rows` new tokens at `positions` into `slots` of layer 1.
 struct QkvCase {
     spec: KvSpec,
@@ -156,10 +179,10 @@ impl<B: Backend> Ops for Dyn<'_, B> {
 
     fn paged(&self, c: &PagedCase) -> R<Vec<f32>> {
         let be = self.0;
-        let mut store = be.new_kv_store(c.spec)?;
         let kv_dim = c.spec.kv_dim();
         let bs = c.spec.block_size;
         let rope = Rope::new(&RopeConfig { theta: 10_000.0, dim: c.spec.head_dim, scaling: RopeScaling::None });
+        let mut store = new_store(be, c.spec, &rope)?;
         let mut spans = Vec::new();
         let mut q_rows = 0;
         for (i, (ctx, q_len, table)) in c.seqs.iter().enumerate() {
@@ -206,7 +229,7 @@ impl<B: Backend> Ops for Dyn<'_, B> {
         let d = c.shape.head_dim;
         let (qc, kvc) = (c.shape.num_heads * d, c.shape.num_kv_heads * d);
         let qkv = be.upload_rows(&host(31, &[c.positions.len(), qc + 2 * kvc], 1.0))?;
-        let mut store = be.new_kv_store(c.spec)?;
+        let mut store = new_store(be, c.spec, &c.rope)?;
         let rows = NewRows { positions: &c.positions, slots: &c.slots };
         let q = if fused {
             be.qkv_rope_write(&qkv, c.shape, &c.rope, rows, &mut store, 1)?
@@ -229,7 +252,7 @@ impl<B: Backend> Ops for Dyn<'_, B> {
 
     fn inject(&self, c: &PagedCase, rope: &Rope, src: KvSource) -> R<Vec<f32>> {
         let be = self.0;
-        let mut store = be.new_kv_store(c.spec)?;
+        let mut store = new_store(be, c.spec, rope)?;
         let kv_dim = c.spec.kv_dim();
         let bs = c.spec.block_size as u32;
         let layers = c.spec.num_layers;
@@ -544,7 +567,159 @@ pub fn ops<G: Backend>(gpu: &G) -> R<Report> {
             format!("to_host d{hd}: fp8 in the host tier and in the device tier = the decoded codes, bit for bit");
         out.push(Check { name, error: fp8_read_back(gpu, hd)?, tolerance: 0.0, control: false });
     }
+    fp8_cache(&cpu, gpu, &mut out)?;
     Ok(out)
+}
+
+/// The fp8 paged cache (`--kv-cache-dtype fp8`, kernels/kv_fp8.cu) against
+/// the CPU's: writes, injection from every source, gathers, block copies
+/// and attention, on stores calibrated with [`fp8_offsets`]. The two
+/// backends round the same floats to codes with the same operations, so
+/// what differs is the device's bf16 where it computes (decoded keys enter
+/// attention as bf16).
+fn fp8_cache<G: Backend>(cpu: &CpuBackend, gpu: &G, out: &mut Report) -> R<()> {
+    for (hd, heads, kv_heads, rot) in [(128, 32, 8, 128), (64, 9, 3, 64), (64, 4, 2, 32)] {
+        let spec = KvSpec {
+            num_layers: 2,
+            num_blocks: 8,
+            block_size: 16,
+            num_kv_heads: kv_heads,
+            head_dim: hd,
+            dtype: KvCacheDtype::Fp8,
+        };
+        let shape =
+            AttentionShape { num_heads: heads, num_kv_heads: kv_heads, head_dim: hd, scale: (hd as f32).powf(-0.5) };
+        let rope = Rope::new(&RopeConfig { theta: 10_000.0, dim: rot, scaling: RopeScaling::None });
+        let positions: Vec<u32> = (0..21).map(|i| i * 1000).collect();
+        let slots: Vec<u32> = (0..21).map(|i| (i * 37) % 128).collect();
+        let c = QkvCase { spec, shape, rope, positions, slots };
+        let name = format!("fp8 cache: qkv_rope_write d{hd} {heads}/{kv_heads} heads, {rot} rotated");
+        both(cpu, gpu, &name, |be| be.qkv(&c, true), out)?;
+        // E2 on the device: a key the forward pass writes and the same
+        // pre-RoPE key injected at the same position are the same codes.
+        let name = format!(
+            "fp8 cache d{hd} {heads}/{kv_heads} heads, {rot} rotated: injected = forward-pass codes, bit for bit"
+        );
+        out.push(Check { name, error: fp8_inject_vs_forward(gpu, &c, 0)?, tolerance: 0.0, control: false });
+        let name =
+            format!("fp8 cache d{hd} {heads}/{kv_heads} heads, {rot} rotated: control, injected one position off");
+        out.push(Check { name, error: fp8_inject_vs_forward(gpu, &c, 1)?, tolerance: 0.0, control: true });
+    }
+    for (hd, heads, kv_heads) in [(64, 9, 3), (128, 32, 8)] {
+        let spec = KvSpec {
+            num_layers: 2,
+            num_blocks: 160,
+            block_size: 16,
+            num_kv_heads: kv_heads,
+            head_dim: hd,
+            dtype: KvCacheDtype::Fp8,
+        };
+        let shape =
+            AttentionShape { num_heads: heads, num_kv_heads: kv_heads, head_dim: hd, scale: (hd as f32).powf(-0.5) };
+        let table = |start: u32, n: usize| (0..n as u32).map(|i| (start + i * 7) % 160).collect::<Vec<u32>>();
+        let blend_ends: Vec<u32> = (0..100u32).map(|i| 1 + 13 * i + i % 3).chain(1321..=1340).collect();
+        let cases = [
+            (
+                "chunked prefill + decode, 3 sequences",
+                vec![(700, 37, table(1, 44)), (90, 1, table(3, 6)), (1500 / 16 * 16, 1, table(5, 94))],
+            ),
+            ("blend: 100 scattered rows + a question", vec![(1340, 120, table(4, 84)), (90, 1, table(3, 6))]),
+            (
+                "100 decodes + a prefill chunk",
+                (0..100u32)
+                    .map(|i| {
+                        let ctx = 1 + (i as usize * 53) % 700;
+                        (ctx, 1, table(i, ctx.div_ceil(16)))
+                    })
+                    .chain([(300, 37, table(7, 19))])
+                    .collect(),
+            ),
+        ];
+        for (name, seqs) in cases {
+            let row_ends = if name.starts_with("blend") { vec![Some(blend_ends.clone())] } else { Vec::new() };
+            let c = PagedCase { spec, shape, seqs, row_ends, seed: 1000 };
+            let what = format!("fp8 cache: paged attention d{hd} {heads}/{kv_heads} heads: {name}");
+            both(cpu, gpu, &what, |be| be.paged(&c), out)?;
+            if name.starts_with("chunked") {
+                // The control: the same case over the bf16 cache, which the
+                // fp8 cache's rounding must move by more than the tolerance.
+                let native = PagedCase { spec: KvSpec { dtype: KvCacheDtype::Native, ..spec }, ..c };
+                let (fp8, bf16) = (Dyn(gpu).paged(&c_with(&native, KvCacheDtype::Fp8))?, Dyn(gpu).paged(&native)?);
+                out.push(Check {
+                    name: format!("{what}, control: against the bf16 cache"),
+                    error: rel(&fp8, &bf16),
+                    tolerance: OP_TOL,
+                    control: true,
+                });
+            }
+        }
+        let rope = rope_for(hd, RopeScaling::None);
+        let c = PagedCase {
+            spec: KvSpec { num_layers: 7, ..spec },
+            shape,
+            seqs: vec![(25, 0, table(9, 2)), (40, 0, table(11, 3))],
+            row_ends: Vec::new(),
+            seed: 77,
+        };
+        for (src, what) in [
+            (KvSource::Device, "plain device tensors"),
+            (KvSource::Kept, "kept on the device"),
+            (KvSource::HostTier, "from the host tier"),
+            (KvSource::HostTierFp8, "fp8 records in the host tier"),
+            (KvSource::DeviceTierFp8, "fp8 records in the device tier"),
+        ] {
+            let name = format!("fp8 cache: inject_kv d{hd} {what} (2 chunks × 7 layers), copy_blocks, gather_kv");
+            both(cpu, gpu, &name, |be| be.inject(&c, &rope, src), out)?;
+        }
+        // Same kernel, same math: where the KV lives must not change a bit.
+        let (dev, kept) = (Dyn(gpu).inject(&c, &rope, KvSource::Device)?, Dyn(gpu).inject(&c, &rope, KvSource::Kept)?);
+        let name = format!("fp8 cache: inject_kv d{hd} kept (side stream) = main-stream launch, bit for bit");
+        out.push(Check { name, error: bit_error(&kept, &dev), tolerance: 0.0, control: false });
+    }
+    Ok(())
+}
+
+/// `c` with its cache of `dtype`.
+fn c_with(c: &PagedCase, dtype: KvCacheDtype) -> PagedCase {
+    PagedCase {
+        spec: KvSpec { dtype, ..c.spec },
+        shape: c.shape,
+        seqs: c.seqs.clone(),
+        row_ends: c.row_ends.clone(),
+        seed: c.seed,
+    }
+}
+
+/// The bit error between layer 1 of an fp8 store written by the fused
+/// forward write (`qkv_rope_write`) of `c`'s rows and one whose same K and
+/// V, before RoPE, were injected at the positions `shift` further on.
+fn fp8_inject_vs_forward<G: Backend>(gpu: &G, c: &QkvCase, shift: u32) -> R<f64> {
+    let d = c.shape.head_dim;
+    let (qc, kvc) = (c.shape.num_heads * d, c.shape.num_kv_heads * d);
+    let n = c.positions.len();
+    let qkv = host(31, &[n, qc + 2 * kvc], 1.0);
+    let cols = |from: usize| HostTensor {
+        shape: vec![n, kvc],
+        data: qkv.data.chunks_exact(qc + 2 * kvc).flat_map(|r| r[from..from + kvc].iter().copied()).collect(),
+    };
+    let (kh, vh) = (cols(qc), cols(qc + kvc));
+    let mut forward = new_store(gpu, c.spec, &c.rope)?;
+    let rows = NewRows { positions: &c.positions, slots: &c.slots };
+    gpu.qkv_rope_write(&gpu.upload_rows(&qkv)?, c.shape, &c.rope, rows, &mut forward, 1)?;
+    let mut injected = new_store(gpu, c.spec, &c.rope)?;
+    let layers = c.spec.num_layers;
+    let ks = (0..layers).map(|_| gpu.upload_rows(&kh)).collect::<R<Vec<_>>>()?;
+    let vs = (0..layers).map(|_| gpu.upload_rows(&vh)).collect::<R<Vec<_>>>()?;
+    let positions: Vec<u32> = c.positions.iter().map(|p| p + shift).collect();
+    let chunk = InjectChunk { k: &ks, v: &vs, positions: &positions, slots: &c.slots };
+    gpu.inject_kv(&mut injected, &[chunk], &c.rope)?;
+    let read = |store: &G::KvStore| -> R<Vec<f32>> {
+        let (k, v) = gpu.gather_kv(store, 1, &c.slots)?;
+        let mut out = gpu.to_host(&k)?.data;
+        out.extend(gpu.to_host(&v)?.data);
+        Ok(out)
+    };
+    Ok(bit_error(&read(&injected)?, &read(&forward)?))
 }
 
 /// How far `to_host` of fp8 tensors in either tier (what a shard's export

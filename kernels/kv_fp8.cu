@@ -1,0 +1,328 @@
+// The fp8 paged cache (`--kv-cache-dtype fp8`, docs/design.md §2.2).
+//
+// Layout: per layer `[slots, kv_heads·head_dim]` e4m3 codes for K and for V
+// (layers back to back, as the bf16 cache), a float scale per (slot, KV
+// head) for each (`[layers, slots, kv_heads]`), each slot's RoPE position
+// (`[slots]`, every layer writes the same), and per layer the key offsets o
+// (`[layers, kv_dim]` f32, before RoPE) that keys are stored relative to.
+// A key k at position p is kept as the codes of R(p)·k − R(p)·o and read
+// back as code · scale + R(p)·o: channels a model's keys hold far from zero
+// in every token (Qwen2.5's layer 0: −355 and +318) then cost nothing of
+// the precision of the others. Null offsets (an uncalibrated cache) round
+// keys as they are.
+//
+// The arithmetic is the CPU store's (crates/engine/src/fp8_cache.rs,
+// crates/engine/src/cpu/kv_fp8.rs) operation for operation, each rounded
+// as written (`__fmul_rn` and friends: no contraction into fused
+// multiply-adds), so that both backends round the same floats to the same
+// codes, and an injected key's codes are the forward pass's.
+
+typedef unsigned char u8;
+
+// e4m3 code of x: round to nearest even, saturating at ±448, NaN → 0x7f
+// (fp8::f32_to_e4m3, on the bits).
+__device__ __forceinline__ u32 f32_to_e4m3(float x) {
+    const u32 bits = __float_as_uint(x), a = bits & 0x7fffffffu;
+    const u32 sub = (u32)(int)__fsub_rn(__fadd_rn(__fmul_rn(__uint_as_float(a), 512.0f), 8388608.0f), 8388608.0f);
+    const u32 normal = min(((a + 0x7ffffu + ((a >> 20) & 1u)) >> 20) - (120u << 3), 0x7eu);
+    const u32 code = a < 0x3c800000u ? sub : normal;  // below 2⁻⁶: subnormal
+    return a > 0x7f800000u ? 0x7fu : (((bits >> 24) & 0x80u) | code);
+}
+
+// The scale of a head row whose largest magnitude is `amax` (fp8::scale_for).
+__device__ __forceinline__ float fp8_scale(float amax) {
+    return amax > 0.0f && isfinite(amax) ? __fdiv_rn(amax, 448.0f) : 1.0f;
+}
+
+// RoPE of the pair (dimension i, i + rot/2) as the CPU's `Rope::rotate`.
+__device__ __forceinline__ float2 rope_pair(float x1, float x2, float c, float s) {
+    return make_float2(__fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)), __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s)));
+}
+
+// Dimension d of a head's offset `o` rotated to the position whose cos/sin
+// of pair index i = d mod rot/2 are (c, s); dimensions past `rot` are not
+// rotated.
+__device__ __forceinline__ float rotated_offset_at(const float* o, int d, int half, int rot, float c, float s) {
+    if (d >= rot) return o[d];
+    const int i = d < half ? d : d - half;
+    const float2 r = rope_pair(o[i], o[i + half], c, s);
+    return d < half ? r.x : r.y;
+}
+
+// The largest magnitude over `group` adjacent lanes (a power of two ≤ 32,
+// aligned); every lane of the warp must call it.
+__device__ __forceinline__ float group_max(float v, int group) {
+    for (int o = group / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// One token's key residuals and values, computed into shared memory
+// (`kres`, `vals`: `[kv_cols]` f32 each), stored to cache slot `slot` of
+// one layer: per KV head its scale, then its codes. `scales` is shared
+// scratch of 2·kv_heads floats. Every thread of the block calls it.
+__device__ void fp8_store_token(u8* kc, u8* vc, float* ks, float* vs, u32 slot, const float* kres, const float* vals,
+                                int kv_cols, int head_dim, float* scales) {
+    const int kv_heads = kv_cols / head_dim, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int warps = blockDim.x >> 5;
+    __syncthreads();
+    for (int r = warp; r < 2 * kv_heads; r += warps) {
+        const float* x = (r < kv_heads ? kres : vals) + (r % kv_heads) * head_dim;
+        float m = 0.0f;
+        for (int c = lane; c < head_dim; c += 32) m = fmaxf(m, fabsf(x[c]));
+        m = warp_max(m);
+        if (lane == 0) scales[r] = fp8_scale(m);
+    }
+    __syncthreads();
+    for (int c = threadIdx.x * 4; c < 2 * kv_cols; c += blockDim.x * 4) {
+        const bool key = c < kv_cols;
+        const int e = key ? c : c - kv_cols;
+        const float* x = key ? kres : vals;
+        const float s = scales[(key ? 0 : kv_heads) + e / head_dim];
+        u32 w = 0;
+#pragma unroll
+        for (int j = 0; j < 4; j++) w |= f32_to_e4m3(__fdiv_rn(x[e + j], s)) << (8 * j);
+        *(u32*)((key ? kc : vc) + (size_t)slot * kv_cols + e) = w;
+    }
+    for (int r = threadIdx.x; r < 2 * kv_heads; r += blockDim.x)
+        (r < kv_heads ? ks : vs)[(size_t)slot * kv_heads + r % kv_heads] = scales[r];
+}
+
+// A key row (head by head) already loaded as floats into `kres`, made its
+// residual in place: rotated to `p` (when `rotate`), minus the offset
+// rotated alike (`offsets`: the layer's `[kv_cols]`, or null for none).
+__device__ void fp8_key_residual(float* kres, u32 p, bool rotate, const float* offsets, int kv_cols, int head_dim,
+                                 int rot, const float* cos_t, const float* sin_t, const float* inv_freq,
+                                 u32 table_positions) {
+    const int half = rot / 2, kv_heads = kv_cols / head_dim;
+    __syncthreads();
+    for (int j = threadIdx.x; j < kv_heads * half; j += blockDim.x) {
+        const int h = j / half, i = j % half;
+        float* k = kres + h * head_dim;
+        float c, s;
+        rope_cos_sin(p, i, half, cos_t, sin_t, inv_freq, table_positions, &c, &s);
+        const float2 r = rotate ? rope_pair(k[i], k[i + half], c, s) : make_float2(k[i], k[i + half]);
+        float2 o = make_float2(0.0f, 0.0f);
+        if (offsets) o = rope_pair(offsets[h * head_dim + i], offsets[h * head_dim + i + half], c, s);
+        k[i] = __fsub_rn(r.x, o.x);
+        k[i + half] = __fsub_rn(r.y, o.y);
+    }
+    const int tail = head_dim - rot;
+    for (int j = threadIdx.x; j < kv_heads * tail; j += blockDim.x) {
+        const int c = (j / tail) * head_dim + rot + j % tail;
+        kres[c] = __fsub_rn(kres[c], offsets ? offsets[c] : 0.0f);
+    }
+}
+
+// qkv_rope_write for an fp8 cache: Q rotated into out_q as qkv_rope_write
+// does (the same bits), K rotated in f32 and stored as the codes of its
+// residual, V as codes; the slot's position recorded. One block per row;
+// dynamic shared memory: (2·kv_cols + 2·kv_heads) floats.
+extern "C" __global__ void qkv_rope_write_fp8(bf16* out_q, u8* kc, u8* vc, float* ks, float* vs, u32* kpos,
+                                              const bf16* qkv, const u32* positions, const u32* slots, int q_cols,
+                                              int kv_cols, int head_dim, int rot, const float* cos_t,
+                                              const float* sin_t, const float* inv_freq, u32 table_positions,
+                                              const float* offsets) {
+    pdl_begin();
+    extern __shared__ float fp8_row[];
+    float *kres = fp8_row, *vals = kres + kv_cols, *scales = vals + kv_cols;
+    const bf16* row = qkv + (size_t)blockIdx.x * (q_cols + 2 * kv_cols);
+    bf16* q = out_q + (size_t)blockIdx.x * q_cols;
+    const u32 p = positions[blockIdx.x], slot = slots[blockIdx.x];
+    for (int c = threadIdx.x; c < kv_cols; c += blockDim.x) {
+        kres[c] = __bfloat162float(row[q_cols + c]);
+        vals[c] = __bfloat162float(row[q_cols + kv_cols + c]);
+    }
+    const int q_heads = q_cols / head_dim, half = rot / 2, per_head = half / 2;
+    for (int j = threadIdx.x; j < q_heads * per_head; j += blockDim.x) {
+        int h = j / per_head, i = 2 * (j % per_head);
+        const bf16* src = row + h * head_dim;
+        bf16* dst = q + h * head_dim;
+        float c0, s0, c1, s1;
+        rope_cos_sin(p, i, half, cos_t, sin_t, inv_freq, table_positions, &c0, &s0);
+        rope_cos_sin(p, i + 1, half, cos_t, sin_t, inv_freq, table_positions, &c1, &s1);
+        float2 x1 = __bfloat1622float2(*(const __nv_bfloat162*)(src + i));
+        float2 x2 = __bfloat1622float2(*(const __nv_bfloat162*)(src + i + half));
+        *(__nv_bfloat162*)(dst + i) = __floats2bfloat162_rn(x1.x * c0 - x2.x * s0, x1.y * c1 - x2.y * s1);
+        *(__nv_bfloat162*)(dst + i + half) = __floats2bfloat162_rn(x2.x * c0 + x1.x * s0, x2.y * c1 + x1.y * s1);
+    }
+    const int tail = head_dim - rot;
+    for (int j = threadIdx.x; j < q_heads * tail; j += blockDim.x) {
+        int h = j / tail, c = rot + j % tail;
+        q[h * head_dim + c] = row[h * head_dim + c];
+    }
+    if (threadIdx.x == 0) kpos[slot] = p;
+    fp8_key_residual(kres, p, true, offsets, kv_cols, head_dim, rot, cos_t, sin_t, inv_freq, table_positions);
+    fp8_store_token(kc, vc, ks, vs, slot, kres, vals, kv_cols, head_dim, scales);
+}
+
+// write_kv for an fp8 cache: row i of k (already rotated to positions[i])
+// and v to slot slots[i] of one layer, the key as its residual's codes.
+// One block per row; shared memory as qkv_rope_write_fp8.
+extern "C" __global__ void write_kv_fp8(u8* kc, u8* vc, float* ks, float* vs, u32* kpos, const bf16* k,
+                                        const bf16* v, const u32* positions, const u32* slots, int kv_cols,
+                                        int head_dim, int rot, const float* cos_t, const float* sin_t,
+                                        const float* inv_freq, u32 table_positions, const float* offsets) {
+    extern __shared__ float fp8_row[];
+    float *kres = fp8_row, *vals = kres + kv_cols, *scales = vals + kv_cols;
+    const u32 p = positions[blockIdx.x], slot = slots[blockIdx.x];
+    for (int c = threadIdx.x; c < kv_cols; c += blockDim.x) {
+        kres[c] = __bfloat162float(k[(size_t)blockIdx.x * kv_cols + c]);
+        vals[c] = __bfloat162float(v[(size_t)blockIdx.x * kv_cols + c]);
+    }
+    if (threadIdx.x == 0) kpos[slot] = p;
+    fp8_key_residual(kres, p, false, offsets, kv_cols, head_dim, rot, cos_t, sin_t, inv_freq, table_positions);
+    fp8_store_token(kc, vc, ks, vs, slot, kres, vals, kv_cols, head_dim, scales);
+}
+
+// The decoded K (offset added back) and V of slots[i] of one layer into
+// row i of k and v (bf16). One block per row.
+extern "C" __global__ void gather_kv_fp8(bf16* k, bf16* v, const u8* kc, const u8* vc, const float* ks,
+                                         const float* vs, const u32* kpos, const u32* slots, int kv_cols,
+                                         int head_dim, int rot, const float* cos_t, const float* sin_t,
+                                         const float* inv_freq, u32 table_positions, const float* offsets) {
+    const u32 slot = slots[blockIdx.x], p = kpos[slot];
+    const int kv_heads = kv_cols / head_dim, half = rot / 2;
+    for (int c = threadIdx.x; c < kv_cols; c += blockDim.x) {
+        const int h = c / head_dim, d = c % head_dim;
+        const size_t at = (size_t)slot * kv_cols + c, sc = (size_t)slot * kv_heads + h;
+        float key = __fmul_rn(e4m3_to_float(kc[at]), ks[sc]);
+        if (offsets) {
+            float cs = 1.0f, sn = 0.0f;
+            if (d < rot) rope_cos_sin(p, d < half ? d : d - half, half, cos_t, sin_t, inv_freq, table_positions, &cs, &sn);
+            key = __fadd_rn(key, rotated_offset_at(offsets + h * head_dim, d, half, rot, cs, sn));
+        }
+        k[(size_t)blockIdx.x * kv_cols + c] = __float2bfloat16(key);
+        v[(size_t)blockIdx.x * kv_cols + c] = __float2bfloat16(__fmul_rn(e4m3_to_float(vc[at]), vs[sc]));
+    }
+}
+
+// copy_blocks for an fp8 cache: the codes and scales of whole blocks (src,
+// dst) = (pairs[2i], pairs[2i+1]) in every layer, and their positions.
+// Grid (pairs, layers); block_codes is a multiple of 16.
+extern "C" __global__ void copy_blocks_fp8(u8* kc, u8* vc, float* ks, float* vs, u32* kpos, const u32* pairs,
+                                           size_t layer_codes, size_t layer_scales, int block_codes,
+                                           int block_scales, int block_size) {
+    const u32 src = pairs[2 * blockIdx.x], dst = pairs[2 * blockIdx.x + 1];
+    const size_t cb = blockIdx.y * layer_codes, sb = blockIdx.y * layer_scales;
+    const uint4* kss = (const uint4*)(kc + cb + (size_t)src * block_codes);
+    const uint4* vss = (const uint4*)(vc + cb + (size_t)src * block_codes);
+    uint4* kd = (uint4*)(kc + cb + (size_t)dst * block_codes);
+    uint4* vd = (uint4*)(vc + cb + (size_t)dst * block_codes);
+    for (int c = threadIdx.x; c < block_codes / 16; c += blockDim.x) {
+        kd[c] = kss[c];
+        vd[c] = vss[c];
+    }
+    for (int c = threadIdx.x; c < block_scales; c += blockDim.x) {
+        ks[sb + (size_t)dst * block_scales + c] = ks[sb + (size_t)src * block_scales + c];
+        vs[sb + (size_t)dst * block_scales + c] = vs[sb + (size_t)src * block_scales + c];
+    }
+    if (blockIdx.y == 0)
+        for (int c = threadIdx.x; c < block_size; c += blockDim.x)
+            kpos[(size_t)dst * block_size + c] = kpos[(size_t)src * block_size + c];
+}
+
+// Injection into an fp8 cache: inject_body's loads (each token's stored
+// pre-RoPE key and value, 8 dimensions a thread, all loads of a group of
+// INJECT_TOKENS tokens before any store), then per token and KV head the
+// residual R(p)·k − R(p)·o in f32 (fp8_key_residual's arithmetic on the
+// same floats: the forward pass's codes), the head's largest magnitude over
+// the lanes that hold it (head_dim / 8 adjacent lanes), and the codes.
+// blockDim is a multiple of 32 (every lane takes part in the shuffles).
+template <typename Src>
+__device__ __forceinline__ void inject_fp8_body(u8* kc, u8* vc, float* ks, float* vs, u32* kpos, const float* offsets,
+                                                size_t layer_codes, size_t layer_scales,
+                                                const unsigned long long* table, u32 tokens, u32 chunks, u32 layer,
+                                                u32 layers, int kv_dim, int head_dim, int rot, const float* cos_t,
+                                                const float* sin_t, const float* inv_freq, u32 table_positions) {
+    const Src src(table, (size_t)chunks * layers);
+    const u32* meta = (const u32*)(table + Src::WORDS * (size_t)chunks * layers);
+    const int half = rot / 2, group = head_dim / 8, kv_heads = kv_dim / head_dim;
+    const float* o = offsets ? offsets + (size_t)layer * kv_dim : nullptr;
+    u8* kl = kc + layer * layer_codes;
+    u8* vl = vc + layer * layer_codes;
+    float* ksl = ks + layer * layer_scales;
+    float* vsl = vs + layer * layer_scales;
+    for (u32 first = blockIdx.x * INJECT_TOKENS; first < tokens; first += gridDim.x * INJECT_TOKENS)
+    for (int e0 = 0; e0 < kv_dim; e0 += blockDim.x * 8) {
+        const int e = e0 + threadIdx.x * 8, c = e % head_dim;
+        const bool active = e < kv_dim, rotate = active && c < half, copy_k = active && c >= rot;
+        uint4 vv[INJECT_TOKENS], lo[INJECT_TOKENS], hi[INJECT_TOKENS];
+        u32 pos[INJECT_TOKENS], slot[INJECT_TOKENS];
+#pragma unroll
+        for (int i = 0; i < INJECT_TOKENS; i++) {
+            const u32 t = first + i;
+            if (t >= tokens) continue;
+            pos[i] = meta[2 * tokens + t];
+            slot[i] = meta[3 * tokens + t];
+            if (!active) continue;
+            const u32 chunk = meta[t], row = meta[tokens + t];
+            const size_t cl = (size_t)chunk * layers + layer;
+            vv[i] = src.load(false, cl, row, kv_dim, e, head_dim);
+            if (rotate || copy_k) lo[i] = src.load(true, cl, row, kv_dim, e, head_dim);
+            if (rotate) hi[i] = src.load(true, cl, row, kv_dim, e + half, head_dim);
+        }
+#pragma unroll
+        for (int i = 0; i < INJECT_TOKENS; i++) {
+            if (first + i >= tokens) break;  // the same for every lane
+            float v8[8] = {}, klo[8] = {}, khi[8] = {};
+            if (active) unpack8(vv[i], v8);
+            if (rotate) {
+                float x1[8], x2[8];
+                unpack8(lo[i], x1);
+                unpack8(hi[i], x2);
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    float cs, sn;
+                    rope_cos_sin(pos[i], c + j, half, cos_t, sin_t, inv_freq, table_positions, &cs, &sn);
+                    const float2 r = rope_pair(x1[j], x2[j], cs, sn);
+                    float2 ro = make_float2(0.0f, 0.0f);
+                    if (o) ro = rope_pair(o[e + j], o[e + half + j], cs, sn);
+                    klo[j] = __fsub_rn(r.x, ro.x);
+                    khi[j] = __fsub_rn(r.y, ro.y);
+                }
+            } else if (copy_k) {
+                unpack8(lo[i], klo);
+#pragma unroll
+                for (int j = 0; j < 8; j++) klo[j] = __fsub_rn(klo[j], o ? o[e + j] : 0.0f);
+            }
+            float km = 0.0f, vm = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                km = fmaxf(km, fmaxf(fabsf(klo[j]), fabsf(khi[j])));
+                vm = fmaxf(vm, fabsf(v8[j]));
+            }
+            const float kscale = fp8_scale(group_max(km, group)), vscale = fp8_scale(group_max(vm, group));
+            if (!active) continue;
+            const size_t at = (size_t)slot[i] * kv_dim + e;
+            uint2 kw = make_uint2(0, 0), hw = make_uint2(0, 0), vw = make_uint2(0, 0);
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                const int sh = 8 * (j & 3);
+                (j < 4 ? vw.x : vw.y) |= f32_to_e4m3(__fdiv_rn(v8[j], vscale)) << sh;
+                (j < 4 ? kw.x : kw.y) |= f32_to_e4m3(__fdiv_rn(klo[j], kscale)) << sh;
+                (j < 4 ? hw.x : hw.y) |= f32_to_e4m3(__fdiv_rn(khi[j], kscale)) << sh;
+            }
+            *(uint2*)(vl + at) = vw;
+            if (rotate || copy_k) *(uint2*)(kl + at) = kw;
+            if (rotate) *(uint2*)(kl + at + half) = hw;
+            if (c == 0) {
+                ksl[(size_t)slot[i] * kv_heads + e / head_dim] = kscale;
+                vsl[(size_t)slot[i] * kv_heads + e / head_dim] = vscale;
+            }
+            if (e == 0) kpos[slot[i]] = pos[i];
+        }
+    }
+}
+
+#define INJECT_PAGED_FP8(name, Src)                                                                                 \
+    extern "C" __global__ void name(u8* kc, u8* vc, float* ks, float* vs, u32* kpos, const float* offsets,           \
+                                    const unsigned long long* table, u32 tokens, u32 chunks, u32 layer0, u32 layers,  \
+                                    size_t layer_codes, size_t layer_scales, int kv_dim, int head_dim, int rot,       \
+                                    const float* cos_t, const float* sin_t, const float* inv_freq,                   \
+                                    u32 table_positions) {                                                            \
+        inject_fp8_body<Src>(kc, vc, ks, vs, kpos, offsets, layer_codes, layer_scales, table, tokens, chunks,        \
+                             layer0 + blockIdx.y, layers, kv_dim, head_dim, rot, cos_t, sin_t, inv_freq,              \
+                             table_positions);                                                                        \
+    }
+INJECT_PAGED_FP8(inject_kv_to_fp8, Bf16Src)
+INJECT_PAGED_FP8(inject_kv_fp8_to_fp8, Fp8Src)

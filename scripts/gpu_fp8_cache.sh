@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The fp8 paged cache on the device (`--kv-cache-dtype fp8`, kernels/kv_fp8.cu),
+# random weights, in one call (about eight minutes on an H200):
+#   1. `inferscale check`: CUDA against the CPU, the fp8 cache's op checks
+#      (writes, injection from every source, gathers, attention, injected =
+#      forward-pass codes bit for bit) and model checks among them;
+#   2. decode steps of the Llama-3.1-8B shape at M = 1/32/100/128 over
+#      1,550-token contexts, bf16 cache then fp8, beside their floor
+#      (scripts/peer/decode_floor.py; the device's copy bandwidth by torch);
+#   3. batch-1 TTFT, kv and prompt mode at k = 5/50/200, bf16 then fp8;
+#   4. `bench serve` at 100 clients, kv mode, 50 facts of 126 tokens (the
+#      peer table's ≈ 6,600-token contexts, more than 40,000 MiB of bf16
+#      cache holds for 100 sequences), bf16 then fp8 in the same MiB.
+#
+#   gpu_fp8_cache.sh BIN OUT
+set -uo pipefail
+bin=$1 out=$2
+mkdir -p "$out"
+here=$(dirname "$0")
+source "$here/gpu_env.sh"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+timeout 300 "$bin" check --json "$out/check.json" >"$out/check.txt" 2>&1
+echo "check: exit $?"
+grep -E "fp8 cache|FAILED" "$out/check.txt" | head -60
+tail -n 1 "$out/check.txt"
+
+python3 - "$out/copy-bandwidth.json" <<'PY'
+import json, sys, time
+import torch
+n = 4 << 30
+a = torch.empty(n, dtype=torch.uint8, device="cuda")
+b = torch.empty_like(a)
+for _ in range(3):
+    b.copy_(a)
+torch.cuda.synchronize()
+reps, t = 20, time.perf_counter()
+for _ in range(reps):
+    b.copy_(a)
+torch.cuda.synchronize()
+s = time.perf_counter() - t
+gbps = 2 * n * reps / s / 1e9
+print(f"device copy: {gbps:.0f} GB/s (read + write)")
+json.dump({"bytes": n, "reps": reps, "seconds": s, "gb_per_s": gbps}, open(sys.argv[1], "w"))
+PY
+
+eight=(--backend cuda --shape llama3.1-8b --random-weights)
+for dtype in auto fp8; do
+  timeout 120 "$bin" bench engine "${eight[@]}" --kv-cache-mb 40000 --max-batch-tokens 1024 --gemm-n 512 \
+    --prompt-tokens 16 --decode-batch 1,32,100,128 --decode-prompt-tokens 1550 --decode-tokens 32 --reps 3 \
+    --kv-cache-dtype $dtype --json "$out/engine-8b-$dtype.json" >"$out/engine-8b-$dtype.txt" 2>&1
+  grep -E "^decode|error" "$out/engine-8b-$dtype.txt"
+done
+python3 "$here/peer/decode_floor.py" "$out" | tee "$out/decode-floor.md"
+for dtype in auto fp8; do
+  timeout 150 "$bin" bench ttft "${eight[@]}" --kv-cache-mb 16384 --max-batch-tokens 8192 --modes kv,prompt \
+    --k 5,50,200 --reps 10 --kv-cache-dtype $dtype --json "$out/ttft-8b-$dtype.json" 2>&1 |
+    grep -v "^inferscale: CUDA\|^inferscale bench ttft: k=" | tail -n 12 | tee "$out/ttft-8b-$dtype.txt"
+done
+for dtype in auto fp8; do
+  timeout 150 "$bin" bench serve "${eight[@]}" --embedder random --window 0 --kv-cache-mb 40000 \
+    --kv-cache-dtype $dtype --max-batch-tokens 2048 --max-running 128 --max-queue 512 --users 100 --modes kv \
+    --k 50 --fact-tokens 126 --max-tokens 32 --memory-users 5 --facts-per-user 50 --warmup-s 3 --duration-s 10 \
+    --json "$out/serve-$dtype.json" >"$out/serve-$dtype.txt" 2>&1
+  grep -v "^inferscale: CUDA" "$out/serve-$dtype.txt" | tail -n 6
+done

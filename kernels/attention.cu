@@ -302,11 +302,12 @@ __device__ void paged_attention(bf16* out, float* part_o, float* part_ml, const 
                 const uint2 kw = *(const uint2*)(Kc + j * D + d0), vw = *(const uint2*)(Vc + j * D + d0);
                 const float ks = ksc[j], vs = vsc[j];
                 float kf[8], vf[8];
+                e4m3x8_to_float(kw, kf);
+                e4m3x8_to_float(vw, vf);
 #pragma unroll
                 for (int e = 0; e < 8; e++) {
-                    const int sh = 8 * (e & 3);
-                    kf[e] = __fmul_rn(e4m3_to_float(((e < 4 ? kw.x : kw.y) >> sh) & 0xff), ks);
-                    vf[e] = __fmul_rn(e4m3_to_float(((e < 4 ? vw.x : vw.y) >> sh) & 0xff), vs);
+                    kf[e] = __fmul_rn(kf[e], ks);
+                    vf[e] = __fmul_rn(vf[e], vs);
                 }
                 if (f8.offsets) {
                     __align__(16) float cs[8] = {};

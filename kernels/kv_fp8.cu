@@ -29,6 +29,26 @@ __device__ __forceinline__ u32 f32_to_e4m3(float x) {
     return a > 0x7f800000u ? 0x7fu : (((bits >> 24) & 0x80u) | code);
 }
 
+// Eight e4m3 codes (the first in the low byte of w.x) as floats, exactly:
+// on sm_89 and newer two at a time through the hardware's e4m3 → f16
+// conversion (both conversions are exact), before that bit by bit.
+__device__ __forceinline__ void e4m3x8_to_float(uint2 w, float* f) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const unsigned short two = (unsigned short)((i < 2 ? w.x : w.y) >> (16 * (i & 1)));
+        u32 h2;
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(two));
+        asm("{\n.reg .f16 lo, hi;\nmov.b32 {lo, hi}, %2;\ncvt.f32.f16 %0, lo;\ncvt.f32.f16 %1, hi;\n}"
+            : "=f"(f[2 * i]), "=f"(f[2 * i + 1])
+            : "r"(h2));
+    }
+#else
+#pragma unroll
+    for (int j = 0; j < 8; j++) f[j] = e4m3_to_float(((j < 4 ? w.x : w.y) >> (8 * (j & 3))) & 0xff);
+#endif
+}
+
 // The scale of a head row whose largest magnitude is `amax` (fp8::scale_for).
 __device__ __forceinline__ float fp8_scale(float amax) {
     return amax > 0.0f && isfinite(amax) ? __fdiv_rn(amax, 448.0f) : 1.0f;

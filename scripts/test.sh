@@ -73,23 +73,27 @@ if [ ! -d "$py_dir/oteltap" ] || [ ! -x "$py_dir/rotel/rotel-agent" ]; then
   rm -rf "$collectors"
 fi
 
-# The CUDA kernels are compiled by NVRTC in a test that needs no GPU; NVRTC
-# and the CUDA headers come from NVIDIA's PyPI wheels, fetched once.
+# The CUDA kernels are compiled by NVRTC and assembled by ptxas (what the
+# driver does with them on a GPU, inline assembly included) in a test that
+# needs no GPU; NVRTC, ptxas and the CUDA headers come from NVIDIA's PyPI
+# wheels, fetched once.
 cuda_dir="${INFERSCALE_HOME:-$HOME/.cache/inferscale}/cuda-13.0"
-if [ ! -f "$cuda_dir/.complete" ]; then
-  echo "test.sh: fetching NVRTC and the CUDA headers (PyPI) for the kernel compile test" >&2
+if [ ! -f "$cuda_dir/.complete-ptxas" ]; then
+  echo "test.sh: fetching NVRTC, ptxas and the CUDA headers (PyPI) for the kernel compile test" >&2
   wheels=$(mktemp -d)
   python3 -m pip download -q --no-deps -d "$wheels" \
-    nvidia-cuda-nvrtc==13.0.88 nvidia-cuda-runtime==13.0.96 nvidia-cuda-crt==13.0.88
+    nvidia-cuda-nvrtc==13.0.88 nvidia-cuda-runtime==13.0.96 nvidia-cuda-crt==13.0.88 nvidia-cuda-nvcc==13.0.88
   python3 -c 'import sys, zipfile, glob
 for w in glob.glob(sys.argv[1] + "/*.whl"):
     zipfile.ZipFile(w).extractall(sys.argv[2])' "$wheels" "$cuda_dir"
   rm -rf "$wheels"
-  touch "$cuda_dir/.complete"
+  chmod +x "$cuda_dir/nvidia/cu13/bin/ptxas"
+  touch "$cuda_dir/.complete-ptxas"
 fi
 export LD_LIBRARY_PATH="$cuda_dir/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export INFERSCALE_CUDA_INCLUDE="$cuda_dir/nvidia/cu13/include"
 export INFERSCALE_REQUIRE_NVRTC=1
+export INFERSCALE_PTXAS="$cuda_dir/nvidia/cu13/bin/ptxas"
 
 if cargo nextest --version >/dev/null 2>&1; then
   cargo nextest run --workspace --no-fail-fast

@@ -26,13 +26,40 @@ extern "C" __global__ void rope_apply(bf16* x, const u32* positions, int cols, i
     }
 }
 
+// Heads [0, n) of a row (`src`, head_dim apart) rotated to position p into
+// `dst(h)`, one thread per (head, two adjacent pairs) — rope_apply's
+// arithmetic, term for term — and the dimensions past `rot` (partial
+// rotary) copied as they are.
+template <typename Dst>
+__device__ __forceinline__ void rope_heads(const bf16* src, Dst dst, int n, u32 p, int head_dim, int rot,
+                                           const float* cos_t, const float* sin_t, const float* inv_freq,
+                                           u32 table_positions) {
+    const int half = rot / 2, per_head = half / 2;
+    for (int j = threadIdx.x; j < n * per_head; j += blockDim.x) {
+        int h = j / per_head, i = 2 * (j % per_head);
+        const bf16* x = src + h * head_dim;
+        bf16* y = dst(h);
+        float c0, s0, c1, s1;
+        rope_cos_sin(p, i, half, cos_t, sin_t, inv_freq, table_positions, &c0, &s0);
+        rope_cos_sin(p, i + 1, half, cos_t, sin_t, inv_freq, table_positions, &c1, &s1);
+        float2 x1 = __bfloat1622float2(*(const __nv_bfloat162*)(x + i));
+        float2 x2 = __bfloat1622float2(*(const __nv_bfloat162*)(x + i + half));
+        *(__nv_bfloat162*)(y + i) = __floats2bfloat162_rn(x1.x * c0 - x2.x * s0, x1.y * c1 - x2.y * s1);
+        *(__nv_bfloat162*)(y + i + half) = __floats2bfloat162_rn(x2.x * c0 + x1.x * s0, x2.y * c1 + x1.y * s1);
+    }
+    const int tail = head_dim - rot;
+    for (int j = threadIdx.x; j < n * tail; j += blockDim.x) {
+        int h = j / tail, c = rot + j % tail;
+        dst(h)[c] = src[h * head_dim + c];
+    }
+}
+
 // The attention inputs of a layer out of its fused QKV projection, in one
 // pass: row r of `qkv` is [Q | K | V]; Q is rotated to positions[r] into
 // out_q, K rotated and V copied into cache slot slots[r] of one layer.
 // The rotation is rope_apply's, term for term, so the result is the same
 // bits as split_cols + rope + rope + write_kv. One block per row; K heads
-// follow the Q heads in the row, so a unit (head, two adjacent pairs)
-// indexes both alike.
+// follow the Q heads in the row, so one pass over the heads rotates both.
 extern "C" __global__ void qkv_rope_write(bf16* out_q, bf16* kc, bf16* vc, const bf16* qkv, const u32* positions,
                                           const u32* slots, int q_cols, int kv_cols, int head_dim, int rot,
                                           const float* cos_t, const float* sin_t, const float* inv_freq,
@@ -42,30 +69,11 @@ extern "C" __global__ void qkv_rope_write(bf16* out_q, bf16* kc, bf16* vc, const
     bf16* q = out_q + (size_t)blockIdx.x * q_cols;
     bf16* k = kc + (size_t)slots[blockIdx.x] * kv_cols;
     bf16* v = vc + (size_t)slots[blockIdx.x] * kv_cols;
-    const u32 p = positions[blockIdx.x];
     for (int c = threadIdx.x * 8; c < kv_cols; c += blockDim.x * 8)
         *(uint4*)(v + c) = *(const uint4*)(row + q_cols + kv_cols + c);
     const int q_heads = q_cols / head_dim, heads = q_heads + kv_cols / head_dim;
-    const int half = rot / 2, per_head = half / 2;
-    for (int j = threadIdx.x; j < heads * per_head; j += blockDim.x) {
-        int h = j / per_head, i = 2 * (j % per_head);
-        const bf16* src = row + h * head_dim;
-        bf16* dst = h < q_heads ? q + h * head_dim : k + (h - q_heads) * head_dim;
-        float c0, s0, c1, s1;
-        rope_cos_sin(p, i, half, cos_t, sin_t, inv_freq, table_positions, &c0, &s0);
-        rope_cos_sin(p, i + 1, half, cos_t, sin_t, inv_freq, table_positions, &c1, &s1);
-        float2 x1 = __bfloat1622float2(*(const __nv_bfloat162*)(src + i));
-        float2 x2 = __bfloat1622float2(*(const __nv_bfloat162*)(src + i + half));
-        *(__nv_bfloat162*)(dst + i) = __floats2bfloat162_rn(x1.x * c0 - x2.x * s0, x1.y * c1 - x2.y * s1);
-        *(__nv_bfloat162*)(dst + i + half) = __floats2bfloat162_rn(x2.x * c0 + x1.x * s0, x2.y * c1 + x1.y * s1);
-    }
-    // Dimensions past the rotated part (partial rotary) are copied as they are.
-    const int tail = head_dim - rot;
-    for (int j = threadIdx.x; j < heads * tail; j += blockDim.x) {
-        int h = j / tail, c = rot + j % tail;
-        bf16* dst = h < q_heads ? q + h * head_dim : k + (h - q_heads) * head_dim;
-        dst[c] = row[h * head_dim + c];
-    }
+    auto dst = [&](int h) { return h < q_heads ? q + h * head_dim : k + (h - q_heads) * head_dim; };
+    rope_heads(row, dst, heads, positions[blockIdx.x], head_dim, rot, cos_t, sin_t, inv_freq, table_positions);
 }
 
 // Row i of k and v to slot slots[i] of one layer's cache.

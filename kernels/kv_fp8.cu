@@ -134,7 +134,7 @@ __device__ void fp8_key_residual(float* kres, u32 p, bool rotate, const float* o
 }
 
 // qkv_rope_write for an fp8 cache: Q rotated into out_q as qkv_rope_write
-// does (the same bits), K rotated in f32 and stored as the codes of its
+// rotates it (the same bits), K rotated in f32 and stored as the codes of its
 // residual, V as codes; the slot's position recorded. One block per row;
 // dynamic shared memory: (2·kv_cols + 2·kv_heads) floats.
 extern "C" __global__ void qkv_rope_write_fp8(bf16* out_q, u8* kc, u8* vc, float* ks, float* vs, u32* kpos,
@@ -152,24 +152,8 @@ extern "C" __global__ void qkv_rope_write_fp8(bf16* out_q, u8* kc, u8* vc, float
         kres[c] = __bfloat162float(row[q_cols + c]);
         vals[c] = __bfloat162float(row[q_cols + kv_cols + c]);
     }
-    const int q_heads = q_cols / head_dim, half = rot / 2, per_head = half / 2;
-    for (int j = threadIdx.x; j < q_heads * per_head; j += blockDim.x) {
-        int h = j / per_head, i = 2 * (j % per_head);
-        const bf16* src = row + h * head_dim;
-        bf16* dst = q + h * head_dim;
-        float c0, s0, c1, s1;
-        rope_cos_sin(p, i, half, cos_t, sin_t, inv_freq, table_positions, &c0, &s0);
-        rope_cos_sin(p, i + 1, half, cos_t, sin_t, inv_freq, table_positions, &c1, &s1);
-        float2 x1 = __bfloat1622float2(*(const __nv_bfloat162*)(src + i));
-        float2 x2 = __bfloat1622float2(*(const __nv_bfloat162*)(src + i + half));
-        *(__nv_bfloat162*)(dst + i) = __floats2bfloat162_rn(x1.x * c0 - x2.x * s0, x1.y * c1 - x2.y * s1);
-        *(__nv_bfloat162*)(dst + i + half) = __floats2bfloat162_rn(x2.x * c0 + x1.x * s0, x2.y * c1 + x1.y * s1);
-    }
-    const int tail = head_dim - rot;
-    for (int j = threadIdx.x; j < q_heads * tail; j += blockDim.x) {
-        int h = j / tail, c = rot + j % tail;
-        q[h * head_dim + c] = row[h * head_dim + c];
-    }
+    auto dst = [&](int h) { return q + h * head_dim; };
+    rope_heads(row, dst, q_cols / head_dim, p, head_dim, rot, cos_t, sin_t, inv_freq, table_positions);
     if (threadIdx.x == 0) kpos[slot] = p;
     fp8_key_residual(kres, p, true, offsets, kv_cols, head_dim, rot, cos_t, sin_t, inv_freq, table_positions);
     fp8_store_token(kc, vc, ks, vs, slot, kres, vals, kv_cols, head_dim, scales);

@@ -20,24 +20,7 @@ mkdir -p "$out"
 source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 
-python3 - "$out/copy-bandwidth.json" <<'EOF'
-import json, sys, time
-import torch
-n = 4 << 30
-a = torch.empty(n, dtype=torch.uint8, device="cuda")
-b = torch.empty_like(a)
-for _ in range(3):
-    b.copy_(a)
-torch.cuda.synchronize()
-reps, t = 20, time.perf_counter()
-for _ in range(reps):
-    b.copy_(a)
-torch.cuda.synchronize()
-s = time.perf_counter() - t
-gbps = 2 * n * reps / s / 1e9
-print(f"device copy: {gbps:.0f} GB/s (read + write)")
-json.dump({"bytes": n, "reps": reps, "seconds": s, "gb_per_s": gbps}, open(sys.argv[1], "w"))
-EOF
+python3 "$(dirname "$0")"/peer/copy_bandwidth.py "$out/copy-bandwidth.json"
 
 eight=(--backend cuda --shape llama3.1-8b --random-weights --kv-cache-mb 40000 --max-batch-tokens 8192)
 for ctx in 128 1550; do

@@ -24,24 +24,7 @@ echo "check: exit $?"
 grep -E "fp8 cache|FAILED" "$out/check.txt" | head -60
 tail -n 1 "$out/check.txt"
 
-python3 - "$out/copy-bandwidth.json" <<'PY'
-import json, sys, time
-import torch
-n = 4 << 30
-a = torch.empty(n, dtype=torch.uint8, device="cuda")
-b = torch.empty_like(a)
-for _ in range(3):
-    b.copy_(a)
-torch.cuda.synchronize()
-reps, t = 20, time.perf_counter()
-for _ in range(reps):
-    b.copy_(a)
-torch.cuda.synchronize()
-s = time.perf_counter() - t
-gbps = 2 * n * reps / s / 1e9
-print(f"device copy: {gbps:.0f} GB/s (read + write)")
-json.dump({"bytes": n, "reps": reps, "seconds": s, "gb_per_s": gbps}, open(sys.argv[1], "w"))
-PY
+python3 "$here"/peer/copy_bandwidth.py "$out/copy-bandwidth.json"
 
 eight=(--backend cuda --shape llama3.1-8b --random-weights)
 for dtype in auto fp8; do

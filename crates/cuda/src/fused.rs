@@ -5,7 +5,7 @@
 //! engine's defaults spell those out), which `inferscale check` verifies.
 
 use inferscale_engine::Result;
-use inferscale_engine::backend::{AttentionShape, NewRows, Tensors};
+use inferscale_engine::backend::{AttentionShape, KvSpec, NewRows, Tensors};
 use inferscale_engine::rope::{Rope, TABLE_POSITIONS};
 
 use crate::backend::{CudaBackend, CudaKvStore, CudaTensor, shape_err};
@@ -49,28 +49,8 @@ impl CudaBackend {
         layer: usize,
     ) -> Result<CudaTensor> {
         let _span = self.span("qkv_rope_write");
+        let (q_cols, kv_cols) = check_qkv(qkv, shape, rope, &rows, store.spec, layer)?;
         let d = shape.head_dim;
-        let (q_cols, kv_cols) = (shape.num_heads * d, shape.num_kv_heads * d);
-        let spec = store.spec;
-        spec.check(layer, rows.slots)?;
-        if qkv.cols != q_cols + 2 * kv_cols
-            || rows.positions.len() != qkv.rows
-            || rows.slots.len() != qkv.rows
-            || kv_cols != spec.kv_dim()
-            || rope.dim() > d
-            || !rope.dim().is_multiple_of(4)
-            || !d.is_multiple_of(8)
-        {
-            return Err(shape_err(format!(
-                "qkv_rope_write: [{}, {}] for {}/{} heads of {d}, {} positions, {} slots",
-                qkv.rows,
-                qkv.cols,
-                shape.num_heads,
-                shape.num_kv_heads,
-                rows.positions.len(),
-                rows.slots.len()
-            )));
-        }
         let q = self.tensor(qkv.rows, q_cols)?;
         let (kc, vc) = self.layer_ptrs(store, layer)?;
         let r = self.rope_tables(rope)?;
@@ -85,4 +65,38 @@ impl CudaBackend {
         )?;
         Ok(q)
     }
+}
+
+/// The widths of Q and of K (= V) in a fused QKV row, once `qkv`, `rows`
+/// and `rope` are found to fit `shape` and the store's `spec`.
+pub(crate) fn check_qkv(
+    qkv: &CudaTensor,
+    shape: AttentionShape,
+    rope: &Rope,
+    rows: &NewRows<'_>,
+    spec: KvSpec,
+    layer: usize,
+) -> Result<(usize, usize)> {
+    let d = shape.head_dim;
+    let (q_cols, kv_cols) = (shape.num_heads * d, shape.num_kv_heads * d);
+    spec.check(layer, rows.slots)?;
+    if qkv.cols != q_cols + 2 * kv_cols
+        || rows.positions.len() != qkv.rows
+        || rows.slots.len() != qkv.rows
+        || kv_cols != spec.kv_dim()
+        || rope.dim() > d
+        || !rope.dim().is_multiple_of(4)
+        || !d.is_multiple_of(8)
+    {
+        return Err(shape_err(format!(
+            "qkv_rope_write: [{}, {}] for {}/{} heads of {d}, {} positions, {} slots",
+            qkv.rows,
+            qkv.cols,
+            shape.num_heads,
+            shape.num_kv_heads,
+            rows.positions.len(),
+            rows.slots.len()
+        )));
+    }
+    Ok((q_cols, kv_cols))
 }

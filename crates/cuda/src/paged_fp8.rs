@@ -13,6 +13,7 @@ use inferscale_engine::backend::{AttentionShape, KvSpec, NewRows};
 use inferscale_engine::rope::{Rope, TABLE_POSITIONS};
 
 use crate::backend::{Cu, CudaBackend, CudaKvStore, CudaTensor, DeviceRope, KvBuffers, shape_err};
+use crate::fused::check_qkv;
 
 /// The buffers of an fp8 store (see kernels/kv_fp8.cu for the layout).
 pub(crate) struct Fp8Cache {
@@ -173,25 +174,9 @@ impl CudaBackend {
         layer: usize,
     ) -> Result<CudaTensor> {
         let _span = self.span("qkv_rope_write");
-        let d = shape.head_dim;
-        let (q_cols, kv_cols) = (shape.num_heads * d, shape.num_kv_heads * d);
         let spec = store.spec;
-        spec.check(layer, rows.slots)?;
-        if qkv.cols != q_cols + 2 * kv_cols
-            || rows.positions.len() != qkv.rows
-            || rows.slots.len() != qkv.rows
-            || kv_cols != spec.kv_dim()
-        {
-            return Err(shape_err(format!(
-                "qkv_rope_write: [{}, {}] for {}/{} heads of {d}, {} positions, {} slots",
-                qkv.rows,
-                qkv.cols,
-                shape.num_heads,
-                shape.num_kv_heads,
-                rows.positions.len(),
-                rows.slots.len()
-            )));
-        }
+        let (q_cols, kv_cols) = check_qkv(qkv, shape, rope, &rows, spec, layer)?;
+        let d = shape.head_dim;
         check_rotation(rope, d)?;
         Self::mark_written(store);
         let q = self.tensor(qkv.rows, q_cols)?;

@@ -474,35 +474,7 @@ pub fn ops<G: Backend>(gpu: &G) -> R<Report> {
         };
         let shape =
             AttentionShape { num_heads: heads, num_kv_heads: kv_heads, head_dim: hd, scale: (hd as f32).powf(-0.5) };
-        // Scattered, non-monotonic block tables.
-        let table = |start: u32, n: usize| (0..n as u32).map(|i| (start + i * 7) % 160).collect::<Vec<u32>>();
-        let cases = [
-            ("prefill", vec![(300, 300, table(0, 19))]),
-            (
-                "chunked prefill + decode, 3 sequences",
-                vec![(700, 37, table(1, 44)), (90, 1, table(3, 6)), (1500 / 16 * 16, 1, table(5, 94))],
-            ),
-            ("question after 1,320 cached tokens", vec![(1340, 20, table(2, 84))]),
-            // kv+blend: 100 injected tokens recomputed in place among 1,320,
-            // then a 20-token question; and a decode beside it.
-            ("blend: 100 scattered rows + a question", vec![(1340, 120, table(4, 84)), (90, 1, table(3, 6))]),
-            (
-                // A serving step: many sequences decoding, one prompt chunk.
-                "100 decodes + a prefill chunk",
-                (0..100u32)
-                    .map(|i| {
-                        let ctx = 1 + (i as usize * 53) % 700;
-                        (ctx, 1, table(i, ctx.div_ceil(16)))
-                    })
-                    .chain([(300, 37, table(7, 19))])
-                    .collect(),
-            ),
-        ];
-        // The blend case's rows: every 13th injected token, then the question.
-        let blend_ends: Vec<u32> = (0..100u32).map(|i| 1 + 13 * i + i % 3).chain(1321..=1340).collect();
-        for (name, seqs) in cases {
-            let row_ends = if name.starts_with("blend") { vec![Some(blend_ends.clone())] } else { Vec::new() };
-            let c = PagedCase { spec, shape, seqs, row_ends, seed: 1000 };
+        for (name, c) in paged_cases(spec, shape) {
             both(
                 &cpu,
                 gpu,
@@ -515,7 +487,7 @@ pub fn ops<G: Backend>(gpu: &G) -> R<Report> {
         let c = PagedCase {
             spec,
             shape,
-            seqs: vec![(25, 0, table(9, 2)), (40, 0, table(11, 3))],
+            seqs: vec![(25, 0, block_table(9, 2)), (40, 0, block_table(11, 3))],
             row_ends: Vec::new(),
             seed: 77,
         };
@@ -571,6 +543,49 @@ pub fn ops<G: Backend>(gpu: &G) -> R<Report> {
     Ok(out)
 }
 
+/// Scattered, non-monotonic block tables of a 160-block cache.
+fn block_table(start: u32, n: usize) -> Vec<u32> {
+    (0..n as u32).map(|i| (start + i * 7) % 160).collect()
+}
+
+/// The paged-attention cases, by name: prefill, chunked prefill beside
+/// decodes, a question after cached tokens, kv+blend's scattered rows, and
+/// a serving step of many decodes.
+fn paged_cases(spec: KvSpec, shape: AttentionShape) -> Vec<(&'static str, PagedCase)> {
+    let table = block_table;
+    let cases = [
+        ("prefill", vec![(300, 300, table(0, 19))]),
+        (
+            "chunked prefill + decode, 3 sequences",
+            vec![(700, 37, table(1, 44)), (90, 1, table(3, 6)), (1500 / 16 * 16, 1, table(5, 94))],
+        ),
+        ("question after 1,320 cached tokens", vec![(1340, 20, table(2, 84))]),
+        // kv+blend: 100 injected tokens recomputed in place among 1,320,
+        // then a 20-token question; and a decode beside it.
+        ("blend: 100 scattered rows + a question", vec![(1340, 120, table(4, 84)), (90, 1, table(3, 6))]),
+        (
+            // A serving step: many sequences decoding, one prompt chunk.
+            "100 decodes + a prefill chunk",
+            (0..100u32)
+                .map(|i| {
+                    let ctx = 1 + (i as usize * 53) % 700;
+                    (ctx, 1, table(i, ctx.div_ceil(16)))
+                })
+                .chain([(300, 37, table(7, 19))])
+                .collect(),
+        ),
+    ];
+    // The blend case's rows: every 13th injected token, then the question.
+    let blend_ends: Vec<u32> = (0..100u32).map(|i| 1 + 13 * i + i % 3).chain(1321..=1340).collect();
+    cases
+        .into_iter()
+        .map(|(name, seqs)| {
+            let row_ends = if name.starts_with("blend") { vec![Some(blend_ends.clone())] } else { Vec::new() };
+            (name, PagedCase { spec, shape, seqs, row_ends, seed: 1000 })
+        })
+        .collect()
+}
+
 /// The fp8 paged cache (`--kv-cache-dtype fp8`, kernels/kv_fp8.cu) against
 /// the CPU's: writes, injection from every source, gathers, block copies
 /// and attention, on stores calibrated with [`fp8_offsets`]. The two
@@ -616,35 +631,13 @@ fn fp8_cache<G: Backend>(cpu: &CpuBackend, gpu: &G, out: &mut Report) -> R<()> {
         };
         let shape =
             AttentionShape { num_heads: heads, num_kv_heads: kv_heads, head_dim: hd, scale: (hd as f32).powf(-0.5) };
-        let table = |start: u32, n: usize| (0..n as u32).map(|i| (start + i * 7) % 160).collect::<Vec<u32>>();
-        let blend_ends: Vec<u32> = (0..100u32).map(|i| 1 + 13 * i + i % 3).chain(1321..=1340).collect();
-        let cases = [
-            (
-                "chunked prefill + decode, 3 sequences",
-                vec![(700, 37, table(1, 44)), (90, 1, table(3, 6)), (1500 / 16 * 16, 1, table(5, 94))],
-            ),
-            ("blend: 100 scattered rows + a question", vec![(1340, 120, table(4, 84)), (90, 1, table(3, 6))]),
-            (
-                "100 decodes + a prefill chunk",
-                (0..100u32)
-                    .map(|i| {
-                        let ctx = 1 + (i as usize * 53) % 700;
-                        (ctx, 1, table(i, ctx.div_ceil(16)))
-                    })
-                    .chain([(300, 37, table(7, 19))])
-                    .collect(),
-            ),
-        ];
-        for (name, seqs) in cases {
-            let row_ends = if name.starts_with("blend") { vec![Some(blend_ends.clone())] } else { Vec::new() };
-            let c = PagedCase { spec, shape, seqs, row_ends, seed: 1000 };
+        for (name, c) in paged_cases(spec, shape) {
             let what = format!("fp8 cache: paged attention d{hd} {heads}/{kv_heads} heads: {name}");
             both(cpu, gpu, &what, |be| be.paged(&c), out)?;
             if name.starts_with("chunked") {
                 // The control: the same case over the bf16 cache, which the
                 // fp8 cache's rounding must move by more than the tolerance.
-                let native = PagedCase { spec: KvSpec { dtype: KvCacheDtype::Native, ..spec }, ..c };
-                let (fp8, bf16) = (Dyn(gpu).paged(&c_with(&native, KvCacheDtype::Fp8))?, Dyn(gpu).paged(&native)?);
+                let (fp8, bf16) = (Dyn(gpu).paged(&c)?, Dyn(gpu).paged(&c_with(&c, KvCacheDtype::Native))?);
                 out.push(Check {
                     name: format!("{what}, control: against the bf16 cache"),
                     error: rel(&fp8, &bf16),
@@ -657,7 +650,7 @@ fn fp8_cache<G: Backend>(cpu: &CpuBackend, gpu: &G, out: &mut Report) -> R<()> {
         let c = PagedCase {
             spec: KvSpec { num_layers: 7, ..spec },
             shape,
-            seqs: vec![(25, 0, table(9, 2)), (40, 0, table(11, 3))],
+            seqs: vec![(25, 0, block_table(9, 2)), (40, 0, block_table(11, 3))],
             row_ends: Vec::new(),
             seed: 77,
         };

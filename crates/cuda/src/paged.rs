@@ -274,7 +274,7 @@ impl CudaBackend {
                 )?;
             }
             KvBuffers::Fp8(_) => {
-                let a = self.fp8_attention_args(store, layer)?;
+                let (l, t) = (self.fp8_layer(store, layer)?, self.offset_tables(store));
                 let cfg = LaunchConfig { grid_dim, block_dim, shared_mem_bytes: attention_fp8_smem_bytes(d) as u32 };
                 let f = if d == 64 { &self.k.paged_attention_fp8_d64 } else { &self.k.paged_attention_fp8_d128 };
                 self.launch_pdl(
@@ -285,8 +285,8 @@ impl CudaBackend {
                         &po,
                         &pm,
                         &qp,
-                        &a.k,
-                        &a.v,
+                        &l.k,
+                        &l.v,
                         &mp,
                         &ep,
                         &wo,
@@ -297,15 +297,15 @@ impl CudaBackend {
                         &shape.scale,
                         &kps,
                         &nt,
-                        &a.k_scale,
-                        &a.v_scale,
-                        &a.positions,
-                        &a.offsets,
-                        &a.cos,
-                        &a.sin,
-                        &a.inv_freq,
-                        &a.table_positions,
-                        &a.rot,
+                        &l.k_scale,
+                        &l.v_scale,
+                        &l.positions,
+                        &l.offsets,
+                        &t.cos,
+                        &t.sin,
+                        &t.inv_freq,
+                        &t.positions,
+                        &t.rot,
                     ],
                 )?;
             }

@@ -48,12 +48,12 @@ pub(crate) struct Fp8Layer {
 }
 
 /// The RoPE tables kernels turn keys or offsets with, as kernel arguments.
-struct Tables {
-    cos: u64,
-    sin: u64,
-    inv_freq: u64,
-    positions: u32,
-    rot: i32,
+pub(crate) struct Tables {
+    pub(crate) cos: u64,
+    pub(crate) sin: u64,
+    pub(crate) inv_freq: u64,
+    pub(crate) positions: u32,
+    pub(crate) rot: i32,
 }
 
 impl Fp8Cache {
@@ -145,14 +145,15 @@ impl CudaBackend {
 
     /// The tables a store's offsets turn with (zeros when it has none: the
     /// kernels then read no table).
-    fn offset_tables(&self, store: &CudaKvStore) -> Tables {
+    pub(crate) fn offset_tables(&self, store: &CudaKvStore) -> Tables {
         match &store.cache {
             KvBuffers::Fp8(c) if let Some(o) = &c.offsets => self.tables(&o.rope, o.rot),
             _ => Tables { cos: 0, sin: 0, inv_freq: 0, positions: 0, rot: store.spec.head_dim as i32 },
         }
     }
 
-    fn mark_written(store: &mut CudaKvStore) {
+    /// Records that keys were written (calibration must come first).
+    pub(crate) fn mark_written(store: &mut CudaKvStore) {
         if let KvBuffers::Fp8(c) = &mut store.cache {
             c.written = true;
         }
@@ -337,41 +338,6 @@ impl CudaBackend {
             &[&ptrs[0], &ptrs[1], &ks, &vs, &kpos, &pp, &layer_codes, &layer_scales, &block_codes, &block_scales, &bs],
         )
     }
-
-    /// The arguments `paged_attention_fp8_d*` takes after the bf16 kernel's:
-    /// the layer's scales, positions and offsets, and the offsets' tables.
-    pub(crate) fn fp8_attention_args(&self, store: &CudaKvStore, layer: usize) -> Result<Fp8AttentionArgs> {
-        let l = self.fp8_layer(store, layer)?;
-        let t = self.offset_tables(store);
-        Ok(Fp8AttentionArgs {
-            k: l.k,
-            v: l.v,
-            k_scale: l.k_scale,
-            v_scale: l.v_scale,
-            positions: l.positions,
-            offsets: l.offsets,
-            cos: t.cos,
-            sin: t.sin,
-            inv_freq: t.inv_freq,
-            table_positions: t.positions,
-            rot: t.rot,
-        })
-    }
-}
-
-/// See [`CudaBackend::fp8_attention_args`].
-pub(crate) struct Fp8AttentionArgs {
-    pub(crate) k: u64,
-    pub(crate) v: u64,
-    pub(crate) k_scale: u64,
-    pub(crate) v_scale: u64,
-    pub(crate) positions: u64,
-    pub(crate) offsets: u64,
-    pub(crate) cos: u64,
-    pub(crate) sin: u64,
-    pub(crate) inv_freq: u64,
-    pub(crate) table_positions: u32,
-    pub(crate) rot: i32,
 }
 
 /// The fp8 kernels turn pairs 8 dimensions at a time (attention's decode of

@@ -402,9 +402,7 @@ impl CudaBackend {
                 layer_scales: spec.capacity() * spec.num_kv_heads,
             },
         };
-        if let KvBuffers::Fp8(c) = &mut store.cache {
-            c.written = true;
-        }
+        Self::mark_written(store);
         let to_fp8 = matches!(dest, InjectDest::Fp8 { .. });
         // (kernel, table, tokens, chunks, fp8) of each kind present.
         let launches: Vec<(&cudarc::driver::CudaFunction, Vec<u32>, usize, u32, bool)> = kinds

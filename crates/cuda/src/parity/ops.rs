@@ -439,21 +439,7 @@ pub fn ops<G: Backend>(gpu: &G) -> R<Report> {
         exact(gpu, &name, |be, fused| be.add_norm(&x, &y, &w, fused), &mut out)?;
     }
     for (hd, heads, kv_heads, rot) in [(128, 32, 8, 128), (64, 9, 3, 64), (64, 4, 2, 32)] {
-        let spec = KvSpec {
-            num_layers: 2,
-            num_blocks: 8,
-            block_size: 16,
-            num_kv_heads: kv_heads,
-            head_dim: hd,
-            dtype: KvCacheDtype::Native,
-        };
-        let shape =
-            AttentionShape { num_heads: heads, num_kv_heads: kv_heads, head_dim: hd, scale: (hd as f32).powf(-0.5) };
-        let rope = Rope::new(&RopeConfig { theta: 10_000.0, dim: rot, scaling: RopeScaling::None });
-        // Positions in the table and past it; slots scattered.
-        let positions: Vec<u32> = (0..21).map(|i| i * 1000).collect();
-        let slots: Vec<u32> = (0..21).map(|i| (i * 37) % 128).collect();
-        let c = QkvCase { spec, shape, rope, positions, slots };
+        let c = qkv_case(hd, heads, kv_heads, rot, KvCacheDtype::Native);
         let name = format!("qkv_rope_write d{hd} {heads}/{kv_heads} heads, {rot} rotated");
         both(&cpu, gpu, &name, |be| be.qkv(&c, true), &mut out)?;
         exact(gpu, &name, |be, fused| be.qkv(&c, fused), &mut out)?;
@@ -543,6 +529,18 @@ pub fn ops<G: Backend>(gpu: &G) -> R<Report> {
     Ok(out)
 }
 
+/// A fused-QKV case of 21 rows into a two-layer cache of `dtype`: positions
+/// in the RoPE table and past it, slots scattered.
+fn qkv_case(hd: usize, heads: usize, kv_heads: usize, rot: usize, dtype: KvCacheDtype) -> QkvCase {
+    let spec = KvSpec { num_layers: 2, num_blocks: 8, block_size: 16, num_kv_heads: kv_heads, head_dim: hd, dtype };
+    let shape =
+        AttentionShape { num_heads: heads, num_kv_heads: kv_heads, head_dim: hd, scale: (hd as f32).powf(-0.5) };
+    let rope = Rope::new(&RopeConfig { theta: 10_000.0, dim: rot, scaling: RopeScaling::None });
+    let positions: Vec<u32> = (0..21).map(|i| i * 1000).collect();
+    let slots: Vec<u32> = (0..21).map(|i| (i * 37) % 128).collect();
+    QkvCase { spec, shape, rope, positions, slots }
+}
+
 /// Scattered, non-monotonic block tables of a 160-block cache.
 fn block_table(start: u32, n: usize) -> Vec<u32> {
     (0..n as u32).map(|i| (start + i * 7) % 160).collect()
@@ -594,20 +592,7 @@ fn paged_cases(spec: KvSpec, shape: AttentionShape) -> Vec<(&'static str, PagedC
 /// attention as bf16).
 fn fp8_cache<G: Backend>(cpu: &CpuBackend, gpu: &G, out: &mut Report) -> R<()> {
     for (hd, heads, kv_heads, rot) in [(128, 32, 8, 128), (64, 9, 3, 64), (64, 4, 2, 32)] {
-        let spec = KvSpec {
-            num_layers: 2,
-            num_blocks: 8,
-            block_size: 16,
-            num_kv_heads: kv_heads,
-            head_dim: hd,
-            dtype: KvCacheDtype::Fp8,
-        };
-        let shape =
-            AttentionShape { num_heads: heads, num_kv_heads: kv_heads, head_dim: hd, scale: (hd as f32).powf(-0.5) };
-        let rope = Rope::new(&RopeConfig { theta: 10_000.0, dim: rot, scaling: RopeScaling::None });
-        let positions: Vec<u32> = (0..21).map(|i| i * 1000).collect();
-        let slots: Vec<u32> = (0..21).map(|i| (i * 37) % 128).collect();
-        let c = QkvCase { spec, shape, rope, positions, slots };
+        let c = qkv_case(hd, heads, kv_heads, rot, KvCacheDtype::Fp8);
         let name = format!("fp8 cache: qkv_rope_write d{hd} {heads}/{kv_heads} heads, {rot} rotated");
         both(cpu, gpu, &name, |be| be.qkv(&c, true), out)?;
         // E2 on the device: a key the forward pass writes and the same

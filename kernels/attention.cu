@@ -190,7 +190,8 @@ __device__ void paged_attention(bf16* out, float* part_o, float* part_ml, const 
     bf16* tiles = (bf16*)smem;  // 2 stages × (K [BK][LK], V [BK][LK]); fp8: one stage
     // fp8: after the bf16 stage, two stages of (K codes [BK][D], V codes
     // [BK][D], K scales [BK], V scales [BK], positions [BK]), then the
-    // head's key offsets [D].
+    // head's key offsets [D], their partners [D] and the rotation steps [D]
+    // (see `decode`).
     constexpr int CODE_STAGE = 2 * BK * D + 3 * BK * 4;
     unsigned char* code_stages = smem + STAGE * 2;
     float* head_offsets = (float*)(code_stages + 2 * CODE_STAGE);
@@ -261,7 +262,6 @@ __device__ void paged_attention(bf16* out, float* part_o, float* part_ml, const 
     if constexpr (FP8) {
         const unsigned char* kcodes = (const unsigned char*)kc;
         const unsigned char* vcodes = (const unsigned char*)vc;
-        for (int c = tid; c < D; c += blockDim.x) head_offsets[c] = f8.offsets ? f8.offsets[g * D + c] : 0.0f;
         // Starts copying the codes of keys [kt, kt + BK) into code stage `st`; keys past the end read as zeros.
         auto load_codes = [&](u32 kt, int st) {
             unsigned char* Kc = code_stages + st * CODE_STAGE;
@@ -289,50 +289,90 @@ __device__ void paged_attention(bf16* out, float* part_o, float* part_ml, const 
             }
             cp_async_commit();
         };
-        // Code stage `st` decoded into the bf16 stage, 8 dimensions of one key a thread.
+        // Code stage `st` decoded into the bf16 stage, 8 dimensions of one key
+        // an item: code · scale, plus for keys the head's offset turned to
+        // the key's position. Unlike the cache's writes this need not match
+        // the CPU's roundings bit for bit (the tile is rounded to bf16), so
+        // it contracts to FMAs.
+        //
+        // With 128 threads every item of a thread has the same 8 dimensions,
+        // its keys S apart. Rather than read cos/sin from the table for every
+        // key (four times the bytes of its codes, and loads the kernel waited
+        // on), each thread keeps the rotation (zc, zs) of its 8 frequency
+        // bands at the position its next key should have and steps it S
+        // positions an item: a sequence's keys sit at consecutive positions,
+        // so the table is read once per RELOAD_TILES tiles (bounding the
+        // drift of repeated products) and wherever a key is not where
+        // expected.
+        constexpr int S = 128 / V8, RELOAD_TILES = 16;
+        const int j_first = tid / V8, d_first = (tid % V8) * 8;
+        const int rot = f8.rot, half = rot / 2;
+        const bool rotates = f8.offsets && d_first < rot;
+        const int i_first = d_first < half ? d_first : d_first - half;
+        // The offset of dimension d at a position whose band has (c, s) is
+        // offsets[d]·c + partner[d]·s: partner holds the other element of
+        // d's rotated pair, negated in the first half, and 0 past `rot`.
+        float* partner = head_offsets + D;
+        float* step_cs = partner + D;  // cos/sin of S·ω for every band: [2][D / 2]
+        for (int c = tid; c < D; c += blockDim.x) {
+            const float* o = f8.offsets ? f8.offsets + g * D : nullptr;
+            head_offsets[c] = f8.offsets ? o[c] : 0.0f;
+            partner[c] = !f8.offsets || c >= rot ? 0.0f : c < half ? -o[c + half] : o[c - half];
+        }
+        for (int c = tid; c < half; c += blockDim.x)
+            rope_cos_sin(S, c, half, f8.cos_t, f8.sin_t, f8.inv_freq, f8.table_positions, &step_cs[c],
+                         &step_cs[D / 2 + c]);
+        float zc[8], zs[8];
+        u32 zp = 0;
+        int tiles_since_table = RELOAD_TILES;
+        auto from_table = [&](u32 p, float (&c)[8], float (&sn)[8]) {
+#pragma unroll
+            for (int e = 0; e < 8; e++)
+                rope_cos_sin(p, i_first + e, half, f8.cos_t, f8.sin_t, f8.inv_freq, f8.table_positions, &c[e], &sn[e]);
+        };
         auto decode = [&](int st) {
             const unsigned char* Kc = code_stages + st * CODE_STAGE;
             const unsigned char* Vc = Kc + BK * D;
             const float* ksc = (const float*)(Vc + BK * D);
             const float* vsc = ksc + BK;
             const u32* pos = (const u32*)(vsc + BK);
-            const int rot = f8.rot, half = rot / 2;
-            for (int i = tid; i < BK * V8; i += blockDim.x) {
-                const int j = i / V8, d0 = (i % V8) * 8;
+            if (rotates && (pos[j_first] != zp || ++tiles_since_table >= RELOAD_TILES)) {
+                zp = pos[j_first];
+                from_table(zp, zc, zs);
+                tiles_since_table = 0;
+            }
+#pragma unroll 2
+            for (int n = 0; n < BK / S; n++) {
+                const int j = j_first + n * S, d0 = d_first;
                 const uint2 kw = *(const uint2*)(Kc + j * D + d0), vw = *(const uint2*)(Vc + j * D + d0);
                 const float ks = ksc[j], vs = vsc[j];
-                float kf[8], vf[8];
+                float kf[8], vf[8], cs[8], sn[8];
                 e4m3x8_to_float(kw, kf);
                 e4m3x8_to_float(vw, vf);
+                if (!rotates) {
+#pragma unroll
+                    for (int e = 0; e < 8; e++) cs[e] = 1.0f, sn[e] = 0.0f;
+                } else if (pos[j] == zp) {
+#pragma unroll
+                    for (int e = 0; e < 8; e++) cs[e] = zc[e], sn[e] = zs[e];
+                } else {
+                    zp = pos[j];
+                    from_table(zp, cs, sn);
+                }
 #pragma unroll
                 for (int e = 0; e < 8; e++) {
-                    kf[e] = __fmul_rn(kf[e], ks);
-                    vf[e] = __fmul_rn(vf[e], vs);
+                    kf[e] = fmaf(kf[e], ks, fmaf(head_offsets[d0 + e], cs[e], partner[d0 + e] * sn[e]));
+                    vf[e] *= vs;
                 }
-                if (f8.offsets) {
-                    __align__(16) float cs[8] = {};
-                    __align__(16) float sn[8] = {};
-                    if (d0 < rot) {
-                        const u32 p = pos[j];
-                        const int i0 = d0 < half ? d0 : d0 - half;
-                        if (p < f8.table_positions) {
-                            // 32-byte aligned: half and i0 are multiples of 8.
-                            const float4* ct = (const float4*)(f8.cos_t + (size_t)p * half + i0);
-                            const float4* st = (const float4*)(f8.sin_t + (size_t)p * half + i0);
-                            *(float4*)cs = ct[0];
-                            *(float4*)(cs + 4) = ct[1];
-                            *(float4*)sn = st[0];
-                            *(float4*)(sn + 4) = st[1];
-                        } else {
+                if (rotates) {
+                    // The next item's key, S positions on.
 #pragma unroll
-                            for (int e = 0; e < 8; e++)
-                                rope_cos_sin(p, i0 + e, half, f8.cos_t, f8.sin_t, f8.inv_freq, f8.table_positions,
-                                             &cs[e], &sn[e]);
-                        }
+                    for (int e = 0; e < 8; e++) {
+                        const float c = step_cs[i_first + e], t = step_cs[D / 2 + i_first + e];
+                        zc[e] = fmaf(cs[e], c, -(sn[e] * t));
+                        zs[e] = fmaf(sn[e], c, cs[e] * t);
                     }
-#pragma unroll
-                    for (int e = 0; e < 8; e++)
-                        kf[e] = __fadd_rn(kf[e], rotated_offset_at(head_offsets, d0 + e, half, rot, cs[e], sn[e]));
+                    zp += S;
                 }
                 *(uint4*)(tiles + j * LK + d0) = pack8(kf);
                 *(uint4*)(tiles + BK * LK + j * LK + d0) = pack8(vf);

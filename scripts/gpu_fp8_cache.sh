@@ -16,21 +16,28 @@
 # 2026-12-06: docs/performance.md, "An fp8 paged cache on CUDA") had the
 # device for less than this script needs and ran its pieces by hand.
 #
-#   gpu_fp8_cache.sh BIN OUT
+# PARTS (default "check decode ttft serve") runs a subset, e.g. the rest
+# of a run whose first call ran out of time.
+#
+#   [PARTS="ttft serve"] gpu_fp8_cache.sh BIN OUT
 set -uo pipefail
 bin=$1 out=$2
+parts=" ${PARTS:-check decode ttft serve} "
 mkdir -p "$out"
 here=$(dirname "$0")
 source "$here/gpu_env.sh"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+eight=(--backend cuda --shape llama3.1-8b --random-weights)
+if [[ $parts == *" check "* ]]; then
 timeout 300 "$bin" check --json "$out/check.json" >"$out/check.txt" 2>&1
 echo "check: exit $?"
 grep -E "fp8 cache|FAILED" "$out/check.txt" | head -60
 tail -n 1 "$out/check.txt"
+fi
 
+if [[ $parts == *" decode "* ]]; then
 python3 "$here"/peer/copy_bandwidth.py "$out/copy-bandwidth.json"
 
-eight=(--backend cuda --shape llama3.1-8b --random-weights)
 for dtype in auto fp8; do
   timeout 120 "$bin" bench engine "${eight[@]}" --kv-cache-mb 40000 --max-batch-tokens 1024 --gemm-n 512 \
     --prompt-tokens 16 --decode-batch 1,32,100,128 --decode-prompt-tokens 1550 --decode-tokens 32 --reps 2 \
@@ -38,11 +45,17 @@ for dtype in auto fp8; do
   grep -E "^decode|error" "$out/engine-8b-$dtype.txt"
 done
 python3 "$here/peer/decode_floor.py" "$out" | tee "$out/decode-floor.md"
+fi
+
+if [[ $parts == *" ttft "* ]]; then
 for dtype in auto fp8; do
   timeout 150 "$bin" bench ttft "${eight[@]}" --kv-cache-mb 16384 --max-batch-tokens 8192 --modes kv,prompt \
     --k 5,50,200 --reps 6 --kv-cache-dtype $dtype --json "$out/ttft-8b-$dtype.json" 2>&1 |
     grep -v "^inferscale: CUDA\|^inferscale bench ttft: k=" | tail -n 12 | tee "$out/ttft-8b-$dtype.txt"
 done
+fi
+
+if [[ $parts == *" serve "* ]]; then
 for dtype in auto fp8; do
   timeout 150 "$bin" bench serve "${eight[@]}" --embedder random --window 0 --kv-cache-mb 40000 \
     --kv-cache-dtype $dtype --max-batch-tokens 2048 --max-running 128 --max-queue 512 --users 100 --modes kv \
@@ -50,3 +63,4 @@ for dtype in auto fp8; do
     --json "$out/serve-$dtype.json" >"$out/serve-$dtype.txt" 2>&1
   grep -v "^inferscale: CUDA" "$out/serve-$dtype.txt" | tail -n 6
 done
+fi

@@ -47,13 +47,16 @@ def main(d):
         r = json.loads(f.read_text())
         shape = r["model"].removeprefix("random:")
         dtype = r.get("kv_cache_dtype", "auto")
+        # engine-SHAPE-DTYPE-BUILD.json: another build's run of the same cache.
+        build = f.stem.partition(f"-{dtype}-")[2]
+        label = f"{dtype} ({build})" if build else dtype
         for s in r["decode"]:
             # Mean context over the measured steps.
             ctx = s["prompt_tokens"] + s["new_tokens"] / 2
             floor = (weight_bytes(shape) + s["batch"] * ctx * kv_bytes_per_token(shape, dtype)) / bw * 1e3
-            rows.append({"shape": shape, "kv_cache_dtype": dtype, "batch": s["batch"], "context": ctx, "ms_per_step": s["ms_per_step"],
+            rows.append({"shape": shape, "kv_cache_dtype": dtype, "build": build or None, "batch": s["batch"], "context": ctx, "ms_per_step": s["ms_per_step"],
                          "floor_ms": floor, "times_floor": s["ms_per_step"] / floor, "tokens_per_s": s["tokens_per_s"]})
-            print(f"| {shape} | {dtype} | {s['batch']} | {ctx:.0f} | {s['ms_per_step']:.2f} | {floor:.2f} | "
+            print(f"| {shape} | {label} | {s['batch']} | {ctx:.0f} | {s['ms_per_step']:.2f} | {floor:.2f} | "
                   f"{s['ms_per_step'] / floor:.2f} | {s['tokens_per_s']:.0f} |")
     (d / "decode-floor.json").write_text(json.dumps({"copy_gb_per_s": bw / 1e9, "rows": rows}, indent=1))
 

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The fp8 paged cache's decode attention against the bf16 cache's (issue 47),
+# the Llama-3.1-8B shape, random weights, 1,550-token contexts:
+#   1. `inferscale check` (the fp8 cache's op checks among them);
+#   2. decode steps at M = 1/32/100/128: bf16 cache, then fp8 with BEFORE
+#      (an earlier build, if given), then fp8 with BIN, beside the floor;
+#   3. ncu's details (speed of light, warp stalls, memory, occupancy) of one
+#      decode-step attention launch of each cache at M = 32, CUDA graphs
+#      off, with the warp stall reasons summed from the raw metrics.
+# About five minutes on an H100. BATCHES (default 1,32,100,128) and REPS
+# (default 2) set the decode runs; NCU=0 skips step 3, NCU=only runs it alone.
+#
+#   [BATCHES=32,128 REPS=1 NCU=0] gpu_fp8_attention.sh BIN OUT [BEFORE]
+set -uo pipefail
+bin=$1 out=$2 before=${3:-}
+mkdir -p "$out"
+here=$(dirname "$0")
+source "$here/gpu_env.sh"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+e=(--backend cuda --shape llama3.1-8b --random-weights --kv-cache-mb 40000 --max-batch-tokens 1024 --gemm-n 512
+  --prompt-tokens 16 --decode-prompt-tokens 1550)
+if [ "${NCU:-1}" != only ]; then
+timeout 300 "$bin" check --json "$out/check.json" >"$out/check.txt" 2>&1
+echo "check: exit $?"
+grep -E "FAILED" "$out/check.txt" | head -20
+grep -E "fp8 cache.*attention" "$out/check.txt" | head -12
+tail -n 1 "$out/check.txt"
+python3 "$here"/peer/copy_bandwidth.py "$out/copy-bandwidth.json"
+runs=("auto $bin" "fp8 $bin")
+[ -n "$before" ] && runs=("auto $bin" "fp8 $before before" "fp8 $bin")
+for r in "${runs[@]}"; do
+  set -- $r
+  name=engine-8b-$1${3:+-$3}
+  timeout 150 "$2" bench engine "${e[@]}" --decode-batch "${BATCHES:-1,32,100,128}" --decode-tokens 32 --reps "${REPS:-2}" \
+    --kv-cache-dtype $1 --json "$out/$name.json" >"$out/$name.txt" 2>&1
+  echo "== $name"; grep -E "^decode|error" "$out/$name.txt"
+done
+python3 "$here/peer/decode_floor.py" "$out" | tee "$out/decode-floor.md"
+[ "${NCU:-1}" = 0 ] && exit 0
+fi
+
+ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+[ -n "$ncu" ] || { echo "gpu_fp8_attention.sh: no ncu on this machine" >&2; exit 1; }
+# Attention launches before the timed decode steps: the 16-token prefill
+# benchmark, then twice (warm-up, timed) 32 prompts of 1,549 tokens in 49
+# steps of 1,024 tokens × 32 layers, with 4 warm-up decode steps between:
+# ≈ 3,330. Skipping 3,500 lands in the timed decode steps (grid 32 × 8 × splits).
+for dtype in auto fp8; do
+  timeout 200 "$ncu" --clock-control none -k regex:paged_attention --launch-skip 3500 --launch-count 1 \
+    --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis --section Occupancy \
+    --section LaunchStats --section SchedulerStats --section InstructionStats \
+    -o "$out/ncu-attention-$dtype" -f "$bin" bench engine "${e[@]}" --decode-batch 32 --decode-tokens 64 --reps 1 \
+    --cuda-graphs off --kv-cache-dtype $dtype >"$out/ncu-attention-$dtype.log" 2>&1
+  echo "== ncu, $dtype cache: exit $?"
+  "$ncu" -i "$out/ncu-attention-$dtype.ncu-rep" --page details >"$out/ncu-attention-$dtype.txt" 2>&1
+  "$ncu" -i "$out/ncu-attention-$dtype.ncu-rep" --page raw --csv >"$out/ncu-attention-$dtype-raw.csv" 2>&1
+  grep -E "paged_attention|Duration|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Issued Ipc|Executed Instructions  |L2 Hit|L1/TEX Hit" "$out/ncu-attention-$dtype.txt"
+  python3 - "$out/ncu-attention-$dtype-raw.csv" <<'PY'
+import csv, sys
+rows = list(csv.DictReader(l for l in open(sys.argv[1]) if l.startswith('"')))
+for r in rows[1:]:
+    key = "smsp__average_warps_issue_stalled_"
+    stalls = {k[len(key):].split("_per_issue")[0]: float(v.replace(",", "")) for k, v in r.items()
+              if k.startswith(key) and v and v[0].isdigit()}
+    top = sorted(stalls.items(), key=lambda t: -t[1])[:7]
+    print("  stalls (warps per issue):", ", ".join(f"{k} {v:.2f}" for k, v in top))
+PY
+done

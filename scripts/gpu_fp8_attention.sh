@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # The fp8 paged cache's decode attention against the bf16 cache's (issue 47),
 # the Llama-3.1-8B shape, random weights, 1,550-token contexts:
-#   1. `inferscale check` (the fp8 cache's op checks among them);
+#   1. `inferscale check` (the fp8 cache's op checks among them), and
+#      BEFORE's if given;
 #   2. decode steps at M = 1/32/100/128: bf16 cache, then fp8 with BEFORE
 #      (an earlier build, if given), then fp8 with BIN, beside the floor;
 #   3. ncu's details (speed of light, warp stalls, memory, occupancy) of one
 #      decode-step attention launch of each cache at M = 32, CUDA graphs
 #      off, with the warp stall reasons summed from the raw metrics.
 # About five minutes on an H100. BATCHES (default 1,32,100,128) and REPS
-# (default 2) set the decode runs; NCU=0 skips step 3, NCU=only runs it alone.
+# (default 2) set the decode runs, FP8_ONLY=1 leaves out the bf16 one; NCU=0
+# skips step 3, NCU=only runs it alone.
 #
 #   [BATCHES=32,128 REPS=1 NCU=0] gpu_fp8_attention.sh BIN OUT [BEFORE]
 set -uo pipefail
@@ -23,11 +25,19 @@ if [ "${NCU:-1}" != only ]; then
 timeout 300 "$bin" check --json "$out/check.json" >"$out/check.txt" 2>&1
 echo "check: exit $?"
 grep -E "FAILED" "$out/check.txt" | head -20
-grep -E "fp8 cache.*attention" "$out/check.txt" | head -12
+grep -E "fp8 cache.*attention" "$out/check.txt" | head -14
 tail -n 1 "$out/check.txt"
+if [ -n "$before" ]; then
+  timeout 300 "$before" check >"$out/check-before.txt" 2>&1
+  echo "check, BEFORE: exit $?"
+  grep -E "FAILED|gaps" "$out/check-before.txt" | head -20
+  tail -n 1 "$out/check-before.txt"
+fi
 python3 "$here"/peer/copy_bandwidth.py "$out/copy-bandwidth.json"
 runs=("auto $bin" "fp8 $bin")
 [ -n "$before" ] && runs=("auto $bin" "fp8 $before before" "fp8 $bin")
+# FP8_ONLY=1: the bf16 run left out (its rows already measured on this machine).
+[ "${FP8_ONLY:-0}" = 1 ] && runs=("${runs[@]:1}")
 for r in "${runs[@]}"; do
   set -- $r
   name=engine-8b-$1${3:+-$3}

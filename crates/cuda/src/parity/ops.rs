@@ -122,6 +122,11 @@ struct PagedCase {
     /// Per sequence, its rows' ends when they are scattered (see
     /// `SeqSpan::row_ends`); sequences past the end have none.
     row_ends: Vec<Option<Vec<u32>>>,
+    /// Keys written at positions that skip three every 29 keys rather than
+    /// at 0, 1, 2, …: the fp8 cache's attention turns each key's offset by
+    /// its recorded position, stepping from one key to the next where they
+    /// are consecutive, and must notice where they are not.
+    position_gaps: bool,
     seed: u64,
 }
 
@@ -190,7 +195,8 @@ impl<B: Backend> Ops for Dyn<'_, B> {
             let k = be.upload_rows(&host(c.seed + 10 * i as u64, &[*ctx, kv_dim], 1.0))?;
             let v = be.upload_rows(&host(c.seed + 10 * i as u64 + 1, &[*ctx, kv_dim], 1.0))?;
             // Keys written as they are: the rotation is not what is checked.
-            let positions: Vec<u32> = (0..*ctx as u32).collect();
+            let gap = |t: u32| if c.position_gaps { t + 3 * (t / 29) } else { t };
+            let positions: Vec<u32> = (0..*ctx as u32).map(gap).collect();
             be.write_kv(&mut store, 0, &k, &v, NewRows { positions: &positions, slots: &slots }, &rope)?;
             spans.push((q_rows, *q_len, *ctx, table.as_slice()));
             q_rows += q_len;
@@ -475,6 +481,7 @@ pub fn ops<G: Backend>(gpu: &G) -> R<Report> {
             shape,
             seqs: vec![(25, 0, block_table(9, 2)), (40, 0, block_table(11, 3))],
             row_ends: Vec::new(),
+            position_gaps: false,
             seed: 77,
         };
         both(
@@ -547,8 +554,9 @@ fn block_table(start: u32, n: usize) -> Vec<u32> {
 }
 
 /// The paged-attention cases, by name: prefill, chunked prefill beside
-/// decodes, a question after cached tokens, kv+blend's scattered rows, and
-/// a serving step of many decodes.
+/// decodes, a question after cached tokens (at consecutive positions, and
+/// with gaps), kv+blend's scattered rows, and a serving step of many
+/// decodes.
 fn paged_cases(spec: KvSpec, shape: AttentionShape) -> Vec<(&'static str, PagedCase)> {
     let table = block_table;
     let cases = [
@@ -558,6 +566,7 @@ fn paged_cases(spec: KvSpec, shape: AttentionShape) -> Vec<(&'static str, PagedC
             vec![(700, 37, table(1, 44)), (90, 1, table(3, 6)), (1500 / 16 * 16, 1, table(5, 94))],
         ),
         ("question after 1,320 cached tokens", vec![(1340, 20, table(2, 84))]),
+        ("question after 1,320 keys at positions with gaps", vec![(1340, 20, table(2, 84))]),
         // kv+blend: 100 injected tokens recomputed in place among 1,320,
         // then a 20-token question; and a decode beside it.
         ("blend: 100 scattered rows + a question", vec![(1340, 120, table(4, 84)), (90, 1, table(3, 6))]),
@@ -579,7 +588,8 @@ fn paged_cases(spec: KvSpec, shape: AttentionShape) -> Vec<(&'static str, PagedC
         .into_iter()
         .map(|(name, seqs)| {
             let row_ends = if name.starts_with("blend") { vec![Some(blend_ends.clone())] } else { Vec::new() };
-            (name, PagedCase { spec, shape, seqs, row_ends, seed: 1000 })
+            let position_gaps = name.contains("positions with gaps");
+            (name, PagedCase { spec, shape, seqs, row_ends, position_gaps, seed: 1000 })
         })
         .collect()
 }
@@ -637,6 +647,7 @@ fn fp8_cache<G: Backend>(cpu: &CpuBackend, gpu: &G, out: &mut Report) -> R<()> {
             shape,
             seqs: vec![(25, 0, block_table(9, 2)), (40, 0, block_table(11, 3))],
             row_ends: Vec::new(),
+            position_gaps: false,
             seed: 77,
         };
         for (src, what) in [
@@ -664,6 +675,7 @@ fn c_with(c: &PagedCase, dtype: KvCacheDtype) -> PagedCase {
         shape: c.shape,
         seqs: c.seqs.clone(),
         row_ends: c.row_ends.clone(),
+        position_gaps: c.position_gaps,
         seed: c.seed,
     }
 }

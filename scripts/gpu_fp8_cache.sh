@@ -1,14 +1,11 @@
 #!/usr/bin/env bash
 # The fp8 paged cache on the device (`--kv-cache-dtype fp8`, kernels/kv_fp8.cu),
 # random weights, in one call (about eight minutes on an H200):
-#   1. `inferscale check`: CUDA against the CPU, the fp8 cache's op checks
-#      (writes, injection from every source, gathers, attention, injected =
-#      forward-pass codes bit for bit) and model checks among them;
-#   2. decode steps of the Llama-3.1-8B shape at M = 1/32/100/128 over
-#      1,550-token contexts, bf16 cache then fp8, beside their floor
-#      (scripts/peer/decode_floor.py; the device's copy bandwidth by torch);
-#   3. batch-1 TTFT, kv and prompt mode at k = 5/50/200, bf16 then fp8;
-#   4. `bench serve` at 100 clients, kv mode, 50 facts of 126 tokens (the
+#   1. `inferscale check` and decode steps of the Llama-3.1-8B shape at
+#      M = 1/32/100/128 over 1,550-token contexts, bf16 cache then fp8,
+#      beside their floor: scripts/gpu_fp8_attention.sh without its ncu step;
+#   2. batch-1 TTFT, kv and prompt mode at k = 5/50/200, bf16 then fp8;
+#   3. `bench serve` at 100 clients, kv mode, 50 facts of 126 tokens (the
 #      peer table's ≈ 6,600-token contexts, more than 40,000 MiB of bf16
 #      cache holds for 100 sequences), bf16 then fp8 in the same MiB.
 #
@@ -16,35 +13,20 @@
 # 2026-12-06: docs/performance.md, "An fp8 paged cache on CUDA") had the
 # device for less than this script needs and ran its pieces by hand.
 #
-# PARTS (default "check decode ttft serve") runs a subset, e.g. the rest
+# PARTS (default "attention ttft serve") runs a subset, e.g. the rest
 # of a run whose first call ran out of time.
 #
 #   [PARTS="ttft serve"] gpu_fp8_cache.sh BIN OUT
 set -uo pipefail
 bin=$1 out=$2
-parts=" ${PARTS:-check decode ttft serve} "
+parts=" ${PARTS:-attention ttft serve} "
 mkdir -p "$out"
 here=$(dirname "$0")
 source "$here/gpu_env.sh"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 eight=(--backend cuda --shape llama3.1-8b --random-weights)
-if [[ $parts == *" check "* ]]; then
-timeout 300 "$bin" check --json "$out/check.json" >"$out/check.txt" 2>&1
-echo "check: exit $?"
-grep -E "fp8 cache|FAILED" "$out/check.txt" | head -60
-tail -n 1 "$out/check.txt"
-fi
-
-if [[ $parts == *" decode "* ]]; then
-python3 "$here"/peer/copy_bandwidth.py "$out/copy-bandwidth.json"
-
-for dtype in auto fp8; do
-  timeout 120 "$bin" bench engine "${eight[@]}" --kv-cache-mb 40000 --max-batch-tokens 1024 --gemm-n 512 \
-    --prompt-tokens 16 --decode-batch 1,32,100,128 --decode-prompt-tokens 1550 --decode-tokens 32 --reps 2 \
-    --kv-cache-dtype $dtype --json "$out/engine-8b-$dtype.json" >"$out/engine-8b-$dtype.txt" 2>&1
-  grep -E "^decode|error" "$out/engine-8b-$dtype.txt"
-done
-python3 "$here/peer/decode_floor.py" "$out" | tee "$out/decode-floor.md"
+if [[ $parts == *" attention "* ]]; then
+  NCU=0 bash "$here/gpu_fp8_attention.sh" "$bin" "$out"
 fi
 
 if [[ $parts == *" ttft "* ]]; then

@@ -10,7 +10,8 @@
 #      off, with the warp stall reasons summed from the raw metrics.
 # About five minutes on an H100. BATCHES (default 1,32,100,128) and REPS
 # (default 2) set the decode runs, FP8_ONLY=1 leaves out the bf16 one; NCU=0
-# skips step 3, NCU=only runs it alone.
+# skips step 3, NCU=only runs it alone; NCU_DTYPES (default "auto fp8") names
+# the caches it profiles.
 #
 #   [BATCHES=32,128 REPS=1 NCU=0] gpu_fp8_attention.sh BIN OUT [BEFORE]
 set -uo pipefail
@@ -55,7 +56,7 @@ ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/
 # benchmark, then twice (warm-up, timed) 32 prompts of 1,549 tokens in 49
 # steps of 1,024 tokens × 32 layers, with 4 warm-up decode steps between:
 # ≈ 3,330. Skipping 3,500 lands in the timed decode steps (grid 32 × 8 × splits).
-for dtype in auto fp8; do
+for dtype in ${NCU_DTYPES:-auto fp8}; do
   timeout 200 "$ncu" --clock-control none -k regex:paged_attention --launch-skip 3500 --launch-count 1 \
     --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis --section Occupancy \
     --section LaunchStats --section SchedulerStats --section InstructionStats \

@@ -190,8 +190,7 @@ __device__ void paged_attention(bf16* out, float* part_o, float* part_ml, const 
     bf16* tiles = (bf16*)smem;  // 2 stages × (K [BK][LK], V [BK][LK]); fp8: one stage
     // fp8: after the bf16 stage, two stages of (K codes [BK][D], V codes
     // [BK][D], K scales [BK], V scales [BK], positions [BK]), then the
-    // head's key offsets [D], their partners [D] and the rotation steps [D]
-    // (see `decode`).
+    // head's key offsets [D] and their partners [D] (see `decode`).
     constexpr int CODE_STAGE = 2 * BK * D + 3 * BK * 4;
     unsigned char* code_stages = smem + STAGE * 2;
     float* head_offsets = (float*)(code_stages + 2 * CODE_STAGE);
@@ -313,30 +312,32 @@ __device__ void paged_attention(bf16* out, float* part_o, float* part_ml, const 
         // offsets[d]·c + partner[d]·s: partner holds the other element of
         // d's rotated pair, negated in the first half, and 0 past `rot`.
         float* partner = head_offsets + D;
-        float* step_cs = partner + D;  // cos/sin of S·ω for every band: [2][D / 2]
         for (int c = tid; c < D; c += blockDim.x) {
             const float* o = f8.offsets ? f8.offsets + g * D : nullptr;
             head_offsets[c] = f8.offsets ? o[c] : 0.0f;
             partner[c] = !f8.offsets || c >= rot ? 0.0f : c < half ? -o[c + half] : o[c - half];
         }
-        for (int c = tid; c < half; c += blockDim.x)
-            rope_cos_sin(S, c, half, f8.cos_t, f8.sin_t, f8.inv_freq, f8.table_positions, &step_cs[c],
-                         &step_cs[D / 2 + c]);
-        float zc[8], zs[8];
-        u32 zp = 0;
-        int tiles_since_table = RELOAD_TILES;
         auto from_table = [&](u32 p, float (&c)[8], float (&sn)[8]) {
 #pragma unroll
             for (int e = 0; e < 8; e++)
                 rope_cos_sin(p, i_first + e, half, f8.cos_t, f8.sin_t, f8.inv_freq, f8.table_positions, &c[e], &sn[e]);
         };
+        // (zc, zs): the rotation at position zp, where this thread's next
+        // key should be; (wc, ws): the step of S positions. A thread whose
+        // dimensions are not rotated keeps (1, 0) and never steps.
+        float zc[8], zs[8], wc[8], ws[8];
+#pragma unroll
+        for (int e = 0; e < 8; e++) zc[e] = 1.0f, zs[e] = 0.0f;
+        u32 zp = 0xffffffffu;  // no key there: the first key reads the table
+        int tiles_since_table = 0;
+        if (rotates) from_table(S, wc, ws);
         auto decode = [&](int st) {
             const unsigned char* Kc = code_stages + st * CODE_STAGE;
             const unsigned char* Vc = Kc + BK * D;
             const float* ksc = (const float*)(Vc + BK * D);
             const float* vsc = ksc + BK;
             const u32* pos = (const u32*)(vsc + BK);
-            if (rotates && (pos[j_first] != zp || ++tiles_since_table >= RELOAD_TILES)) {
+            if (rotates && ++tiles_since_table >= RELOAD_TILES) {
                 zp = pos[j_first];
                 from_table(zp, zc, zs);
                 tiles_since_table = 0;
@@ -346,31 +347,25 @@ __device__ void paged_attention(bf16* out, float* part_o, float* part_ml, const 
                 const int j = j_first + n * S, d0 = d_first;
                 const uint2 kw = *(const uint2*)(Kc + j * D + d0), vw = *(const uint2*)(Vc + j * D + d0);
                 const float ks = ksc[j], vs = vsc[j];
-                float kf[8], vf[8], cs[8], sn[8];
+                float kf[8], vf[8];
                 e4m3x8_to_float(kw, kf);
                 e4m3x8_to_float(vw, vf);
-                if (!rotates) {
-#pragma unroll
-                    for (int e = 0; e < 8; e++) cs[e] = 1.0f, sn[e] = 0.0f;
-                } else if (pos[j] == zp) {
-#pragma unroll
-                    for (int e = 0; e < 8; e++) cs[e] = zc[e], sn[e] = zs[e];
-                } else {
+                if (rotates && pos[j] != zp) {
                     zp = pos[j];
-                    from_table(zp, cs, sn);
+                    from_table(zp, zc, zs);
                 }
 #pragma unroll
                 for (int e = 0; e < 8; e++) {
-                    kf[e] = fmaf(kf[e], ks, fmaf(head_offsets[d0 + e], cs[e], partner[d0 + e] * sn[e]));
+                    kf[e] = fmaf(kf[e], ks, fmaf(head_offsets[d0 + e], zc[e], partner[d0 + e] * zs[e]));
                     vf[e] *= vs;
                 }
                 if (rotates) {
-                    // The next item's key, S positions on.
+                    // On to the next item's key, S positions on.
 #pragma unroll
                     for (int e = 0; e < 8; e++) {
-                        const float c = step_cs[i_first + e], t = step_cs[D / 2 + i_first + e];
-                        zc[e] = fmaf(cs[e], c, -(sn[e] * t));
-                        zs[e] = fmaf(sn[e], c, cs[e] * t);
+                        const float c = fmaf(zc[e], wc[e], -(zs[e] * ws[e]));
+                        zs[e] = fmaf(zs[e], wc[e], zc[e] * ws[e]);
+                        zc[e] = c;
                     }
                     zp += S;
                 }

@@ -40,12 +40,11 @@ pub fn attention_smem_bytes(head_dim: usize) -> usize {
 
 /// Dynamic shared memory of `paged_attention_fp8_d{head_dim}`: one stage of
 /// bf16 K and V tiles, two stages of codes (K and V, `[keys, head_dim]`
-/// bytes each) with their scales and positions (4 bytes a key each), the
-/// head's key offsets with the other element of each one's rotated pair,
-/// and the cos/sin of each frequency band's step between one thread's keys
+/// bytes each) with their scales and positions (4 bytes a key each), and
+/// the head's key offsets with the other element of each one's rotated pair
 /// (f32 each).
 pub fn attention_fp8_smem_bytes(head_dim: usize) -> usize {
-    2 * ATTN_KEYS * (head_dim + 8) * 2 + 2 * (2 * ATTN_KEYS * head_dim + 3 * ATTN_KEYS * 4) + 12 * head_dim
+    2 * ATTN_KEYS * (head_dim + 8) * 2 + 2 * (2 * ATTN_KEYS * head_dim + 3 * ATTN_KEYS * 4) + 8 * head_dim
 }
 
 /// Most rows `top_k_sorted` sorts in shared memory (8 bytes a row); a

@@ -11,7 +11,7 @@
 # About five minutes on an H100. BATCHES (default 1,32,100,128) and REPS
 # (default 2) set the decode runs, FP8_ONLY=1 leaves out the bf16 one; NCU=0
 # skips step 3, NCU=only runs it alone; NCU_DTYPES (default "auto fp8") names
-# the caches it profiles.
+# the caches it profiles; STOP_ON_FAIL=1 stops after a failed check.
 #
 #   [BATCHES=32,128 REPS=1 NCU=0] gpu_fp8_attention.sh BIN OUT [BEFORE]
 set -uo pipefail
@@ -24,10 +24,13 @@ e=(--backend cuda --shape llama3.1-8b --random-weights --kv-cache-mb 40000 --max
   --prompt-tokens 16 --decode-prompt-tokens 1550)
 if [ "${NCU:-1}" != only ]; then
 timeout 300 "$bin" check --json "$out/check.json" >"$out/check.txt" 2>&1
-echo "check: exit $?"
+check_rc=$?
+echo "check: exit $check_rc"
 grep -E "FAILED" "$out/check.txt" | head -20
 grep -E "fp8 cache.*attention" "$out/check.txt" | head -14
 tail -n 1 "$out/check.txt"
+# STOP_ON_FAIL=1: a failed check ends the run (a kernel under test).
+[ "$check_rc" != 0 ] && [ "${STOP_ON_FAIL:-0}" = 1 ] && exit 1
 if [ -n "$before" ]; then
   timeout 300 "$before" check >"$out/check-before.txt" 2>&1
   echo "check, BEFORE: exit $?"

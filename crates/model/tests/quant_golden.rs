@@ -44,8 +44,11 @@ fn hex_decode(s: &str) -> Vec<u8> {
 }
 
 fn load() -> Golden {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/golden/quant.json");
-    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"));
+    // The runner's CARGO_MANIFEST_DIR first: a binary reused from a shared
+    // target directory may have been compiled in another checkout.
+    let manifest = std::env::var("CARGO_MANIFEST_DIR").unwrap_or_else(|_| env!("CARGO_MANIFEST_DIR").to_string());
+    let path = format!("{manifest}/../../tests/golden/quant.json");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}"))
 }
 

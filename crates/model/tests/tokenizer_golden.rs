@@ -3,14 +3,19 @@
 
 #![allow(clippy::unwrap_used)] // tests fail loudly on unexpected errors
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use inferscale_model::chat::builtin;
 use inferscale_model::{ChatTemplate, Message};
 use serde::Deserialize;
 
+/// `tests/golden/NAME` of the checkout under test (the runner's
+/// `CARGO_MANIFEST_DIR` first: a binary reused from a shared target directory
+/// may have been compiled in another checkout).
 fn golden(name: &str) -> serde_json::Value {
-    let path: PathBuf = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/golden").join(name);
+    let manifest =
+        std::env::var_os("CARGO_MANIFEST_DIR").map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from);
+    let path = manifest.join("../../tests/golden").join(name);
     serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap()
 }
 

@@ -14,8 +14,14 @@ use inferscale_engine::{CpuBackend, Engine, EngineConfig, Sequence};
 use inferscale_model::ModelFiles;
 use serde::Deserialize;
 
+/// `tests/golden` of the checkout under test. The runner's
+/// `CARGO_MANIFEST_DIR` comes first: a test binary reused from a shared
+/// target directory may have been compiled in another checkout, whose path
+/// `env!` would have baked in.
 pub fn golden_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/golden")
+    let manifest =
+        std::env::var_os("CARGO_MANIFEST_DIR").map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from);
+    manifest.join("../../tests/golden")
 }
 
 #[derive(Debug, Deserialize)]

@@ -159,6 +159,14 @@ mod tests {
             }
         }
         assert!(report.len() > 20);
+        // The fp8 attention's layouts that take other paths through its kernel.
+        for case in [
+            "fp8 cache: paged attention d128 32/8 heads: question after 1,320 keys at positions with gaps",
+            "fp8 cache: paged attention d64 4/2 heads, 32 rotated: question after 1,320 keys at positions with gaps",
+            "fp8 cache: paged attention d64 4/2 heads, 32 rotated: chunked prefill + decode, 3 sequences",
+        ] {
+            assert!(report.iter().any(|c| c.name == case), "no check named {case:?}");
+        }
         let files = ModelFiles::random("tiny", shapes()[0].1.clone(), 3);
         let rows = greedy(&CpuBackend, &files, &[("a".into(), vec![5, 6, 7], 4)]).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(

@@ -124,9 +124,12 @@ struct PagedCase {
     row_ends: Vec<Option<Vec<u32>>>,
     /// Keys written at positions that skip three every 29 keys rather than
     /// at 0, 1, 2, …: the fp8 cache's attention turns each key's offset by
-    /// its recorded position, stepping from one key to the next where they
-    /// are consecutive, and must notice where they are not.
+    /// its recorded position, taking the positions to run on from a tile's
+    /// first key where they do, and must notice where they do not.
     position_gaps: bool,
+    /// Dimensions of a head that RoPE turns (the rest keep their offsets
+    /// unturned: an fp8 cache's attention adds q·o over them as a constant).
+    rot: usize,
     seed: u64,
 }
 
@@ -186,7 +189,7 @@ impl<B: Backend> Ops for Dyn<'_, B> {
         let be = self.0;
         let kv_dim = c.spec.kv_dim();
         let bs = c.spec.block_size;
-        let rope = Rope::new(&RopeConfig { theta: 10_000.0, dim: c.spec.head_dim, scaling: RopeScaling::None });
+        let rope = Rope::new(&RopeConfig { theta: 10_000.0, dim: c.rot, scaling: RopeScaling::None });
         let mut store = new_store(be, c.spec, &rope)?;
         let mut spans = Vec::new();
         let mut q_rows = 0;
@@ -482,6 +485,7 @@ pub fn ops<G: Backend>(gpu: &G) -> R<Report> {
             seqs: vec![(25, 0, block_table(9, 2)), (40, 0, block_table(11, 3))],
             row_ends: Vec::new(),
             position_gaps: false,
+            rot: hd,
             seed: 77,
         };
         both(
@@ -589,7 +593,7 @@ fn paged_cases(spec: KvSpec, shape: AttentionShape) -> Vec<(&'static str, PagedC
         .map(|(name, seqs)| {
             let row_ends = if name.starts_with("blend") { vec![Some(blend_ends.clone())] } else { Vec::new() };
             let position_gaps = name.contains("positions with gaps");
-            (name, PagedCase { spec, shape, seqs, row_ends, position_gaps, seed: 1000 })
+            (name, PagedCase { spec, shape, seqs, row_ends, position_gaps, rot: spec.head_dim, seed: 1000 })
         })
         .collect()
 }
@@ -641,6 +645,20 @@ fn fp8_cache<G: Backend>(cpu: &CpuBackend, gpu: &G, out: &mut Report) -> R<()> {
                 });
             }
         }
+        if hd == 64 {
+            // Heads that RoPE turns only in part: the dimensions past `rot`
+            // keep their offsets as they are.
+            let spec = KvSpec { num_kv_heads: 2, ..spec };
+            let shape = AttentionShape { num_heads: 4, num_kv_heads: 2, ..shape };
+            for (name, c) in paged_cases(spec, shape) {
+                if !(name.starts_with("chunked") || name.contains("gaps")) {
+                    continue;
+                }
+                let c = PagedCase { rot: 32, ..c };
+                let what = format!("fp8 cache: paged attention d64 4/2 heads, 32 rotated: {name}");
+                both(cpu, gpu, &what, |be| be.paged(&c), out)?;
+            }
+        }
         let rope = rope_for(hd, RopeScaling::None);
         let c = PagedCase {
             spec: KvSpec { num_layers: 7, ..spec },
@@ -648,6 +666,7 @@ fn fp8_cache<G: Backend>(cpu: &CpuBackend, gpu: &G, out: &mut Report) -> R<()> {
             seqs: vec![(25, 0, block_table(9, 2)), (40, 0, block_table(11, 3))],
             row_ends: Vec::new(),
             position_gaps: false,
+            rot: hd,
             seed: 77,
         };
         for (src, what) in [
@@ -676,6 +695,7 @@ fn c_with(c: &PagedCase, dtype: KvCacheDtype) -> PagedCase {
         seqs: c.seqs.clone(),
         row_ends: c.row_ends.clone(),
         position_gaps: c.position_gaps,
+        rot: c.rot,
         seed: c.seed,
     }
 }

@@ -3,12 +3,16 @@
 //! against a rule, or one the design page does not show, fails here.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 type Graph = BTreeMap<String, BTreeSet<String>>;
 
+/// The checkout's root: the runner's `CARGO_MANIFEST_DIR` first (a test
+/// binary from a shared target directory may come from another checkout).
 fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+    let manifest =
+        std::env::var_os("CARGO_MANIFEST_DIR").map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from);
+    manifest.join("../..")
 }
 
 /// Each crate's inferscale dependencies from `[dependencies]`, by short

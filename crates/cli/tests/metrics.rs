@@ -143,7 +143,7 @@ fn router_and_worker_metrics_share_one_vocabulary_and_the_dashboard_renders_agai
     assert!(worker_text.contains("inferscale_worker_memory_units 1\n"), "{worker_text}");
 
     // Every dashboard query names metrics that exist.
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/grafana/inferscale.json");
+    let path = common::manifest_dir().join("../../deploy/grafana/inferscale.json");
     let dash: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     let served: BTreeSet<&String> = router.keys().chain(worker.keys()).collect();
     let mut queries = 0;

@@ -284,7 +284,7 @@ fn openai_python_client_works_unchanged() {
         &dir.path().join("mem"),
         &["--window", "2", "--api-keys", keys.to_str().unwrap(), "--max-running", "1", "--max-queue", "1"],
     );
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/openai_client.py");
+    let script = common::manifest_dir().join("tests/openai_client.py");
     let out = Command::new("python3")
         .arg(&script)
         .arg(format!("http://{}/v1", srv.addr))
@@ -312,7 +312,7 @@ fn mem0_python_client_works_by_changing_the_host() {
     let keys = dir.path().join("keys");
     std::fs::write(&keys, "acme:m0-secret-key\n").unwrap();
     let srv = serve(&dir.path().join("mem"), &["--api-keys", keys.to_str().unwrap()]);
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/mem0_client.py");
+    let script = common::manifest_dir().join("tests/mem0_client.py");
     let out = Command::new("python3")
         .arg(&script)
         .arg(format!("http://{}", srv.addr))
@@ -599,7 +599,7 @@ fn chats_keep_their_pace_during_a_large_ingest() {
 fn locomo() -> Vec<Value> {
     let path = std::env::var_os("INFERSCALE_LOCOMO")
         .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/locomo/locomo-dev.json"));
+        .unwrap_or_else(|| common::manifest_dir().join("../../../shared/data/locomo/locomo-dev.json"));
     let text = std::fs::read_to_string(&path)
         .unwrap_or_else(|e| panic!("{}: {e} (set INFERSCALE_LOCOMO to a LoCoMo file)", path.display()));
     serde_json::from_str::<Vec<Value>>(&text).unwrap()

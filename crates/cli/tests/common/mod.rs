@@ -7,11 +7,20 @@ pub mod cluster;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
 use serde_json::Value;
+
+/// This crate's directory in the checkout running the tests: the runner's
+/// `CARGO_MANIFEST_DIR` first, since a test binary reused from a shared
+/// target directory may have been compiled in another checkout, whose path
+/// `env!` froze in.
+pub fn manifest_dir() -> PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR").map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from)
+}
 
 /// A child process killed on drop; `addr` is what it printed after `marker`.
 pub struct Proc {

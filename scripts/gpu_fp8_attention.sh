@@ -9,7 +9,8 @@
 #      decode-step attention launch of each cache at M = 32, CUDA graphs
 #      off, with the warp stall reasons summed from the raw metrics.
 # About five minutes on an H100. BATCHES (default 1,32,100,128) and REPS
-# (default 2) set the decode runs, FP8_ONLY=1 leaves out the bf16 one; NCU=0
+# (default 2) set the decode runs, FP8_ONLY=1 leaves out the bf16 one,
+# BEFORE_BF16=1 adds BEFORE's bf16 run beside BIN's; NCU=0
 # skips step 3, NCU=only runs it alone; NCU_DTYPES (default "auto fp8") names
 # the caches it profiles; STOP_ON_FAIL=1 stops after a failed check.
 #
@@ -40,6 +41,8 @@ fi
 python3 "$here"/peer/copy_bandwidth.py "$out/copy-bandwidth.json"
 runs=("auto $bin" "fp8 $bin")
 [ -n "$before" ] && runs=("auto $bin" "fp8 $before before" "fp8 $bin")
+# BEFORE_BF16=1: BEFORE's bf16 cache too (a change to both caches' kernels).
+[ -n "$before" ] && [ "${BEFORE_BF16:-0}" = 1 ] && runs=("auto $before before" "${runs[@]}")
 # FP8_ONLY=1: the bf16 run left out (its rows already measured on this machine).
 [ "${FP8_ONLY:-0}" = 1 ] && runs=("${runs[@]:1}")
 for r in "${runs[@]}"; do

@@ -41,10 +41,10 @@ fi
 python3 "$here"/peer/copy_bandwidth.py "$out/copy-bandwidth.json"
 runs=("auto $bin" "fp8 $bin")
 [ -n "$before" ] && runs=("auto $bin" "fp8 $before before" "fp8 $bin")
-# BEFORE_BF16=1: BEFORE's bf16 cache too (a change to both caches' kernels).
-[ -n "$before" ] && [ "${BEFORE_BF16:-0}" = 1 ] && runs=("auto $before before" "${runs[@]}")
 # FP8_ONLY=1: the bf16 run left out (its rows already measured on this machine).
 [ "${FP8_ONLY:-0}" = 1 ] && runs=("${runs[@]:1}")
+# BEFORE_BF16=1: BEFORE's bf16 cache too (a change to both caches' kernels).
+[ -n "$before" ] && [ "${BEFORE_BF16:-0}" = 1 ] && [ "${FP8_ONLY:-0}" != 1 ] && runs=("auto $before before" "${runs[@]}")
 for r in "${runs[@]}"; do
   set -- $r
   name=engine-8b-$1${3:+-$3}

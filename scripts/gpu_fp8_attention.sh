@@ -39,12 +39,16 @@ if [ -n "$before" ]; then
   tail -n 1 "$out/check-before.txt"
 fi
 python3 "$here"/peer/copy_bandwidth.py "$out/copy-bandwidth.json"
-runs=("auto $bin" "fp8 $bin")
-[ -n "$before" ] && runs=("auto $bin" "fp8 $before before" "fp8 $bin")
-# FP8_ONLY=1: the bf16 run left out (its rows already measured on this machine).
-[ "${FP8_ONLY:-0}" = 1 ] && runs=("${runs[@]:1}")
-# BEFORE_BF16=1: BEFORE's bf16 cache too (a change to both caches' kernels).
-[ -n "$before" ] && [ "${BEFORE_BF16:-0}" = 1 ] && [ "${FP8_ONLY:-0}" != 1 ] && runs=("auto $before before" "${runs[@]}")
+# (cache, binary, build label): bf16 runs unless FP8_ONLY=1 (their rows
+# already measured on this machine), BEFORE's only with BEFORE_BF16=1 (a
+# change to both caches' kernels); then fp8, BEFORE's first if given.
+runs=()
+if [ "${FP8_ONLY:-0}" != 1 ]; then
+  [ -n "$before" ] && [ "${BEFORE_BF16:-0}" = 1 ] && runs+=("auto $before before")
+  runs+=("auto $bin")
+fi
+[ -n "$before" ] && runs+=("fp8 $before before")
+runs+=("fp8 $bin")
 for r in "${runs[@]}"; do
   set -- $r
   name=engine-8b-$1${3:+-$3}

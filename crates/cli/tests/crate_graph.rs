@@ -2,17 +2,18 @@
 //! manifests keep the layering rules written there: a dependency added
 //! against a rule, or one the design page does not show, fails here.
 
+#![allow(clippy::unwrap_used)] // common/'s helpers fail loudly on unexpected errors
+
+mod common;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 
 type Graph = BTreeMap<String, BTreeSet<String>>;
 
-/// The checkout's root: the runner's `CARGO_MANIFEST_DIR` first (a test
-/// binary from a shared target directory may come from another checkout).
+/// The checkout's root.
 fn root() -> PathBuf {
-    let manifest =
-        std::env::var_os("CARGO_MANIFEST_DIR").map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from);
-    manifest.join("../..")
+    common::manifest_dir().join("../..")
 }
 
 /// Each crate's inferscale dependencies from `[dependencies]`, by short

@@ -11,6 +11,8 @@
 //! exact: every output must have the reference's f32 bit pattern (this also
 //! tells 0.0 from -0.0).
 
+mod common;
+
 use inferscale_model::quant::{GgmlType, dequantize};
 use serde::Deserialize;
 
@@ -44,12 +46,9 @@ fn hex_decode(s: &str) -> Vec<u8> {
 }
 
 fn load() -> Golden {
-    // The runner's CARGO_MANIFEST_DIR first: a binary reused from a shared
-    // target directory may have been compiled in another checkout.
-    let manifest = std::env::var("CARGO_MANIFEST_DIR").unwrap_or_else(|_| env!("CARGO_MANIFEST_DIR").to_string());
-    let path = format!("{manifest}/../../tests/golden/quant.json");
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
-    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}"))
+    let path = common::golden_path("quant.json");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 #[test]

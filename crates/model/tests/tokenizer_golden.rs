@@ -3,19 +3,14 @@
 
 #![allow(clippy::unwrap_used)] // tests fail loudly on unexpected errors
 
-use std::path::PathBuf;
+mod common;
 
 use inferscale_model::chat::builtin;
 use inferscale_model::{ChatTemplate, Message};
 use serde::Deserialize;
 
-/// `tests/golden/NAME` of the checkout under test (the runner's
-/// `CARGO_MANIFEST_DIR` first: a binary reused from a shared target directory
-/// may have been compiled in another checkout).
 fn golden(name: &str) -> serde_json::Value {
-    let manifest =
-        std::env::var_os("CARGO_MANIFEST_DIR").map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from);
-    let path = manifest.join("../../tests/golden").join(name);
+    let path = common::golden_path(name);
     serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap()
 }
 

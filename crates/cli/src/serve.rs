@@ -58,6 +58,12 @@ pub struct WorkerArgs {
     /// With --cold-kv wait or auto: the most a request waits for its facts' reads.
     #[arg(long, env = "INFERSCALE_COLD_KV_WAIT_MS", default_value_t = inferscale_worker::COLD_KV_WAIT.as_millis() as u64)]
     pub(crate) cold_kv_wait_ms: u64,
+    /// Threads that read facts' KV from disk (reads in flight at once; an
+    /// NVMe drive serves several in parallel): more let more of a request's
+    /// cold facts arrive within --cold-kv-wait-ms instead of being prefilled.
+    #[arg(long, env = "INFERSCALE_KV_READERS", default_value_t = inferscale_worker::KV_READERS,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=256))]
+    pub(crate) kv_readers: usize,
     /// Which prompt- and none-mode requests may reuse each other's computed
     /// prompt blocks: `user` (one user's own earlier prompts only, so that
     /// timing reveals nothing of other users'; the default), `shared` (any
@@ -332,6 +338,7 @@ where
         prompts: a.mem.prompts(),
         cold_kv: a.cold_kv,
         cold_kv_wait: std::time::Duration::from_millis(a.cold_kv_wait_ms),
+        kv_readers: a.kv_readers,
         prefix_cache: a.prefix_cache.unwrap_or_default(),
         audit_share: a.audit_share,
         ..Default::default()

@@ -386,9 +386,10 @@ fn cold_facts_are_prefilled_while_their_kv_is_read() {
     assert!(v["usage"]["memory"].get("sources").is_none(), "{v}");
     drop(s);
 
-    // `wait`: the reader threads read the cold facts while the request
-    // waits outside the engine; read in time, every fact is injected.
-    let s = serve(&mem, &["--cold-kv", "wait", "--cold-kv-wait-ms", "20000"]);
+    // `wait`: the reader threads (here one, --kv-readers) read the cold
+    // facts while the request waits outside the engine; read in time, every
+    // fact is injected.
+    let s = serve(&mem, &["--cold-kv", "wait", "--cold-kv-wait-ms", "20000", "--kv-readers", "1"]);
     let (status, v) = json_call(&s.addr, "POST", c, &question);
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["usage"]["memory"]["injected_tokens"].as_u64(), Some(injected), "waited for the reads: {v}");

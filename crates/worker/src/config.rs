@@ -33,6 +33,11 @@ pub struct WorkerConfig {
     /// With [`ColdKv::Wait`]: how long a request waits for its facts' reads
     /// before it prefills those still on disk.
     pub cold_kv_wait: Duration,
+    /// Threads that read facts' KV from disk for kv-mode requests (at
+    /// least 1): reads in flight at once, which an NVMe queue serves in
+    /// parallel, so more of a request's cold facts arrive within
+    /// [`WorkerConfig::cold_kv_wait`] instead of being prefilled.
+    pub kv_readers: usize,
     /// Which requests' prompts may reuse each other's computed KV blocks.
     pub prefix_cache: PrefixCache,
     /// Share of kv and blend requests (0..=1) whose first token is also
@@ -130,6 +135,9 @@ pub enum ColdKv {
 /// reads in ≈ 27 ms on a reader thread (fp8, NVMe, docs/performance.md).
 pub const COLD_KV_WAIT: Duration = Duration::from_millis(100);
 
+/// The default of [`WorkerConfig::kv_readers`].
+pub const KV_READERS: usize = 4;
+
 impl Default for WorkerConfig {
     fn default() -> Self {
         WorkerConfig {
@@ -142,6 +150,7 @@ impl Default for WorkerConfig {
             max_ingest_units: MAX_INGEST_UNITS,
             cold_kv: ColdKv::default(),
             cold_kv_wait: COLD_KV_WAIT,
+            kv_readers: KV_READERS,
             prefix_cache: PrefixCache::default(),
             audit_share: 0.0,
         }

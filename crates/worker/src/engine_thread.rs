@@ -204,6 +204,7 @@ pub(crate) fn run<B: Backend>(
         metrics.clone(),
     );
     let cfg_ingest_batch = cfg.ingest_batch;
+    let readers = cfg.kv_readers;
     let mut core = Core {
         session,
         eos,
@@ -213,7 +214,8 @@ pub(crate) fn run<B: Backend>(
         next_id: 0,
         metrics,
         profile: Profile { on: std::env::var_os("INFERSCALE_WORKER_PROFILE").is_some(), ..Default::default() },
-        reader: KvReader::start().map_err(|e| WorkerError::Startup(format!("starting the KV reader threads: {e}")))?,
+        reader: KvReader::start(readers)
+            .map_err(|e| WorkerError::Startup(format!("starting the KV reader threads: {e}")))?,
         waiting: Vec::new(),
         reads_cached: false,
         step_time: StepTime::default(),

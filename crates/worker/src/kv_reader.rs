@@ -10,9 +10,6 @@ use std::sync::{Arc, Mutex};
 use inferscale_engine::Backend;
 use inferscale_memory::{ReadDone, ReadJob};
 
-/// Reads in flight at once: an NVMe queue wants several.
-const READERS: usize = 4;
-
 pub(crate) struct KvReader<B: Backend> {
     jobs: Sender<ReadJob<B>>,
     done: Receiver<ReadDone<B>>,
@@ -21,15 +18,19 @@ pub(crate) struct KvReader<B: Backend> {
     inline: Vec<ReadDone<B>>,
     /// Jobs queued or running (sent, not yet finished).
     pending: usize,
+    /// Reader threads: reads in flight at once (an NVMe queue wants several).
+    threads: usize,
 }
 
 impl<B: Backend> KvReader<B> {
-    /// Starts the reader threads; they end when this value is dropped.
-    pub(crate) fn start() -> std::io::Result<Self> {
+    /// Starts `threads` reader threads (at least one); they end when this
+    /// value is dropped.
+    pub(crate) fn start(threads: usize) -> std::io::Result<Self> {
+        let threads = threads.max(1);
         let (jobs, queue) = channel::<ReadJob<B>>();
         let (finished, done) = channel();
         let queue = Arc::new(Mutex::new(queue));
-        for n in 0..READERS {
+        for n in 0..threads {
             let (queue, finished) = (queue.clone(), finished.clone());
             std::thread::Builder::new().name(format!("inferscale-kv-read-{n}")).spawn(move || {
                 loop {
@@ -44,7 +45,7 @@ impl<B: Backend> KvReader<B> {
                 }
             })?;
         }
-        Ok(KvReader { jobs, done, inline: Vec::new(), pending: 0 })
+        Ok(KvReader { jobs, done, inline: Vec::new(), pending: 0, threads })
     }
 
     /// Queues `jobs` for the reader threads.
@@ -64,7 +65,7 @@ impl<B: Backend> KvReader<B> {
 
     /// Reader threads.
     pub(crate) fn threads(&self) -> usize {
-        READERS
+        self.threads
     }
 
     /// Reads finished since the last call.

@@ -28,7 +28,7 @@ pub mod text;
 mod throttle;
 pub mod transfer;
 
-pub use config::{COLD_KV_WAIT, ColdKv, PrefixCache, WorkerConfig};
+pub use config::{COLD_KV_WAIT, ColdKv, KV_READERS, PrefixCache, WorkerConfig};
 pub use engine_thread::WorkerParts;
 pub use error::{Result, WorkerError};
 /// How the worker API is secured (mutual TLS or plaintext), for hosts that serve it.

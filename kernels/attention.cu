@@ -161,8 +161,9 @@ struct Fp8Read {
 // bound by reading the cache and few blocks fit per SM. K and V stay
 // row-major; V's fragments come through ldmatrix.trans. A block whose rows
 // fit in 16 (a decode token: its G query heads) would leave three warps
-// idle, so there the four warps share the 16 rows and split each tile's
-// keys instead, each with its own softmax state, merged at the end. In a
+// idle, so there the four warps share the 16 rows and split the keys
+// instead — each a contiguous quarter, walked on its own (below) — each
+// with its own softmax state, merged at the end. In a
 // block of more rows, warps whose rows are all past the span only load.
 // It writes O / l — or, when keys are split across blocks (grid z), the
 // unnormalised O with its running max and sum for `attention_combine`.
@@ -243,48 +244,62 @@ __device__ void paged_attention(bf16* out, float* part_o, float* part_ml, const 
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
 
     const bool active = split || r0 + warp * 16 < rows_total;
-    // Starts copying keys [kt, kt + BK) into `stage`; keys past the end read as zeros.
-    auto load = [&](u32 kt, int stage) {
+    // Decode-like blocks: each warp copies (and over fp8, decodes) and
+    // attends its own contiguous quarter of the keys, [wb, we), 16 at a time
+    // through its own rows of the stages, with only `__syncwarp` between.
+    // No warp waits at a block barrier for another's copies, so one warp's
+    // loads and decode overlap another's MMAs: four warps taking a quarter
+    // of each shared tile in lockstep between block barriers left the fp8
+    // kernel latency-bound. Quarters are whole tiles of 16 but the last.
+    constexpr int WK = 16;
+    const u32 quarter = (k_end > k_begin ? k_end - k_begin + 4 * WK - 1 : 0) / (4 * WK) * WK;
+    const u32 wb = min(k_end, k_begin + warp * quarter), we = min(k_end, wb + quarter);
+    // Starts copying keys [kt, kt + n) into rows j0 .. j0 + n of `stage`,
+    // as thread t of nt (the block's, or one warp's); keys past the end read
+    // as zeros.
+    auto load = [&](u32 kt, int stage, int j0, int n, int t, int nt) {
         bf16* Ks = tiles + stage * STAGE;
         bf16* Vs = Ks + BK * LK;
-        for (int i = tid; i < BK * V8; i += blockDim.x) {
+        for (int i = t; i < n * V8; i += nt) {
             int j = i / V8, c8 = i % V8;
             u32 key = kt + j;
             bool full = key < k_end;
             size_t off = 0;
             if (full) off = ((size_t)table[key / block_size] * block_size + key % block_size) * kv_dim + g * D + c8 * 8;
-            cp_async16(Ks + j * LK + c8 * 8, kc + off, full);
-            cp_async16(Vs + j * LK + c8 * 8, vc + off, full);
+            cp_async16(Ks + (j0 + j) * LK + c8 * 8, kc + off, full);
+            cp_async16(Vs + (j0 + j) * LK + c8 * 8, vc + off, full);
         }
         cp_async_commit();
     };
     if constexpr (FP8) {
         const unsigned char* kcodes = (const unsigned char*)kc;
         const unsigned char* vcodes = (const unsigned char*)vc;
-        // Starts copying the codes of keys [kt, kt + BK) into code stage `st`; keys past the end read as zeros.
-        auto load_codes = [&](u32 kt, int st) {
+        // Starts copying the codes of keys [kt, kt + n) into rows j0 .. j0 + n
+        // of code stage `st`, as thread t of nt (the block's, or one warp's);
+        // keys past the end read as zeros.
+        auto load_codes = [&](u32 kt, int st, int j0, int n, int t, int nt) {
             unsigned char* Kc = code_stages + st * CODE_STAGE;
             unsigned char* Vc = Kc + BK * D;
             float* ksc = (float*)(Vc + BK * D);
             float* vsc = ksc + BK;
             u32* pos = (u32*)(vsc + BK);
             constexpr int C16 = D / 16;
-            for (int i = tid; i < BK * C16; i += blockDim.x) {
+            for (int i = t; i < n * C16; i += nt) {
                 int j = i / C16, c16 = i % C16;
                 u32 key = kt + j;
                 bool full = key < k_end;
                 size_t off = 0;
                 if (full) off = ((size_t)table[key / block_size] * block_size + key % block_size) * kv_dim + g * D + c16 * 16;
-                cp_async16(Kc + j * D + c16 * 16, kcodes + off, full);
-                cp_async16(Vc + j * D + c16 * 16, vcodes + off, full);
+                cp_async16(Kc + (j0 + j) * D + c16 * 16, kcodes + off, full);
+                cp_async16(Vc + (j0 + j) * D + c16 * 16, vcodes + off, full);
             }
-            for (int j = tid; j < BK; j += blockDim.x) {
+            for (int j = t; j < n; j += nt) {
                 u32 key = kt + j;
                 bool full = key < k_end;
                 size_t slot = full ? (size_t)table[key / block_size] * block_size + key % block_size : 0;
-                cp_async4(ksc + j, f8.ks + slot * kv_heads + g, full);
-                cp_async4(vsc + j, f8.vs + slot * kv_heads + g, full);
-                cp_async4(pos + j, f8.kpos + slot, full);
+                cp_async4(ksc + j0 + j, f8.ks + slot * kv_heads + g, full);
+                cp_async4(vsc + j0 + j, f8.vs + slot * kv_heads + g, full);
+                cp_async4(pos + j0 + j, f8.kpos + slot, full);
             }
             cp_async_commit();
         };
@@ -294,17 +309,21 @@ __device__ void paged_attention(bf16* out, float* part_o, float* part_ml, const 
         // the CPU's roundings bit for bit (the tile is rounded to bf16), so
         // it contracts to FMAs.
         //
-        // With 128 threads every item of a thread has the same 8 dimensions,
-        // its keys S apart. Rather than read cos/sin from the table for every
-        // key (four times the bytes of its codes, and loads the kernel waited
-        // on), each thread keeps the rotation (zc, zs) of its 8 frequency
-        // bands at the position its next key should have and steps it S
-        // positions an item: a sequence's keys sit at consecutive positions,
-        // so the table is read once per RELOAD_TILES tiles (bounding the
-        // drift of repeated products) and wherever a key is not where
-        // expected.
-        constexpr int S = 128 / V8, RELOAD_TILES = 16;
-        const int j_first = tid / V8, d_first = (tid % V8) * 8;
+        // A thread's items all have the same 8 dimensions, its keys S apart
+        // (S = 128 / V8 when the block decodes a tile together, 32 / V8 when
+        // a warp decodes its own 16 keys). Rather than read cos/sin from the
+        // table for every key (four times the bytes of its codes, and loads
+        // the kernel waited on), each thread keeps the rotation (zc, zs) of
+        // its 8 frequency bands at the position its next key should have and
+        // steps it S positions an item: a sequence's keys sit at consecutive
+        // positions, and a thread's next tile starts where its last item's
+        // step lands, so the table is read once per RELOAD_TILES tiles
+        // (bounding the drift of repeated products) and wherever a key is not
+        // where expected.
+        constexpr int RELOAD_TILES = 16;
+        const int d_first = (tid % V8) * 8;
+        const int S = split ? 32 / V8 : 128 / V8;
+        const int j_first = split ? warp * WK + lane / V8 : tid / V8, items = (split ? WK : BK) / S;
         const int rot = f8.rot, half = rot / 2;
         const bool rotates = f8.offsets && d_first < rot;
         const int i_first = d_first < half ? d_first : d_first - half;
@@ -343,7 +362,7 @@ __device__ void paged_attention(bf16* out, float* part_o, float* part_ml, const 
                 tiles_since_table = 0;
             }
 #pragma unroll 2
-            for (int n = 0; n < BK / S; n++) {
+            for (int n = 0; n < items; n++) {
                 const int j = j_first + n * S, d0 = d_first;
                 const uint2 kw = *(const uint2*)(Kc + j * D + d0), vw = *(const uint2*)(Vc + j * D + d0);
                 const float ks = ksc[j], vs = vsc[j];
@@ -373,49 +392,81 @@ __device__ void paged_attention(bf16* out, float* part_o, float* part_ml, const 
                 *(uint4*)(tiles + BK * LK + j * LK + d0) = pack8(vf);
             }
         };
-        if (k_begin < k_end) load_codes(k_begin, 0);
+        if (split) {
+            // The warp's quarter (above); the barrier publishes the head's offsets.
+            bf16* Kq = tiles + warp * WK * LK;
+            bf16* Vq = Kq + BK * LK;
+            if (wb < we) load_codes(wb, 0, warp * WK, WK, lane, 32);
+            __syncthreads();
+            int stage = 0;
+            for (u32 kt = wb; kt < we; kt += WK, stage ^= 1) {
+                if (kt + WK < we) {
+                    load_codes(kt + WK, stage ^ 1, warp * WK, WK, lane, 32);
+                    cp_async_wait<1>();
+                } else {
+                    cp_async_wait<0>();
+                }
+                // Publishes the lanes' copies, and every lane is done with
+                // the previous tile's rows.
+                __syncwarp();
+                decode(stage);
+                __syncwarp();
+                attend_tile<D, WK>(o, m, l, qa, Kq, Vq, kt, 0, we, limit, scale, lane);
+            }
+        } else {
+            if (k_begin < k_end) load_codes(k_begin, 0, 0, BK, tid, blockDim.x);
+            int stage = 0;
+            for (u32 kt = k_begin; kt < k_end; kt += BK, stage ^= 1) {
+                // Every warp is done with the bf16 stage (the previous tile).
+                __syncthreads();
+                if (kt + BK < k_end) {
+                    load_codes(kt + BK, stage ^ 1, 0, BK, tid, blockDim.x);
+                    cp_async_wait<1>();
+                } else {
+                    cp_async_wait<0>();
+                }
+                __syncthreads();
+                decode(stage);
+                __syncthreads();
+                if (!active) continue;
+                attend_tile<D, BK>(o, m, l, qa, tiles, tiles + BK * LK, kt, 0, k_end, limit, scale, lane);
+            }
+        }
+    } else if (split) {
+        // The warp's quarter (above), through its rows of the two stages.
+        if (wb < we) load(wb, 0, warp * WK, WK, lane, 32);
+        int stage = 0;
+        for (u32 kt = wb; kt < we; kt += WK, stage ^= 1) {
+            // Every lane is done with the other stage's rows (the previous tile).
+            __syncwarp();
+            if (kt + WK < we) {
+                load(kt + WK, stage ^ 1, warp * WK, WK, lane, 32);
+                cp_async_wait<1>();
+            } else {
+                cp_async_wait<0>();
+            }
+            // Publishes the lanes' copies.
+            __syncwarp();
+            const bf16* Ks = tiles + stage * STAGE + warp * WK * LK;
+            attend_tile<D, WK>(o, m, l, qa, Ks, Ks + BK * LK, kt, 0, we, limit, scale, lane);
+        }
+    } else {
+        if (k_begin < k_end) load(k_begin, 0, 0, BK, tid, blockDim.x);
         int stage = 0;
         for (u32 kt = k_begin; kt < k_end; kt += BK, stage ^= 1) {
-            // Every warp is done with the bf16 stage (the previous tile).
+            // Every warp is done with the other stage (the previous tile).
             __syncthreads();
             if (kt + BK < k_end) {
-                load_codes(kt + BK, stage ^ 1);
+                load(kt + BK, stage ^ 1, 0, BK, tid, blockDim.x);
                 cp_async_wait<1>();
             } else {
                 cp_async_wait<0>();
             }
             __syncthreads();
-            decode(stage);
-            __syncthreads();
             if (!active) continue;
-            if (split)
-                attend_tile<D, BK / 4>(o, m, l, qa, tiles, tiles + BK * LK, kt, warp * (BK / 4), k_end, limit, scale,
-                                       lane);
-            else
-                attend_tile<D, BK>(o, m, l, qa, tiles, tiles + BK * LK, kt, 0, k_end, limit, scale, lane);
+            const bf16* Ks = tiles + stage * STAGE;
+            attend_tile<D, BK>(o, m, l, qa, Ks, Ks + BK * LK, kt, 0, k_end, limit, scale, lane);
         }
-    } else {
-    if (k_begin < k_end) load(k_begin, 0);
-    int stage = 0;
-    for (u32 kt = k_begin; kt < k_end; kt += BK, stage ^= 1) {
-        // Every warp is done with the other stage (the previous tile).
-        __syncthreads();
-        if (kt + BK < k_end) {
-            load(kt + BK, stage ^ 1);
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        __syncthreads();
-        if (!active) continue;
-        const bf16* Ks = tiles + stage * STAGE;
-        const bf16* Vs = Ks + BK * LK;
-
-        if (split)
-            attend_tile<D, BK / 4>(o, m, l, qa, Ks, Vs, kt, warp * (BK / 4), k_end, limit, scale, lane);
-        else
-            attend_tile<D, BK>(o, m, l, qa, Ks, Vs, kt, 0, k_end, limit, scale, lane);
-    }
     }
 
     if (split) {

@@ -12,7 +12,8 @@
 # (default 2) set the decode runs, FP8_ONLY=1 leaves out the bf16 one,
 # BEFORE_BF16=1 adds BEFORE's bf16 run beside BIN's; NCU=0
 # skips step 3, NCU=only runs it alone; NCU_DTYPES (default "auto fp8") names
-# the caches it profiles; STOP_ON_FAIL=1 stops after a failed check.
+# the caches it profiles; STOP_ON_FAIL=1 stops after a failed check;
+# BEFORE_CHECK=0 skips BEFORE's check (a landed build, already checked).
 #
 #   [BATCHES=32,128 REPS=1 NCU=0] gpu_fp8_attention.sh BIN OUT [BEFORE]
 set -uo pipefail
@@ -32,7 +33,7 @@ grep -E "fp8 cache.*attention" "$out/check.txt" | head -14
 tail -n 1 "$out/check.txt"
 # STOP_ON_FAIL=1: a failed check ends the run (a kernel under test).
 [ "$check_rc" != 0 ] && [ "${STOP_ON_FAIL:-0}" = 1 ] && exit 1
-if [ -n "$before" ]; then
+if [ -n "$before" ] && [ "${BEFORE_CHECK:-1}" != 0 ]; then
   timeout 300 "$before" check >"$out/check-before.txt" 2>&1
   echo "check, BEFORE: exit $?"
   grep -E "FAILED|gaps" "$out/check-before.txt" | head -20

@@ -39,6 +39,8 @@ extern "C" __global__ void attention_bidirectional(bf16* out, const bf16* q, con
 // Packed query rows per block (token × query head of one KV group) and keys per tile.
 #define BR 64
 #define BK 64
+// Keys per tile of a warp walking its own quarter of a decode-like block's keys.
+#define WK 16
 
 __device__ __forceinline__ u32 ld_u32(const bf16* p) { return *(const u32*)p; }
 
@@ -150,6 +152,33 @@ struct Fp8Read {
     int rot;
 };
 
+// Walks keys [begin, end) through two stages, a tile at a time: the block's
+// tiles of BK (every thread copies; block barriers) or, with `per_warp`, the
+// calling warp's own tiles of WK in its rows of the stages (its lanes copy;
+// warp barriers). The next tile's copy (`copy(kt, stage, first row, keys,
+// thread, threads)`) starts before this one's is waited for; `use(kt,
+// stage)` then reads the landed tile. `guard`: a barrier before each copy
+// too, where the stage copied into was read by the previous tile's `use`.
+template <typename Copy, typename Use>
+__device__ __forceinline__ void walk_keys(bool per_warp, bool guard, u32 begin, u32 end, Copy&& copy, Use&& use) {
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const u32 step = per_warp ? WK : BK;
+    const int j0 = per_warp ? warp * WK : 0, t = per_warp ? lane : tid, nt = per_warp ? 32 : (int)blockDim.x;
+    if (begin < end) copy(begin, 0, j0, (int)step, t, nt);
+    int stage = 0;
+    for (u32 kt = begin; kt < end; kt += step, stage ^= 1) {
+        if (guard) per_warp ? __syncwarp() : __syncthreads();
+        if (kt + step < end) {
+            copy(kt + step, stage ^ 1, j0, (int)step, t, nt);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        per_warp ? __syncwarp() : __syncthreads();
+        use(kt, stage);
+    }
+}
+
 // Causal attention over the paged cache, FlashAttention-2 style: a block of
 // four warps takes 64 packed rows (consecutive tokens × the query heads that
 // share one KV head) of one sequence; each warp keeps its 16 rows' Q, scores
@@ -251,7 +280,6 @@ __device__ void paged_attention(bf16* out, float* part_o, float* part_ml, const 
     // loads and decode overlap another's MMAs: four warps taking a quarter
     // of each shared tile in lockstep between block barriers left the fp8
     // kernel latency-bound. Quarters are whole tiles of 16 but the last.
-    constexpr int WK = 16;
     const u32 quarter = (k_end > k_begin ? k_end - k_begin + 4 * WK - 1 : 0) / (4 * WK) * WK;
     const u32 wb = min(k_end, k_begin + warp * quarter), we = min(k_end, wb + quarter);
     // Starts copying keys [kt, kt + n) into rows j0 .. j0 + n of `stage`,
@@ -393,80 +421,35 @@ __device__ void paged_attention(bf16* out, float* part_o, float* part_ml, const 
             }
         };
         if (split) {
-            // The warp's quarter (above); the barrier publishes the head's offsets.
-            bf16* Kq = tiles + warp * WK * LK;
-            bf16* Vq = Kq + BK * LK;
-            if (wb < we) load_codes(wb, 0, warp * WK, WK, lane, 32);
+            // The warp's quarter (above). The barrier publishes the head's
+            // offsets (over the block's tiles, the walk's first does). No
+            // guard: the code stage a copy lands in was decoded before the
+            // previous tile's `__syncwarp` below.
             __syncthreads();
-            int stage = 0;
-            for (u32 kt = wb; kt < we; kt += WK, stage ^= 1) {
-                if (kt + WK < we) {
-                    load_codes(kt + WK, stage ^ 1, warp * WK, WK, lane, 32);
-                    cp_async_wait<1>();
-                } else {
-                    cp_async_wait<0>();
-                }
-                // Publishes the lanes' copies, and every lane is done with
-                // the previous tile's rows.
+            bf16* Kq = tiles + warp * WK * LK;
+            walk_keys(true, false, wb, we, load_codes, [&](u32 kt, int st) {
+                decode(st);
                 __syncwarp();
-                decode(stage);
-                __syncwarp();
-                attend_tile<D, WK>(o, m, l, qa, Kq, Vq, kt, 0, we, limit, scale, lane);
-            }
+                attend_tile<D, WK>(o, m, l, qa, Kq, Kq + BK * LK, kt, 0, we, limit, scale, lane);
+            });
         } else {
-            if (k_begin < k_end) load_codes(k_begin, 0, 0, BK, tid, blockDim.x);
-            int stage = 0;
-            for (u32 kt = k_begin; kt < k_end; kt += BK, stage ^= 1) {
-                // Every warp is done with the bf16 stage (the previous tile).
+            walk_keys(false, true, k_begin, k_end, load_codes, [&](u32 kt, int st) {
+                decode(st);
                 __syncthreads();
-                if (kt + BK < k_end) {
-                    load_codes(kt + BK, stage ^ 1, 0, BK, tid, blockDim.x);
-                    cp_async_wait<1>();
-                } else {
-                    cp_async_wait<0>();
-                }
-                __syncthreads();
-                decode(stage);
-                __syncthreads();
-                if (!active) continue;
-                attend_tile<D, BK>(o, m, l, qa, tiles, tiles + BK * LK, kt, 0, k_end, limit, scale, lane);
-            }
+                if (active) attend_tile<D, BK>(o, m, l, qa, tiles, tiles + BK * LK, kt, 0, k_end, limit, scale, lane);
+            });
         }
     } else if (split) {
         // The warp's quarter (above), through its rows of the two stages.
-        if (wb < we) load(wb, 0, warp * WK, WK, lane, 32);
-        int stage = 0;
-        for (u32 kt = wb; kt < we; kt += WK, stage ^= 1) {
-            // Every lane is done with the other stage's rows (the previous tile).
-            __syncwarp();
-            if (kt + WK < we) {
-                load(kt + WK, stage ^ 1, warp * WK, WK, lane, 32);
-                cp_async_wait<1>();
-            } else {
-                cp_async_wait<0>();
-            }
-            // Publishes the lanes' copies.
-            __syncwarp();
-            const bf16* Ks = tiles + stage * STAGE + warp * WK * LK;
+        walk_keys(true, true, wb, we, load, [&](u32 kt, int st) {
+            const bf16* Ks = tiles + st * STAGE + warp * WK * LK;
             attend_tile<D, WK>(o, m, l, qa, Ks, Ks + BK * LK, kt, 0, we, limit, scale, lane);
-        }
+        });
     } else {
-        if (k_begin < k_end) load(k_begin, 0, 0, BK, tid, blockDim.x);
-        int stage = 0;
-        for (u32 kt = k_begin; kt < k_end; kt += BK, stage ^= 1) {
-            // Every warp is done with the other stage (the previous tile).
-            __syncthreads();
-            if (kt + BK < k_end) {
-                load(kt + BK, stage ^ 1, 0, BK, tid, blockDim.x);
-                cp_async_wait<1>();
-            } else {
-                cp_async_wait<0>();
-            }
-            __syncthreads();
-            if (!active) continue;
-            const bf16* Ks = tiles + stage * STAGE;
-            attend_tile<D, BK>(o, m, l, qa, Ks, Ks + BK * LK, kt, 0, k_end, limit, scale, lane);
-        }
+        walk_keys(false, true, k_begin, k_end, load, [&](u32 kt, int st) {
+            const bf16* Ks = tiles + st * STAGE;
+            if (active) attend_tile<D, BK>(o, m, l, qa, Ks, Ks + BK * LK, kt, 0, k_end, limit, scale, lane);
+        });
     }
 
     if (split) {

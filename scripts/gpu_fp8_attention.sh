@@ -6,7 +6,7 @@
 #   2. decode steps at M = 1/32/100/128: bf16 cache, then fp8 with BEFORE
 #      (an earlier build, if given), then fp8 with BIN, beside the floor;
 #   3. ncu's details (speed of light, warp stalls, memory, occupancy) of one
-#      decode-step attention launch of each cache at M = 32, CUDA graphs
+#      decode-step attention launch of each cache at M = 32 (NCU_BATCH), CUDA graphs
 #      off, with the warp stall reasons summed from the raw metrics.
 # About five minutes on an H100. BATCHES (default 1,32,100,128) and REPS
 # (default 2) set the decode runs, FP8_ONLY=1 leaves out the bf16 one,
@@ -64,14 +64,18 @@ fi
 ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
 [ -n "$ncu" ] || { echo "gpu_fp8_attention.sh: no ncu on this machine" >&2; exit 1; }
 # Attention launches before the timed decode steps: the 16-token prefill
-# benchmark, then twice (warm-up, timed) 32 prompts of 1,549 tokens in 49
-# steps of 1,024 tokens × 32 layers, with 4 warm-up decode steps between:
-# ≈ 3,330. Skipping 3,500 lands in the timed decode steps (grid 32 × 8 × splits).
+# benchmark, then twice (warm-up, timed) M prompts of 1,549 tokens in
+# ceil(M × 1,549 / 1,024) steps of 1,024 tokens × 32 layers, with 4 warm-up
+# decode steps between: ≈ 3,330 at M = 32. Skipping 32 × (2 × steps + 8) + 200
+# lands in the timed decode steps (grid M × 8 × splits). NCU_BATCH (default 32)
+# is M.
+m=${NCU_BATCH:-32}
+skip=$((32 * (2 * ((m * 1549 + 1023) / 1024) + 8) + 200))
 for dtype in ${NCU_DTYPES:-auto fp8}; do
-  timeout 200 "$ncu" --clock-control none -k regex:paged_attention --launch-skip 3500 --launch-count 1 \
+  timeout 200 "$ncu" --clock-control none -k regex:paged_attention --launch-skip $skip --launch-count 1 \
     --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis --section Occupancy \
     --section LaunchStats --section SchedulerStats --section InstructionStats \
-    -o "$out/ncu-attention-$dtype" -f "$bin" bench engine "${e[@]}" --decode-batch 32 --decode-tokens 64 --reps 1 \
+    -o "$out/ncu-attention-$dtype" -f "$bin" bench engine "${e[@]}" --decode-batch "$m" --decode-tokens 64 --reps 1 \
     --cuda-graphs off --kv-cache-dtype $dtype >"$out/ncu-attention-$dtype.log" 2>&1
   echo "== ncu, $dtype cache: exit $?"
   "$ncu" -i "$out/ncu-attention-$dtype.ncu-rep" --page details >"$out/ncu-attention-$dtype.txt" 2>&1

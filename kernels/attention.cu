@@ -282,6 +282,8 @@ __device__ void paged_attention(bf16* out, float* part_o, float* part_ml, const 
     // kernel latency-bound. Quarters are whole tiles of 16 but the last.
     const u32 quarter = (k_end > k_begin ? k_end - k_begin + 4 * WK - 1 : 0) / (4 * WK) * WK;
     const u32 wb = min(k_end, k_begin + warp * quarter), we = min(k_end, wb + quarter);
+    // The cache slot of this span's key `key` (< k_end), through its block table.
+    auto slot_of = [&](u32 key) { return (size_t)table[key / block_size] * block_size + key % block_size; };
     // Starts copying keys [kt, kt + n) into rows j0 .. j0 + n of `stage`,
     // as thread t of nt (the block's, or one warp's); keys past the end read
     // as zeros.
@@ -293,7 +295,7 @@ __device__ void paged_attention(bf16* out, float* part_o, float* part_ml, const 
             u32 key = kt + j;
             bool full = key < k_end;
             size_t off = 0;
-            if (full) off = ((size_t)table[key / block_size] * block_size + key % block_size) * kv_dim + g * D + c8 * 8;
+            if (full) off = slot_of(key) * kv_dim + g * D + c8 * 8;
             cp_async16(Ks + (j0 + j) * LK + c8 * 8, kc + off, full);
             cp_async16(Vs + (j0 + j) * LK + c8 * 8, vc + off, full);
         }
@@ -317,14 +319,14 @@ __device__ void paged_attention(bf16* out, float* part_o, float* part_ml, const 
                 u32 key = kt + j;
                 bool full = key < k_end;
                 size_t off = 0;
-                if (full) off = ((size_t)table[key / block_size] * block_size + key % block_size) * kv_dim + g * D + c16 * 16;
+                if (full) off = slot_of(key) * kv_dim + g * D + c16 * 16;
                 cp_async16(Kc + (j0 + j) * D + c16 * 16, kcodes + off, full);
                 cp_async16(Vc + (j0 + j) * D + c16 * 16, vcodes + off, full);
             }
             for (int j = t; j < n; j += nt) {
                 u32 key = kt + j;
                 bool full = key < k_end;
-                size_t slot = full ? (size_t)table[key / block_size] * block_size + key % block_size : 0;
+                size_t slot = full ? slot_of(key) : 0;
                 cp_async4(ksc + j0 + j, f8.ks + slot * kv_heads + g, full);
                 cp_async4(vsc + j0 + j, f8.vs + slot * kv_heads + g, full);
                 cp_async4(pos + j0 + j, f8.kpos + slot, full);

@@ -22,8 +22,9 @@ mkdir -p "$out"
 here=$(dirname "$0")
 source "$here/gpu_env.sh"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
-e=(--backend cuda --shape llama3.1-8b --random-weights --kv-cache-mb 40000 --max-batch-tokens 1024 --gemm-n 512
-  --prompt-tokens 16 --decode-prompt-tokens 1550)
+ctx=1550 batch_tokens=1024 layers=32  # the 8B shape's
+e=(--backend cuda --shape llama3.1-8b --random-weights --kv-cache-mb 40000 --max-batch-tokens $batch_tokens --gemm-n 512
+  --prompt-tokens 16 --decode-prompt-tokens $ctx)
 if [ "${NCU:-1}" != only ]; then
 timeout 300 "$bin" check --json "$out/check.json" >"$out/check.txt" 2>&1
 check_rc=$?
@@ -64,13 +65,13 @@ fi
 ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
 [ -n "$ncu" ] || { echo "gpu_fp8_attention.sh: no ncu on this machine" >&2; exit 1; }
 # Attention launches before the timed decode steps: the 16-token prefill
-# benchmark, then twice (warm-up, timed) M prompts of 1,549 tokens in
-# ceil(M × 1,549 / 1,024) steps of 1,024 tokens × 32 layers, with 4 warm-up
-# decode steps between: ≈ 3,330 at M = 32. Skipping 32 × (2 × steps + 8) + 200
+# benchmark, then twice (warm-up, timed) M prompts of ctx − 1 tokens in
+# ceil(M × (ctx − 1) / batch_tokens) steps × 32 layers, with 4 warm-up decode
+# steps between: ≈ 3,330 at M = 32. Skipping layers × (2 × steps + 8) + 200
 # lands in the timed decode steps (grid M × 8 × splits). NCU_BATCH (default 32)
 # is M.
 m=${NCU_BATCH:-32}
-skip=$((32 * (2 * ((m * 1549 + 1023) / 1024) + 8) + 200))
+skip=$((layers * (2 * ((m * (ctx - 1) + batch_tokens - 1) / batch_tokens) + 8) + 200))
 for dtype in ${NCU_DTYPES:-auto fp8}; do
   timeout 200 "$ncu" --clock-control none -k regex:paged_attention --launch-skip $skip --launch-count 1 \
     --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis --section Occupancy \

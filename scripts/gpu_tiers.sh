@@ -19,7 +19,8 @@
 # HOST_MB=8192 ZIPF=1.0 DURATION_S=60 STORE_DIR=/tmp/inferscale-tiers
 # COLD_KV=auto (the server's default; or prefill, read or wait; COLD_KV_WAIT_MS=100)
 # PROMOTE_AFTER=0 (--kv-promote-after: host-tier hits before a fact is read
-# again onto the device; 0 = never) READERS=4 (--kv-readers) MODES=kv,prompt
+# again onto the device; 0 = never) READERS (--kv-readers; unset: the server's
+# default) MODES=kv,prompt
 # HOT=1 (0: no 10-hottest-users point).
 # MODEL=PATH: a real model (a GGUF, e.g. the Qwen2.5-Coder-1.5B that
 # scripts/gpu_qwen.sh assembles in /tmp/qwen) instead of the Llama-3.1-8B
@@ -42,7 +43,7 @@ serve() {
     --backend cuda "${model_args[@]}" --embedder random --window 0 \
     --kv-format "$format" --kv-device-mb "${DEVICE_MB:-2048}" --kv-host-mb "${HOST_MB:-8192}" \
     --cold-kv "${COLD_KV:-auto}" --cold-kv-wait-ms "${COLD_KV_WAIT_MS:-100}" --prefix-cache off \
-    --kv-promote-after "${PROMOTE_AFTER:-0}" --kv-readers "${READERS:-4}" \
+    --kv-promote-after "${PROMOTE_AFTER:-0}" ${READERS:+--kv-readers "$READERS"} \
     --kv-cache-mb 40000 --max-batch-tokens 2048 --max-running 128 --max-queue 512 --deadline-s 600 \
     >>"$out/serve.log" 2>&1 &
   srv=$!

@@ -204,7 +204,8 @@ pub(crate) fn run<B: Backend>(
         metrics.clone(),
     );
     let cfg_ingest_batch = cfg.ingest_batch;
-    let readers = cfg.kv_readers;
+    let reader = KvReader::start(cfg.kv_readers)
+        .map_err(|e| WorkerError::Startup(format!("starting the KV reader threads: {e}")))?;
     let mut core = Core {
         session,
         eos,
@@ -214,8 +215,7 @@ pub(crate) fn run<B: Backend>(
         next_id: 0,
         metrics,
         profile: Profile { on: std::env::var_os("INFERSCALE_WORKER_PROFILE").is_some(), ..Default::default() },
-        reader: KvReader::start(readers)
-            .map_err(|e| WorkerError::Startup(format!("starting the KV reader threads: {e}")))?,
+        reader,
         waiting: Vec::new(),
         reads_cached: false,
         step_time: StepTime::default(),

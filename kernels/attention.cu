@@ -51,11 +51,15 @@ __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
 
 // One warp's share of a key tile: keys kt + kb .. kt + kb + NK of the tile
 // of keys from kt in `Ks`/`Vs`, against the warp's 16 rows — scores on the tensor cores, the
-// online softmax update of (m, l), and P·V into `o`.
+// online softmax update of (m, l), and P·V into `o`. `vsc` (non-null over an
+// fp8 cache): the tile's V rows are codes and row j's scale is vsc[j]; it
+// multiplies P's column j instead (after the softmax sum), a few products a
+// lane per tile where scaling V itself took one per value.
 template <int D, int NK>
 __device__ __forceinline__ void attend_tile(float (&o)[D / 8][4], float (&m)[2], float (&l)[2],
                                             const u32 (&qa)[D / 16][4], const bf16* Ks, const bf16* Vs, u32 kt,
-                                            int kb, u32 k_end, const u32 (&limit)[2], float scale, int lane) {
+                                            int kb, u32 k_end, const u32 (&limit)[2], float scale, int lane,
+                                            const float* vsc = nullptr) {
     constexpr int LK = D + 8;
     const int q4 = lane & 3;
     const u32 k0 = kt + kb;
@@ -113,6 +117,16 @@ __device__ __forceinline__ void attend_tile(float (&o)[D / 8][4], float (&m)[2],
         psum[h] += __shfl_xor_sync(0xffffffffu, psum[h], 1);
         psum[h] += __shfl_xor_sync(0xffffffffu, psum[h], 2);
         l[h] = l[h] * alpha[h] + psum[h];
+    }
+    if (vsc) {
+#pragma unroll
+        for (int nt = 0; nt < NK / 8; nt++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const float w = vsc[kb + nt * 8 + q4 * 2 + e];
+                sc[nt][e] *= w;
+                sc[nt][2 + e] *= w;
+            }
     }
 #pragma unroll
     for (int dn = 0; dn < D / 8; dn++) {
@@ -334,18 +348,19 @@ __device__ void paged_attention(bf16* out, float* part_o, float* part_ml, const 
             cp_async_commit();
         };
         // Code stage `st` decoded into the bf16 stage, 8 dimensions of one key
-        // an item: code · scale, plus for keys the head's offset turned to
-        // the key's position. Unlike the cache's writes this need not match
-        // the CPU's roundings bit for bit (the tile is rounded to bf16), so
-        // it contracts to FMAs.
+        // an item: for keys code · scale plus the head's offset turned to the
+        // key's position; V's codes as they are (`attend_tile` scales P's
+        // columns instead). Unlike the cache's writes this need not match the
+        // CPU's roundings bit for bit (the tile is rounded to bf16), so it
+        // contracts to FMAs.
         //
         // A thread's items all have the same 8 dimensions, its keys S apart
         // (S = 128 / V8 when the block decodes a tile together, 32 / V8 when
         // a warp decodes its own 16 keys). Rather than read cos/sin from the
         // table for every key (four times the bytes of its codes, and loads
-        // the kernel waited on), each thread keeps the rotation (zc, zs) of
-        // its 8 frequency bands at the position its next key should have and
-        // steps it S positions an item: a sequence's keys sit at consecutive
+        // the kernel waited on), each thread keeps its 8 dimensions of the
+        // offset turned to the position its next key should have, and steps
+        // them S positions an item: a sequence's keys sit at consecutive
         // positions, and a thread's next tile starts where its last item's
         // step lands, so the table is read once per RELOAD_TILES tiles
         // (bounding the drift of repeated products) and wherever a key is not
@@ -357,64 +372,73 @@ __device__ void paged_attention(bf16* out, float* part_o, float* part_ml, const 
         const int rot = f8.rot, half = rot / 2;
         const bool rotates = f8.offsets && d_first < rot;
         const int i_first = d_first < half ? d_first : d_first - half;
-        // The offset of dimension d at a position whose band has (c, s) is
-        // offsets[d]·c + partner[d]·s: partner holds the other element of
-        // d's rotated pair, negated in the first half, and 0 past `rot`.
+        // Dimension d of the offset turned to a position whose band has
+        // (c, s) is u = offsets[d]·c + partner[d]·s: partner holds the other
+        // element of d's rotated pair, negated in the first half, and 0 past
+        // `rot`. With its companion v = partner[d]·c − offsets[d]·s, a turn
+        // by (wc, ws) is u' = wc·u + ws·v, v' = wc·v − ws·u: a thread steps
+        // its own dimensions without its pairs' partners.
         float* partner = head_offsets + D;
         for (int c = tid; c < D; c += blockDim.x) {
             const float* o = f8.offsets ? f8.offsets + g * D : nullptr;
             head_offsets[c] = f8.offsets ? o[c] : 0.0f;
             partner[c] = !f8.offsets || c >= rot ? 0.0f : c < half ? -o[c + half] : o[c - half];
         }
-        auto from_table = [&](u32 p, float (&c)[8], float (&sn)[8]) {
+        __syncthreads();
+        // (u, v) at position zp, where this thread's next key should be;
+        // (wc, ws): the step of S positions. A thread whose dimensions are
+        // not rotated keeps u = its offsets, v = 0, and never steps.
+        float u[8], v[8], wc[8], ws[8];
 #pragma unroll
-            for (int e = 0; e < 8; e++)
+        for (int e = 0; e < 8; e++) u[e] = head_offsets[d_first + e], v[e] = 0.0f;
+        auto from_table = [&](u32 p) {
+            float c[8], sn[8];
+#pragma unroll
+            for (int e = 0; e < 8; e++) {
                 rope_cos_sin(p, i_first + e, half, f8.cos_t, f8.sin_t, f8.inv_freq, f8.table_positions, &c[e], &sn[e]);
+                const float a = head_offsets[d_first + e], b = partner[d_first + e];
+                u[e] = fmaf(a, c[e], b * sn[e]);
+                v[e] = fmaf(b, c[e], -(a * sn[e]));
+            }
         };
-        // (zc, zs): the rotation at position zp, where this thread's next
-        // key should be; (wc, ws): the step of S positions. A thread whose
-        // dimensions are not rotated keeps (1, 0) and never steps.
-        float zc[8], zs[8], wc[8], ws[8];
-#pragma unroll
-        for (int e = 0; e < 8; e++) zc[e] = 1.0f, zs[e] = 0.0f;
         u32 zp = 0xffffffffu;  // no key there: the first key reads the table
         int tiles_since_table = 0;
-        if (rotates) from_table(S, wc, ws);
+        if (rotates) {
+#pragma unroll
+            for (int e = 0; e < 8; e++)
+                rope_cos_sin(S, i_first + e, half, f8.cos_t, f8.sin_t, f8.inv_freq, f8.table_positions, &wc[e], &ws[e]);
+        }
         auto decode = [&](int st) {
             const unsigned char* Kc = code_stages + st * CODE_STAGE;
             const unsigned char* Vc = Kc + BK * D;
             const float* ksc = (const float*)(Vc + BK * D);
-            const float* vsc = ksc + BK;
-            const u32* pos = (const u32*)(vsc + BK);
+            const u32* pos = (const u32*)(ksc + 2 * BK);
             if (rotates && ++tiles_since_table >= RELOAD_TILES) {
                 zp = pos[j_first];
-                from_table(zp, zc, zs);
+                from_table(zp);
                 tiles_since_table = 0;
             }
 #pragma unroll 2
             for (int n = 0; n < items; n++) {
                 const int j = j_first + n * S, d0 = d_first;
                 const uint2 kw = *(const uint2*)(Kc + j * D + d0), vw = *(const uint2*)(Vc + j * D + d0);
-                const float ks = ksc[j], vs = vsc[j];
+                const float ks = ksc[j];
                 float kf[8], vf[8];
                 e4m3x8_to_float(kw, kf);
                 e4m3x8_to_float(vw, vf);
                 if (rotates && pos[j] != zp) {
                     zp = pos[j];
-                    from_table(zp, zc, zs);
+                    from_table(zp);
                 }
 #pragma unroll
-                for (int e = 0; e < 8; e++) {
-                    kf[e] = fmaf(kf[e], ks, fmaf(head_offsets[d0 + e], zc[e], partner[d0 + e] * zs[e]));
-                    vf[e] *= vs;
-                }
+                for (int e = 0; e < 8; e++) kf[e] = fmaf(kf[e], ks, u[e]);
                 if (rotates) {
                     // On to the next item's key, S positions on.
 #pragma unroll
                     for (int e = 0; e < 8; e++) {
-                        const float c = fmaf(zc[e], wc[e], -(zs[e] * ws[e]));
-                        zs[e] = fmaf(zs[e], wc[e], zc[e] * ws[e]);
-                        zc[e] = c;
+                        const float un = fmaf(wc[e], u[e], ws[e] * v[e]);
+                        v[e] = fmaf(wc[e], v[e], -(ws[e] * u[e]));
+                        u[e] = un;
                     }
                     zp += S;
                 }
@@ -422,23 +446,25 @@ __device__ void paged_attention(bf16* out, float* part_o, float* part_ml, const 
                 *(uint4*)(tiles + BK * LK + j * LK + d0) = pack8(vf);
             }
         };
+        // V's scales of code stage `st`, for `attend_tile`.
+        auto v_scales = [&](int st) { return (const float*)(code_stages + st * CODE_STAGE + 2 * BK * D) + BK; };
         if (split) {
-            // The warp's quarter (above). The barrier publishes the head's
-            // offsets (over the block's tiles, the walk's first does). No
-            // guard: the code stage a copy lands in was decoded before the
-            // previous tile's `__syncwarp` below.
-            __syncthreads();
+            // The warp's quarter (above). The guard keeps a copy from landing
+            // in the code stage whose V scales the previous tile's P read.
             bf16* Kq = tiles + warp * WK * LK;
-            walk_keys(true, false, wb, we, load_codes, [&](u32 kt, int st) {
+            walk_keys(true, true, wb, we, load_codes, [&](u32 kt, int st) {
                 decode(st);
                 __syncwarp();
-                attend_tile<D, WK>(o, m, l, qa, Kq, Kq + BK * LK, kt, 0, we, limit, scale, lane);
+                attend_tile<D, WK>(o, m, l, qa, Kq, Kq + BK * LK, kt, 0, we, limit, scale, lane,
+                                   v_scales(st) + warp * WK);
             });
         } else {
             walk_keys(false, true, k_begin, k_end, load_codes, [&](u32 kt, int st) {
                 decode(st);
                 __syncthreads();
-                if (active) attend_tile<D, BK>(o, m, l, qa, tiles, tiles + BK * LK, kt, 0, k_end, limit, scale, lane);
+                if (active)
+                    attend_tile<D, BK>(o, m, l, qa, tiles, tiles + BK * LK, kt, 0, k_end, limit, scale, lane,
+                                       v_scales(st));
             });
         }
     } else if (split) {

@@ -22,6 +22,13 @@
 # again onto the device; 0 = never) READERS (--kv-readers; unset: the server's
 # default) MODES=kv,prompt
 # HOT=1 (0: no 10-hottest-users point).
+# PROFILE=1 (run only): the server under INFERSCALE_CUDA_PROFILE=1, its per-op
+# device time over the whole run in profile.txt when it stops. Profiling
+# turns decode graphs off and slows serving: a profile, not a timing.
+# WORKER_PROFILE=1 (default; 0 to leave out): the engine thread's time every
+# 10 s (INFERSCALE_WORKER_PROFILE: commands, layout, forward, sampling; a few
+# clock reads a step) in worker-profile.txt, and the worker's metrics give
+# the tokens each step computed (inferscale_worker_batch_tokens).
 # MODEL=PATH: a real model (a GGUF, e.g. the Qwen2.5-Coder-1.5B that
 # scripts/gpu_qwen.sh assembles in /tmp/qwen) instead of the Llama-3.1-8B
 # shape with random weights; at its 14 KB of fp8 KV a token, scale USERS up
@@ -39,7 +46,8 @@ if [ -n "${MODEL:-}" ]; then model_args=(--model "$MODEL"); else model_args=(--s
 mkdir -p "$out"
 
 serve() {
-  "$bin" serve --listen 127.0.0.1:8080 --worker-http-listen 127.0.0.1:9090 --memory "$mem" \
+  INFERSCALE_CUDA_PROFILE=${PROFILE:-0} INFERSCALE_WORKER_PROFILE=${WORKER_PROFILE:-1} \
+    "$bin" serve --listen 127.0.0.1:8080 --worker-http-listen 127.0.0.1:9090 --memory "$mem" \
     --backend cuda "${model_args[@]}" --embedder random --window 0 \
     --kv-format "$format" --kv-device-mb "${DEVICE_MB:-2048}" --kv-host-mb "${HOST_MB:-8192}" \
     --cold-kv "${COLD_KV:-auto}" --cold-kv-wait-ms "${COLD_KV_WAIT_MS:-100}" --prefix-cache off \
@@ -99,6 +107,10 @@ run)
       --json "$out/tiers-hot.json" 2>&1 | tee "$out/tiers-hot.txt"
   fi
   stop run
+  grep "inferscale worker profile" "$out/serve.log" >"$out/worker-profile.txt"
+  if [ "${PROFILE:-0}" = 1 ]; then
+    grep -A 40 "inferscale cuda profile" "$out/serve.log" | grep -v " INFO \| WARN " | tee "$out/profile.txt"
+  fi
   ;;
 warm)
   fresh_and_ingested

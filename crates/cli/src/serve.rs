@@ -567,8 +567,9 @@ pub fn serve(mut a: ServeArgs) -> Result<()> {
     }
     a.worker.check()?;
     a.worker.mem.resolve()?;
-    let (service, _engine, _) = start_worker(&a.worker)?;
-    runtime()?.block_on(async move {
+    let (service, engine, _) = start_worker(&a.worker)?;
+    let rt = runtime()?;
+    let served = rt.block_on(async move {
         let tracing = inferscale_telemetry::init("inferscale")?;
         serve_worker_http(a.worker_http_listen, service.clone()).await?;
         // The router reaches its worker over a Unix socket in a directory
@@ -603,7 +604,33 @@ pub fn serve(mut a: ServeArgs) -> Result<()> {
         reg.leave().await;
         tracing.shutdown().await;
         r
-    })
+    });
+    drop(rt);
+    release_engine(engine);
+    served
+}
+
+/// How long a stopping process waits for its engine thread.
+const ENGINE_EXIT_WAIT: Duration = Duration::from_secs(10);
+
+/// Waits (at most [`ENGINE_EXIT_WAIT`]) for the engine thread to end, once
+/// the runtime is gone and with it every handle to the worker: the thread
+/// sees its command channel close at its next turn and drops the engine,
+/// which frees the device's memory in order and lets the backend report
+/// what it gathered (`INFERSCALE_CUDA_PROFILE`'s per-op table of a served
+/// run). Without the wait the process could exit under it mid-step.
+fn release_engine(engine: std::thread::JoinHandle<()>) {
+    let start = std::time::Instant::now();
+    while !engine.is_finished() {
+        if start.elapsed() >= ENGINE_EXIT_WAIT {
+            eprintln!("inferscale: the engine thread did not stop within {ENGINE_EXIT_WAIT:?}; exiting without it");
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    if engine.join().is_ok() {
+        eprintln!("inferscale: the engine stopped");
+    }
 }
 
 /// A directory only this process's user may enter (mode 0700), removed
@@ -646,9 +673,10 @@ pub fn worker(mut a: WorkerCmd) -> Result<()> {
     if a.engine == "vllm" {
         return crate::vllm_cmd::worker(a, security, etcd);
     }
-    let (service, _engine, gpu) = start_worker(&a.worker)?;
+    let (service, engine, gpu) = start_worker(&a.worker)?;
     let service = service.with_security(security);
-    runtime()?.block_on(async move {
+    let rt = runtime()?;
+    let served = rt.block_on(async move {
         let tracing = inferscale_telemetry::init("inferscale-worker")?;
         let listener = TcpListener::bind(a.listen).await.with_context(|| format!("binding {}", a.listen))?;
         let bound = listener.local_addr()?;
@@ -668,7 +696,10 @@ pub fn worker(mut a: WorkerCmd) -> Result<()> {
         }
         tracing.shutdown().await;
         r
-    })
+    });
+    drop(rt);
+    release_engine(engine);
+    served
 }
 
 fn fence_after(s: f64) -> Result<Option<Duration>> {

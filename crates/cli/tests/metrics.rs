@@ -50,7 +50,7 @@ fn families(text: &str, what: &str) -> BTreeMap<String, String> {
             other => panic!("{what}: {name} has type {other}"),
         }
         if kind == "histogram" {
-            let units = ["_seconds", "_rows", "_nats"];
+            let units = ["_seconds", "_rows", "_tokens", "_nats"];
             assert!(units.iter().any(|u| name.ends_with(u)), "{what}: histogram {name} does not name its unit");
         }
         // A quantity with a unit names it: bytes and seconds, never ms or kb.

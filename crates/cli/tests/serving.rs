@@ -535,6 +535,37 @@ fn a_request_killed_mid_ingest_leaves_none_of_its_units() {
     assert_eq!(units(&s.addr, "k1").as_array().unwrap().len(), 40);
 }
 
+/// SIGTERM stops `serve` in order: the servers drain, then the process
+/// waits for its engine thread to drop the engine (which frees a device's
+/// memory and prints `INFERSCALE_CUDA_PROFILE`'s table) before it exits 0.
+#[test]
+fn sigterm_stops_serve_after_its_engine() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = serve(&dir.path().join("mem"), &[]);
+    let v = chat(None, "Say hello.", Value::Null);
+    let (status, body) = post(&s.addr, "/v1/chat/completions", v.to_string().as_bytes());
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let pid = i32::try_from(s.child.id()).unwrap();
+    // SAFETY: kill(2) with a valid signal number touches no memory of ours.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = s.child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "serve still running 30 s after SIGTERM");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "serve exited with {status} after SIGTERM");
+    // The reader thread may still hold the last lines for a moment.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while s.stderr_lines("inferscale: the engine stopped").is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(s.stderr_lines("inferscale: the engine stopped").len(), 1, "the engine thread was not waited for");
+    assert!(s.stderr_lines("did not stop").is_empty());
+}
+
 /// A large ingest does not starve chats on the same worker: while an
 /// async ingest of 200 turns runs (stored a few at a time, its KV left for
 /// idle time), a kv chat of another user takes about what it takes idle,

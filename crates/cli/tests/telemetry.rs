@@ -428,6 +428,13 @@ fn one_trace_per_request_across_router_and_worker_and_metrics_move() {
     assert!(metric(&w, "inferscale_worker_memory_tokens_total{path=\"injected\"}") > 0.0);
     assert!(metric(&w, "inferscale_worker_ttft_seconds_sum{mode=\"kv\"}") > 0.0);
     assert!(metric(&w, "inferscale_worker_batch_rows_count") > 0.0);
+    // One observation of each per step; a step computes at least a token a
+    // row, and the prompt-mode request's prefill computed many more.
+    let steps = metric(&w, "inferscale_worker_batch_rows_count");
+    assert_eq!(metric(&w, "inferscale_worker_batch_tokens_count"), steps);
+    let (rows, tokens) =
+        (metric(&w, "inferscale_worker_batch_rows_sum"), metric(&w, "inferscale_worker_batch_tokens_sum"));
+    assert!(tokens >= rows + 50.0, "{tokens} tokens computed in {rows} step rows");
     assert!(metric(&w, "inferscale_worker_step_seconds_count") > 0.0);
     assert_eq!(metric(&w, "inferscale_worker_requests_waiting"), 0.0);
     assert_eq!(metric(&w, "inferscale_worker_requests_running"), 0.0);

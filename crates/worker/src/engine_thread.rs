@@ -214,7 +214,10 @@ pub(crate) fn run<B: Backend>(
         live: HashMap::new(),
         next_id: 0,
         metrics,
-        profile: Profile { on: std::env::var_os("INFERSCALE_WORKER_PROFILE").is_some(), ..Default::default() },
+        profile: Profile {
+            on: std::env::var("INFERSCALE_WORKER_PROFILE").is_ok_and(|v| v == "1"),
+            ..Default::default()
+        },
         reader,
         waiting: Vec::new(),
         reads_cached: false,

@@ -19,6 +19,10 @@ use crate::protocol::host::Stats;
 /// running batch.
 const ROW_BUCKETS: [f64; 11] = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0];
 
+/// Tokens computed per forward step: decode rows alone up to a few hundred,
+/// with prefill chunks up to the step's token budget (`--max-batch-tokens`).
+const TOKEN_BUCKETS: [f64; 12] = [1.0, 8.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0];
+
 /// Memory modes, in the order of the per-mode histograms.
 const MODES: [Mode; 4] = Mode::ALL;
 
@@ -53,8 +57,11 @@ pub struct WorkerMetrics {
     /// A request's reads of facts' KV from disk (read, check, decode,
     /// cache), for requests that read any.
     kv_load: Histogram,
-    /// Sequences per forward step, and the step's duration.
+    /// Sequences per forward step, the tokens it computed (prefill and
+    /// decode: where a step's time goes when admissions prefill beside the
+    /// decoding rows), and the step's duration.
     batch_rows: Histogram,
+    batch_tokens: Histogram,
     step: Histogram,
     /// Requests that left the worker, by how: every engine counts here.
     finished: AtomicU64,
@@ -108,6 +115,7 @@ impl Default for WorkerMetrics {
             queue: Histogram::default(),
             kv_load: Histogram::default(),
             batch_rows: Histogram::new(&ROW_BUCKETS),
+            batch_tokens: Histogram::new(&TOKEN_BUCKETS),
             step: Histogram::default(),
             finished: AtomicU64::new(0),
             cancelled: AtomicU64::new(0),
@@ -242,8 +250,9 @@ impl WorkerMetrics {
         self.queue.observe(waited_seconds);
     }
 
-    pub(crate) fn stepped(&self, rows: usize, seconds: f64) {
+    pub(crate) fn stepped(&self, rows: usize, tokens: usize, seconds: f64) {
         self.batch_rows.observe(rows as f64);
+        self.batch_tokens.observe(tokens as f64);
         self.step.observe(seconds);
     }
 
@@ -273,6 +282,11 @@ impl WorkerMetrics {
                 &self.kv_load,
             ),
             ("inferscale_worker_batch_rows", "Sequences per forward step.", &self.batch_rows),
+            (
+                "inferscale_worker_batch_tokens",
+                "Tokens computed per forward step (prefill and decode).",
+                &self.batch_tokens,
+            ),
             ("inferscale_worker_step_seconds", "Duration of a forward step.", &self.step),
         ] {
             prom::header(&mut out, name, "histogram", help);

@@ -9,7 +9,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::sync::{Arc, Mutex, mpsc};
 use std::time::Duration;
 
 use serde_json::Value;
@@ -26,6 +26,17 @@ pub fn manifest_dir() -> PathBuf {
 pub struct Proc {
     pub child: Child,
     pub addr: String,
+    /// The lines the child wrote to stderr so far (not its successful
+    /// requests' log lines).
+    pub stderr: Arc<Mutex<Vec<String>>>,
+}
+
+impl Proc {
+    /// The child's stderr lines so far that contain `needle`.
+    pub fn stderr_lines(&self, needle: &str) -> Vec<String> {
+        let lines = self.stderr.lock().unwrap_or_else(|e| e.into_inner());
+        lines.iter().filter(|l| l.contains(needle)).cloned().collect()
+    }
 }
 
 impl Drop for Proc {
@@ -53,13 +64,17 @@ pub fn spawn_env(args: &[&str], marker: &str, env: &[(&str, &str)]) -> Proc {
     let stderr = child.stderr.take().unwrap();
     let (tx, rx) = mpsc::channel();
     let marker = marker.to_string();
+    let lines = Arc::new(Mutex::new(Vec::new()));
+    let kept = lines.clone();
     std::thread::spawn(move || {
         for line in BufReader::new(stderr).lines().map_while(Result::ok) {
             // The request log of successful requests (hundreds of lines in a
-            // load test) is not repeated: in CI's log it buried the line a
-            // failing test ends with. Failed requests and everything else are.
+            // load test) is neither repeated nor kept: in CI's log it buried
+            // the line a failing test ends with. Failed requests and
+            // everything else are.
             if !(line.contains(" inferscale::http ") && line.contains(" status=2")) {
                 eprintln!("[child] {line}");
+                kept.lock().unwrap_or_else(|e| e.into_inner()).push(line.clone());
             }
             if let Some(at) = line.find(&marker) {
                 let rest = &line[at + marker.len()..];
@@ -69,7 +84,7 @@ pub fn spawn_env(args: &[&str], marker: &str, env: &[(&str, &str)]) -> Proc {
         }
     });
     let addr = rx.recv_timeout(Duration::from_secs(180)).unwrap_or_else(|_| panic!("{args:?} did not start"));
-    Proc { child, addr }
+    Proc { child, addr, stderr: lines }
 }
 
 /// One HTTP/1.1 exchange: (status, lower-cased headers, body).

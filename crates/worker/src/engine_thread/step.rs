@@ -46,9 +46,9 @@ impl<B: Backend> Core<B> {
             self.session.engine_mut().step_scheduled(&mut seqs, &takes, &greedy)
         };
         if !seqs.is_empty() {
-            self.metrics.stepped(seqs.len(), forward.elapsed().as_secs_f64());
-            self.step_time.observe(forward.elapsed());
             let tokens: usize = takes.iter().sum();
+            self.metrics.stepped(seqs.len(), tokens, forward.elapsed().as_secs_f64());
+            self.step_time.observe(forward.elapsed());
             if tokens >= PREFILL_SAMPLE_TOKENS {
                 self.prefill_s_per_token.observe(forward.elapsed().as_secs_f64() / tokens as f64);
             }

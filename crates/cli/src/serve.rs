@@ -568,8 +568,7 @@ pub fn serve(mut a: ServeArgs) -> Result<()> {
     a.worker.check()?;
     a.worker.mem.resolve()?;
     let (service, engine, _) = start_worker(&a.worker)?;
-    let rt = runtime()?;
-    let served = rt.block_on(async move {
+    serve_then_release(engine, async move {
         let tracing = inferscale_telemetry::init("inferscale")?;
         serve_worker_http(a.worker_http_listen, service.clone()).await?;
         // The router reaches its worker over a Unix socket in a directory
@@ -604,7 +603,15 @@ pub fn serve(mut a: ServeArgs) -> Result<()> {
         reg.leave().await;
         tracing.shutdown().await;
         r
-    });
+    })
+}
+
+/// Runs `serve` to its end on a runtime of its own, then drops the runtime
+/// — and with it every handle to the worker — and waits for the engine
+/// thread ([`release_engine`]).
+fn serve_then_release(engine: std::thread::JoinHandle<()>, serve: impl Future<Output = Result<()>>) -> Result<()> {
+    let rt = runtime()?;
+    let served = rt.block_on(serve);
     drop(rt);
     release_engine(engine);
     served
@@ -614,10 +621,9 @@ pub fn serve(mut a: ServeArgs) -> Result<()> {
 const ENGINE_EXIT_WAIT: Duration = Duration::from_secs(10);
 
 /// Waits (at most [`ENGINE_EXIT_WAIT`]) for the engine thread to end, once
-/// the runtime is gone and with it every handle to the worker: the thread
-/// sees its command channel close at its next turn and drops the engine,
-/// which frees the device's memory in order and lets the backend report
-/// what it gathered (`INFERSCALE_CUDA_PROFILE`'s per-op table of a served
+/// every handle to the worker is gone: the thread sees its command channel
+/// close at its next turn and drops the engine, which frees the device's
+/// memory in order and lets the backend report what it gathered (`INFERSCALE_CUDA_PROFILE`'s per-op table of a served
 /// run). Without the wait the process could exit under it mid-step.
 fn release_engine(engine: std::thread::JoinHandle<()>) {
     let start = std::time::Instant::now();
@@ -675,8 +681,7 @@ pub fn worker(mut a: WorkerCmd) -> Result<()> {
     }
     let (service, engine, gpu) = start_worker(&a.worker)?;
     let service = service.with_security(security);
-    let rt = runtime()?;
-    let served = rt.block_on(async move {
+    serve_then_release(engine, async move {
         let tracing = inferscale_telemetry::init("inferscale-worker")?;
         let listener = TcpListener::bind(a.listen).await.with_context(|| format!("binding {}", a.listen))?;
         let bound = listener.local_addr()?;
@@ -696,10 +701,7 @@ pub fn worker(mut a: WorkerCmd) -> Result<()> {
         }
         tracing.shutdown().await;
         r
-    });
-    drop(rt);
-    release_engine(engine);
-    served
+    })
 }
 
 fn fence_after(s: f64) -> Result<Option<Duration>> {

@@ -29,6 +29,20 @@ __device__ __forceinline__ u32 f32_to_e4m3(float x) {
     return a > 0x7f800000u ? 0x7fu : (((bits >> 24) & 0x80u) | code);
 }
 
+// The codes of a and b, a's in the low byte. On sm_89 and newer the
+// hardware converts both in one instruction (round to nearest even,
+// saturating to ±448); `inferscale check` holds it to f32_to_e4m3 on every
+// f32 bit pattern (`e4m3_encode_mismatches`).
+__device__ __forceinline__ u32 e4m3x2(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    unsigned short two;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(two) : "f"(b), "f"(a));
+    return two;
+#else
+    return f32_to_e4m3(a) | f32_to_e4m3(b) << 8;
+#endif
+}
+
 // Eight e4m3 codes (the first in the low byte of w.x) as floats, exactly:
 // on sm_89 and newer two at a time through the hardware's e4m3 → f16
 // conversion (both conversions are exact), before that bit by bit.
@@ -98,9 +112,8 @@ __device__ void fp8_store_token(u8* kc, u8* vc, float* ks, float* vs, u32 slot, 
         const int e = key ? c : c - kv_cols;
         const float* x = key ? kres : vals;
         const float s = scales[(key ? 0 : kv_heads) + e / head_dim];
-        u32 w = 0;
-#pragma unroll
-        for (int j = 0; j < 4; j++) w |= f32_to_e4m3(__fdiv_rn(x[e + j], s)) << (8 * j);
+        const u32 w = e4m3x2(__fdiv_rn(x[e], s), __fdiv_rn(x[e + 1], s)) |
+                      e4m3x2(__fdiv_rn(x[e + 2], s), __fdiv_rn(x[e + 3], s)) << 16;
         *(u32*)((key ? kc : vc) + (size_t)slot * kv_cols + e) = w;
     }
     for (int r = threadIdx.x; r < 2 * kv_heads; r += blockDim.x)
@@ -225,6 +238,14 @@ extern "C" __global__ void copy_blocks_fp8(u8* kc, u8* vc, float* ks, float* vs,
             kpos[(size_t)dst * block_size + c] = kpos[(size_t)src * block_size + c];
 }
 
+// The codes of x[0..8] / scale, the first in the low byte of .x.
+__device__ __forceinline__ uint2 e4m3x8(const float* x, float scale) {
+    u32 w[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) w[j] = e4m3x2(__fdiv_rn(x[2 * j], scale), __fdiv_rn(x[2 * j + 1], scale));
+    return make_uint2(w[0] | w[1] << 16, w[2] | w[3] << 16);
+}
+
 // Injection into an fp8 cache: inject_body's loads (each token's stored
 // pre-RoPE key and value, 8 dimensions a thread, all loads of a group of
 // INJECT_TOKENS tokens before any store), then per token and KV head the
@@ -298,14 +319,7 @@ __device__ __forceinline__ void inject_fp8_body(u8* kc, u8* vc, float* ks, float
             const float kscale = fp8_scale(group_max(km, group)), vscale = fp8_scale(group_max(vm, group));
             if (!active) continue;
             const size_t at = (size_t)slot[i] * kv_dim + e;
-            uint2 kw = make_uint2(0, 0), hw = make_uint2(0, 0), vw = make_uint2(0, 0);
-#pragma unroll
-            for (int j = 0; j < 8; j++) {
-                const int sh = 8 * (j & 3);
-                (j < 4 ? vw.x : vw.y) |= f32_to_e4m3(__fdiv_rn(v8[j], vscale)) << sh;
-                (j < 4 ? kw.x : kw.y) |= f32_to_e4m3(__fdiv_rn(klo[j], kscale)) << sh;
-                (j < 4 ? hw.x : hw.y) |= f32_to_e4m3(__fdiv_rn(khi[j], kscale)) << sh;
-            }
+            const uint2 vw = e4m3x8(v8, vscale), kw = e4m3x8(klo, kscale), hw = e4m3x8(khi, kscale);
             *(uint2*)(vl + at) = vw;
             if (rotate || copy_k) *(uint2*)(kl + at) = kw;
             if (rotate) *(uint2*)(kl + at + half) = hw;
@@ -330,3 +344,23 @@ __device__ __forceinline__ void inject_fp8_body(u8* kc, u8* vc, float* ks, float
     }
 INJECT_PAGED_FP8(inject_kv_to_fp8, Bf16Src)
 INJECT_PAGED_FP8(inject_kv_fp8_to_fp8, Fp8Src)
+
+// `inferscale check`: over every f32 bit pattern, how many e4m3x2 codes
+// other than f32_to_e4m3 does — counts[0] for non-NaN inputs, counts[1] for
+// NaNs — and counts[2], the control, against f32_to_e4m3 with the pair's
+// bytes swapped (which must differ). Each thread takes pairs (2i, 2i + 1).
+extern "C" __global__ void e4m3_encode_mismatches(unsigned long long* counts) {
+    unsigned long long ours = 0, nans = 0, swapped = 0;
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < (1ull << 31);
+         i += (unsigned long long)gridDim.x * blockDim.x) {
+        const float a = __uint_as_float((u32)(2 * i)), b = __uint_as_float((u32)(2 * i + 1));
+        const u32 hw = e4m3x2(a, b), ca = f32_to_e4m3(a), cb = f32_to_e4m3(b);
+        const bool nan = isnan(a) || isnan(b);
+        const u32 wrong = (hw & 0xff) != ca || (hw >> 8) != cb;
+        (nan ? nans : ours) += wrong;
+        swapped += hw != (cb | ca << 8);
+    }
+    atomicAdd(&counts[0], ours);
+    atomicAdd(&counts[1], nans);
+    atomicAdd(&counts[2], swapped);
+}

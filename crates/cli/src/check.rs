@@ -238,6 +238,7 @@ fn device(a: &Args) -> Result<()> {
     let be = crate::runtime::cuda_backend(a.device)?;
     let mut report = parity::run(&be).context("running the parity checks")?;
     report.extend(parity::gemv(&be).context("checking the few-row GEMM kernel")?);
+    report.extend(parity::fp8_encode(&be).context("checking the fp8 cache's encoder")?);
     report.extend(inferscale_cuda::external::check(&be).context("checking injection into vLLM's cache layouts")?);
     println!(
         "{:<72} {:>10} {:>10}  result",

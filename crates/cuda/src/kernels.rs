@@ -154,6 +154,7 @@ kernels!(
     copy_blocks_fp8,
     inject_kv_to_fp8,
     inject_kv_fp8_to_fp8,
+    e4m3_encode_mismatches,
     attention_bidirectional,
     paged_attention_d64,
     paged_attention_d128,

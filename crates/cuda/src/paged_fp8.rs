@@ -351,3 +351,20 @@ fn check_rotation(rope: &Rope, head_dim: usize) -> Result<()> {
     }
     Ok(())
 }
+
+impl CudaBackend {
+    /// How many f32 bit patterns the fp8 cache's encoder (`e4m3x2` in
+    /// kernels/kv_fp8.cu: the hardware's conversion from sm_89 on) codes
+    /// otherwise than the CPU's rule (`f32_to_e4m3` there, `fp8::f32_to_e4m3`
+    /// here): `[non-NaN inputs, NaN inputs, control]`, the control counting
+    /// against the rule with each pair's codes swapped. All 2³² patterns,
+    /// a few milliseconds.
+    pub fn e4m3_encode_mismatches(&self) -> Result<[u64; 3]> {
+        let counts = self.stream.alloc_zeros::<u64>(3).cu()?;
+        let cfg =
+            LaunchConfig { grid_dim: (self.sm_count as u32 * 8, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        self.launch(&self.k.e4m3_encode_mismatches, cfg, &[&self.ptr(&counts)])?;
+        let got = self.stream.clone_dtoh(&counts).cu()?;
+        Ok([got[0], got[1], got[2]])
+    }
+}

@@ -29,7 +29,7 @@ mod ops;
 pub use graphs::decode_graphs;
 pub use model::{GreedyRow, LOGPROB_TOP, greedy, model, real_model, shapes};
 pub(crate) use ops::rope_for;
-pub use ops::{gemv, ops};
+pub use ops::{fp8_encode, gemv, ops};
 
 pub const OP_TOL: f64 = 1e-2;
 pub const MODEL_TOL: f64 = 5e-2;

@@ -21,6 +21,7 @@ fn cuda_matches_cpu_and_keeps_e1_to_e4() {
     };
     let report = match parity::run(&be).and_then(|mut r| {
         r.extend(parity::gemv(&be)?);
+        r.extend(parity::fp8_encode(&be)?);
         Ok(r)
     }) {
         Ok(r) => r,

@@ -822,3 +822,19 @@ pub fn gemv(gpu: &crate::CudaBackend) -> R<Report> {
     }
     Ok(out)
 }
+
+/// The fp8 cache's encoder on the device against the CPU's rule over every
+/// f32 bit pattern ([`crate::CudaBackend::e4m3_encode_mismatches`]): the
+/// count of patterns coded otherwise, which must be 0 (NaNs apart: a NaN
+/// only reaches the encoder from a NaN in the model's K or V). The control
+/// swaps each pair's codes, which must miss.
+pub fn fp8_encode(gpu: &crate::CudaBackend) -> R<Report> {
+    let [ours, nans, swapped] = gpu.e4m3_encode_mismatches()?;
+    let check =
+        |name: &str, count: u64, control| Check { name: name.into(), error: count as f64, tolerance: 0.0, control };
+    Ok(vec![
+        check("fp8 encode: device codes = the CPU's rule, every non-NaN f32 (mismatches)", ours, false),
+        check("fp8 encode: device codes = the CPU's rule, every NaN f32 (mismatches)", nans, false),
+        check("fp8 encode: control, each pair's codes swapped (mismatches)", swapped, true),
+    ])
+}

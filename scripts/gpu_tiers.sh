@@ -17,7 +17,8 @@
 #
 # Environment (defaults): USERS=400 FACTS=8 K=8 FORMAT=fp8 DEVICE_MB=2048
 # HOST_MB=8192 ZIPF=1.0 DURATION_S=60 STORE_DIR=/tmp/inferscale-tiers
-# COLD_KV=auto (the server's default; or prefill, read or wait; COLD_KV_WAIT_MS=100)
+# COLD_KV=auto (the server's default; or prefill, read or wait; COLD_KV_WAIT_MS: the
+# server's default unless set)
 # PROMOTE_AFTER=0 (--kv-promote-after: host-tier hits before a fact is read
 # again onto the device; 0 = never) READERS (--kv-readers; unset: the server's
 # default) MODES=kv,prompt
@@ -50,7 +51,7 @@ serve() {
     "$bin" serve --listen 127.0.0.1:8080 --worker-http-listen 127.0.0.1:9090 --memory "$mem" \
     --backend cuda "${model_args[@]}" --embedder random --window 0 \
     --kv-format "$format" --kv-device-mb "${DEVICE_MB:-2048}" --kv-host-mb "${HOST_MB:-8192}" \
-    --cold-kv "${COLD_KV:-auto}" --cold-kv-wait-ms "${COLD_KV_WAIT_MS:-100}" --prefix-cache off \
+    --cold-kv "${COLD_KV:-auto}" ${COLD_KV_WAIT_MS:+--cold-kv-wait-ms "$COLD_KV_WAIT_MS"} --prefix-cache off \
     --kv-promote-after "${PROMOTE_AFTER:-0}" ${READERS:+--kv-readers "$READERS"} \
     --kv-cache-mb 40000 --max-batch-tokens 2048 --max-running 128 --max-queue 512 --deadline-s 600 \
     >>"$out/serve.log" 2>&1 &

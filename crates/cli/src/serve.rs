@@ -51,8 +51,10 @@ pub struct WorkerArgs {
     /// request runs, `wait` up to --cold-kv-wait-ms for the reader threads'
     /// reads (outside the engine) and prefill what is still unread, or
     /// `auto` (the default): per request, wait for the reads that cost less
-    /// than their prefill (from measured read and prefill times and the
-    /// readers' queue), up to --cold-kv-wait-ms, and prefill the rest.
+    /// than their prefill (from measured read and prefill times, the
+    /// readers' queue, and the sequences a prefill would slow), up to
+    /// --cold-kv-wait-ms, and prefill the rest; before anything is measured
+    /// it waits, as `wait` does.
     #[arg(long, env = "INFERSCALE_COLD_KV", default_value = "auto", value_parser = parse_cold_kv)]
     pub(crate) cold_kv: ColdKv,
     /// With --cold-kv wait or auto: the most a request waits for its facts' reads.

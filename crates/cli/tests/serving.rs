@@ -405,8 +405,9 @@ fn cold_facts_are_prefilled_while_their_kv_is_read() {
     assert_eq!(v["usage"]["memory"]["sources"]["prefilled"], json!(2), "{v}");
     drop(s);
 
-    // `auto`: with nothing measured yet the first cold request prefills, as
-    // `prefill` does; its reads and its prefill are then measured, and the
+    // `auto`: with nothing measured yet the first cold request waits for
+    // its reads, as `wait` does (a cap long enough for a loaded disk); its
+    // reads and the prefill of its question are then measured, and the
     // next cold request — another user's, so its facts are still on disk —
     // is planned from them (the rule's choices on fixed inputs are
     // `crates/worker/src/cold.rs`'s tests; here, the wiring: every fact
@@ -420,16 +421,21 @@ fn cold_facts_are_prefilled_while_their_kv_is_read() {
         json_call(&s.addr, "POST", "/v1/memories", &serde_json::from_str(&TURNS.replace("\"u1\"", "\"u2\"")).unwrap());
     assert_eq!(status, 200, "{v}");
     drop(s);
-    let s = serve(&mem, &["--cold-kv", "auto"]);
+    let s = serve(&mem, &["--cold-kv", "auto", "--cold-kv-wait-ms", "20000"]);
     let (status, v) = json_call(&s.addr, "POST", c, &question);
     assert_eq!(status, 200, "{v}");
-    let sources = json!({"device": 0, "host": 0, "disk": 0, "prefilled": 2});
-    assert_eq!(v["usage"]["memory"]["sources"], sources, "nothing measured yet: prefilled: {v}");
+    let sources = json!({"device": 0, "host": 0, "disk": 2, "prefilled": 0});
+    assert_eq!(v["usage"]["memory"]["sources"], sources, "nothing measured yet: waited for the reads: {v}");
+    assert_eq!(v["usage"]["memory"]["injected_tokens"].as_u64(), Some(injected), "{v}");
     let deadline = Instant::now() + Duration::from_secs(60);
     while json_call(&s.addr, "POST", c, &question).1["usage"]["memory"]["sources"]["device"] != json!(2) {
         assert!(Instant::now() < deadline, "u1's facts were never read");
         std::thread::sleep(Duration::from_millis(100));
     }
+    // A prompt-mode request prefills its facts as text: a measured prefill
+    // (a kv request's question alone may be too short to be sampled).
+    let (status, v) = json_call(&s.addr, "POST", c, &prompt_mode);
+    assert_eq!(status, 200, "{v}");
     let other = chat(Some("u2"), "What is the name of Caroline's cat?", json!({"k": 2}));
     let (status, v) = json_call(&s.addr, "POST", c, &other);
     assert_eq!(status, 200, "{v}");

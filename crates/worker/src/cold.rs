@@ -1,16 +1,21 @@
 //! `--cold-kv auto`: whether a kv-mode request waits for its cold facts'
-//! reads or prefills them, chosen by what each costs it.
+//! reads or prefills them, chosen by what each costs.
 //!
 //! A fact whose KV is on disk only can reach the request two ways: read by
 //! a reader thread (the request waits, outside the scheduler, until the read
 //! is cached) or pasted as text and prefilled with the question. Reads run
 //! on a few threads in order of arrival, so the m-th of this request's
-//! reads is done after the reads queued before it and its own predecessors;
-//! a prefill costs every pasted token. The request waits for the first m
-//! reads and prefills the rest, with the m that makes the wait plus the
-//! prefill smallest — the rule, pure, here; the measurements it is fed
-//! (seconds per read, seconds per prefilled token, the reads queued) are
-//! the engine thread's running means.
+//! reads is done after the reads queued before it and its own predecessors.
+//! The two cost different people: a wait delays only the request that
+//! waits (the engine steps on without it), while a pasted token lengthens
+//! the step that every running sequence waits on. So the rule counts a
+//! prefilled token's time once for the request and once for each sequence
+//! running beside it, and the request waits for the first m reads and
+//! prefills the rest, with the m that makes the sum smallest — on an idle
+//! server its own wait against its own prefill, under load nearly always
+//! the reads. The rule is pure, here; the measurements it is fed (seconds
+//! per read, seconds per prefilled token, the reads queued, the sequences
+//! running) are the engine thread's.
 
 use std::time::Duration;
 
@@ -26,6 +31,9 @@ pub struct ColdCosts {
     pub backlog: usize,
     /// One prefilled token, seconds; `None` until a prefill was measured.
     pub prefill_s_per_token: Option<f64>,
+    /// Sequences in the running batch: each waits for the steps that
+    /// prefill this request's pasted tokens.
+    pub running: usize,
 }
 
 /// How long past its expected wait a request waits for its reads: reads
@@ -42,19 +50,37 @@ pub fn deadline(expected: Duration) -> Duration {
     }
 }
 
+/// How long a request may wait for its cold facts' reads (`tokens`: each
+/// fact's, in the order their reads are queued), at most `cap`
+/// (`--cold-kv-wait-ms`): the deadline of [`plan`]'s choice, or, before a
+/// read and a prefill were measured, the whole cap, as `--cold-kv wait`
+/// does: the first reads measure the disk, and a restart's first burst —
+/// every request's facts on disk, nothing measured — waits for reads rather
+/// than prefilling every fact of a hundred requests at once (measured:
+/// docs/performance.md, "Cold facts after a restart: waiting beats
+/// prefilling"). The request is released as soon as its reads are cached.
+pub fn wait_limit(costs: &ColdCosts, tokens: &[usize], cap: Duration) -> Duration {
+    if tokens.is_empty() {
+        return Duration::ZERO;
+    }
+    match plan(costs, tokens) {
+        Some((_, expected)) => deadline(expected).min(cap),
+        None => cap,
+    }
+}
+
 /// Of a request's cold facts (their tokens, in the order their reads are
 /// queued), how many to wait for and how long that is expected to take:
-/// the first `m` are injected once read, the rest prefilled. Without a measured read or prefill there
-/// is nothing to weigh: prefill them all (`ColdKv::Prefill`'s choice, which
-/// never waits for the disk); the reads are queued either way, so the next
-/// request has the measurement. Ties go to waiting less.
-pub fn plan(costs: &ColdCosts, tokens: &[usize]) -> (usize, Duration) {
-    let (Some(read_s), Some(per_token)) = (costs.read_s, costs.prefill_s_per_token) else {
-        return (0, Duration::ZERO);
-    };
+/// the first `m` are injected once read, the rest prefilled; `None`
+/// without a measured read and prefill (nothing to weigh). A wait costs
+/// its length once; a prefilled token its time for this request and for
+/// each running sequence. Ties go to waiting less.
+pub fn plan(costs: &ColdCosts, tokens: &[usize]) -> Option<(usize, Duration)> {
+    let (read_s, per_token) = (costs.read_s?, costs.prefill_s_per_token?);
     let readers = costs.readers.max(1);
     // The m-th read completes with its wave: reads run `readers` at a time.
     let wait = |m: usize| if m == 0 { 0.0 } else { read_s * (costs.backlog + m).div_ceil(readers) as f64 };
+    let per_token = per_token * (1 + costs.running) as f64;
     let total: usize = tokens.iter().sum();
     let mut best = (0, per_token * total as f64, 0.0);
     let mut pasted = total;
@@ -66,7 +92,7 @@ pub fn plan(costs: &ColdCosts, tokens: &[usize]) -> (usize, Duration) {
             best = (m, cost, wait(m));
         }
     }
-    (best.0, Duration::from_secs_f64(best.2))
+    Some((best.0, Duration::from_secs_f64(best.2)))
 }
 
 /// A running mean that follows change: each sample moves it by 1/8.
@@ -89,25 +115,31 @@ impl Mean {
 mod tests {
     use super::*;
 
+    /// Costs on an idle server (nothing running beside the request).
     fn costs(read_ms: f64, readers: usize, backlog: usize, prefill_us_per_token: f64) -> ColdCosts {
         ColdCosts {
             read_s: Some(read_ms / 1e3),
             readers,
             backlog,
             prefill_s_per_token: Some(prefill_us_per_token / 1e6),
+            running: 0,
         }
+    }
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
     }
 
     #[test]
     fn fast_reads_are_waited_for_and_slow_ones_prefilled() {
         // Four facts of 100 tokens. Reads of 5 ms on 4 idle threads finish
         // together at 5 ms; prefilling 400 tokens at 50 µs each is 20 ms.
-        assert_eq!(plan(&costs(5.0, 4, 0, 50.0), &[100; 4]), (4, Duration::from_millis(5)));
+        assert_eq!(plan(&costs(5.0, 4, 0, 50.0), &[100; 4]), Some((4, ms(5))));
         // A disk 10× slower: 50 ms of waiting against 20 ms of prefill.
-        assert_eq!(plan(&costs(50.0, 4, 0, 50.0), &[100; 4]), (0, Duration::ZERO));
+        assert_eq!(plan(&costs(50.0, 4, 0, 50.0), &[100; 4]), Some((0, Duration::ZERO)));
         // A deep queue makes even fast reads late: 40 reads ahead on 4
         // threads put this request's first read 55 ms out.
-        assert_eq!(plan(&costs(5.0, 4, 40, 50.0), &[100; 4]), (0, Duration::ZERO));
+        assert_eq!(plan(&costs(5.0, 4, 40, 50.0), &[100; 4]), Some((0, Duration::ZERO)));
     }
 
     #[test]
@@ -116,29 +148,58 @@ mod tests {
         // finish at 20, 20, 30, 30, 40, 40 ms. Prefilling a 200-token fact
         // costs 20 ms at 100 µs a token: each further pair of reads costs
         // 10 ms more waiting and saves 40 ms of prefill.
-        let (m, wait) = plan(&costs(10.0, 2, 2, 100.0), &[200; 6]);
-        assert_eq!((m, wait), (6, Duration::from_millis(40)));
+        assert_eq!(plan(&costs(10.0, 2, 2, 100.0), &[200; 6]), Some((6, ms(40))));
         // With 50-token facts (5 ms each to prefill) no wait pays: the first
         // two reads cost 20 ms of waiting to save 10 ms of prefill.
-        assert_eq!(plan(&costs(10.0, 2, 2, 100.0), &[50; 6]), (0, Duration::ZERO));
-        let (m, wait) = plan(&costs(10.0, 2, 2, 100.0), &[300, 300, 10, 10, 10, 10]);
-        assert_eq!((m, wait), (2, Duration::from_millis(20)), "the long facts, whose reads come first");
+        assert_eq!(plan(&costs(10.0, 2, 2, 100.0), &[50; 6]), Some((0, Duration::ZERO)));
+        let plan_ = plan(&costs(10.0, 2, 2, 100.0), &[300, 300, 10, 10, 10, 10]);
+        assert_eq!(plan_, Some((2, ms(20))), "the long facts, whose reads come first");
     }
 
     #[test]
-    fn without_measurements_every_cold_fact_is_prefilled() {
-        let unmeasured = ColdCosts { read_s: None, readers: 4, backlog: 0, prefill_s_per_token: Some(1e-4) };
-        assert_eq!(plan(&unmeasured, &[100; 3]), (0, Duration::ZERO));
-        let unmeasured = ColdCosts { read_s: Some(1e-3), readers: 4, backlog: 0, prefill_s_per_token: None };
-        assert_eq!(plan(&unmeasured, &[100; 3]), (0, Duration::ZERO));
-        assert_eq!(plan(&costs(1.0, 4, 0, 50.0), &[]), (0, Duration::ZERO), "no cold facts, no wait");
+    fn under_load_a_prefill_costs_every_running_sequence() {
+        // The 50-token facts above, which an idle server prefills (30 ms of
+        // prefill against 40 ms of waiting for all six): beside 3 running
+        // sequences the prefill costs 4 × 30 ms, beside 100 far more.
+        let busy = |running| ColdCosts { running, ..costs(10.0, 2, 2, 100.0) };
+        assert_eq!(plan(&busy(3), &[50; 6]), Some((6, ms(40))));
+        assert_eq!(plan(&busy(100), &[50; 6]), Some((6, ms(40))));
+        // One running sequence already tips it: all six reads (40 ms of
+        // waiting) against 2 × 30 ms of steps.
+        assert_eq!(plan(&busy(1), &[50; 6]), Some((6, ms(40))));
+        // A disk slow enough still loses: a second a read against 20-token
+        // facts, 4 running.
+        let slow = ColdCosts { running: 4, ..costs(1000.0, 2, 0, 100.0) };
+        assert_eq!(plan(&slow, &[20; 2]), Some((0, Duration::ZERO)));
+    }
+
+    #[test]
+    fn before_anything_is_measured_a_request_waits_as_wait_does() {
+        let cap = ms(200);
+        let unmeasured =
+            ColdCosts { read_s: None, readers: 4, backlog: 0, prefill_s_per_token: Some(1e-4), running: 0 };
+        assert_eq!(plan(&unmeasured, &[100; 3]), None);
+        assert_eq!(wait_limit(&unmeasured, &[100; 3], cap), cap);
+        let unmeasured = ColdCosts { read_s: Some(1e-3), prefill_s_per_token: None, ..unmeasured };
+        assert_eq!(wait_limit(&unmeasured, &[100; 3], cap), cap);
+        assert_eq!(wait_limit(&unmeasured, &[], cap), Duration::ZERO, "no cold facts, no wait");
+        assert_eq!(wait_limit(&costs(1.0, 4, 0, 50.0), &[], cap), Duration::ZERO);
+    }
+
+    #[test]
+    fn the_wait_is_twice_the_expected_within_the_cap() {
+        // Expected 40 ms (the six 200-token facts above): 80 ms; a lower cap
+        // wins; a plan that waits for nothing waits not at all.
+        assert_eq!(wait_limit(&costs(10.0, 2, 2, 100.0), &[200; 6], ms(200)), ms(80));
+        assert_eq!(wait_limit(&costs(10.0, 2, 2, 100.0), &[200; 6], ms(50)), ms(50));
+        assert_eq!(wait_limit(&costs(10.0, 2, 2, 100.0), &[50; 6], ms(200)), Duration::ZERO);
     }
 
     #[test]
     fn the_deadline_leaves_room_for_a_late_read() {
         assert_eq!(deadline(Duration::ZERO), Duration::ZERO);
-        assert_eq!(deadline(Duration::from_millis(3)), MIN_WAIT);
-        assert_eq!(deadline(Duration::from_millis(40)), Duration::from_millis(80));
+        assert_eq!(deadline(ms(3)), MIN_WAIT);
+        assert_eq!(deadline(ms(40)), ms(80));
     }
 
     #[test]

@@ -30,8 +30,8 @@ pub struct WorkerConfig {
     /// What a kv-mode request does with retrieved facts whose KV is on disk
     /// only.
     pub cold_kv: ColdKv,
-    /// With [`ColdKv::Wait`]: how long a request waits for its facts' reads
-    /// before it prefills those still on disk.
+    /// With [`ColdKv::Wait`] or [`ColdKv::Auto`]: the longest a request
+    /// waits for its facts' reads before it prefills those still on disk.
     pub cold_kv_wait: Duration,
     /// Threads that read facts' KV from disk for kv-mode requests (at
     /// least 1): reads in flight at once, which an NVMe queue serves in
@@ -121,19 +121,31 @@ pub enum ColdKv {
     /// Per request, by cost (`crate::cold`): wait for the reads that come
     /// soon enough to cost less than their prefill — from the measured time
     /// of a read, the reads queued before this request's and the measured
-    /// time of a prefilled token — and prefill the rest; never longer than
-    /// [`WorkerConfig::cold_kv_wait`]. Until both times were measured it
-    /// prefills, as `Prefill` does. The default: on the tiered-store Zipf
-    /// stream (docs/performance.md, H100, 2026-12-05) it and `Wait` served
-    /// 27–31 % more than `Prefill`, and unlike `Wait` it stops waiting where
-    /// reads cost more than the prefill they save (a slow disk).
+    /// time of a prefilled token, counted for the request and for each
+    /// sequence running beside it (a wait delays one request, a prefill
+    /// every sequence in its steps) — and prefill the rest; never longer
+    /// than [`WorkerConfig::cold_kv_wait`]. Until a read and a prefill were
+    /// measured it waits, as `Wait` does. The default: it serves as `Wait`
+    /// does under load and after a restart — on the tiered-store Zipf
+    /// stream (docs/performance.md, H100, 2026-12-07) `Wait` served
+    /// 77.8–80.8 req/s against 70.6–74.6 for the earlier rule, which
+    /// weighed a prefill for the request alone and prefilled until
+    /// measured, and cut the restart burst's TTFT p99 by a third — and
+    /// unlike `Wait` it prefills where reads
+    /// cost more than the prefill they save (a slow disk on an idle
+    /// server).
     #[default]
     Auto,
 }
 
-/// The default of [`WorkerConfig::cold_kv_wait`]: a fact of an 8B model
-/// reads in ≈ 27 ms on a reader thread (fp8, NVMe, docs/performance.md).
-pub const COLD_KV_WAIT: Duration = Duration::from_millis(100);
+/// The default of [`WorkerConfig::cold_kv_wait`]. A fact of an 8B model
+/// reads in ≈ 27 ms on a reader thread (fp8, NVMe), but a restart's burst
+/// queues hundreds of reads: on the 400-user Zipf stream (H100,
+/// docs/performance.md) `wait` served 77.8–80.3 req/s with 200 ms and
+/// 80.8 with 400 ms, where 100 ms (another machine of the same kind)
+/// served 71.8 beside prompt mode's 28.1; the burst's requests wait at
+/// most this much longer than with `prefill`.
+pub const COLD_KV_WAIT: Duration = Duration::from_millis(200);
 
 /// The default of [`WorkerConfig::kv_readers`].
 pub const KV_READERS: usize = 4;

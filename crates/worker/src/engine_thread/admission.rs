@@ -70,10 +70,11 @@ impl<B: Backend> Core<B> {
                     readers: self.reader.threads(),
                     backlog,
                     prefill_s_per_token: self.prefill_s_per_token.get(),
+                    running: self.sched.running(),
                 };
                 let all = self.session.memory().facts(job.user())?;
                 let tokens: Vec<usize> = cold.iter().map(|&i| all.get(i).map_or(0, |f| f.tokens.len())).collect();
-                crate::cold::deadline(crate::cold::plan(&costs, &tokens).1).min(self.cfg.cold_kv_wait)
+                crate::cold::wait_limit(&costs, &tokens, self.cfg.cold_kv_wait)
             }
             _ => Duration::ZERO,
         };

@@ -27,7 +27,8 @@
 # device time over the whole run in profile.txt when it stops. Profiling
 # turns decode graphs off and slows serving: a profile, not a timing.
 # WORKER_PROFILE=1 (default; 0 to leave out): the engine thread's time every
-# 10 s (INFERSCALE_WORKER_PROFILE: commands, layout, forward, sampling; a few
+# 10 s (INFERSCALE_WORKER_PROFILE: commands — of them retrieval and KV lookup —,
+# layout, forward, sampling; a few
 # clock reads a step) in worker-profile.txt, and the worker's metrics give
 # the tokens each step computed (inferscale_worker_batch_tokens).
 # MODEL=PATH: a real model (a GGUF, e.g. the Qwen2.5-Coder-1.5B that

@@ -6,6 +6,7 @@
 //! Reads top to bottom: Linear → Attention → Mlp → Block → Llama.
 
 use inferscale_model::{HostTensor, ModelConfig, ModelFiles};
+use rayon::prelude::*;
 
 use crate::backend::{AttentionShape, Backend, NewRows, SeqSpan, Tensors};
 use crate::blend::{BlendRows, SELECT_LAYER};
@@ -62,15 +63,15 @@ impl<B: Backend> Linear<B> {
     /// and wide matrices keep a GPU busy where thin ones would not.
     fn load_fused(be: &B, files: &ModelFiles, parts: &[(&str, usize)], inp: usize, bias: bool) -> Result<Self> {
         let out: usize = parts.iter().map(|p| p.1).sum();
-        let mut w = Vec::with_capacity(out * inp);
+        let mut ws = Vec::with_capacity(parts.len());
         let mut b = Vec::with_capacity(if bias { out } else { 0 });
         for &(name, rows) in parts {
-            w.extend(files.weights.load(&format!("{name}.weight"), &[rows, inp])?.data);
+            ws.push(files.weights.load(&format!("{name}.weight"), &[rows, inp])?.data);
             if bias {
                 b.extend(files.weights.load(&format!("{name}.bias"), &[rows])?.data);
             }
         }
-        let w = be.upload(&HostTensor { shape: vec![out, inp], data: w })?;
+        let w = be.upload(&HostTensor { shape: vec![out, inp], data: concat(ws) })?;
         let b = if bias { Some(be.upload(&HostTensor { shape: vec![out], data: b })?) } else { None };
         Ok(Linear { w, b })
     }
@@ -78,6 +79,26 @@ impl<B: Backend> Linear<B> {
     fn forward(&self, be: &B, x: &B::Tensor) -> Result<B::Tensor> {
         be.linear(x, &self.w, self.b.as_ref())
     }
+}
+
+/// The matrices of a fused projection stacked: a lone one as it is, several
+/// copied into one buffer by every core. An 8B model's weights are 32 GB of
+/// f32 on their way to the device, and one thread copying them (faulting
+/// in each fresh page) took longer than generating, converting and
+/// uploading them together (docs/performance.md, "Loading weights").
+fn concat(mut parts: Vec<Vec<f32>>) -> Vec<f32> {
+    if parts.len() == 1 {
+        return parts.pop().unwrap_or_default();
+    }
+    const CHUNK: usize = 1 << 16;
+    let mut out = vec![0f32; parts.iter().map(Vec::len).sum()];
+    let mut rest = &mut out[..];
+    for p in &parts {
+        let (dst, tail) = rest.split_at_mut(p.len());
+        dst.par_chunks_mut(CHUNK).zip(p.par_chunks(CHUNK)).for_each(|(d, s)| d.copy_from_slice(s));
+        rest = tail;
+    }
+    out
 }
 
 fn load_vector<B: Backend>(be: &B, files: &ModelFiles, name: &str, len: usize) -> Result<B::Tensor> {
@@ -464,5 +485,15 @@ mod tests {
         assert_eq!((b.spans[0].q_start, b.spans[0].q_len, b.spans[0].row_ends), (0, 3, Some(&[6, 8, 9][..])));
         assert_eq!((b.spans[1].q_start, b.spans[1].q_len, b.spans[1].row_ends), (3, 3, Some(&[28, 29, 30][..])));
         assert!(Narrowed::new(&batch, &[0, 1, 2, 3, 5, 6, 7]).is_err(), "a logit row was dropped");
+    }
+
+    #[test]
+    fn fused_weights_are_stacked_in_order() {
+        let (a, b, c): (Vec<f32>, Vec<f32>, Vec<f32>) =
+            ((0..150_000).map(|x| x as f32).collect(), vec![-1.0; 70_001], vec![-2.0, -3.0]);
+        let want: Vec<f32> = a.iter().chain(&b).chain(&c).copied().collect();
+        assert_eq!(concat(vec![a.clone(), b, c]), want);
+        assert_eq!(concat(vec![a.clone()]), a);
+        assert_eq!(concat(vec![Vec::new(), vec![4.0]]), vec![4.0]);
     }
 }

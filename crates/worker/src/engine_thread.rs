@@ -118,8 +118,10 @@ struct Arrival<B: Backend> {
 
 /// Where the engine thread's time goes, printed every 10 s when
 /// `INFERSCALE_WORKER_PROFILE=1`: commands (arrivals: retrieval and
-/// sizing), layout (header fork and injection), the forward pass with
-/// sampling's device part, and the host's sampling and streaming.
+/// sizing; of it, the question's embedding and ranking, and the lookup of
+/// the retrieved facts' KV with their cold reads queued), layout (header
+/// fork and injection), the forward pass with sampling's device part, and
+/// the host's sampling and streaming.
 #[derive(Default)]
 struct Profile {
     on: bool,
@@ -127,6 +129,8 @@ struct Profile {
     steps: u64,
     rows: u64,
     commands: Duration,
+    retrieval: Duration,
+    lookup: Duration,
     layout: Duration,
     forward: Duration,
     sample: Duration,
@@ -152,10 +156,12 @@ impl Profile {
         }
         let pct = |d: Duration| 100.0 * d.as_secs_f64() / wall.as_secs_f64();
         eprintln!(
-            "inferscale worker profile: {:.1} steps/s, {:.1} rows/step; commands {:.0}% layout {:.0}% forward {:.0}% sample+stream {:.0}% (ms/step: forward {:.2})",
+            "inferscale worker profile: {:.1} steps/s, {:.1} rows/step; commands {:.0}% (retrieval {:.0}%, KV lookup {:.0}%) layout {:.0}% forward {:.0}% sample+stream {:.0}% (ms/step: forward {:.2})",
             self.steps as f64 / wall.as_secs_f64(),
             self.rows as f64 / self.steps.max(1) as f64,
             pct(self.commands),
+            pct(self.retrieval),
+            pct(self.lookup),
             pct(self.layout),
             pct(self.forward),
             pct(self.sample),

@@ -21,6 +21,7 @@ impl<B: Backend> Core<B> {
             retrieve.record("candidates", self.session.memory().facts(job.user()).map_or(0, <[_]>::len) as i64);
         }
         retrieve.record("retrieved", facts.len() as i64);
+        let looked = self.profile.add(|p| &mut p.retrieval, t0);
         let all = if facts.is_empty() { &[][..] } else { self.session.memory().facts(job.user())? };
         let memory_tokens: usize = facts.iter().map(|&i| all[i].tokens.len()).sum();
         let limit = self.session.engine().model().config().max_position_embeddings;
@@ -62,6 +63,7 @@ impl<B: Backend> Core<B> {
         }
         drop(entered);
         drop(retrieve);
+        self.profile.add(|p| &mut p.lookup, looked);
         let wait = match self.cfg.cold_kv {
             ColdKv::Wait if !cold.is_empty() => self.cfg.cold_kv_wait,
             ColdKv::Auto if !cold.is_empty() => {

@@ -825,9 +825,9 @@ pub fn gemv(gpu: &crate::CudaBackend) -> R<Report> {
 
 /// The fp8 cache's encoder on the device against the CPU's rule over every
 /// f32 bit pattern ([`crate::CudaBackend::e4m3_encode_mismatches`]): the
-/// count of patterns coded otherwise, which must be 0 (NaNs apart: a NaN
-/// only reaches the encoder from a NaN in the model's K or V). The control
-/// swaps each pair's codes, which must miss.
+/// count of patterns coded otherwise, which must be 0 — NaNs counted in a
+/// row of their own, since a NaN reaches the encoder only from a NaN in the
+/// model's K or V. The control swaps each pair's codes, which must miss.
 pub fn fp8_encode(gpu: &crate::CudaBackend) -> R<Report> {
     let [ours, nans, swapped] = gpu.e4m3_encode_mismatches()?;
     let check =

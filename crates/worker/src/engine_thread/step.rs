@@ -47,10 +47,11 @@ impl<B: Backend> Core<B> {
         };
         if !seqs.is_empty() {
             let tokens: usize = takes.iter().sum();
-            self.metrics.stepped(seqs.len(), tokens, forward.elapsed().as_secs_f64());
-            self.step_time.observe(forward.elapsed());
+            let took = forward.elapsed();
+            self.metrics.stepped(seqs.len(), tokens, took.as_secs_f64());
+            self.step_time.observe(took);
             if tokens >= PREFILL_SAMPLE_TOKENS {
-                self.prefill_s_per_token.observe(forward.elapsed().as_secs_f64() / tokens as f64);
+                self.prefill_s_per_token.observe(took.as_secs_f64() / tokens as f64);
             }
         }
         drop(seqs);

@@ -344,14 +344,47 @@ impl<B: Backend> Session<B> {
     /// one run's): the retriever ranks all of the user's facts, the first
     /// `k` in scope are kept.
     pub fn retrieve_in(&mut self, user: &str, question: &str, k: usize, scope: &Scope) -> Result<Vec<usize>> {
+        if !self.memory.has_user(user) {
+            return Ok(Vec::new());
+        }
+        let embedding = self.embed_questions(&[question])?.pop().unwrap_or_default();
+        self.retrieve_embedded(user, question, &embedding, k, scope)
+    }
+
+    /// The retrieval encoder's embeddings of `questions`, in one batch: a
+    /// serving engine embeds the questions that arrived together in one
+    /// forward pass (the encoder's cost is mostly its launches, whatever
+    /// the batch) and retrieves for each with [`Session::retrieve_embedded`].
+    pub fn embed_questions(&self, questions: &[&str]) -> Result<Vec<Vec<f32>>> {
+        let embeddings = self.embedder.embed(self.engine.backend(), questions)?;
+        if embeddings.len() != questions.len() {
+            return Err(MemoryError::Invalid { what: "question", reason: "no embedding".into() });
+        }
+        Ok(embeddings)
+    }
+
+    /// [`Session::retrieve_in`] for a question already embedded
+    /// ([`Session::embed_questions`]).
+    pub fn retrieve_embedded(
+        &self,
+        user: &str,
+        question: &str,
+        embedding: &[f32],
+        k: usize,
+        scope: &Scope,
+    ) -> Result<Vec<usize>> {
+        if !self.memory.has_user(user) {
+            return Ok(Vec::new());
+        }
+        let (backend, query) = (self.engine.backend(), Query { text: question, embedding });
         if scope.is_all() {
-            return self.retrieve(user, question, k);
+            return self.memory.retrieve(backend, user, query, k);
         }
         let n = self.memory.facts(user).map_or(0, <[_]>::len);
         if n == 0 {
             return Ok(Vec::new());
         }
-        let order = self.retrieve(user, question, n)?;
+        let order = self.memory.retrieve(backend, user, query, n)?;
         let facts = self.memory.facts(user)?;
         Ok(order.into_iter().filter(|&i| scope.contains(&facts[i].unit)).take(k).collect())
     }

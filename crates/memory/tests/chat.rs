@@ -13,7 +13,7 @@ use std::sync::Arc;
 use inferscale_engine::bert::Bert;
 use inferscale_engine::{CpuBackend, Engine, EngineConfig};
 use inferscale_memory::{
-    ANSWER_INSTRUCTION, Chat, Composer, Facts, Memory, MemoryTurn, MemoryUnit, Mode, Prompts, Recall, Session,
+    ANSWER_INSTRUCTION, Chat, Composer, Facts, Memory, MemoryTurn, MemoryUnit, Mode, Prompts, Recall, Scope, Session,
     ShardSpec,
 };
 use inferscale_model::Message;
@@ -210,4 +210,59 @@ fn a_completion_is_the_raw_prompt_after_the_memory() {
     let kv = prepare(&mut s, &c, &[1], Mode::Kv);
     assert_eq!(kv.seq.tokens(), scratch.tokens());
     assert_eq!(kv.seq.pending(), tail.len());
+}
+
+/// A serving engine embeds the questions that arrived together in one
+/// batch and retrieves for each with its embedding: every request gets the
+/// facts, in the order, that embedding its question alone gives, across
+/// users, scopes and a user without memory.
+#[test]
+fn questions_embedded_together_retrieve_what_each_retrieves_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = session(dir.path());
+    s.ingest("ana", &units(), false).unwrap();
+    let more: Vec<MemoryUnit> = [
+        ("b0", "a", "Ben plays the cello in a quartet."),
+        ("b1", "a", "Ben's sister lives in Oslo."),
+        ("b2", "b", "Ben is allergic to peanuts."),
+    ]
+    .iter()
+    .map(|&(id, agent, text)| MemoryUnit {
+        id: id.into(),
+        speaker: "Ben".into(),
+        text: text.into(),
+        agent_id: agent.into(),
+        ..Default::default()
+    })
+    .collect();
+    s.ingest("ben", &more, false).unwrap();
+    let all = Scope::default();
+    let agent_a = Scope { agent_id: Some("a".into()), run_id: None };
+    let asks = [
+        ("ana", "Where is Caroline moving?", 2, &all),
+        ("ben", "What can't Ben eat?", 3, &all),
+        ("ben", "Which instrument does Ben play?", 1, &agent_a),
+        ("nobody", "Anything?", 2, &all),
+        ("ana", "What is the cat called?", 1, &all),
+    ];
+    let questions: Vec<&str> = asks.iter().map(|a| a.1).collect();
+    let batch = s.embed_questions(&questions).unwrap();
+    assert_eq!(batch.len(), asks.len());
+    for (&(user, question, k, scope), embedding) in asks.iter().zip(&batch) {
+        let alone = s.embed_questions(&[question]).unwrap().pop().unwrap();
+        let worst = alone.iter().zip(embedding).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert!(worst < 1e-4, "{question:?}: batched embedding off by {worst}");
+        let got = s.retrieve_embedded(user, question, embedding, k, scope).unwrap();
+        assert_eq!(got, s.retrieve_in(user, question, k, scope).unwrap(), "{question:?}");
+        let expected_len = match user {
+            "nobody" => 0,
+            _ => k,
+        };
+        assert_eq!(got.len(), expected_len, "{question:?}");
+    }
+    // Agent a's facts only: b2 (agent b) never comes back for agent a.
+    let facts = s.memory().facts("ben").unwrap();
+    let got = s.retrieve_embedded("ben", asks[2].1, &batch[2], 3, &agent_a).unwrap();
+    assert_eq!(got.len(), 2);
+    assert!(got.iter().all(|&i| facts[i].unit.agent_id == "a"));
 }

@@ -8,14 +8,15 @@
 //! reads is done after the reads queued before it and its own predecessors.
 //! The two cost different people: a wait delays only the request that
 //! waits (the engine steps on without it), while a pasted token lengthens
-//! the step that every running sequence waits on. So the rule counts a
+//! the step that every sequence in the batch waits on. So the rule counts a
 //! prefilled token's time once for the request and once for each sequence
-//! running beside it, and the request waits for the first m reads and
-//! prefills the rest, with the m that makes the sum smallest — on an idle
-//! server its own wait against its own prefill, under load nearly always
-//! the reads. The rule is pure, here; the measurements it is fed (seconds
+//! that shares its steps (running, queued, or waiting for its own reads and
+//! joining the batch after them), and the request waits for the first m
+//! reads and prefills the rest, with the m that makes the sum smallest: on
+//! an idle server its own wait against its own prefill, under load nearly
+//! always the reads. The rule is pure, here; the measurements it is fed (seconds
 //! per read, seconds per prefilled token, the reads queued, the sequences
-//! running) are the engine thread's.
+//! sharing the steps) are the engine thread's.
 
 use std::time::Duration;
 
@@ -31,9 +32,13 @@ pub struct ColdCosts {
     pub backlog: usize,
     /// One prefilled token, seconds; `None` until a prefill was measured.
     pub prefill_s_per_token: Option<f64>,
-    /// Sequences in the running batch: each waits for the steps that
-    /// prefill this request's pasted tokens.
-    pub running: usize,
+    /// Sequences that share the steps which prefill this request's pasted
+    /// tokens: running, queued for the scheduler, or waiting for their own
+    /// reads. Counting only the running ones let a restart's burst — a
+    /// hundred requests waiting for reads, none running — prefill 350 facts
+    /// in its first second where `wait` prefilled 70 (docs/performance.md,
+    /// "`--cold-kv auto` measured after its change").
+    pub sharing: usize,
 }
 
 /// How long past its expected wait a request waits for its reads: reads
@@ -74,13 +79,13 @@ pub fn wait_limit(costs: &ColdCosts, tokens: &[usize], cap: Duration) -> Duratio
 /// the first `m` are injected once read, the rest prefilled; `None`
 /// without a measured read and prefill (nothing to weigh). A wait costs
 /// its length once; a prefilled token its time for this request and for
-/// each running sequence. Ties go to waiting less.
+/// each sequence sharing the steps. Ties go to waiting less.
 pub fn plan(costs: &ColdCosts, tokens: &[usize]) -> Option<(usize, Duration)> {
     let (read_s, per_token) = (costs.read_s?, costs.prefill_s_per_token?);
     let readers = costs.readers.max(1);
     // The m-th read completes with its wave: reads run `readers` at a time.
     let wait = |m: usize| if m == 0 { 0.0 } else { read_s * (costs.backlog + m).div_ceil(readers) as f64 };
-    let per_token = per_token * (1 + costs.running) as f64;
+    let per_token = per_token * (1 + costs.sharing) as f64;
     let total: usize = tokens.iter().sum();
     let mut best = (0, per_token * total as f64, 0.0);
     let mut pasted = total;
@@ -122,7 +127,7 @@ mod tests {
             readers,
             backlog,
             prefill_s_per_token: Some(prefill_us_per_token / 1e6),
-            running: 0,
+            sharing: 0,
         }
     }
 
@@ -157,11 +162,11 @@ mod tests {
     }
 
     #[test]
-    fn under_load_a_prefill_costs_every_running_sequence() {
+    fn under_load_a_prefill_costs_every_sequence_sharing_the_steps() {
         // The 50-token facts above, which an idle server prefills (30 ms of
         // prefill against 40 ms of waiting for all six): beside 3 running
         // sequences the prefill costs 4 × 30 ms, beside 100 far more.
-        let busy = |running| ColdCosts { running, ..costs(10.0, 2, 2, 100.0) };
+        let busy = |sharing| ColdCosts { sharing, ..costs(10.0, 2, 2, 100.0) };
         assert_eq!(plan(&busy(3), &[50; 6]), Some((6, ms(40))));
         assert_eq!(plan(&busy(100), &[50; 6]), Some((6, ms(40))));
         // One running sequence already tips it: all six reads (40 ms of
@@ -169,15 +174,28 @@ mod tests {
         assert_eq!(plan(&busy(1), &[50; 6]), Some((6, ms(40))));
         // A disk slow enough still loses: a second a read against 20-token
         // facts, 4 running.
-        let slow = ColdCosts { running: 4, ..costs(1000.0, 2, 0, 100.0) };
+        let slow = ColdCosts { sharing: 4, ..costs(1000.0, 2, 0, 100.0) };
         assert_eq!(plan(&slow, &[20; 2]), Some((0, Duration::ZERO)));
+    }
+
+    #[test]
+    fn a_burst_of_waiting_requests_counts_as_load() {
+        // A restart: 800 reads queued on 8 threads at 10 ms each, nothing
+        // running. Eight 25-token facts at 60 µs a token: 12 ms of prefill
+        // against a second of waiting, so a lone request prefills; with 99
+        // requests waiting beside it (they join the steps that prefill its
+        // facts) the prefill costs 100 × 12 ms and it waits.
+        let burst = |sharing| ColdCosts { sharing, ..costs(10.0, 8, 800, 60.0) };
+        assert_eq!(plan(&burst(0), &[25; 8]), Some((0, Duration::ZERO)));
+        assert_eq!(plan(&burst(99), &[25; 8]), Some((8, ms(1010))));
+        assert_eq!(wait_limit(&burst(99), &[25; 8], ms(200)), ms(200), "within the cap");
     }
 
     #[test]
     fn before_anything_is_measured_a_request_waits_as_wait_does() {
         let cap = ms(200);
         let unmeasured =
-            ColdCosts { read_s: None, readers: 4, backlog: 0, prefill_s_per_token: Some(1e-4), running: 0 };
+            ColdCosts { read_s: None, readers: 4, backlog: 0, prefill_s_per_token: Some(1e-4), sharing: 0 };
         assert_eq!(plan(&unmeasured, &[100; 3]), None);
         assert_eq!(wait_limit(&unmeasured, &[100; 3], cap), cap);
         let unmeasured = ColdCosts { read_s: Some(1e-3), prefill_s_per_token: None, ..unmeasured };

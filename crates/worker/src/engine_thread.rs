@@ -225,6 +225,7 @@ pub(crate) fn run<B: Backend>(
             ..Default::default()
         },
         reader,
+        arrivals: Vec::new(),
         waiting: Vec::new(),
         reads_cached: false,
         step_time: StepTime::default(),
@@ -249,7 +250,10 @@ pub(crate) fn run<B: Backend>(
             match core.audit_some(false) || core.encode_pending() || core.open_users() {
                 // Background work done; look for commands before more of it.
                 true => match rx.try_recv() {
-                    Ok(c) => protocol.handle(&mut core, c),
+                    Ok(c) => {
+                        dispatch(&mut protocol, &mut core, c);
+                        core.admit_arrivals();
+                    }
                     Err(TryRecvError::Empty) => continue,
                     Err(TryRecvError::Disconnected) => return Ok(()),
                 },
@@ -270,15 +274,16 @@ pub(crate) fn run<B: Backend>(
         };
         let t0 = Instant::now();
         if let Some(c) = first {
-            protocol.handle(&mut core, c);
+            dispatch(&mut protocol, &mut core, c);
         }
         loop {
             match rx.try_recv() {
-                Ok(c) => protocol.handle(&mut core, c),
+                Ok(c) => dispatch(&mut protocol, &mut core, c),
                 Err(TryRecvError::Empty) => break,
                 Err(TryRecvError::Disconnected) => return Ok(()),
             }
         }
+        core.admit_arrivals();
         core.profile.add(|p| &mut p.commands, t0);
         core.profile.report();
         core.reap();
@@ -306,6 +311,17 @@ pub(crate) fn run<B: Backend>(
     }
 }
 
+/// Hands a command to the protocol. Generate requests wait in
+/// [`Core::arrivals`] to be retrieved for together; any other command
+/// admits them first, so that commands still take effect in the order they
+/// arrived (a request sent before a forget retrieves before it).
+fn dispatch<B: Backend>(protocol: &mut Protocol, core: &mut Core<B>, c: Command) {
+    if !matches!(c, Command::Generate { .. }) {
+        core.admit_arrivals();
+    }
+    protocol.handle(core, c);
+}
+
 struct Core<B: Backend> {
     session: Session<B>,
     eos: Vec<u32>,
@@ -316,6 +332,9 @@ struct Core<B: Backend> {
     metrics: Arc<WorkerMetrics>,
     profile: Profile,
     reader: KvReader<B>,
+    /// Requests the protocol accepted in this loop turn, retrieved for
+    /// together (`admit_arrivals`).
+    arrivals: Vec<(GenerateJob, Events)>,
     /// kv-mode requests waiting for their cold facts' reads (`ColdKv::Wait`),
     /// and whether reads were cached since they were last looked at.
     waiting: Vec<Arrival<B>>,
@@ -347,14 +366,17 @@ const SCRUB_EVERY: Duration = Duration::from_secs(1);
 /// The native engine's side of the protocol: the shard is this thread's,
 /// and generation is this thread's scheduler and engine.
 impl<B: Backend> MemoryHost for Core<B> {
+    /// The request waits in [`Core::arrivals`] until the commands that
+    /// arrived with it are handled ([`dispatch`]).
     fn generate(&mut self, job: GenerateJob, events: Events) -> Result<()> {
-        self.admit(job, events)
+        self.arrivals.push((job, events));
+        Ok(())
     }
 
     fn load(&self) -> Load {
         Load {
             running: self.sched.running(),
-            waiting: self.sched.waiting() + self.waiting.len(),
+            waiting: self.sched.waiting() + self.waiting.len() + self.arrivals.len(),
             kv_blocks_total: self.session.engine().pool().total_blocks(),
             kv_blocks_free: self.session.engine().pool().free_blocks(),
             max_queue: self.cfg.max_queue,

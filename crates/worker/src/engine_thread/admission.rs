@@ -7,8 +7,45 @@
 use super::*;
 
 impl<B: Backend> Core<B> {
-    /// Retrieves, sizes and queues a request the protocol admitted.
-    pub(super) fn admit(&mut self, job: GenerateJob, events: Events) -> Result<()> {
+    /// Admits the requests that arrived since the last call
+    /// ([`Core::arrivals`]): the questions that retrieve are embedded in
+    /// one batch — the encoder's forward pass costs about the same for one
+    /// question as for a loop turn's dozen — then each request is admitted
+    /// in arrival order. Should the batch fail, each request embeds its own
+    /// question, and fails alone.
+    pub(super) fn admit_arrivals(&mut self) {
+        if self.arrivals.is_empty() {
+            return;
+        }
+        let arrivals = std::mem::take(&mut self.arrivals);
+        let t0 = Instant::now();
+        let mut embeddings: Vec<Option<Vec<f32>>> = vec![None; arrivals.len()];
+        let asking: Vec<usize> = (0..arrivals.len())
+            .filter(|&i| {
+                let job = &arrivals[i].0;
+                job.mode() != Mode::None && self.session.memory().has_user(job.user())
+            })
+            .collect();
+        if asking.len() > 1 {
+            let questions: Vec<&str> = asking.iter().map(|&i| arrivals[i].0.chat.question.as_str()).collect();
+            if let Ok(batch) = self.session.embed_questions(&questions) {
+                for (&i, e) in asking.iter().zip(batch) {
+                    embeddings[i] = Some(e);
+                }
+            }
+        }
+        self.profile.add(|p| &mut p.retrieval, t0);
+        for ((job, events), embedding) in arrivals.into_iter().zip(embeddings) {
+            let span = job.span.clone();
+            if let Err(e) = self.admit(job, events.clone(), embedding.as_deref()) {
+                self.fail(&span, &events, e);
+            }
+        }
+    }
+
+    /// Retrieves, sizes and queues a request the protocol admitted; its
+    /// question's embedding when [`Core::admit_arrivals`] computed it.
+    pub(super) fn admit(&mut self, job: GenerateJob, events: Events, embedding: Option<&[f32]>) -> Result<()> {
         let mode = job.mode();
         let tail = self.session.tail(&job.chat, mode)?;
         let header = self.session.header_len(&job.chat, mode);
@@ -17,7 +54,11 @@ impl<B: Backend> Core<B> {
         let entered = retrieve.enter();
         let mut facts = Vec::new();
         if mode != Mode::None && self.session.memory().has_user(job.user()) {
-            facts = self.session.retrieve_in(job.user(), &job.chat.question, job.k(), job.scope())?;
+            let (user, question, k) = (job.user(), job.chat.question.as_str(), job.k());
+            facts = match embedding {
+                Some(e) => self.session.retrieve_embedded(user, question, e, k, job.scope())?,
+                None => self.session.retrieve_in(user, question, k, job.scope())?,
+            };
             retrieve.record("candidates", self.session.memory().facts(job.user()).map_or(0, <[_]>::len) as i64);
         }
         retrieve.record("retrieved", facts.len() as i64);
@@ -72,7 +113,7 @@ impl<B: Backend> Core<B> {
                     readers: self.reader.threads(),
                     backlog,
                     prefill_s_per_token: self.prefill_s_per_token.get(),
-                    running: self.sched.running(),
+                    sharing: self.sched.running() + self.sched.waiting() + self.waiting.len(),
                 };
                 let all = self.session.memory().facts(job.user())?;
                 let tokens: Vec<usize> = cold.iter().map(|&i| all.get(i).map_or(0, |f| f.tokens.len())).collect();

@@ -122,8 +122,9 @@ pub enum ColdKv {
     /// soon enough to cost less than their prefill — from the measured time
     /// of a read, the reads queued before this request's and the measured
     /// time of a prefilled token, counted for the request and for each
-    /// sequence running beside it (a wait delays one request, a prefill
-    /// every sequence in its steps) — and prefill the rest; never longer
+    /// sequence sharing its steps, running, queued or waiting for reads (a
+    /// wait delays one request, a prefill every sequence in its steps) —
+    /// and prefill the rest; never longer
     /// than [`WorkerConfig::cold_kv_wait`]. Until a read and a prefill were
     /// measured it waits, as `Wait` does. The default: it serves as `Wait`
     /// does under load and after a restart — on the tiered-store Zipf

@@ -38,7 +38,7 @@ pub use kvseg::{KvFormat, KvHeader, StoredKv, read_segment};
 pub use manifest::{MANIFEST, Manifest, check_unlocked, recorded_window};
 pub use retrieval::{Query, Retriever};
 pub use search::matches as filter_matches;
-pub use session::{Hit, Session};
+pub use session::{Hit, QUESTION_BATCH, Session};
 pub use shard::{Footprint, IngestReport, Memory, ShardSpec, StoreOptions, fingerprint, user_dir_name, validate};
 pub use transfer::{ImportReport, ShardRecord, StagedShard, Staging};
 pub use user::Encoders;

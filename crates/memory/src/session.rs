@@ -33,6 +33,11 @@ pub struct Hit {
     pub score: f32,
 }
 
+/// Questions embedded in one forward pass at most: a restart's burst of
+/// hundreds of arrivals is embedded a few passes at a time, its activations
+/// bounded.
+pub const QUESTION_BATCH: usize = 32;
+
 pub struct Session<B: Backend> {
     files: Arc<ModelFiles>,
     engine: Engine<B>,
@@ -351,12 +356,16 @@ impl<B: Backend> Session<B> {
         self.retrieve_embedded(user, question, &embedding, k, scope)
     }
 
-    /// The retrieval encoder's embeddings of `questions`, in one batch: a
-    /// serving engine embeds the questions that arrived together in one
-    /// forward pass (the encoder's cost is mostly its launches, whatever
-    /// the batch) and retrieves for each with [`Session::retrieve_embedded`].
+    /// The retrieval encoder's embeddings of `questions`, a batch of up to
+    /// [`QUESTION_BATCH`] a forward pass: a serving engine embeds the
+    /// questions that arrived together at once (the encoder's pass costs
+    /// mostly its launches, whatever the batch) and retrieves for each with
+    /// [`Session::retrieve_embedded`].
     pub fn embed_questions(&self, questions: &[&str]) -> Result<Vec<Vec<f32>>> {
-        let embeddings = self.embedder.embed(self.engine.backend(), questions)?;
+        let mut embeddings = Vec::with_capacity(questions.len());
+        for batch in questions.chunks(QUESTION_BATCH) {
+            embeddings.extend(self.embedder.embed(self.engine.backend(), batch)?);
+        }
         if embeddings.len() != questions.len() {
             return Err(MemoryError::Invalid { what: "question", reason: "no embedding".into() });
         }

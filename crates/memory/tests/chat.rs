@@ -13,8 +13,8 @@ use std::sync::Arc;
 use inferscale_engine::bert::Bert;
 use inferscale_engine::{CpuBackend, Engine, EngineConfig};
 use inferscale_memory::{
-    ANSWER_INSTRUCTION, Chat, Composer, Facts, Memory, MemoryTurn, MemoryUnit, Mode, Prompts, Recall, Scope, Session,
-    ShardSpec,
+    ANSWER_INSTRUCTION, Chat, Composer, Facts, Memory, MemoryTurn, MemoryUnit, Mode, Prompts, QUESTION_BATCH, Recall,
+    Scope, Session, ShardSpec,
 };
 use inferscale_model::Message;
 
@@ -259,6 +259,14 @@ fn questions_embedded_together_retrieve_what_each_retrieves_alone() {
             _ => k,
         };
         assert_eq!(got.len(), expected_len, "{question:?}");
+    }
+    // More questions than one pass takes: the same vectors, in order.
+    let many: Vec<&str> = questions.iter().cycle().take(2 * QUESTION_BATCH + 3).copied().collect();
+    let passes = s.embed_questions(&many).unwrap();
+    assert_eq!(passes.len(), many.len());
+    for (i, v) in passes.iter().enumerate() {
+        let worst = v.iter().zip(&batch[i % asks.len()]).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert!(worst < 1e-4, "question {i} of {}: off by {worst}", many.len());
     }
     // Agent a's facts only: b2 (agent b) never comes back for agent a.
     let facts = s.memory().facts("ben").unwrap();

@@ -71,9 +71,16 @@ stop() {
   wait "$srv"
 }
 
+# The machine, for the load test's JSON (`--machine`): every step writes it,
+# so that a `run` into another OUT than the ingest's names its card too.
+machine() {
+  [ -s "$out/gpu.txt" ] || nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >"$out/gpu.txt"
+  cat "$out/gpu.txt"
+}
+
 loadtest() {
   "$bin" loadtest --url http://127.0.0.1:8080 --synthetic-facts "$facts" --k "$k" --max-tokens 32 \
-    --ignore-eos --user-prefix tiers --machine "$(cat "$out/gpu.txt")" "$@"
+    --ignore-eos --user-prefix tiers --machine "$(machine)" "$@"
 }
 
 # A fresh store, served, with the population ingested by one request.

@@ -20,12 +20,7 @@ impl<B: Backend> Core<B> {
         let arrivals = std::mem::take(&mut self.arrivals);
         let t0 = Instant::now();
         let mut embeddings: Vec<Option<Vec<f32>>> = vec![None; arrivals.len()];
-        let asking: Vec<usize> = (0..arrivals.len())
-            .filter(|&i| {
-                let job = &arrivals[i].0;
-                job.mode() != Mode::None && self.session.memory().has_user(job.user())
-            })
-            .collect();
+        let asking: Vec<usize> = (0..arrivals.len()).filter(|&i| self.retrieves(&arrivals[i].0)).collect();
         if asking.len() > 1 {
             let questions: Vec<&str> = asking.iter().map(|&i| arrivals[i].0.chat.question.as_str()).collect();
             if let Ok(batch) = self.session.embed_questions(&questions) {
@@ -43,6 +38,12 @@ impl<B: Backend> Core<B> {
         }
     }
 
+    /// Whether `job` retrieves from a memory (a mode with memory, a user
+    /// who has one).
+    fn retrieves(&self, job: &GenerateJob) -> bool {
+        job.mode() != Mode::None && self.session.memory().has_user(job.user())
+    }
+
     /// Retrieves, sizes and queues a request the protocol admitted; its
     /// question's embedding when [`Core::admit_arrivals`] computed it.
     pub(super) fn admit(&mut self, job: GenerateJob, events: Events, embedding: Option<&[f32]>) -> Result<()> {
@@ -53,7 +54,7 @@ impl<B: Backend> Core<B> {
         let retrieve = info_span!(parent: &job.span, "retrieve", k = job.k() as i64, candidates = Empty, retrieved = Empty, loaded = Empty);
         let entered = retrieve.enter();
         let mut facts = Vec::new();
-        if mode != Mode::None && self.session.memory().has_user(job.user()) {
+        if self.retrieves(&job) {
             let (user, question, k) = (job.user(), job.chat.question.as_str(), job.k());
             facts = match embedding {
                 Some(e) => self.session.retrieve_embedded(user, question, e, k, job.scope())?,
@@ -113,7 +114,11 @@ impl<B: Backend> Core<B> {
                     readers: self.reader.threads(),
                     backlog,
                     prefill_s_per_token: self.prefill_s_per_token.get(),
-                    sharing: self.sched.running() + self.sched.waiting() + self.waiting.len(),
+                    // Everyone running or waiting: the worker's load.
+                    sharing: {
+                        let load = self.load();
+                        load.running + load.waiting
+                    },
                 };
                 let all = self.session.memory().facts(job.user())?;
                 let tokens: Vec<usize> = cold.iter().map(|&i| all.get(i).map_or(0, |f| f.tokens.len())).collect();

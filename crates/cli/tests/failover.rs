@@ -115,25 +115,55 @@ impl MixedLoad {
 /// start (before the kill, for those in flight then); an attempt still
 /// unanswered at `until` counts to `until`.
 fn unavailable(outcomes: &BTreeMap<usize, Vec<Outcome>>, from: Instant, until: Instant) -> BTreeMap<usize, Duration> {
+    longest_waits(outcomes, from, until).into_iter().map(|(i, (_, wait))| (i, wait)).collect()
+}
+
+/// [`unavailable`]'s waits with when each began, for the log: which
+/// phase of a failover (the fence, the retry, the move back) a long wait
+/// fell in.
+fn longest_waits(
+    outcomes: &BTreeMap<usize, Vec<Outcome>>,
+    from: Instant,
+    until: Instant,
+) -> BTreeMap<usize, (Instant, Duration)> {
     (0..USERS)
         .map(|i| {
-            let mut worst = Duration::ZERO;
+            let mut worst = (from, Duration::ZERO);
             let mut wanting: Option<Instant> = None;
             for &(start, end, ok) in outcomes.get(&i).map(Vec::as_slice).unwrap_or_default() {
                 let since = *wanting.get_or_insert(start);
                 if ok {
-                    if end > from {
-                        worst = worst.max(end - since);
+                    if end > from && end - since > worst.1 {
+                        worst = (since, end - since);
                     }
                     wanting = None;
                 }
             }
-            if let Some(since) = wanting {
-                worst = worst.max(until.saturating_duration_since(since));
+            if let Some(since) = wanting
+                && until.saturating_duration_since(since) > worst.1
+            {
+                worst = (since, until.saturating_duration_since(since));
             }
             (i, worst)
         })
         .collect()
+}
+
+/// One line per user: its longest wait, from and to, in seconds after `t0`
+/// (negative: begun before it).
+fn print_waits(what: &str, outcomes: &BTreeMap<usize, Vec<Outcome>>, t0: Instant, until: Instant) {
+    let at = |t: Instant| {
+        if t >= t0 { (t - t0).as_secs_f64() } else { -(t0 - t).as_secs_f64() }
+    };
+    for (i, (since, wait)) in longest_waits(outcomes, t0, until) {
+        eprintln!(
+            "  {} longest {what} wait: {:.2} s, from {:+.2} s to {:+.2} s",
+            user(i),
+            wait.as_secs_f64(),
+            at(since),
+            at(since + wait)
+        );
+    }
 }
 
 fn failed(outcomes: &BTreeMap<usize, Vec<Outcome>>) -> usize {
@@ -226,6 +256,8 @@ fn writes_fail_over_in_seconds_and_a_fenced_worker_never_serves_its_stale_copy()
         failed(&reads),
         (end - killed).as_secs_f64() + 5.0
     );
+    print_waits("write", &writes, killed, end);
+    print_waits("read", &reads, killed, end);
     assert_eq!(metric(r, "inferscale_cluster_fenced_total"), 1.0, "the killed worker is fenced, not expired");
     assert!(worst(&w_gap) <= WRITE_BOUND, "write unavailability per user {w_gap:?} exceeds {WRITE_BOUND:?}");
     assert!(worst(&r_gap) <= READ_BOUND, "read unavailability per user {r_gap:?} exceeds {READ_BOUND:?}");
@@ -266,6 +298,7 @@ fn writes_fail_over_in_seconds_and_a_fenced_worker_never_serves_its_stale_copy()
     assert_kept(r, &so_far, "read from the replicas while the home is paused");
     std::thread::sleep(Duration::from_secs(8));
     signal(paused.child.id(), "-CONT");
+    let resumed = stopped.elapsed();
     let took = wait_until("the resumed worker rejoined and settled", Duration::from_secs(240), || settled(&[r], 2));
     replicas_in_step(r, Duration::from_secs(120));
     let (writes, reads, acked) = load.finish();
@@ -284,6 +317,14 @@ fn writes_fail_over_in_seconds_and_a_fenced_worker_never_serves_its_stale_copy()
         worst(&w_gap).as_secs_f64(),
         worst(&r_gap).as_secs_f64(),
     );
+    eprintln!(
+        "in seconds after SIGSTOP: fenced {:+.2}, SIGCONT {:+.2}, settled {:+.2}",
+        fenced_after.as_secs_f64(),
+        resumed.as_secs_f64(),
+        (resumed + took).as_secs_f64()
+    );
+    print_waits("write", &writes, stopped, end);
+    print_waits("read", &reads, stopped, end);
     assert!(worst(&w_gap) <= PAUSED_BOUND, "writes waited {w_gap:?} on a paused home");
     assert!(worst(&r_gap) <= PAUSED_BOUND, "reads waited {r_gap:?} on a paused home");
     assert!(!acked.is_empty());

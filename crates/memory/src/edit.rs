@@ -98,12 +98,12 @@ impl<B: Backend> Memory<B> {
         history.push(Event::updated(&old.unit, &unit));
         let digest = crate::user::unit_digest(&old.unit) ^ crate::user::unit_digest(&unit);
         let fact = Fact { unit, tokens, embedding, history };
-        if retext {
-            // The KV made from the old text goes first (a crash then leaves
-            // the old text with its KV re-encoded), to be made again from
-            // the new.
-            shard.drop_kv_from(idx, self.spec.window, &mut self.cache)?;
-        }
+        // The KV made from the old text goes first (a crash then leaves the
+        // old text with its KV re-encoded), to be made again from the new.
+        let dropped = match retext {
+            true => shard.drop_kv_from(idx, self.spec.window, &mut self.cache)?,
+            false => Vec::new(),
+        };
         // Durable first: a failed rewrite leaves the unit as it was, in
         // memory as on disk.
         let records: Vec<Vec<u8>> =
@@ -116,16 +116,18 @@ impl<B: Backend> Memory<B> {
         if retext {
             // The update is durable: KV that cannot be made now (a full
             // disk, say) is made later, and the update stands.
+            // The KV this update dropped only: facts that lacked KV before
+            // it are the background's (see `Memory::ingest`).
             let (window, batch, context) = (self.spec.window, self.encode_batch, self.context);
-            match encode.then(|| shard.encode_missing(window, batch, usize::MAX, context, enc, &mut self.cache)) {
+            match encode.then(|| shard.encode_only(&dropped, window, batch, context, enc, &mut self.cache)) {
                 Some(Ok(tokens)) => report.encoded_tokens = tokens,
                 Some(Err(e)) => {
                     tracing::warn!(user, error = %e, "encoding an updated unit's KV failed; it is encoded later");
-                    self.pending.insert(user.to_string());
                 }
-                None => {
-                    self.pending.insert(user.to_string());
-                }
+                None => {}
+            }
+            if shard.lacks_kv() {
+                self.pending.insert(user.to_string());
             }
         }
         Ok(report)
@@ -167,7 +169,7 @@ impl<B: Backend> Memory<B> {
         let window = self.spec.window;
         let idx = self.index_for_rewrite(user, id)?;
         let shard = shard_mut(&mut self.users, &self.damaged, user)?;
-        let cascades = shard.drop_kv_from(idx, window, &mut self.cache)?;
+        let cascades = shard.drop_kv_from(idx, window, &mut self.cache)?.len() > 1;
         // Durable first: a failed rewrite leaves the unit stored and served.
         let records: Vec<Vec<u8>> =
             shard.facts.iter().enumerate().filter(|&(i, _)| i != idx).map(|(_, f)| Record::encode_put(f)).collect();

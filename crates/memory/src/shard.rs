@@ -579,7 +579,9 @@ impl<B: Backend> Memory<B> {
     /// Stores `turns` for `user`: facts are durable (fsynced) before this
     /// returns; then their KV is encoded with the shard's window and
     /// appended to the user's segment. Turns whose id is already stored are
-    /// skipped. Invalid input stores nothing.
+    /// skipped. Invalid input stores nothing. The user's other facts that
+    /// lack KV are left to [`Memory::encode_pending`] and to the requests
+    /// that retrieve them ([`Memory::encode_facts`]).
     pub fn ingest(&mut self, user: &str, turns: &[MemoryUnit], enc: &mut Encoders<'_, B>) -> Result<IngestReport> {
         self.ingest_with(user, turns, enc, true)
     }
@@ -636,17 +638,19 @@ impl<B: Backend> Memory<B> {
         }
         let records: Vec<Vec<u8>> = facts.iter().map(Record::encode_put).collect();
         shard.log.append(&records.iter().map(Vec::as_slice).collect::<Vec<_>>())?;
+        let added: Vec<usize> = (shard.facts.len()..shard.facts.len() + facts.len()).collect();
         shard.push_facts(facts);
         report.added = new.len();
-        match encode {
-            true => {
-                let (window, batch, context) = (self.spec.window, self.encode_batch, self.context);
-                report.encoded_tokens =
-                    shard.encode_missing(window, batch, usize::MAX, context, enc, &mut self.cache)?
-            }
-            false => {
-                self.pending.insert(user.to_string());
-            }
+        if encode {
+            // This call's facts only: other facts still without KV (a
+            // replica's copy whose user it now serves) are the background's
+            // and their requests' work, so that a write's latency never
+            // includes a backlog it did not make.
+            let (window, batch, context) = (self.spec.window, self.encode_batch, self.context);
+            report.encoded_tokens = shard.encode_only(&added, window, batch, context, enc, &mut self.cache)?;
+        }
+        if shard.lacks_kv() {
+            self.pending.insert(user.to_string());
         }
         Ok(report)
     }

@@ -322,6 +322,11 @@ impl<B: Backend> UserShard<B> {
         self.encode(&missing, window, batch, context, enc, cache)
     }
 
+    /// Whether any fact has no KV.
+    pub(crate) fn lacks_kv(&self) -> bool {
+        self.kv.iter().any(|k| k.at.is_none())
+    }
+
     /// [`UserShard::encode_missing`] for the facts `idxs` only (those with
     /// no KV).
     pub(crate) fn encode_only(
@@ -417,17 +422,17 @@ impl<B: Backend> UserShard<B> {
 
     /// Drops the KV made from fact `idx`'s text — its own and that of the
     /// facts [`UserShard::derived_from`] it — from the segment on disk
-    /// (durably) and from `cache`. True when other facts lost theirs.
-    pub(crate) fn drop_kv_from(&mut self, idx: usize, window: usize, cache: &mut KvCache<B>) -> Result<bool> {
+    /// (durably) and from `cache`. Returns the facts whose KV went, `idx`
+    /// last.
+    pub(crate) fn drop_kv_from(&mut self, idx: usize, window: usize, cache: &mut KvCache<B>) -> Result<Vec<usize>> {
         let mut ids = self.derived_from(idx, window);
-        let cascades = !ids.is_empty();
         ids.push(self.facts[idx].unit.id.clone());
         let drop: Vec<usize> = ids.iter().filter_map(|id| self.by_id.get(id).copied()).collect();
         self.rewrite_kv_without(&drop)?;
-        for i in drop {
+        for &i in &drop {
             cache.remove(self.kv[i].key);
         }
-        Ok(cascades)
+        Ok(drop)
     }
 
     /// Removes the facts `ids` (those stored) and every stored KV derived

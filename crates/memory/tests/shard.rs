@@ -601,6 +601,56 @@ fn forget_and_update_leave_no_kv_derived_from_the_old_text() {
     );
 }
 
+/// A write to a user whose other facts still lack KV (a replica's copy,
+/// now served) encodes only what it made or changed: its latency never
+/// includes that backlog, which the background encodes; and the KV every
+/// fact ends with is, bit for bit, what one ingest of the units makes.
+#[test]
+fn a_write_encodes_its_own_facts_and_leaves_the_backlog_to_the_background() {
+    let m = models();
+    let mut e = engine(&m);
+    let composer = Composer::new(&m.files, &Prompts::default()).unwrap();
+    let window = 2;
+    let units = turns("R", 6);
+    let dir = tempfile::tempdir().unwrap();
+    let (mut mem, _) = open(dir.path(), &e, window);
+    let mut enc = Encoders { engine: &mut e, embedder: &m.embedder, composer: &composer };
+    mem.ingest_deferred("rae", &units[..4], &mut enc).unwrap();
+    let lacking = |mem: &Memory<CpuBackend>| -> Vec<usize> {
+        (0..mem.facts("rae").unwrap().len()).filter(|&i| !mem.has_kv("rae", i).unwrap()).collect()
+    };
+    let tokens = |mem: &Memory<CpuBackend>, i: usize| mem.facts("rae").unwrap()[i].tokens.len();
+
+    let r = mem.ingest("rae", &units[4..5], &mut enc).unwrap();
+    assert_eq!(lacking(&mem), [0, 1, 2, 3], "the backlog is left as it was");
+    let header = composer.header().len();
+    assert_eq!(
+        r.encoded_tokens,
+        header + tokens(&mem, 2) + tokens(&mem, 3) + tokens(&mem, 4),
+        "the new fact alone, after its window's two turns"
+    );
+
+    // R2's new text drops its KV and that of R3 and R4 (their windows held
+    // it): those are made again, R0 and R1 are still the background's.
+    let change = UnitUpdate { text: Some("I'm moving to Porto instead, in October.".into()), metadata: None };
+    let r = mem.update("rae", "R2", &change, &mut enc, true).unwrap();
+    assert_eq!(lacking(&mem), [0, 1]);
+    let want = 3 * header + tokens(&mem, 0) + 2 * tokens(&mem, 1) + 3 * tokens(&mem, 2) + 2 * tokens(&mem, 3);
+    assert_eq!(r.encoded_tokens, want + tokens(&mem, 4), "R2, R3 and R4 with their windows");
+
+    let mut encoded = 0;
+    while let n @ 1.. = mem.encode_pending(16, &mut enc).unwrap() {
+        encoded += n;
+    }
+    assert_eq!((encoded, lacking(&mem)), (2, vec![]), "the background made the backlog's KV");
+    let updated: Vec<MemoryUnit> = mem.facts("rae").unwrap().iter().map(|f| f.unit.clone()).collect();
+    let once_dir = tempfile::tempdir().unwrap();
+    let (mut once, _) = open(once_dir.path(), &e, window);
+    let mut enc = Encoders { engine: &mut e, embedder: &m.embedder, composer: &composer };
+    once.ingest("rae", &updated, &mut enc).unwrap();
+    assert!(kv_by_id(&mut mem, "rae") == kv_by_id(&mut once, "rae"), "the KV one ingest of the units makes");
+}
+
 fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
     let mut out = Vec::new();
     for entry in std::fs::read_dir(dir).unwrap() {

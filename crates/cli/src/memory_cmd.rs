@@ -56,9 +56,10 @@ pub struct MemoryArgs {
     pub(crate) kv_host_mb: Option<u64>,
     /// Promote a fact whose KV is in the host tier onto the device after
     /// this many hits there (read again from its segment by a reader
-    /// thread; the device's least recently used facts leave for the disk),
-    /// so that the device tier turns over to the facts asked for most
-    /// (0: never, the default until measured; needs --kv-device-mb).
+    /// thread; the device's least recently used facts are read again into
+    /// the host tier), so that the device tier turns over to the facts
+    /// asked for most (0: never, the default until measured; needs
+    /// --kv-device-mb).
     #[arg(long, env = "INFERSCALE_KV_PROMOTE_AFTER", default_value_t = 0)]
     pub(crate) kv_promote_after: u32,
     /// How new KV segments store values: f32, bf16 or fp8 (e4m3 with a

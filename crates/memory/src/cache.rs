@@ -35,8 +35,11 @@
 //! onto the device through the readers' own upload (`fetch.rs`,
 //! [`crate::Memory::promotion_jobs`]), and takes its place in the device
 //! tier's LRU order there, the device's least recently used unpinned facts
-//! leaving for the disk (demoted as far as the disk: the copy down would
-//! be the device-to-host copy measured above). A promotion reserves its
+//! leaving it — demoted: read again from their segments into the host
+//! tier by a reader thread ([`KvCache::take_demotions`]), not copied down
+//! (the device-to-host copy measured above); a victim whose owner the
+//! cache was not told ([`KvCache::set_owner`]: facts read from disk or
+//! encoded for a request or an ingest) leaves for the disk. A promotion reserves its
 //! device bytes like a read bound there, and is not started when pinned
 //! facts leave it no room. KV a request holds
 //! (an [`Arc`] clone: a pin, from admission to layout) is never evicted;
@@ -91,6 +94,9 @@ pub struct CacheStats {
     pub corrupt: u64,
     /// Host-tier facts read again onto the device (promoted).
     pub promoted: u64,
+    /// Device-tier facts a promotion evicted, read again into the host
+    /// tier (demoted).
+    pub demoted: u64,
 }
 
 struct Entry<B: Backend> {
@@ -102,6 +108,9 @@ struct Entry<B: Backend> {
     hits: u32,
     /// A promotion of it was asked for ([`KvCache::promotion_due`]).
     promoting: bool,
+    /// The user and index of its fact, where the caller said
+    /// ([`KvCache::set_owner`]): what a demotion reads it again by.
+    owner: Option<(String, usize)>,
 }
 
 impl<B: Backend> Entry<B> {
@@ -148,8 +157,15 @@ pub(crate) struct KvCache<B: Backend> {
     values_per_token: u64,
     /// Host-tier hits after which a fact is promoted (0: never).
     promote_after: u32,
+    /// Device facts evicted while the device tier turns over, to read
+    /// again into the host tier: (user, index, key), oldest first.
+    demotions: std::collections::VecDeque<(String, usize, u64)>,
     pub(crate) stats: CacheStats,
 }
+
+/// Demotions waiting for a reader at most; older ones are dropped (their
+/// facts stay on disk, as without demotion).
+const MAX_DEMOTIONS_QUEUED: usize = 256;
 
 impl<B: Backend> KvCache<B> {
     /// A cache for `be`'s KV of a model of `layers` × `kv_dim`.
@@ -175,6 +191,7 @@ impl<B: Backend> KvCache<B> {
             bytes_per_value: bytes_per_value as u64,
             values_per_token: (2 * layers * kv_dim) as u64,
             promote_after: 0,
+            demotions: Default::default(),
             stats: CacheStats::default(),
         }
     }
@@ -221,6 +238,23 @@ impl<B: Backend> KvCache<B> {
             }
             false => (Tier::Host, 0),
         }
+    }
+
+    /// Records which fact `key` holds the KV of (`user`'s fact `idx`), so
+    /// that a device tier turning over can demote it ([`KvCache::take_demotions`]).
+    pub(crate) fn set_owner(&mut self, key: u64, user: &str, idx: usize) {
+        if let Some(e) = self.entries.get_mut(&key) {
+            e.owner = Some((user.to_string(), idx));
+        }
+    }
+
+    /// Up to `max` device facts a promotion evicted (oldest first), for
+    /// reading again into the host tier: (user, index when evicted, key).
+    /// Only while promotions are on, with a host tier, and for facts whose
+    /// owner the cache was told; the rest leave for the disk.
+    pub(crate) fn take_demotions(&mut self, max: usize) -> Vec<(String, usize, u64)> {
+        let n = max.min(self.demotions.len());
+        self.demotions.drain(..n).collect()
     }
 
     /// Releases device bytes [`KvCache::read_target`] reserved (the read is
@@ -359,7 +393,8 @@ impl<B: Backend> KvCache<B> {
         self.clock += 1;
         self.lru[tier.at()].insert(self.clock, key);
         self.bytes[tier.at()] += bytes;
-        let entry = Entry { chunk: Arc::new(chunk), tier, stamp: self.clock, bytes, hits: 0, promoting: false };
+        let entry =
+            Entry { chunk: Arc::new(chunk), tier, stamp: self.clock, bytes, hits: 0, promoting: false, owner: None };
         self.entries.insert(key, entry);
     }
 
@@ -409,9 +444,20 @@ impl<B: Backend> KvCache<B> {
         if freed < excess {
             return false;
         }
+        // A device tier that turns over (promotions) sends its victims to
+        // the host tier, read again from their segments there by a reader:
+        // sent to the disk, a promotion costs a fact as often as it saves
+        // one (scripts/cache_policy_sim.py).
+        let demote = tier == Tier::Device && self.host_tier && self.promote_after > 0;
         for key in victims {
-            self.take(key);
+            let owner = self.take(key).and_then(|e| e.owner);
             self.stats.evictions[tier.at()] += 1;
+            if let (true, Some((user, idx))) = (demote, owner) {
+                if self.demotions.len() == MAX_DEMOTIONS_QUEUED {
+                    self.demotions.pop_front();
+                }
+                self.demotions.push_back((user, idx, key));
+            }
         }
         true
     }
@@ -610,6 +656,56 @@ mod tests {
                 c.hit(9);
             }
             assert!(!c.promotion_due(9));
+        }
+    }
+
+    #[test]
+    fn a_device_tier_turning_over_demotes_its_victims_whose_owner_it_knows() {
+        let be = CpuBackend;
+        use Tier::*;
+        let placed = |c: &mut KvCache<CpuBackend>, key: u64, to: Tier| {
+            let Source::Host { tokens, k, v } = fact(1, key as f32) else { unreachable!() };
+            let chunk = KvChunk::from_host(&be, tokens, &k, &v).unwrap();
+            c.insert(&be, key, Source::Uploaded(chunk, to), Admit::Demand).unwrap()
+        };
+        let promote = |c: &mut KvCache<CpuBackend>, key: u64| {
+            c.hit(key);
+            assert!(c.promotion_due(key));
+            let reserved = c.reserve_promotion(key, 4).unwrap();
+            c.release(reserved);
+            assert_eq!(placed(c, key, Device), Some(Device));
+        };
+        // Two one-token facts in each tier; promotions after one host hit.
+        let mut c = KvCache::with_tiers(Budgets { device: Some(32), host: Some(32) }, true, 4, 1, 2);
+        c.set_promote_after(1);
+        placed(&mut c, 0, Device);
+        placed(&mut c, 1, Device);
+        placed(&mut c, 2, Host);
+        placed(&mut c, 3, Host);
+        c.set_owner(0, "ann", 3);
+        c.set_owner(9, "nobody", 0); // not cached: nothing to own
+        // Promoting 2 evicts the device's least recently used, 0, whose
+        // owner the cache knows: its demotion is queued, once.
+        promote(&mut c, 2);
+        assert_eq!(tiers(&c, 0..4), [None, Some(Device), Some(Device), Some(Host)]);
+        assert_eq!(c.take_demotions(8), [("ann".to_string(), 3, 0)]);
+        assert!(c.take_demotions(8).is_empty());
+        // Promoting 3 evicts 1, whose owner it was not told: to the disk.
+        promote(&mut c, 3);
+        assert_eq!(tiers(&c, 0..4), [None, None, Some(Device), Some(Device)]);
+        assert!(c.take_demotions(8).is_empty());
+        assert_eq!((c.stats.promoted, c.stats.evictions), (2, [2, 0]));
+
+        // Promotions off, or no host tier: a device eviction queues nothing.
+        let mut off = KvCache::with_tiers(Budgets { device: Some(16), host: Some(32) }, true, 4, 1, 2);
+        let mut no_host = KvCache::with_tiers(Budgets { device: Some(16), host: None }, false, 4, 1, 2);
+        no_host.set_promote_after(1);
+        for c in [&mut off, &mut no_host] {
+            placed(c, 0, Device);
+            c.set_owner(0, "ann", 0);
+            placed(c, 1, Device);
+            assert_eq!((c.tier(0), c.stats.evictions[0]), (None, 1));
+            assert!(c.take_demotions(8).is_empty());
         }
     }
 

@@ -87,6 +87,9 @@ pub struct ReadJob<B: Backend> {
     reserved: u64,
     /// Places the KV in that tier (`None`: the engine thread places it).
     upload: TierUploads<B::Tensor>,
+    /// A device victim read again into the host tier, not a request's read
+    /// ([`KvCache::take_demotions`]).
+    demotion: bool,
 }
 
 /// A finished [`ReadJob`], for [`Memory::complete_read`].
@@ -188,6 +191,7 @@ impl<B: Backend> Memory<B> {
             seg: shard.seg.clone(),
             fact_id: fact.unit.id.clone(),
             tokens: fact.tokens.clone(),
+            demotion: false,
         })
     }
 
@@ -302,13 +306,33 @@ impl<B: Backend> Memory<B> {
         Ok(jobs)
     }
 
-    /// Reads that promote host-tier facts onto the device (see `cache.rs`:
-    /// facts hit `promote_after` times in the host tier), at most `max`,
-    /// for the reader threads; cached by [`Memory::complete_read`] like any
-    /// read. Empty unless the backend can place reads on the device from
-    /// another thread and a promotion is due.
+    /// Reads that move facts between the tiers, at most `max`, for the
+    /// reader threads; cached by [`Memory::complete_read`] like any read:
+    /// first the device facts promotions evicted, into the host tier
+    /// (demotions), then promotions of host-tier facts onto the device
+    /// (see `cache.rs`: facts hit `promote_after` times in the host tier).
+    /// Empty unless promotions are on, the backend can place reads on the
+    /// device from another thread, and one is due.
     pub fn promotion_jobs(&mut self, max: usize) -> Vec<ReadJob<B>> {
         let mut jobs = Vec::new();
+        for (user, idx, key) in self.cache.take_demotions(max) {
+            // Cached again meanwhile (a request read it), or being read.
+            if self.cache.tier(key).is_some() || self.reading.contains(&key) {
+                continue;
+            }
+            // Where its fact is now (a forget moves the later ones down).
+            let Some(i) = self.users.get(&user).and_then(|s| match s.kv.get(idx) {
+                Some(kv) if kv.key == key => Some(idx),
+                _ => s.kv.iter().position(|kv| kv.key == key),
+            }) else {
+                continue;
+            };
+            if let Some(mut job) = self.read_job(&user, i, |_, _, _| Some((Tier::Host, 0))) {
+                job.demotion = true;
+                self.reading.insert(key);
+                jobs.push(job);
+            }
+        }
         while jobs.len() < max
             && let Some((user, i, key)) = self.promote.pop_front()
         {
@@ -342,13 +366,24 @@ impl<B: Backend> Memory<B> {
             return Ok(false);
         };
         match result {
+            // A demotion whose fact a request's read cached meanwhile: that
+            // copy stays.
+            Ok(_) if job.demotion && self.cache.tier(job.key).is_some() => Ok(false),
             Ok(source) => {
-                // A promotion's fact is cached already (in the host tier): no miss.
-                if self.cache.tier(job.key).is_none() {
+                // A promotion's fact is cached already (in the host tier), a
+                // demotion's was evicted by one: no miss.
+                if self.cache.tier(job.key).is_none() && !job.demotion {
                     self.cache.stats.misses += 1;
                     self.cache.stats.loaded_bytes += job.frame.len as u64;
                 }
-                Ok(self.cache.insert(be, job.key, source, Admit::Demand)?.is_some())
+                let placed = self.cache.insert(be, job.key, source, Admit::Demand)?;
+                if placed.is_some() {
+                    self.cache.set_owner(job.key, &job.user, i);
+                    if job.demotion {
+                        self.cache.stats.demoted += 1;
+                    }
+                }
+                Ok(placed.is_some())
             }
             Err(e) => {
                 tracing::warn!(user = job.user, error = %e, "a stored KV record failed its check; the fact is re-encoded");

@@ -652,6 +652,7 @@ impl<B: Backend> Memory<B> {
         if shard.lacks_kv() {
             self.pending.insert(user.to_string());
         }
+        self.own_kv(user, &added);
         Ok(report)
     }
 
@@ -668,7 +669,22 @@ impl<B: Backend> Memory<B> {
     pub fn encode_facts(&mut self, user: &str, idxs: &[usize], enc: &mut Encoders<'_, B>) -> Result<usize> {
         let (window, batch, context) = (self.spec.window, self.encode_batch, self.context);
         let shard = shard_mut(&mut self.users, &self.damaged, user)?;
-        shard.encode_only(idxs, window, batch, context, enc, &mut self.cache)
+        let tokens = shard.encode_only(idxs, window, batch, context, enc, &mut self.cache)?;
+        self.own_kv(user, idxs);
+        Ok(tokens)
+    }
+
+    /// Tells the cache that the KV of `user`'s facts `idxs` is theirs, so
+    /// that a device tier turning over demotes it rather than dropping it
+    /// (`cache.rs`).
+    fn own_kv(&mut self, user: &str, idxs: &[usize]) {
+        if let Some(shard) = self.users.get(user) {
+            for &i in idxs {
+                if let Some(kv) = shard.kv.get(i) {
+                    self.cache.set_owner(kv.key, user, i);
+                }
+            }
+        }
     }
 
     /// Encodes up to `max_facts` facts that lack KV, of one user that has

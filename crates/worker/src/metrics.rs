@@ -360,6 +360,11 @@ impl WorkerMetrics {
                 "Host-tier facts read again onto the device (--kv-promote-after).",
                 c.promoted,
             ),
+            (
+                "inferscale_worker_kv_cache_demotions_total",
+                "Device facts a promotion evicted, read again into the host tier.",
+                c.demoted,
+            ),
             ("inferscale_worker_kv_cache_loaded_bytes_total", "KV record bytes read from disk.", c.loaded_bytes),
             (
                 "inferscale_worker_kv_cache_over_budget_total",

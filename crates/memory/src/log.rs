@@ -26,7 +26,7 @@
 //! One process appends to a log at a time; nothing here locks the file.
 
 use std::fs::{self, File, OpenOptions};
-use std::io::{ErrorKind, Read, Seek, SeekFrom, Write};
+use std::io::{BufWriter, ErrorKind, Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
@@ -285,6 +285,42 @@ impl RecordLog {
         Ok(frames_from(HEADER.len() as u64, records.iter().map(Vec::len)))
     }
 
+    /// [`RecordLog::rewrite`] to `head` followed by this log's records at
+    /// `keep`, copied from the current file one at a time: a user's KV log
+    /// runs to gigabytes, and a rewrite that gathered it in memory first
+    /// held it twice over. A kept record that cannot be read back intact is
+    /// left out. Returns where `head`'s records landed and, per `keep`,
+    /// where it did (`None`: left out). On an error the log is as it was.
+    pub fn rewrite_keeping(&mut self, head: &[Vec<u8>], keep: &[Frame]) -> Result<(Vec<Frame>, Vec<Option<Frame>>)> {
+        let src = File::open(&self.path).map_err(error::io(&self.path))?;
+        let mut at = HEADER.len() as u64;
+        let (mut heads, mut kept) = (Vec::with_capacity(head.len()), Vec::with_capacity(keep.len()));
+        let mut put = |out: &mut Charged, record: &[u8]| -> Result<Frame> {
+            let bytes = encode(&[record], Vec::with_capacity(FRAME_BYTES + record.len()))?;
+            out.put(&bytes)?;
+            let frame = Frame { offset: at + FRAME_BYTES as u64, len: record.len() as u32 };
+            at += bytes.len() as u64;
+            Ok(frame)
+        };
+        replace_with(&self.path, |out| {
+            out.put(HEADER)?;
+            for record in head {
+                heads.push(put(out, record)?);
+            }
+            for &frame in keep {
+                kept.push(match read_frame(&src, &self.path, frame) {
+                    Ok(record) => Some(put(out, &record)?),
+                    Err(_) => None,
+                });
+            }
+            Ok(())
+        })?;
+        self.len = at;
+        self.broken = false;
+        sync_dir(parent_dir(&self.path))?;
+        Ok((heads, kept))
+    }
+
     /// Cuts the log back to `len` bytes (a frame boundary the caller knows,
     /// at most the current length), durably. Needs no free space.
     pub fn truncate(&mut self, len: u64) -> Result<()> {
@@ -436,6 +472,11 @@ pub fn sync_dir(dir: &Path) -> Result<()> {
 /// reader (or a crash) sees the old file or the new one, whole. Returns an
 /// append handle on the renamed file; the caller syncs the directory.
 pub(crate) fn replace(path: &Path, bytes: &[u8]) -> Result<File> {
+    replace_with(path, |out| out.put(bytes))
+}
+
+/// [`replace`] with the new contents written by `body`, piece by piece.
+fn replace_with(path: &Path, body: impl FnOnce(&mut Charged) -> Result<()>) -> Result<File> {
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(".tmp");
     let tmp = PathBuf::from(tmp);
@@ -444,22 +485,41 @@ pub(crate) fn replace(path: &Path, bytes: &[u8]) -> Result<File> {
         Err(e) if e.kind() != ErrorKind::NotFound => return Err(error::io(&tmp)(e)),
         _ => {}
     }
-    let write = |file: File| match crate::faults::charge(bytes.len()) {
-        Ok(()) => (&file).write_all(bytes).and_then(|()| file.sync_all()).map(|()| file),
-        Err(part) => (&file).write_all(&bytes[..part]).and_then(|()| Err(crate::faults::full())),
-    };
     let replaced = OpenOptions::new()
         .read(true)
         .append(true)
         .create_new(true)
         .open(&tmp)
-        .and_then(write)
         .map_err(error::io(&tmp))
+        .and_then(|file| {
+            let mut out = Charged { out: BufWriter::with_capacity(1 << 20, file), path: &tmp };
+            body(&mut out)?;
+            let file = out.out.into_inner().map_err(|e| error::io(&tmp)(e.into_error()))?;
+            file.sync_all().map_err(error::io(&tmp))?;
+            Ok(file)
+        })
         .and_then(|file| fs::rename(&tmp, path).map(|()| file).map_err(error::io(path)));
     if replaced.is_err() {
         let _ = fs::remove_file(&tmp); // best effort: the old log is intact either way
     }
     replaced
+}
+
+/// A new file's writes, each charged to the fault suite's byte budget
+/// (`faults.rs`) as it goes.
+struct Charged<'a> {
+    out: BufWriter<File>,
+    path: &'a Path,
+}
+
+impl Charged<'_> {
+    fn put(&mut self, bytes: &[u8]) -> Result<()> {
+        match crate::faults::charge(bytes.len()) {
+            Ok(()) => self.out.write_all(bytes),
+            Err(part) => self.out.write_all(&bytes[..part]).and_then(|()| Err(crate::faults::full())),
+        }
+        .map_err(error::io(self.path))
+    }
 }
 
 /// `path.parent()`, except that a bare file name lives in `.`.
@@ -689,6 +749,30 @@ mod tests {
         assert_eq!(rec.records, [b"kept".to_vec(), b"after".to_vec()]);
         let names: Vec<_> = fs::read_dir(path.parent().unwrap()).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(names, ["facts.log"]);
+    }
+
+    #[test]
+    fn rewrite_keeping_copies_the_kept_records_and_leaves_out_a_damaged_one() {
+        let (_dir, path) = temp_log();
+        let (mut log, _) = RecordLog::open(&path).unwrap();
+        let frames = log.append_frames(&[b"head", b"one", b"two", b"three", b"four"]).unwrap();
+        // "three" is damaged on disk: a flipped byte in its payload.
+        let mut bytes = fs::read(&path).unwrap();
+        bytes[frames[3].offset as usize] ^= 0x40;
+        fs::write(&path, &bytes).unwrap();
+        let keep = [frames[1], frames[3], frames[4]];
+        let (heads, kept) = log.rewrite_keeping(&[b"new head".to_vec()], &keep).unwrap();
+        assert_eq!(kept.iter().map(Option::is_some).collect::<Vec<_>>(), [true, false, true]);
+        assert_eq!(log.read(heads[0]).unwrap(), b"new head");
+        assert_eq!(log.read(kept[0].unwrap()).unwrap(), b"one");
+        assert_eq!(log.read(kept[2].unwrap()).unwrap(), b"four");
+        assert_eq!(log.len_bytes(), fs::metadata(&path).unwrap().len());
+        log.append(&[b"after"]).unwrap();
+        drop(log);
+        let (_, rec) = RecordLog::open(&path).unwrap();
+        assert_eq!(rec.records, [b"new head".to_vec(), b"one".to_vec(), b"four".to_vec(), b"after".to_vec()]);
+        let names: Vec<_> = fs::read_dir(path.parent().unwrap()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(names, ["facts.log"], "no temp file left");
     }
 
     #[test]

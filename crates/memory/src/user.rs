@@ -521,22 +521,14 @@ impl<B: Backend> UserShard<B> {
     /// without any record that no longer reads back: its fact is
     /// re-encoded), re-indexing the rest.
     fn rewrite_kv_without(&mut self, drop: &[usize]) -> Result<()> {
-        let mut keep = vec![self.seg.encode()];
-        let mut owners = Vec::new();
-        for i in 0..self.facts.len() {
-            let Some(frame) = self.kv[i].at else { continue };
-            self.kv[i].at = None;
-            if drop.contains(&i) {
-                continue;
-            }
-            if let Ok(bytes) = self.kv_log.read(frame) {
-                keep.push(bytes);
-                owners.push(i);
-            }
-        }
-        let frames = self.kv_log.rewrite_frames(&keep)?;
-        for (i, frame) in owners.into_iter().zip(frames.into_iter().skip(1)) {
-            self.kv[i].at = Some(frame);
+        let (owners, frames): (Vec<usize>, Vec<Frame>) =
+            (0..self.facts.len()).filter(|i| !drop.contains(i)).filter_map(|i| Some((i, self.kv[i].at?))).unzip();
+        let (_, kept) = self.kv_log.rewrite_keeping(&[self.seg.encode()], &frames)?;
+        // Records that could not be read back intact went with the dropped:
+        // their facts are re-encoded when needed.
+        drop.iter().for_each(|&i| self.kv[i].at = None);
+        for (i, frame) in owners.into_iter().zip(kept) {
+            self.kv[i].at = frame;
         }
         Ok(())
     }

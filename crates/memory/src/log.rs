@@ -271,18 +271,7 @@ impl RecordLog {
     /// temp file (`<path>.tmp`) holds only the new contents and the next
     /// rewrite replaces it.
     pub fn rewrite(&mut self, records: &[Vec<u8>]) -> Result<()> {
-        self.rewrite_frames(records).map(drop)
-    }
-
-    /// [`RecordLog::rewrite`], returning where each record landed.
-    pub fn rewrite_frames(&mut self, records: &[Vec<u8>]) -> Result<Vec<Frame>> {
-        let refs: Vec<&[u8]> = records.iter().map(Vec::as_slice).collect();
-        let bytes = encode(&refs, HEADER.to_vec())?;
-        replace(&self.path, &bytes)?;
-        self.len = bytes.len() as u64;
-        self.broken = false;
-        sync_dir(parent_dir(&self.path))?;
-        Ok(frames_from(HEADER.len() as u64, records.iter().map(Vec::len)))
+        self.rewrite_keeping(records, &[]).map(drop)
     }
 
     /// [`RecordLog::rewrite`] to `head` followed by this log's records at
@@ -292,7 +281,11 @@ impl RecordLog {
     /// left out. Returns where `head`'s records landed and, per `keep`,
     /// where it did (`None`: left out). On an error the log is as it was.
     pub fn rewrite_keeping(&mut self, head: &[Vec<u8>], keep: &[Frame]) -> Result<(Vec<Frame>, Vec<Option<Frame>>)> {
-        let src = File::open(&self.path).map_err(error::io(&self.path))?;
+        // The current file, to copy `keep` from (not opened for none).
+        let src = match keep.is_empty() {
+            true => None,
+            false => Some(File::open(&self.path).map_err(error::io(&self.path))?),
+        };
         let mut at = HEADER.len() as u64;
         let (mut heads, mut kept) = (Vec::with_capacity(head.len()), Vec::with_capacity(keep.len()));
         let mut put = |out: &mut Charged, record: &[u8]| -> Result<Frame> {
@@ -307,11 +300,13 @@ impl RecordLog {
             for record in head {
                 heads.push(put(out, record)?);
             }
-            for &frame in keep {
-                kept.push(match read_frame(&src, &self.path, frame) {
-                    Ok(record) => Some(put(out, &record)?),
-                    Err(_) => None,
-                });
+            if let Some(src) = &src {
+                for &frame in keep {
+                    kept.push(match read_frame(src, &self.path, frame) {
+                        Ok(record) => Some(put(out, &record)?),
+                        Err(_) => None,
+                    });
+                }
             }
             Ok(())
         })?;

@@ -362,8 +362,14 @@ impl<B: Backend> Session<B> {
     /// mostly its launches, whatever the batch) and retrieves for each with
     /// [`Session::retrieve_embedded`].
     pub fn embed_questions(&self, questions: &[&str]) -> Result<Vec<Vec<f32>>> {
+        self.embed_in_passes(questions, QUESTION_BATCH)
+    }
+
+    /// Embeddings of `questions`, `per_pass` to a forward pass; one per
+    /// question or an error.
+    fn embed_in_passes(&self, questions: &[&str], per_pass: usize) -> Result<Vec<Vec<f32>>> {
         let mut embeddings = Vec::with_capacity(questions.len());
-        for batch in questions.chunks(QUESTION_BATCH) {
+        for batch in questions.chunks(per_pass.max(1)) {
             embeddings.extend(self.embedder.embed(self.engine.backend(), batch)?);
         }
         if embeddings.len() != questions.len() {
@@ -404,11 +410,9 @@ impl<B: Backend> Session<B> {
         if questions.is_empty() || !self.memory.has_user(user) {
             return Ok(vec![Vec::new(); questions.len()]);
         }
+        // One pass for all of them, as the evaluations were measured.
+        let embeddings = self.embed_in_passes(questions, questions.len())?;
         let backend = self.engine.backend();
-        let embeddings = self.embedder.embed(backend, questions)?;
-        if embeddings.len() != questions.len() {
-            return Err(MemoryError::Invalid { what: "question", reason: "no embedding".into() });
-        }
         questions
             .iter()
             .zip(&embeddings)

@@ -245,6 +245,7 @@ pub(crate) fn open_memory<B: Backend>(
         budgets: budgets(a, loaded.engine.backend().name()),
         promote_after: a.kv_promote_after,
         lazy_users,
+        emulated_host_tier: false,
     };
     let t0 = std::time::Instant::now();
     let (mut memory, warnings) = Memory::open_with(&dir, spec, &loaded.engine, options)

@@ -58,7 +58,8 @@ use crate::error::Result;
 /// Where a cached fact's KV lives. A device backend keeps it in device
 /// memory or in its host tier (pinned host memory that injection reads over
 /// the bus, overlapped with the prefill); a backend without a host tier
-/// (the CPU one) has only the first.
+/// (the CPU one) has only the first, unless the store emulates one
+/// ([`crate::StoreOptions::emulated_host_tier`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Tier {
     Device,
@@ -168,9 +169,12 @@ pub(crate) struct KvCache<B: Backend> {
 const MAX_DEMOTIONS_QUEUED: usize = 256;
 
 impl<B: Backend> KvCache<B> {
-    /// A cache for `be`'s KV of a model of `layers` × `kv_dim`.
-    pub(crate) fn new(be: &B, budgets: Budgets, layers: usize, kv_dim: usize) -> Self {
-        Self::with_tiers(budgets, be.has_host_tier(), be.kv_bytes_per_value(), layers, kv_dim)
+    /// A cache for `be`'s KV of a model of `layers` × `kv_dim`, with a host
+    /// tier where the backend has one or `emulated_host_tier` asks for one
+    /// ([`crate::StoreOptions::emulated_host_tier`]).
+    pub(crate) fn new(be: &B, budgets: Budgets, layers: usize, kv_dim: usize, emulated_host_tier: bool) -> Self {
+        let host_tier = be.has_host_tier() || emulated_host_tier;
+        Self::with_tiers(budgets, host_tier, be.kv_bytes_per_value(), layers, kv_dim)
     }
 
     /// Promotes host-tier facts after `n` hits there (0: never); see the

@@ -256,6 +256,11 @@ pub struct StoreOptions {
     /// user later finds (a dropped tail, damage) is logged then, not
     /// returned by the open.
     pub lazy_users: bool,
+    /// Keep a host tier under `budgets.host` even where the backend has
+    /// none (the CPU): both tiers then live in the same memory, so nothing
+    /// is faster for it, but reads, promotions and demotions between them
+    /// run as on a GPU — for tests and for trying a policy without one.
+    pub emulated_host_tier: bool,
 }
 
 impl<B: Backend> Memory<B> {
@@ -360,7 +365,7 @@ impl<B: Backend> Memory<B> {
             scrub: Default::default(),
             encode_batch: ENCODE_BATCH,
             cache: {
-                let mut cache = KvCache::new(be, options.budgets, c.num_layers, c.kv_dim());
+                let mut cache = KvCache::new(be, options.budgets, c.num_layers, c.kv_dim(), options.emulated_host_tier);
                 cache.set_promote_after(options.promote_after);
                 cache
             },

@@ -3,7 +3,9 @@
 //! a request needs it (bit for bit in f32, within the format's precision in
 //! bf16 and fp8), evicts the least recently used past its budget but never
 //! a pinned fact, finds a corrupt record when it reads it (and re-encodes
-//! that fact), and reads segments of every format whatever format it writes.
+//! that fact), reads segments of every format whatever format it writes,
+//! and — with an emulated host tier — moves facts between the tiers
+//! (promotions, demotions) without evicting a pinned one.
 
 #![allow(clippy::unwrap_used)] // tests fail loudly on unexpected errors
 
@@ -329,4 +331,107 @@ fn an_fp8_segment_of_the_first_layout_is_re_encoded_never_read() {
     drop(mem);
     let (_, warnings) = open(dir.path(), &e, StoreOptions { format: Some(KvFormat::Fp8), ..StoreOptions::default() });
     assert!(warnings.is_empty(), "rewritten in the current layout: {warnings:?}");
+}
+
+/// A device tier that turns over (issue 48), through the memory on the CPU
+/// with an emulated host tier and tiny budgets: a host-tier fact hit
+/// `promote_after` times is read onto the device by a promotion job, the
+/// device's least recently used unpinned fact leaves it — demoted, read
+/// again into the host tier and counted as no miss — and a pinned fact
+/// never leaves; a promotion that only pinned facts could make room for is
+/// not started; a demotion whose fact a request read meanwhile is dropped.
+/// What moves is the encoded KV bit for bit.
+#[test]
+fn promotions_and_demotions_under_tiny_budgets_never_evict_a_pinned_fact() {
+    let m = models(512);
+    let mut e = m.engine();
+    let dir = tempfile::tempdir().unwrap();
+    let (mut mem, _) = open(dir.path(), &e, StoreOptions::default());
+    ingest(&mut mem, &mut e, &m, "ana", 6);
+    let encoded: Vec<HostKv> = (0..6).map(|i| kv(&mut mem, "ana", i)).collect();
+    let per_fact = mem.footprint().kv_resident_bytes / 6;
+    drop(mem);
+
+    // Room for two facts on the device and three in the host tier.
+    let budgets = Budgets { device: Some(per_fact * 2), host: Some(per_fact * 3) };
+    let options = StoreOptions { budgets, promote_after: 2, emulated_host_tier: true, ..StoreOptions::default() };
+    let (mut mem, _) = open(dir.path(), &e, options);
+    let tiers =
+        |mem: &Memory<CpuBackend>| -> Vec<Option<Tier>> { (0..6).map(|i| mem.tier("ana", i).unwrap()).collect() };
+    // Reads fill the device first, then the host tier.
+    drop(mem.fetch(&CpuBackend, "ana", &[0, 1]).unwrap());
+    drop(mem.fetch(&CpuBackend, "ana", &[2, 3, 4]).unwrap());
+    let (d, h) = (Some(Tier::Device), Some(Tier::Host));
+    assert_eq!(tiers(&mem), [d, d, h, h, h, None]);
+    let misses = mem.cache_stats().misses;
+    assert_eq!(misses, 5);
+
+    // Fact 0 pinned (a request holds it), then fact 1 used: the pinned fact
+    // is the device's least recently used. Fact 2 hit twice in the host tier.
+    let pin0 = mem.fetch(&CpuBackend, "ana", &[0]).unwrap();
+    assert_eq!(pin0.report.device_hits, 1);
+    drop(mem.fetch(&CpuBackend, "ana", &[1]).unwrap());
+    assert!(mem.promotion_jobs(8).is_empty(), "nothing due yet");
+    drop(mem.fetch(&CpuBackend, "ana", &[2]).unwrap());
+    assert!(mem.promotion_jobs(8).is_empty(), "one host-tier hit is not enough");
+    drop(mem.fetch(&CpuBackend, "ana", &[2]).unwrap());
+    let jobs = mem.promotion_jobs(8);
+    assert_eq!(jobs.len(), 1, "fact 2 is due");
+    for done in jobs.into_iter().map(|j| j.run()) {
+        assert!(mem.complete_read(&CpuBackend, done).unwrap());
+    }
+    // Fact 2 is on the device; fact 1, the unpinned one, left it; the
+    // pinned fact 0 stayed although it was used before fact 1.
+    assert_eq!(tiers(&mem), [d, None, d, h, h, None]);
+    let stats = mem.cache_stats();
+    assert_eq!((stats.promoted, stats.demoted, stats.misses), (1, 0, misses), "a promotion is no miss");
+
+    // Fact 1 is demoted: read again into the host tier, no miss.
+    let jobs = mem.promotion_jobs(8);
+    assert_eq!(jobs.len(), 1, "fact 1's demotion");
+    for done in jobs.into_iter().map(|j| j.run()) {
+        assert!(mem.complete_read(&CpuBackend, done).unwrap());
+    }
+    assert_eq!(tiers(&mem), [d, h, d, h, h, None]);
+    let stats = mem.cache_stats();
+    assert_eq!((stats.promoted, stats.demoted, stats.misses), (1, 1, misses), "a demotion is no miss");
+    assert!(mem.cache_stats().over_budget == 0);
+
+    // Both device facts pinned: fact 3, hit twice in the host tier, is not
+    // promoted (only pinned facts could make room), and nothing moves.
+    let pin2 = mem.fetch(&CpuBackend, "ana", &[2]).unwrap();
+    drop(mem.fetch(&CpuBackend, "ana", &[3]).unwrap());
+    drop(mem.fetch(&CpuBackend, "ana", &[3]).unwrap());
+    assert!(mem.promotion_jobs(8).is_empty(), "pins leave the device no room");
+    assert_eq!(tiers(&mem), [d, h, d, h, h, None]);
+
+    // Fact 0 released and used after pinned fact 2: fact 3, hit twice more,
+    // is promoted over fact 0. Fact 0's demotion is under way when a request
+    // reads it back: the request's copy stays, the demotion's is dropped.
+    drop(pin0);
+    drop(mem.fetch(&CpuBackend, "ana", &[0]).unwrap());
+    drop(mem.fetch(&CpuBackend, "ana", &[3]).unwrap());
+    drop(mem.fetch(&CpuBackend, "ana", &[3]).unwrap());
+    let jobs = mem.promotion_jobs(8);
+    assert_eq!(jobs.len(), 1, "fact 3 is due");
+    for done in jobs.into_iter().map(|j| j.run()) {
+        assert!(mem.complete_read(&CpuBackend, done).unwrap());
+    }
+    assert_eq!(tiers(&mem)[..4], [None, h, d, d], "fact 0 left, pinned fact 2 stayed");
+    let demotion = mem.promotion_jobs(8);
+    assert_eq!(demotion.len(), 1, "fact 0's demotion");
+    let back = mem.fetch(&CpuBackend, "ana", &[0]).unwrap();
+    assert_eq!(back.report.loaded, 1, "a request reads fact 0 from disk");
+    drop(back);
+    for done in demotion.into_iter().map(|j| j.run()) {
+        assert!(!mem.complete_read(&CpuBackend, done).unwrap(), "fact 0 is cached already");
+    }
+    assert_eq!(mem.tier("ana", 0).unwrap(), h);
+    assert_eq!(mem.cache_stats().demoted, 1);
+    drop(pin2);
+
+    // What moved between the tiers is what was encoded, bit for bit.
+    for (i, want) in encoded.iter().enumerate() {
+        assert_eq!(&kv(&mut mem, "ana", i), want, "fact {i}");
+    }
 }

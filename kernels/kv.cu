@@ -145,6 +145,11 @@ struct Bf16Src {
         const bf16* p = (key ? k_ptrs : v_ptrs)[cl] + (size_t)row * kv_dim + e;
         return *(const uint4*)p;
     }
+    // 4 values (e a multiple of 4).
+    __device__ __forceinline__ uint2 load4(bool key, size_t cl, u32 row, int kv_dim, int e, int head_dim) const {
+        const bf16* p = (key ? k_ptrs : v_ptrs)[cl] + (size_t)row * kv_dim + e;
+        return *(const uint2*)p;
+    }
 };
 
 // OCP fp8-e4m3 ("fn": no infinities; 0x7f and 0xff are NaN) as f32, exactly.
@@ -185,6 +190,22 @@ struct Fp8Src {
             float2 b = __bfloat1622float2(off[j]);
             o[j] = __floats2bfloat162_rn(__fadd_rn(__fmul_rn(e4m3_to_float((w >> sh) & 0xff), s), b.x),
                                          __fadd_rn(__fmul_rn(e4m3_to_float((w >> (sh + 8)) & 0xff), s), b.y));
+        }
+        return out;
+    }
+    // 4 values (e a multiple of 4), decoded as `load` decodes them.
+    __device__ __forceinline__ uint2 load4(bool key, size_t cl, u32 row, int kv_dim, int e, int head_dim) const {
+        const u32 w = *(const u32*)((key ? k_ptrs : v_ptrs)[cl] + (size_t)row * kv_dim + e);
+        const float s = (key ? ks_ptrs : vs_ptrs)[cl][e / head_dim];
+        uint2 offs = key ? *(const uint2*)(ko_ptrs[cl] + e) : make_uint2(0, 0);
+        const __nv_bfloat162* off = (const __nv_bfloat162*)&offs;
+        uint2 out;
+        __nv_bfloat162* o = (__nv_bfloat162*)&out;
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            const float2 b = __bfloat1622float2(off[j]);
+            o[j] = __floats2bfloat162_rn(__fadd_rn(__fmul_rn(e4m3_to_float((w >> (16 * j)) & 0xff), s), b.x),
+                                         __fadd_rn(__fmul_rn(e4m3_to_float((w >> (16 * j + 8)) & 0xff), s), b.y));
         }
         return out;
     }

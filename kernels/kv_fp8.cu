@@ -68,6 +68,31 @@ __device__ __forceinline__ float fp8_scale(float amax) {
     return amax > 0.0f && isfinite(amax) ? __fdiv_rn(amax, 448.0f) : 1.0f;
 }
 
+// x / scale for the values of a head row whose largest magnitude is `amax`
+// and whose scale is fp8_scale(amax), rounded as __fdiv_rn rounds it (the
+// CPU's `x / scale`) at a fraction of its cost: the scale's correctly
+// rounded reciprocal y once a row, then per value x·y and two corrections
+// q + (x − s·q)·y, each fused (the sequence __fdiv_rn itself runs, less its
+// reciprocal and its range check). The corrections are exact where nothing
+// underflows or overflows: amax in [2⁻⁶⁰, 2¹⁰⁰), where a quotient small enough
+// to stray lies far below e4m3's smallest code; any other row (zeros,
+// infinities) divides. The sign is the dividend's, as a division's. `inferscale
+// check` holds the codes to __fdiv_rn's (`fp8_divisor_mismatches`).
+struct Fp8Divisor {
+    float s, y;
+    bool fast;
+    __device__ __forceinline__ explicit Fp8Divisor(float amax)
+        : s(fp8_scale(amax)), y(0.0f), fast(amax >= 0x1p-60f && amax < 0x1p100f) {
+        if (fast) y = __frcp_rn(s);
+    }
+    __device__ __forceinline__ float operator()(float x) const {
+        if (!fast) return __fdiv_rn(x, s);
+        const float q0 = __fmul_rn(x, y);
+        const float q1 = __fmaf_rn(__fmaf_rn(-s, q0, x), y, q0);
+        return copysignf(__fmaf_rn(__fmaf_rn(-s, q1, x), y, q1), x);
+    }
+};
+
 // RoPE of the pair (dimension i, i + rot/2) as the CPU's `Rope::rotate`.
 __device__ __forceinline__ float2 rope_pair(float x1, float x2, float c, float s) {
     return make_float2(__fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)), __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s)));
@@ -238,21 +263,30 @@ extern "C" __global__ void copy_blocks_fp8(u8* kc, u8* vc, float* ks, float* vs,
             kpos[(size_t)dst * block_size + c] = kpos[(size_t)src * block_size + c];
 }
 
-// The codes of x[0..8] / scale, the first in the low byte of .x.
-__device__ __forceinline__ uint2 e4m3x8(const float* x, float scale) {
+// The codes of x[0..8] / d's scale, the first in the low byte of .x.
+__device__ __forceinline__ uint2 e4m3x8(const float* x, const Fp8Divisor& d) {
     u32 w[4];
 #pragma unroll
-    for (int j = 0; j < 4; j++) w[j] = e4m3x2(__fdiv_rn(x[2 * j], scale), __fdiv_rn(x[2 * j + 1], scale));
+    for (int j = 0; j < 4; j++) w[j] = e4m3x2(d(x[2 * j]), d(x[2 * j + 1]));
     return make_uint2(w[0] | w[1] << 16, w[2] | w[3] << 16);
 }
 
-// Injection into an fp8 cache: inject_body's loads (each token's stored
-// pre-RoPE key and value, 8 dimensions a thread, all loads of a group of
-// INJECT_TOKENS tokens before any store), then per token and KV head the
-// residual R(p)·k − R(p)·o in f32 (fp8_key_residual's arithmetic on the
-// same floats: the forward pass's codes), the head's largest magnitude over
-// the lanes that hold it (head_dim / 8 adjacent lanes), and the codes.
-// blockDim is a multiple of 32 (every lane takes part in the shuffles).
+// Four bf16 (a uint2) as floats.
+__device__ __forceinline__ void unpack4(uint2 v, float* f) {
+    const float2 a = __bfloat1622float2(*(const __nv_bfloat162*)&v.x), b = __bfloat1622float2(*(const __nv_bfloat162*)&v.y);
+    f[0] = a.x, f[1] = a.y, f[2] = b.x, f[3] = b.y;
+}
+
+// Injection into an fp8 cache. A lane owns 8 of a token's value dimensions
+// (16-byte accesses) and 8 of its key dimensions: 4 rotated pairs (i,
+// i + rot/2) — the first rot/8 lanes of a head — or 8 dimensions past `rot`,
+// so that every lane encodes 16 values and none idles while others rotate.
+// The loads of a group of INJECT_TOKENS tokens all go out before any store
+// (inject_body's order); then per token and KV head the residual R(p)·k −
+// R(p)·o in f32 (fp8_key_residual's arithmetic on the same floats: the
+// forward pass's codes), the head's largest magnitude over the head_dim / 8
+// adjacent lanes that hold it, and the codes. blockDim is a multiple of 32
+// (every lane takes part in the shuffles); needs rot/2 a multiple of 4.
 template <typename Src>
 __device__ __forceinline__ void inject_fp8_body(u8* kc, u8* vc, float* ks, float* vs, u32* kpos, const float* offsets,
                                                 size_t layer_codes, size_t layer_scales,
@@ -261,7 +295,7 @@ __device__ __forceinline__ void inject_fp8_body(u8* kc, u8* vc, float* ks, float
                                                 const float* sin_t, const float* inv_freq, u32 table_positions) {
     const Src src(table, (size_t)chunks * layers);
     const u32* meta = (const u32*)(table + Src::WORDS * (size_t)chunks * layers);
-    const int half = rot / 2, group = head_dim / 8, kv_heads = kv_dim / head_dim;
+    const int half = rot / 2, group = head_dim / 8, pair_lanes = half / 4, kv_heads = kv_dim / head_dim;
     const float* o = offsets ? offsets + (size_t)layer * kv_dim : nullptr;
     u8* kl = kc + layer * layer_codes;
     u8* vl = vc + layer * layer_codes;
@@ -269,9 +303,19 @@ __device__ __forceinline__ void inject_fp8_body(u8* kc, u8* vc, float* ks, float
     float* vsl = vs + layer * layer_scales;
     for (u32 first = blockIdx.x * INJECT_TOKENS; first < tokens; first += gridDim.x * INJECT_TOKENS)
     for (int e0 = 0; e0 < kv_dim; e0 += blockDim.x * 8) {
-        const int e = e0 + threadIdx.x * 8, c = e % head_dim;
-        const bool active = e < kv_dim, rotate = active && c < half, copy_k = active && c >= rot;
-        uint4 vv[INJECT_TOKENS], lo[INJECT_TOKENS], hi[INJECT_TOKENS];
+        const int e = e0 + threadIdx.x * 8, lane = (e % head_dim) / 8;
+        const bool active = e < kv_dim, pair = lane < pair_lanes;
+        // The key dimensions: [kd, kd + 4) and their partners [kd + half,
+        // kd + half + 4), or [kd, kd + 8); `second` is where the upper four are.
+        const int kd = e - e % head_dim + (pair ? 4 * lane : rot + 8 * (lane - pair_lanes));
+        const int second = pair ? kd + half : kd + 4;
+        float ko[8] = {};  // the offsets of those dimensions, the same for every token
+        if (o && active) {
+            *(float4*)ko = *(const float4*)(o + kd);
+            *(float4*)(ko + 4) = *(const float4*)(o + second);
+        }
+        uint4 vv[INJECT_TOKENS];
+        uint2 klo[INJECT_TOKENS], khi[INJECT_TOKENS];
         u32 pos[INJECT_TOKENS], slot[INJECT_TOKENS];
 #pragma unroll
         for (int i = 0; i < INJECT_TOKENS; i++) {
@@ -283,49 +327,60 @@ __device__ __forceinline__ void inject_fp8_body(u8* kc, u8* vc, float* ks, float
             const u32 chunk = meta[t], row = meta[tokens + t];
             const size_t cl = (size_t)chunk * layers + layer;
             vv[i] = src.load(false, cl, row, kv_dim, e, head_dim);
-            if (rotate || copy_k) lo[i] = src.load(true, cl, row, kv_dim, e, head_dim);
-            if (rotate) hi[i] = src.load(true, cl, row, kv_dim, e + half, head_dim);
+            klo[i] = src.load4(true, cl, row, kv_dim, kd, head_dim);
+            khi[i] = src.load4(true, cl, row, kv_dim, second, head_dim);
         }
 #pragma unroll
         for (int i = 0; i < INJECT_TOKENS; i++) {
             if (first + i >= tokens) break;  // the same for every lane
-            float v8[8] = {}, klo[8] = {}, khi[8] = {};
-            if (active) unpack8(vv[i], v8);
-            if (rotate) {
-                float x1[8], x2[8];
-                unpack8(lo[i], x1);
-                unpack8(hi[i], x2);
+            float v8[8] = {}, k8[8] = {};
+            if (active) {
+                unpack8(vv[i], v8);
+                unpack4(klo[i], k8);
+                unpack4(khi[i], k8 + 4);
+                if (pair) {
+                    float cs[4], sn[4];
+                    if (pos[i] < table_positions) {  // rope_cos_sin's table, 4 pairs in 2 loads
+                        *(float4*)cs = *(const float4*)(cos_t + (size_t)pos[i] * half + 4 * lane);
+                        *(float4*)sn = *(const float4*)(sin_t + (size_t)pos[i] * half + 4 * lane);
+                    } else {
 #pragma unroll
-                for (int j = 0; j < 8; j++) {
-                    float cs, sn;
-                    rope_cos_sin(pos[i], c + j, half, cos_t, sin_t, inv_freq, table_positions, &cs, &sn);
-                    const float2 r = rope_pair(x1[j], x2[j], cs, sn);
-                    float2 ro = make_float2(0.0f, 0.0f);
-                    if (o) ro = rope_pair(o[e + j], o[e + half + j], cs, sn);
-                    klo[j] = __fsub_rn(r.x, ro.x);
-                    khi[j] = __fsub_rn(r.y, ro.y);
+                        for (int j = 0; j < 4; j++)
+                            rope_cos_sin(pos[i], 4 * lane + j, half, cos_t, sin_t, inv_freq, table_positions, &cs[j],
+                                         &sn[j]);
+                    }
+#pragma unroll
+                    for (int j = 0; j < 4; j++) {
+                        const float2 r = rope_pair(k8[j], k8[4 + j], cs[j], sn[j]);
+                        const float2 ro = o ? rope_pair(ko[j], ko[4 + j], cs[j], sn[j]) : make_float2(0.0f, 0.0f);
+                        k8[j] = __fsub_rn(r.x, ro.x);
+                        k8[4 + j] = __fsub_rn(r.y, ro.y);
+                    }
+                } else {
+#pragma unroll
+                    for (int j = 0; j < 8; j++) k8[j] = __fsub_rn(k8[j], ko[j]);
                 }
-            } else if (copy_k) {
-                unpack8(lo[i], klo);
-#pragma unroll
-                for (int j = 0; j < 8; j++) klo[j] = __fsub_rn(klo[j], o ? o[e + j] : 0.0f);
             }
             float km = 0.0f, vm = 0.0f;
 #pragma unroll
             for (int j = 0; j < 8; j++) {
-                km = fmaxf(km, fmaxf(fabsf(klo[j]), fabsf(khi[j])));
+                km = fmaxf(km, fabsf(k8[j]));
                 vm = fmaxf(vm, fabsf(v8[j]));
             }
-            const float kscale = fp8_scale(group_max(km, group)), vscale = fp8_scale(group_max(vm, group));
+            const Fp8Divisor kdiv(group_max(km, group)), vdiv(group_max(vm, group));
             if (!active) continue;
-            const size_t at = (size_t)slot[i] * kv_dim + e;
-            const uint2 vw = e4m3x8(v8, vscale), kw = e4m3x8(klo, kscale), hw = e4m3x8(khi, kscale);
-            *(uint2*)(vl + at) = vw;
-            if (rotate || copy_k) *(uint2*)(kl + at) = kw;
-            if (rotate) *(uint2*)(kl + at + half) = hw;
-            if (c == 0) {
-                ksl[(size_t)slot[i] * kv_heads + e / head_dim] = kscale;
-                vsl[(size_t)slot[i] * kv_heads + e / head_dim] = vscale;
+            const size_t at = (size_t)slot[i] * kv_dim;
+            *(uint2*)(vl + at + e) = e4m3x8(v8, vdiv);
+            const uint2 kw = e4m3x8(k8, kdiv);
+            if (pair) {
+                *(u32*)(kl + at + kd) = kw.x;
+                *(u32*)(kl + at + second) = kw.y;
+            } else {
+                *(uint2*)(kl + at + kd) = kw;
+            }
+            if (lane == 0) {
+                ksl[(size_t)slot[i] * kv_heads + e / head_dim] = kdiv.s;
+                vsl[(size_t)slot[i] * kv_heads + e / head_dim] = vdiv.s;
             }
             if (e == 0) kpos[slot[i]] = pos[i];
         }
@@ -363,4 +418,34 @@ extern "C" __global__ void e4m3_encode_mismatches(unsigned long long* counts) {
     atomicAdd(&counts[0], ours);
     atomicAdd(&counts[1], nans);
     atomicAdd(&counts[2], swapped);
+}
+
+// `inferscale check`: Fp8Divisor against __fdiv_rn over every f32 bit
+// pattern x, each with a row maximum amax drawn from x's hash, log-uniform
+// over Fp8Divisor's fast range and raised to |x| (the row holds x; an
+// infinite x makes the row's maximum infinite). counts[0]: codes that
+// differ; counts[1]: quotients of magnitude 2⁻¹⁰ or more (those that can
+// code non-zero) that differ in any bit; counts[2], the control: codes of
+// the uncorrected product x·y that differ where the fast path ran (which
+// must happen). Each thread takes x = i, i + stride, ….
+extern "C" __global__ void fp8_divisor_mismatches(unsigned long long* counts) {
+    unsigned long long codes = 0, quotients = 0, uncorrected = 0;
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < (1ull << 32);
+         i += (unsigned long long)gridDim.x * blockDim.x) {
+        const float x = __uint_as_float((u32)i);
+        u32 h = (u32)i * 0x9e3779b9u;  // murmur3's finalizer of a Weyl step
+        h ^= h >> 16, h *= 0x85ebca6bu, h ^= h >> 13, h *= 0xc2b2ae35u, h ^= h >> 16;
+        float amax = __uint_as_float((127u - 60u + h % 160u) << 23 | h >> 9);  // [2⁻⁶⁰, 2¹⁰⁰)
+        if (isinf(x)) amax = __int_as_float(0x7f800000);
+        else if (!isnan(x)) amax = fmaxf(amax, fabsf(x));
+        const Fp8Divisor d(amax);
+        const float want = __fdiv_rn(x, d.s), got = d(x);
+        const u32 code = e4m3x2(want, 0.0f) & 0xff;
+        codes += (e4m3x2(got, 0.0f) & 0xff) != code;
+        quotients += fabsf(want) >= 0x1p-10f && __float_as_uint(got) != __float_as_uint(want);
+        uncorrected += d.fast && (e4m3x2(__fmul_rn(x, d.y), 0.0f) & 0xff) != code;
+    }
+    atomicAdd(&counts[0], codes);
+    atomicAdd(&counts[1], quotients);
+    atomicAdd(&counts[2], uncorrected);
 }

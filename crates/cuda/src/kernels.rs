@@ -155,6 +155,7 @@ kernels!(
     inject_kv_to_fp8,
     inject_kv_fp8_to_fp8,
     e4m3_encode_mismatches,
+    fp8_divisor_mismatches,
     attention_bidirectional,
     paged_attention_d64,
     paged_attention_d128,

@@ -360,10 +360,26 @@ impl CudaBackend {
     /// against the rule with each pair's codes swapped. All 2³² patterns,
     /// a few milliseconds.
     pub fn e4m3_encode_mismatches(&self) -> Result<[u64; 3]> {
+        self.count_over_f32(&self.k.e4m3_encode_mismatches)
+    }
+
+    /// How the injection's divisions by a row's scale (`Fp8Divisor` in
+    /// kernels/kv_fp8.cu: a reciprocal a row and two fused corrections a
+    /// value) differ from `__fdiv_rn` over every f32 bit pattern, each with a
+    /// row maximum drawn from its hash: `[codes, quotients that can code
+    /// non-zero, control]`, the control counting the codes of the
+    /// uncorrected product. A few milliseconds.
+    pub fn fp8_divisor_mismatches(&self) -> Result<[u64; 3]> {
+        self.count_over_f32(&self.k.fp8_divisor_mismatches)
+    }
+
+    /// Runs one of the checks that sweep every f32 bit pattern (a kernel
+    /// taking three u64 counters) over the whole device; its counters.
+    fn count_over_f32(&self, kernel: &cudarc::driver::CudaFunction) -> Result<[u64; 3]> {
         let counts = self.stream.alloc_zeros::<u64>(3).cu()?;
         let cfg =
             LaunchConfig { grid_dim: (self.sm_count as u32 * 8, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        self.launch(&self.k.e4m3_encode_mismatches, cfg, &[&self.ptr(&counts)])?;
+        self.launch(kernel, cfg, &[&self.ptr(&counts)])?;
         let got = self.stream.clone_dtoh(&counts).cu()?;
         Ok([got[0], got[1], got[2]])
     }

@@ -828,13 +828,21 @@ pub fn gemv(gpu: &crate::CudaBackend) -> R<Report> {
 /// count of patterns coded otherwise, which must be 0 — NaNs counted in a
 /// row of their own, since a NaN reaches the encoder only from a NaN in the
 /// model's K or V. The control swaps each pair's codes, which must miss.
+/// Then the injection's division by a row's scale against `__fdiv_rn`
+/// ([`crate::CudaBackend::fp8_divisor_mismatches`]): the same codes, and
+/// the same quotients wherever one can code non-zero; its control, the
+/// uncorrected product, must miss.
 pub fn fp8_encode(gpu: &crate::CudaBackend) -> R<Report> {
     let [ours, nans, swapped] = gpu.e4m3_encode_mismatches()?;
+    let [codes, quotients, uncorrected] = gpu.fp8_divisor_mismatches()?;
     let check =
         |name: &str, count: u64, control| Check { name: name.into(), error: count as f64, tolerance: 0.0, control };
     Ok(vec![
         check("fp8 encode: device codes = the CPU's rule, every non-NaN f32 (mismatches)", ours, false),
         check("fp8 encode: device codes = the CPU's rule, every NaN f32 (mismatches)", nans, false),
         check("fp8 encode: control, each pair's codes swapped (mismatches)", swapped, true),
+        check("fp8 divide: injection's codes = __fdiv_rn's, every f32 (mismatches)", codes, false),
+        check("fp8 divide: quotients ≥ 2⁻¹⁰ = __fdiv_rn's, bit for bit (mismatches)", quotients, false),
+        check("fp8 divide: control, codes of the uncorrected product (mismatches)", uncorrected, true),
     ])
 }

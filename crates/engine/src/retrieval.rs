@@ -3,8 +3,9 @@
 //!
 //! A user's facts are few (hundreds to thousands of 384-d embeddings), so an
 //! exhaustive search is both exact and cheap; what a device backend adds is
-//! keeping the embeddings beside the model and doing the scoring as one
-//! GEMV, so that a request's retrieval does not occupy the engine thread.
+//! keeping a large user's embeddings beside the model and doing the scoring
+//! as one GEMV. The memory searches small users on the host with [`rank`]
+//! and this arithmetic: a device search waits on the engine's stream.
 
 use crate::error::{EngineError, Result};
 

@@ -2,8 +2,8 @@
 //!
 //! Three rankers, chosen per memory ([`Retriever`]):
 //! - **dense**: cosine similarity of sentence embeddings (MiniLM, run by our
-//!   engine; the search itself is [`inferscale_engine::Backend::top_k`], a GEMV
-//!   and a sort on a GPU);
+//!   engine; the search itself on the host for a user's few facts, else
+//!   [`inferscale_engine::Backend::top_k`], a GEMV and a sort on a GPU);
 //! - **lexical**: BM25 over each fact's line (speaker, session date, text)
 //!   and the texts of the facts stored just before and after it, with the
 //!   `bm25` crate's English tokenizer (Unicode normalisation, stop words,

@@ -27,6 +27,15 @@ pub struct Encoders<'e, B: Backend> {
     pub composer: &'e Composer,
 }
 
+/// Users with at most this many embedding values (256 facts of MiniLM's
+/// 384) are ranked on the host, by the reference's arithmetic
+/// (`inferscale_engine::retrieval`): about 50 µs on one core for 256
+/// facts, where a device ranking is two launches and a copy back on the
+/// engine's stream — a synchronisation of the engine thread per request,
+/// and device memory for every user's embeddings. Most users of a node of
+/// thousands hold tens to hundreds of facts; larger ones keep the GEMV.
+const HOST_RANK_MAX_VALUES: usize = 256 * 384;
+
 /// The process's write sequence: every batch of facts added to any user
 /// takes the next number. An import keeps the local units added after it
 /// began (they arrived during the copy) and drops older ones the shard
@@ -219,13 +228,20 @@ impl<B: Backend> UserShard<B> {
     /// Every fact's embedding, `[facts, dim]` row-major; an error naming the
     /// first fact of another width.
     fn embedding_rows(&self, user: &str, dim: usize) -> Result<Vec<f32>> {
-        if let Some(f) = self.facts.iter().find(|f| f.embedding.len() != dim) {
-            return Err(MemoryError::Invalid {
+        self.check_widths(user, dim)?;
+        Ok(self.facts.iter().flat_map(|f| f.embedding.iter().copied()).collect())
+    }
+
+    /// Every fact's embedding has `dim` values; an error naming the first
+    /// that has not.
+    fn check_widths(&self, user: &str, dim: usize) -> Result<()> {
+        match self.facts.iter().find(|f| f.embedding.len() != dim) {
+            Some(f) => Err(MemoryError::Invalid {
                 what: "embedding",
                 reason: format!("fact {:?} of {user:?} has {} values, the others {dim}", f.unit.id, f.embedding.len()),
-            });
+            }),
+            None => Ok(()),
         }
-        Ok(self.facts.iter().flat_map(|f| f.embedding.iter().copied()).collect())
     }
 
     /// Drops the search indexes: the facts they were made of have changed.
@@ -260,7 +276,9 @@ impl<B: Backend> UserShard<B> {
     }
 
     /// The `k` facts of highest cosine similarity to `query`, best first;
-    /// ties go to the earlier fact.
+    /// ties go to the earlier fact. Few facts are ranked on the host
+    /// ([`HOST_RANK_MAX_VALUES`]), more by the backend from an index of
+    /// their embeddings uploaded on first use.
     pub(crate) fn dense_rank(&self, be: &B, user: &str, query: &[f32], k: usize) -> Result<Vec<usize>> {
         let Some(dim) = self.facts.first().map(|f| f.embedding.len()) else { return Ok(Vec::new()) };
         if query.len() != dim {
@@ -268,6 +286,11 @@ impl<B: Backend> UserShard<B> {
                 what: "query",
                 reason: format!("an embedding of {} values for facts embedded in {dim}", query.len()),
             });
+        }
+        if self.facts.len() * dim <= HOST_RANK_MAX_VALUES {
+            self.check_widths(user, dim)?;
+            let scores: Vec<f32> = self.facts.iter().map(|f| crate::search::score(&f.embedding, query)).collect();
+            return Ok(inferscale_engine::retrieval::rank(&scores, k).into_iter().map(|i| i as usize).collect());
         }
         let mut index = self.index.lock().unwrap_or_else(|p| p.into_inner());
         let index = match &mut *index {

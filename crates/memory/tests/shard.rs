@@ -318,6 +318,43 @@ fn every_retriever_ranks_the_users_facts() {
     assert_ne!(ids(&mem, "What is Biscuit?", 1), ["T9"], "a forget does too");
 }
 
+/// Dense ranking is exact whoever runs it: a user of a few facts is ranked
+/// on the host, one of more than 256 by the backend (its device index, on
+/// a GPU); both give the facts of highest inner product first and, among
+/// equal facts (the same line stored again), the older first.
+#[test]
+fn dense_ranking_is_exact_and_breaks_ties_to_the_older_fact_for_small_and_large_users() {
+    let m = models();
+    let mut e = engine(&m);
+    let composer = Composer::new(&m.files, &Prompts::default()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (mut mem, _) = open(dir.path(), &e, 0);
+    mem.set_retriever(Retriever::Dense);
+    let mut enc = Encoders { engine: &mut e, embedder: &m.embedder, composer: &composer };
+    // Six lines; the large user holds each fifty times (300 facts).
+    mem.ingest_deferred("small", &turns("S", 6), &mut enc).unwrap();
+    mem.ingest_deferred("large", &turns("L", 300), &mut enc).unwrap();
+    let text = "What did Melanie paint?";
+    let q = m.embedder.embed(&CpuBackend, &[text]).unwrap().remove(0);
+    for (user, n) in [("small", 6), ("large", 300)] {
+        // The reference: f64 inner products, a stable sort (older first).
+        let facts = mem.facts(user).unwrap();
+        let score = |i: usize| -> f64 { facts[i].embedding.iter().zip(&q).map(|(a, b)| *a as f64 * *b as f64).sum() };
+        let mut want: Vec<usize> = (0..n).collect();
+        want.sort_by(|&a, &b| score(b).total_cmp(&score(a)));
+        for k in [1, 10, n] {
+            let got = mem.retrieve(&CpuBackend, user, query(text, &q), k).unwrap();
+            assert_eq!(got, want[..k.min(n)], "{user}, k = {k}");
+        }
+    }
+    // The painting (line 3) first, its fifty copies — equal embeddings,
+    // so equal scores — oldest first.
+    let large = mem.facts("large").unwrap();
+    assert!((0..50).all(|c| large[6 * c + 3].embedding == large[3].embedding), "copies embed alike");
+    let top = mem.retrieve(&CpuBackend, "large", query(text, &q), 50).unwrap();
+    assert_eq!(top, (0..50).map(|c| 6 * c + 3).collect::<Vec<_>>());
+}
+
 #[test]
 fn bad_input_is_refused_and_stores_nothing() {
     let m = models();

@@ -41,17 +41,29 @@ pub struct ColdCosts {
     pub sharing: usize,
 }
 
-/// How long past its expected wait a request waits for its reads: reads
-/// vary with the disk and the load, and a request is released as soon as
-/// its reads are cached, so this costs only when a read is late. The
-/// deadline is twice the expected wait, and at least this.
+/// The shortest deadline of a request that waits for reads: reads vary
+/// with the disk and the load, and a request is released as soon as its
+/// reads are cached, so a deadline costs only when a read is late.
 pub const MIN_WAIT: Duration = Duration::from_millis(20);
 
-/// The deadline for a request expected to wait `expected` (zero: none).
-pub fn deadline(expected: Duration) -> Duration {
+/// The deadline of a request expected to wait `expected` (zero: no wait)
+/// for reads whose facts would cost `prefill` to prefill instead (seconds
+/// of everyone's time: [`plan`]'s weighting). Twice the expected wait
+/// leaves room for a late read; and a request whose reads are late keeps
+/// waiting while its wait is still below what prefilling those facts
+/// would cost (as one rents skis until the rent reaches their price): a
+/// late read costs no more waiting than the larger of twice the expected
+/// wait and the prefill it saves.
+/// Under load that is the cap (`--cold-kv-wait-ms`), as `--cold-kv wait`
+/// waits; a deadline of twice the expected wait alone released the
+/// requests whose reads ran late into prefills that every running
+/// sequence waited on — 220–245 facts in the steady 25 s of a point where
+/// `wait` prefilled 18–161, and 3 % fewer requests (docs/performance.md,
+/// "The 400-user stream on an H200").
+pub fn deadline(expected: Duration, prefill: Duration) -> Duration {
     match expected.is_zero() {
         true => Duration::ZERO,
-        false => (2 * expected).max(MIN_WAIT),
+        false => (2 * expected).max(prefill).max(MIN_WAIT),
     }
 }
 
@@ -69,9 +81,17 @@ pub fn wait_limit(costs: &ColdCosts, tokens: &[usize], cap: Duration) -> Duratio
         return Duration::ZERO;
     }
     match plan(costs, tokens) {
-        Some((_, expected)) => deadline(expected).min(cap),
+        Some((m, expected)) => deadline(expected, prefill_cost(costs, &tokens[..m])).min(cap),
         None => cap,
     }
+}
+
+/// What prefilling facts of `tokens` costs everyone (as [`plan`] weighs
+/// it): their time once for the request and once for each sequence sharing
+/// the steps; zero before a prefill was measured.
+fn prefill_cost(costs: &ColdCosts, tokens: &[usize]) -> Duration {
+    let per_token = costs.prefill_s_per_token.unwrap_or(0.0) * (1 + costs.sharing) as f64;
+    Duration::try_from_secs_f64(per_token * tokens.iter().sum::<usize>() as f64).unwrap_or(Duration::MAX)
 }
 
 /// Of a request's cold facts (their tokens, in the order their reads are
@@ -205,19 +225,35 @@ mod tests {
     }
 
     #[test]
-    fn the_wait_is_twice_the_expected_within_the_cap() {
-        // Expected 40 ms (the six 200-token facts above): 80 ms; a lower cap
-        // wins; a plan that waits for nothing waits not at all.
-        assert_eq!(wait_limit(&costs(10.0, 2, 2, 100.0), &[200; 6], ms(200)), ms(80));
+    fn a_late_read_is_waited_for_while_waiting_costs_less_than_prefilling() {
+        // The six 200-token facts above, on an idle server: expected 40 ms,
+        // their prefill 120 ms (1,200 tokens at 100 µs), so the request
+        // waits up to 120 ms; a lower cap wins; a plan that waits for
+        // nothing waits not at all.
+        assert_eq!(wait_limit(&costs(10.0, 2, 2, 100.0), &[200; 6], ms(200)), ms(120));
         assert_eq!(wait_limit(&costs(10.0, 2, 2, 100.0), &[200; 6], ms(50)), ms(50));
         assert_eq!(wait_limit(&costs(10.0, 2, 2, 100.0), &[50; 6], ms(200)), Duration::ZERO);
+        // One 400-token fact (40 ms to prefill) read in 30 ms: twice the
+        // expected wait is the longer, 60 ms.
+        assert_eq!(wait_limit(&costs(30.0, 8, 0, 100.0), &[400], ms(200)), ms(60));
+        // Beside 100 sequences the six 50-token facts' prefill costs 101 ×
+        // 30 ms: the request waits up to the cap, as `--cold-kv wait` does,
+        // where twice its expected 40 ms released it at 80.
+        let busy = ColdCosts { sharing: 100, ..costs(10.0, 2, 2, 100.0) };
+        assert_eq!(plan(&busy, &[50; 6]), Some((6, ms(40))));
+        assert_eq!(wait_limit(&busy, &[50; 6], ms(200)), ms(200));
+        // Waiting for the first two of four facts weighs only those two.
+        let two = ColdCosts { sharing: 1, ..costs(10.0, 2, 0, 100.0) };
+        assert_eq!(plan(&two, &[300, 300, 10, 10]), Some((2, ms(10))));
+        assert_eq!(wait_limit(&two, &[300, 300, 10, 10], ms(500)), ms(120), "2 × 600 tokens × 100 µs");
     }
 
     #[test]
-    fn the_deadline_leaves_room_for_a_late_read() {
-        assert_eq!(deadline(Duration::ZERO), Duration::ZERO);
-        assert_eq!(deadline(ms(3)), MIN_WAIT);
-        assert_eq!(deadline(ms(40)), ms(80));
+    fn the_deadline_leaves_room_for_a_late_read_up_to_the_prefill_it_saves() {
+        assert_eq!(deadline(Duration::ZERO, ms(500)), Duration::ZERO, "no wait planned");
+        assert_eq!(deadline(ms(3), Duration::ZERO), MIN_WAIT);
+        assert_eq!(deadline(ms(40), ms(10)), ms(80));
+        assert_eq!(deadline(ms(40), ms(500)), ms(500));
     }
 
     #[test]

@@ -37,9 +37,9 @@
 //! tier's LRU order there, the device's least recently used unpinned facts
 //! leaving it — demoted: read again from their segments into the host
 //! tier by a reader thread ([`KvCache::take_demotions`]), not copied down
-//! (the device-to-host copy measured above); a victim whose owner the
-//! cache was not told ([`KvCache::set_owner`]: facts read from disk or
-//! encoded for a request or an ingest) leaves for the disk. A promotion reserves its
+//! (the device-to-host copy measured above), by the owner the memory
+//! gave each fact it cached ([`KvCache::set_owner`]: reads and encodings);
+//! a victim without one leaves for the disk. A promotion reserves its
 //! device bytes like a read bound there, and is not started when pinned
 //! facts leave it no room. KV a request holds
 //! (an [`Arc`] clone: a pin, from admission to layout) is never evicted;

@@ -69,6 +69,7 @@ impl<B: Backend> Memory<B> {
         encode: bool,
     ) -> Result<UpdateReport> {
         let max = self.max_fact_tokens(enc.composer.header().len());
+        let how = self.encoding();
         let idx = self.index_for_rewrite(user, id)?;
         let shard = shard_mut(&mut self.users, &self.damaged, user)?;
         let old = &shard.facts[idx];
@@ -118,8 +119,7 @@ impl<B: Backend> Memory<B> {
             // disk, say) is made later, and the update stands.
             // The KV this update dropped only: facts that lacked KV before
             // it are the background's (see `Memory::ingest`).
-            let (window, batch, context) = (self.spec.window, self.encode_batch, self.context);
-            match encode.then(|| shard.encode_only(&dropped, window, batch, context, enc, &mut self.cache)) {
+            match encode.then(|| shard.encode_only(user, &dropped, how, enc, &mut self.cache)) {
                 Some(Ok(tokens)) => report.encoded_tokens = tokens,
                 Some(Err(e)) => {
                     tracing::warn!(user, error = %e, "encoding an updated unit's KV failed; it is encoded later");

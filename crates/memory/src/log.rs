@@ -289,10 +289,10 @@ impl RecordLog {
         let mut at = HEADER.len() as u64;
         let (mut heads, mut kept) = (Vec::with_capacity(head.len()), Vec::with_capacity(keep.len()));
         let mut put = |out: &mut Charged, record: &[u8]| -> Result<Frame> {
-            let bytes = encode(&[record], Vec::with_capacity(FRAME_BYTES + record.len()))?;
-            out.put(&bytes)?;
+            out.put(&frame_header(record)?)?;
+            out.put(record)?;
             let frame = Frame { offset: at + FRAME_BYTES as u64, len: record.len() as u32 };
-            at += bytes.len() as u64;
+            at = frame.offset + record.len() as u64;
             Ok(frame)
         };
         replace_with(&self.path, |out| {
@@ -541,16 +541,23 @@ fn check_header(path: &Path, bytes: &[u8]) -> Result<()> {
 fn encode(records: &[&[u8]], mut buf: Vec<u8>) -> Result<Vec<u8>> {
     buf.reserve(records.iter().map(|r| FRAME_BYTES + r.len()).sum());
     for record in records {
-        if record.len() > MAX_RECORD_BYTES {
-            let reason = format!("{} bytes, the limit is {MAX_RECORD_BYTES}", record.len());
-            return Err(MemoryError::Invalid { what: "log record", reason });
-        }
-        let len = (record.len() as u32).to_le_bytes();
-        buf.extend_from_slice(&len);
-        buf.extend_from_slice(&checksum(len, record).to_le_bytes());
+        buf.extend_from_slice(&frame_header(record)?);
         buf.extend_from_slice(record);
     }
     Ok(buf)
+}
+
+/// The frame header that goes before `record`: its length and checksum.
+fn frame_header(record: &[u8]) -> Result<[u8; FRAME_BYTES]> {
+    if record.len() > MAX_RECORD_BYTES {
+        let reason = format!("{} bytes, the limit is {MAX_RECORD_BYTES}", record.len());
+        return Err(MemoryError::Invalid { what: "log record", reason });
+    }
+    let len = (record.len() as u32).to_le_bytes();
+    let mut header = [0u8; FRAME_BYTES];
+    header[..4].copy_from_slice(&len);
+    header[4..].copy_from_slice(&checksum(len, record).to_le_bytes());
+    Ok(header)
 }
 
 /// Decodes frames after the header: the intact records, the byte length of

@@ -25,7 +25,7 @@ use crate::fact::{Event, Fact, Record};
 use crate::kvseg::{KvFormat, KvHeader};
 use crate::log::{MAX_RECORD_BYTES, sync_dir};
 use crate::retrieval::{self, Query, Retriever};
-use crate::user::{Encoders, UserShard};
+use crate::user::{Encoders, Encoding, UserShard};
 use crate::users::Users;
 
 /// Facts encoded per engine call by default (their forward passes are
@@ -612,6 +612,7 @@ impl<B: Backend> Memory<B> {
     ) -> Result<IngestReport> {
         validate(user, turns)?;
         self.check_intact(user)?;
+        let how = self.encoding();
         let max = self.max_fact_tokens(enc.composer.header().len());
         if !self.users.contains_key(user) {
             let dir = self.user_dir(user);
@@ -651,45 +652,33 @@ impl<B: Backend> Memory<B> {
             // replica's copy whose user it now serves) are the background's
             // and their requests' work, so that a write's latency never
             // includes a backlog it did not make.
-            let (window, batch, context) = (self.spec.window, self.encode_batch, self.context);
-            report.encoded_tokens = shard.encode_only(&added, window, batch, context, enc, &mut self.cache)?;
+            report.encoded_tokens = shard.encode_only(user, &added, how, enc, &mut self.cache)?;
         }
         if shard.lacks_kv() {
             self.pending.insert(user.to_string());
         }
-        self.own_kv(user, &added);
         Ok(report)
     }
 
     /// Encodes every fact of `user` whose KV is missing (e.g. after a
     /// corrupt segment was detected); returns the tokens encoded.
     pub fn ensure_kv(&mut self, user: &str, enc: &mut Encoders<'_, B>) -> Result<usize> {
-        let (window, batch, context) = (self.spec.window, self.encode_batch, self.context);
+        let how = self.encoding();
         let shard = shard_mut(&mut self.users, &self.damaged, user)?;
-        shard.encode_missing(window, batch, usize::MAX, context, enc, &mut self.cache)
+        shard.encode_missing(user, usize::MAX, how, enc, &mut self.cache)
     }
 
     /// Encodes the KV of `user`'s facts `idxs` that have none (a request's
     /// few facts; the rest of the user's are the background's work).
     pub fn encode_facts(&mut self, user: &str, idxs: &[usize], enc: &mut Encoders<'_, B>) -> Result<usize> {
-        let (window, batch, context) = (self.spec.window, self.encode_batch, self.context);
+        let how = self.encoding();
         let shard = shard_mut(&mut self.users, &self.damaged, user)?;
-        let tokens = shard.encode_only(idxs, window, batch, context, enc, &mut self.cache)?;
-        self.own_kv(user, idxs);
-        Ok(tokens)
+        shard.encode_only(user, idxs, how, enc, &mut self.cache)
     }
 
-    /// Tells the cache that the KV of `user`'s facts `idxs` is theirs, so
-    /// that a device tier turning over demotes it rather than dropping it
-    /// (`cache.rs`).
-    fn own_kv(&mut self, user: &str, idxs: &[usize]) {
-        if let Some(shard) = self.users.get(user) {
-            for &i in idxs {
-                if let Some(kv) = shard.kv.get(i) {
-                    self.cache.set_owner(kv.key, user, i);
-                }
-            }
-        }
+    /// How this memory encodes facts' KV.
+    pub(crate) fn encoding(&self) -> Encoding {
+        Encoding { window: self.spec.window, batch: self.encode_batch, context: self.context }
     }
 
     /// Encodes up to `max_facts` facts that lack KV, of one user that has
@@ -701,7 +690,7 @@ impl<B: Backend> Memory<B> {
         // and takes on what reading users found.
         self.settle();
         self.absorb_opened();
-        let (window, batch, context) = (self.spec.window, self.encode_batch, self.context);
+        let how = self.encoding();
         while let Some(user) = self.pending.first().cloned() {
             let Some(shard) = self.users.get_mut(&user) else {
                 self.pending.remove(&user);
@@ -713,7 +702,7 @@ impl<B: Backend> Memory<B> {
                 continue;
             }
             let n = missing.min(max_facts.max(1));
-            if let Err(e) = shard.encode_missing(window, batch, n, context, enc, &mut self.cache) {
+            if let Err(e) = shard.encode_missing(&user, n, how, enc, &mut self.cache) {
                 // Not retried in the background; a request still encodes it.
                 self.pending.remove(&user);
                 return Err(e);
@@ -728,9 +717,11 @@ impl<B: Backend> Memory<B> {
 
     /// The `k` facts that best answer `query`, best first, ranked by the
     /// shard's [`Retriever`] (see `retrieval.rs`). Only `user`'s facts
-    /// are read. Dense search runs on `be` (`Backend::top_k`: one GEMV and a
-    /// sort on a GPU) over the user's embeddings uploaded once after each
-    /// change; the lexical index is likewise built once after each change.
+    /// are read. Dense search runs on the host for a user's few facts, else
+    /// on `be` (`Backend::top_k`: one GEMV and a sort on a GPU) over the
+    /// user's embeddings uploaded once after each change
+    /// (`UserShard::dense_rank`); the lexical index is built once after each
+    /// change.
     pub fn retrieve(&self, be: &B, user: &str, query: Query<'_>, k: usize) -> Result<Vec<usize>> {
         if k == 0 {
             return Err(MemoryError::Invalid { what: "k", reason: "k must be at least 1".into() });

@@ -36,6 +36,16 @@ pub struct Encoders<'e, B: Backend> {
 /// thousands hold tens to hundreds of facts; larger ones keep the GEMV.
 const HOST_RANK_MAX_VALUES: usize = 256 * 384;
 
+/// How facts' KV is encoded: the `window` units stored before a fact as its
+/// context, within the model's `context` tokens, `batch` facts to an
+/// engine call (the memory's settings, [`crate::Memory`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Encoding {
+    pub(crate) window: usize,
+    pub(crate) batch: usize,
+    pub(crate) context: usize,
+}
+
 /// The process's write sequence: every batch of facts added to any user
 /// takes the next number. An import keeps the local units added after it
 /// began (they arrived during the copy) and drops older ones the shard
@@ -334,15 +344,14 @@ impl<B: Backend> UserShard<B> {
     /// fact's KV is the same whether it was just encoded or loaded.
     pub(crate) fn encode_missing(
         &mut self,
-        window: usize,
-        batch: usize,
+        user: &str,
         limit: usize,
-        context: usize,
+        how: Encoding,
         enc: &mut Encoders<'_, B>,
         cache: &mut KvCache<B>,
     ) -> Result<usize> {
         let missing: Vec<usize> = (0..self.facts.len()).filter(|&i| self.kv[i].at.is_none()).take(limit).collect();
-        self.encode(&missing, window, batch, context, enc, cache)
+        self.encode(user, &missing, how, enc, cache)
     }
 
     /// Whether any fact has no KV.
@@ -354,29 +363,29 @@ impl<B: Backend> UserShard<B> {
     /// no KV).
     pub(crate) fn encode_only(
         &mut self,
+        user: &str,
         idxs: &[usize],
-        window: usize,
-        batch: usize,
-        context: usize,
+        how: Encoding,
         enc: &mut Encoders<'_, B>,
         cache: &mut KvCache<B>,
     ) -> Result<usize> {
         let missing: Vec<usize> =
             idxs.iter().copied().filter(|&i| self.kv.get(i).is_some_and(|k| k.at.is_none())).collect();
-        self.encode(&missing, window, batch, context, enc, cache)
+        self.encode(user, &missing, how, enc, cache)
     }
 
-    /// Encodes facts `missing`, appends their records and caches their KV;
-    /// returns the tokens encoded.
+    /// Encodes facts `missing` (of `user`, this shard's), appends their
+    /// records and caches their KV as theirs (so that a device tier turning
+    /// over demotes it: [`KvCache::set_owner`]); returns the tokens encoded.
     fn encode(
         &mut self,
+        user: &str,
         missing: &[usize],
-        window: usize,
-        batch: usize,
-        context: usize,
+        how: Encoding,
         enc: &mut Encoders<'_, B>,
         cache: &mut KvCache<B>,
     ) -> Result<usize> {
+        let Encoding { window, batch, context } = how;
         let lossy = self.seg.dtype.bytes_per_value() < enc.engine.backend().kv_bytes_per_value();
         let mut tokens = 0;
         for group in missing.chunks(batch) {
@@ -420,6 +429,7 @@ impl<B: Backend> UserShard<B> {
                     }
                 };
                 cache.insert(be, self.kv[i].key, source, Admit::Fill)?;
+                cache.set_owner(self.kv[i].key, user, i);
             }
         }
         Ok(tokens)

@@ -86,12 +86,18 @@ pub fn wait_limit(costs: &ColdCosts, tokens: &[usize], cap: Duration) -> Duratio
     }
 }
 
-/// What prefilling facts of `tokens` costs everyone (as [`plan`] weighs
-/// it): their time once for the request and once for each sequence sharing
-/// the steps; zero before a prefill was measured.
+/// What prefilling facts of `tokens` costs everyone ([`token_cost`]);
+/// zero before a prefill was measured.
 fn prefill_cost(costs: &ColdCosts, tokens: &[usize]) -> Duration {
-    let per_token = costs.prefill_s_per_token.unwrap_or(0.0) * (1 + costs.sharing) as f64;
-    Duration::try_from_secs_f64(per_token * tokens.iter().sum::<usize>() as f64).unwrap_or(Duration::MAX)
+    let seconds = token_cost(costs).unwrap_or(0.0) * tokens.iter().sum::<usize>() as f64;
+    Duration::try_from_secs_f64(seconds).unwrap_or(Duration::MAX)
+}
+
+/// A prefilled token's cost, seconds: its time once for the request and
+/// once for each sequence sharing the steps; `None` until a prefill was
+/// measured.
+fn token_cost(costs: &ColdCosts) -> Option<f64> {
+    Some(costs.prefill_s_per_token? * (1 + costs.sharing) as f64)
 }
 
 /// Of a request's cold facts (their tokens, in the order their reads are
@@ -101,11 +107,10 @@ fn prefill_cost(costs: &ColdCosts, tokens: &[usize]) -> Duration {
 /// its length once; a prefilled token its time for this request and for
 /// each sequence sharing the steps. Ties go to waiting less.
 pub fn plan(costs: &ColdCosts, tokens: &[usize]) -> Option<(usize, Duration)> {
-    let (read_s, per_token) = (costs.read_s?, costs.prefill_s_per_token?);
+    let (read_s, per_token) = (costs.read_s?, token_cost(costs)?);
     let readers = costs.readers.max(1);
     // The m-th read completes with its wave: reads run `readers` at a time.
     let wait = |m: usize| if m == 0 { 0.0 } else { read_s * (costs.backlog + m).div_ceil(readers) as f64 };
-    let per_token = per_token * (1 + costs.sharing) as f64;
     let total: usize = tokens.iter().sum();
     let mut best = (0, per_token * total as f64, 0.0);
     let mut pasted = total;

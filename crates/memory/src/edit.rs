@@ -54,7 +54,7 @@ impl<B: Backend> Memory<B> {
     /// new embedding and new KV, encoded in the unit's place (the same
     /// context window; with `encode` false, when first needed), new
     /// metadata replaces the old; the change is added to the unit's history.
-    /// The old KV is dropped (the KV log rewritten) before the fact log is
+    /// The old KV is dropped (erased from the KV log) before the fact log is
     /// rewritten, so a crash between leaves the unit as it was with its KV
     /// re-encoded when needed, and no KV made from the old text behind.
     /// An update that changes nothing does nothing (retries are safe). The

@@ -6,6 +6,7 @@ mod cache;
 pub(crate) mod commit;
 mod compose;
 mod edit;
+mod erase;
 mod error;
 mod fact;
 pub mod faults;

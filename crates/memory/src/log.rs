@@ -30,6 +30,7 @@ use std::io::{BufWriter, ErrorKind, Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
+pub use crate::erase::Erased;
 use crate::error::{self, MemoryError, Result};
 pub use crate::frame::MAX_RECORD_BYTES;
 pub(crate) use crate::frame::{FRAME_BYTES, HEADER, checksum};
@@ -314,6 +315,14 @@ impl RecordLog {
         self.broken = false;
         sync_dir(parent_dir(&self.path))?;
         Ok((heads, kept))
+    }
+
+    /// Erases the records at `frames` where they lie, durably: each keeps
+    /// its frame and length, its payload becomes zeros (freed from the
+    /// file where the filesystem can punch holes) and its checksum theirs.
+    /// Takes no new space (`erase.rs` says how, and what a crash leaves).
+    pub fn erase(&mut self, frames: &[Frame]) -> Result<Erased> {
+        crate::erase::erase(&self.path, self.len, frames)
     }
 
     /// Cuts the log back to `len` bytes (a frame boundary the caller knows,

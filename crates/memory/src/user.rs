@@ -14,8 +14,10 @@ use inferscale_engine::{Backend, EncodeItem, Engine};
 
 use crate::cache::{Admit, KvCache, Source};
 use crate::compose::Composer;
+use crate::erase::is_erased;
 use crate::error::{MemoryError, Result, io};
 use crate::fact::{Fact, Record};
+use crate::frame::FRAME_BYTES;
 use crate::kvseg::{KvHeader, StoredKv};
 use crate::log::{Frame, RecordLog};
 use crate::retrieval::{self, LexicalIndex};
@@ -115,6 +117,9 @@ pub(crate) struct UserShard<B: Backend> {
     pub(crate) kv: Vec<FactKv>,
     pub(crate) log: RecordLog,
     pub(crate) kv_log: RecordLog,
+    /// The segment's erased records (`erase.rs`): dead bytes, counted
+    /// towards compacting it.
+    kv_erased: Vec<Frame>,
     /// The segment's header: the memory's model, window and shape, in the
     /// segment's own storage format (a segment written before the format
     /// changed keeps its own).
@@ -155,6 +160,7 @@ impl<B: Backend> UserShard<B> {
         let mut kv: Vec<FactKv> = (0..facts.len()).map(|_| FactKv::new(None)).collect();
         let kv_path = dir.join("kv.log");
         let (mut kv_log, index) = RecordLog::open_frames(&kv_path, HEAD_PEEK)?;
+        let mut kv_erased = Vec::new();
         if let Some(r) = &index.reason {
             warnings.push(format!(
                 "{}: dropped a corrupt tail of {} bytes ({r}); those facts are re-encoded",
@@ -196,6 +202,10 @@ impl<B: Backend> UserShard<B> {
                     kv_log.rewrite(&[header.encode()])?;
                 }
                 for (frame, prefix) in rest.iter().filter(|_| stale.is_none()) {
+                    if is_erased(prefix) {
+                        kv_erased.push(*frame);
+                        continue;
+                    }
                     let head = match StoredKv::head_len(prefix) {
                         Some(n) if n > prefix.len() && n <= frame.len as usize => kv_log.read_head(*frame, n)?,
                         _ => prefix.clone(),
@@ -224,6 +234,7 @@ impl<B: Backend> UserShard<B> {
             kv,
             log,
             kv_log,
+            kv_erased,
             seg,
             index: Default::default(),
             lexical: Default::default(),
@@ -461,7 +472,7 @@ impl<B: Backend> UserShard<B> {
         let mut ids = self.derived_from(idx, window);
         ids.push(self.facts[idx].unit.id.clone());
         let drop: Vec<usize> = ids.iter().filter_map(|id| self.by_id.get(id).copied()).collect();
-        self.rewrite_kv_without(&drop)?;
+        self.erase_kv(&drop)?;
         for &i in &drop {
             cache.remove(self.kv[i].key);
         }
@@ -470,8 +481,8 @@ impl<B: Backend> UserShard<B> {
 
     /// Removes the facts `ids` (those stored) and every stored KV derived
     /// from them (their windows' later facts, the facts they are the
-    /// source turn of): the KV log is rewritten first, then the fact log,
-    /// once each, so that a crash between leaves the facts with their KV
+    /// source turn of): their KV records are erased first, then the fact
+    /// log rewritten, so that a crash between leaves the facts with their KV
     /// re-encoded when needed. Returns how many facts went, and whether
     /// other facts lost their KV (to re-encode).
     pub(crate) fn remove_facts(
@@ -493,7 +504,7 @@ impl<B: Backend> UserShard<B> {
         drop.sort_unstable();
         drop.dedup();
         let cascades = drop.len() > idxs.len();
-        self.rewrite_kv_without(&drop)?;
+        self.erase_kv(&drop)?;
         for &i in &drop {
             cache.remove(self.kv[i].key);
         }
@@ -535,6 +546,7 @@ impl<B: Backend> UserShard<B> {
         let mut idxs: Vec<usize> = ids.iter().filter_map(|id| self.by_id.get(id).copied()).collect();
         idxs.sort_unstable();
         self.kv_log.truncate(kv_len)?;
+        self.kv_erased.retain(|f| f.offset < kv_len);
         self.log.truncate(facts_len)?;
         for &i in idxs.iter().rev() {
             self.remove_fact(i, cache);
@@ -550,20 +562,47 @@ impl<B: Backend> UserShard<B> {
         Ok((idxs.len(), lost))
     }
 
-    /// Rewrites the segment without the records of facts `drop` (and
-    /// without any record that no longer reads back: its fact is
-    /// re-encoded), re-indexing the rest.
-    fn rewrite_kv_without(&mut self, drop: &[usize]) -> Result<()> {
-        let (owners, frames): (Vec<usize>, Vec<Frame>) =
-            (0..self.facts.len()).filter(|i| !drop.contains(i)).filter_map(|i| Some((i, self.kv[i].at?))).unzip();
-        let (_, kept) = self.kv_log.rewrite_keeping(&[self.seg.encode()], &frames)?;
-        // Records that could not be read back intact went with the dropped:
-        // their facts are re-encoded when needed.
+    /// Erases the records of facts `drop` from the segment where they lie
+    /// (`erase.rs`: no other record moves or is copied, and no new space is
+    /// taken), durably; then compacts the segment if its dead records now
+    /// outgrow its live ones. Facts `drop` are left without KV (encoded
+    /// again when needed), also when the erasure fails part way.
+    fn erase_kv(&mut self, drop: &[usize]) -> Result<()> {
+        let frames: Vec<Frame> = drop.iter().filter_map(|&i| self.kv[i].at).collect();
+        let erased = self.kv_log.erase(&frames);
         drop.iter().for_each(|&i| self.kv[i].at = None);
+        erased?;
+        self.kv_erased.extend(frames);
+        let dead = self.kv_dead_bytes();
+        let live = self.kv_log.len_bytes().saturating_sub(dead);
+        if dead > live {
+            // The erasure is what the caller asked for and it is durable: a
+            // compaction that fails (a full disk) leaves the dead records
+            // to the next one.
+            if let Err(e) = self.compact_kv() {
+                tracing::warn!(path = %self.kv_log.path().display(), "compacting a KV segment failed: {e}");
+            }
+        }
+        Ok(())
+    }
+
+    /// Rewrites the segment with its live records only (and without any
+    /// record that no longer reads back: its fact is re-encoded when
+    /// needed), re-indexing them.
+    fn compact_kv(&mut self) -> Result<()> {
+        let (owners, frames): (Vec<usize>, Vec<Frame>) =
+            (0..self.facts.len()).filter_map(|i| Some((i, self.kv[i].at?))).unzip();
+        let (_, kept) = self.kv_log.rewrite_keeping(&[self.seg.encode()], &frames)?;
+        self.kv_erased.clear();
         for (i, frame) in owners.into_iter().zip(kept) {
             self.kv[i].at = frame;
         }
         Ok(())
+    }
+
+    /// Bytes of the segment's erased records (waiting for a compaction).
+    fn kv_dead_bytes(&self) -> u64 {
+        self.kv_erased.iter().map(|f| (FRAME_BYTES as u64) + u64::from(f.len)).sum()
     }
 }
 

@@ -435,3 +435,78 @@ fn promotions_and_demotions_under_tiny_budgets_never_evict_a_pinned_fact() {
         assert_eq!(&kv(&mut mem, "ana", i), want, "fact {i}");
     }
 }
+
+/// The bytes of the last values of fact `kv`'s last value tensor (its
+/// last token's, in the last layer: made from its whole context, unlike a
+/// first layer's keys, which depend on the token alone), as an f32
+/// segment stores them: a signature to look for in the file.
+fn signature(kv: &HostKv) -> Vec<u8> {
+    let last = &kv.1[kv.1.len() - 1].data;
+    last[last.len() - 16..].iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn holds(path: &Path, needle: &[u8]) -> bool {
+    std::fs::read(path).unwrap().windows(needle.len()).any(|w| w == needle)
+}
+
+/// Forgetting a fact erases its KV record (and those of the facts whose
+/// window held it) where they lie: the segment is not copied, the other
+/// records keep their place and are read back as they were, the erased
+/// bytes are gone from the file, and a reopen finds nothing to warn
+/// about. Once the erased records outgrow the live ones, the segment is
+/// compacted into a new file of the live records.
+#[test]
+fn forgetting_erases_kv_in_place_and_compacts_once_the_dead_outgrow_the_live() {
+    use std::os::unix::fs::MetadataExt;
+    let m = models(512);
+    let mut e = m.engine();
+    let dir = tempfile::tempdir().unwrap();
+    let f32s = StoreOptions { format: Some(KvFormat::F32), ..StoreOptions::default() };
+    let (mut mem, _) = open(dir.path(), &e, f32s);
+    ingest(&mut mem, &mut e, &m, "ana", 8);
+    let encoded: Vec<HostKv> = (0..8).map(|i| kv(&mut mem, "ana", i)).collect();
+    let kv_path = user_dir(dir.path(), "ana").join("kv.log");
+    let before = std::fs::metadata(&kv_path).unwrap();
+    assert!(encoded.iter().all(|k| holds(&kv_path, &signature(k))));
+
+    // ana0 goes, and ana1's KV with it (its window of one held ana0).
+    mem.forget("ana", Some("ana0")).unwrap();
+    let after = std::fs::metadata(&kv_path).unwrap();
+    assert_eq!((after.ino(), after.len()), (before.ino(), before.len()), "erased in place, not rewritten");
+    assert!(!holds(&kv_path, &signature(&encoded[0])) && !holds(&kv_path, &signature(&encoded[1])));
+    assert!(encoded[2..].iter().all(|k| holds(&kv_path, &signature(k))));
+    drop(mem);
+    let (mut mem, warnings) = open(dir.path(), &e, f32s);
+    assert!(warnings.is_empty(), "{warnings:?}");
+    let ids: Vec<String> = mem.facts("ana").unwrap().iter().map(|f| f.unit.id.clone()).collect();
+    assert_eq!(ids[0], "ana1");
+    assert!(!mem.has_kv("ana", 0).unwrap(), "ana1's KV held the forgotten text");
+    for (i, want) in encoded.iter().enumerate().skip(2) {
+        assert_eq!(&kv(&mut mem, "ana", i - 1), want, "ana{i} read back from where it was");
+    }
+
+    // ana2 (with ana3): four of eight records dead, not more than the live.
+    mem.forget("ana", Some("ana2")).unwrap();
+    assert_eq!(std::fs::metadata(&kv_path).unwrap().ino(), before.ino());
+    // ana4 (with ana5): six dead against two live, so the segment is
+    // compacted: a new file of ana6's and ana7's records.
+    mem.forget("ana", Some("ana4")).unwrap();
+    let compacted = std::fs::metadata(&kv_path).unwrap();
+    assert_ne!(compacted.ino(), before.ino(), "compacted into a new file");
+    assert!(compacted.len() < before.len() / 3, "{} of {} bytes", compacted.len(), before.len());
+    drop(mem);
+    let (mut mem, warnings) = open(dir.path(), &e, f32s);
+    assert!(warnings.is_empty(), "{warnings:?}");
+    let ids: Vec<String> = mem.facts("ana").unwrap().iter().map(|f| f.unit.id.clone()).collect();
+    assert_eq!(ids, ["ana1", "ana3", "ana5", "ana6", "ana7"]);
+    let with_kv: Vec<bool> = (0..5).map(|i| mem.has_kv("ana", i).unwrap()).collect();
+    assert_eq!(with_kv, [false, false, false, true, true]);
+    assert_eq!(kv(&mut mem, "ana", 3), encoded[6]);
+    assert_eq!(kv(&mut mem, "ana", 4), encoded[7]);
+    // Facts re-encoded after the forgets land behind the compacted records.
+    let mut enc = m.encoders(&mut e);
+    assert!(mem.ensure_kv("ana", &mut enc).unwrap() > 0);
+    assert!((0..5).all(|i| mem.has_kv("ana", i).unwrap()));
+    assert_eq!(kv(&mut mem, "ana", 4), encoded[7]);
+    assert_eq!(mem.cache_stats().corrupt, 0);
+}

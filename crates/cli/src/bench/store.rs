@@ -17,6 +17,12 @@
 //! `--drop-caches` (root) empties the page cache before the memory is
 //! reopened, so that the misses read the disk.
 //!
+//! Last, each of the `--users` users forgets one fact (its middle one) in
+//! the memory reopened: the forget's time, most of it the KV record's
+//! erasure and the fact log's rewrite, both synced (`--window` 0 erases
+//! one record; a window also erases the KV of the facts whose window held
+//! the forgotten one).
+//!
 //! KV read from disk goes to the host tier on a backend that has one (the
 //! device otherwise; `cache.rs`), shown in the `cached in` column. In a
 //! lossless format (the backend's own values or wider) the KV read back
@@ -100,6 +106,8 @@ struct Row {
     lazy_open_ms: f64,
     lazy_first_request_ms: f64,
     lazy_read_all_s: f64,
+    /// One fact forgotten per user, in the memory reopened.
+    forget_ms_median: f64,
 }
 
 pub fn run(a: StoreBenchArgs) -> Result<()> {
@@ -150,9 +158,9 @@ fn run_on<B: Backend>(a: &StoreBenchArgs, backend: B) -> Result<()> {
     );
     println!(
         "| format | KV on disk MB | ingest s | open ms | miss: k facts from disk, ms | MB/s | hit ms | cached in | read back \
-         | lazy open ms | its first request ms | every user read s |"
+         | lazy open ms | its first request ms | every user read s | forget ms |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for &format in &a.formats {
         let dir = root.join(format.name());
         let options = StoreOptions { format: Some(format), ..StoreOptions::default() };
@@ -216,6 +224,7 @@ fn run_on<B: Backend>(a: &StoreBenchArgs, backend: B) -> Result<()> {
         let tier = memory.tier("user0", request(a, 0)[0])?;
         drop(memory);
         let (lazy_open_ms, lazy_first_request_ms, lazy_read_all_s) = restart(a, &dir, &spec, options, &e)?;
+        let forget_ms_median = forgets(a, &dir, &spec, options, &e)?;
         let row = Row {
             format: format.name().to_string(),
             facts: all_users * a.facts,
@@ -230,9 +239,10 @@ fn run_on<B: Backend>(a: &StoreBenchArgs, backend: B) -> Result<()> {
             lazy_open_ms,
             lazy_first_request_ms,
             lazy_read_all_s,
+            forget_ms_median,
         };
         println!(
-            "| {} | {:.0} | {:.1} | {:.1} | {:.2} | {:.0} | {:.3} | {} | {} | {:.1} | {:.2} | {:.2} |",
+            "| {} | {:.0} | {:.1} | {:.1} | {:.2} | {:.0} | {:.3} | {} | {} | {:.1} | {:.2} | {:.2} | {:.2} |",
             row.format,
             row.kv_disk_mb,
             row.ingest_s,
@@ -245,6 +255,7 @@ fn run_on<B: Backend>(a: &StoreBenchArgs, backend: B) -> Result<()> {
             row.lazy_open_ms,
             row.lazy_first_request_ms,
             row.lazy_read_all_s,
+            row.forget_ms_median,
         );
         rows.push(row);
     }
@@ -309,6 +320,30 @@ fn restart<B: Backend>(
         bail!("after reading every user: {} users, {} facts", memory.users().count(), memory.fact_count());
     }
     Ok((open_ms, first_ms, all_s))
+}
+
+/// The median time of one forgotten fact (the middle one) per ingested
+/// user, in the memory at `dir` reopened.
+fn forgets<B: Backend>(
+    a: &StoreBenchArgs,
+    dir: &std::path::Path,
+    spec: &ShardSpec,
+    options: StoreOptions,
+    e: &Engine<B>,
+) -> Result<f64> {
+    let (mut memory, _) = Memory::open_with(dir, spec.clone(), e, options)?;
+    let id = format!("f{}", a.facts / 2);
+    let mut times = Vec::with_capacity(a.users);
+    for u in 0..a.users {
+        let user = format!("user{u}");
+        let t0 = Instant::now();
+        memory.forget(&user, Some(&id))?;
+        times.push(t0.elapsed().as_secs_f64() * 1e3);
+        if memory.fact_index(&user, &id)?.is_some() {
+            bail!("{user} still has {id} after forgetting it");
+        }
+    }
+    Ok(median(times))
 }
 
 type HostKv = (Vec<HostTensor>, Vec<HostTensor>);

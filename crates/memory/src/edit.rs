@@ -155,16 +155,16 @@ impl<B: Backend> Memory<B> {
         self.stored_index(user, id)
     }
 
-    /// Removes one fact of `user` from memory and from disk (both logs are
-    /// rewritten without it), and with it every stored tensor derived from
-    /// its text: the KV of the facts whose context window held it (and of
-    /// those it was the source turn of) is dropped too and re-encoded from
-    /// the remaining units when next needed, or in idle time
-    /// ([`Memory::encode_pending`]) — the KV an ingest of the remaining
-    /// units would have made. The KV log is rewritten first: a crash before
-    /// the fact log is leaves the fact stored (the forget was not
-    /// acknowledged) with that KV re-encoded when needed, never KV derived
-    /// from a forgotten unit.
+    /// Removes one fact of `user` from memory and from disk (its KV erased
+    /// from the KV log, the fact log rewritten without it), and with it
+    /// every stored tensor derived from its text: the KV of the facts whose
+    /// context window held it (and of those it was the source turn of) is
+    /// erased too and re-encoded from the remaining units when next needed,
+    /// or in idle time ([`Memory::encode_pending`]) — the KV an ingest of
+    /// the remaining units would have made. The KV is erased first: a
+    /// crash before the fact log is rewritten leaves the fact stored (the
+    /// forget was not acknowledged) with that KV re-encoded when needed,
+    /// never KV derived from a forgotten unit.
     pub fn forget_fact(&mut self, user: &str, id: &str) -> Result<()> {
         let window = self.spec.window;
         let idx = self.index_for_rewrite(user, id)?;

@@ -75,6 +75,13 @@ impl<B: Backend> Memory<B> {
             std::fs::create_dir_all(&dir).map_err(io(&dir))?;
             sync_dir(&self.dir.join("users"))?;
         }
+        // A torn last KV record is cut off first: the lengths recorded are
+        // where this ingest's appends start.
+        if let Some(shard) = self.users.get_mut(user)
+            && shard.settle_kv_tail()?
+        {
+            self.pending.insert(user.to_string());
+        }
         let (facts_len, kv_len) = self.users.get(user).map_or((0, 0), |s| (s.log.len_bytes(), s.kv_log.len_bytes()));
         let pending =
             Pending { ids: ids.into_iter().map(str::to_string).collect(), facts_len, kv_len, rewritten: false };

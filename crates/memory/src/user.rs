@@ -429,6 +429,7 @@ impl<B: Backend> UserShard<B> {
                 );
                 tokens += context.len() + fact.tokens.len();
             }
+            self.settle_kv_tail()?;
             let frames = self.kv_log.append_frames(&records.iter().map(Vec::as_slice).collect::<Vec<_>>())?;
             for (((&i, chunk), frame), record) in group.iter().zip(chunks).zip(frames).zip(&records) {
                 self.kv[i].at = Some(frame);
@@ -598,6 +599,26 @@ impl<B: Backend> UserShard<B> {
             self.kv[i].at = frame;
         }
         Ok(())
+    }
+
+    /// Checks the segment's last record if opening left it unchecked
+    /// ([`RecordLog::settle_tail`]), before anything is appended behind it:
+    /// a torn one (a crash while it was appended) is cut off and its fact
+    /// left without KV, to re-encode. Returns whether a fact lost its KV.
+    pub(crate) fn settle_kv_tail(&mut self) -> Result<bool> {
+        let Some(torn) = self.kv_log.settle_tail()? else { return Ok(false) };
+        tracing::warn!(
+            path = %self.kv_log.path().display(),
+            offset = torn.offset,
+            "the KV segment's last record was torn (a crash while it was appended): cut off, its fact is re-encoded"
+        );
+        self.kv_erased.retain(|f| *f != torn);
+        let mut lost = false;
+        for k in self.kv.iter_mut().filter(|k| k.at == Some(torn)) {
+            k.at = None;
+            lost = true;
+        }
+        Ok(lost)
     }
 
     /// Bytes of the segment's erased records (waiting for a compaction).

@@ -19,7 +19,8 @@
 //! the head first, then the rest and the checksum — so that a crash leaves
 //! either the record whole, or a record that reads as erased (its head
 //! zeros) whose checksum may fail: nothing reads an erased record, and a
-//! torn erasure that ends the log is cut as any torn tail.
+//! torn erasure that ends the log is cut as any torn tail is, before the
+//! next append (`RecordLog::settle_tail`).
 //!
 //! The dead frames still count in the file's length: the caller compacts
 //! the log (copies its live records into a new one) once the dead bytes

@@ -66,6 +66,13 @@ pub struct WorkerArgs {
     #[arg(long, env = "INFERSCALE_KV_READERS", default_value_t = inferscale_worker::KV_READERS,
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=256))]
     pub(crate) kv_readers: usize,
+    /// Save which facts the KV tiers hold when the server stops (and every
+    /// minute while idle), in the memory directory's `resident` file, and
+    /// read them back after a start on reader threads requests leave free,
+    /// so that a restart's first requests find the popular facts resident
+    /// (docs/serving.md, "Restarts"). `false`: every start is cold.
+    #[arg(long, env = "INFERSCALE_KV_WARM_RESTART", default_value_t = true, action = clap::ArgAction::Set)]
+    pub(crate) kv_warm_restart: bool,
     /// Which prompt- and none-mode requests may reuse each other's computed
     /// prompt blocks: `user` (one user's own earlier prompts only, so that
     /// timing reveals nothing of other users'; the default), `shared` (any
@@ -341,6 +348,7 @@ where
         cold_kv: a.cold_kv,
         cold_kv_wait: std::time::Duration::from_millis(a.cold_kv_wait_ms),
         kv_readers: a.kv_readers,
+        kv_warm_restart: a.kv_warm_restart,
         prefix_cache: a.prefix_cache.unwrap_or_default(),
         audit_share: a.audit_share,
         ..Default::default()

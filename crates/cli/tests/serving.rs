@@ -331,7 +331,8 @@ fn mem0_python_client_works_by_changing_the_host() {
 /// (their KV is on disk only) and is prefilled like prompt mode, while their
 /// KV is read in the background; a later request injects them. Usage says
 /// which path served each. With `--cold-kv read` the first request reads
-/// them and injects; `wait` and `auto` (the default) below.
+/// them and injects; `wait` and `auto` (the default) below. (Each restart
+/// is cold: `--kv-warm-restart false`; the warm-up is the next test's.)
 #[test]
 fn cold_facts_are_prefilled_while_their_kv_is_read() {
     let dir = tempfile::tempdir().unwrap();
@@ -350,7 +351,7 @@ fn cold_facts_are_prefilled_while_their_kv_is_read() {
     };
     assert!(injected > 20, "freshly encoded KV is cached and injected");
 
-    let s = serve(&mem, &["--cold-kv", "prefill"]);
+    let s = serve(&mem, &["--kv-warm-restart", "false", "--cold-kv", "prefill"]);
     let (status, v) = json_call(&s.addr, "POST", c, &question);
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["usage"]["memory"]["facts"], json!(2), "{v}");
@@ -373,7 +374,7 @@ fn cold_facts_are_prefilled_while_their_kv_is_read() {
     }
     drop(s);
 
-    let s = serve(&mem, &["--cold-kv", "read"]);
+    let s = serve(&mem, &["--kv-warm-restart", "false", "--cold-kv", "read"]);
     let (status, v) = json_call(&s.addr, "POST", c, &question);
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["usage"]["memory"]["injected_tokens"].as_u64(), Some(injected), "read at arrival: {v}");
@@ -389,7 +390,10 @@ fn cold_facts_are_prefilled_while_their_kv_is_read() {
     // `wait`: the reader threads (here one, --kv-readers) read the cold
     // facts while the request waits outside the engine; read in time, every
     // fact is injected.
-    let s = serve(&mem, &["--cold-kv", "wait", "--cold-kv-wait-ms", "20000", "--kv-readers", "1"]);
+    let s = serve(
+        &mem,
+        &["--kv-warm-restart", "false", "--cold-kv", "wait", "--cold-kv-wait-ms", "20000", "--kv-readers", "1"],
+    );
     let (status, v) = json_call(&s.addr, "POST", c, &question);
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["usage"]["memory"]["injected_tokens"].as_u64(), Some(injected), "waited for the reads: {v}");
@@ -398,7 +402,7 @@ fn cold_facts_are_prefilled_while_their_kv_is_read() {
     assert_eq!(v["usage"]["memory"]["sources"], sources, "{v}");
     drop(s);
     // With no time to wait, it is `prefill`: the cold facts are pasted.
-    let s = serve(&mem, &["--cold-kv", "wait", "--cold-kv-wait-ms", "0"]);
+    let s = serve(&mem, &["--kv-warm-restart", "false", "--cold-kv", "wait", "--cold-kv-wait-ms", "0"]);
     let (status, v) = json_call(&s.addr, "POST", c, &question);
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["usage"]["memory"]["injected_tokens"], json!(0), "{v}");
@@ -416,12 +420,12 @@ fn cold_facts_are_prefilled_while_their_kv_is_read() {
     // SmolLM2 fact (~1 MB of f32 KV) takes milliseconds when idle and its
     // ~25 tokens' prefill tens of them, but reads slow down more than the
     // prefill when the tests beside this one load the disk.
-    let s = serve(&mem, &["--cold-kv", "auto"]);
+    let s = serve(&mem, &["--kv-warm-restart", "false", "--cold-kv", "auto"]);
     let (status, v) =
         json_call(&s.addr, "POST", "/v1/memories", &serde_json::from_str(&TURNS.replace("\"u1\"", "\"u2\"")).unwrap());
     assert_eq!(status, 200, "{v}");
     drop(s);
-    let s = serve(&mem, &["--cold-kv", "auto", "--cold-kv-wait-ms", "20000"]);
+    let s = serve(&mem, &["--kv-warm-restart", "false", "--cold-kv", "auto", "--cold-kv-wait-ms", "20000"]);
     let (status, v) = json_call(&s.addr, "POST", c, &question);
     assert_eq!(status, 200, "{v}");
     let sources = json!({"device": 0, "host": 0, "disk": 2, "prefilled": 0});
@@ -452,6 +456,60 @@ fn cold_facts_are_prefilled_while_their_kv_is_read() {
         _ => assert!(injected_now > 0 && injected_now < injected, "one of each: {v}"),
     }
     assert_eq!(v["usage"]["prompt_tokens"], prompt, "the same prompt whichever way its facts came: {v}");
+}
+
+/// A restart reads back what the KV tiers held (`--kv-warm-restart`, on by
+/// default): SIGTERM saves the list of resident facts, the next start reads
+/// them back on its reader threads and says so, and a request after that
+/// finds its facts on the device — with `--cold-kv prefill`, which would
+/// paste facts still on disk. Turned off, a restart is cold.
+#[test]
+fn a_restart_reads_back_the_facts_its_tiers_held() {
+    let dir = tempfile::tempdir().unwrap();
+    let mem = dir.path().join("mem");
+    let c = "/v1/chat/completions";
+    let question = chat(Some("u1"), "What is the name of Caroline's cat?", json!({"k": 2}));
+    let stop = |mut s: Proc| {
+        let pid = i32::try_from(s.child.id()).unwrap();
+        // SAFETY: kill(2) with a valid signal number touches no memory of ours.
+        assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+        assert!(s.child.wait().unwrap().success());
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while s.stderr_lines("inferscale: the engine stopped").is_empty() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        s.stderr_lines("saved the")
+    };
+    let s = serve(&mem, &[]);
+    let (status, v) = json_call(&s.addr, "POST", "/v1/memories", &serde_json::from_str(TURNS).unwrap());
+    assert_eq!(status, 200, "{v}");
+    let (status, v) = json_call(&s.addr, "POST", c, &question);
+    assert_eq!(status, 200, "{v}");
+    let injected = v["usage"]["memory"]["injected_tokens"].as_u64().unwrap();
+    let saved = stop(s);
+    assert!(saved.iter().any(|l| l.contains("saved the 2 facts the KV tiers hold")), "{saved:?}");
+    assert!(mem.join("resident").is_file());
+
+    let s = serve(&mem, &["--cold-kv", "prefill"]);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while s.stderr_lines("read back").is_empty() {
+        assert!(Instant::now() < deadline, "no warm-up reported");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(s.stderr_lines("read back 2 facts the KV tiers held at the last stop").len() == 1);
+    let (status, v) = json_call(&s.addr, "POST", c, &question);
+    assert_eq!(status, 200, "{v}");
+    let sources = json!({"device": 2, "host": 0, "disk": 0, "prefilled": 0});
+    assert_eq!(v["usage"]["memory"]["sources"], sources, "read back before the request: {v}");
+    assert_eq!(v["usage"]["memory"]["injected_tokens"].as_u64(), Some(injected), "{v}");
+    stop(s);
+
+    let s = serve(&mem, &["--cold-kv", "prefill", "--kv-warm-restart", "false"]);
+    let (status, v) = json_call(&s.addr, "POST", c, &question);
+    assert_eq!(status, 200, "{v}");
+    let sources = json!({"device": 0, "host": 0, "disk": 0, "prefilled": 2});
+    assert_eq!(v["usage"]["memory"]["sources"], sources, "turned off, a restart is cold: {v}");
+    assert!(stop(s).is_empty(), "turned off, nothing is saved");
 }
 
 /// Prompt mode's automatic prefix caching: a user's second identical

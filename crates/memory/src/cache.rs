@@ -98,6 +98,9 @@ pub struct CacheStats {
     /// Device-tier facts a promotion evicted, read again into the host
     /// tier (demoted).
     pub demoted: u64,
+    /// Facts resident before a restart, read back into a tier
+    /// (`resident.rs`).
+    pub warmed: u64,
 }
 
 struct Entry<B: Backend> {
@@ -137,7 +140,9 @@ pub(crate) enum Source<B: Backend> {
 pub(crate) enum Admit {
     /// Evict least recently used facts to make room (a request needs it).
     Demand,
-    /// Only where it fits as things are; else not cached (freshly encoded).
+    /// Only where it fits as things are — KV a reader placed, only in its
+    /// tier —; else not cached (freshly encoded, or read back after a
+    /// restart: `resident.rs`).
     Fill,
 }
 
@@ -244,6 +249,24 @@ impl<B: Backend> KvCache<B> {
         }
     }
 
+    /// Changes when a fact is cached, used or dropped: what the saved list
+    /// of resident facts was made at (`resident.rs`).
+    pub(crate) fn version(&self) -> (u64, usize) {
+        (self.clock, self.entries.len())
+    }
+
+    /// Every cached fact: the device tier's, then the host tier's, each most
+    /// recently used first, with the owner the cache was told
+    /// ([`KvCache::set_owner`]).
+    pub(crate) fn resident(&self) -> impl Iterator<Item = (Tier, u64, Option<(&str, usize)>)> {
+        [Tier::Device, Tier::Host].into_iter().flat_map(move |tier| {
+            self.lru[tier.at()].values().rev().map(move |&key| {
+                let owner = self.entries[&key].owner.as_ref().map(|(u, i)| (u.as_str(), *i));
+                (tier, key, owner)
+            })
+        })
+    }
+
     /// Records which fact `key` holds the KV of (`user`'s fact `idx`), so
     /// that a device tier turning over can demote it ([`KvCache::take_demotions`]).
     pub(crate) fn set_owner(&mut self, key: u64, user: &str, idx: usize) {
@@ -335,6 +358,11 @@ impl<B: Backend> KvCache<B> {
         // more, when there is one).
         let home = if host_tier { Tier::Host } else { Tier::Device };
         let tier = match (admit, &source) {
+            // A reader placed it: there, or nowhere.
+            (Admit::Fill, Source::Uploaded(_, placed)) => match self.fits(*placed, bytes) {
+                true => *placed,
+                false => return Ok(None),
+            },
             (Admit::Fill, _) if self.fits(Tier::Device, bytes) => Tier::Device,
             (Admit::Fill, _) if host_tier && self.fits(Tier::Host, bytes) => Tier::Host,
             (Admit::Fill, _) => return Ok(None),

@@ -87,9 +87,23 @@ pub struct ReadJob<B: Backend> {
     reserved: u64,
     /// Places the KV in that tier (`None`: the engine thread places it).
     upload: TierUploads<B::Tensor>,
-    /// A device victim read again into the host tier, not a request's read
+    /// Whose read it is.
+    pub(crate) purpose: ReadFor,
+}
+
+/// Why a [`ReadJob`] reads: it decides how what it read is cached and
+/// counted ([`Memory::complete_read`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ReadFor {
+    /// A request's fact (or a promotion's): cached, evicting if need be;
+    /// a miss when it was not cached.
+    Request,
+    /// A device victim read again into the host tier
     /// ([`KvCache::take_demotions`]).
-    demotion: bool,
+    Demotion,
+    /// A fact that was resident before a restart (`resident.rs`): cached
+    /// only where its tier has room, never counted as a miss.
+    Restart,
 }
 
 /// A finished [`ReadJob`], for [`Memory::complete_read`].
@@ -159,7 +173,7 @@ impl<B: Backend> Memory<B> {
     /// `place` declined), bound for the tier `place` picks from the fact's
     /// tokens and the bytes a value takes in device memory (`None`: readers
     /// cannot place there), with the device bytes it reserved.
-    fn read_job(
+    pub(crate) fn read_job(
         &mut self,
         user: &str,
         i: usize,
@@ -191,7 +205,7 @@ impl<B: Backend> Memory<B> {
             seg: shard.seg.clone(),
             fact_id: fact.unit.id.clone(),
             tokens: fact.tokens.clone(),
-            demotion: false,
+            purpose: ReadFor::Request,
         })
     }
 
@@ -328,7 +342,7 @@ impl<B: Backend> Memory<B> {
                 continue;
             };
             if let Some(mut job) = self.read_job(&user, i, |_, _, _| Some((Tier::Host, 0))) {
-                job.demotion = true;
+                job.purpose = ReadFor::Demotion;
                 self.reading.insert(key);
                 jobs.push(job);
             }
@@ -365,22 +379,30 @@ impl<B: Backend> Memory<B> {
         let Some(i) = shard.kv.iter().position(|k| k.key == job.key && k.at == Some(job.frame)) else {
             return Ok(false);
         };
+        let cached = self.cache.tier(job.key).is_some();
         match result {
-            // A demotion whose fact a request's read cached meanwhile: that
-            // copy stays.
-            Ok(_) if job.demotion && self.cache.tier(job.key).is_some() => Ok(false),
+            // A demotion or warm read whose fact a request's read cached
+            // meanwhile: that copy stays.
+            Ok(_) if job.purpose != ReadFor::Request && cached => Ok(false),
             Ok(source) => {
                 // A promotion's fact is cached already (in the host tier), a
-                // demotion's was evicted by one: no miss.
-                if self.cache.tier(job.key).is_none() && !job.demotion {
+                // demotion's was evicted by one, a warm read's was never
+                // asked for: no miss.
+                if !cached && job.purpose == ReadFor::Request {
                     self.cache.stats.misses += 1;
                     self.cache.stats.loaded_bytes += job.frame.len as u64;
                 }
-                let placed = self.cache.insert(be, job.key, source, Admit::Demand)?;
+                let admit = match job.purpose {
+                    ReadFor::Restart => Admit::Fill,
+                    ReadFor::Request | ReadFor::Demotion => Admit::Demand,
+                };
+                let placed = self.cache.insert(be, job.key, source, admit)?;
                 if placed.is_some() {
                     self.cache.set_owner(job.key, &job.user, i);
-                    if job.demotion {
-                        self.cache.stats.demoted += 1;
+                    match job.purpose {
+                        ReadFor::Demotion => self.cache.stats.demoted += 1,
+                        ReadFor::Restart => self.cache.stats.warmed += 1,
+                        ReadFor::Request => {}
                     }
                 }
                 Ok(placed.is_some())

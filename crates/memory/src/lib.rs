@@ -17,6 +17,7 @@ mod kvseg;
 pub mod log;
 mod manifest;
 pub mod repair;
+mod resident;
 mod retrieval;
 pub mod salvage;
 mod scrub;

@@ -177,6 +177,11 @@ pub struct Memory<B: Backend> {
     pub(crate) cache: KvCache<B>,
     /// Cache keys of facts being read off the engine thread (`fetch.rs`).
     pub(crate) reading: std::collections::HashSet<u64>,
+    /// Facts resident before the last stop, not read back yet
+    /// (`resident.rs`).
+    pub(crate) warm: std::collections::VecDeque<crate::resident::WarmFact>,
+    /// The cache's version when its resident facts were last saved.
+    pub(crate) resident_saved: Option<(u64, usize)>,
     /// Host-tier facts due for promotion (user, fact, cache key), for
     /// [`Memory::promotion_jobs`].
     pub(crate) promote: std::collections::VecDeque<(String, usize, u64)>,
@@ -370,6 +375,8 @@ impl<B: Backend> Memory<B> {
                 cache
             },
             reading: Default::default(),
+            warm: crate::resident::load(dir, &mut warnings),
+            resident_saved: None,
             promote: Default::default(),
             upload: crate::cache::Uploads::of(be),
             context: c.max_position_embeddings,

@@ -126,6 +126,11 @@ impl<B: Backend> Users<B> {
         self.get(user).is_some()
     }
 
+    /// Whether `user` was read from disk already (readable or not).
+    pub(crate) fn is_read(&self, user: &str) -> bool {
+        self.slots.get(user).is_some_and(|s| s.shard.get().is_some())
+    }
+
     /// Whether `user` is listed, read or not, readable or not: no disk read.
     pub(crate) fn listed_user(&self, user: &str) -> bool {
         self.slots.contains_key(user)

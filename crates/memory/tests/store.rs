@@ -510,3 +510,107 @@ fn forgetting_erases_kv_in_place_and_compacts_once_the_dead_outgrow_the_live() {
     assert_eq!(kv(&mut mem, "ana", 4), encoded[7]);
     assert_eq!(mem.cache_stats().corrupt, 0);
 }
+
+/// A restart reads back what the tiers held (`resident.rs`): the list
+/// names the device tier's facts, then the host tier's, most recently used
+/// first; after a reopen the reads it makes put each fact back in its tier,
+/// bit for bit, as no miss; users not read yet wait for a call that may
+/// read them; a fact forgotten since is skipped; a warm read never evicts
+/// what a request read (it is cached only where its tier has room); and a
+/// damaged list is ignored with a warning.
+#[test]
+fn a_restart_reads_back_what_the_tiers_held() {
+    use inferscale_memory::user_dir_name;
+    let m = models(512);
+    let mut e = m.engine();
+    let dir = tempfile::tempdir().unwrap();
+    let (mut mem, _) = open(dir.path(), &e, StoreOptions::default());
+    ingest(&mut mem, &mut e, &m, "ana", 6);
+    ingest(&mut mem, &mut e, &m, "ben", 3);
+    let ana: Vec<HostKv> = (0..6).map(|i| kv(&mut mem, "ana", i)).collect();
+    let ben0 = kv(&mut mem, "ben", 0);
+    (1..3).for_each(|i| drop(kv(&mut mem, "ben", i)));
+    let per_fact = mem.footprint().kv_resident_bytes / 9;
+    drop(mem);
+
+    // Room for two facts on the device and three in the host tier.
+    let budgets = Budgets { device: Some(per_fact * 2), host: Some(per_fact * 3) };
+    let options = StoreOptions { budgets, emulated_host_tier: true, lazy_users: true, ..StoreOptions::default() };
+    let (d, h) = (Some(Tier::Device), Some(Tier::Host));
+    let (mut mem, _) = open(dir.path(), &e, options);
+    drop(mem.fetch(&CpuBackend, "ana", &[0, 1]).unwrap());
+    drop(mem.fetch(&CpuBackend, "ana", &[2]).unwrap());
+    drop(mem.fetch(&CpuBackend, "ben", &[0, 1]).unwrap());
+    drop(mem.fetch(&CpuBackend, "ana", &[0]).unwrap());
+    assert_eq!((0..3).map(|i| mem.tier("ana", i).unwrap()).collect::<Vec<_>>(), [d, d, h]);
+    assert_eq!(mem.save_resident().unwrap(), Some(5));
+    assert_eq!(mem.save_resident().unwrap(), None, "nothing changed since");
+    let line =
+        |t: &str, user: &str, i: usize| format!("{t} {} {}", user_dir_name(user), user_dir_name(&format!("{user}{i}")));
+    let saved = std::fs::read_to_string(dir.path().join("resident")).unwrap();
+    let body: Vec<&str> = saved.lines().skip(1).take(5).collect();
+    let want =
+        [line("d", "ana", 0), line("d", "ana", 1), line("h", "ben", 1), line("h", "ben", 0), line("h", "ana", 2)];
+    assert_eq!(body, want, "device then host, most recently used first");
+    drop(mem);
+
+    // ben1 is forgotten while the server is down (its window held ben0
+    // only: ben0 keeps its KV).
+    let (mut mem, _) = open(dir.path(), &e, StoreOptions::default());
+    mem.forget("ben", Some("ben1")).unwrap();
+    drop(mem);
+
+    let (mut mem, _) = open(dir.path(), &e, options);
+    assert_eq!(mem.warm_left(), 5);
+    // Read lazily, "ana" (the first user) is read at open, "ben" not yet:
+    // without leave to read users, only ana's facts are read back.
+    let jobs = mem.warm_jobs(8, 0);
+    assert_eq!(jobs.len(), 3, "ana0, ana1, ana2");
+    assert_eq!(mem.warm_left(), 2, "ben's two wait in their place");
+    let mut jobs: Vec<_> = jobs.into_iter().map(|j| j.run()).collect();
+    let more = mem.warm_jobs(8, 8);
+    assert_eq!(more.len(), 1, "ben0; ben1 is forgotten");
+    assert_eq!(mem.warm_left(), 0);
+    jobs.extend(more.into_iter().map(|j| j.run()));
+    for done in jobs {
+        assert!(mem.complete_read(&CpuBackend, done).unwrap());
+    }
+    let stats = mem.cache_stats();
+    assert_eq!((stats.warmed, stats.misses), (4, 0), "warm reads are no misses");
+    assert_eq!((0..6).map(|i| mem.tier("ana", i).unwrap()).collect::<Vec<_>>(), [d, d, h, None, None, None]);
+    assert_eq!(mem.tier("ben", 0).unwrap(), h);
+    let got = mem.fetch(&CpuBackend, "ana", &[0, 1]).unwrap();
+    assert_eq!((got.report.device_hits, got.report.loaded), (2, 0), "a request finds them on the device");
+    drop(got);
+    for (i, want) in ana.iter().enumerate().take(3) {
+        assert_eq!(&kv(&mut mem, "ana", i), want, "ana{i}");
+    }
+    assert_eq!(kv(&mut mem, "ben", 0), ben0);
+    drop(mem);
+
+    // A request reads ana3 and ana4 onto the device before the warm-up:
+    // the warm reads bound there go to the host tier, and what finds no
+    // room is not cached; nothing a request read leaves.
+    let (mut mem, _) = open(dir.path(), &e, options);
+    drop(mem.fetch(&CpuBackend, "ana", &[3, 4]).unwrap());
+    let mut cached = Vec::new();
+    while mem.warm_left() > 0 {
+        for done in mem.warm_jobs(8, 8).into_iter().map(|j| j.run()) {
+            cached.push(mem.complete_read(&CpuBackend, done).unwrap());
+        }
+    }
+    assert_eq!(cached, [true, true, true, false], "ana0, ana1, ben0 fit the host tier; ana2 does not");
+    assert_eq!((0..6).map(|i| mem.tier("ana", i).unwrap()).collect::<Vec<_>>(), [h, h, None, d, d, None]);
+    assert_eq!(mem.tier("ben", 0).unwrap(), h);
+    assert_eq!(mem.cache_stats().evictions, [0, 0], "a warm read evicts nothing");
+    drop(mem);
+
+    // A damaged list is ignored, with a warning naming it.
+    let path = dir.path().join("resident");
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[30] ^= 0x04;
+    std::fs::write(&path, bytes).unwrap();
+    let (mem, warnings) = open(dir.path(), &e, options);
+    assert_eq!(mem.warm_left(), 0);
+    assert!(warnings.iter().any(|w| w.contains("resident") && w.contains("checksum mismatch")), "{warnings:?}");
+}

@@ -38,6 +38,12 @@ pub struct WorkerConfig {
     /// parallel, so more of a request's cold facts arrive within
     /// [`WorkerConfig::cold_kv_wait`] instead of being prefilled.
     pub kv_readers: usize,
+    /// Save which facts the KV tiers hold when the worker stops (and now
+    /// and then while idle), and read them back on free reader threads
+    /// after a start, so that a restart's first requests find the popular
+    /// facts resident instead of all reading them at once (`inferscale-memory`'s
+    /// `resident.rs`). On by default.
+    pub kv_warm_restart: bool,
     /// Which requests' prompts may reuse each other's computed KV blocks.
     pub prefix_cache: PrefixCache,
     /// Share of kv and blend requests (0..=1) whose first token is also
@@ -164,6 +170,7 @@ impl Default for WorkerConfig {
             cold_kv: ColdKv::default(),
             cold_kv_wait: COLD_KV_WAIT,
             kv_readers: KV_READERS,
+            kv_warm_restart: true,
             prefix_cache: PrefixCache::default(),
             audit_share: 0.0,
         }

@@ -234,18 +234,25 @@ pub(crate) fn run<B: Backend>(
         encode_throttle: Throttle::new(BACKGROUND_SHARE, cfg_ingest_batch, false),
         last_busy: Instant::now() - RECENTLY_BUSY,
         last_scrub: Instant::now(),
+        last_resident_save: Instant::now(),
+        warm_reported: true,
         audits: audit::Audits::new(audit_share),
         read_s: Mean::default(),
         prefill_s_per_token: Mean::default(),
     };
-    loop {
+    match core.cfg.kv_warm_restart {
+        true => core.warm_reported = core.session.memory().warm_left() == 0,
+        false => core.session.memory_mut().clear_warm(),
+    }
+    'serve: loop {
         core.complete_reads();
-        core.start_promotions();
+        core.start_background_reads();
         core.release_waiting();
         // Idle-time encoding waits until no request ran for a moment.
         let quiet = core.last_busy.elapsed() >= RECENTLY_BUSY;
         let idle = core.live.is_empty() && !protocol.ingesting();
         if idle && quiet {
+            core.save_resident(false);
             // Audits first: each is one prefill, and its logits wait in memory.
             match core.audit_some(false) || core.encode_pending() || core.open_users() {
                 // Background work done; look for commands before more of it.
@@ -255,7 +262,7 @@ pub(crate) fn run<B: Backend>(
                         core.admit_arrivals();
                     }
                     Err(TryRecvError::Empty) => continue,
-                    Err(TryRecvError::Disconnected) => return Ok(()),
+                    Err(TryRecvError::Disconnected) => break 'serve,
                 },
                 false => core.scrub(),
             }
@@ -263,11 +270,15 @@ pub(crate) fn run<B: Backend>(
         let idle = core.live.is_empty() && !protocol.ingesting();
         let first = if idle {
             // Requests waiting for reads are looked at again soon.
-            let nap = if core.waiting.is_empty() { Duration::from_millis(500) } else { Duration::from_millis(2) };
+            // So are reads in flight and a warm-up's next ones.
+            let nap = match core.waiting.is_empty() && !core.reading() {
+                true => Duration::from_millis(500),
+                false => Duration::from_millis(2),
+            };
             match rx.recv_timeout(nap) {
                 Ok(c) => Some(c),
                 Err(RecvTimeoutError::Timeout) => continue,
-                Err(RecvTimeoutError::Disconnected) => return Ok(()),
+                Err(RecvTimeoutError::Disconnected) => break 'serve,
             }
         } else {
             None
@@ -280,7 +291,7 @@ pub(crate) fn run<B: Backend>(
             match rx.try_recv() {
                 Ok(c) => dispatch(&mut protocol, &mut core, c),
                 Err(TryRecvError::Empty) => break,
-                Err(TryRecvError::Disconnected) => return Ok(()),
+                Err(TryRecvError::Disconnected) => break 'serve,
             }
         }
         core.admit_arrivals();
@@ -309,6 +320,8 @@ pub(crate) fn run<B: Backend>(
         core.audit_some(busy);
         core.step();
     }
+    core.save_resident(true);
+    Ok(())
 }
 
 /// Hands a command to the protocol. Generate requests wait in
@@ -348,6 +361,10 @@ struct Core<B: Backend> {
     last_busy: Instant,
     /// When the idle-time scrub last ran.
     last_scrub: Instant,
+    /// When the tiers' resident facts were last saved (`idle.rs`).
+    last_resident_save: Instant,
+    /// Whether the warm-up's end was logged (or there was none to do).
+    warm_reported: bool,
     /// The answer-quality audit's sampling and queue.
     audits: audit::Audits,
     /// Running means for `ColdKv::Auto`: one read on a reader thread, and

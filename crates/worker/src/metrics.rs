@@ -365,6 +365,11 @@ impl WorkerMetrics {
                 "Device facts a promotion evicted, read again into the host tier.",
                 c.demoted,
             ),
+            (
+                "inferscale_worker_kv_cache_warmed_total",
+                "Facts the KV tiers held at the last stop, read back after this start (--kv-warm-restart).",
+                c.warmed,
+            ),
             ("inferscale_worker_kv_cache_loaded_bytes_total", "KV record bytes read from disk.", c.loaded_bytes),
             (
                 "inferscale_worker_kv_cache_over_budget_total",

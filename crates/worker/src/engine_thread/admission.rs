@@ -338,15 +338,33 @@ impl<B: Backend> Core<B> {
         }
     }
 
-    /// Hands the promotions due (host-tier facts hit often, `cache.rs`) to
-    /// reader threads that have nothing else: never ahead of a request's
-    /// cold reads.
-    pub(super) fn start_promotions(&mut self) {
+    /// Hands the promotions due (host-tier facts hit often, `cache.rs`),
+    /// then the reads of facts resident before the last stop
+    /// (`Memory::warm_jobs`), to reader threads that have nothing else:
+    /// never ahead of a request's cold reads. A warm-up reads users from
+    /// disk only while no request runs: a request reads its own user.
+    pub(super) fn start_background_reads(&mut self) {
         let free = self.reader.threads().saturating_sub(self.reader.pending());
         if free > 0 {
-            let jobs = self.session.memory_mut().promotion_jobs(free);
+            let memory = self.session.memory_mut();
+            let mut jobs = memory.promotion_jobs(free);
+            if jobs.len() < free && memory.warm_left() > 0 {
+                let opens = if self.live.is_empty() { super::idle::OPEN_USERS } else { 0 };
+                jobs.extend(memory.warm_jobs(free - jobs.len(), opens));
+            }
             self.reader.read(jobs);
         }
+        if !self.warm_reported && self.session.memory().warm_left() == 0 && self.reader.pending() == 0 {
+            self.warm_reported = true;
+            let n = self.session.memory().cache_stats().warmed;
+            eprintln!("inferscale worker: read back {n} facts the KV tiers held at the last stop");
+        }
+    }
+
+    /// Whether reads are in flight or a warm-up is left: the idle loop
+    /// then looks for finished reads often rather than napping.
+    pub(super) fn reading(&self) -> bool {
+        self.reader.pending() > 0 || self.session.memory().warm_left() > 0
     }
 
     /// Caches the KV the reader threads have read since the last call.

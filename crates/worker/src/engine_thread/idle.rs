@@ -6,7 +6,11 @@ use super::*;
 
 /// Users read per idle slice: a few milliseconds each from a cold disk, so
 /// that a request arriving meanwhile waits tens of milliseconds at most.
-const OPEN_USERS: usize = 8;
+pub(super) const OPEN_USERS: usize = 8;
+
+/// How often idle time saves which facts the KV tiers hold, for a start
+/// after a crash (a clean stop saves them last thing).
+const RESIDENT_EVERY: Duration = Duration::from_secs(60);
 
 impl<B: Backend> Core<B> {
     /// While requests run: encodes stored facts' KV within the encoding
@@ -58,6 +62,24 @@ impl<B: Backend> Core<B> {
     /// user soon after a start. Returns whether it read any.
     pub(super) fn open_users(&mut self) -> bool {
         self.session.memory_mut().open_some(OPEN_USERS) > 0
+    }
+
+    /// Saves which facts the KV tiers hold (`Memory::save_resident`), for
+    /// the next start to read back ([`WorkerConfig::kv_warm_restart`]):
+    /// when the worker stops, and when idle at most every
+    /// [`RESIDENT_EVERY`] if they changed.
+    pub(super) fn save_resident(&mut self, stopping: bool) {
+        if !self.cfg.kv_warm_restart || (!stopping && self.last_resident_save.elapsed() < RESIDENT_EVERY) {
+            return;
+        }
+        self.last_resident_save = Instant::now();
+        match self.session.memory_mut().save_resident() {
+            Ok(Some(n)) if stopping => {
+                eprintln!("inferscale worker: saved the {n} facts the KV tiers hold, for the next start")
+            }
+            Ok(_) => {}
+            Err(e) => eprintln!("inferscale worker: saving which facts the KV tiers hold, for the next start: {e}"),
+        }
     }
 
     /// When idle, at most once a second: checks the next stored KV records'

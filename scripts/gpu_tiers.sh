@@ -21,8 +21,8 @@
 # server's default unless set)
 # PROMOTE_AFTER=0 (--kv-promote-after: host-tier hits before a fact is read
 # again onto the device; 0 = never) READERS (--kv-readers; unset: the server's
-# default) MODES=kv,prompt WARM=true (--kv-warm-restart: a restart reads back
-# what the tiers held when the server last stopped; false: every start cold)
+# default) MODES=kv,prompt WARM=false (--kv-warm-restart: true, a restart reads
+# back what the tiers held when the server last stopped; false, every start cold)
 # HOT=1 (0: no 10-hottest-users point).
 # PROFILE=1 (run only): the server under INFERSCALE_CUDA_PROFILE=1, its per-op
 # device time over the whole run in profile.txt when it stops. Profiling
@@ -54,7 +54,7 @@ serve() {
     --backend cuda "${model_args[@]}" --embedder random --window 0 \
     --kv-format "$format" --kv-device-mb "${DEVICE_MB:-2048}" --kv-host-mb "${HOST_MB:-8192}" \
     --cold-kv "${COLD_KV:-auto}" ${COLD_KV_WAIT_MS:+--cold-kv-wait-ms "$COLD_KV_WAIT_MS"} --prefix-cache off \
-    --kv-promote-after "${PROMOTE_AFTER:-0}" ${READERS:+--kv-readers "$READERS"} --kv-warm-restart "${WARM:-true}" \
+    --kv-promote-after "${PROMOTE_AFTER:-0}" ${READERS:+--kv-readers "$READERS"} --kv-warm-restart "${WARM:-false}" \
     --kv-cache-mb 40000 --max-batch-tokens 2048 --max-running 128 --max-queue 512 --deadline-s 600 \
     >>"$out/serve.log" 2>&1 &
   srv=$!

@@ -70,8 +70,9 @@ pub struct WorkerArgs {
     /// minute while idle), in the memory directory's `resident` file, and
     /// read them back after a start on reader threads requests leave free,
     /// so that a restart's first requests find the popular facts resident
-    /// (docs/serving.md, "Restarts"). `false`: every start is cold.
-    #[arg(long, env = "INFERSCALE_KV_WARM_RESTART", default_value_t = true, action = clap::ArgAction::Set)]
+    /// (docs/serving.md, "Restarts"). `false` (the default): every start
+    /// is cold.
+    #[arg(long, env = "INFERSCALE_KV_WARM_RESTART", default_value_t = false, action = clap::ArgAction::Set)]
     pub(crate) kv_warm_restart: bool,
     /// Which prompt- and none-mode requests may reuse each other's computed
     /// prompt blocks: `user` (one user's own earlier prompts only, so that

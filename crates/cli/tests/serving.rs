@@ -331,8 +331,7 @@ fn mem0_python_client_works_by_changing_the_host() {
 /// (their KV is on disk only) and is prefilled like prompt mode, while their
 /// KV is read in the background; a later request injects them. Usage says
 /// which path served each. With `--cold-kv read` the first request reads
-/// them and injects; `wait` and `auto` (the default) below. (Each restart
-/// is cold: `--kv-warm-restart false`; the warm-up is the next test's.)
+/// them and injects; `wait` and `auto` (the default) below.
 #[test]
 fn cold_facts_are_prefilled_while_their_kv_is_read() {
     let dir = tempfile::tempdir().unwrap();
@@ -351,7 +350,7 @@ fn cold_facts_are_prefilled_while_their_kv_is_read() {
     };
     assert!(injected > 20, "freshly encoded KV is cached and injected");
 
-    let s = serve(&mem, &["--kv-warm-restart", "false", "--cold-kv", "prefill"]);
+    let s = serve(&mem, &["--cold-kv", "prefill"]);
     let (status, v) = json_call(&s.addr, "POST", c, &question);
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["usage"]["memory"]["facts"], json!(2), "{v}");
@@ -374,7 +373,7 @@ fn cold_facts_are_prefilled_while_their_kv_is_read() {
     }
     drop(s);
 
-    let s = serve(&mem, &["--kv-warm-restart", "false", "--cold-kv", "read"]);
+    let s = serve(&mem, &["--cold-kv", "read"]);
     let (status, v) = json_call(&s.addr, "POST", c, &question);
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["usage"]["memory"]["injected_tokens"].as_u64(), Some(injected), "read at arrival: {v}");
@@ -390,10 +389,7 @@ fn cold_facts_are_prefilled_while_their_kv_is_read() {
     // `wait`: the reader threads (here one, --kv-readers) read the cold
     // facts while the request waits outside the engine; read in time, every
     // fact is injected.
-    let s = serve(
-        &mem,
-        &["--kv-warm-restart", "false", "--cold-kv", "wait", "--cold-kv-wait-ms", "20000", "--kv-readers", "1"],
-    );
+    let s = serve(&mem, &["--cold-kv", "wait", "--cold-kv-wait-ms", "20000", "--kv-readers", "1"]);
     let (status, v) = json_call(&s.addr, "POST", c, &question);
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["usage"]["memory"]["injected_tokens"].as_u64(), Some(injected), "waited for the reads: {v}");
@@ -402,7 +398,7 @@ fn cold_facts_are_prefilled_while_their_kv_is_read() {
     assert_eq!(v["usage"]["memory"]["sources"], sources, "{v}");
     drop(s);
     // With no time to wait, it is `prefill`: the cold facts are pasted.
-    let s = serve(&mem, &["--kv-warm-restart", "false", "--cold-kv", "wait", "--cold-kv-wait-ms", "0"]);
+    let s = serve(&mem, &["--cold-kv", "wait", "--cold-kv-wait-ms", "0"]);
     let (status, v) = json_call(&s.addr, "POST", c, &question);
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["usage"]["memory"]["injected_tokens"], json!(0), "{v}");
@@ -420,12 +416,12 @@ fn cold_facts_are_prefilled_while_their_kv_is_read() {
     // SmolLM2 fact (~1 MB of f32 KV) takes milliseconds when idle and its
     // ~25 tokens' prefill tens of them, but reads slow down more than the
     // prefill when the tests beside this one load the disk.
-    let s = serve(&mem, &["--kv-warm-restart", "false", "--cold-kv", "auto"]);
+    let s = serve(&mem, &["--cold-kv", "auto"]);
     let (status, v) =
         json_call(&s.addr, "POST", "/v1/memories", &serde_json::from_str(&TURNS.replace("\"u1\"", "\"u2\"")).unwrap());
     assert_eq!(status, 200, "{v}");
     drop(s);
-    let s = serve(&mem, &["--kv-warm-restart", "false", "--cold-kv", "auto", "--cold-kv-wait-ms", "20000"]);
+    let s = serve(&mem, &["--cold-kv", "auto", "--cold-kv-wait-ms", "20000"]);
     let (status, v) = json_call(&s.addr, "POST", c, &question);
     assert_eq!(status, 200, "{v}");
     let sources = json!({"device": 0, "host": 0, "disk": 2, "prefilled": 0});
@@ -458,11 +454,12 @@ fn cold_facts_are_prefilled_while_their_kv_is_read() {
     assert_eq!(v["usage"]["prompt_tokens"], prompt, "the same prompt whichever way its facts came: {v}");
 }
 
-/// A restart reads back what the KV tiers held (`--kv-warm-restart`, on by
-/// default): SIGTERM saves the list of resident facts, the next start reads
+/// A restart reads back what the KV tiers held (`--kv-warm-restart true`):
+/// SIGTERM saves the list of resident facts, the next start reads
 /// them back on its reader threads and says so, and a request after that
 /// finds its facts on the device — with `--cold-kv prefill`, which would
-/// paste facts still on disk. Turned off, a restart is cold.
+/// paste facts still on disk. Turned off (the default), a restart is cold
+/// and nothing is saved.
 #[test]
 fn a_restart_reads_back_the_facts_its_tiers_held() {
     let dir = tempfile::tempdir().unwrap();
@@ -480,7 +477,8 @@ fn a_restart_reads_back_the_facts_its_tiers_held() {
         }
         s.stderr_lines("saved the")
     };
-    let s = serve(&mem, &[]);
+    let warm = ["--kv-warm-restart", "true"];
+    let s = serve(&mem, &warm);
     let (status, v) = json_call(&s.addr, "POST", "/v1/memories", &serde_json::from_str(TURNS).unwrap());
     assert_eq!(status, 200, "{v}");
     let (status, v) = json_call(&s.addr, "POST", c, &question);
@@ -490,7 +488,7 @@ fn a_restart_reads_back_the_facts_its_tiers_held() {
     assert!(saved.iter().any(|l| l.contains("saved the 2 facts the KV tiers hold")), "{saved:?}");
     assert!(mem.join("resident").is_file());
 
-    let s = serve(&mem, &["--cold-kv", "prefill"]);
+    let s = serve(&mem, &["--cold-kv", "prefill", warm[0], warm[1]]);
     let deadline = Instant::now() + Duration::from_secs(60);
     while s.stderr_lines("read back").is_empty() {
         assert!(Instant::now() < deadline, "no warm-up reported");
@@ -504,7 +502,7 @@ fn a_restart_reads_back_the_facts_its_tiers_held() {
     assert_eq!(v["usage"]["memory"]["injected_tokens"].as_u64(), Some(injected), "{v}");
     stop(s);
 
-    let s = serve(&mem, &["--cold-kv", "prefill", "--kv-warm-restart", "false"]);
+    let s = serve(&mem, &["--cold-kv", "prefill"]);
     let (status, v) = json_call(&s.addr, "POST", c, &question);
     assert_eq!(status, 200, "{v}");
     let sources = json!({"device": 0, "host": 0, "disk": 0, "prefilled": 2});

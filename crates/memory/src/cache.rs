@@ -267,6 +267,16 @@ impl<B: Backend> KvCache<B> {
         })
     }
 
+    /// [`KvCache::read_target`] for a fact that was in `was` before a
+    /// restart (`resident.rs`): a host-tier fact goes back to the host
+    /// tier, leaving the device's room to what requests read.
+    pub(crate) fn warm_target(&mut self, was: Tier, tokens: usize, per_value: Option<u64>) -> (Tier, u64) {
+        match (was, self.host_tier) {
+            (Tier::Host, true) => (Tier::Host, 0),
+            _ => self.read_target(tokens, per_value),
+        }
+    }
+
     /// Records which fact `key` holds the KV of (`user`'s fact `idx`), so
     /// that a device tier turning over can demote it ([`KvCache::take_demotions`]).
     pub(crate) fn set_owner(&mut self, key: u64, user: &str, idx: usize) {

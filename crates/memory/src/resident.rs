@@ -5,13 +5,15 @@
 //! disk: the first seconds are a burst of reads (on the 400-user stream, a
 //! hundred requests whose TTFT p50 was 1.2 s while the steady one is 75 ms,
 //! docs/performance.md). The facts that were resident are the ones the next
-//! requests ask for — popularity is skewed and changes slowly — so the
-//! server saves which they were ([`Memory::save_resident`]: user and fact
+//! requests ask for — popularity is skewed and changes slowly — so a
+//! server with `--kv-warm-restart` on saves which they were ([`Memory::save_resident`]: user and fact
 //! id, the device tier's then the host tier's, most recently used first)
 //! when it stops, and in idle time now and then for a crash; after a start
 //! it reads them back ([`Memory::warm_jobs`]) on reader threads that
-//! requests leave free, in that order, each into the tier a request's read
-//! would go to, where that still has room.
+//! requests leave free, in that order: a device-tier fact where a request's
+//! read would go, a host-tier fact back to the host tier, where that still
+//! has room. (Off by default: on the 400-user stream the first requests
+//! came too soon after the start for the reads to get ahead of them.)
 //!
 //! It is a hint, never a source of truth: a warm read never evicts what a
 //! request read, never runs ahead of a request's read, skips facts
@@ -198,7 +200,7 @@ impl<B: Backend> Memory<B> {
             if self.cache.get(key).is_some() || self.reading.contains(&key) {
                 continue;
             }
-            let place = |cache: &mut KvCache<B>, tokens, per_value| Some(cache.read_target(tokens, per_value));
+            let place = |cache: &mut KvCache<B>, tokens, per_value| Some(cache.warm_target(w.tier, tokens, per_value));
             if let Some(mut job) = self.read_job(&w.user, i, place) {
                 job.purpose = ReadFor::Restart;
                 self.reading.insert(key);

@@ -513,8 +513,9 @@ fn forgetting_erases_kv_in_place_and_compacts_once_the_dead_outgrow_the_live() {
 
 /// A restart reads back what the tiers held (`resident.rs`): the list
 /// names the device tier's facts, then the host tier's, most recently used
-/// first; after a reopen the reads it makes put each fact back in its tier,
-/// bit for bit, as no miss; users not read yet wait for a call that may
+/// first; after a reopen the reads it makes put each fact back in its tier
+/// (a host-tier fact there even when the device has room), bit for bit, as
+/// no miss; users not read yet wait for a call that may
 /// read them; a fact forgotten since is skipped; a warm read never evicts
 /// what a request read (it is cached only where its tier has room); and a
 /// damaged list is ignored with a warning.
@@ -603,6 +604,19 @@ fn a_restart_reads_back_what_the_tiers_held() {
     assert_eq!((0..6).map(|i| mem.tier("ana", i).unwrap()).collect::<Vec<_>>(), [h, h, None, d, d, None]);
     assert_eq!(mem.tier("ben", 0).unwrap(), h);
     assert_eq!(mem.cache_stats().evictions, [0, 0], "a warm read evicts nothing");
+    drop(mem);
+
+    // With room on the device for every fact, the host tier's facts still
+    // go back to the host tier: the device's room is left to requests.
+    let roomy = Budgets { device: Some(per_fact * 6), ..budgets };
+    let (mut mem, _) = open(dir.path(), &e, StoreOptions { budgets: roomy, ..options });
+    while mem.warm_left() > 0 {
+        for done in mem.warm_jobs(8, 8).into_iter().map(|j| j.run()) {
+            assert!(mem.complete_read(&CpuBackend, done).unwrap());
+        }
+    }
+    assert_eq!((0..3).map(|i| mem.tier("ana", i).unwrap()).collect::<Vec<_>>(), [d, d, h]);
+    assert_eq!(mem.tier("ben", 0).unwrap(), h);
     drop(mem);
 
     // A damaged list is ignored, with a warning naming it.

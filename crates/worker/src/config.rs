@@ -42,7 +42,9 @@ pub struct WorkerConfig {
     /// and then while idle), and read them back on free reader threads
     /// after a start, so that a restart's first requests find the popular
     /// facts resident instead of all reading them at once (`inferscale-memory`'s
-    /// `resident.rs`). On by default.
+    /// `resident.rs`). Off by default: on the 400-user stream it lowered
+    /// the restart run's TTFT p99 but not its throughput (docs/performance.md,
+    /// "Reading back what the tiers held").
     pub kv_warm_restart: bool,
     /// Which requests' prompts may reuse each other's computed KV blocks.
     pub prefix_cache: PrefixCache,
@@ -170,7 +172,7 @@ impl Default for WorkerConfig {
             cold_kv: ColdKv::default(),
             cold_kv_wait: COLD_KV_WAIT,
             kv_readers: KV_READERS,
-            kv_warm_restart: true,
+            kv_warm_restart: false,
             prefix_cache: PrefixCache::default(),
             audit_share: 0.0,
         }

@@ -23,6 +23,8 @@
 # again onto the device; 0 = never) READERS (--kv-readers; unset: the server's
 # default) MODES=kv,prompt WARM=false (--kv-warm-restart: true, a restart reads
 # back what the tiers held when the server last stopped; false, every start cold)
+# DELAY_S=0 (run only: seconds between the server's readiness and the stream,
+# as for a node brought up before the router sends it users)
 # HOT=1 (0: no 10-hottest-users point).
 # PROFILE=1 (run only): the server under INFERSCALE_CUDA_PROFILE=1, its per-op
 # device time over the whole run in profile.txt when it stops. Profiling
@@ -111,6 +113,7 @@ run)
   echo 3 >/proc/sys/vm/drop_caches
   serve
   grep "opened memory" "$out/serve.log" | tail -1 | tee "$out/open.txt"
+  sleep "${DELAY_S:-0}"
   zipf_point
   if [ "${HOT:-1}" = 1 ]; then
     loadtest --population 10 --users 100 --modes kv --requests 100000 --duration-s "${DURATION_S:-60}" \

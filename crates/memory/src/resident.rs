@@ -1,14 +1,15 @@
 //! What the memory tiers held, saved so that a restart reads it back before
-//! requests ask for it (docs/design.md §8, "Restarts").
+//! requests ask for it (docs/design.md §8; docs/serving.md, "Restarts").
 //!
 //! After a restart both tiers are empty and every request's facts are on
 //! disk: the first seconds are a burst of reads (on the 400-user stream, a
 //! hundred requests whose TTFT p50 was 1.2 s while the steady one is 75 ms,
 //! docs/performance.md). The facts that were resident are the ones the next
 //! requests ask for — popularity is skewed and changes slowly — so a
-//! server with `--kv-warm-restart` on saves which they were ([`Memory::save_resident`]: user and fact
-//! id, the device tier's then the host tier's, most recently used first)
-//! when it stops, and in idle time now and then for a crash; after a start
+//! server with `--kv-warm-restart` on saves which they were
+//! ([`Memory::save_resident`]: user and fact id, the device tier's then the
+//! host tier's, most recently used first) when it stops, and in idle time
+//! now and then for a crash; after a start
 //! it reads them back ([`Memory::warm_jobs`]) on reader threads that
 //! requests leave free, in that order: a device-tier fact where a request's
 //! read would go, a host-tier fact back to the host tier, where that still
@@ -126,17 +127,19 @@ pub(crate) fn load(dir: &Path, warnings: &mut Vec<String>) -> VecDeque<WarmFact>
 }
 
 impl<B: Backend> Memory<B> {
+    /// Whether a fact was cached, used or dropped since the list was last
+    /// saved (or it never was): what a periodic save asks first.
+    pub fn resident_changed(&self) -> bool {
+        self.resident_saved != Some(self.cache.version())
+    }
+
     /// Saves which facts the tiers hold (see the module doc), then the
     /// facts of the last stop's list not read back yet, replacing that
-    /// list; returns how many, or `None` when nothing was cached or
-    /// dropped since the last save. Written whole or not at all
+    /// list; returns how many. Written whole or not at all
     /// (`log::replace`): a failure (a full disk) leaves the previous list,
     /// which is only a hint, and is the caller's to log.
-    pub fn save_resident(&mut self) -> Result<Option<usize>> {
+    pub fn save_resident(&mut self) -> Result<usize> {
         let version = self.cache.version();
-        if self.resident_saved == Some(version) {
-            return Ok(None);
-        }
         let mut facts = Vec::new();
         let mut seen = std::collections::HashSet::new();
         for (tier, key, owner) in self.cache.resident() {
@@ -162,7 +165,7 @@ impl<B: Backend> Memory<B> {
         log::replace(&path, &encode(facts.iter().copied()))?;
         log::sync_dir(&self.dir)?;
         self.resident_saved = Some(version);
-        Ok(Some(facts.len()))
+        Ok(facts.len())
     }
 
     /// Facts of the saved list not read back yet.

@@ -69,12 +69,17 @@ impl<B: Backend> Core<B> {
     /// when the worker stops, and when idle at most every
     /// [`RESIDENT_EVERY`] if they changed.
     pub(super) fn save_resident(&mut self, stopping: bool) {
-        if !self.cfg.kv_warm_restart || (!stopping && self.last_resident_save.elapsed() < RESIDENT_EVERY) {
+        if !self.cfg.kv_warm_restart {
+            return;
+        }
+        let memory = self.session.memory_mut();
+        let due = self.last_resident_save.elapsed() >= RESIDENT_EVERY && memory.resident_changed();
+        if !(stopping || due) {
             return;
         }
         self.last_resident_save = Instant::now();
-        match self.session.memory_mut().save_resident() {
-            Ok(Some(n)) if stopping => {
+        match memory.save_resident() {
+            Ok(n) if stopping => {
                 eprintln!("inferscale worker: saved the {n} facts the KV tiers hold, for the next start")
             }
             Ok(_) => {}

@@ -467,14 +467,7 @@ fn a_restart_reads_back_the_facts_its_tiers_held() {
     let c = "/v1/chat/completions";
     let question = chat(Some("u1"), "What is the name of Caroline's cat?", json!({"k": 2}));
     let stop = |mut s: Proc| {
-        let pid = i32::try_from(s.child.id()).unwrap();
-        // SAFETY: kill(2) with a valid signal number touches no memory of ours.
-        assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
-        assert!(s.child.wait().unwrap().success());
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while s.stderr_lines("inferscale: the engine stopped").is_empty() && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        sigterm(&mut s);
         s.stderr_lines("saved the")
     };
     let warm = ["--kv-warm-restart", "true"];
@@ -607,6 +600,14 @@ fn sigterm_stops_serve_after_its_engine() {
     let v = chat(None, "Say hello.", Value::Null);
     let (status, body) = post(&s.addr, "/v1/chat/completions", v.to_string().as_bytes());
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    sigterm(&mut s);
+    assert_eq!(s.stderr_lines("inferscale: the engine stopped").len(), 1, "the engine thread was not waited for");
+    assert!(s.stderr_lines("did not stop").is_empty());
+}
+
+/// Stops `s` with SIGTERM: it must exit 0 within 30 s; its stderr lines
+/// are then waited for (up to 5 s) until the engine thread's last one.
+fn sigterm(s: &mut Proc) {
     let pid = i32::try_from(s.child.id()).unwrap();
     // SAFETY: kill(2) with a valid signal number touches no memory of ours.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
@@ -624,8 +625,6 @@ fn sigterm_stops_serve_after_its_engine() {
     while s.stderr_lines("inferscale: the engine stopped").is_empty() && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(20));
     }
-    assert_eq!(s.stderr_lines("inferscale: the engine stopped").len(), 1, "the engine thread was not waited for");
-    assert!(s.stderr_lines("did not stop").is_empty());
 }
 
 /// A large ingest does not starve chats on the same worker: while an

@@ -105,28 +105,32 @@ fn decode(bytes: &[u8]) -> std::result::Result<Vec<WarmFact>, String> {
         .collect()
 }
 
-/// The list saved in `dir` (empty when there is none), with a warning for
-/// one that cannot be used. The file stays: the next save replaces it.
-pub(crate) fn load(dir: &Path, warnings: &mut Vec<String>) -> VecDeque<WarmFact> {
+/// The list saved in `dir` (empty when there is none), or why it cannot
+/// be used. The file stays: the next save replaces it.
+fn load(dir: &Path) -> std::result::Result<VecDeque<WarmFact>, String> {
     let path = dir.join(RESIDENT);
-    let bytes = match std::fs::read(&path) {
-        Ok(bytes) => bytes,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return VecDeque::new(),
-        Err(e) => {
-            warnings.push(format!("{}: not read ({e}); the KV cache starts cold", path.display()));
-            return VecDeque::new();
-        }
-    };
-    match decode(&bytes) {
-        Ok(facts) => facts.into(),
-        Err(why) => {
-            warnings.push(format!("{}: ignored ({why}); the KV cache starts cold", path.display()));
-            VecDeque::new()
-        }
+    let cold = |why: String| format!("{}: ignored ({why}); the KV cache starts cold", path.display());
+    match std::fs::read(&path) {
+        Ok(bytes) => decode(&bytes).map(VecDeque::from).map_err(cold),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(VecDeque::new()),
+        Err(e) => Err(cold(e.to_string())),
     }
 }
 
 impl<B: Backend> Memory<B> {
+    /// Reads the list the last stop saved, for [`Memory::warm_jobs`] to
+    /// read back; returns a warning for a list that cannot be used (it is
+    /// then ignored). Opening the memory does not read it: only a server
+    /// that warms its tiers after a restart asks.
+    pub fn load_resident(&mut self) -> Option<String> {
+        let (warm, warning) = match load(&self.dir) {
+            Ok(warm) => (warm, None),
+            Err(why) => (VecDeque::new(), Some(why)),
+        };
+        self.warm = warm;
+        warning
+    }
+
     /// Whether a fact was cached, used or dropped since the list was last
     /// saved (or it never was): what a periodic save asks first.
     pub fn resident_changed(&self) -> bool {
@@ -217,12 +221,6 @@ impl<B: Backend> Memory<B> {
             self.absorb_opened();
         }
         jobs
-    }
-
-    /// Drops what is left of the saved list (the operator turned the
-    /// warm-up off).
-    pub fn clear_warm(&mut self) {
-        self.warm.clear();
     }
 }
 

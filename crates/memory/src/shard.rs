@@ -178,7 +178,7 @@ pub struct Memory<B: Backend> {
     /// Cache keys of facts being read off the engine thread (`fetch.rs`).
     pub(crate) reading: std::collections::HashSet<u64>,
     /// Facts resident before the last stop, not read back yet
-    /// (`resident.rs`).
+    /// ([`Memory::load_resident`]).
     pub(crate) warm: std::collections::VecDeque<crate::resident::WarmFact>,
     /// The cache's version when its resident facts were last saved.
     pub(crate) resident_saved: Option<(u64, usize)>,
@@ -375,7 +375,7 @@ impl<B: Backend> Memory<B> {
                 cache
             },
             reading: Default::default(),
-            warm: crate::resident::load(dir, &mut warnings),
+            warm: Default::default(),
             resident_saved: None,
             promote: Default::default(),
             upload: crate::cache::Uploads::of(be),

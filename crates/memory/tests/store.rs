@@ -565,6 +565,8 @@ fn a_restart_reads_back_what_the_tiers_held() {
     drop(mem);
 
     let (mut mem, _) = open(dir.path(), &e, options);
+    assert_eq!(mem.warm_left(), 0, "opening does not read the list");
+    assert_eq!(mem.load_resident(), None);
     assert_eq!(mem.warm_left(), 5);
     // Read lazily, "ana" (the first user) is read at open, "ben" not yet:
     // without leave to read users, only ana's facts are read back.
@@ -596,6 +598,7 @@ fn a_restart_reads_back_what_the_tiers_held() {
     // the warm reads bound there go to the host tier, and what finds no
     // room is not cached; nothing a request read leaves.
     let (mut mem, _) = open(dir.path(), &e, options);
+    assert_eq!(mem.load_resident(), None);
     drop(mem.fetch(&CpuBackend, "ana", &[3, 4]).unwrap());
     let mut cached = Vec::new();
     while mem.warm_left() > 0 {
@@ -613,6 +616,7 @@ fn a_restart_reads_back_what_the_tiers_held() {
     // go back to the host tier: the device's room is left to requests.
     let roomy = Budgets { device: Some(per_fact * 6), ..budgets };
     let (mut mem, _) = open(dir.path(), &e, StoreOptions { budgets: roomy, ..options });
+    assert_eq!(mem.load_resident(), None);
     while mem.warm_left() > 0 {
         for done in mem.warm_jobs(8, 8).into_iter().map(|j| j.run()) {
             assert!(mem.complete_read(&CpuBackend, done).unwrap());
@@ -627,7 +631,8 @@ fn a_restart_reads_back_what_the_tiers_held() {
     let mut bytes = std::fs::read(&path).unwrap();
     bytes[30] ^= 0x04;
     std::fs::write(&path, bytes).unwrap();
-    let (mem, warnings) = open(dir.path(), &e, options);
+    let (mut mem, _) = open(dir.path(), &e, options);
+    let warning = mem.load_resident();
     assert_eq!(mem.warm_left(), 0);
-    assert!(warnings.iter().any(|w| w.contains("resident") && w.contains("checksum mismatch")), "{warnings:?}");
+    assert!(warning.as_ref().is_some_and(|w| w.contains("resident") && w.contains("checksum mismatch")), "{warning:?}");
 }

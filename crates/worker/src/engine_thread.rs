@@ -188,6 +188,12 @@ pub(crate) fn run<B: Backend>(
         return Err(WorkerError::Startup("the model has no tokenizer".into()));
     }
     memory.set_encode_batch(cfg.ingest_batch);
+    if cfg.kv_warm_restart
+        && let Some(w) = memory.load_resident()
+    {
+        eprintln!("inferscale worker: warning: {w}");
+    }
+    let warm_reported = memory.warm_left() == 0;
     let session = Session::new(Arc::new(files), engine, embedder, memory, &cfg.prompts)?;
     let engine = session.engine();
     // Ingest's encodings hold blocks the scheduler never hands to requests.
@@ -235,15 +241,11 @@ pub(crate) fn run<B: Backend>(
         last_busy: Instant::now() - RECENTLY_BUSY,
         last_scrub: Instant::now(),
         last_resident_save: Instant::now(),
-        warm_reported: true,
+        warm_reported,
         audits: audit::Audits::new(audit_share),
         read_s: Mean::default(),
         prefill_s_per_token: Mean::default(),
     };
-    match core.cfg.kv_warm_restart {
-        true => core.warm_reported = core.session.memory().warm_left() == 0,
-        false => core.session.memory_mut().clear_warm(),
-    }
     'serve: loop {
         core.complete_reads();
         core.start_background_reads();
